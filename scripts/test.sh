@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: install mtune with its test extras and run the whole suite (slow tests included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e '.[dev]'
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/mtune-inductor-cache}"
+# pytest exits 5 when it collected no test: that is a failure here too.
+python3 -m pytest -q --durations=25 "$@"
