@@ -1,0 +1,142 @@
+"""Build objects from config nodes that name a ``_component_`` by dotted path."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from typing import Any, Callable
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from mtune.config.errors import ConfigError, closest, did_you_mean
+from mtune.config.loading import COMPONENT
+
+
+def full_key(node: Any, default: str = "<config>") -> str:
+    """The dotted key of an OmegaConf node inside its root config (``optimizer``, ``dataset.source``)."""
+    try:
+        key = node._get_full_key("")
+    except Exception:
+        return default
+    return key or default
+
+
+def resolve_component(path: str, key: str = "_component_") -> Callable:
+    """Import the object named by the dotted ``path``; ``key`` names the config key in errors.
+
+    An unknown path raises `ConfigError` naming the key and, when one exists, the closest importable name.
+    """
+    if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
+        raise ConfigError(f"{key}: '{path}' is not a dotted path such as torch.optim.AdamW")
+    parts = path.split(".")
+    module, depth = None, 0
+    for depth in range(len(parts), 0, -1):
+        name = ".".join(parts[:depth])
+        try:
+            module = importlib.import_module(name)
+            break
+        except ModuleNotFoundError as err:
+            # A module that exists but fails on a missing import of its own is not a typo in the path.
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise
+    if module is None:
+        top = {m.name for m in pkgutil.iter_modules()}
+        raise ConfigError(f"{key}: cannot import '{path}': no module named '{parts[0]}'{did_you_mean(parts[0], top)}")
+    obj, done = module, ".".join(parts[:depth])
+    for attr in parts[depth:]:
+        if not hasattr(obj, attr):
+            candidates = [n for n in dir(obj) if not n.startswith("_")]
+            if inspect.ismodule(obj) and hasattr(obj, "__path__"):
+                candidates += [m.name for m in pkgutil.iter_modules(obj.__path__)]
+            match = closest(attr, candidates)
+            hint = f" (did you mean '{done}.{match}'?)" if match else ""
+            raise ConfigError(f"{key}: cannot import '{path}': '{done}' has no attribute '{attr}'{hint}")
+        obj, done = getattr(obj, attr), f"{done}.{attr}"
+    if not callable(obj):
+        raise ConfigError(f"{key}: '{path}' is not callable, so it cannot be a _component_")
+    return obj
+
+
+def accepted_keywords(target: Callable) -> tuple[list[str], bool, list[str]]:
+    """``(keyword names, takes **kwargs, required names)`` of ``target``'s signature.
+
+    Targets whose signature cannot be read (some builtins) report ``takes **kwargs`` so nothing is refused.
+    """
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return [], True, []
+    names, required, var_kw = [], [], False
+    for param in signature.parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            var_kw = True
+        elif param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            names.append(param.name)
+            if param.default is param.empty:
+                required.append(param.name)
+    return names, var_kw, required
+
+
+def check_keywords(target: Callable, keywords, key: str) -> list[str]:
+    """Problems (one line each) with passing ``keywords`` to ``target``; ``key`` names the node."""
+    names, var_kw, _ = accepted_keywords(target)
+    if var_kw:
+        return []
+    label = getattr(target, "__qualname__", repr(target))
+    return [
+        f"{key}.{kw}: {label} does not accept '{kw}'{did_you_mean(kw, names)}" for kw in keywords if kw not in names
+    ]
+
+
+def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
+    """Build the object a config node describes.
+
+    ``node`` is a mapping with ``_component_`` (a dotted path such as ``torch.optim.AdamW``); its other keys are
+    passed as keyword arguments, after building any nested ``_component_`` nodes (in dicts or lists) the same way.
+    ``args`` go positionally to the top component (``instantiate(cfg.optimizer, model.parameters())``) and
+    ``kwargs`` win over the node's keys. ``None`` gives ``None``, so optional nodes may be left out.
+    """
+    if node is None:
+        return None
+    key = full_key(node)
+    if isinstance(node, dict):
+        node = OmegaConf.create(node)
+    if not isinstance(node, DictConfig) or COMPONENT not in node:
+        raise ConfigError(f"{key}: cannot instantiate a node without a '{COMPONENT}' key")
+    target = resolve_component(node[COMPONENT], key=f"{key}.{COMPONENT}")
+    config_kwargs = {k: _build(node, k) for k in node if k != COMPONENT and k not in kwargs}
+    merged = {**config_kwargs, **kwargs}
+    problems = check_keywords(target, [k for k in config_kwargs], key)
+    if problems:
+        raise ConfigError(problems[0])
+    names, var_kw, required = accepted_keywords(target)
+    positional_filled = _positional_names(target)[: len(args)]
+    missing = [n for n in required if n not in merged and n not in positional_filled]
+    if missing:
+        label = getattr(target, "__qualname__", repr(target))
+        raise ConfigError(
+            f"{key}: {label} is missing the required argument '{missing[0]}'",
+            f"add {key}.{missing[0]}=... to the config or the command line",
+        )
+    return target(*args, **merged)
+
+
+def _positional_names(target: Callable) -> list[str]:
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _build(parent: DictConfig | ListConfig, key: Any) -> Any:
+    """The value of ``parent[key]`` as plain Python, with nested components built."""
+    value = parent[key]  # reading resolves interpolations
+    if isinstance(value, DictConfig):
+        if COMPONENT in value:
+            return instantiate(value)
+        return {k: _build(value, k) for k in value}
+    if isinstance(value, ListConfig):
+        return [_build(value, i) for i in range(len(value))]
+    return value

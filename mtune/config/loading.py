@@ -1,0 +1,90 @@
+"""Load a YAML config and apply command-line overrides to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mtune.config.errors import ConfigError, did_you_mean
+
+COMPONENT = "_component_"
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """Read the YAML file at ``path`` and apply ``overrides`` (see `apply_overrides`).
+
+    Interpolations such as ``${output_dir}/logs`` stay lazy: they resolve when a key is read.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}", "give a path to a YAML file or a built-in config name")
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: a config must be a mapping of keys at the top level, found a list")
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def parse_value(text: str):
+    """A command-line value in YAML syntax: ``3`` -> 3, ``[a,b]`` -> ['a', 'b'], ``null`` -> None.
+
+    Text that is not valid YAML is kept as a string.
+    """
+    try:
+        return yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """Apply command-line overrides to ``cfg`` in place, in order, and return it.
+
+    Forms: ``key=value`` and ``a.b.c=value`` (value in YAML syntax; missing parents are created), ``~a.b``
+    (delete the key), and ``node=dotted.Path`` on a node that has ``_component_`` (replaces the component and
+    keeps the node's other keys).
+    """
+    for override in overrides:
+        if override.startswith("~"):
+            _delete(cfg, override[1:])
+            continue
+        key, sep, text = override.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise ConfigError(
+                f"invalid override '{override}': expected key=value or ~key",
+                "write overrides as key=value, e.g. batch_size=4",
+            )
+        value = parse_value(text)
+        current = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if isinstance(current, DictConfig) and COMPONENT in current and isinstance(value, str):
+            current[COMPONENT] = value
+            continue
+        try:
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"cannot apply override '{override}': {str(err).splitlines()[0]}") from None
+    return cfg
+
+
+def _delete(cfg: DictConfig, key: str) -> None:
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if isinstance(parent, DictConfig) and leaf in parent:
+        del parent[leaf]
+        return
+    if isinstance(parent, ListConfig) and leaf.isdigit() and int(leaf) < len(parent):
+        del parent[int(leaf)]
+        return
+    siblings = list(parent.keys()) if isinstance(parent, DictConfig) else []
+    raise ConfigError(f"cannot delete '~{key}': the config has no key '{key}'{did_you_mean(leaf, siblings)}")

@@ -1,0 +1,251 @@
+"""Declarations of recipe-level config keys, checked by `mtune run` / `mtune validate` and rendered as docs.
+
+A `Key` is one top-level setting; a `Node` is a mapping (``optimizer``, ``lora``) whose inner keys are checked by
+signature when it has ``_component_``, or by its own `KeyGroup`. Groups are declared once (in
+``mtune/training/config_keys.py``) and composed by each recipe into its `RecipeSchema`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mtune.config.errors import did_you_mean
+from mtune.config.loading import COMPONENT
+
+Rule = Callable[[DictConfig], "list[str]"]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+"""Default of a key that the config must set."""
+
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict", type(None): "None"}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One recipe-level key: ``type`` is a type or tuple of types among bool, int, float, str, list, dict.
+
+    ``None`` is accepted when the default is None. ``choices`` limits the value to a fixed set.
+    """
+
+    name: str
+    type: type | tuple[type, ...]
+    default: Any = REQUIRED
+    help: str = ""
+    choices: tuple | None = None
+
+    @property
+    def types(self) -> tuple[type, ...]:
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        return types + ((type(None),) if self.default is None and type(None) not in types else ())
+
+    @property
+    def type_name(self) -> str:
+        if self.choices:
+            names = "|".join(str(c) for c in self.choices)
+            return names + ("|None" if self.default is None else "")
+        return " | ".join(_TYPE_NAMES.get(t, t.__name__) for t in self.types)
+
+    def check(self, value: Any, key: str) -> list[str]:
+        if not any(_is_instance(value, t) for t in self.types):
+            return [f"{key}: expected {self.type_name}, got {_describe(value)}"]
+        if self.choices and value is not None and value not in self.choices:
+            return [f"{key}: must be one of {', '.join(map(str, self.choices))}, got {value!r}"]
+        return []
+
+
+@dataclass(frozen=True)
+class Node:
+    """A mapping-valued key such as ``optimizer``; ``keys`` declares its inner keys when it has no component."""
+
+    name: str
+    help: str = ""
+    keys: "KeyGroup | None" = None
+    required: bool = False
+
+    @property
+    def default(self) -> Any:
+        return REQUIRED if self.required else None
+
+    @property
+    def type_name(self) -> str:
+        return "node" if self.keys is None else "mapping"
+
+
+@dataclass(frozen=True)
+class KeyGroup:
+    """Keys that several recipes read, declared once; ``rules`` are checks `cfg -> list[str]` of problems."""
+
+    name: str
+    keys: Sequence[Key | Node]
+    help: str = ""
+    rules: Sequence[Rule] = ()
+
+    def __post_init__(self) -> None:
+        names = [k.name for k in self.keys]
+        duplicates = {n for n in names if names.count(n) > 1}
+        if duplicates:
+            raise ValueError(f"KeyGroup {self.name} declares {sorted(duplicates)} more than once")
+
+    def check(self, cfg: DictConfig, prefix: str = "") -> list[str]:
+        """Problems with the keys of ``cfg`` against this group alone (unknown keys included)."""
+        return _check_keys(cfg, {k.name: k for k in self.keys}, prefix)
+
+
+@dataclass(frozen=True)
+class RecipeSchema:
+    """The recipe-level keys a recipe reads: its groups plus extra ``rules`` (`cfg -> list[str]`)."""
+
+    groups: Sequence[KeyGroup]
+    rules: Sequence[Rule] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        seen: dict[str, str] = {}
+        for group in self.groups:
+            for key in group.keys:
+                if key.name in seen:
+                    raise ValueError(f"key {key.name!r} is declared by both {seen[key.name]} and {group.name}")
+                seen[key.name] = group.name
+
+    @property
+    def keys(self) -> dict[str, Key | Node]:
+        return {k.name: k for group in self.groups for k in group.keys}
+
+    @property
+    def all_rules(self) -> list[Rule]:
+        return [rule for group in self.groups for rule in group.rules] + list(self.rules)
+
+    def check(self, cfg: DictConfig) -> list[str]:
+        """Every problem with ``cfg``'s recipe-level keys: unknown or missing keys, wrong types, broken rules."""
+        problems = _check_keys(cfg, self.keys, "")
+        if problems:
+            return problems  # rules read keys, so they run only on a well-formed config
+        for rule in self.all_rules:
+            try:
+                problems += list(rule(cfg))
+            except Exception as err:  # a rule must not hide the other problems
+                problems.append(f"rule {getattr(rule, '__name__', rule)} failed: {type(err).__name__}: {err}")
+        return problems
+
+    def fill_defaults(self, cfg: DictConfig) -> DictConfig:
+        """Set every declared key that ``cfg`` leaves out to its default (nodes to None), in place."""
+        _fill(cfg, self.keys)
+        return cfg
+
+
+def _check_keys(cfg: DictConfig, declared: dict[str, Key | Node], prefix: str) -> list[str]:
+    problems = []
+    for name in cfg:
+        if name not in declared:
+            problems.append(f"{prefix}{name}: unknown key{_suggest(name, declared, prefix)}")
+    for name, decl in declared.items():
+        key = f"{prefix}{name}"
+        if name not in cfg:
+            if decl.default is REQUIRED:
+                problems.append(f"{key}: missing required key ({decl.help})" if decl.help else f"{key}: missing")
+            continue
+        try:
+            value = cfg[name]
+        except OmegaConfBaseException as err:
+            problems.append(f"{key}: cannot resolve its value: {str(err).splitlines()[0]}")
+            continue
+        if isinstance(decl, Key):
+            problems += decl.check(value, key)
+        elif value is None:
+            if decl.required:
+                problems.append(f"{key}: must be set ({decl.help})")
+        elif not isinstance(value, DictConfig):
+            problems.append(f"{key}: expected a mapping of keys, got {_describe(value)}")
+        elif decl.keys is not None and COMPONENT not in value:
+            problems += _check_keys(value, {k.name: k for k in decl.keys.keys}, f"{key}.")
+    return problems
+
+
+def _suggest(name: str, declared: dict, prefix: str) -> str:
+    hint = did_you_mean(name, declared)
+    return hint.replace("'", f"'{prefix}", 1) if hint else ""
+
+
+def _fill(cfg: DictConfig, declared: dict[str, Key | Node]) -> None:
+    for name, decl in declared.items():
+        if name not in cfg:
+            if decl.default is not REQUIRED:
+                cfg[name] = decl.default
+        elif isinstance(decl, Node) and decl.keys is not None:
+            value = cfg[name]
+            if isinstance(value, DictConfig) and COMPONENT not in value:
+                _fill(value, {k.name: k for k in decl.keys.keys})
+
+
+def _is_instance(value: Any, t: type) -> bool:
+    if t is bool:
+        return isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is list:
+        return isinstance(value, (list, tuple, ListConfig))
+    if t is dict:
+        return isinstance(value, (dict, DictConfig))
+    return isinstance(value, t)
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    return f"{type(value).__name__} {value!r}"
+
+
+def _default_text(decl: Key | Node) -> str:
+    default = decl.default
+    if default is REQUIRED:
+        return "required"
+    if default is None:
+        return "null"
+    if isinstance(default, bool):
+        return str(default).lower()
+    return str(list(default)) if isinstance(default, (list, tuple)) else str(default)
+
+
+def _rows(groups: Sequence[KeyGroup], prefix: str = ""):
+    for group in groups:
+        for decl in group.keys:
+            yield group, f"{prefix}{decl.name}", decl
+            if isinstance(decl, Node) and decl.keys is not None:
+                for _, name, inner in _rows([decl.keys], f"{prefix}{decl.name}."):
+                    yield group, name, inner
+
+
+def render_markdown(schema: RecipeSchema) -> str:
+    """The schema as a Markdown table (key, type, default, description), grouped by key group."""
+    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    for _, name, decl in _rows(schema.groups):
+        type_name = decl.type_name.replace("|", "\\|")  # a bare | would split the table cell
+        lines.append(f"| `{name}` | {type_name} | `{_default_text(decl)}` | {decl.help} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_help(schema: RecipeSchema) -> str:
+    """The schema as plain text for ``mtune run RECIPE --help``: one line per key, grouped."""
+    rows = list(_rows(schema.groups))
+    width = max((len(name) for _, name, _ in rows), default=0) + 2
+    lines, current = [], None
+    for group, name, decl in rows:
+        if group is not current:
+            current = group
+            lines.append(f"\n{group.name}" + (f": {group.help}" if group.help else ""))
+        meta = f"{decl.type_name}, default {_default_text(decl)}"
+        lines.append(f"  {name:<{width}}{decl.help} [{meta}]")
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -1,0 +1,81 @@
+"""Check a whole config without running it: interpolations, components, keywords, schema, rules, paths."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from mtune.config.errors import ConfigError
+from mtune.config.instantiate import check_keywords, resolve_component
+from mtune.config.loading import COMPONENT
+from mtune.config.schema import RecipeSchema
+
+# Keys that name inputs which should exist; written outputs (output_dir, log_dir) are left out.
+_PATH_SUFFIXES = ("_dir", "path", "_file", "_files", "_path", "_paths")
+_WRITTEN = {"output_dir", "log_dir"}
+
+
+@dataclass
+class ValidationReport:
+    """``errors`` make the config unusable; ``warnings`` (paths that do not exist yet) may be intended."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> ValidationReport:
+    """Every problem with ``cfg``: unresolvable interpolations, unknown ``_component_`` paths, keywords a
+    component does not accept, recipe-level keys against ``schema`` (when given) and its rules, plus warnings for
+    input paths that do not exist.
+
+    Required component arguments are not checked here, since recipes pass some in code (model parameters).
+    """
+    report = ValidationReport()
+    for key, parent, name in _walk(cfg, ""):
+        try:
+            value = parent[name]
+        except OmegaConfBaseException as err:
+            report.errors.append(f"{key}: cannot resolve its value: {str(err).splitlines()[0]}")
+            continue
+        if isinstance(value, DictConfig) and COMPONENT in value:
+            try:
+                target = resolve_component(value[COMPONENT], key=f"{key}.{COMPONENT}")
+            except ConfigError as err:
+                report.errors.append(str(err))
+            else:
+                report.errors += check_keywords(target, [k for k in value if k != COMPONENT], key)
+        if _looks_like_input_path(name) and value is not None:
+            for path in value if isinstance(value, ListConfig) else [value]:
+                if isinstance(path, str) and not os.path.exists(os.path.expanduser(path)):
+                    report.warnings.append(f"{key}: path does not exist: {path}")
+    if schema is not None:
+        report.errors += [p for p in schema.check(cfg) if p not in report.errors]
+    return report
+
+
+def _walk(node: DictConfig | ListConfig, prefix: str) -> Iterator[tuple[str, Any, Any]]:
+    """``(dotted key, parent, name)`` for every entry, depth first, without resolving interpolations twice."""
+    names = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+    for name in names:
+        if name == COMPONENT:
+            continue
+        if isinstance(node, DictConfig):
+            key = f"{prefix}.{name}" if prefix else str(name)
+        else:
+            key = f"{prefix}[{name}]"
+        yield key, node, name
+        child = node._get_node(name)
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
+            yield from _walk(child, key)
+
+
+def _looks_like_input_path(name: Any) -> bool:
+    return isinstance(name, str) and name not in _WRITTEN and name.endswith(_PATH_SUFFIXES)
