@@ -7,6 +7,7 @@ from typing import Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf._utils import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException
 
 from mtune.config.errors import ConfigError, did_you_mean
@@ -42,8 +43,11 @@ def parse_value(text: str):
 
     Text that is not valid YAML is kept as a string.
     """
+    if text == "":
+        return None
     try:
-        return yaml.safe_load(text) if text != "" else None
+        # omegaconf's loader, so that a value reads the same here as in a file (1e-4 is a float, not a string)
+        return yaml.load(text, Loader=get_yaml_loader())
     except yaml.YAMLError:
         return text
 

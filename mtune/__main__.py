@@ -1,0 +1,7 @@
+"""``python -m mtune`` is the ``mtune`` command."""
+
+import sys
+
+from mtune._cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""Per-rank entry point under torchrun: ``python -m mtune._cli.launch_recipe RECIPE_PATH --config CONFIG ...``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mtune._cli.errors import UsageError
+from mtune._cli.main import handle_errors
+from mtune._cli.run import parse_run_args, run_recipe
+
+
+def launch(argv: list[str]) -> int:
+    args = parse_run_args(argv)
+    if args.config is None:
+        raise UsageError("missing --config")
+    run_recipe(Path(args.recipe), Path(args.config), args.overrides)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(handle_errors(launch, sys.argv[1:]))

@@ -1,0 +1,157 @@
+"""``mtune run``: check a config against a recipe's SCHEMA and call its ``main(cfg)``, or launch it with torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+from mtune._cli.errors import CliError, UsageError
+
+USAGE = """\
+usage: mtune run [LAUNCHER OPTIONS] RECIPE --config CONFIG [key=value ...] [~key ...]
+
+Run RECIPE (a built-in name from `mtune ls`, or the path of your own recipe .py) with CONFIG (a built-in config
+name such as llama3_2/1B_lora_single_device, or a YAML path), after applying the overrides.
+
+launcher options (before RECIPE; any of them runs the recipe under torchrun):
+  --nproc_per_node N       processes (devices) per node
+  --nnodes M               number of nodes
+  --node_rank R            this node's rank
+  --rdzv_endpoint HOST:PORT, --rdzv_backend, --rdzv_id, --master_addr, --master_port, --standalone, ...
+                           any other option torch.distributed.run takes
+
+after RECIPE:
+  --config CONFIG          the config (required)
+  key=value, a.b=value     override a key (value in YAML syntax: 3, true, null, [a,b], {k: v})
+  node=dotted.Path         replace the _component_ of a node that has one
+  ~key                     delete a key
+  --help                   list the recipe's keys with their types, defaults and help
+"""
+
+# torchrun options that take no value; every other launcher option takes one.
+_LAUNCHER_FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "--module", "-m"}
+
+
+@dataclass
+class RunArgs:
+    launcher: list[str] = field(default_factory=list)
+    recipe: str | None = None
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    help: bool = False
+
+
+def parse_run_args(argv: list[str]) -> RunArgs:
+    """Split ``argv`` into launcher options, RECIPE, ``--config`` and overrides; refuse anything else."""
+    args, i = RunArgs(), 0
+    while i < len(argv) and argv[i].startswith("-"):
+        opt = argv[i]
+        if opt in ("-h", "--help"):
+            args.help = True
+            return args
+        if opt in ("--config", "-c") or opt.startswith("--config="):
+            raise UsageError("RECIPE must come before --config", "mtune run RECIPE --config CONFIG [key=value ...]")
+        if opt in _LAUNCHER_FLAGS - {"--standalone"}:
+            raise UsageError(f"launcher option {opt} is not supported: mtune chooses how each rank starts")
+        args.launcher.append(opt)
+        if "=" not in opt and opt not in _LAUNCHER_FLAGS:
+            if i + 1 >= len(argv):
+                raise UsageError(f"launcher option {opt} needs a value")
+            args.launcher.append(argv[i + 1])
+            i += 1
+        i += 1
+    if i >= len(argv):
+        raise UsageError("missing RECIPE", "mtune run RECIPE --config CONFIG [key=value ...]; `mtune ls` lists recipes")
+    args.recipe = argv[i]
+    rest = argv[i + 1 :]
+    j = 0
+    while j < len(rest):
+        token = rest[j]
+        if token in ("-h", "--help"):
+            args.help = True
+        elif token in ("--config", "-c"):
+            if j + 1 >= len(rest):
+                raise UsageError("--config needs a value")
+            args.config = rest[j + 1]
+            j += 1
+        elif token.startswith("--config="):
+            args.config = token.split("=", 1)[1]
+        elif token.startswith("-"):
+            name = token.lstrip("-").split("=", 1)[0]
+            if name.startswith(("nproc", "nnodes", "node_rank", "rdzv", "master", "standalone")):
+                hint = f"launcher options go before RECIPE: mtune run {token} ... RECIPE --config ..."
+            else:
+                hint = f"after RECIPE, write config overrides as key=value, e.g. {name}=VALUE"
+            raise UsageError(f"unexpected option '{token}' after the recipe", hint)
+        elif "=" in token or token.startswith("~"):
+            args.overrides.append(token)
+        else:
+            raise UsageError(f"unexpected argument '{token}'", "overrides are key=value or ~key")
+        j += 1
+    return args
+
+
+def run_command(argv: list[str]) -> int:
+    args = parse_run_args(argv)
+    if args.help and args.recipe is None:
+        print(USAGE, end="")
+        return 0
+    recipe_path = find_recipe(args.recipe)
+    if args.help:
+        return _print_recipe_help(recipe_path)
+    if args.config is None:
+        raise UsageError("missing --config", f"mtune run {args.recipe} --config CONFIG; `mtune ls` lists configs")
+    config_path = find_config(args.config)
+    if not args.launcher:
+        run_recipe(recipe_path, config_path, args.overrides)
+        return 0
+    module = load_recipe_module(recipe_path)
+    if not getattr(module, "SUPPORTS_DISTRIBUTED", False):
+        raise CliError(
+            f"recipe '{args.recipe}' does not support distributed runs",
+            "drop the launcher options, or pick a *_distributed recipe (see `mtune ls`)",
+        )
+    _load_and_check(module, config_path, args.overrides)  # fail here once rather than on every rank
+    command = [sys.executable, "-m", "torch.distributed.run", *args.launcher, "--module",
+               "mtune._cli.launch_recipe", str(recipe_path), "--config", str(config_path), *args.overrides]
+    return subprocess.call(command)
+
+
+def _print_recipe_help(recipe_path: Path) -> int:
+    from mtune.config import render_help
+
+    module = load_recipe_module(recipe_path)
+    doc = (module.__doc__ or "").strip()
+    print(f"recipe {recipe_path.stem}" + (f": {doc.splitlines()[0]}" if doc else ""))
+    print("distributed: " + ("yes (use --nproc_per_node N)" if getattr(module, "SUPPORTS_DISTRIBUTED", False) else "no"))
+    print("\nconfig keys:\n")
+    print(render_help(module.SCHEMA), end="")
+    return 0
+
+
+def _load_and_check(module, config_path: Path, overrides: list[str]):
+    from mtune.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(config_path, overrides)
+    report = validate_config(cfg, module.SCHEMA)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if report.errors:
+        for problem in report.errors[1:]:
+            print(f"error: {problem}", file=sys.stderr)
+        raise ConfigError(report.errors[0], f"fix the config or override the key; `mtune validate {config_path}`")
+    module.SCHEMA.fill_defaults(cfg)
+    return cfg
+
+
+def run_recipe(recipe_path: Path, config_path: Path, overrides: list[str]) -> None:
+    """Load the recipe and config, check the config against the recipe's SCHEMA, then call ``main(cfg)``."""
+    module = load_recipe_module(recipe_path)
+    cfg = _load_and_check(module, config_path, overrides)
+    if os.environ.get("RANK", "0") == "0" and os.environ.get("MTUNE_QUIET") != "1":
+        print(f"mtune: running {recipe_path.stem} with {config_path}", file=sys.stderr)
+    module.main(cfg)

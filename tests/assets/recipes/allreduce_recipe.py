@@ -1,0 +1,28 @@
+"""Test recipe for `mtune run --nproc_per_node N`: every rank all-reduces its rank + 1 over gloo and writes a file."""
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from mtune.config import RecipeSchema
+from mtune.training.config_keys import RUN_KEYS
+
+SUPPORTS_DISTRIBUTED = True
+SCHEMA = RecipeSchema([RUN_KEYS])
+
+
+def main(cfg: DictConfig) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "world_size": world_size, "sum": total.item(), "local_rank": int(os.environ["LOCAL_RANK"])}
+    (out / f"rank_{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()

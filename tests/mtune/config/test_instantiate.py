@@ -1,0 +1,74 @@
+"""instantiate(): nested components, positional args, kwargs from code, and its errors."""
+
+import fractions
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mtune.config import ConfigError, instantiate
+
+
+def test_optimizer_with_positional_params_matches_direct_construction():
+    model = torch.nn.Linear(3, 2)
+    cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.AdamW", "lr": 0.01, "betas": [0.8, 0.9]}})
+    opt = instantiate(cfg.optimizer, model.parameters())
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["lr"] == 0.01 and tuple(opt.defaults["betas"]) == (0.8, 0.9)
+    assert opt.param_groups[0]["params"][0] is model.weight
+
+
+def test_kwargs_in_code_win_and_nested_components_are_built():
+    cfg = OmegaConf.create(
+        {
+            "out": "/x",
+            "node": {
+                "_component_": "collections.namedtuple",
+                "typename": "Pair",
+                "field_names": ["a", "b"],
+                "defaults": [{"_component_": "fractions.Fraction", "numerator": 1, "denominator": 3}, "${out}"],
+            },
+        }
+    )
+    pair_type = instantiate(cfg.node, typename="Other")
+    assert pair_type.__name__ == "Other"
+    made = pair_type()
+    assert made.a == fractions.Fraction(1, 3) and made.b == "/x"
+
+
+def test_none_gives_none_and_plain_dict_works():
+    assert instantiate(None) is None
+    assert instantiate({"_component_": "fractions.Fraction", "numerator": 2, "denominator": 6}) == fractions.Fraction(1, 3)
+
+
+def test_unknown_component_names_key_and_closest_name():
+    cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.AdamWW", "lr": 1.0}})
+    with pytest.raises(ConfigError) as err:
+        instantiate(cfg.optimizer, [])
+    assert str(err.value) == (
+        "optimizer._component_: cannot import 'torch.optim.AdamWW': 'torch.optim' has no attribute 'AdamWW'"
+        " (did you mean 'torch.optim.AdamW'?)"
+    )
+    cfg = OmegaConf.create({"loss": {"_component_": "torhc.nn.CrossEntropyLoss"}})
+    with pytest.raises(ConfigError, match=r"^loss._component_: .*no module named 'torhc' \(did you mean 'torch'\?\)"):
+        instantiate(cfg.loss)
+
+
+def test_unknown_keyword_names_key_and_closest_parameter():
+    cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.SGD", "lr": 0.1, "momentun": 0.9}})
+    with pytest.raises(ConfigError) as err:
+        instantiate(cfg.optimizer, torch.nn.Linear(2, 2).parameters())
+    assert str(err.value) == "optimizer.momentun: SGD does not accept 'momentun' (did you mean 'momentum'?)"
+
+
+def test_missing_required_argument_names_it():
+    cfg = OmegaConf.create({"frac": {"_component_": "string.Template"}})
+    with pytest.raises(ConfigError, match=r"^frac: Template is missing the required argument 'template'") as err:
+        instantiate(cfg.frac)
+    assert "frac.template=" in err.value.hint
+
+
+def test_var_kwargs_target_accepts_any_keyword():
+    cfg = OmegaConf.create({"d": {"_component_": "argparse.Namespace", "anything": 1, "else_": [1]}})
+    ns = instantiate(cfg.d)
+    assert ns.anything == 1 and ns.else_ == [1]
