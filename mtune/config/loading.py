@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf._utils import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException
 
 from mtune.config.errors import ConfigError, did_you_mean
@@ -46,10 +46,23 @@ def parse_value(text: str):
     if text == "":
         return None
     try:
-        # omegaconf's loader, so that a value reads the same here as in a file (1e-4 is a float, not a string)
-        return yaml.load(text, Loader=get_yaml_loader())
+        return _floats(yaml.safe_load(text))
     except yaml.YAMLError:
         return text
+
+
+# YAML 1.1 (PyYAML) reads 1e-4 as a string; omegaconf's file loader reads it as a float, and so do overrides.
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _floats(value):
+    if isinstance(value, str) and _FLOAT.match(value):
+        return float(value)
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _floats(v) for k, v in value.items()}
+    return value
 
 
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:

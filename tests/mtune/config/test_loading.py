@@ -33,6 +33,7 @@ def test_overrides_every_form(config_file):
         [
             "batch_size=8",
             "optimizer.lr=3e-4",
+            "optimizer.eps=[1e-8, 2E+3]",
             "optimizer.weight_decay=0.1",  # new key inside a node
             "a.b.c=true",  # new nested path
             "dataset.data_files=[x.json,y.json]",
@@ -45,6 +46,7 @@ def test_overrides_every_form(config_file):
     )
     assert cfg.batch_size == 8 and isinstance(cfg.batch_size, int)
     assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.weight_decay == 0.1
+    assert list(cfg.optimizer.eps) == [1e-8, 2000.0]
     assert cfg.a.b.c is True
     assert list(cfg.dataset.data_files) == ["x.json", "y.json"]
     assert OmegaConf.to_container(cfg.dataset.extra) == {"k": 1, "j": [1, 2]}
