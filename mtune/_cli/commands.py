@@ -17,15 +17,15 @@ def ls_command(argv: list[str]) -> int:
     parser.parse_args(argv)
     recipes, table = builtin_recipes(), configs_by_recipe()
     names = list(recipes) + sorted(r for r in table if r not in recipes)
-    width = max([len("RECIPE")] + [len(n) for n in names]) + 2
+    labels = {n: n if n in recipes else f"{n} (no such recipe)" for n in names}
+    width = max([len("RECIPE")] + [len(label) for label in labels.values()]) + 2
     if not names:
         print(f"no built-in recipes in {recipes_dir()}")
         return 0
     print(f"{'RECIPE':<{width}}CONFIGS")
     for name in names:
         configs = table.get(name, [])
-        label = name if name in recipes else f"{name} (no such recipe)"
-        print(f"{label:<{width}}{configs[0] if configs else '-'}")
+        print(f"{labels[name]:<{width}}{configs[0] if configs else '-'}")
         for config in configs[1:]:
             print(f"{'':<{width}}{config}")
     return 0

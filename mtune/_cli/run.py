@@ -36,6 +36,11 @@ after RECIPE:
 _LAUNCHER_FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "--module", "-m"}
 
 
+# Options that say where the rendezvous is; without any of them mtune adds --standalone.
+_MULTI_NODE = {"--nnodes", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_backend", "--rdzv-backend", "--master_addr",
+               "--master-addr", "--master_port", "--master-port", "--standalone"}
+
+
 @dataclass
 class RunArgs:
     launcher: list[str] = field(default_factory=list)
@@ -116,7 +121,10 @@ def run_command(argv: list[str]) -> int:
             "drop the launcher options, or pick a *_distributed recipe (see `mtune ls`)",
         )
     _load_and_check(module, config_path, args.overrides)  # fail here once rather than on every rank
-    command = [sys.executable, "-m", "torch.distributed.run", *args.launcher, "--module",
+    launcher = list(args.launcher)
+    if not any(opt.split("=")[0] in _MULTI_NODE for opt in launcher if opt.startswith("-")):
+        launcher.insert(0, "--standalone")  # one node: torchrun picks a free port, so parallel runs do not clash
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "--module",
                "mtune._cli.launch_recipe", str(recipe_path), "--config", str(config_path), *args.overrides]
     return subprocess.call(command)
 

@@ -1,0 +1,125 @@
+"""`mtune` ls / cp / validate / run through the real entry point (subprocesses)."""
+
+import json
+import subprocess
+import sys
+
+from tests.mtune.cli.conftest import REPO
+
+LIGHT = """
+import sys
+from mtune._cli.main import main
+for argv in (["--help"], ["ls"], ["run", "--help"], ["cp", "--help"], ["validate", "--help"],
+             ["download", "--help"], ["cp", "test/echo", sys.argv[1]], ["validate", "test/echo"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+heavy = sorted(m for m in ("torch", "transformers", "huggingface_hub", "numpy") if m in sys.modules)
+print("HEAVY", heavy)
+"""
+
+
+def test_light_commands_do_not_import_torch(recipes_root, tmp_path):
+    env = {"PYTHONPATH": str(REPO), "MTUNE_RECIPES_DIR": str(recipes_root), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", LIGHT, str(tmp_path / "c.yaml")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout
+    assert "usage: mtune <command>" in out.stdout and "valid for recipe echo_recipe" in out.stdout
+
+
+def test_ls_is_derived_from_the_configs_recipe_keys(mtune):
+    out = mtune("ls")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert rows[0] == ["RECIPE", "CONFIGS"]
+    assert ["allreduce_recipe", "test/allreduce"] in rows
+    assert ["echo_recipe", "test/broken"] in rows and ["test/echo"] in rows
+    assert ["ghost_recipe", "(no", "such", "recipe)", "other/orphan"] in rows
+
+
+def test_cp_copies_and_refuses_to_overwrite(mtune, recipes_root, tmp_path):
+    out = mtune("cp", "test/echo", tmp_path / "mine.yaml")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "mine.yaml").read_bytes() == (recipes_root / "configs/test/echo.yaml").read_bytes()
+    out = mtune("cp", "echo_recipe", tmp_path)  # into a directory
+    assert out.returncode == 0 and (tmp_path / "echo_recipe.py").read_bytes() == (
+        recipes_root / "echo_recipe.py").read_bytes()
+    (tmp_path / "mine.yaml").write_text("edited")
+    out = mtune("cp", "test/echo.yaml", tmp_path / "mine.yaml")
+    assert out.returncode == 1 and "already exists" in out.stderr and "--force" in out.stderr
+    assert (tmp_path / "mine.yaml").read_text() == "edited"
+    assert mtune("cp", "--force", "test/echo", tmp_path / "mine.yaml").returncode == 0
+    assert (tmp_path / "mine.yaml").read_text().startswith("# Test config")
+    out = mtune("cp", "test/ecoh", tmp_path / "x.yaml")
+    assert out.returncode == 1 and "did you mean 'test/echo'" in out.stderr
+
+
+def test_validate_good_config_with_path_warning(mtune, tmp_path):
+    out = mtune("validate", "test/echo", "component=argparse.Namespace", f"component.data_files=[{tmp_path}/a.json]")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"warning: component.data_files: path does not exist: {tmp_path}/a.json" in out.stdout
+    assert "valid for recipe echo_recipe" in out.stdout
+
+
+def test_validate_lists_every_problem(mtune):
+    out = mtune("validate", "test/broken")
+    assert out.returncode == 1
+    errors = [line for line in out.stdout.splitlines() if line.startswith("error: ")]
+    assert "error: component._component_: cannot import 'fractions.Fractoin': 'fractions' has no attribute " \
+           "'Fractoin' (did you mean 'fractions.Fraction'?)" in errors
+    assert "error: enable_activation_checkpionting: unknown key (did you mean " \
+           "'enable_activation_checkpointing'?)" in errors
+    assert "error: dtype: must be one of fp32, bf16, fp16, got 'fp8'" in errors
+    assert "error: batch_size: expected int, got str 'two'" in errors
+    assert any(e.startswith("error: log_dir: cannot resolve its value") for e in errors)
+    assert len(errors) == 6  # log_dir is also an unknown key for this recipe
+    out = mtune("validate", "test/echo", "optimizer_in_bwd=true", "gradient_accumulation_steps=4")
+    assert out.returncode == 1 and "error: optimizer_in_bwd=true needs gradient_accumulation_steps=1" in out.stdout
+
+
+def test_run_applies_overrides_and_fills_defaults(mtune, tmp_path):
+    out = mtune("run", "echo_recipe", "--config", "test/echo", f"output_dir={tmp_path}/out",
+                "component.numerator=5", "seed=7", "~batch_size")
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "out" / "echo.json").read_text())
+    assert result["built"] == "5/4"
+    assert result["cfg"]["seed"] == 7 and result["cfg"]["batch_size"] == 4 and result["cfg"]["dtype"] == "bf16"
+    # a recipe and a config given by path work the same way
+    out = mtune("run", REPO / "tests/assets/recipes/echo_recipe.py", "--config", REPO / "tests/assets/configs/echo.yaml",
+                f"output_dir={tmp_path}/out2", "component=fractions.Fraction", "component.denominator=8")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "out2" / "echo.json").read_text())["built"] == "3/8"
+
+
+def test_run_errors_are_one_line_with_a_hint(mtune, tmp_path):
+    out = mtune("run", "echo_recipe", "--config", "test/echo", "--lr", "3")
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        "error: unexpected option '--lr' after the recipe",
+        "hint: after RECIPE, write config overrides as key=value, e.g. lr=VALUE",
+    ]
+    out = mtune("run", "echo_recipe", "--config", "test/echo", "batch_sise=3")
+    assert out.returncode == 1 and "error: batch_sise: unknown key (did you mean 'batch_size'?)" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = mtune("run", "--nproc_per_node", "2", "echo_recipe", "--config", "test/echo")
+    assert out.returncode == 1 and "error: recipe 'echo_recipe' does not support distributed runs" in out.stderr
+    out = mtune("run", "echo_recipee", "--config", "test/echo")
+    assert out.returncode == 1 and "did you mean 'echo_recipe'" in out.stderr
+    out = mtune("run", "echo_recipe", "--config", "test/echo", "batch_size=two", MTUNE_DEBUG="1")
+    assert out.returncode == 1 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+
+
+def test_run_help_prints_the_recipe_keys(mtune):
+    out = mtune("run", "echo_recipe", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "enable_activation_checkpointing" in out.stdout and "[fp32|bf16|fp16, default bf16]" in out.stdout
+    assert "distributed: no" in out.stdout
+
+
+def test_run_two_processes_under_torchrun(mtune, tmp_path):
+    out = mtune("run", "--nproc_per_node", "2", "allreduce_recipe", "--config", "test/allreduce",
+                f"output_dir={tmp_path}", OMP_NUM_THREADS="1")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["world_size"], r["sum"]) for r in records] == [(0, 2, 3.0), (1, 2, 3.0)]
