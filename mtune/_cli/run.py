@@ -149,9 +149,9 @@ def _load_and_check(module, config_path: Path, overrides: list[str]):
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if report.errors:
-        for problem in report.errors[1:]:
+        for problem in report.errors[:-1]:
             print(f"error: {problem}", file=sys.stderr)
-        raise ConfigError(report.errors[0], f"fix the config or override the key; `mtune validate {config_path}`")
+        raise ConfigError(report.errors[-1], f"fix the config or override the key; `mtune validate {config_path}`")
     module.SCHEMA.fill_defaults(cfg)
     return cfg
 
