@@ -200,6 +200,14 @@ LLAMA3_BASE_VOCAB = 512
 LLAMA3_NUM_SPECIAL = 256
 
 
+def llama3_special_token_names() -> list[str]:
+    """Llama 3.1's 256 special tokens in id order, as in its tokenizer.json (ids 128000-128255)."""
+    named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+             "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>",
+             "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    return named + [f"<|reserved_special_token_{k}|>" for k in range(3, 3 + LLAMA3_NUM_SPECIAL - len(named))]
+
+
 def write_llama3_tokenizer(model_dir: str | Path) -> int:
     """Write a tiny Llama 3 tokenizer: `original/tokenizer.model` as a tiktoken rank file (512 ranks, in the
     `tokenizers` trainer's merge order) plus the 256 special tokens after it. Returns the vocab size (768)."""
@@ -213,8 +221,16 @@ def write_llama3_tokenizer(model_dir: str | Path) -> int:
     (model_dir / "original").mkdir(parents=True, exist_ok=True)
     (model_dir / "original" / "tokenizer.model").write_text("\n".join(lines) + "\n")
     vocab_size = LLAMA3_BASE_VOCAB + LLAMA3_NUM_SPECIAL
+    # The Hub's tokenizer.json beside it: the same trained BPE with the special tokens added after the base.
+    spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB))
+    spec["added_tokens"] = [
+        {"id": LLAMA3_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i, t in enumerate(llama3_special_token_names())
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
     _write_json(model_dir / "tokenizer_config.json", {
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_CHAT_TEMPLATE,
     })
     _merge_config(model_dir, {"model_type": "llama", "bos_token_id": LLAMA3_BASE_VOCAB,
                               "eos_token_id": LLAMA3_BASE_VOCAB + 9, "vocab_size": vocab_size})
