@@ -44,7 +44,8 @@ def test_conversation_matches_official_template(family, name, tokenizer_dirs, hf
         assert result.tokens == hf_ids(hf, messages)
     replies = [content for role, content in messages if role == "assistant"]
     runs = trained_runs(result)
-    assert [tok.decode(run, skip_special_tokens=False) for run in runs] == [REPLY_AS_DECODED[family](r) for r in replies]
+    decoded = [tok.decode(run, skip_special_tokens=False) for run in runs]
+    assert decoded == [REPLY_AS_DECODED[family](reply) for reply in replies]
     # Every prompt (the conversation up to each user turn) renders as the template's generation prompt, and the
     # full conversation continues it.
     for end, (role, _) in enumerate(messages):

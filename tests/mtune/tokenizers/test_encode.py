@@ -9,8 +9,6 @@ TEXTS = corpus(60, seed=1) + [
     "", " ", "  leading and trailing  ", "tabs\tand\r\nnewlines\n\n\nend", "digits 1234567890 and 3.14159",
     "naïve café über 東京 数据 🙂🙂", "it's THEY'VE we'RE", "x" * 300, "unseen bytes: \x00\x7f ☃ Ω",
 ]
-
-
 SPELLED_SPECIALS = ("<|eot_id|>", "<|im_end|>", "[INST]", "<s>")
 
 
@@ -24,8 +22,8 @@ def test_ids_match_transformers_and_round_trip(family, tokenizer_dirs, hf_tokeni
         # plain text its sentencepiece conversions differ from sentencepiece at the start of a text (Mistral's
         # adds no dummy prefix, Llama 2's merges it with leading spaces); sentencepiece is the oracle there
         # (next test) and the chat tests compare Mistral's with transformers inside conversations.
-        if any(s in text for s in SPELLED_SPECIALS) or family == "mistral" or (family == "llama2" and
-                                                                               text[:1].isspace()):
+        spelled_special = any(s in text for s in SPELLED_SPECIALS)
+        if spelled_special or family == "mistral" or (family == "llama2" and text[:1].isspace()):
             continue
         assert ids == hf(text, add_special_tokens=False)["input_ids"], text
 
@@ -80,6 +78,7 @@ def test_control_token_spelled_in_text_stays_text(family, spelled, control, toke
     text = f"before {spelled} after"
     ids = tok.encode(text, add_bos=False, add_eos=False)
     assert control_id not in ids and tok.decode(ids) == text
+
     # In a conversation the control token appears exactly as often as with harmless text in its place.
     def count(content):
         turns = [{"role": "user", "content": content}, {"role": "assistant", "content": content}]
