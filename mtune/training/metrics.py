@@ -34,6 +34,7 @@ __all__ = [
     "build_metric_logger",
     "StepTimer",
     "METRICS_FILENAME",
+    "plot_loss_curve",
 ]
 
 
@@ -287,3 +288,44 @@ class StepTimer:
             self._tokens = 0
             self._start = now
         return {"tokens_per_second": tps, "tokens_per_second_per_device": tps / self.world_size}
+
+
+def plot_loss_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
+    """Plot ``loss`` (and ``val_loss`` where present) against ``step`` from a ``metrics.jsonl`` into ``out_png``.
+
+    Returns the PNG path, or None (with a message naming the ``plots`` extra) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("Loss curve not plotted: pip install 'mtune[plots]' for matplotlib")
+        return None
+    series: dict[str, tuple[list[int], list[float]]] = {"loss": ([], []), "val_loss": ([], [])}
+    with open(metrics_jsonl, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{metrics_jsonl}:{line_number} is not JSON ({e})") from e
+            for key, (steps, values) in series.items():
+                if isinstance(row.get(key), (int, float)):
+                    steps.append(row["step"])
+                    values.append(row[key])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, (steps, values) in series.items():
+        if steps:
+            ax.plot(steps, values, marker="o" if key == "val_loss" else None, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
