@@ -1,6 +1,7 @@
 import io
 import json
 import math
+import time
 
 import pytest
 
@@ -94,6 +95,10 @@ def test_wandb_offline(tmp_path, monkeypatch):
     logger.close()
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
+    # wandb-core (a separate process) writes the run file; under load it may land just after finish() returns
+    deadline = time.monotonic() + 20
+    while b"val_loss" not in run_files[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
     data = run_files[0].read_bytes()
     assert b"tokens_per_second_per_device" in data and b"val_loss" in data
 
