@@ -134,7 +134,7 @@ def load_recipe_state(checkpoint_dir: str | os.PathLike, *, optimizer: _Stateful
         if target is None:
             continue
         if state[name] is None:
-            raise ValueError(f"Cannot resume: {path} holds no {name} state but this run has a {name}")
+            raise ValueError(f"Cannot resume: {path} holds no {name} state, but one was passed to load it into")
         target.load_state_dict(state[name])
     if restore_rng:
         set_rng_state(state["rng"])

@@ -98,7 +98,7 @@ def test_missing_state_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="recipe_state.pt is missing"):
         load_recipe_state(tmp_path)
     save_recipe_state(tmp_path, step=1, epoch=0)
-    with pytest.raises(ValueError, match="holds no optimizer state but this run has a optimizer"):
+    with pytest.raises(ValueError, match="holds no optimizer state, but one was passed to load it into"):
         load_recipe_state(tmp_path, optimizer=_build()[1])
 
 
