@@ -1,0 +1,276 @@
+"""Checkpoint directories: ``${output_dir}/step_<N>/`` and ``${output_dir}/final/``, written atomically.
+
+A checkpoint is *complete* iff its directory has its final name and holds ``mtune_state.json``. The writer builds
+it in ``${output_dir}/.tmp_<name>_<pid>/``, fsyncs every file, writes ``mtune_state.json`` last, renames the
+directory into place (atomic on POSIX file systems) and fsyncs ``output_dir``. A crash at any moment therefore leaves
+either the previous complete checkpoint or the new one, plus maybe a ``.tmp_*`` directory that
+:func:`find_latest_checkpoint` cleans up.
+
+Crash tests: ``MTUNE_FAULT_INJECT=<point>`` kills the process (exit status 137, no cleanup) at that point of
+:meth:`CheckpointWriter.save`; see :data:`FAULT_POINTS`.
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CheckpointWriter",
+    "find_latest_checkpoint",
+    "list_checkpoints",
+    "read_checkpoint_state",
+    "clean_incomplete_checkpoints",
+    "maybe_inject_fault",
+    "STATE_FILENAME",
+    "FAULT_POINTS",
+]
+
+log = logging.getLogger(__name__)
+
+STATE_FILENAME = "mtune_state.json"
+FINAL_NAME = "final"
+TMP_PREFIX = ".tmp_"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PID_RE = re.compile(r"_(\d+)$")
+
+FAULT_ENV = "MTUNE_FAULT_INJECT"
+FAULT_POINTS = (
+    "after_model_write",  # the caller's files are in the temp dir; no mtune_state.json yet
+    "before_rename",  # mtune_state.json written and fsynced in the temp dir; not renamed
+    "after_rename",  # the new checkpoint is complete; older ones not yet pruned
+    "during_prune",  # one old checkpoint has lost its mtune_state.json, its files are still there
+)
+
+
+def maybe_inject_fault(point: str) -> None:
+    """Kill this process now (exit status 137, like SIGKILL) if ``MTUNE_FAULT_INJECT`` names ``point``."""
+    if os.environ.get(FAULT_ENV) == point:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(137)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def read_checkpoint_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``mtune_state.json`` of a checkpoint, as a dict (keys: ``mtune_version``, ``step``, ``epoch``,
+    ``kind``, ``final``, ``complete``, ``config``, ``files``, ``created``)."""
+    path = Path(checkpoint_dir) / STATE_FILENAME
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{checkpoint_dir} is not a complete mtune checkpoint: {STATE_FILENAME} is missing")
+
+
+def _complete_state(path: Path) -> dict[str, Any] | None:
+    try:
+        state = read_checkpoint_state(path)
+    except (OSError, ValueError):
+        return None
+    return state if state.get("complete") is True and isinstance(state.get("step"), int) else None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete ``step_<N>`` checkpoints in ``output_dir`` as ``(step, path)``, oldest first (``final`` excluded)."""
+    found = []
+    root = Path(output_dir)
+    if not root.is_dir():
+        return found
+    for child in root.iterdir():
+        match = _STEP_RE.match(child.name)
+        if match and child.is_dir() and _complete_state(child) is not None:
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted writers left in ``output_dir``: ``.tmp_*`` directories (unless their pid is this
+    process or another live one, which may still be writing) and ``step_<N>`` dirs without ``mtune_state.json``
+    (a prune cut short). Logs one line for each; returns the removed paths."""
+    removed = []
+    root = Path(output_dir)
+    if not root.is_dir():
+        return removed
+    for child in sorted(root.iterdir()):
+        if not child.is_dir():
+            continue
+        if child.name.startswith(TMP_PREFIX):
+            match = _TMP_PID_RE.search(child.name)
+            if match and (int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1)))):
+                continue
+        elif not (_STEP_RE.match(child.name) and not (child / STATE_FILENAME).exists()):
+            continue
+        log.warning("Removing %s: an unfinished checkpoint left by an interrupted run", child)
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed
+
+
+def find_latest_checkpoint(output_dir: str | os.PathLike, clean: bool = True) -> Path | None:
+    """The complete checkpoint with the highest step in ``output_dir`` (``step_<N>`` dirs and ``final``; on a tie
+    the ``step_<N>`` dir), or None. Directories without ``mtune_state.json`` and ``.tmp_*`` dirs are ignored; with
+    ``clean=True`` they are removed (see :func:`clean_incomplete_checkpoints`)."""
+    if clean:
+        clean_incomplete_checkpoints(output_dir)
+    candidates = [(step, 1, path) for step, path in list_checkpoints(output_dir)]
+    final = Path(output_dir) / FINAL_NAME
+    final_state = _complete_state(final) if final.is_dir() else None
+    if final_state is not None:
+        candidates.append((final_state["step"], 0, final))
+    return max(candidates)[2] if candidates else None
+
+
+class CheckpointWriter:
+    """Writes checkpoints into ``output_dir`` atomically and keeps the newest ``keep_last_n_checkpoints``.
+
+    Args:
+        output_dir: the run's output directory.
+        keep_last_n_checkpoints: after a new ``step_<N>`` checkpoint is complete, delete older ``step_`` dirs so
+            this many remain (``final`` is never deleted). None keeps all.
+        mtune_version: recorded in ``mtune_state.json`` (defaults to ``mtune.__version__``).
+
+    Use it from rank 0 only; in distributed runs the other ranks gather their shards to rank 0 first.
+    Either pass a function that writes files into the temporary directory::
+
+        writer.save(step=100, epoch=1, config=resolved_cfg, kind="peft_adapter", write_fn=lambda d: ...)
+
+    or write them yourself inside the context manager::
+
+        with writer.open(step=100, epoch=1, config=resolved_cfg, kind="hf_full") as tmp_dir:
+            save_hf_checkpoint(model, tmp_dir)
+            save_recipe_state(tmp_dir, ...)
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, keep_last_n_checkpoints: int | None = None,
+                 mtune_version: str | None = None):
+        if keep_last_n_checkpoints is not None and keep_last_n_checkpoints < 1:
+            raise ValueError(f"keep_last_n_checkpoints must be >= 1 or null, got {keep_last_n_checkpoints}")
+        self.output_dir = Path(output_dir)
+        self.keep_last_n_checkpoints = keep_last_n_checkpoints
+        if mtune_version is None:
+            import mtune
+
+            mtune_version = mtune.__version__
+        self.mtune_version = mtune_version
+
+    def save(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
+             write_fn: Callable[[Path], None], final: bool = False) -> Path:
+        """Write a checkpoint with ``write_fn(tmp_dir)`` and return its final path."""
+        with self.open(step=step, epoch=epoch, config=config, kind=kind, final=final) as tmp_dir:
+            write_fn(tmp_dir)
+        return self.checkpoint_path(step, final)
+
+    def checkpoint_path(self, step: int, final: bool = False) -> Path:
+        return self.output_dir / (FINAL_NAME if final else f"step_{int(step)}")
+
+    @contextmanager
+    def open(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
+             final: bool = False) -> Iterator[Path]:
+        """Yield an empty temporary directory; when the block ends without an exception, commit it as
+        ``step_<step>`` (or ``final``). On an exception the temporary directory is removed."""
+        target = self.checkpoint_path(step, final)
+        tmp = self.output_dir / f"{TMP_PREFIX}{target.name}_{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        maybe_inject_fault("after_model_write")
+        self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final)
+        _fsync_tree(tmp)
+        maybe_inject_fault("before_rename")
+        self._rename_into_place(tmp, target)
+        maybe_inject_fault("after_rename")
+        if not final:
+            self._prune()
+
+    def _write_state(self, tmp: Path, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
+                     final: bool) -> None:
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        state = {
+            "mtune_version": self.mtune_version,
+            "step": int(step),
+            "epoch": int(epoch),
+            "kind": kind,
+            "final": bool(final),
+            "complete": True,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": files,
+            "config": _plain_config(config),
+        }
+        with open(tmp / STATE_FILENAME, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _rename_into_place(self, tmp: Path, target: Path) -> None:
+        old = None
+        if target.exists():
+            # Rename cannot replace a non-empty directory: move the old one aside (as a .tmp_ dir, so a crash
+            # here leaves something find_latest_checkpoint cleans), then swap.
+            old = self.output_dir / f"{TMP_PREFIX}replaced_{target.name}_{os.getpid()}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        _fsync_path(self.output_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self) -> None:
+        if self.keep_last_n_checkpoints is None:
+            return
+        checkpoints = list_checkpoints(self.output_dir)
+        for _, path in checkpoints[: max(0, len(checkpoints) - self.keep_last_n_checkpoints)]:
+            # Losing mtune_state.json first makes the dir incomplete at once, so a crash mid-delete never leaves a
+            # half-deleted dir that looks complete.
+            (path / STATE_FILENAME).unlink()
+            maybe_inject_fault("during_prune")
+            shutil.rmtree(path)
+            log.info("Removed old checkpoint %s (keep_last_n_checkpoints=%d)", path, self.keep_last_n_checkpoints)
+
+
+def _plain_config(config: Mapping[str, Any]) -> Any:
+    """A JSON-able dict from a dict or an OmegaConf DictConfig (interpolations resolved)."""
+    if type(config).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(config, resolve=True)
+    return dict(config)

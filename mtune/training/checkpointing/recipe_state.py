@@ -1,0 +1,183 @@
+"""``recipe_state.pt``: what a run needs, besides the weights, to continue exactly where it stopped.
+
+It holds the optimizer, LR scheduler and loss scaler states, the step and epoch, the data loader position and every
+RNG state (see :mod:`mtune.training.rng`), and loads with ``torch.load(weights_only=True)``.
+
+:func:`check_resume_compatible` decides whether a changed config may continue a checkpoint (see ``docs/training.md``,
+"Resuming").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from mtune.training.rng import get_rng_state, set_rng_state
+
+__all__ = [
+    "RECIPE_STATE_FILENAME",
+    "RecipeState",
+    "save_recipe_state",
+    "load_recipe_state",
+    "check_resume_compatible",
+    "ResumeError",
+    "MUST_MATCH_ON_RESUME",
+    "MAY_CHANGE_ON_RESUME",
+]
+
+RECIPE_STATE_FILENAME = "recipe_state.pt"
+
+# Top-level config keys whose change alters the model, the data order or the optimisation, so a resumed run would
+# not be the continuation of the saved one. Keys in neither list are treated as these (refusing is the safe side).
+MUST_MATCH_ON_RESUME = (
+    "recipe",
+    "model",  # the architecture and the base weights (LoRA checkpoints do not hold them)
+    "lora",  # modules, rank, alpha, dropout, DoRA, NF4 base: the trainable parameters and their shapes
+    "tokenizer",
+    "dtype",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "optimizer_in_bwd",  # changes the layout of the optimizer state
+    "lr_scheduler",
+    "loss",
+    "clip_grad_norm",
+    "dataset",
+    "seed",
+)
+
+# Keys that may differ: how long to train, where and how often to write, what to observe, and memory/speed
+# techniques that do not change what a step computes.
+MAY_CHANGE_ON_RESUME = (
+    "output_dir",
+    "resume_from_checkpoint",
+    "device",
+    "epochs",
+    "max_steps_per_epoch",
+    "log_every_n_steps",
+    "save_every_n_steps",
+    "keep_last_n_checkpoints",
+    "save_adapter_weights_only",
+    "eval_every_n_steps",
+    "dataset_val",
+    "metric_logger",
+    "profiler",
+    "memory_breakdown",
+    "compile",
+    "enable_activation_checkpointing",
+    "activation_checkpointing_every_n_layers",
+    "enable_activation_offloading",
+    "activation_offloading_use_streams",
+)
+
+
+class _Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class RecipeState:
+    """What :func:`load_recipe_state` returns besides restoring the objects passed to it."""
+
+    step: int
+    epoch: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def save_recipe_state(checkpoint_dir: str | os.PathLike, *, step: int, epoch: int,
+                      optimizer: _Stateful | None = None, lr_scheduler: _Stateful | None = None,
+                      grad_scaler: _Stateful | None = None, dataloader: _Stateful | None = None,
+                      extra: Mapping[str, Any] | None = None) -> Path:
+    """Write ``recipe_state.pt`` into ``checkpoint_dir`` (a :class:`CheckpointWriter` temp dir) and return its path.
+
+    Each of ``optimizer``, ``lr_scheduler``, ``grad_scaler``, ``dataloader`` is anything with ``state_dict()``
+    (None to leave it out): e.g. ``torch.optim.AdamW``, a ``LambdaLR``, ``torch.amp.GradScaler``, mtune's loader.
+    For FSDP, pass an object whose ``state_dict()`` returns the gathered full optimizer state. ``extra`` holds
+    other plain values (ints, floats, strings, tensors). The RNG states of this process are saved too.
+    """
+    state = {
+        "step": int(step),
+        "epoch": int(epoch),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
+        "grad_scaler": None if grad_scaler is None else grad_scaler.state_dict(),
+        "dataloader": None if dataloader is None else dataloader.state_dict(),
+        "rng": get_rng_state(),
+        "extra": dict(extra or {}),
+    }
+    path = Path(checkpoint_dir) / RECIPE_STATE_FILENAME
+    torch.save(state, path)
+    return path
+
+
+def load_recipe_state(checkpoint_dir: str | os.PathLike, *, optimizer: _Stateful | None = None,
+                      lr_scheduler: _Stateful | None = None, grad_scaler: _Stateful | None = None,
+                      dataloader: _Stateful | None = None, restore_rng: bool = True) -> RecipeState:
+    """Load ``recipe_state.pt`` from ``checkpoint_dir`` into the objects given and restore the RNG states.
+
+    Call it after the model, optimizer, scheduler and loader are built, as the last thing before training, so that
+    no random draw happens between restoring the RNGs and the first step.
+    """
+    path = Path(checkpoint_dir) / RECIPE_STATE_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(f"Cannot resume: {path} is missing (was the checkpoint saved by an mtune recipe?)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for name, target in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler), ("grad_scaler", grad_scaler),
+                         ("dataloader", dataloader)):
+        if target is None:
+            continue
+        if state[name] is None:
+            raise ValueError(f"Cannot resume: {path} holds no {name} state, but one was passed to load it into")
+        target.load_state_dict(state[name])
+    if restore_rng:
+        set_rng_state(state["rng"])
+    return RecipeState(step=state["step"], epoch=state["epoch"], extra=state["extra"])
+
+
+class ResumeError(ValueError):
+    """The config of this run cannot continue the checkpoint's run."""
+
+
+def _differences(saved: Any, new: Any, prefix: str, out: list[str]) -> None:
+    if isinstance(saved, Mapping) and isinstance(new, Mapping):
+        for key in sorted(set(saved) | set(new), key=str):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in saved:
+                out.append(f"{path} (absent -> {new[key]!r})")
+            elif key not in new:
+                out.append(f"{path} ({saved[key]!r} -> absent)")
+            else:
+                _differences(saved[key], new[key], path, out)
+    elif _plain(saved) != _plain(new):
+        out.append(f"{prefix} ({saved!r} -> {new!r})")
+
+
+def _plain(value: Any) -> Any:
+    # YAML/JSON may turn tuples into lists; compare them alike.
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_resume_compatible(saved_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
+                            checkpoint: str | os.PathLike | None = None) -> None:
+    """Raise :class:`ResumeError` naming every key that differs between the checkpoint's config ``saved_cfg`` (from
+    its ``mtune_state.json``) and this run's resolved ``cfg``, unless the key is in :data:`MAY_CHANGE_ON_RESUME`.
+
+    Both are plain dicts with interpolations resolved (``OmegaConf.to_container(cfg, resolve=True)``).
+    """
+    saved = {k: v for k, v in saved_cfg.items() if k not in MAY_CHANGE_ON_RESUME}
+    new = {k: v for k, v in cfg.items() if k not in MAY_CHANGE_ON_RESUME}
+    differences: list[str] = []
+    _differences(saved, new, "", differences)
+    if differences:
+        where = f" {checkpoint}" if checkpoint is not None else ""
+        raise ResumeError(
+            f"Cannot resume from checkpoint{where}: these keys differ from its config and change training: "
+            f"{', '.join(differences)}. Set them back, or start a new run in another output_dir."
+        )

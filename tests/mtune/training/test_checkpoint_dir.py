@@ -1,0 +1,112 @@
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import mtune
+from mtune.training.checkpointing.checkpoint_dir import (
+    FAULT_POINTS,
+    CheckpointWriter,
+    find_latest_checkpoint,
+    list_checkpoints,
+    read_checkpoint_state,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CONFIG = {"model": {"size": "tiny"}, "batch_size": 2, "output_dir": "/x"}
+
+# Writes step_<step> with keep_last_n_checkpoints=1; the "model" is two files written by the caller.
+WRITER_SCRIPT = textwrap.dedent("""
+    import sys
+    from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
+    out, step = sys.argv[1], int(sys.argv[2])
+    writer = CheckpointWriter(out, keep_last_n_checkpoints=1)
+    with writer.open(step=step, epoch=0, config={"step": step}, kind="hf_full") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"w" * 1000)
+        (tmp / "config.json").write_text("{}")
+    print("done")
+""")
+
+
+def _write(out, step, fault=None):
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("MTUNE_FAULT_INJECT", None)
+    if fault:
+        env["MTUNE_FAULT_INJECT"] = fault
+    return subprocess.run([sys.executable, "-c", WRITER_SCRIPT, str(out), str(step)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("fault", FAULT_POINTS)
+def test_crash_at_each_point_never_yields_a_half_checkpoint(tmp_path, fault, caplog):
+    assert _write(tmp_path, 1).returncode == 0
+    proc = _write(tmp_path, 2, fault)
+    assert proc.returncode == 137 and "done" not in proc.stdout
+    new_is_complete = fault in ("after_rename", "during_prune")
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    if new_is_complete:
+        assert leftovers == ["step_1", "step_2"]  # pruning had not finished
+    else:
+        assert leftovers[1] == "step_1" and re.fullmatch(r"\.tmp_step_2_\d+", leftovers[0])
+    caplog.set_level("WARNING")
+    latest = find_latest_checkpoint(tmp_path)
+    assert latest == tmp_path / ("step_2" if new_is_complete else "step_1")
+    assert read_checkpoint_state(latest)["config"] == {"step": 2 if new_is_complete else 1}
+    # stale pieces are cleaned with a log line; a complete step_1 survives until the next prune
+    remaining = sorted(p.name for p in tmp_path.iterdir())
+    if fault == "during_prune":
+        assert remaining == ["step_2"] and "interrupted run" in caplog.text
+    elif fault == "after_rename":
+        assert remaining == ["step_1", "step_2"]
+    else:
+        assert remaining == ["step_1"] and "interrupted run" in caplog.text
+    # the next save works and prunes to one
+    assert _write(tmp_path, 3).returncode == 0
+    assert [p.name for _, p in list_checkpoints(tmp_path)] == ["step_3"]
+
+
+def test_state_file_contents_and_keep_last_n(tmp_path):
+    writer = CheckpointWriter(tmp_path, keep_last_n_checkpoints=2)
+    for step in (10, 20, 30, 40):
+        path = writer.save(step=step, epoch=step // 20, config=CONFIG, kind="peft_adapter",
+                           write_fn=lambda d: (d / "adapter_model.safetensors").write_bytes(b"a"))
+        assert path == tmp_path / f"step_{step}"
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_30", "step_40"]
+    state = json.loads((tmp_path / "step_40" / "mtune_state.json").read_text())
+    assert {k: state[k] for k in ("mtune_version", "step", "epoch", "kind", "final", "complete", "config",
+                                  "files")} == {
+        "mtune_version": mtune.__version__, "step": 40, "epoch": 2, "kind": "peft_adapter", "final": False,
+        "complete": True, "config": CONFIG, "files": ["adapter_model.safetensors"]}
+    # final is never pruned and wins only with a higher step
+    writer.save(step=40, epoch=2, config=CONFIG, kind="peft_adapter", write_fn=lambda d: None, final=True)
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "step_40"
+    writer.save(step=45, epoch=2, config=CONFIG, kind="peft_adapter", write_fn=lambda d: None, final=True)
+    writer.save(step=50, epoch=2, config=CONFIG, kind="peft_adapter", write_fn=lambda d: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step_40", "step_50"]
+    assert read_checkpoint_state(tmp_path / "final")["step"] == 45
+
+
+def test_rewriting_a_step_replaces_it_and_errors_discard_the_temp_dir(tmp_path):
+    writer = CheckpointWriter(tmp_path)
+    writer.save(step=5, epoch=0, config={}, kind="hf_full", write_fn=lambda d: (d / "a").write_text("old"))
+    writer.save(step=5, epoch=0, config={}, kind="hf_full", write_fn=lambda d: (d / "b").write_text("new"))
+    assert sorted(p.name for p in (tmp_path / "step_5").iterdir()) == ["b", "mtune_state.json"]
+    with pytest.raises(RuntimeError, match="disk full"):
+        with writer.open(step=6, epoch=0, config={}, kind="hf_full"):
+            raise RuntimeError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]
+
+
+def test_dirs_without_state_file_are_not_checkpoints(tmp_path):
+    (tmp_path / "step_9").mkdir()
+    (tmp_path / "step_9" / "model.safetensors").write_bytes(b"x")
+    assert find_latest_checkpoint(tmp_path / "missing") is None
+    assert find_latest_checkpoint(tmp_path, clean=False) is None
+    with pytest.raises(FileNotFoundError, match="step_9 is not a complete mtune checkpoint"):
+        read_checkpoint_state(tmp_path / "step_9")

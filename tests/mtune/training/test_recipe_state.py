@@ -1,0 +1,136 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mtune.training.checkpointing.recipe_state import (
+    MAY_CHANGE_ON_RESUME,
+    MUST_MATCH_ON_RESUME,
+    RECIPE_STATE_FILENAME,
+    ResumeError,
+    check_resume_compatible,
+    load_recipe_state,
+    save_recipe_state,
+)
+from mtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+from mtune.training.rng import get_rng_state, set_rng_state, set_seed
+
+
+class CountingLoader:
+    """Holds a position like mtune's data loader does (epoch, samples consumed)."""
+
+    def __init__(self):
+        self.epoch, self.consumed = 0, 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+
+def _build():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=10)
+    return model, optimizer, scheduler
+
+
+def _train(model, optimizer, scheduler, loader, steps):
+    for _ in range(steps):
+        x = torch.randn(4, 8)  # data drawn from the torch RNG, dropout too
+        noise = random.random() + float(np.random.rand())
+        loss = (model(x) ** 2).mean() * noise
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        loader.consumed += 4
+
+
+def _draws():
+    return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(), torch.randn(2, 2).tolist())
+
+
+def test_rng_state_round_trip_is_bit_exact():
+    set_seed(123)
+    state = get_rng_state()
+    first = _draws()
+    _draws()
+    set_rng_state(state)
+    assert _draws() == first
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    set_seed(0)
+    model, optimizer, scheduler = _build()
+    loader = CountingLoader()
+    _train(model, optimizer, scheduler, loader, 3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    lr_at_save = optimizer.param_groups[0]["lr"]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    path = save_recipe_state(tmp_path, step=3, epoch=0, optimizer=optimizer, lr_scheduler=scheduler,
+                             grad_scaler=scaler, dataloader=loader, extra={"tokens_seen": 96})
+    assert path == tmp_path / RECIPE_STATE_FILENAME
+    _train(model, optimizer, scheduler, loader, 3)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_draws = _draws()
+
+    set_seed(999)  # a fresh process would start from some other state
+    model2, optimizer2, scheduler2 = _build()
+    model2.load_state_dict(weights)
+    loader2, scaler2 = CountingLoader(), torch.amp.GradScaler("cpu")
+    state = load_recipe_state(tmp_path, optimizer=optimizer2, lr_scheduler=scheduler2, grad_scaler=scaler2,
+                              dataloader=loader2)
+    assert (state.step, state.epoch, state.extra) == (3, 0, {"tokens_seen": 96})
+    assert loader2.state_dict() == {"epoch": 0, "consumed": 12}
+    assert scaler2.get_scale() == 1024.0
+    assert scheduler2.last_epoch == 3 and optimizer2.param_groups[0]["lr"] == lr_at_save != 1e-2
+    _train(model2, optimizer2, scheduler2, loader2, 3)
+    for key, value in model2.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert _draws() == expected_draws
+    assert loader2.consumed == 24
+
+
+def test_missing_state_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="recipe_state.pt is missing"):
+        load_recipe_state(tmp_path)
+    save_recipe_state(tmp_path, step=1, epoch=0)
+    with pytest.raises(ValueError, match="holds no optimizer state, but one was passed to load it into"):
+        load_recipe_state(tmp_path, optimizer=_build()[1])
+
+
+SAVED = {
+    "recipe": "lora_finetune_single_device",
+    "model": {"checkpoint_dir": "/m"},
+    "lora": {"modules": ["q_proj", "v_proj"], "rank": 8, "alpha": 16},
+    "dtype": "bf16", "batch_size": 2, "gradient_accumulation_steps": 4, "seed": 1,
+    "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
+    "dataset": {"source": "a.jsonl"},
+    "epochs": 1, "max_steps_per_epoch": None, "log_every_n_steps": 1, "save_every_n_steps": 10,
+    "output_dir": "/out", "metric_logger": None, "profiler": {"enabled": False},
+    "enable_activation_checkpointing": False,
+}
+
+
+def test_changes_that_do_not_alter_training_may_resume():
+    cfg = dict(SAVED, epochs=3, max_steps_per_epoch=50, log_every_n_steps=5, save_every_n_steps=2,
+               output_dir="/elsewhere", metric_logger={"_component_": "mtune.training.metrics.TensorBoardLogger"},
+               profiler={"enabled": True}, enable_activation_checkpointing=True, resume_from_checkpoint=True)
+    check_resume_compatible(SAVED, cfg)
+    assert not set(MUST_MATCH_ON_RESUME) & set(MAY_CHANGE_ON_RESUME)
+
+
+def test_refusal_lists_every_differing_key():
+    cfg = dict(SAVED, batch_size=4, lora=dict(SAVED["lora"], rank=16), seed=2,
+               optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-4, "weight_decay": 0.1},
+               new_unknown_key=1, epochs=5)
+    with pytest.raises(ResumeError) as info:
+        check_resume_compatible(SAVED, cfg, checkpoint="/out/step_10")
+    assert str(info.value) == (
+        "Cannot resume from checkpoint /out/step_10: these keys differ from its config and change training: "
+        "batch_size (2 -> 4), lora.rank (8 -> 16), new_unknown_key (absent -> 1), optimizer.lr (0.0001 -> 0.0002), "
+        "optimizer.weight_decay (absent -> 0.1), seed (1 -> 2). Set them back, or start a new run in another "
+        "output_dir.")
