@@ -1,0 +1,160 @@
+"""What every mtune tokenizer shares: messages, the tokenized conversation, truncation and the fingerprint.
+
+A family module (``llama3``, ``llama2``, ``mistral``, ``qwen2``) subclasses :class:`Tokenizer` and supplies three
+things: ``encode_text`` (plain text to ids, never producing a control token), ``decode`` and ``_render`` (a
+conversation in the family's chat format, as (ids, trained) segments). Nothing here imports a tokenizer library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation. ``role`` is "system", "user" or "assistant"; ``content`` is plain text (any
+    control-token spelling inside it, e.g. ``<|eot_id|>``, is encoded as ordinary text)."""
+
+    role: str
+    content: str
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"message role {self.role!r} is not supported; use one of {', '.join(ROLES)}")
+        if not isinstance(self.content, str):
+            raise TypeError(f"message content must be a str, got {type(self.content).__name__} (role {self.role})")
+
+
+@dataclass
+class TokenizedConversation:
+    """``tokens``: the conversation's token ids. ``trained[i]``: whether token i belongs to an assistant reply (its
+    end-of-turn token included) and so gets a label. ``truncated``: the conversation was cut to ``max_seq_len``."""
+
+    tokens: list[int]
+    trained: list[bool]
+    truncated: bool
+
+
+@dataclass
+class TokenizedText:
+    """``tokens`` of a plain text and whether they were cut to ``max_seq_len``."""
+
+    tokens: list[int]
+    truncated: bool
+
+
+class Tokenizer:
+    """Base of the family tokenizers. Attributes every family sets:
+
+    - ``bos_id`` (None where the family has no begin-of-sequence token: Qwen2), ``eos_id``, ``pad_id``;
+    - ``vocab_size``: ids run from 0 to ``vocab_size - 1``, special tokens included;
+    - ``stop_tokens``: ids that end generation (end of text and end of turn);
+    - ``end_of_turn_id``: the token closing a chat turn, kept when a conversation is truncated;
+    - ``max_seq_len``: default length limit for ``encode`` and ``tokenize_messages`` (None: no limit).
+    """
+
+    family: str = ""
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+    vocab_size: int
+    stop_tokens: list[int]
+    end_of_turn_id: int
+
+    def __init__(self, files: Sequence[str | Path], max_seq_len: int | None = None):
+        self.files = [Path(f) for f in files]
+        self.max_seq_len = max_seq_len
+
+    # ------------------------------------------------------------------ to implement in each family
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as ids, no BOS/EOS; control-token spellings stay text."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+        raise NotImplementedError
+
+    def _fingerprint_extra(self) -> str:
+        """Settings beyond the files that change the ids (e.g. a default system prompt)."""
+        return ""
+
+    # ------------------------------------------------------------------ shared behaviour
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        """Token ids of ``text``, with BOS / EOS when asked (no BOS for families without one), cut to
+        ``max_seq_len`` when the tokenizer has one (EOS kept as the last token)."""
+        return self.encode_with_truncation(text, add_bos=add_bos, add_eos=add_eos).tokens
+
+    def encode_with_truncation(self, text: str, add_bos: bool = True, add_eos: bool = True,
+                               max_seq_len: int | None = None) -> TokenizedText:
+        """Like ``encode`` and also says whether the text was cut. ``max_seq_len`` defaults to the tokenizer's."""
+        ids = self.encode_text(text)
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if add_eos:
+            ids = ids + [self.eos_id]
+        limit = max_seq_len if max_seq_len is not None else self.max_seq_len
+        if limit is None or len(ids) <= limit:
+            return TokenizedText(ids, False)
+        cut = ids[: limit - 1] + [self.eos_id] if add_eos else ids[:limit]
+        return TokenizedText(cut, True)
+
+    def tokenize_messages(self, messages: Sequence[Message], max_seq_len: int | None = None,
+                          add_generation_prompt: bool = False) -> TokenizedConversation:
+        """Render ``messages`` in the family's chat format, as its official chat template does.
+
+        Only assistant replies (their end-of-turn token included) are marked trained. With ``max_seq_len`` (default:
+        the tokenizer's) a longer conversation is cut and its last token replaced by the end-of-turn token, which is
+        trained when the cut fell inside an assistant reply. ``add_generation_prompt`` appends the assistant header
+        where the family has one (Llama 3, Qwen2), for generation.
+        """
+        messages = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        if not messages:
+            raise ValueError("tokenize_messages got an empty conversation; give at least one message")
+        tokens, trained = self._render(messages, add_generation_prompt)
+        limit = max_seq_len if max_seq_len is not None else self.max_seq_len
+        if limit is None or len(tokens) <= limit:
+            return TokenizedConversation(tokens, trained, False)
+        if limit < 2:
+            raise ValueError(f"max_seq_len={limit} is too short to hold a conversation; use at least 2")
+        tokens = tokens[: limit - 1] + [self.end_of_turn_id]
+        trained = trained[: limit - 1] + [trained[limit - 1]]
+        return TokenizedConversation(tokens, trained, True)
+
+    def fingerprint(self) -> str:
+        """A stable hash of the tokenizer's class, files and settings: equal fingerprints give equal ids (the
+        data cache keys on it). ``max_seq_len`` is not part of it."""
+        digest = hashlib.sha256(f"{type(self).__module__}.{type(self).__qualname__}\n".encode())
+        for path in self.files:
+            digest.update(path.name.encode() + b"\n")
+            digest.update(path.read_bytes())
+        digest.update(self._fingerprint_extra().encode())
+        return digest.hexdigest()[:32]
+
+    def __repr__(self) -> str:
+        files = ", ".join(str(f) for f in self.files)
+        return f"{type(self).__name__}(files=[{files}], vocab_size={self.vocab_size}, max_seq_len={self.max_seq_len})"
+
+
+def check_alternating(messages: list[Message], family: str) -> tuple[str | None, list[Message]]:
+    """Split off a leading system message and check the rest alternates user/assistant, starting with user (the
+    rule of the Llama 2 and Mistral templates). Returns (system text or None, the other messages)."""
+    system = messages[0].content if messages[0].role == "system" else None
+    turns = messages[1:] if system is not None else messages
+    for i, message in enumerate(turns):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if message.role != expected:
+            raise ValueError(
+                f"{family} chat format: message {i + (system is not None)} has role {message.role!r} but "
+                f"{expected!r} was expected; after an optional first system message, roles must alternate "
+                "user/assistant starting with user"
+            )
+    if not turns:
+        raise ValueError(f"{family} chat format: a conversation needs at least one user message")
+    return system, turns

@@ -1,0 +1,134 @@
+"""Llama 3 / 3.1 / 3.2 tokenizer: tiktoken over Meta's rank file, 256 special tokens after the base vocabulary.
+
+Chat format (the official template; message content is trimmed of surrounding whitespace, as the template does)::
+
+    <|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\n{system}<|eot_id|>
+    <|start_header_id|>user<|end_header_id|>\\n\\n{user}<|eot_id|>
+    <|start_header_id|>assistant<|end_header_id|>\\n\\n{reply}<|eot_id|>
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Sequence
+
+from mtune.tokenizers.base import Message, Tokenizer
+
+# Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
+PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+NUM_SPECIAL_TOKENS = 256
+# Offsets from the base vocabulary size (128000 in the released models), in Llama 3.1's layout; the rest of the
+# 256 slots are <|reserved_special_token_N|>.
+_NAMED = {
+    0: "<|begin_of_text|>", 1: "<|end_of_text|>", 2: "<|reserved_special_token_0|>",
+    3: "<|reserved_special_token_1|>", 4: "<|finetune_right_pad_id|>", 5: "<|reserved_special_token_2|>",
+    6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>", 9: "<|eot_id|>", 10: "<|python_tag|>",
+}
+
+
+def special_tokens(num_base: int) -> dict[str, int]:
+    """The 256 Llama 3 special tokens and their ids, placed right after ``num_base`` base tokens."""
+    names = dict(_NAMED)
+    next_reserved = 3
+    for offset in range(len(_NAMED), NUM_SPECIAL_TOKENS):
+        names[offset] = f"<|reserved_special_token_{next_reserved}|>"
+        next_reserved += 1
+    return {name: num_base + offset for offset, name in names.items()}
+
+
+def is_tiktoken_file(path: Path) -> bool:
+    """True when ``path`` looks like a tiktoken rank file (lines of ``<base64> <rank>``), not a sentencepiece model."""
+    with open(path, "rb") as f:
+        head = f.read(256)
+    first = head.split(b"\n", 1)[0]
+    parts = first.split(b" ")
+    if len(parts) != 2 or not parts[1].isdigit():
+        return False
+    try:
+        base64.b64decode(parts[0], validate=True)
+    except ValueError:
+        return False
+    return True
+
+
+def _ranks_from_tokenizer_json(path: Path) -> dict[bytes, int]:
+    # Hugging Face's Llama 3 tokenizer.json is the same BPE with ids = tiktoken ranks, bytes spelled with GPT-2's
+    # byte-to-printable-character table; undo that table to get the rank file back.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char_to_byte = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            char_to_byte[chr(256 + extra)] = b
+            extra += 1
+    vocab = json.loads(path.read_text(encoding="utf-8"))["model"]["vocab"]
+    try:
+        return {bytes(char_to_byte[c] for c in token): rank for token, rank in vocab.items()}
+    except KeyError as err:
+        raise ValueError(f"{path}: not a byte-level BPE tokenizer.json (character {err} has no byte)") from None
+
+
+class Llama3Tokenizer(Tokenizer):
+    """Llama 3 tokenizer from a tiktoken rank file (``original/tokenizer.model``) or, failing that, from the
+    byte-level ``tokenizer.json`` of a Hugging Face Llama 3 repository (same ranks).
+
+    ``bos_id`` = <|begin_of_text|>, ``eos_id`` = <|end_of_text|> (ends a document in ``encode``),
+    ``pad_id`` = <|finetune_right_pad_id|>, ``end_of_turn_id`` = <|eot_id|>,
+    ``stop_tokens`` = [<|end_of_text|>, <|eom_id|>, <|eot_id|>].
+    """
+
+    family = "llama3"
+
+    def __init__(self, path: str | Path, max_seq_len: int | None = None):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        path = Path(path)
+        super().__init__([path], max_seq_len)
+        ranks = _ranks_from_tokenizer_json(path) if path.suffix == ".json" else load_tiktoken_bpe(str(path))
+        self.num_base_tokens = len(ranks)
+        self.special = special_tokens(self.num_base_tokens)
+        self._id_to_special = {i: s for s, i in self.special.items()}
+        self._enc = tiktoken.Encoding(name=f"mtune_llama3_{path.name}", pat_str=PATTERN, mergeable_ranks=ranks,
+                                      special_tokens=self.special)
+        self.bos_id = self.special["<|begin_of_text|>"]
+        self.eos_id = self.special["<|end_of_text|>"]
+        self.pad_id = self.special["<|finetune_right_pad_id|>"]
+        self.start_header_id = self.special["<|start_header_id|>"]
+        self.end_header_id = self.special["<|end_header_id|>"]
+        self.eot_id = self.end_of_turn_id = self.special["<|eot_id|>"]
+        self.eom_id = self.special["<|eom_id|>"]
+        self.python_tag_id = self.special["<|python_tag|>"]
+        self.stop_tokens = [self.eos_id, self.eom_id, self.eot_id]
+        self.vocab_size = self.num_base_tokens + NUM_SPECIAL_TOKENS
+
+    def encode_text(self, text: str) -> list[int]:
+        # disallowed_special=() : text that spells a special token is encoded as text, never as the token.
+        return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            return self._enc.decode([i for i in ids if i < self.num_base_tokens])
+        return self._enc.decode(ids)
+
+    def _header(self, role: str) -> list[int]:
+        return [self.start_header_id, *self.encode_text(role), self.end_header_id, *self.encode_text("\n\n")]
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+        tokens, trained = [self.bos_id], [False]
+        for message in messages:
+            header = self._header(message.role)
+            body = self.encode_text(message.content.strip()) + [self.eot_id]
+            tokens += header + body
+            trained += [False] * len(header) + [message.role == "assistant"] * len(body)
+        if add_generation_prompt:
+            header = self._header("assistant")
+            tokens += header
+            trained += [False] * len(header)
+        return tokens, trained

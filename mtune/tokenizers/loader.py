@@ -1,0 +1,106 @@
+"""``load_tokenizer``: find a model's tokenizer files and pick the family that reads them.
+
+A model directory's family comes from ``config.json``'s ``model_type``, then the files decide the variant:
+
+==============  =====================================================================================
+model_type      tokenizer
+==============  =====================================================================================
+llama           Llama 3 if ``original/tokenizer.model`` or ``tokenizer.model`` is a tiktoken rank file (or,
+                with neither, a ``tokenizer.json`` holding ``<|begin_of_text|>``); Llama 2 if
+                ``tokenizer.model`` is a sentencepiece model
+mistral         Mistral v3 sentencepiece ``tokenizer.model`` (or ``tokenizer.model.v3``)
+qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
+==============  =====================================================================================
+
+Without ``config.json`` (or given a single file) the kind is inferred from the files themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mtune.tokenizers.base import Tokenizer
+
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2")
+
+
+def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
+    """The tokenizer of a model directory (as ``mtune download`` leaves it) or of one tokenizer file.
+
+    ``max_seq_len`` becomes the default length limit of ``encode`` and ``tokenize_messages``.
+    """
+    family, file = detect_tokenizer(path)
+    if family == "llama3":
+        from mtune.tokenizers.llama3 import Llama3Tokenizer as cls
+    elif family == "llama2":
+        from mtune.tokenizers.llama2 import Llama2Tokenizer as cls
+    elif family == "mistral":
+        from mtune.tokenizers.mistral import MistralTokenizer as cls
+    else:
+        from mtune.tokenizers.qwen2 import Qwen2Tokenizer as cls
+    return cls(file, max_seq_len=max_seq_len)
+
+
+def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
+    """(family, tokenizer file) for a model directory or a tokenizer file; see the module docstring."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {path} does not exist; set tokenizer.path to a model directory "
+                                "or a tokenizer file")
+    if path.is_file():
+        return _family_of_file(path), path
+    config = path / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+    if model_type is None:
+        for name in ("original/tokenizer.model", "tokenizer.model", "tokenizer.model.v3", "tokenizer.json"):
+            if (path / name).is_file():
+                return _family_of_file(path / name), path / name
+        raise FileNotFoundError(f"{path}: no config.json and no tokenizer.model / tokenizer.json; point "
+                                "tokenizer.path at a Hugging Face model directory")
+    if model_type == "llama":
+        for name in ("original/tokenizer.model", "tokenizer.model"):
+            file = path / name
+            if file.is_file():
+                from mtune.tokenizers.llama3 import is_tiktoken_file
+
+                return ("llama3" if is_tiktoken_file(file) else "llama2"), file
+        file = path / "tokenizer.json"
+        if file.is_file() and _family_of_file(file) == "llama3":
+            return "llama3", file
+        raise FileNotFoundError(f"{path}: a llama model without original/tokenizer.model, tokenizer.model or a "
+                                "Llama 3 tokenizer.json; download the tokenizer files with the weights")
+    if model_type == "mistral":
+        for name in ("tokenizer.model.v3", "tokenizer.model"):
+            if (path / name).is_file():
+                return "mistral", path / name
+        raise FileNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
+                                "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
+    if model_type == "qwen2":
+        if (path / "tokenizer.json").is_file():
+            return "qwen2", path / "tokenizer.json"
+        raise FileNotFoundError(f"{path}: a qwen2 model without tokenizer.json; download it with the weights")
+    raise ValueError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, qwen2")
+
+
+def _family_of_file(file: Path) -> str:
+    if file.suffix == ".json":
+        spec = json.loads(file.read_text(encoding="utf-8"))
+        added = {t.get("content") for t in spec.get("added_tokens") or []}
+        if "<|im_start|>" in added:
+            return "qwen2"
+        if "<|begin_of_text|>" in added:
+            return "llama3"
+        raise ValueError(f"{file}: neither a Qwen2 (<|im_start|>) nor a Llama 3 (<|begin_of_text|>) tokenizer.json")
+    from mtune.tokenizers.llama3 import is_tiktoken_file
+
+    if is_tiktoken_file(file):
+        return "llama3"
+    import sentencepiece
+
+    try:
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
+    except (RuntimeError, OSError) as err:
+        raise ValueError(f"{file}: neither a tiktoken rank file nor a sentencepiece model ({err})") from None
+    inst = sp.piece_to_id("[INST]")
+    return "mistral" if sp.id_to_piece(inst) == "[INST]" and sp.is_control(inst) else "llama2"

@@ -1,0 +1,110 @@
+"""Qwen2 / Qwen2.5 tokenizer: byte-level BPE from ``tokenizer.json`` (the `tokenizers` library), ChatML format::
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n
+    <|im_start|>assistant\\n{reply}<|im_end|>\\n
+
+When the conversation has no leading system message the official template adds one: Qwen2.5's
+"You are Qwen, created by Alibaba Cloud. You are a helpful assistant." (Qwen2's template says "You are a helpful
+assistant."; mtune reads which one from ``tokenizer_config.json`` beside ``tokenizer.json``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from mtune.tokenizers.base import Message, Tokenizer
+
+QWEN2_5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+QWEN2_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+def default_system_prompt(tokenizer_json: Path) -> str | None:
+    """The system prompt the model's own chat template adds, read from its tokenizer_config.json (Qwen2.5's when
+    the file or its template is missing; None when the template adds none)."""
+    config_path = tokenizer_json.parent / "tokenizer_config.json"
+    if not config_path.exists():
+        return QWEN2_5_SYSTEM_PROMPT
+    template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):  # a list of named templates: the default one counts
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if not template:
+        return QWEN2_5_SYSTEM_PROMPT
+    for prompt in (QWEN2_5_SYSTEM_PROMPT, QWEN2_SYSTEM_PROMPT):
+        if prompt in template:
+            return prompt
+    return None
+
+
+class Qwen2Tokenizer(Tokenizer):
+    """Qwen2 ``tokenizer.json``. ``bos_id`` is None (Qwen has none, ``add_bos`` adds nothing);
+    ``eos_id`` = ``pad_id`` = <|endoftext|>; ``end_of_turn_id`` = <|im_end|>;
+    ``stop_tokens`` = [<|endoftext|>, <|im_end|>]. ``system_prompt`` overrides the default system prompt
+    (``""`` or None for none)."""
+
+    family = "qwen2"
+    _UNSET = object()
+
+    def __init__(self, path: str | Path, max_seq_len: int | None = None, system_prompt=_UNSET):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        super().__init__([path], max_seq_len)
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        self._full = HFTokenizer.from_str(json.dumps(spec))
+        # Text is encoded by a copy without the added tokens, so "<|im_end|>" in a message stays text.
+        spec["added_tokens"] = []
+        self._text = HFTokenizer.from_str(json.dumps(spec))
+        ids = {}
+        for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+            ids[name] = self._full.token_to_id(name)
+            if ids[name] is None:
+                raise ValueError(f"{path}: no {name} token; this does not look like a Qwen2 tokenizer.json")
+        self.bos_id = None
+        self.eos_id = self.pad_id = ids["<|endoftext|>"]
+        self.im_start_id = ids["<|im_start|>"]
+        self.im_end_id = self.end_of_turn_id = ids["<|im_end|>"]
+        self.stop_tokens = [self.eos_id, self.im_end_id]
+        self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
+        self.system_prompt = default_system_prompt(path) if system_prompt is self._UNSET else (system_prompt or None)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._text.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _fingerprint_extra(self) -> str:
+        return f"system_prompt={self.system_prompt!r}"
+
+    def _turn(self, role: str, content: str | None) -> tuple[list[int], list[bool]]:
+        header = self.encode_text(f"{role}\n")
+        if content is None:  # generation prompt
+            return [self.im_start_id] + header, [False] * (1 + len(header))
+        # Header and content are one text between two control tokens, encoded together as the template's output
+        # is; a content starting with a newline can merge with the header's, and that token counts as header.
+        body = self.encode_text(f"{role}\n{content}")
+        n_header = 0
+        while n_header < min(len(header), len(body)) and header[n_header] == body[n_header]:
+            n_header += 1
+        newline = self.encode_text("\n")
+        tokens = [self.im_start_id] + body + [self.im_end_id] + newline
+        reply = role == "assistant"  # the reply and its <|im_end|>; not the newline after it
+        trained = [False] * (1 + n_header) + [reply] * (len(body) - n_header + 1) + [False] * len(newline)
+        return tokens, trained
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+        tokens: list[int] = []
+        trained: list[bool] = []
+        if messages[0].role != "system" and self.system_prompt is not None:
+            messages = [Message("system", self.system_prompt)] + list(messages)
+        for message in messages:
+            ids, mask = self._turn(message.role, message.content)
+            tokens += ids
+            trained += mask
+        if add_generation_prompt:
+            ids, mask = self._turn("assistant", None)
+            tokens += ids
+            trained += mask
+        return tokens, trained

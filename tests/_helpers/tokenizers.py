@@ -1,0 +1,270 @@
+"""Tiny tokenizers for tests, trained on the spot with the real libraries' trainers.
+
+Each ``write_*`` function writes a model directory the way it looks on the Hugging Face Hub (tokenizer files,
+``config.json``, ``tokenizer_config.json`` with the family's official chat template) and returns the vocabulary size
+so a tiny model built beside it can match. Files are cached per process: training takes ~0.1-0.5 s each.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from functools import lru_cache
+from pathlib import Path
+
+# The official chat templates, written out from the model cards' tokenizer_config.json (tool-calling branches of
+# the Qwen 2.5 and Mistral v0.3 templates left out: mtune renders system/user/assistant turns only).
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+LLAMA2_CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- set ns = namespace() %}{%- set ns.index = 0 %}{%- for message in loop_messages %}"
+    "{%- if (message['role'] == 'user') != (ns.index % 2 == 0) %}"
+    "{{- raise_exception('After the optional system message, conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{%- endif %}{%- set ns.index = ns.index + 1 %}{%- endfor %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token}}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an "
+    "initial optional system message!') }}{%- endif %}{%- endfor %}"
+)
+
+QWEN2_5_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2")
+
+_WORDS = (
+    "the model learns to follow instructions and answers questions about data training tokens memory "
+    "hardware fine tune recipe llama mistral qwen adapter rank weight gradient batch sequence chat user "
+    "assistant system hello world café naïve über 東京 数据 emoji 🙂 don't it's we're I'll they've"
+).split()
+
+
+def corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
+    """Deterministic mixed text: words, numbers, punctuation, non-ASCII, brackets like chat markup."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 14))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        if rng.random() < 0.2:
+            words.append(rng.choice(["[INST]", "<|eot_id|>", "<|im_end|>", "<s>", "(x)", "{y}", "a+b=c", "..."]))
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ":", ""]))
+    return lines
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+# ---------------------------------------------------------------------------------------------------- sentencepiece
+
+
+@lru_cache(maxsize=None)
+def _sentencepiece_model(variant: str) -> bytes:
+    import io
+
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    control = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+               "[/TOOL_RESULTS]"] if variant == "mistral" else []
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus()),
+        model_writer=out,
+        model_type="bpe",
+        vocab_size=500,
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        control_symbols=control,
+        # Llama 2 / Mistral's normalizer settings: text kept as-is, one dummy prefix space, digits split.
+        normalization_rule_name="identity",
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return out.getvalue()
+
+
+def write_llama2_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Llama 2 sentencepiece tokenizer (unk=0, bos=1, eos=2, byte fallback). Returns the vocab size."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "tokenizer.model").write_bytes(_sentencepiece_model("llama2"))
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": True, "chat_template": LLAMA2_CHAT_TEMPLATE,
+    })
+    _merge_config(model_dir, {"model_type": "llama", "bos_token_id": 1, "eos_token_id": 2, "vocab_size": 500})
+    return 500
+
+
+def write_mistral_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Mistral v3-style sentencepiece tokenizer: [INST]=3, [/INST]=4 ... as control pieces."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "tokenizer.model").write_bytes(_sentencepiece_model("mistral"))
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": False,
+        "additional_special_tokens": ["[INST]", "[/INST]"], "chat_template": MISTRAL_CHAT_TEMPLATE,
+    })
+    _merge_config(model_dir, {"model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2, "vocab_size": 500})
+    return 500
+
+
+# ----------------------------------------------------------------------------------------------- byte-level BPE
+
+
+@lru_cache(maxsize=None)
+def _byte_level_bpe(pattern: str, vocab_size: int) -> str:
+    """Train a byte-level BPE with `tokenizers`; returns its tokenizer.json (no added tokens)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    return tok.to_str()
+
+
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's printable stand-ins for bytes, as ByteLevel uses them.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(printable), 0
+    codes = list(printable)
+    for b in range(256):
+        if b not in printable:
+            codes.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(codes, chars)}
+
+
+LLAMA3_BASE_VOCAB = 512
+LLAMA3_NUM_SPECIAL = 256
+
+
+def write_llama3_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Llama 3 tokenizer: `original/tokenizer.model` as a tiktoken rank file (512 ranks, in the
+    `tokenizers` trainer's merge order) plus the 256 special tokens after it. Returns the vocab size (768)."""
+    model_dir = Path(model_dir)
+    vocab = json.loads(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB))["model"]["vocab"]
+    byte_of = _byte_decoder()
+    lines = []
+    for token, rank in sorted(vocab.items(), key=lambda kv: kv[1]):
+        raw = bytes(byte_of[ch] for ch in token)
+        lines.append(f"{base64.b64encode(raw).decode()} {rank}")
+    (model_dir / "original").mkdir(parents=True, exist_ok=True)
+    (model_dir / "original" / "tokenizer.model").write_text("\n".join(lines) + "\n")
+    vocab_size = LLAMA3_BASE_VOCAB + LLAMA3_NUM_SPECIAL
+    _write_json(model_dir / "tokenizer_config.json", {
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_CHAT_TEMPLATE,
+    })
+    _merge_config(model_dir, {"model_type": "llama", "bos_token_id": LLAMA3_BASE_VOCAB,
+                              "eos_token_id": LLAMA3_BASE_VOCAB + 9, "vocab_size": vocab_size})
+    return vocab_size
+
+
+QWEN2_BASE_VOCAB = 500
+QWEN2_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def write_qwen2_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Qwen2-style `tokenizer.json` (byte-level BPE, NFC, `<|endoftext|>`, `<|im_start|>`,
+    `<|im_end|>` added after a 500-token base). Returns the vocab size (503)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(_byte_level_bpe(QWEN2_PATTERN, QWEN2_BASE_VOCAB))
+    spec["normalizer"] = {"type": "NFC"}
+    spec["added_tokens"] = [
+        {"id": QWEN2_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i, t in enumerate(QWEN2_ADDED)
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": QWEN2_5_CHAT_TEMPLATE,
+    })
+    vocab_size = QWEN2_BASE_VOCAB + len(QWEN2_ADDED)
+    _merge_config(model_dir, {"model_type": "qwen2", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2,
+                              "vocab_size": vocab_size})
+    return vocab_size
+
+
+def _merge_config(model_dir: Path, fields: dict) -> None:
+    # A model helper may have written config.json already: keep its fields, only fill in missing ones.
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    for key, value in fields.items():
+        config.setdefault(key, value)
+    _write_json(path, config)
+
+
+_WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
+            "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer}
+
+
+def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
+    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2) to `model_dir`; returns its vocab size
+    (llama2/mistral 500, llama3 768, qwen2 503) so the model's embedding can match. An existing config.json keeps
+    its own fields (its `vocab_size` included)."""
+    if family not in _WRITERS:
+        raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")
+    return _WRITERS[family](model_dir)
+
