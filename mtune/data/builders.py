@@ -144,10 +144,14 @@ def text_completion_dataset(
     max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
 
     def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
-        tokens = tokenizer.encode(_text(row, columns, "text"), add_bos=True, add_eos=add_eos)
-        truncated = bool(max_seq_len) and len(tokens) > max_seq_len
-        if truncated:
-            tokens = tokens[:max_seq_len]
+        text = _text(row, columns, "text")
+        if hasattr(tokenizer, "encode_with_truncation"):  # mtune tokenizers: cut to max_seq_len, EOS kept
+            out = tokenizer.encode_with_truncation(text, add_bos=True, add_eos=add_eos, max_seq_len=max_seq_len)
+            tokens, truncated = out.tokens, out.truncated
+        else:
+            tokens = tokenizer.encode(text, add_bos=True, add_eos=add_eos)
+            truncated = bool(max_seq_len) and len(tokens) > max_seq_len
+            tokens = tokens[:max_seq_len] if truncated else tokens
         return tokens, tokens[1:] + [IGNORE_INDEX], truncated
 
     source_rows = load_source(source, data_files, split, revision, sample_by=sample_by, **load_kwargs)
@@ -196,22 +200,15 @@ def _message(message: Any, column: str, i: int) -> tuple[str, str]:
     return role, content
 
 
-def _message_type():
-    try:
-        from mtune.tokenizers.base import Message
-    except ImportError:  # TEMPORARY until mtune.tokenizers lands: anything with .role / .content
-        from collections import namedtuple
-
-        Message = namedtuple("Message", "role content")
-    return Message
-
-
 def _chat_converter(tokenizer, to_messages, train_on_input: bool, max_seq_len: int | None):
-    Message = _message_type()
+    from mtune.tokenizers.base import Message
 
     def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
         messages = [Message(role, content) for role, content in to_messages(row)]
-        out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len)
+        try:
+            out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len)
+        except ValueError as e:  # the chat format refuses this conversation (e.g. roles that do not alternate)
+            raise RowError(str(e)) from None
         trained = [True] * len(out.tokens) if train_on_input else out.trained
         return out.tokens, labels_from_mask(out.tokens, trained), out.truncated
 

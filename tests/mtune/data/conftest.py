@@ -1,6 +1,6 @@
 import pytest
 
-from tests._helpers.data import ByteChatTokenizer
+from tests._helpers.data import tiny_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -8,6 +8,7 @@ def _cache_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("MTUNE_CACHE_DIR", str(tmp_path / "mtune-cache"))
 
 
-@pytest.fixture
-def tok():
-    return ByteChatTokenizer(max_seq_len=64)
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """The tiny Llama 3 tokenizer (tiktoken), max_seq_len 64."""
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
