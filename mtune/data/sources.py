@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from mtune.data.common import DataError
 
@@ -38,7 +38,7 @@ class RowSource:
 
 def load_source(
     source: str,
-    data_files: str | list[str] | dict[str, Any] | None = None,
+    data_files: str | list[str] | Mapping[str, Any] | None = None,
     split: str = "train",
     revision: str | None = None,
     sample_by: str = "line",
@@ -55,7 +55,7 @@ def load_source(
     """
     if sample_by not in SAMPLE_BY:
         raise DataError(f"sample_by={sample_by!r}: expected one of {', '.join(SAMPLE_BY)}")
-    if isinstance(data_files, dict):
+    if isinstance(data_files, Mapping):  # {split: files}, as datasets.load_dataset takes (a DictConfig too)
         if split not in data_files:
             raise DataError(f"data_files has no split {split!r} (splits: {', '.join(map(str, data_files))})")
         data_files = data_files[split]

@@ -108,3 +108,15 @@ def test_missing_file_and_unknown_suffix(tok, tmp_path):
     (tmp_path / "x.xml").write_text("<a/>")
     with pytest.raises(DataError, match=r"x\.xml: unknown file type '\.xml'"):
         instruct_dataset(tok, str(tmp_path / "x.xml"))
+
+
+def test_config_node_arguments(tok, tmp_path):
+    """A builder called with OmegaConf nodes, as instantiate(cfg.dataset, tokenizer=tok) does."""
+    from omegaconf import OmegaConf
+
+    path = write_rows([{"q": r["instruction"], "a": r["output"]} for r in ALPACA_ROWS], tmp_path / "qa.jsonl")
+    cfg = OmegaConf.create({"source": "json", "data_files": {"train": [str(path)]},
+                            "column_map": {"instruction": "q", "output": "a"}})
+    ds = instruct_dataset(tok, cfg.source, data_files=cfg.data_files, column_map=cfg.column_map)
+    plain = instruct_dataset(tok, str(path), column_map={"instruction": "q", "output": "a"})
+    assert len(ds) == len(ALPACA_ROWS) and ds[0] == plain[0]
