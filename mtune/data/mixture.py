@@ -49,7 +49,9 @@ def mixture_dataset(
         sample_index = [j for d in sources for j in range(len(d))]
     else:
         if len(weights) != len(sources) or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise DataError(f"mixture_dataset: weights must be {len(sources)} non-negative numbers, got {list(weights)}")
+            raise DataError(
+                f"mixture_dataset: weights must be {len(sources)} non-negative numbers, got {list(weights)}"
+            )
         total = num_samples or sum(len(d) for d in sources)
         counts = _apportion(total, weights)
         generator = torch.Generator().manual_seed(seed)

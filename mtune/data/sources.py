@@ -141,7 +141,9 @@ def _read_json(path: Path, sample_by: str) -> Iterator[Row]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {lineno}: malformed JSON ({e.msg}); each line must be one JSON object") from None
+            raise DataError(
+                f"{path} line {lineno}: malformed JSON ({e.msg}); each line must be one JSON object"
+            ) from None
         yield _object(row, f"{path} line {lineno}", first)
         first = False
 

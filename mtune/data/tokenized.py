@@ -18,7 +18,9 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from mtune.data.common import IGNORE_INDEX, DataError, barrier, cache_dir, is_local_main_process, is_main_process, log
+from mtune.data.common import (
+    IGNORE_INDEX, DataError, barrier, cache_dir, is_local_main_process, is_main_process, log,
+)
 from mtune.data.packing import pack_samples
 from mtune.data.sources import RowSource
 
@@ -156,7 +158,8 @@ def _build(tokenizer, source: RowSource, row_to_sample: RowToSample, max_seq_len
         stats.update(pack_stats)
     lengths = torch.tensor([0] + [len(t) for t in fields["tokens"]], dtype=torch.int64)
     return {
-        "fields": {k: torch.tensor(list(itertools.chain.from_iterable(v)), dtype=torch.int32) for k, v in fields.items()},
+        "fields": {k: torch.tensor(list(itertools.chain.from_iterable(v)), dtype=torch.int32)
+                   for k, v in fields.items()},
         "offsets": torch.cumsum(lengths, 0),
         "stats": stats,
     }

@@ -81,3 +81,13 @@ def test_truncations_are_counted_and_logged_once(tok, tmp_path, caplog):
     assert ds.stats["truncated"] == expected and max(len(ds[i]["tokens"]) for i in range(len(ds))) == 40
     lines = [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()]
     assert len(lines) == 1 and f"{expected} truncated to max_seq_len=40" in lines[0]
+
+
+def test_conversation_the_chat_format_refuses_names_the_row(tmp_path):
+    from mtune.data import DataError
+
+    llama2 = tiny_tokenizer(tmp_path, "llama2")
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}]
+    with pytest.raises(DataError, match=r"c\.jsonl line 2: Llama 2 chat format: message 1 has role 'user'"):
+        chat_dataset(llama2, str(write_rows(rows, tmp_path / "c.jsonl")))
