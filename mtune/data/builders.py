@@ -20,6 +20,7 @@ from typing import Any
 from mtune.data.common import IGNORE_INDEX, DataError
 from mtune.data.sources import load_source
 from mtune.data.tokenized import MissingColumn, RowError, TokenizedDataset, build_tokenized, labels_from_mask
+from mtune.tokenizers.base import Message
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
@@ -201,8 +202,6 @@ def _message(message: Any, column: str, i: int) -> tuple[str, str]:
 
 
 def _chat_converter(tokenizer, to_messages, train_on_input: bool, max_seq_len: int | None):
-    from mtune.tokenizers.base import Message
-
     def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
         messages = [Message(role, content) for role, content in to_messages(row)]
         try:
