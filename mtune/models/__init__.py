@@ -1,0 +1,63 @@
+"""Model families: one arguments dataclass and a table of named sizes each; :func:`build_model` builds any of them.
+
+Family names are those of the config folders (``llama2``, ``llama3``, ``llama3_1``, ``llama3_2``, ``llama3_3``,
+``qwen2``, ``qwen2_5``, ``mistral``, and ``tiny``, which is Llama 3.1's tiny size).
+"""
+
+import torch
+
+from mtune.models.llama2 import LLAMA2_SIZES, Llama2Args
+from mtune.models.llama3 import LLAMA3_1_SIZES, LLAMA3_2_SIZES, LLAMA3_3_SIZES, LLAMA3_SIZES, Llama3Args
+from mtune.models.mistral import MISTRAL_SIZES, MistralArgs
+from mtune.models.qwen2 import QWEN2_5_SIZES, QWEN2_SIZES, Qwen2Args
+from mtune.modules.transformer import DecoderArgs, TransformerDecoder
+
+# family name -> (arguments dataclass, sizes)
+FAMILIES: dict[str, tuple[type[DecoderArgs], dict[str, dict]]] = {
+    "llama2": (Llama2Args, LLAMA2_SIZES),
+    "llama3": (Llama3Args, LLAMA3_SIZES),
+    "llama3_1": (Llama3Args, LLAMA3_1_SIZES),
+    "llama3_2": (Llama3Args, LLAMA3_2_SIZES),
+    "llama3_3": (Llama3Args, LLAMA3_3_SIZES),
+    "qwen2": (Qwen2Args, QWEN2_SIZES),
+    "qwen2_5": (Qwen2Args, QWEN2_5_SIZES),
+    "mistral": (MistralArgs, MISTRAL_SIZES),
+    "tiny": (Llama3Args, {"tiny": LLAMA3_1_SIZES["tiny"]}),
+}
+
+ARGS_BY_FAMILY = {"llama2": Llama2Args, "llama3": Llama3Args, "qwen2": Qwen2Args, "mistral": MistralArgs}
+
+
+def model_args(family: str, size: str = "tiny", **overrides) -> DecoderArgs:
+    """The arguments of a named size, e.g. ``model_args("llama3_1", "8B")``; ``overrides`` replace fields."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    args_cls, sizes = FAMILIES[family]
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r} for family {family!r}; choose one of {list(sizes)}")
+    return args_cls(**{**sizes[size], **overrides})
+
+
+def build_model_from_args(
+    args: DecoderArgs, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> TransformerDecoder:
+    """Build a decoder on the meta device; with ``device``, materialise it there and initialise it randomly."""
+    with torch.device("meta"):
+        model = TransformerDecoder(args)
+    if dtype is not None:
+        model.to(dtype)
+    if device is not None and torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+def build_model(
+    family: str, size: str = "tiny", device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    **overrides,
+) -> TransformerDecoder:
+    """Build ``family``/``size`` (on meta unless ``device`` is given; then with random weights from torch's RNG)."""
+    return build_model_from_args(model_args(family, size, **overrides), device=device, dtype=dtype)
+
+
+__all__ = ["FAMILIES", "ARGS_BY_FAMILY", "model_args", "build_model", "build_model_from_args", "DecoderArgs"]

@@ -1,0 +1,214 @@
+"""Dataset builders: the `_component_`s a config's `dataset:` node names, called as
+`instantiate(cfg.dataset, tokenizer=tok)`.
+
+Each reads rows with `load_source`, turns a row into chat messages (or plain text), tokenizes every row up front
+with the tokenizer's own chat format and returns a `TokenizedDataset`. Common arguments:
+
+- `source`, `data_files`, `split`, `revision`, extra keyword arguments: where the rows come from (see
+  `mtune.data.sources.load_source`);
+- `column_map`: `{builder's column name: the data's column name}`, e.g. `{instruction: prompt, output: answer}`;
+- `train_on_input` (default false): when false only assistant replies are trained on;
+- `max_seq_len`: truncation / pack length (default: the tokenizer's `max_seq_len`);
+- `packed`: pack samples into sequences of `max_seq_len` (see `mtune.data.packing`);
+- `cache`: keep the tokenized result on disk for the next run (default true).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtune.data.common import IGNORE_INDEX, DataError
+from mtune.data.sources import load_source
+from mtune.data.tokenized import MissingColumn, RowError, TokenizedDataset, build_tokenized, labels_from_mask
+from mtune.tokenizers.base import Message
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def instruct_dataset(
+    tokenizer,
+    source: str,
+    *,
+    column_map: dict[str, str] | None = None,
+    system_prompt: str | None = None,
+    train_on_input: bool = False,
+    max_seq_len: int | None = None,
+    packed: bool = False,
+    cache: bool = True,
+    data_files: Any = None,
+    split: str = "train",
+    revision: str | None = None,
+    **load_kwargs: Any,
+) -> TokenizedDataset:
+    """Instruction data (Alpaca columns `instruction`, `input` (optional), `output` by default).
+
+    Each row becomes a user message (`instruction`, then a blank line and `input` when it is not empty) and an
+    assistant message (`output`), after an optional system message `system_prompt`.
+    """
+    columns = _column_map(column_map, ("instruction", "input", "output"))
+
+    def to_messages(row: dict[str, Any]) -> list[tuple[str, str]]:
+        instruction = _text(row, columns, "instruction")
+        extra = _text(row, columns, "input", required=False)
+        messages = [("system", system_prompt)] if system_prompt else []
+        messages.append(("user", f"{instruction}\n\n{extra}" if extra else instruction))
+        messages.append(("assistant", _text(row, columns, "output")))
+        return messages
+
+    settings = {"columns": columns, "system_prompt": system_prompt, "train_on_input": train_on_input}
+    source_rows = load_source(source, data_files, split, revision, **load_kwargs)
+    max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
+    convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len)
+    return build_tokenized(
+        tokenizer, source_rows, convert, name="instruct", settings=settings, max_seq_len=max_seq_len,
+        packed=packed, cache=cache,
+    )
+
+
+def alpaca_dataset(tokenizer, source: str = "tatsu-lab/alpaca", **kwargs: Any) -> TokenizedDataset:
+    """The Alpaca data set (or any file with its columns): `instruct_dataset` with the hub's `tatsu-lab/alpaca`
+    as the default source."""
+    return instruct_dataset(tokenizer, source, **kwargs)
+
+
+def chat_dataset(
+    tokenizer,
+    source: str,
+    *,
+    column_map: dict[str, str] | None = None,
+    system_prompt: str | None = None,
+    train_on_input: bool = False,
+    max_seq_len: int | None = None,
+    packed: bool = False,
+    cache: bool = True,
+    data_files: Any = None,
+    split: str = "train",
+    revision: str | None = None,
+    **load_kwargs: Any,
+) -> TokenizedDataset:
+    """Multi-turn conversations, OpenAI style (a `messages` column of `{role, content}` with roles system / user /
+    assistant) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system).
+
+    The column is found by name (`messages`, else `conversations`; `column_map: {messages: <column>}` names
+    another); each message's style is recognised by its keys. `system_prompt` replaces the data's system messages.
+    """
+    columns = _column_map(column_map, ("messages", "conversations"))
+
+    def to_messages(row: dict[str, Any]) -> list[tuple[str, str]]:
+        # The column the user mapped, else whichever of `messages` / `conversations` the row has.
+        mapped = [name for name in ("messages", "conversations") if name in (column_map or {})]
+        found = mapped or [name for name in ("messages", "conversations") if row.get(name) is not None]
+        column = columns[found[0]] if found else "messages"
+        if row.get(column) is None:
+            raise MissingColumn(found[0] if found else "messages", column)
+        conversation = row[column]
+        if not isinstance(conversation, list) or not conversation:
+            raise RowError(f"column {column!r} must be a non-empty list of messages")
+        messages = [("system", system_prompt)] if system_prompt else []
+        for i, message in enumerate(conversation):
+            role, content = _message(message, column, i)
+            if not (system_prompt and role == "system"):
+                messages.append((role, content))
+        return messages
+
+    settings = {"columns": columns, "column_map": column_map, "system_prompt": system_prompt,
+                "train_on_input": train_on_input}
+    source_rows = load_source(source, data_files, split, revision, **load_kwargs)
+    max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
+    convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len)
+    return build_tokenized(
+        tokenizer, source_rows, convert, name="chat", settings=settings, max_seq_len=max_seq_len,
+        packed=packed, cache=cache,
+    )
+
+
+def text_completion_dataset(
+    tokenizer,
+    source: str,
+    *,
+    column_map: dict[str, str] | None = None,
+    add_eos: bool = True,
+    max_seq_len: int | None = None,
+    packed: bool = False,
+    cache: bool = True,
+    data_files: Any = None,
+    split: str = "train",
+    revision: str | None = None,
+    sample_by: str = "line",
+    **load_kwargs: Any,
+) -> TokenizedDataset:
+    """Plain text for continued pre-training: the `text` column (or `column_map: {text: <column>}`), or `.txt`
+    files split per line (default), per blank-line paragraph or per file (`sample_by`). Every token is trained on;
+    a text longer than `max_seq_len` is cut (and counted)."""
+    columns = _column_map(column_map, ("text",))
+    max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
+
+    def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
+        text = _text(row, columns, "text")
+        if hasattr(tokenizer, "encode_with_truncation"):  # mtune tokenizers: cut to max_seq_len, EOS kept
+            out = tokenizer.encode_with_truncation(text, add_bos=True, add_eos=add_eos, max_seq_len=max_seq_len)
+            tokens, truncated = out.tokens, out.truncated
+        else:
+            tokens = tokenizer.encode(text, add_bos=True, add_eos=add_eos)
+            truncated = bool(max_seq_len) and len(tokens) > max_seq_len
+            tokens = tokens[:max_seq_len] if truncated else tokens
+        return tokens, tokens[1:] + [IGNORE_INDEX], truncated
+
+    source_rows = load_source(source, data_files, split, revision, sample_by=sample_by, **load_kwargs)
+    return build_tokenized(
+        tokenizer, source_rows, convert, name="text", settings={"columns": columns, "add_eos": add_eos},
+        max_seq_len=max_seq_len, packed=packed, cache=cache,
+    )
+
+
+def _column_map(column_map: dict[str, str] | None, names: tuple[str, ...]) -> dict[str, str]:
+    column_map = dict(column_map or {})
+    unknown = sorted(set(column_map) - set(names))
+    if unknown:
+        raise DataError(
+            f"column_map: {', '.join(map(repr, unknown))} is not a column this dataset reads; its keys are the "
+            f"dataset's names ({', '.join(names)}) and its values the data's columns"
+        )
+    return {name: str(column_map.get(name, name)) for name in names}
+
+
+def _text(row: dict[str, Any], columns: dict[str, str], role: str, required: bool = True) -> str:
+    column = columns[role]
+    value = row.get(column)
+    if value is None:
+        if required:
+            raise MissingColumn(role, column)
+        return ""
+    if not isinstance(value, str):
+        raise RowError(f"column {column!r} must be text, got {type(value).__name__}")
+    return value
+
+
+def _message(message: Any, column: str, i: int) -> tuple[str, str]:
+    if isinstance(message, dict) and "role" in message:  # OpenAI style
+        role, content = message["role"], message.get("content")
+        if role not in ROLES:
+            raise RowError(f"{column}[{i}]: role {role!r} is not one of {', '.join(ROLES)}")
+    elif isinstance(message, dict) and "from" in message:  # ShareGPT style
+        role, content = SHAREGPT_ROLES.get(message["from"]), message.get("value")
+        if role is None:
+            raise RowError(f"{column}[{i}]: from={message['from']!r} is not one of {', '.join(SHAREGPT_ROLES)}")
+    else:
+        raise RowError(f"{column}[{i}]: a message needs role/content (OpenAI) or from/value (ShareGPT) keys")
+    if not isinstance(content, str):
+        raise RowError(f"{column}[{i}]: content must be text, got {type(content).__name__}")
+    return role, content
+
+
+def _chat_converter(tokenizer, to_messages, train_on_input: bool, max_seq_len: int | None):
+    def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
+        messages = [Message(role, content) for role, content in to_messages(row)]
+        try:
+            out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len)
+        except ValueError as e:  # the chat format refuses this conversation (e.g. roles that do not alternate)
+            raise RowError(str(e)) from None
+        trained = [True] * len(out.tokens) if train_on_input else out.trained
+        return out.tokens, labels_from_mask(out.tokens, trained), out.truncated
+
+    return convert

@@ -1,0 +1,58 @@
+"""Grouped-query self-attention."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtune.modules.kv_cache import KVCache
+from mtune.modules.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with grouped key/value heads (GQA), through ``scaled_dot_product_attention``.
+
+    ``n_heads`` query heads share ``n_kv_heads`` key/value heads (``n_heads % n_kv_heads == 0``); ``n_kv_heads ==
+    n_heads`` is plain multi-head attention.
+
+    Args:
+        dim: model width.
+        n_heads, n_kv_heads, head_dim: head layout; ``q_proj`` is ``[n_heads * head_dim, dim]``.
+        qkv_bias: give ``q_proj``, ``k_proj``, ``v_proj`` a bias (Qwen2).
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False) -> None:
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend ``x`` ``[b, s, dim]`` to itself.
+
+        Args:
+            cos, sin: rotary tables ``[b, s, head_dim]``.
+            mask: boolean ``[b, 1, s, kv_len]`` (True = may attend), or ``None`` for plain causal attention.
+            cache_pos: LongTensor ``[s]``: cache slots of these tokens when a KV cache is set up.
+        """
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(cache_pos, k, v)
+        gqa = self.n_kv_heads != self.n_heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -1,0 +1,208 @@
+"""The decoder-only transformer shared by every family (Llama 2/3, Mistral, Qwen2).
+
+Module names are Hugging Face's (``embed_tokens``, ``layers[i].self_attn.q_proj``, ``lm_head``...), so checkpoints
+map by stripping ``model.`` and adapters target modules by their HF names.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from mtune.modules.attention import Attention
+from mtune.modules.feed_forward import FeedForward
+from mtune.modules.kv_cache import KVCache
+from mtune.modules.rms_norm import RMSNorm
+from mtune.modules.rotary import RotaryEmbedding
+
+
+@dataclass
+class DecoderArgs:
+    """Hyper-parameters of a decoder. Each family subclasses this with its own defaults."""
+
+    family: ClassVar[str] = "decoder"
+
+    vocab_size: int = 32000
+    """Rows of ``embed_tokens`` and ``lm_head``."""
+    dim: int = 4096
+    """Model width (``hidden_size``)."""
+    n_layers: int = 32
+    """Number of blocks (``num_hidden_layers``)."""
+    n_heads: int = 32
+    """Query heads (``num_attention_heads``)."""
+    n_kv_heads: int = 32
+    """Key/value heads (``num_key_value_heads``); fewer than ``n_heads`` is grouped-query attention."""
+    head_dim: int | None = None
+    """Per-head width; ``None`` means ``dim // n_heads``."""
+    intermediate_dim: int = 11008
+    """SwiGLU hidden width (``intermediate_size``)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (``rms_norm_eps``)."""
+    rope_theta: float = 10000.0
+    """RoPE base wavelength."""
+    rope_scaling: dict | None = None
+    """``None``, or Llama 3.1's ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}``."""
+    max_seq_len: int = 4096
+    """Longest context the model was trained for (``max_position_embeddings``)."""
+    tie_embeddings: bool = False
+    """``lm_head`` shares its weight with ``embed_tokens`` (``tie_word_embeddings``)."""
+    qkv_bias: bool = False
+    """``q_proj``, ``k_proj``, ``v_proj`` carry a bias (Qwen2; Llama's ``attention_bias``)."""
+    sliding_window: int | None = None
+    """Each token attends to at most this many tokens (itself included); ``None`` for full attention."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
+
+    Called with tensors only (``block(x, cos, sin, mask, cache_pos)``), so activation checkpointing, ``compile`` and
+    FSDP can wrap it unchanged.
+    """
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qkv_bias)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args.dim, args.intermediate_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TransformerDecoder(nn.Module):
+    """Token embedding, ``n_layers`` blocks, final norm and output projection.
+
+    Build on the meta device and materialise later to avoid allocating weights twice::
+
+        with torch.device("meta"):
+            model = TransformerDecoder(args)
+        model.to_empty(device="cuda"); model.init_weights()   # or load a checkpoint into it
+    """
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
+        self._next_pos = 0  # decoding position while caches are enabled
+        self.tie_weights()
+
+    # ---------------------------------------------------------------- weights
+    def tie_weights(self) -> None:
+        """Share ``embed_tokens.weight`` with ``lm_head`` when ``args.tie_embeddings`` (re-run after assigning)."""
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random initialisation (normal(0, std) weights, zero biases, unit norms), e.g. after ``to_empty``."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        self.tie_weights()
+
+    # ----------------------------------------------------------------- caches
+    def setup_caches(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate a KV cache per layer for generation; positions then continue from the last call."""
+        param = self.embed_tokens.weight
+        dtype = dtype or param.dtype
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, dtype, param.device)
+        self._next_pos = 0
+
+    def caches_are_enabled(self) -> bool:
+        return self.layers[0].self_attn.kv_cache is not None
+
+    def reset_caches(self) -> None:
+        """Empty the caches (keeping them allocated) so the next call starts at position 0."""
+        for layer in self.layers:
+            if layer.self_attn.kv_cache is not None:
+                layer.self_attn.kv_cache.reset()
+        self._next_pos = 0
+
+    def remove_caches(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.kv_cache = None
+        self._next_pos = 0
+
+    # ---------------------------------------------------------------- forward
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``[b, s, vocab]`` in the model's dtype (or hidden states ``[b, s, dim]`` with ``return_hidden``).
+
+        Args:
+            tokens: LongTensor ``[b, s]``. Right padding needs no mask: attention is causal.
+            input_pos: LongTensor ``[b, s]``, each token's position within its own document (packed batches), or
+                its absolute position when decoding with a cache. Default ``0..s-1`` (continuing from the previous
+                call when caches are enabled).
+            document_ids: LongTensor ``[b, s]`` for packed sequences: a token attends only to earlier tokens with
+                the same id.
+            return_hidden: return the final-norm hidden states, for losses that apply ``lm_head`` chunk by chunk.
+        """
+        b, s = tokens.shape
+        caching = self.caches_are_enabled()
+        if input_pos is None:
+            start = self._next_pos if caching else 0
+            input_pos = torch.arange(start, start + s, device=tokens.device).expand(b, s)
+        h = self.embed_tokens(tokens)
+        cos, sin = self.rope(input_pos, h.dtype)
+        mask, cache_pos = self._mask(input_pos, document_ids, caching)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, cache_pos)
+        if caching:
+            self._next_pos = int(input_pos[0, -1]) + 1
+        h = self.norm(h)
+        return h if return_hidden else self.lm_head(h)
+
+    def _mask(self, input_pos, document_ids, caching) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Boolean attention mask ``[b, 1, s, kv_len]`` (None means SDPA's causal fast path) and cache slots."""
+        window = self.args.sliding_window
+        if caching:
+            if document_ids is not None:
+                raise ValueError("document_ids (packed sequences) cannot be combined with a KV cache")
+            cache_len = self.layers[0].self_attn.kv_cache.k.shape[2]
+            q_pos = input_pos[:, None, :, None]
+            k_pos = torch.arange(cache_len, device=input_pos.device)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask = mask & (k_pos > q_pos - window)
+            return mask, input_pos[0]
+        s = input_pos.shape[1]
+        if document_ids is None and (window is None or s <= window):
+            return None, None
+        idx = torch.arange(s, device=input_pos.device)
+        mask = idx[None, :] <= idx[:, None]
+        if window is not None and s > window:
+            mask = mask & (idx[None, :] > idx[:, None] - window)
+        mask = mask[None, None]
+        if document_ids is not None:
+            mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+        return mask, None

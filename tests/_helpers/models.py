@@ -1,0 +1,64 @@
+"""Tiny random Hugging Face model directories, written with transformers itself (the oracle for mtune's models)."""
+
+from pathlib import Path
+
+import torch
+
+# Shapes match mtune's ``tiny`` sizes: NF4-friendly (every linear's numel divisible by 32768), GQA 4/2 heads.
+_TINY = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+)
+_LLAMA3_SCALING = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64,
+)
+FAMILY_CONFIGS = {
+    "llama2": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=10000.0)),
+    "llama3_1": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING)),
+    "llama3_2": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+                                     tie_word_embeddings=True)),
+    "qwen2_5": ("Qwen2Config", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=8)),
+}
+
+
+def tiny_hf_config(family: str, **overrides):
+    """A transformers config of the tiny shape for ``family`` (one of ``FAMILY_CONFIGS``)."""
+    import transformers
+
+    cls_name, extra = FAMILY_CONFIGS[family]
+    kwargs = {**_TINY, **extra, **overrides}
+    if "rope_theta" in kwargs and hasattr(transformers, "LlamaConfig"):
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        params = dict(kwargs.pop("rope_scaling", None) or {"rope_type": "default"})
+        params["rope_theta"] = kwargs.pop("rope_theta")
+        kwargs["rope_parameters"] = params
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def tiny_hf_model(family: str, seed: int = 0, **overrides):
+    """A seeded random transformers ``*ForCausalLM`` of the tiny shape, fp32, eager attention, in eval mode."""
+    import transformers
+
+    config = tiny_hf_config(family, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random norms and biases too, so parity checks cover them (they start as ones / zeros).
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
+    return model.eval()
+
+
+def write_tiny_hf_model(tmp_dir, family: str, sharded: bool = False, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random model of ``family`` with ``save_pretrained`` into ``tmp_dir/<family>``; return the path.
+
+    ``sharded=True`` splits the weights into several safetensors files with a ``model.safetensors.index.json``.
+    """
+    model = tiny_hf_model(family, seed=seed, **overrides)
+    out = Path(tmp_dir) / family
+    model.save_pretrained(out, max_shard_size="1MB" if sharded else "1GB")
+    model.generation_config.save_pretrained(out)
+    return out

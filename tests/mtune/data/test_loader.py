@@ -1,0 +1,123 @@
+"""The loader: deterministic order, disjoint rank shares, exact resume (also onto another world size); collation;
+mixtures."""
+
+import pytest
+import torch
+
+from mtune.data import (IGNORE_INDEX, DataError, build_dataloader, collate_padded, instruct_dataset,
+                        mixture_dataset, text_completion_dataset)
+from tests._helpers.data import ALPACA_ROWS, write_rows
+
+
+@pytest.fixture
+def text_path(tmp_path):
+    (tmp_path / "t.txt").write_text("\n".join(f"sample {i} " + "x " * (i % 7) for i in range(50)))
+    return str(tmp_path / "t.txt")
+
+
+@pytest.fixture(params=["shuffled", "packed"])
+def dataset(request, tok, text_path):
+    packed = request.param == "packed"
+    return text_completion_dataset(tok, text_path, max_seq_len=24 if packed else 64, packed=packed)
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def take(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def test_resume_single_process_across_epochs(dataset):
+    loader = build_dataloader(dataset, batch_size=2, seed=7)
+    per_epoch = len(loader)
+    assert per_epoch == len(dataset) // 2
+    uninterrupted = [b for epoch in range(2) for b in (loader.set_epoch(epoch) or list(loader))]
+    assert not same(uninterrupted[0], uninterrupted[per_epoch])  # each epoch has its own permutation
+    for k in (3, per_epoch - 1, per_epoch + 2):
+        run = build_dataloader(dataset, batch_size=2, seed=7)
+        seen = []
+        for epoch in range(2):
+            run.set_epoch(epoch)
+            for batch in run:
+                seen.append(batch)
+                if len(seen) == k:
+                    break
+            if len(seen) == k:
+                break
+        state = run.state_dict()
+        resumed = build_dataloader(dataset, batch_size=2, seed=7)
+        resumed.load_state_dict(state)
+        rest = []
+        for epoch in range(state["epoch"], 2):  # the recipe's epoch loop, restarted from the saved epoch
+            resumed.set_epoch(epoch)
+            rest.extend(resumed)
+        assert len(seen) + len(rest) == len(uninterrupted)
+        assert all(same(a, b) for a, b in zip(seen + rest, uninterrupted))
+
+
+def test_two_ranks_share_each_global_batch_and_resume(dataset):
+    order = build_dataloader(dataset, batch_size=4, seed=3).global_order(0)
+
+    def rank_loader(rank, world_size=2, collate_fn=list):  # list: batches as the samples themselves
+        return build_dataloader(dataset, batch_size=2, seed=3, rank=rank, world_size=world_size,
+                                collate_fn=collate_fn)
+
+    assert len(rank_loader(0)) == len(rank_loader(1)) == len(dataset) // 4
+    full = [list(rank_loader(r)) for r in range(2)]
+    # Rank r's batch k is the r-th half of global batch k: disjoint shares that together are the global order.
+    for k, (b0, b1) in enumerate(zip(*full)):
+        assert b0 + b1 == [dataset[i] for i in order[4 * k: 4 * k + 4]]
+    ranks = [rank_loader(r) for r in range(2)]
+    first = [take(r, 3) for r in ranks]
+    states = [r.state_dict() for r in ranks]
+    assert states[0] == states[1] == {"epoch": 0, "consumed": 12, "num_samples": len(dataset), "seed": 3,
+                                      "shuffle": 1}
+    for r in range(2):
+        resumed = rank_loader(r, collate_fn=None)  # default collation, compared as tensors
+        resumed.load_state_dict(states[r])
+        expected = list(rank_loader(r, collate_fn=None))[3:]
+        assert len(expected) > 0 and all(same(a, b) for a, b in zip(list(resumed), expected, strict=True))
+    # From 2 ranks to 1: the single process continues where the pair of ranks stopped in the global order.
+    one = rank_loader(0, world_size=1)
+    one.load_state_dict(states[0])
+    assert list(one) == list(rank_loader(0, world_size=1))[6:]
+
+
+def test_bad_state_and_too_small_dataset(dataset):
+    loader = build_dataloader(dataset, batch_size=2, seed=0)
+    with pytest.raises(DataError, match="saved with seed=1, this run has seed=0"):
+        loader.load_state_dict(dict(loader.state_dict(), seed=1))
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        build_dataloader(dataset, batch_size=len(dataset), seed=0, world_size=2)
+
+
+def test_collate_pads_right_to_a_multiple():
+    batch = [{"tokens": [5, 6, 7], "labels": [6, 7, -100]}, {"tokens": [9], "labels": [-100]}]
+    out = collate_padded(batch, pad_id=0, pad_to_multiple_of=8)
+    assert out["tokens"].dtype == torch.long and out["tokens"].shape == (2, 8)
+    assert out["tokens"][1].tolist() == [9] + [0] * 7
+    assert out["labels"][0].tolist() == [6, 7, -100] + [IGNORE_INDEX] * 5
+    assert collate_padded(batch, pad_id=0)["tokens"].shape == (2, 3)
+
+
+def test_mixture_weights_and_concatenation(tok, tmp_path, text_path):
+    instruct = {"_component_": "mtune.data.instruct_dataset",
+                "source": str(write_rows(ALPACA_ROWS, tmp_path / "a.jsonl"))}
+    text = text_completion_dataset(tok, text_path)
+    concat = mixture_dataset(tok, [instruct, text])
+    assert len(concat) == len(ALPACA_ROWS) + 50 and concat[len(ALPACA_ROWS)] == text[0]
+    mixed = mixture_dataset(tok, [instruct, text], weights=[3, 1], num_samples=401, seed=0)
+    # Over an epoch of the shuffled loader every mixture index appears once, so the shares are the weights, exact to
+    # one sample (largest-remainder rounding): 401 * 3/4 = 300.75 -> 301 instruction samples, 100 text.
+    # Chat-rendered samples start <|begin_of_text|><|start_header_id|>; text samples start with a text token.
+    epoch = [s for batch in build_dataloader(mixed, batch_size=4, seed=0, drop_last=False, collate_fn=list)
+             for s in batch]
+    from_instruct = sum(s["tokens"][1] == tok.start_header_id for s in epoch)
+    assert (len(epoch), from_instruct) == (401, 301)
+    assert set(mixed.sample_index[i] for i in range(401) if mixed.source_index[i] == 0) == set(range(6))
+    packed = text_completion_dataset(tok, text_path, max_seq_len=32, packed=True)
+    with pytest.raises(DataError, match="mix packed and unpacked"):
+        mixture_dataset(tok, [text, packed])

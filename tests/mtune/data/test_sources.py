@@ -1,0 +1,122 @@
+"""Every supported source gives the same samples; bad data gives a one-line error naming file, row and column."""
+
+import json
+import sys
+
+import pytest
+
+from mtune.data import DataError, chat_dataset, instruct_dataset, text_completion_dataset
+from tests._helpers.data import ALPACA_ROWS, write_rows
+
+
+def samples(ds):
+    return [ds[i] for i in range(len(ds))]
+
+
+def test_every_format_gives_the_same_samples(tok, tmp_path):
+    reference = samples(instruct_dataset(tok, "json", data_files=str(write_rows(ALPACA_ROWS, tmp_path / "a.jsonl"))))
+    assert len(reference) == len(ALPACA_ROWS)
+    sources = {
+        "json array": dict(source=str(write_rows(ALPACA_ROWS, tmp_path / "b.json"))),
+        "parquet": dict(source=str(write_rows(ALPACA_ROWS, tmp_path / "c.parquet"))),
+        "csv by format name": dict(source="csv", data_files=str(write_rows(ALPACA_ROWS, tmp_path / "d.csv"))),
+        "list of files": dict(source="json", data_files=[str(write_rows(ALPACA_ROWS[:2], tmp_path / "l/1.json")),
+                                                         str(write_rows(ALPACA_ROWS[2:], tmp_path / "l/2.jsonl"))]),
+        "directory of mixed files": dict(source=str(tmp_path / "l")),
+        "split dict + glob": dict(source="parquet", data_files={"train": [str(tmp_path / "c*.parquet")]}),
+    }
+    for name, kwargs in sources.items():
+        assert samples(instruct_dataset(tok, **kwargs)) == reference, name
+
+
+def test_datasets_library_path(tok, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    reference = samples(instruct_dataset(tok, str(write_rows(ALPACA_ROWS, tmp_path / "a.jsonl"))))
+    datasets.Dataset.from_list(ALPACA_ROWS).save_to_disk(str(tmp_path / "saved"))
+    assert samples(instruct_dataset(tok, str(tmp_path / "saved"))) == reference  # load_from_disk
+    arrow = [str(p) for p in (tmp_path / "saved").glob("*.arrow")]
+    # Not a local path or a native format: goes through datasets.load_dataset like a hub id (no network needed).
+    ds = instruct_dataset(tok, "arrow", data_files=arrow, cache_dir=str(tmp_path / "hf"))
+    assert samples(ds) == reference
+
+
+def test_missing_datasets_library_says_how_to_install(tok, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(DataError, match=r"tatsu-lab/alpaca.*pip install 'mtune\[datasets\]'"):
+        instruct_dataset(tok, "tatsu-lab/alpaca")
+
+
+def test_text_files_and_text_column_agree(tok, tmp_path):
+    lines = ["The cat sat on the mat.", "Le chat.", "", "Third line here."]
+    (tmp_path / "t.txt").write_text("\n".join(lines) + "\n")
+    from_txt = samples(text_completion_dataset(tok, str(tmp_path / "t.txt")))
+    rows = [{"body": line} for line in lines if line]
+    from_jsonl = samples(text_completion_dataset(tok, str(write_rows(rows, tmp_path / "t.jsonl")),
+                                                 column_map={"text": "body"}))
+    assert from_txt == from_jsonl and len(from_txt) == 3
+    first = from_txt[0]
+    assert first["tokens"] == tok.encode(lines[0]) and first["labels"] == first["tokens"][1:] + [-100]
+    whole = samples(text_completion_dataset(tok, str(tmp_path / "t.txt"), sample_by="document", max_seq_len=512))
+    assert len(whole) == 1 and tok.decode(whole[0]["tokens"]) == "\n".join(lines) + "\n"
+
+
+BAD_CASES = [
+    ("missing column in a row", "rows.jsonl",
+     lambda p: p.write_text(json.dumps(ALPACA_ROWS[0]) + "\n" + json.dumps({"instruction": "x", "input": ""}) + "\n"),
+     {}, r"rows\.jsonl line 2: missing column 'output'"),
+    ("missing column in a csv row", "rows.csv",
+     lambda p: p.write_text("instruction,output\nhi,there\nno answer\n"),
+     {}, r"rows\.csv row 2: missing column 'output'"),
+    ("malformed JSON line", "rows.jsonl",
+     lambda p: p.write_text(json.dumps(ALPACA_ROWS[0]) + "\n" + '{"instruction": "x",\n'),
+     {}, r"rows\.jsonl line 2: malformed JSON"),
+    ("wrong column_map", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p),
+     {"column_map": {"output": "answer"}},
+     r"rows\.jsonl line 1: no column 'answer' \(needed as 'output'\); available columns: instruction, input, output"),
+    ("unknown column_map key", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p),
+     {"column_map": {"response": "output"}}, r"column_map: 'response' is not a column this dataset reads"),
+    ("empty dataset", "rows.jsonl", lambda p: p.write_text("\n"), {}, r"rows\.jsonl: the dataset is empty"),
+    ("every sample fully masked", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p),
+     {"max_seq_len": 8}, r"all 6 samples are fully masked"),
+    ("non-text value", "rows.jsonl", lambda p: write_rows([{"instruction": 3, "output": "x"}], p),
+     {}, r"rows\.jsonl line 1: column 'instruction' must be text, got int"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_data_is_named(tok, tmp_path, case):
+    _, name, write, kwargs, message = case
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(DataError, match=message):
+        instruct_dataset(tok, str(path), **kwargs)
+
+
+def test_bad_chat_messages_are_named(tok, tmp_path):
+    path = write_rows([{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}],
+                      tmp_path / "chat.jsonl")
+    with pytest.raises(DataError, match=r"chat\.jsonl line 1: messages\[1\]: role 'tool' is not one of"):
+        chat_dataset(tok, str(path))
+    path = write_rows([{"dialog": []}], tmp_path / "other.jsonl")
+    with pytest.raises(DataError, match=r"no column 'messages'.*available columns: dialog"):
+        chat_dataset(tok, str(path))
+
+
+def test_missing_file_and_unknown_suffix(tok, tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        instruct_dataset(tok, str(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.xml").write_text("<a/>")
+    with pytest.raises(DataError, match=r"x\.xml: unknown file type '\.xml'"):
+        instruct_dataset(tok, str(tmp_path / "x.xml"))
+
+
+def test_config_node_arguments(tok, tmp_path):
+    """A builder called with OmegaConf nodes, as instantiate(cfg.dataset, tokenizer=tok) does."""
+    from omegaconf import OmegaConf
+
+    path = write_rows([{"q": r["instruction"], "a": r["output"]} for r in ALPACA_ROWS], tmp_path / "qa.jsonl")
+    cfg = OmegaConf.create({"source": "json", "data_files": {"train": [str(path)]},
+                            "column_map": {"instruction": "q", "output": "a"}})
+    ds = instruct_dataset(tok, cfg.source, data_files=cfg.data_files, column_map=cfg.column_map)
+    plain = instruct_dataset(tok, str(path), column_map={"instruction": "q", "output": "a"})
+    assert len(ds) == len(ALPACA_ROWS) and ds[0] == plain[0]

@@ -1,0 +1,68 @@
+"""The decoder against transformers' implementations, weights copied in memory (checkpoint files: test_hf.py)."""
+
+import pytest
+import torch
+
+from mtune.models import build_model
+from tests._helpers.models import FAMILY_CONFIGS, tiny_hf_model
+
+FAMILIES = list(FAMILY_CONFIGS)
+
+
+def mtune_twin(hf_model, family):
+    """The mtune tiny model of ``family`` holding ``hf_model``'s weights."""
+    model = build_model(family, "tiny", device="cpu")
+    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    if model.args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family):
+    hf = tiny_hf_model(family)
+    model = mtune_twin(hf, family)
+    # 100 tokens: past Llama 3.1's tiny "original" context (64) and Mistral's tiny sliding window (8).
+    tokens = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, ref = model(tokens), hf(tokens).logits
+    assert ours.shape == ref.shape == (2, 100, 512)
+    assert (ours - ref).abs().max().item() <= 1e-5
+
+
+def test_return_hidden_and_tied_head():
+    hf = tiny_hf_model("llama3_2")
+    model = mtune_twin(hf, "llama3_2")
+    assert model.lm_head.weight is model.embed_tokens.weight
+    tokens = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        hidden = model(tokens, return_hidden=True)
+        assert hidden.shape == (1, 12, 256)
+        torch.testing.assert_close(model.lm_head(hidden), model(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama3_1", "mistral"])
+def test_packed_batch_matches_documents_run_alone(family):
+    model = build_model(family, "tiny", device="cpu").eval()
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 512, (n,), generator=gen) for n in (5, 11, 16)]  # 16 > the mistral window of 8
+    tokens = torch.cat(docs)[None]
+    input_pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    document_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    with torch.no_grad():
+        packed = model(tokens, input_pos=input_pos, document_ids=document_ids)[0]
+        alone = torch.cat([model(d[None])[0] for d in docs])
+    assert (packed - alone).abs().max().item() <= 1e-5
+
+
+def test_blocks_take_tensors_only_and_build_on_meta():
+    model = build_model("tiny")
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    x = torch.randn(1, 4, 256)
+    cos, sin = model.rope(torch.arange(4)[None], x.dtype)
+    assert model.layers[0](x, cos, sin).shape == (1, 4, 256)
