@@ -95,7 +95,8 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     ``node`` is a mapping with ``_component_`` (a dotted path such as ``torch.optim.AdamW``); its other keys are
     passed as keyword arguments, after building any nested ``_component_`` nodes (in dicts or lists) the same way.
     ``args`` go positionally to the top component (``instantiate(cfg.optimizer, model.parameters())``) and
-    ``kwargs`` win over the node's keys. ``None`` gives ``None``, so optional nodes may be left out.
+    ``kwargs`` win over the node's keys. ``None`` gives ``None``, so optional nodes may be left out. Keys named in
+    the target's ``__instantiate_raw__`` attribute are passed as plain dicts/lists, unbuilt.
     """
     if node is None:
         return None
@@ -105,7 +106,13 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     if not isinstance(node, DictConfig) or COMPONENT not in node:
         raise ConfigError(f"{key}: cannot instantiate a node without a '{COMPONENT}' key")
     target = resolve_component(node[COMPONENT], key=f"{key}.{COMPONENT}")
-    config_kwargs = {k: _build(node, k) for k in node if k != COMPONENT and k not in kwargs}
+    # A target may take some keys as plain config (it builds them itself, e.g. with arguments known only then).
+    raw = set(getattr(target, "__instantiate_raw__", ()))
+    config_kwargs = {
+        k: OmegaConf.to_container(node[k], resolve=True) if k in raw and _is_container(node[k]) else _build(node, k)
+        for k in node
+        if k != COMPONENT and k not in kwargs
+    }
     merged = {**config_kwargs, **kwargs}
     problems = check_keywords(target, [k for k in config_kwargs], key)
     if problems:
@@ -128,6 +135,10 @@ def _positional_names(target: Callable) -> list[str]:
     except (TypeError, ValueError):
         return []
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (DictConfig, ListConfig))
 
 
 def _build(parent: DictConfig | ListConfig, key: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -83,11 +82,12 @@ def _apportion(total: int, weights: Sequence[float]) -> list[int]:
 def _build(node: Any, tokenizer):
     if not isinstance(node, Mapping) and not hasattr(node, "keys"):
         return node  # an already built dataset
-    from omegaconf import OmegaConf
+    if "_component_" not in node:
+        raise DataError(f"mixture_dataset: each entry of datasets needs a _component_, got keys {sorted(node)}")
+    from mtune.config import instantiate
 
-    kwargs = dict(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
-    path = kwargs.pop("_component_", None)
-    if not path:
-        raise DataError(f"mixture_dataset: each entry of datasets needs a _component_, got keys {sorted(kwargs)}")
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)(tokenizer=tokenizer, **kwargs)
+    return instantiate(dict(node), tokenizer=tokenizer)
+
+
+# instantiate() hands `datasets` over unbuilt: each entry needs the tokenizer, which only this function has.
+mixture_dataset.__instantiate_raw__ = ("datasets",)

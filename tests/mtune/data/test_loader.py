@@ -121,3 +121,21 @@ def test_mixture_weights_and_concatenation(tok, tmp_path, text_path):
     packed = text_completion_dataset(tok, text_path, max_seq_len=32, packed=True)
     with pytest.raises(DataError, match="mix packed and unpacked"):
         mixture_dataset(tok, [text, packed])
+
+
+def test_mixture_from_a_config_node(tok, tmp_path, text_path):
+    """instantiate() passes the nested dataset nodes unbuilt, and the mixture builds them with the tokenizer."""
+    from omegaconf import OmegaConf
+
+    from mtune.config import instantiate
+
+    node = OmegaConf.create({
+        "_component_": "mtune.data.mixture_dataset",
+        "datasets": [
+            {"_component_": "mtune.data.instruct_dataset", "source": str(write_rows(ALPACA_ROWS, tmp_path / "a.jsonl"))},
+            {"_component_": "mtune.data.text_completion_dataset", "source": text_path},
+        ],
+    })
+    mixed = instantiate(node, tokenizer=tok)
+    assert len(mixed) == len(ALPACA_ROWS) + 50
+    assert mixed[len(ALPACA_ROWS)] == text_completion_dataset(tok, text_path)[0]
