@@ -124,7 +124,9 @@ def _place(model: nn.Module, name: str, tensor: torch.Tensor, dtype, device) -> 
     module = model.get_submodule(module_name)
     current = getattr(module, leaf)
     if current.is_meta or (dtype is not None and current.dtype != dtype):
-        value = tensor.to(device=device if current.is_meta else current.device, dtype=dtype or tensor.dtype)
+        # copy=True: safetensors hands out tensors backed by the file's memory map; the model must own its memory.
+        target = device if current.is_meta else current.device
+        value = tensor.to(device=target, dtype=dtype or tensor.dtype, copy=True)
         if isinstance(current, nn.Parameter):
             value = nn.Parameter(value, requires_grad=current.requires_grad)
         setattr(module, leaf, value)
