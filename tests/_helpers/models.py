@@ -52,13 +52,16 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
     return model.eval()
 
 
-def write_tiny_hf_model(tmp_dir, family: str, sharded: bool = False, seed: int = 0, **overrides) -> Path:
+def write_tiny_hf_model(
+    tmp_dir, family: str, sharded: bool = False, seed: int = 0, shard_size: str = "1MB", **overrides
+) -> Path:
     """Write a tiny random model of ``family`` with ``save_pretrained`` into ``tmp_dir/<family>``; return the path.
 
-    ``sharded=True`` splits the weights into several safetensors files with a ``model.safetensors.index.json``.
+    ``sharded=True`` splits the weights into safetensors files of at most ``shard_size`` with a
+    ``model.safetensors.index.json``; ``overrides`` replace config fields (e.g. ``num_hidden_layers=4``).
     """
     model = tiny_hf_model(family, seed=seed, **overrides)
     out = Path(tmp_dir) / family
-    model.save_pretrained(out, max_shard_size="1MB" if sharded else "1GB")
+    model.save_pretrained(out, max_shard_size=shard_size if sharded else "1000GB")
     model.generation_config.save_pretrained(out)
     return out

@@ -66,3 +66,18 @@ def test_blocks_take_tensors_only_and_build_on_meta():
     x = torch.randn(1, 4, 256)
     cos, sin = model.rope(torch.arange(4)[None], x.dtype)
     assert model.layers[0](x, cos, sin).shape == (1, 4, 256)
+
+
+@pytest.mark.parametrize("size", ["8B", "1B"])
+def test_llama3_rope_frequencies_match_transformers_at_full_size(size):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mtune.models import model_args
+    from mtune.modules.rotary import rope_inv_freq
+
+    args = model_args("llama3_1" if size == "8B" else "llama3_2", size)
+    config = LlamaConfig(hidden_size=args.dim, num_attention_heads=args.n_heads, head_dim=args.head_dim,
+                         rope_parameters={**args.rope_scaling, "rope_theta": args.rope_theta})
+    reference, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    assert torch.equal(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), reference)

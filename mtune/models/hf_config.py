@@ -1,0 +1,105 @@
+"""Translate between Hugging Face ``config.json`` dicts and mtune's model arguments.
+
+Reads the layouts several transformers versions write: ``rope_theta`` + ``rope_scaling`` (4.x) or
+``rope_parameters`` (5.x), ``rope_scaling.type`` (older 4.x) or ``rope_type``, absent ``head_dim`` /
+``num_key_value_heads`` (Llama 2 era configs).
+"""
+
+from mtune.models.llama2 import Llama2Args
+from mtune.models.llama3 import Llama3Args
+from mtune.models.mistral import MistralArgs
+from mtune.models.qwen2 import Qwen2Args
+from mtune.modules.transformer import DecoderArgs
+
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either layout."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (mtune supports 'default' and 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return float(theta), {"rope_type": "llama3", **{k: params[k] for k in keys}}
+
+
+def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
+    """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral`` or ``qwen2``.
+
+    Raises ``ValueError`` (one line) for a model type or feature mtune does not implement.
+    """
+    model_type = config.get("model_type")
+    if model_type is None:
+        model_type = next((_ARCHITECTURES[a] for a in config.get("architectures") or [] if a in _ARCHITECTURES), None)
+    if model_type not in ("llama", "mistral", "qwen2"):
+        found = model_type or config.get("architectures")
+        raise ValueError(f"unsupported model_type {found!r}; mtune loads llama, mistral and qwen2 checkpoints")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+    if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
+        raise ValueError("Llama checkpoints with mlp_bias or attention_bias are not supported")
+    if model_type == "qwen2" and config.get("use_sliding_window"):
+        raise ValueError("Qwen2 with use_sliding_window=true is not supported; set it to false")
+    theta, scaling = _rope(config)
+    n_heads = config["num_attention_heads"]
+    fields = dict(
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+        intermediate_dim=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=config.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+    if model_type == "qwen2":
+        return "qwen2", Qwen2Args(**fields, qkv_bias=True)
+    if model_type == "mistral":
+        return "mistral", MistralArgs(**fields, sliding_window=config.get("sliding_window"))
+    is_llama3 = fields["vocab_size"] >= 128000 or scaling is not None
+    return ("llama3", Llama3Args(**fields)) if is_llama3 else ("llama2", Llama2Args(**fields))
+
+
+def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict:
+    """A ``config.json`` dict that transformers loads as the same model (for saving without a source checkpoint)."""
+    model_type = _HF_MODEL_TYPE.get(args.family)
+    if model_type is None:
+        raise ValueError(f"cannot write a Hugging Face config for model family {args.family!r}")
+    rope = dict(args.rope_scaling or {"rope_type": "default"})
+    config = {
+        "architectures": [_HF_ARCHITECTURE[model_type]],
+        "model_type": model_type,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.intermediate_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        # Both rope layouts, so transformers 4.x and 5.x read the same model.
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling,
+        "rope_parameters": {**rope, "rope_theta": args.rope_theta},
+        "torch_dtype": dtype,
+    }
+    if model_type == "mistral":
+        config["sliding_window"] = args.sliding_window
+    if model_type == "qwen2":
+        config["use_sliding_window"] = False
+    return config

@@ -1,0 +1,80 @@
+"""Autoregressive text generation with the decoder's KV cache."""
+
+from collections.abc import Sequence
+
+import torch
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids ``[b]`` from last-position logits ``[b, vocab]``.
+
+    ``temperature=0`` is greedy (argmax). Otherwise logits are divided by the temperature, cut to the ``top_k``
+    largest and to the smallest set whose probability reaches ``top_p``, and sampled.
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keeps the token that crosses top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompt_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Extend prompts with up to ``max_new_tokens`` tokens; returns LongTensor ``[b, prompt + generated]``.
+
+    Args:
+        model: a ``TransformerDecoder`` (its caches are set up here and removed afterwards).
+        prompt_ids: a list of ids, or LongTensor ``[s]`` or ``[b, s]`` (prompts of equal length).
+        temperature, top_k, top_p: see :func:`sample_next`; the default is greedy decoding.
+        stop_tokens: a row is finished once it produced one of these; finished rows repeat it, and generation
+            ends when every row is finished.
+        generator: RNG for sampling.
+    """
+    device = model.embed_tokens.weight.device
+    tokens = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    b, s = tokens.shape
+    stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=device)
+    model.setup_caches(b, s + max_new_tokens)
+    try:
+        logits = model(tokens)[:, -1]
+        out, done = [tokens], torch.zeros(b, dtype=torch.bool, device=device)
+        last = None
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, top_p, generator)
+            if last is not None:
+                nxt = torch.where(done, last, nxt)
+            out.append(nxt[:, None])
+            done = done | torch.isin(nxt, stops)
+            last = nxt
+            if bool(done.all()):
+                break
+            logits = model(nxt[:, None])[:, -1]
+    finally:
+        model.remove_caches()
+    return torch.cat(out, dim=1)

@@ -1,0 +1,66 @@
+"""Write tensors into size-limited safetensors shards, one tensor at a time, with the standard index."""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", size, flags=re.IGNORECASE)
+    if not match:
+        raise ValueError(f"max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+class ShardWriter:
+    """Collects tensors until the next would pass ``max_bytes``, then writes a shard (a tensor larger than the limit
+    gets a shard of its own). ``finish()`` names the shards ``model-0000i-of-0000N.safetensors`` and writes
+    ``model.safetensors.index.json``, or a lone ``model.safetensors`` when everything fit in one shard."""
+
+    def __init__(self, out_dir: Path, max_bytes: int) -> None:
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[key] = tensor
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out_dir / f".shard-{len(self.shards):05d}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.shards.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[Path]:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            final = self.out_dir / "model.safetensors"
+            self.shards[0][0].rename(final)
+            return [final]
+        weight_map, paths = {}, []
+        for i, (tmp, keys) in enumerate(self.shards, start=1):
+            final = self.out_dir / f"model-{i:05d}-of-{n:05d}.safetensors"
+            tmp.rename(final)
+            paths.append(final)
+            weight_map.update((k, final.name) for k in keys)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return paths

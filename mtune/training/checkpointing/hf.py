@@ -1,0 +1,258 @@
+"""Read and write Hugging Face model directories (``config.json`` + safetensors, single file or sharded).
+
+Loading streams one tensor at a time into a model built on the meta device, so peak memory is the model plus one
+tensor; saving accepts a model, a state dict or any iterable of ``(name, tensor)`` (a distributed gather can yield
+one full tensor at a time) and shards the output at a size limit.
+"""
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtune.models import build_model_from_args
+from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
+from mtune.modules.transformer import DecoderArgs, TransformerDecoder
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# Files a model directory carries besides its weights: tokenizer, chat template, generation defaults.
+_COPIED_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken")
+_NOT_COPIED = {CONFIG_NAME, INDEX_NAME, "mtune_state.json"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read or written; the message names the file or key."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _hf_to_mtune(key: str) -> str:
+    return key.removeprefix("model.")
+
+
+def _mtune_to_hf(name: str) -> str:
+    return name if name.startswith(("lm_head.", "model.")) else f"model.{name}"
+
+
+def _short_list(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+
+# ------------------------------------------------------------------------------------------------------ config
+def read_hf_config(checkpoint_dir: str | os.PathLike) -> dict:
+    """The raw ``config.json`` dict of a Hugging Face model directory."""
+    path = Path(checkpoint_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found; checkpoint_dir must be a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_hf_config(checkpoint_dir: str | os.PathLike) -> tuple[str, DecoderArgs]:
+    """``(family, args)`` from ``checkpoint_dir/config.json``; family is ``llama2|llama3|mistral|qwen2``."""
+    try:
+        return model_args_from_hf_config(read_hf_config(checkpoint_dir))
+    except (ValueError, KeyError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"{Path(checkpoint_dir) / CONFIG_NAME}: {detail}") from None
+
+
+def checkpoint_dtype(config: dict) -> torch.dtype | None:
+    """The dtype a config declares (``dtype`` in transformers 5, ``torch_dtype`` before), or None."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+def weight_files(checkpoint_dir: str | os.PathLike) -> dict[Path, list[str] | None]:
+    """Safetensors files of a checkpoint, each with the HF keys the index assigns it (None: a single file)."""
+    root = Path(checkpoint_dir)
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files: dict[Path, list[str]] = {}
+        for key, name in weight_map.items():
+            files.setdefault(root / name, []).append(key)
+        for path in files:
+            if not path.is_file():
+                raise CheckpointError(f"{path}: shard listed in {INDEX_NAME} is missing")
+        return files
+    if (root / SINGLE_FILE).is_file():
+        return {root / SINGLE_FILE: None}
+    raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_NAME} (only safetensors checkpoints are supported)")
+
+
+def _open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by name; a tied lm_head appears once, as embed_tokens."""
+    expected = dict(model.named_parameters())
+    expected.update((k, v) for k, v in model.state_dict(keep_vars=True).items() if k not in expected)
+    if getattr(getattr(model, "args", None), "tie_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    return expected
+
+
+@torch.no_grad()
+def _place(model: nn.Module, name: str, tensor: torch.Tensor, dtype, device) -> None:
+    """Put ``tensor`` into the parameter ``name``: assigned if the model is on meta, copied otherwise."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, leaf)
+    if current.is_meta or (dtype is not None and current.dtype != dtype):
+        # copy=True: safetensors hands out tensors backed by the file's memory map; the model must own its memory.
+        target = device if current.is_meta else current.device
+        value = tensor.to(device=target, dtype=dtype or tensor.dtype, copy=True)
+        if isinstance(current, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=current.requires_grad)
+        setattr(module, leaf, value)
+    else:
+        current.copy_(tensor)
+
+
+def load_hf_checkpoint(
+    model: nn.Module,
+    checkpoint_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Load a Hugging Face checkpoint's weights into ``model``, one tensor at a time.
+
+    ``model`` may be on the meta device (tensors are assigned, on ``device``) or materialised (tensors copied into
+    its parameters). ``dtype=None`` keeps the checkpoint's dtype on meta models. Every key must match: missing or
+    unexpected keys and wrong shapes raise :class:`CheckpointError` before or as they are found.
+    """
+    files = weight_files(checkpoint_dir)
+    expected = _expected(model)
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    listed: dict[str, tuple[Path, str]] = {}  # mtune name -> (file, hf key)
+    for path, keys in files.items():
+        if keys is None:
+            with _open(path) as f:
+                keys = list(f.keys())
+        for key in keys:
+            listed[_hf_to_mtune(key)] = (path, key)
+    if tied:
+        listed.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+    missing, unexpected = expected.keys() - listed.keys(), listed.keys() - expected.keys()
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{checkpoint_dir}: checkpoint does not match the model: missing keys [{_short_list(missing)}], "
+            f"unexpected keys [{_short_list(unexpected)}]"
+        )
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (path, key) in listed.items():
+        by_file.setdefault(path, []).append((name, key))
+    for path, entries in by_file.items():
+        with _open(path) as f:
+            for name, key in entries:
+                want = tuple(expected[name].shape)
+                try:
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != want:
+                        raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
+                    tensor = f.get_tensor(key)
+                except CheckpointError:
+                    raise
+                except Exception as e:
+                    raise CheckpointError(f"{path}: cannot read tensor {key} ({e})") from None
+                _place(model, name, tensor, dtype, device)
+                del tensor
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def load_model_from_hf(
+    checkpoint_dir: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> TransformerDecoder:
+    """Build the checkpoint's model on meta and stream its weights onto ``device`` (in ``dtype``, or as stored)."""
+    _, args = load_hf_config(checkpoint_dir)
+    model = build_model_from_args(args)
+    return load_hf_checkpoint(model, checkpoint_dir, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------------------ saving
+def save_hf_checkpoint(
+    weights: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | os.PathLike,
+    source_dir: str | os.PathLike | None = None,
+    max_shard_size: int | str = "5GB",
+    model_args: DecoderArgs | None = None,
+) -> Path:
+    """Write a Hugging Face model directory that ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
+
+    Args:
+        weights: a model, a state dict, or an iterable of ``(name, tensor)`` consumed one at a time. Names are
+            mtune's (``layers.0.self_attn.q_proj.weight``) or already HF's (``model.``-prefixed).
+        out_dir: created if needed; must not already hold weights.
+        source_dir: the checkpoint these weights came from: its ``config.json`` is kept (its own field names; the
+            ``dtype``/``torch_dtype`` field set to what was saved) and its tokenizer and generation files copied.
+        max_shard_size: bytes or e.g. ``"5GB"``; one file without an index when everything fits.
+        model_args: describes the model when there is no ``source_dir`` and ``weights`` is not a model.
+    Tied models (``tie_word_embeddings``) do not write ``lm_head.weight``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")) or (out / INDEX_NAME).exists():
+        raise CheckpointError(f"{out}: already holds model weights; save into an empty directory")
+    if isinstance(weights, nn.Module):
+        model_args = model_args or getattr(weights, "args", None)
+        weights = weights.state_dict()
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    if source_dir is not None:
+        config = read_hf_config(source_dir)
+    elif model_args is not None:
+        config = hf_config_from_model_args(model_args)
+    else:
+        raise CheckpointError(f"{out}: pass source_dir (the checkpoint the weights came from) or model_args")
+    tied = bool(config.get("tie_word_embeddings", False))
+
+    from mtune.training.checkpointing._shard_writer import ShardWriter, parse_size
+
+    writer, saved_dtype = ShardWriter(out, parse_size(max_shard_size)), None
+    for name, tensor in items:
+        key = _mtune_to_hf(name)
+        if tied and key == "lm_head.weight":
+            continue
+        tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):  # a DTensor shard: gather it (every rank must call this)
+            tensor = tensor.full_tensor()
+        if saved_dtype is None and tensor.is_floating_point():
+            saved_dtype = tensor.dtype
+        writer.add(key, tensor.to("cpu").contiguous())
+    writer.finish()
+
+    if saved_dtype is not None:
+        field = "dtype" if "dtype" in config else "torch_dtype"
+        config[field] = _dtype_name(saved_dtype)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if source_dir is not None:
+        for path in Path(source_dir).iterdir():
+            if path.is_file() and path.suffix in _COPIED_SUFFIXES and path.name not in _NOT_COPIED:
+                shutil.copy2(path, out / path.name)
+    return out

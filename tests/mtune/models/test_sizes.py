@@ -1,0 +1,75 @@
+"""Every named size builds on the meta device with its published parameter count."""
+
+import pytest
+import torch
+
+from mtune.models import FAMILIES, build_model, model_args
+from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
+
+# Parameter counts as published (model cards / safetensors index totals); tied embeddings counted once.
+KNOWN = {
+    ("llama2", "7B"): 6_738_415_616,
+    ("llama2", "13B"): 13_015_864_320,
+    ("llama2", "70B"): 68_976_648_192,
+    ("llama3", "8B"): 8_030_261_248,
+    ("llama3_1", "8B"): 8_030_261_248,
+    ("llama3_1", "70B"): 70_553_706_496,
+    ("llama3_1", "405B"): 405_853_388_800,
+    ("llama3_2", "1B"): 1_235_814_400,
+    ("llama3_2", "3B"): 3_212_749_824,
+    ("llama3_3", "70B"): 70_553_706_496,
+    ("qwen2_5", "0.5B"): 494_032_768,
+    ("qwen2_5", "1.5B"): 1_543_714_304,
+    ("qwen2_5", "3B"): 3_085_938_688,
+    ("qwen2_5", "7B"): 7_615_616_512,
+    ("qwen2_5", "14B"): 14_770_033_664,
+    ("mistral", "7B"): 7_241_732_096,
+    ("mistral", "7B-v0.3"): 7_248_023_552,
+}
+ALL_SIZES = [(family, size) for family, (_, sizes) in FAMILIES.items() for size in sizes]
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family,size", [k for k in ALL_SIZES if k in KNOWN])
+def test_sizes_build_on_meta_with_published_parameter_counts(family, size):
+    model = build_model(family, size)
+    assert all(p.is_meta for p in model.parameters())
+    assert n_params(model) == KNOWN[(family, size)]
+
+
+@pytest.mark.parametrize("family", sorted({f for f, s in ALL_SIZES if s == "tiny"}))
+def test_tiny_sizes_suit_nf4(family):
+    model = build_model(family, "tiny")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 7 + 1
+    assert all(m.weight.numel() % 32768 == 0 for m in linears)
+
+
+@pytest.mark.parametrize("family,size", [("llama3_2", "1B"), ("qwen2_5", "7B"), ("mistral", "7B"), ("llama2", "7B")])
+def test_hf_config_round_trip_and_transformers_agrees_on_size(family, size):
+    transformers = pytest.importorskip("transformers")
+    args = model_args(family, size)
+    config = hf_config_from_model_args(args)
+    assert model_args_from_hf_config(config)[1] == args
+    del config["rope_theta"], config["rope_scaling"]  # transformers 5 reads rope_parameters
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in hf.parameters()) == KNOWN[(family, size)]
+
+
+def test_unknown_family_and_size():
+    with pytest.raises(ValueError, match="unknown model family 'gpt2'"):
+        build_model("gpt2", "7B")
+    with pytest.raises(ValueError, match=r"unknown size '9B' for family 'llama3_2'; choose one of \['1B', '3B', 'tiny'\]"):
+        build_model("llama3_2", "9B")
+
+
+def test_materialise_on_cpu_in_bf16():
+    torch.manual_seed(0)
+    model = build_model("tiny", device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model(torch.zeros(1, 3, dtype=torch.long)).dtype == torch.bfloat16

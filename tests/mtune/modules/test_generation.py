@@ -1,0 +1,44 @@
+"""Generation with the KV cache against transformers' ``generate``."""
+
+import pytest
+import torch
+
+from mtune.modules.generation import generate, sample_next
+from tests._helpers.models import tiny_hf_model
+from tests.mtune.modules.test_transformer import mtune_twin
+
+
+@pytest.mark.parametrize("family", ["llama3_1", "mistral", "qwen2_5"])
+def test_greedy_generation_matches_transformers(family):
+    hf = tiny_hf_model(family)
+    model = mtune_twin(hf, family)
+    prompt = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
+    # 40 new tokens run far past Mistral's tiny sliding window (8), which the cache mask must honour.
+    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    ours = generate(model, prompt, max_new_tokens=40)
+    assert ours.shape == (2, 50)
+    assert torch.equal(ours, ref)
+    assert not model.caches_are_enabled()
+
+
+def test_stop_tokens_end_generation_and_pad_finished_rows():
+    hf = tiny_hf_model("llama3_1")
+    model = mtune_twin(hf, "llama3_1")
+    prompt = [5, 17, 42]
+    free = generate(model, prompt, max_new_tokens=8)[0]
+    stop = int(free[5])  # the third generated token
+    stopped = generate(model, prompt, max_new_tokens=8, stop_tokens=[stop])[0]
+    first = (free[3:] == stop).nonzero()[0].item() + 3
+    assert torch.equal(stopped, free[: first + 1])
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, 1.0, top_k=2, generator=gen)) for _ in range(50)}
+    assert draws == {2, 3}
+    # softmax of [0,1,2,3] puts 0.644 on token 3 and 0.237 on token 2: top_p=0.7 keeps exactly those two.
+    draws = {int(sample_next(logits, 1.0, top_p=0.7, generator=gen)) for _ in range(50)}
+    assert draws == {2, 3}
+    assert int(sample_next(logits)) == 3
