@@ -18,7 +18,8 @@ def collate_padded(
 
     Returns LongTensors `[b, s]`: `tokens` (padded with `pad_id`), `labels` (padded with `ignore_index`), and for
     packed samples `input_pos` (the padding counts from 0, as its own document) and `document_ids` (the padding
-    gets a document id of its own, so no real token attends to it).
+    gets a document id of its own, so no real token attends to it). ``num_tokens`` (a 0-d LongTensor) counts the
+    tokens before padding, for throughput metrics.
     """
     length = max(len(sample["tokens"]) for sample in batch)
     if pad_to_multiple_of:
@@ -41,4 +42,5 @@ def collate_padded(
                 raise KeyError(f"collate_padded: unexpected sample field {key!r}")
             rows.append(list(values) + fill)
         out[key] = torch.tensor(rows, dtype=torch.long)
+    out["num_tokens"] = torch.tensor(sum(len(sample["tokens"]) for sample in batch), dtype=torch.long)
     return out

@@ -9,7 +9,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -139,15 +139,23 @@ def load_hf_checkpoint(
     checkpoint_dir: str | os.PathLike,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    not_in_checkpoint: Callable[[str], bool] | None = None,
+    after_tensor: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Load a Hugging Face checkpoint's weights into ``model``, one tensor at a time.
 
     ``model`` may be on the meta device (tensors are assigned, on ``device``) or materialised (tensors copied into
     its parameters). ``dtype=None`` keeps the checkpoint's dtype on meta models. Every key must match: missing or
     unexpected keys and wrong shapes raise :class:`CheckpointError` before or as they are found.
+
+    ``not_in_checkpoint(name)`` marks model parameters a base checkpoint does not hold (LoRA adapters).
+    ``after_tensor(module)`` is called with the module that just received a tensor, e.g. to quantize a frozen
+    weight to NF4 at once, so the whole model never sits in memory at full precision.
     """
     files = weight_files(checkpoint_dir)
     expected = _expected(model)
+    if not_in_checkpoint is not None:
+        expected = {k: v for k, v in expected.items() if not not_in_checkpoint(k)}
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     listed: dict[str, tuple[Path, str]] = {}  # mtune name -> (file, hf key)
     for path, keys in files.items():
@@ -182,6 +190,8 @@ def load_hf_checkpoint(
                     raise CheckpointError(f"{path}: cannot read tensor {key} ({e})") from None
                 _place(model, name, tensor, dtype, device)
                 del tensor
+                if after_tensor is not None:
+                    after_tensor(model.get_submodule(name.rpartition(".")[0]))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model

@@ -1,0 +1,143 @@
+"""One optimizer step over accumulated micro-batches, and the validation loss.
+
+The loss of a step is the token-weighted mean over all of its micro-batches (and ranks): each micro-batch's summed
+token loss is divided by the number of trained tokens of the whole step before backward, so 2 micro-batches of 1
+sample give the same gradient as 1 batch of 2, whatever the padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mtune.data.common import IGNORE_INDEX
+
+__all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "evaluate", "forward_loss"]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became inf or NaN in a bf16/fp32 run."""
+
+
+@dataclass
+class StepResult:
+    loss: float  # token-weighted mean loss of the step (over all ranks)
+    trained_tokens: int  # tokens with a label in this step (all ranks)
+    num_tokens: int  # tokens before padding, prompts included (this rank)
+    grad_norm: float | None  # before clipping; None with optimizer_in_bwd
+    stepped: bool  # False when fp16 loss scaling skipped the step
+
+
+def micro_batch_groups(batches: Iterable[dict], accumulation_steps: int) -> Iterator[list[dict]]:
+    """Group consecutive batches into lists of ``accumulation_steps`` (one optimizer step each); an incomplete
+    last group is dropped, so every step sees the same number of micro-batches."""
+    group: list[dict] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == accumulation_steps:
+            yield group
+            group = []
+
+
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(value)
+    return value
+
+
+def forward_loss(model: nn.Module, batch: dict, loss_fn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(summed token loss, trained tokens)`` of one batch already on the model's device."""
+    output = model(
+        batch["tokens"],
+        input_pos=batch.get("input_pos"),
+        document_ids=batch.get("document_ids"),
+        return_hidden=getattr(loss_fn, "needs_hidden", False),
+    )
+    return loss_fn(output, batch["labels"], model.lm_head)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: list[dict],
+    loss_fn: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    device: torch.device,
+    autocast=contextlib.nullcontext,
+    loss_scaler=None,
+    clip_grad_norm: float | None = None,
+    optimizer_in_bwd: bool = False,
+    activation_context=None,
+    world_size: int = 1,
+    step: int = 0,
+    fp16: bool = False,
+) -> StepResult:
+    """Forward and backward every micro-batch, then clip and step (unless the optimizer steps in backward).
+
+    ``autocast`` is a context factory (fp16 autocast or a no-op); ``activation_context`` (e.g. activation
+    offloading) wraps forward and backward. With ``world_size`` > 1 the gradient of each rank is scaled by the world
+    size, because FSDP averages gradients over ranks while the loss is normalised by the tokens of all ranks.
+    """
+    local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    total = _all_reduce_sum(torch.tensor(float(local_tokens), device=device))
+    denominator = total.clamp(min=1.0) / world_size
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    num_tokens = 0
+    for batch in micro_batches:
+        num_tokens += int(batch.get("num_tokens", batch["tokens"].numel()))
+        batch = _to_device(batch, device)
+        with activation_context or contextlib.nullcontext():
+            with autocast():
+                summed, _ = forward_loss(model, batch, loss_fn)
+            loss = summed / denominator
+            if loss_scaler is not None:
+                loss = loss_scaler.scale(loss)
+            loss.backward()
+        loss_sum += summed.detach().float()
+    loss_sum = _all_reduce_sum(loss_sum)
+    mean_loss = (loss_sum / total.clamp(min=1.0)).item()
+    if not math.isfinite(mean_loss) and not fp16:
+        raise NonFiniteLossError(
+            f"step {step}: the loss is {mean_loss}; lower the learning rate, set clip_grad_norm, or use dtype=fp32"
+        )
+    grad_norm, stepped = None, True
+    if not optimizer_in_bwd:
+        if loss_scaler is not None:
+            loss_scaler.unscale_(optimizer)
+        if clip_grad_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
+        stepped = loss_scaler.step(optimizer) if loss_scaler is not None else (optimizer.step() or True)
+        optimizer.zero_grad(set_to_none=True)
+    return StepResult(mean_loss, int(total.item()), num_tokens, grad_norm, stepped)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, batches: Iterable[dict], loss_fn: nn.Module, *, device: torch.device, autocast=contextlib.nullcontext,
+) -> float:
+    """Token-weighted mean loss over ``batches`` (all ranks), with the model in eval mode."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    tokens = torch.zeros((), device=device, dtype=torch.float32)
+    try:
+        for batch in batches:
+            batch = _to_device(batch, device)
+            with autocast():
+                summed, n = forward_loss(model, batch, loss_fn)
+            loss_sum += summed.float()
+            tokens += n
+    finally:
+        model.train(was_training)
+    loss_sum, tokens = _all_reduce_sum(loss_sum), _all_reduce_sum(tokens)
+    return (loss_sum / tokens.clamp(min=1.0)).item()

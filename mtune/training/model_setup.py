@@ -1,0 +1,136 @@
+"""Build the model a config names, apply the memory techniques and load its weights, without ever holding a
+second copy of the model in memory.
+
+Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
+:func:`mtune.training.memory.apply_memory_techniques`) -> ``to_empty`` on the training device -> stream the base
+weights from the Hugging Face checkpoint (quantizing each frozen NF4 weight as soon as it arrives) or initialise
+randomly -> initialise adapters -> optionally load a saved PEFT adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtune.models import model_args
+from mtune.modules.lora import LoRALinear, freeze_base, reset_lora_parameters
+from mtune.modules.nf4_linear import FrozenNF4Linear, is_nf4, quantize_nf4
+from mtune.modules.transformer import DecoderArgs, TransformerDecoder
+from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
+from mtune.training.memory import apply_memory_techniques
+
+__all__ = ["ModelSource", "resolve_model_source", "build_model_on_meta", "setup_model", "is_adapter_param"]
+
+log = logging.getLogger("mtune")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a config's model comes from: a Hugging Face checkpoint directory, or a named size with random
+    weights (then ``checkpoint_dir`` is None)."""
+
+    family: str
+    args: DecoderArgs
+    checkpoint_dir: Path | None
+
+
+def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
+    """Read ``model.checkpoint_dir`` (its ``config.json``) or ``model.family`` + ``model.size``."""
+    checkpoint_dir = model_cfg.get("checkpoint_dir")
+    size = model_cfg.get("size")
+    if checkpoint_dir and size:
+        raise ValueError("model: set either checkpoint_dir (load weights) or size (random weights), not both")
+    if checkpoint_dir:
+        path = Path(checkpoint_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.checkpoint_dir={checkpoint_dir}: no config.json there; download the model first "
+                f"(mtune download <repo> --output-dir {checkpoint_dir})"
+            )
+        family, args = load_hf_config(path)
+        return ModelSource(family, args, path)
+    if size:
+        family = model_cfg.get("family")
+        if not family:
+            raise ValueError("model.size needs model.family (e.g. model.family=llama3_2 model.size=1B)")
+        return ModelSource(family, model_args(family, size), None)
+    raise ValueError("model: set checkpoint_dir (a Hugging Face model directory) or family + size")
+
+
+def is_adapter_param(name: str) -> bool:
+    """Adapter parameters (LoRA A/B, DoRA magnitude) are not part of a base checkpoint."""
+    return name.endswith(("lora_a.weight", "lora_b.weight", "magnitude"))
+
+
+def build_model_on_meta(source: ModelSource, dtype: torch.dtype) -> TransformerDecoder:
+    with torch.device("meta"):
+        model = TransformerDecoder(source.args)
+    return model.to(dtype)
+
+
+def _quantize_when_loaded(module: nn.Module) -> None:
+    # Quantize each frozen base weight as soon as its tensor arrives: QLoRA never holds the whole model in bf16.
+    if isinstance(module, FrozenNF4Linear):
+        module.quantize_()
+    elif isinstance(module, LoRALinear) and module.quantize_base and not is_nf4(module.weight):
+        module.weight = quantize_nf4(module.weight)
+
+
+def setup_model(
+    source: ModelSource,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    lora: Mapping[str, Any] | None = None,
+    activation_checkpointing: bool = False,
+    activation_checkpointing_every_n_layers: int = 1,
+    activation_offloading: bool = False,
+    activation_offloading_use_streams: bool = True,
+    compile: bool = False,
+    materialize: bool = True,
+):
+    """Build, transform and load the model. Returns ``(model, activation_context)``; the context (activation
+    offloading, or None) must wrap forward and backward.
+
+    ``lora`` is the config's ``lora`` node (None for a full fine-tune). With ``materialize=False`` the model stays
+    on the meta device (planning, or FSDP sharding before the weights are loaded).
+    """
+    model = build_model_on_meta(source, dtype)
+    offload = apply_memory_techniques(
+        model,
+        lora=lora,
+        activation_checkpointing=activation_checkpointing,
+        every_n_layers=activation_checkpointing_every_n_layers,
+        activation_offloading=activation_offloading,
+        offload_use_streams=activation_offloading_use_streams,
+        compile=compile,
+    )
+    if not materialize:
+        return model, offload
+    model.to_empty(device=device)
+    load_weights(model, source, device=device, dtype=dtype)
+    if lora is not None:
+        reset_lora_parameters(model)  # adapters start at zero update; NF4 bases are already quantized
+        freeze_base(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6, trainable / 1e6,
+             100 * trainable / max(total, 1))
+    return model, offload
+
+
+def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> None:
+    """Stream the base checkpoint into a materialised model, or initialise it randomly when there is none."""
+    if source.checkpoint_dir is None:
+        model.init_weights()
+        log.info("model: random weights (no checkpoint_dir)")
+        return
+    load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
+                       not_in_checkpoint=is_adapter_param, after_tensor=_quantize_when_loaded)
+    log.info("model: loaded %s", source.checkpoint_dir)
