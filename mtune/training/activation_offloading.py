@@ -46,8 +46,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def _should_offload(self, t: torch.Tensor) -> bool:
         return (
-            type(t) in (torch.Tensor, nn.Parameter)
-            and not isinstance(t, nn.Parameter)
+            type(t) is torch.Tensor  # not parameters, not subclasses (NF4)
             and t.device.type != "cpu"
             and t.numel() * t.element_size() >= self.min_offload_bytes
             and t.untyped_storage().data_ptr() not in self._param_storages

@@ -3,12 +3,13 @@ checkpointing's saving measured as bytes of tensors saved for backward."""
 
 import copy
 
+import pytest
 import torch
 
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.activation_checkpointing import apply_activation_checkpointing
-from mtune.training.activation_offloading import OffloadActivations
+from mtune.training.activation_offloading import OffloadActivations, apply_activation_offloading
 from mtune.training.memory import apply_memory_techniques
 
 gen = torch.Generator().manual_seed(7)
@@ -96,3 +97,23 @@ def test_compile_per_block_matches_eager():
     for k, g in grads_eager.items():
         if g is not None:
             assert (g - grads_compiled[k]).abs().max().item() <= 1e-5, k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("use_streams", [False, True])
+def test_offloading_on_cuda_moves_block_inputs_and_is_exact(use_streams):
+    plain = _model(n_layers=2).cuda()
+    offloaded = copy.deepcopy(plain)
+    apply_activation_checkpointing(plain)
+    apply_activation_checkpointing(offloaded)
+    ctx = apply_activation_offloading(offloaded, use_streams=use_streams, min_offload_bytes=0)
+    tokens, labels = TOKENS.cuda(), LABELS.cuda()
+
+    def run(model):
+        loss_sum, n = CrossEntropyLoss()(model(tokens), labels)
+        (loss_sum / n).backward()
+        return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+    _assert_identical(run(plain), run(offloaded))
+    assert ctx.offloaded_bytes >= 2 * tokens.numel() * 256 * 4  # at least the two blocks' inputs
