@@ -168,6 +168,8 @@ def apply_lora(
     kwargs = dict(rank=rank, alpha=alpha, dropout=dropout, use_dora=use_dora, quantize_base=quantize_base)
     found = set()
     for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, LoRALinear):  # its own lora_a / lora_b are not targets
+            continue
         for child_name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
