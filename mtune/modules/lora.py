@@ -1,0 +1,285 @@
+"""LoRA and DoRA adapters, applied as a transform over any built model by module name.
+
+LoRA (Hu et al. 2021) freezes a linear layer's weight W and learns a low-rank update:
+
+    y = x W^T + b + s * B(A(dropout(x))),    A: [rank, in], B: [out, rank], s = alpha / rank
+
+A starts Kaiming-uniform and B at zero, so the adapted model starts equal to the base model.
+
+DoRA (Liu et al. 2024) splits the adapted weight into a direction and a learned magnitude m (one value per output
+row, named `lora_magnitude_vector` in PEFT):
+
+    W' = m * (W + s B A) / ||W + s B A||_row,   with the norm treated as a constant (detached), as PEFT does.
+
+m starts at ||W||_row, so DoRA also starts equal to the base model. Both follow PEFT's definitions exactly, so
+`peft_adapter_state_dict` + `adapter_config` load in `peft.PeftModel.from_pretrained`.
+
+With `quantize_base=True` (QLoRA) the frozen base weights are stored as NF4 (`mtune.modules.nf4_linear`); every
+other nn.Linear inside `model.layers` becomes a `FrozenNF4Linear` too, so all frozen projections are 4-bit.
+
+Order of use on a meta-device model: build on meta -> `apply_lora` -> `to_empty` -> load base weights ->
+`reset_lora_parameters(model)` (initializes A, B, magnitudes; quantizes NF4 bases) -> optionally load adapter state.
+On a model with real weights `apply_lora` does the reset itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4, linear_maybe_nf4, quantize_nf4
+
+__all__ = [
+    "LoRALinear",
+    "apply_lora",
+    "freeze_base",
+    "reset_lora_parameters",
+    "lora_state_dict",
+    "peft_adapter_state_dict",
+    "load_peft_adapter_state_dict",
+    "adapter_config",
+    "merge_lora_weights",
+    "LORA_TARGETS",
+]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+ADAPTER_PARAM_NAMES = ("lora_a.weight", "lora_b.weight", "magnitude")
+
+
+class LoRALinear(nn.Linear):
+    """A frozen linear layer (plain or NF4) plus a trainable LoRA / DoRA adapter.
+
+    It is an nn.Linear, so model-wide code that initializes or inspects linear layers (`init_weights` after
+    `to_empty`) still reaches its base weight; only the forward differs.
+
+    State-dict keys: `weight`, `bias` (as nn.Linear, so base checkpoints load unchanged), `lora_a.weight`
+    [rank, in], `lora_b.weight` [out, rank], and `magnitude` [out] for DoRA. Input [..., in] -> output [..., out]
+    in the input's dtype.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_dora: bool = False,
+        quantize_base: bool = False,
+    ):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: the weight is adopted, not allocated
+        out_features, in_features = weight.shape
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.use_dora, self.quantize_base = use_dora, quantize_base
+        # Keep the Parameter object itself, so a weight shared with another module stays shared.
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.weight.requires_grad_(False)
+        self.bias = bias
+        if bias is not None:
+            bias.requires_grad_(False)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        self.lora_a = nn.Linear(in_features, rank, bias=False, **factory)
+        self.lora_b = nn.Linear(rank, out_features, bias=False, **factory)
+        self.magnitude = nn.Parameter(torch.empty(out_features, **factory)) if use_dora else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "LoRALinear":
+        return cls(linear.weight, linear.bias, **kwargs)
+
+    @torch.no_grad()
+    def reset_adapter(self) -> None:
+        """A: Kaiming-uniform, B: zeros (PEFT's default); quantizes the base if asked; magnitude = ||W||_row."""
+        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b.weight)
+        if self.quantize_base and not is_nf4(self.weight):
+            self.weight = quantize_nf4(self.weight)
+        if self.magnitude is not None:
+            self.magnitude.copy_(torch.linalg.norm(dequantize(self.weight).float(), dim=1))
+
+    def _weight_norm(self, weight: torch.Tensor) -> torch.Tensor:
+        delta = self.lora_b.weight @ self.lora_a.weight
+        return torch.linalg.norm(weight + self.scaling * delta.detach().to(weight.dtype), dim=1).detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = linear_maybe_nf4(x, self.weight)
+        x_drop = self.dropout(x)
+        lora = self.lora_b(self.lora_a(x_drop)) * self.scaling
+        if self.magnitude is None:
+            out = base + lora
+        else:
+            scale = self.magnitude / self._weight_norm(dequantize(self.weight).to(x.dtype))
+            # With active dropout PEFT rescales the base output of the dropped input (x_drop), not x.
+            base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else (
+                linear_maybe_nf4(x_drop, self.weight)
+            )
+            out = base + (scale - 1) * base_drop + scale * lora
+        return out if self.bias is None else out + self.bias
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + s B A (LoRA) or m * (W + s B A) / ||W + s B A||_row (DoRA), in the base dtype."""
+        weight = dequantize(self.weight)
+        merged = weight.float() + self.scaling * (self.lora_b.weight.float() @ self.lora_a.weight.float())
+        if self.magnitude is not None:
+            merged = merged * (self.magnitude.float() / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+        return merged.to(weight.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"alpha={self.alpha}, dora={self.use_dora}, nf4={is_nf4(self.weight)}"
+        )
+
+
+def _is_tied_lm_head(model: nn.Module) -> bool:
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def apply_lora(
+    model: nn.Module,
+    modules: Iterable[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> nn.Module:
+    """Swaps every nn.Linear whose last name is in `modules` (HF names, e.g. "q_proj", "lm_head") for a LoRALinear,
+    in place, then freezes everything but the adapters (`freeze_base`). Returns the model.
+
+    `quantize_base=True` also stores every other frozen nn.Linear inside `model.layers` as NF4 (the lm_head stays
+    in the model dtype unless targeted). On a meta-device model nothing is initialized: call
+    `reset_lora_parameters(model)` once real base weights are loaded.
+    """
+    modules = set(modules)
+    unknown = modules - set(LORA_TARGETS)
+    if unknown:
+        raise ValueError(f"lora.modules has unknown names {sorted(unknown)}: choose from {list(LORA_TARGETS)}")
+    if "lm_head" in modules and _is_tied_lm_head(model):
+        raise ValueError(
+            "lora.modules contains lm_head but this model ties lm_head to embed_tokens: remove lm_head from lora.modules"
+        )
+    kwargs = dict(rank=rank, alpha=alpha, dropout=dropout, use_dora=use_dora, quantize_base=quantize_base)
+    found = set()
+    for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, LoRALinear):  # its own lora_a / lora_b are not targets
+            continue
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            if child_name in modules:
+                setattr(parent, child_name, LoRALinear.from_linear(child, **kwargs))
+                found.add(child_name)
+            elif quantize_base and parent_name.startswith("layers."):
+                setattr(parent, child_name, FrozenNF4Linear.from_linear(child))
+    if not found:
+        raise ValueError(f"lora.modules {sorted(modules)} matched no nn.Linear in the model")
+    freeze_base(model)
+    if not any(p.is_meta for p in model.parameters()):
+        reset_lora_parameters(model)
+    return model
+
+
+def reset_lora_parameters(model: nn.Module) -> None:
+    """Initializes every adapter (A Kaiming, B zero, DoRA magnitude from the current base weight) and quantizes
+    pending NF4 bases. Call after the base weights are loaded, before loading any saved adapter."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.reset_adapter()
+        elif isinstance(module, FrozenNF4Linear):
+            module.quantize_()
+
+
+def freeze_base(model: nn.Module) -> None:
+    """requires_grad=False on every parameter except the LoRA A/B matrices and DoRA magnitudes."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith(ADAPTER_PARAM_NAMES))
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter parameters only, with mtune's names (e.g. `layers.0.self_attn.q_proj.lora_a.weight`)."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith(ADAPTER_PARAM_NAMES)}
+
+
+_TO_PEFT = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+
+
+def _peft_key(key: str) -> str:
+    module, _, _ = key.rpartition(".lora_") if ".lora_" in key else key.rpartition(".magnitude")
+    suffix = key[len(module) + 1 :]
+    prefix = "base_model.model." if module.startswith("lm_head") else "base_model.model.model."
+    return f"{prefix}{module}.{_TO_PEFT[suffix]}"
+
+
+def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter with PEFT's key names, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
+    ready for `adapter_model.safetensors`."""
+    return {_peft_key(k): v for k, v in lora_state_dict(model).items()}
+
+
+def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Loads a PEFT-named adapter state dict into a model that `apply_lora` has already transformed.
+
+    Full base-layer copies that PEFT adds when lm_head is targeted (`...lm_head.base_layer.weight`) are ignored:
+    the base weights come from the base model."""
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith(".base_layer.weight")}
+    by_peft_name = {_peft_key(k): k for k in lora_state_dict(model)}
+    missing = set(by_peft_name) - set(state_dict)
+    unexpected = set(state_dict) - set(by_peft_name)
+    if missing or unexpected:
+        raise ValueError(
+            f"adapter does not match the model's LoRA layout: missing {sorted(missing)[:3]}, unexpected "
+            f"{sorted(unexpected)[:3]}: check lora.modules / lora.use_dora against the adapter's adapter_config.json"
+        )
+    model.load_state_dict({by_peft_name[k]: v for k, v in state_dict.items()}, strict=False)
+
+
+def adapter_config(
+    modules: Iterable[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_dora: bool = False,
+    base_model_name_or_path: str | None = None,
+) -> dict:
+    """The `adapter_config.json` contents PEFT needs to load `peft_adapter_state_dict`."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(set(modules)),
+        "use_dora": use_dora,
+        "use_rslora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+@torch.no_grad()
+def merge_lora_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every adapter folded into its base weight: plain tensors in the base dtype,
+    no adapter keys, NF4 weights dequantized. The model itself is not modified."""
+    merged = {}
+    lora_modules = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    for key, value in model.state_dict().items():
+        if key.endswith(ADAPTER_PARAM_NAMES):
+            continue
+        module_name = key.rpartition(".")[0]
+        if key.endswith(".weight") and module_name in lora_modules:
+            merged[key] = lora_modules[module_name].merged_weight()
+        else:
+            merged[key] = dequantize(value).detach()
+    return merged
+

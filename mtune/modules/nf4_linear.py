@@ -1,0 +1,79 @@
+"""Frozen linear layers whose weight is stored as 4-bit NormalFloat (NF4), as in QLoRA.
+
+torchao's `NF4Tensor` stores a weight in 4-bit codes with one scale per 64 values (the scales themselves quantized
+to 8 bits per 256), about 0.26x the bytes of bf16. The forward dequantizes to the weight's original dtype and runs a
+normal matmul, so compute happens in the model dtype. NF4 weights are frozen: they never receive gradients.
+
+torchao needs each weight's element count divisible by 16384 (see CONVENTIONS.md); tiny test models are sized for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # torchao >= 0.18 moved NF4 under quantize_.workflows
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, linear_nf4, to_nf4
+except ImportError:  # older torchao
+    from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
+
+__all__ = ["NF4Tensor", "FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4"]
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, NF4Tensor)
+
+
+def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
+    """Returns a frozen Parameter holding `weight` as NF4 (dequantizes back to `weight.dtype`)."""
+    if weight.numel() % 16384 != 0:
+        raise ValueError(
+            f"NF4 needs a weight whose element count is divisible by 16384; got shape {tuple(weight.shape)}: "
+            "pick model sizes with larger or rounder linear layers, or set lora.quantize_base=false"
+        )
+    return nn.Parameter(to_nf4(weight.detach()), requires_grad=False)
+
+
+def dequantize(weight: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for `weight`, NF4 or not (NF4 comes back in its original dtype)."""
+    return weight.get_original_weight() if is_nf4(weight) else weight
+
+
+def linear_maybe_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T without bias, for a plain or NF4 weight."""
+    return linear_nf4(input=x, weight=weight) if is_nf4(weight) else F.linear(x, weight)
+
+
+class FrozenNF4Linear(nn.Linear):
+    """A bias-free-or-not linear layer with a frozen weight, stored as NF4 once real weights are present.
+
+    Built from an `nn.Linear` with `from_linear`. On the meta device the weight stays a plain (meta) tensor until
+    `quantize_()` is called after the real weights are loaded; `mtune.modules.lora.reset_lora_parameters` does that.
+    State-dict keys are `weight` / `bias`, as for `nn.Linear` (of which it is a subclass, so model-wide init code
+    still reaches the weight before it is quantized), and checkpoints load unchanged.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: the weight is adopted, not allocated
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        if not weight.is_meta:
+            self.quantize_()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "FrozenNF4Linear":
+        return cls(linear.weight, linear.bias)
+
+    def quantize_(self) -> None:
+        """Converts the weight to NF4 in place (no-op when it already is)."""
+        if not is_nf4(self.weight) and not self.weight.is_meta:
+            self.weight = quantize_nf4(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = linear_maybe_nf4(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4={is_nf4(self.weight)}"

@@ -1,0 +1,119 @@
+"""Activation offloading: keep the tensors autograd saves for backward in host memory instead of GPU memory.
+
+`OffloadActivations` is a `torch.autograd.graph.saved_tensors_hooks` context. While it is active, every tensor
+autograd saves is copied to host memory (pinned, so the copy is asynchronous) and copied back when backward needs
+it. With `use_streams=True` both copies run on a side CUDA stream, so they overlap with compute; the allocator is
+told (`record_stream`) which stream still uses each buffer.
+
+Not offloaded: parameters and other tensors that share a parameter's storage (they stay in memory anyway), tensor
+subclasses such as NF4 weights, tensors smaller than `min_offload_bytes` (the copy would cost more than it frees),
+and tensors already in host memory. Combined with activation checkpointing (required by mtune's validator), what
+is saved per block is just the block's input, so offloading moves one [batch, seq, dim] tensor per block.
+
+On a machine without CUDA everything already lives in host memory: the hooks run, move nothing, and results are
+identical; `apply_activation_offloading` says so once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OffloadActivations", "NoOffload", "apply_activation_offloading"]
+
+log = logging.getLogger(__name__)
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager: saved activations go to host memory during forward and come back during backward.
+
+    Args:
+        use_streams: copy on a side CUDA stream so transfers overlap compute (CUDA only; ignored elsewhere).
+        min_offload_bytes: tensors smaller than this stay where they are. Default 1 MiB.
+        params: parameters never to offload (their storages are recognised); default none.
+    """
+
+    def __init__(self, use_streams: bool = True, min_offload_bytes: int = 1 << 20, params=()):
+        self.min_offload_bytes = min_offload_bytes
+        self.use_streams = use_streams and torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if self.use_streams else None
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params if not p.is_meta}
+        self.offloaded_bytes = 0  # bytes moved to the host in the last forward(s); for logs and tests
+        super().__init__(self._pack, self._unpack)
+
+    def _should_offload(self, t: torch.Tensor) -> bool:
+        return (
+            type(t) is torch.Tensor  # not parameters, not subclasses (NF4)
+            and t.device.type != "cpu"
+            and t.numel() * t.element_size() >= self.min_offload_bytes
+            and t.untyped_storage().data_ptr() not in self._param_storages
+        )
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._should_offload(t):
+            return t
+        self.offloaded_bytes += t.numel() * t.element_size()
+        if self.stream is None:
+            return (t.device, t.to("cpu"))
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t.record_stream(self.stream)  # t's memory may be reused only after the copy finished
+        event = self.stream.record_event()
+        return (t.device, host, event)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if len(packed) == 2:
+            device, host = packed
+            return host.to(device)
+        device, host, event = packed
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(event)
+            t = host.to(device, non_blocking=True)
+        compute = torch.cuda.current_stream()
+        compute.wait_stream(self.stream)
+        t.record_stream(compute)
+        return t
+
+
+class NoOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Inner context that keeps saved tensors in place (used for the final norm and output projection, whose
+    activations backward needs first)."""
+
+    def __init__(self):
+        super().__init__(lambda t: t, lambda t: t)
+
+
+def _keep_saved_tensors_in_place(module: nn.Module) -> None:
+    no_offload = NoOffload()
+    module.register_forward_pre_hook(lambda m, args: no_offload.__enter__())
+    module.register_forward_hook(lambda m, args, out: no_offload.__exit__(None, None, None), always_call=True)
+
+
+def apply_activation_offloading(
+    model: nn.Module, use_streams: bool = True, min_offload_bytes: int = 1 << 20
+) -> OffloadActivations:
+    """Offloads saved activations during every `model(...)` call, except inside `model.norm` and `model.lm_head`.
+    In place, via forward hooks on the model; returns the `OffloadActivations` context it uses (for its `offloaded_bytes`)."""
+    if not torch.cuda.is_available():
+        log.info("activation offloading: no CUDA device, activations already live in host memory: it saves nothing")
+    ctx = OffloadActivations(use_streams=use_streams, min_offload_bytes=min_offload_bytes)
+
+    def enter(module, args):
+        ctx._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters() if not p.is_meta}
+        ctx.__enter__()
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(lambda module, args, out: ctx.__exit__(None, None, None), always_call=True)
+    # The final norm and lm_head run last in forward and first in backward: offloading them only adds copies.
+    for name in ("norm", "lm_head"):
+        module = getattr(model, name, None)
+        if module is not None:
+            _keep_saved_tensors_in_place(module)
+    return ctx

@@ -1,0 +1,167 @@
+"""Building optimizers, including the low-memory ones and optimizer-in-backward.
+
+`build_optimizer(cfg.optimizer, model, optimizer_in_bwd=...)` reads the config node's `_component_` and keyword
+arguments. Supported components (AdamW state per parameter element: fp32 2 x 4 bytes):
+
+| `_component_`                        | state bytes / element | notes                                            |
+|--------------------------------------|-----------------------|--------------------------------------------------|
+| torch.optim.AdamW                    | 8                     | fused on CUDA, foreach elsewhere, unless given   |
+| bitsandbytes.optim.AdamW8bit         | ~2                    | blockwise 8-bit states; runs on CPU too          |
+| bitsandbytes.optim.PagedAdamW8bit    | ~2                    | states in CUDA unified memory (paged); CPU: unpaged |
+| bitsandbytes.optim.PagedAdamW        | 8                     | as above, 32-bit states                          |
+| torchao.optim.AdamW8bit              | ~2                    | compiled per parameter shape on first step       |
+| torchao.optim.AdamW4bit              | ~1                    | drifts more from AdamW (~36% in 10 steps)         |
+| torchao.optim.AdamWFp8               | ~2                    | float8 states                                    |
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["build_optimizer", "OptimizerInBackward", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_OPTIMIZERS = (
+    "torch.optim.AdamW",
+    "bitsandbytes.optim.AdamW8bit",
+    "bitsandbytes.optim.PagedAdamW8bit",
+    "bitsandbytes.optim.PagedAdamW",
+    "torchao.optim.AdamW8bit",
+    "torchao.optim.AdamW4bit",
+    "torchao.optim.AdamWFp8",
+)
+_warned_paging = False
+
+
+def _resolve(component: str) -> Callable:
+    module_name, _, attr = component.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(
+            f"optimizer._component_={component!r} cannot be imported ({err}): use one of {list(SUPPORTED_OPTIMIZERS)}"
+        ) from None
+
+
+def _component_kwargs(component: str, kwargs: dict, device: torch.device) -> dict:
+    global _warned_paging
+    kwargs = dict(kwargs)
+    if component == "torch.optim.AdamW" and "fused" not in kwargs and "foreach" not in kwargs:
+        if device.type == "cuda":
+            kwargs["fused"] = True
+        else:
+            kwargs["foreach"] = True
+    if ".Paged" in component and device.type != "cuda" and not _warned_paging:
+        _warned_paging = True
+        log.warning("optimizer %s: paging needs CUDA unified memory; on %s its states stay in ordinary memory "
+                    "(it runs as the unpaged optimizer)", component, device.type)
+    return kwargs
+
+
+def build_optimizer(
+    optimizer_cfg: Mapping[str, Any],
+    params_or_model: nn.Module | Iterable[nn.Parameter],
+    *,
+    optimizer_in_bwd: bool = False,
+    **overrides: Any,
+) -> torch.optim.Optimizer:
+    """Builds the optimizer the config node describes over the trainable parameters.
+
+    Args:
+        optimizer_cfg: mapping with `_component_` (a dotted path, see SUPPORTED_OPTIMIZERS) and its kwargs (lr, ...).
+        params_or_model: a model (its parameters with requires_grad) or an iterable of parameters.
+        optimizer_in_bwd: return an `OptimizerInBackward` (one optimizer per parameter, stepped during backward).
+        overrides: keyword arguments that replace the config's.
+    """
+    cfg = dict(optimizer_cfg)
+    component = cfg.pop("_component_", None)
+    if component is None:
+        raise ValueError(f"optimizer needs _component_: one of {list(SUPPORTED_OPTIMIZERS)}")
+    cfg.update(overrides)
+    if isinstance(params_or_model, nn.Module):
+        named = [(n, p) for n, p in params_or_model.named_parameters() if p.requires_grad]
+    else:
+        named = [(str(i), p) for i, p in enumerate(p for p in params_or_model if p.requires_grad)]
+    if not named:
+        raise ValueError("the model has no trainable parameters: check lora.modules or the frozen layers")
+    kwargs = _component_kwargs(component, cfg, named[0][1].device)
+    cls = _resolve(component)
+    if optimizer_in_bwd:
+        return OptimizerInBackward(named, cls, **kwargs)
+    return cls([p for _, p in named], **kwargs)
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    """Steps each parameter as soon as its gradient is accumulated during backward, then frees that gradient.
+
+    One inner optimizer per parameter, stepped in a `register_post_accumulate_grad_hook`; so at most one parameter's
+    gradient is alive at a time and no full set of gradients ever exists. `step()` and `zero_grad()` are no-ops.
+    `param_groups` are the inner optimizers' own groups, so a torch LR scheduler built on this object sets the lr
+    of every inner optimizer. Incompatible with gradient accumulation, gradient clipping and fp16 loss scaling
+    (each needs all gradients before the step); the validator rejects those combinations.
+    """
+
+    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], optimizer_cls: Callable, **kwargs: Any):
+        named_params = list(named_params)
+        self.optimizers = {name: optimizer_cls([p], **kwargs) for name, p in named_params}
+        super().__init__([p for _, p in named_params], dict(lr=kwargs.get("lr", 0.0)))
+        self.param_groups = [opt.param_groups[0] for opt in self.optimizers.values()]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(self.optimizers[name])) for name, p in named_params
+        ]
+
+    @staticmethod
+    def _make_hook(optimizer: torch.optim.Optimizer) -> Callable:
+        def hook(param: torch.Tensor) -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return hook
+
+    def step(self, closure=None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        missing = set(self.optimizers) - set(state_dict)
+        if missing:
+            raise ValueError(f"optimizer state lacks parameters {sorted(missing)[:3]}: the checkpoint was saved "
+                             "for another model or without optimizer_in_bwd")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state_dict[name])
+        self.param_groups = [opt.param_groups[0] for opt in self.optimizers.values()]
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held in the optimizer's per-parameter state tensors (quantized states and their scales included)."""
+    optimizers = optimizer.optimizers.values() if isinstance(optimizer, OptimizerInBackward) else [optimizer]
+    total = 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    total += _tensor_bytes(value)
+    return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
+        return t.numel() * t.element_size()
+    inner, _ = t.__tensor_flatten__()  # torchao's quantized states are tensor subclasses: count their parts
+    return sum(_tensor_bytes(getattr(t, name)) for name in inner)

@@ -1,0 +1,122 @@
+"""Rules for incompatible memory / optimizer flags: each is `cfg -> list[str]` of one-line problems naming the flags
+and the fix. Recipes attach `MEMORY_RULES` to their schema; `mtune validate` runs them before any training.
+
+No torch import here: `mtune validate` reads this module.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MEMORY_RULES",
+    "check_optimizer_in_bwd",
+    "check_lora_node",
+    "check_lora_on_tied_lm_head",
+    "check_activation_offloading",
+    "check_activation_checkpointing",
+]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None or part not in node:
+            return default
+        node = node[part]
+    return default if node is None else node
+
+
+def check_optimizer_in_bwd(cfg: Any) -> list[str]:
+    """optimizer_in_bwd steps each parameter during backward, so nothing may need all gradients first."""
+    if not _get(cfg, "optimizer_in_bwd", False):
+        return []
+    problems = []
+    steps = _get(cfg, "gradient_accumulation_steps", 1)
+    if steps > 1:
+        problems.append(f"optimizer_in_bwd=true cannot be combined with gradient_accumulation_steps={steps}: "
+                        "set gradient_accumulation_steps=1 or optimizer_in_bwd=false")
+    clip = _get(cfg, "clip_grad_norm")
+    if clip is not None:
+        problems.append(f"optimizer_in_bwd=true cannot be combined with clip_grad_norm={clip} (clipping needs every "
+                        "gradient before the step): set clip_grad_norm=null or optimizer_in_bwd=false")
+    if _get(cfg, "dtype") == "fp16":
+        problems.append("optimizer_in_bwd=true cannot be combined with dtype=fp16 (loss scaling must see every "
+                        "gradient to skip a step): set dtype=bf16 or dtype=fp32, or optimizer_in_bwd=false")
+    return problems
+
+
+def check_lora_node(cfg: Any) -> list[str]:
+    """The lora node's values; and QLoRA needs adapters (a full fine-tune cannot train NF4 weights)."""
+    problems = []
+    if _get(cfg, "quantize_base") is not None or _get(cfg, "model.quantize_base") is not None:
+        problems.append("quantize_base belongs in the lora node: use lora.quantize_base=true (QLoRA); a full "
+                        "fine-tune cannot train NF4 weights")
+    lora = _get(cfg, "lora")
+    if lora is None:
+        return problems
+    if not _get(cfg, "lora.modules"):
+        if _get(cfg, "lora.quantize_base", False):
+            problems.append("lora.quantize_base=true without lora.modules: NF4 base weights are frozen, so a full "
+                            "fine-tune cannot use them: set lora.modules (QLoRA) or remove lora.quantize_base")
+        else:
+            problems.append("lora.modules is empty: list the layers to adapt, e.g. lora.modules=[q_proj,v_proj]")
+    unknown = sorted(set(_get(cfg, "lora.modules", [])) - set(LORA_TARGETS))
+    if unknown:
+        problems.append(f"lora.modules has unknown names {unknown}: choose from {list(LORA_TARGETS)}")
+    rank = _get(cfg, "lora.rank", 8)
+    if not isinstance(rank, int) or rank < 1:
+        problems.append(f"lora.rank={rank} must be a positive integer: e.g. lora.rank=8")
+    return problems
+
+
+def _ties_embeddings(cfg: Any) -> bool | None:
+    explicit = _get(cfg, "model.tie_embeddings")
+    if explicit is not None:
+        return bool(explicit)
+    checkpoint_dir = _get(cfg, "model.checkpoint_dir")
+    if checkpoint_dir is None:
+        return None
+    config_file = Path(str(checkpoint_dir)) / "config.json"
+    if not config_file.is_file():
+        return None  # another rule reports a missing checkpoint
+    # Llama, Qwen2 and Mistral configs all default to untied when the field is absent.
+    return bool(json.loads(config_file.read_text()).get("tie_word_embeddings", False))
+
+
+def check_lora_on_tied_lm_head(cfg: Any) -> list[str]:
+    """A tied lm_head shares its weight with embed_tokens; an adapter (or NF4) on one would change the other."""
+    if "lm_head" not in (_get(cfg, "lora.modules") or []) or not _ties_embeddings(cfg):
+        return []
+    return ["lora.modules contains lm_head but the model ties lm_head to embed_tokens (tie_word_embeddings): "
+            "remove lm_head from lora.modules"]
+
+
+def check_activation_offloading(cfg: Any) -> list[str]:
+    """mtune offloads the inputs that checkpointed blocks keep; without checkpointing it would copy every saved
+    activation of every layer over PCIe each step, which makes training transfer-bound."""
+    if _get(cfg, "enable_activation_offloading", False) and not _get(cfg, "enable_activation_checkpointing", False):
+        return ["enable_activation_offloading=true needs enable_activation_checkpointing=true (offloading moves what "
+                "checkpointed blocks keep; alone it would copy every activation over PCIe): set "
+                "enable_activation_checkpointing=true or enable_activation_offloading=false"]
+    return []
+
+
+def check_activation_checkpointing(cfg: Any) -> list[str]:
+    n = _get(cfg, "activation_checkpointing_every_n_layers", 1)
+    if not isinstance(n, int) or n < 1:
+        return [f"activation_checkpointing_every_n_layers={n} must be an integer >= 1: e.g. 1 (every block)"]
+    return []
+
+
+MEMORY_RULES = (
+    check_optimizer_in_bwd,
+    check_lora_node,
+    check_lora_on_tied_lm_head,
+    check_activation_offloading,
+    check_activation_checkpointing,
+)

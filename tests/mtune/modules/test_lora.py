@@ -1,0 +1,117 @@
+"""LoRA / DoRA against PEFT (the oracle): same weights and adapters give the same logits, and mtune's export loads
+in PEFT."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mtune.models import build_model
+from mtune.modules.lora import (
+    LoRALinear,
+    adapter_config,
+    apply_lora,
+    load_peft_adapter_state_dict,
+    lora_state_dict,
+    merge_lora_weights,
+    peft_adapter_state_dict,
+    reset_lora_parameters,
+)
+from tests._helpers.models import tiny_hf_model
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+TOKENS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def mtune_twin(hf_model):
+    model = build_model("llama3_1", "tiny", device="cpu")
+    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def peft_model(hf, use_dora):
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=ALL, use_dora=use_dora)
+    model = peft.get_peft_model(copy.deepcopy(hf), config)
+    torch.manual_seed(4)
+    with torch.no_grad():  # non-zero B and a magnitude away from ||W||, so the adapters matter
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+            elif "lora_magnitude_vector" in name:
+                param.mul_(1 + 0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_logits_match_peft_and_export_loads_in_peft(use_dora, tmp_path):
+    hf = tiny_hf_model("llama3_1")
+    reference = peft_model(hf, use_dora)
+    model = mtune_twin(hf)
+    apply_lora(model, ALL, rank=8, alpha=16, use_dora=use_dora)
+    load_peft_adapter_state_dict(model, peft.get_peft_model_state_dict(reference))
+    with torch.no_grad():
+        ours, ref = model(TOKENS), reference(TOKENS).logits
+        plain = hf(TOKENS).logits
+    assert (plain - ref).abs().max() > 1e-2  # the adapter changes the output...
+    assert (ours - ref).abs().max().item() <= 1e-5  # ...and mtune changes it the same way
+
+    # Export: adapter_model.safetensors + adapter_config.json load with PeftModel.from_pretrained.
+    save_file({k: v.contiguous() for k, v in peft_adapter_state_dict(model).items()}, tmp_path / "adapter_model.safetensors")
+    config = adapter_config(ALL, rank=8, alpha=16, use_dora=use_dora)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    with torch.no_grad():
+        assert (loaded(TOKENS).logits - ours).abs().max().item() <= 1e-5
+
+    # Merged weights: a plain model holding them gives the adapted logits; PEFT's own merge agrees.
+    merged = merge_lora_weights(model)
+    assert not any("lora" in k or "magnitude" in k for k in merged)
+    plain_model = build_model("llama3_1", "tiny", device="cpu").eval()
+    plain_model.load_state_dict(merged, strict=True)
+    peft_merged = reference.merge_and_unload().state_dict()
+    with torch.no_grad():
+        assert (plain_model(TOKENS) - ref).abs().max().item() <= 1e-5
+    for key, value in merged.items():
+        assert (value - peft_merged["model." + key if key != "lm_head.weight" else key]).abs().max() <= 1e-6
+
+
+def test_only_adapters_train_and_start_at_base_model():
+    model = build_model("llama3_1", "tiny", device="cpu")
+    base = copy.deepcopy(model)
+    apply_lora(model, ["q_proj", "v_proj", "down_proj"], rank=4, alpha=8, use_dora=True)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(lora_state_dict(model)) and len(trainable) == 2 * 3 * 3
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS), base(TOKENS), rtol=0, atol=1e-6)
+    model(TOKENS).square().mean().backward()
+    assert all((p.grad is None) != p.requires_grad for p in model.parameters())
+
+
+def test_meta_build_then_init_starts_at_base_model():
+    model = build_model("llama3_1", "tiny")  # meta device
+    apply_lora(model, ["q_proj", "lm_head"], rank=4, alpha=8, use_dora=True)
+    model.to_empty(device="cpu")
+    model.init_weights()  # reaches the LoRA base weights (LoRALinear is an nn.Linear)...
+    reset_lora_parameters(model)  # ...then the adapters: B = 0, magnitude = ||W||
+    assert isinstance(model.lm_head, LoRALinear)
+    assert abs(model.lm_head.weight.std().item() - 0.02) < 2e-3
+    plain = build_model("llama3_1", "tiny", device="cpu").eval()
+    plain.load_state_dict(merge_lora_weights(model), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(TOKENS), plain(TOKENS), rtol=0, atol=1e-6)
+
+
+def test_clear_errors():
+    tied = build_model("llama3_2", "tiny", device="cpu")
+    with pytest.raises(ValueError, match="ties lm_head to embed_tokens: remove lm_head"):
+        apply_lora(tied, ["lm_head"], rank=4, alpha=8)
+    with pytest.raises(ValueError, match="unknown names \\['qproj'\\]"):
+        apply_lora(tied, ["qproj"], rank=4, alpha=8)
+    lora = apply_lora(build_model("llama3_1", "tiny", device="cpu"), ["q_proj"], rank=4, alpha=8)
+    with pytest.raises(ValueError, match="adapter does not match"):
+        load_peft_adapter_state_dict(lora, {})
