@@ -139,3 +139,8 @@ def test_mixture_from_a_config_node(tok, tmp_path, text_path):
     mixed = instantiate(node, tokenizer=tok)
     assert len(mixed) == len(ALPACA_ROWS) + 50
     assert mixed[len(ALPACA_ROWS)] == text_completion_dataset(tok, text_path)[0]
+
+
+def test_collate_counts_tokens_before_padding():
+    batch = [{"tokens": [5, 6, 7], "labels": [6, 7, -100]}, {"tokens": [9], "labels": [-100]}]
+    assert int(collate_padded(batch, pad_id=0, pad_to_multiple_of=8)["num_tokens"]) == 4
