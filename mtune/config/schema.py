@@ -129,9 +129,11 @@ class RecipeSchema:
         problems = _check_keys(cfg, self.keys, "")
         if problems:
             return problems  # rules read keys, so they run only on a well-formed config
+        # Rules see the config as the recipe will: with every left-out key at its default.
+        filled = self.fill_defaults(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
         for rule in self.all_rules:
             try:
-                problems += list(rule(cfg))
+                problems += list(rule(filled))
             except Exception as err:  # a rule must not hide the other problems
                 problems.append(f"rule {getattr(rule, '__name__', rule)} failed: {type(err).__name__}: {err}")
         return problems

@@ -6,8 +6,6 @@ and the docs tables are rendered from them. Names follow torchtune where torchtu
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
 from mtune.config import REQUIRED, Key, KeyGroup, Node
 
 RUN_KEYS = KeyGroup(
@@ -59,6 +57,7 @@ MODEL_NODES = KeyGroup(
                 [
                     Key("checkpoint_dir", str, None, "a Hugging Face model directory, as `mtune download` leaves it"),
                     Key("size", str, None, "instead of checkpoint_dir: build this named size with random weights"),
+                    Key("family", str, None, "the family of `size` (llama2, llama3_1, llama3_2, qwen2_5, mistral, tiny)"),
                 ],
             ),
             required=True,
@@ -88,6 +87,9 @@ TRAINING_NODES = KeyGroup(
         Node("dataset_val", "the validation set builder (needed by eval_every_n_steps)"),
         Node("metric_logger", "where metrics go besides metrics.jsonl (null: only metrics.jsonl)"),
         Node("profiler", "torch.profiler settings (null: no profiling)"),
+        Node("task_eval", "a task metric computed before and after training, e.g. exact-match accuracy (null: none)"),
+        Key("memory_breakdown", bool, False,
+            "measure parameter / gradient / optimizer-state / activation bytes over the first steps (JSON + PNG)"),
     ],
 )
 
@@ -108,6 +110,7 @@ LORA_KEYS = KeyGroup(
                     Key("dropout", float, 0.0, "dropout on the adapter input"),
                     Key("use_dora", bool, False, "DoRA: learn a per-output magnitude as well"),
                     Key("quantize_base", bool, False, "QLoRA: store the frozen base linears as NF4"),
+                    Key("adapter_dir", str, None, "start from this saved PEFT adapter instead of a fresh one"),
                 ],
             ),
             required=True,
@@ -116,25 +119,3 @@ LORA_KEYS = KeyGroup(
     ],
 )
 
-
-def optimizer_in_bwd_rule(cfg: DictConfig) -> list[str]:
-    """optimizer_in_bwd steps during backward, so there is no whole gradient to accumulate or clip."""
-    if not cfg.get("optimizer_in_bwd"):
-        return []
-    problems = []
-    if cfg.get("gradient_accumulation_steps", 1) != 1:
-        problems.append("optimizer_in_bwd=true needs gradient_accumulation_steps=1 (or set optimizer_in_bwd=false)")
-    if cfg.get("clip_grad_norm") is not None:
-        problems.append("optimizer_in_bwd=true cannot clip gradients: set clip_grad_norm=null or optimizer_in_bwd=false")
-    return problems
-
-
-def eval_needs_dataset_val_rule(cfg: DictConfig) -> list[str]:
-    """Evaluation needs a validation set."""
-    if cfg.get("eval_every_n_steps") is not None and cfg.get("dataset_val") is None:
-        return ["eval_every_n_steps is set but dataset_val is not: add a dataset_val node or set eval_every_n_steps=null"]
-    return []
-
-
-COMMON_RULES = [optimizer_in_bwd_rule, eval_needs_dataset_val_rule]
-"""Rules every training recipe should attach to its `RecipeSchema`."""

@@ -1,5 +1,5 @@
 """Rules for incompatible memory / optimizer flags: each is `cfg -> list[str]` of one-line problems naming the flags
-and the fix. Recipes attach `MEMORY_RULES` to their schema; `mtune validate` runs them before any training.
+and the fix. Training recipes attach `TRAINING_RULES` to their schema; `mtune validate` runs them before any training.
 
 No torch import here: `mtune validate` reads this module.
 """
@@ -12,6 +12,8 @@ from typing import Any
 
 __all__ = [
     "MEMORY_RULES",
+    "TRAINING_RULES",
+    "check_eval_dataset",
     "check_optimizer_in_bwd",
     "check_lora_node",
     "check_lora_on_tied_lm_head",
@@ -120,3 +122,14 @@ MEMORY_RULES = (
     check_activation_offloading,
     check_activation_checkpointing,
 )
+
+
+def check_eval_dataset(cfg: Any) -> list[str]:
+    """Evaluation needs a validation set."""
+    if _get(cfg, "eval_every_n_steps") is not None and _get(cfg, "dataset_val") is None:
+        return ["eval_every_n_steps is set but dataset_val is not: add a dataset_val node or set eval_every_n_steps=null"]
+    return []
+
+
+TRAINING_RULES = MEMORY_RULES + (check_eval_dataset,)
+"""Every rule a single-device training recipe attaches to its `RecipeSchema`."""

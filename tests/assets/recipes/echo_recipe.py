@@ -6,11 +6,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import KeyGroup, Node, RecipeSchema, instantiate
-from mtune.training.config_keys import COMMON_RULES, MEMORY_KEYS, RUN_KEYS
+from mtune.training.config_keys import MEMORY_KEYS, RUN_KEYS
+from mtune.training.validation import TRAINING_RULES
 
 SCHEMA = RecipeSchema(
     [RUN_KEYS, MEMORY_KEYS, KeyGroup("echo", [Node("component", "any _component_ to build", required=True)])],
-    rules=COMMON_RULES,
+    rules=TRAINING_RULES,
 )
 
 

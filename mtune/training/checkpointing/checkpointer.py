@@ -1,0 +1,132 @@
+"""Save and resume single-device runs: ``${output_dir}/step_<N>/`` and ``${output_dir}/final/``.
+
+A checkpoint directory holds:
+
+- ``model/``: the model in Hugging Face format (full fine-tunes; and for LoRA the merged model, unless
+  ``save_adapter_weights_only``), loadable by ``transformers.AutoModelForCausalLM.from_pretrained``;
+- ``adapter/``: for LoRA / DoRA / QLoRA, the adapter in PEFT format (``peft.PeftModel.from_pretrained``);
+- ``recipe_state.pt``: optimizer, scheduler, loss scaler, step, epoch, data position and RNG states;
+- ``mtune_state.json``: what produced it (written last: a directory without it is not a checkpoint).
+
+Writes go to a temporary directory renamed into place (see :class:`CheckpointWriter`), so a crash never leaves a
+checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from mtune.modules.lora import merge_lora_weights
+from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter, find_latest_checkpoint, read_checkpoint_state
+from mtune.training.checkpointing.hf import load_hf_checkpoint, save_hf_checkpoint
+from mtune.training.checkpointing.peft import load_peft_adapter, merged_hf_weights, save_peft_adapter
+from mtune.training.checkpointing.recipe_state import (
+    RecipeState,
+    check_resume_compatible,
+    load_recipe_state,
+    save_recipe_state,
+)
+
+__all__ = ["Checkpointer", "MODEL_SUBDIR", "ADAPTER_SUBDIR"]
+
+log = logging.getLogger("mtune")
+
+MODEL_SUBDIR = "model"
+ADAPTER_SUBDIR = "adapter"
+
+
+class Checkpointer:
+    """Writes checkpoints of one run and resumes from them.
+
+    Args:
+        output_dir: the run's output directory.
+        config: the resolved run config (plain dict), recorded in ``mtune_state.json`` and compared on resume.
+        base_checkpoint_dir: the Hugging Face checkpoint the run started from (None for random weights); its
+            config, tokenizer and generation files are copied into saved models, and a LoRA merge reads the base
+            weights from it in their original precision.
+        lora: the config's ``lora`` node, or None for a full fine-tune.
+        save_adapter_weights_only: LoRA: skip the merged model.
+        keep_last_n_checkpoints: prune older ``step_<N>`` checkpoints once a new one is complete.
+    """
+
+    def __init__(self, *, output_dir: str | Path, config: Mapping[str, Any], base_checkpoint_dir: Path | None,
+                 lora: Mapping[str, Any] | None = None, save_adapter_weights_only: bool = False,
+                 keep_last_n_checkpoints: int | None = None, max_shard_size: int | str = "5GB"):
+        self.output_dir = Path(output_dir)
+        self.config = dict(config)
+        self.base_checkpoint_dir = base_checkpoint_dir
+        self.lora = dict(lora) if lora is not None else None
+        self.save_adapter_weights_only = save_adapter_weights_only
+        self.max_shard_size = max_shard_size
+        self.writer = CheckpointWriter(self.output_dir, keep_last_n_checkpoints=keep_last_n_checkpoints)
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.lora is None else ("lora_adapter" if self.save_adapter_weights_only else "lora")
+
+    # ------------------------------------------------------------------------------------------------- saving
+    def save(self, *, step: int, epoch: int, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
+             dataloader=None, final: bool = False) -> Path:
+        """Write ``step_<step>/`` (or ``final/``) atomically and return its path."""
+
+        def write(tmp: Path) -> None:
+            self._write_model(model, tmp)
+            save_recipe_state(tmp, step=step, epoch=epoch, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                              grad_scaler=loss_scaler, dataloader=dataloader)
+
+        path = self.writer.save(step=step, epoch=epoch, config=self.config, kind=self.kind, write_fn=write,
+                                final=final)
+        log.info("checkpoint: %s", path)
+        return path
+
+    def _write_model(self, model: nn.Module, tmp: Path) -> None:
+        source = self.base_checkpoint_dir
+        args = getattr(model, "args", None)
+        if self.lora is None:
+            save_hf_checkpoint(model, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size=self.max_shard_size,
+                               model_args=args)
+            return
+        save_peft_adapter(model, tmp / ADAPTER_SUBDIR, self.lora,
+                          base_model_name_or_path=str(source) if source is not None else None)
+        if self.save_adapter_weights_only:
+            return
+        # The merged model users serve: the adapter folded into the base weights in the checkpoint's own precision
+        # (for QLoRA, not the NF4 weights the run trained against; see docs/checkpoints.md).
+        weights = merged_hf_weights(source, model) if source is not None else merge_lora_weights(model)
+        save_hf_checkpoint(weights, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size=self.max_shard_size,
+                           model_args=args)
+
+    # ------------------------------------------------------------------------------------------------ resuming
+    def find(self, resume_from: bool | str) -> Path | None:
+        """The checkpoint ``resume_from_checkpoint`` names: the latest complete one in ``output_dir`` for true, or
+        the given directory. None when true but there is none yet (the run starts fresh)."""
+        if resume_from is True:
+            path = find_latest_checkpoint(self.output_dir)
+            if path is None:
+                log.info("resume_from_checkpoint=true: no complete checkpoint in %s yet, starting fresh",
+                         self.output_dir)
+            return path
+        path = Path(resume_from)
+        read_checkpoint_state(path)  # raises when the directory is not a complete checkpoint
+        return path
+
+    def resume(self, path: Path, *, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
+               dataloader=None) -> RecipeState:
+        """Check the config against the checkpoint's, load its weights and recipe state (RNG states last)."""
+        state = read_checkpoint_state(path)
+        check_resume_compatible(state["config"], self.config, checkpoint=path)
+        if self.lora is None:
+            param = next(model.parameters())
+            load_hf_checkpoint(model, path / MODEL_SUBDIR, dtype=param.dtype, device=param.device)
+        else:
+            load_peft_adapter(model, path / ADAPTER_SUBDIR)
+        recipe_state = load_recipe_state(path, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                         grad_scaler=loss_scaler, dataloader=dataloader)
+        log.info("resumed from %s at step %d (epoch %d)", path, recipe_state.step, recipe_state.epoch)
+        return recipe_state
+
