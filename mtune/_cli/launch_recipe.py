@@ -18,5 +18,10 @@ def launch(argv: list[str]) -> int:
     return 0
 
 
+def run_recipe_file(recipe_file: str) -> None:
+    """Let a recipe run as a script: ``python recipes/lora_single_device.py --config ... key=value``."""
+    sys.exit(handle_errors(launch, [recipe_file, *sys.argv[1:]]))
+
+
 if __name__ == "__main__":
     sys.exit(handle_errors(launch, sys.argv[1:]))

@@ -72,6 +72,7 @@ MODEL_NODES = KeyGroup(
                     Key("max_seq_len", int, None, "truncate samples to this many tokens (null: no limit)"),
                 ],
             ),
+            required=True,
         ),
     ],
 )

@@ -80,12 +80,14 @@ def train_step(
     world_size: int = 1,
     step: int = 0,
     fp16: bool = False,
+    before_zero_grad=None,
 ) -> StepResult:
     """Forward and backward every micro-batch, then clip and step (unless the optimizer steps in backward).
 
     ``autocast`` is a context factory (fp16 autocast or a no-op); ``activation_context`` (e.g. activation
     offloading) wraps forward and backward. With ``world_size`` > 1 the gradient of each rank is scaled by the world
     size, because FSDP averages gradients over ranks while the loss is normalised by the tokens of all ranks.
+    ``before_zero_grad()`` runs after the optimizer step while gradients still exist (memory accounting).
     """
     local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
     total = _all_reduce_sum(torch.tensor(float(local_tokens), device=device))
@@ -117,6 +119,9 @@ def train_step(
             params = [p for group in optimizer.param_groups for p in group["params"]]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
         stepped = loss_scaler.step(optimizer) if loss_scaler is not None else (optimizer.step() or True)
+    if before_zero_grad is not None:
+        before_zero_grad()
+    if not optimizer_in_bwd:
         optimizer.zero_grad(set_to_none=True)
     return StepResult(mean_loss, int(total.item()), num_tokens, grad_norm, stepped)
 

@@ -25,7 +25,8 @@ from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
 from mtune.training.memory import apply_memory_techniques
 
-__all__ = ["ModelSource", "resolve_model_source", "build_model_on_meta", "setup_model", "is_adapter_param"]
+__all__ = ["ModelSource", "resolve_model_source", "build_model_on_meta", "setup_model", "memory_flags",
+           "is_adapter_param"]
 
 log = logging.getLogger("mtune")
 
@@ -80,6 +81,17 @@ def _quantize_when_loaded(module: nn.Module) -> None:
         module.quantize_()
     elif isinstance(module, LoRALinear) and module.quantize_base and not is_nf4(module.weight):
         module.weight = quantize_nf4(module.weight)
+
+
+def memory_flags(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's memory-technique keys as :func:`setup_model` keyword arguments."""
+    return {
+        "activation_checkpointing": bool(cfg.get("enable_activation_checkpointing")),
+        "activation_checkpointing_every_n_layers": int(cfg.get("activation_checkpointing_every_n_layers") or 1),
+        "activation_offloading": bool(cfg.get("enable_activation_offloading")),
+        "activation_offloading_use_streams": bool(cfg.get("activation_offloading_use_streams", True)),
+        "compile": bool(cfg.get("compile")),
+    }
 
 
 def setup_model(

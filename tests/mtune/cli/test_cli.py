@@ -76,7 +76,9 @@ def test_validate_lists_every_problem(mtune):
     assert any(e.startswith("error: log_dir: cannot resolve its value") for e in errors)
     assert len(errors) == 6  # log_dir is also an unknown key for this recipe
     out = mtune("validate", "test/echo", "optimizer_in_bwd=true", "gradient_accumulation_steps=4")
-    assert out.returncode == 1 and "error: optimizer_in_bwd=true needs gradient_accumulation_steps=1" in out.stdout
+    assert out.returncode == 1
+    assert ("error: optimizer_in_bwd=true cannot be combined with gradient_accumulation_steps=4: "
+            "set gradient_accumulation_steps=1 or optimizer_in_bwd=false") in out.stdout
 
 
 def test_run_applies_overrides_and_fills_defaults(mtune, tmp_path):

@@ -21,6 +21,7 @@ def good_config(**changes):
         {
             "output_dir": "/tmp/out",
             "model": {"checkpoint_dir": "/tmp/m"},
+            "tokenizer": {"max_seq_len": 512},
             "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
             "dataset": {"_component_": "argparse.Namespace", "data_files": "x.json"},
             "lora": {"rank": 4},

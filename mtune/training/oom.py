@@ -1,0 +1,60 @@
+"""Turn an out-of-memory error into advice: which phase ran out, and which flags of this config would lower the
+peak (only those not already set)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["OutOfMemory", "oom_guard", "memory_advice"]
+
+
+class OutOfMemory(RuntimeError):
+    """Raised instead of torch's OutOfMemoryError, with the phase and what to change."""
+
+
+def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
+    """Flags that would lower peak memory and are not set in ``cfg`` yet, most effective first."""
+    advice = []
+    if not cfg.get("enable_activation_checkpointing"):
+        advice.append("enable_activation_checkpointing=true")
+    if cfg.get("enable_activation_checkpointing") and not cfg.get("enable_activation_offloading"):
+        advice.append("enable_activation_offloading=true")
+    if int(cfg.get("batch_size") or 1) > 1:
+        advice.append("a smaller batch_size with a larger gradient_accumulation_steps")
+    lora = cfg.get("lora")
+    if lora is None:
+        advice.append("a LoRA recipe (lora_single_device) instead of a full fine-tune")
+    elif not lora.get("quantize_base"):
+        advice.append("lora.quantize_base=true (QLoRA)")
+    optimizer = str((cfg.get("optimizer") or {}).get("_component_", ""))
+    if "8bit" not in optimizer.lower() and "4bit" not in optimizer.lower() and lora is None:
+        advice.append("optimizer=bitsandbytes.optim.PagedAdamW8bit")
+    if not cfg.get("optimizer_in_bwd") and lora is None and int(cfg.get("gradient_accumulation_steps") or 1) == 1:
+        advice.append("optimizer_in_bwd=true")
+    loss = str((cfg.get("loss") or {}).get("_component_", ""))
+    if "Chunked" not in loss:
+        advice.append("loss._component_=mtune.modules.loss.ChunkedCrossEntropyLoss")
+    if cfg.get("dtype") in ("fp32", "fp16"):
+        advice.append("dtype=bf16 (on GPUs that have it)")
+    if (cfg.get("tokenizer") or {}).get("max_seq_len"):
+        advice.append("a smaller tokenizer.max_seq_len")
+    return advice
+
+
+@contextlib.contextmanager
+def oom_guard(phase: str, cfg: Mapping[str, Any]):
+    """Re-raise an out-of-memory error inside the block as :class:`OutOfMemory` naming ``phase`` and the advice."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        stats = ""
+        if torch.cuda.is_available():
+            gib = 1024**3
+            stats = (f" (allocated {torch.cuda.memory_allocated() / gib:.1f} GiB, peak "
+                     f"{torch.cuda.max_memory_allocated() / gib:.1f} GiB, reserved {torch.cuda.memory_reserved() / gib:.1f} GiB)")
+        advice = ", ".join(memory_advice(cfg)) or "a smaller model or a larger GPU"
+        raise OutOfMemory(f"out of memory during {phase}{stats}; to lower the peak try: {advice}") from err

@@ -1,0 +1,235 @@
+"""The per-step machinery every training recipe shares, so that a recipe's own loop is four lines::
+
+    for micro_batches in session.batches():     # from the resume point; honours epochs and max_steps_per_epoch
+        result = session.train_step(micro_batches)
+        session.end_step(result)                 # lr schedule, metrics, eval, checkpoints, stop signals
+    session.finish()                             # final checkpoint, task metric after training
+
+What happens in a step, in order: forward and backward of every micro-batch (token-weighted loss), unscale and clip,
+optimizer step (or none with optimizer-in-backward), LR scheduler step, metrics, validation loss every
+``eval_every_n_steps``, a checkpoint every ``save_every_n_steps`` or when SIGTERM/SIGINT asked to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtune.training.checkpointing.checkpointer import Checkpointer
+from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
+from mtune.training.memory_stats import MemoryBreakdown
+from mtune.training.monitor import TrainingMonitor
+from mtune.training.oom import oom_guard
+from mtune.training.profiler import build_profiler
+from mtune.training.run import Run
+from mtune.training.signals import GracefulStop
+
+__all__ = ["StepPlan", "TrainingSession", "setup_data"]
+
+log = logging.getLogger("mtune")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How many optimizer steps a run makes. A step is one optimizer step over ``gradient_accumulation_steps``
+    micro-batches of ``batch_size`` samples on each of ``world_size`` ranks."""
+
+    steps_per_epoch: int
+    epochs: int
+    samples_per_step: int
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], batches_per_epoch: int, world_size: int = 1) -> "StepPlan":
+        accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
+        steps = batches_per_epoch // accumulation
+        if steps == 0:
+            raise ValueError(f"an epoch has {batches_per_epoch} batches per rank, fewer than "
+                             f"gradient_accumulation_steps={accumulation}: lower it or batch_size, or add data")
+        if cfg.get("max_steps_per_epoch"):
+            steps = min(steps, int(cfg["max_steps_per_epoch"]))
+        return cls(steps, int(cfg.get("epochs") or 1), int(cfg["batch_size"]) * world_size * accumulation)
+
+
+def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
+    """``(train_loader, val_loader or None, plan)`` from the config's ``dataset`` / ``dataset_val`` nodes."""
+    from mtune.config import instantiate
+    from mtune.data import build_dataloader
+
+    train_loader = build_dataloader(instantiate(cfg.dataset, tokenizer=tokenizer), cfg.batch_size, seed=cfg.seed,
+                                    rank=rank, world_size=world_size)
+    val_loader = None
+    if cfg.get("dataset_val") is not None:
+        val_loader = build_dataloader(instantiate(cfg.dataset_val, tokenizer=tokenizer), cfg.batch_size,
+                                      seed=cfg.seed, shuffle=False, rank=rank, world_size=world_size,
+                                      drop_last=False)
+    return train_loader, val_loader, StepPlan.from_config(cfg, len(train_loader), world_size)
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+class TrainingSession:
+    """Runs the steps of a training recipe: see the module docstring. Built by the recipe from what it set up.
+
+    Args:
+        cfg: the run config (recipe-level keys are read from it).
+        run: device, dtype and rank of this process.
+        model, tokenizer, optimizer, lr_scheduler, loss_fn: built by the recipe.
+        train_loader, val_loader: mtune resumable loaders (``val_loader`` may be None).
+        plan: the step plan (``StepPlan.from_config``).
+        checkpointer: writes and reads this run's checkpoints.
+        activation_context: wraps forward and backward (activation offloading), or None.
+        task_eval: a callable ``(model, tokenizer) -> {"exact_match": ..., ...}`` run before and after training.
+    """
+
+    def __init__(self, cfg, run: Run, *, model: nn.Module, tokenizer, optimizer, lr_scheduler, loss_fn,
+                 train_loader, val_loader, plan: StepPlan, checkpointer: Checkpointer, activation_context=None,
+                 task_eval=None):
+        self.cfg, self.run, self.model, self.tokenizer = cfg, run, model, tokenizer
+        self.optimizer, self.lr_scheduler, self.loss_fn = optimizer, lr_scheduler, loss_fn
+        self.train_loader, self.val_loader, self.plan = train_loader, val_loader, plan
+        self.checkpointer, self.activation_context, self.task_eval = checkpointer, activation_context, task_eval
+        self.loss_scaler = run.loss_scaler()
+        self.optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd"))
+        self.step, self.epoch = 0, 0
+        self.stopped = False
+        self.results: dict[str, Any] = {}
+        self._stop = GracefulStop(rank=run.rank)
+        self._resumed = False
+
+    # ---------------------------------------------------------------------------------------------- start
+    def resume_if_asked(self) -> None:
+        """Continue from ``resume_from_checkpoint`` (the latest complete checkpoint for ``true``)."""
+        resume_from = self.cfg.get("resume_from_checkpoint")
+        if not resume_from:
+            return
+        path = self.checkpointer.find(resume_from)
+        if path is None:
+            return
+        state = self.checkpointer.resume(path, model=self.model, optimizer=self.optimizer,
+                                         lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
+                                         dataloader=self.train_loader)
+        self.step, self.epoch, self._resumed = state.step, self.train_loader.epoch, True
+
+    def _start(self) -> None:
+        self.monitor = TrainingMonitor(
+            output_dir=self.run.output_dir, device=self.run.device, total_steps=self.plan.total_steps,
+            initial_step=self.step, log_every_n_steps=self.cfg.get("log_every_n_steps") or 1,
+            metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
+        )
+        self.breakdown = MemoryBreakdown(self.model, self._inner_optimizers(), self.run.output_dir,
+                                         enabled=bool(self.cfg.get("memory_breakdown")), rank=self.run.rank)
+        self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
+        self.profiler.__enter__()
+        self._stop.__enter__()
+        if self.task_eval is not None and not self._resumed:
+            self._run_task_eval("before")
+        log.info("training: %d steps (%d per epoch x %d epochs), %d samples per step", self.plan.total_steps,
+                 self.plan.steps_per_epoch, self.plan.epochs, self.plan.samples_per_step)
+
+    def _inner_optimizers(self):
+        return list(getattr(self.optimizer, "optimizers", {}).values()) or self.optimizer
+
+    # ----------------------------------------------------------------------------------------------- loop
+    def batches(self) -> Iterator[list[dict]]:
+        """Micro-batch groups, one per optimizer step, from where the run stands to its last step."""
+        self._start()
+        accumulation = int(self.cfg.get("gradient_accumulation_steps") or 1)
+        for epoch in range(self.epoch, self.plan.epochs):
+            self.epoch = epoch
+            self.train_loader.set_epoch(epoch)
+            done = self.train_loader.consumed // self.plan.samples_per_step
+            if done >= self.plan.steps_per_epoch:
+                continue
+            for micro_batches in micro_batch_groups(self.train_loader, accumulation):
+                yield micro_batches
+                if self.stopped:
+                    return
+                done += 1
+                if done >= self.plan.steps_per_epoch:
+                    break
+
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        with oom_guard("forward/backward and optimizer step", self.cfg):
+            with contextlib.ExitStack() as stack:
+                if self.activation_context is not None:
+                    stack.enter_context(self.activation_context)
+                stack.enter_context(self.breakdown.track_forward())
+                return train_step(
+                    self.model, micro_batches, self.loss_fn, self.optimizer, device=self.run.device,
+                    autocast=self.run.autocast, loss_scaler=self.loss_scaler,
+                    clip_grad_norm=self.cfg.get("clip_grad_norm"), optimizer_in_bwd=self.optimizer_in_bwd,
+                    world_size=self.run.world_size, step=self.step + 1, fp16=self.run.dtype_name == "fp16",
+                    before_zero_grad=self.breakdown.step,
+                )
+
+    def end_step(self, result: StepResult) -> None:
+        self.step += 1
+        lr = current_lr(self.optimizer)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.profiler.step()
+        self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr)
+        every_eval = self.cfg.get("eval_every_n_steps")
+        if self.val_loader is not None and every_eval and self.step % every_eval == 0:
+            self.monitor.log({"val_loss": self.validation_loss()}, step=self.step)
+        stop = self._stop.requested_on_any_rank()
+        every_save = self.cfg.get("save_every_n_steps")
+        if stop or (every_save and self.step % every_save == 0):
+            self.save()
+        if stop:
+            self.stopped = True
+            log.info("stopped by a signal after step %d; resume with resume_from_checkpoint=true", self.step)
+
+    def validation_loss(self) -> float:
+        self.val_loader.set_epoch(0)  # every evaluation reads the whole validation set from its start
+        with oom_guard("evaluation", self.cfg):
+            return evaluate(self.model, self.val_loader, self.loss_fn, device=self.run.device,
+                            autocast=self.run.autocast)
+
+    # ---------------------------------------------------------------------------------------------- end
+    def save(self, final: bool = False):
+        with oom_guard("checkpoint save", self.cfg):
+            return self.checkpointer.save(
+                step=self.step, epoch=self.epoch, model=self.model, optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, dataloader=self.train_loader,
+                final=final,
+            )
+
+    def finish(self) -> dict[str, Any]:
+        """Write ``final/`` (unless a signal stopped the run), compute the task metric after training, close the
+        logs. Returns the results (also in ``${output_dir}/results.json``)."""
+        try:
+            if not self.stopped:
+                self.save(final=True)
+                if self.task_eval is not None:
+                    self._run_task_eval("after")
+        finally:
+            self._stop.__exit__(None, None, None)
+            self.profiler.__exit__(None, None, None)
+            self.monitor.close()
+        self.results.update(step=self.step, skipped_steps=self.monitor.skipped_steps)
+        if self.run.is_main:
+            (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
+        return self.results
+
+    def _run_task_eval(self, when: str) -> None:
+        with oom_guard("task evaluation", self.cfg):
+            scores = self.task_eval(self.model, self.tokenizer)
+        self.results[f"task_eval_{when}"] = scores
+        self.monitor.write(f"task eval {when} training: exact_match {scores['exact_match']:.1%} "
+                           f"on {scores['num_samples']} samples")
+        for example in scores.get("examples", [])[:2]:
+            self.monitor.write(f"  {example['prompt']!r} -> {example['answer']!r} (expected {example['reference']!r})")
