@@ -13,6 +13,16 @@ from omegaconf.errors import OmegaConfBaseException
 from mtune.config.errors import ConfigError, did_you_mean
 
 COMPONENT = "_component_"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+
+
+def _asset_path(relative: str) -> str:
+    """``${mtune_asset:tiny/model}``: a file or directory shipped inside the mtune package."""
+    return str(ASSETS_DIR / relative)
+
+
+if not OmegaConf.has_resolver("mtune_asset"):
+    OmegaConf.register_new_resolver("mtune_asset", _asset_path)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:

@@ -1,5 +1,7 @@
 """Loading YAML, interpolation, and every command-line override form."""
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -93,3 +95,12 @@ def test_missing_file_and_bad_yaml(tmp_path):
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping of keys"):
         load_config(listing)
+
+
+def test_mtune_asset_resolver_points_inside_the_package(tmp_path):
+    import mtune
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model_dir: ${mtune_asset:tiny/model}\n")
+    cfg = load_config(path)
+    assert cfg.model_dir == str(Path(mtune.__file__).resolve().parent / "assets" / "tiny" / "model")
