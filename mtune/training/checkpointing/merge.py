@@ -1,0 +1,118 @@
+"""Fold a LoRA / DoRA adapter into its base checkpoint, streaming one tensor at a time.
+
+For each adapted linear (s = alpha / rank):
+
+    LoRA:  W' = W + s B A
+    DoRA:  W' = m * (W + s B A) / ||W + s B A||_row        (PEFT's merge; m is ``lora_magnitude_vector``)
+
+The merge reads W from the *source checkpoint* in the precision it is stored in, computes in fp32 and writes W' back
+in that precision (or ``dtype``). So a QLoRA run, whose live base weights are NF4, exports the full-precision model
+people serve: the base it merges into is the original, not the 4-bit copy it trained against (docs/checkpoints.md
+gives the measured distance between the two).
+
+Peak memory is the adapter plus one base tensor (plus whatever the writer buffers up to ``max_shard_size``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mtune.training.checkpointing.hf import CheckpointError, _open, save_hf_checkpoint, weight_files
+from mtune.training.checkpointing.peft import Adapter, AdapterLayer, adapter_from_model, read_adapter
+
+__all__ = ["merge_weight", "merged_hf_weights", "save_merged_model"]
+
+
+def merge_weight(weight: torch.Tensor, layer: AdapterLayer, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W' for one base weight [out, in] (computed in fp32) in ``dtype`` (default: the weight's own dtype)."""
+    out_dtype = dtype or weight.dtype
+    device = weight.device
+    merged = weight.float() + layer.scaling * (layer.b.to(device).float() @ layer.a.to(device).float())
+    if layer.magnitude is not None:
+        norm = torch.linalg.norm(merged, dim=1)
+        merged = merged * (layer.magnitude.to(device).float() / norm).unsqueeze(1)
+    return merged.to(out_dtype)
+
+
+def _as_adapter(adapter: str | os.PathLike | nn.Module | Adapter) -> Adapter:
+    if isinstance(adapter, Adapter):
+        return adapter
+    if isinstance(adapter, nn.Module):
+        return adapter_from_model(adapter)
+    return read_adapter(adapter)
+
+
+def _weight_key(module_name: str) -> str:
+    return f"{module_name}.weight" if module_name.startswith("lm_head") else f"model.{module_name}.weight"
+
+
+@torch.no_grad()
+def merged_hf_weights(
+    base_dir: str | os.PathLike,
+    adapter: str | os.PathLike | nn.Module | Adapter,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_key, tensor)`` for every tensor of the base checkpoint, in file order, adapters folded in.
+
+    Args:
+        base_dir: the Hugging Face checkpoint the adapter was trained on (its original-precision weights).
+        adapter: a PEFT adapter directory, a live LoRA model (its LoRALinear adapters are read; the model's own
+            base weights, NF4 or not, are not used), or an :class:`~mtune.training.checkpointing.peft.Adapter`.
+            With FSDP pass ``adapter_from_model(model)`` gathered on every rank, then merge on rank 0.
+        dtype: the output dtype of floating tensors; None keeps each tensor's stored dtype.
+
+    Every adapted module must have a weight in the checkpoint, checked before the first tensor is yielded.
+    Feed the result to ``save_hf_checkpoint(..., source_dir=base_dir)``; see :func:`save_merged_model`.
+    """
+    layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
+    files = weight_files(base_dir)
+    listed: dict[Path, list[str]] = {}
+    for path, keys in files.items():
+        if keys is None:
+            with _open(path) as f:
+                keys = list(f.keys())
+        listed[path] = keys
+    missing = set(layers) - {k for keys in listed.values() for k in keys}
+    if missing:
+        raise CheckpointError(
+            f"{base_dir}: the adapter adapts {sorted(missing)[0]} (and {len(missing) - 1} more), which the base "
+            "checkpoint does not hold: pass the base model the adapter was trained on"
+        )
+    return _stream(listed, layers, dtype)
+
+
+def _stream(listed, layers, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for path, keys in listed.items():
+        with _open(path) as f:
+            for key in keys:
+                tensor = f.get_tensor(key)
+                if key in layers:
+                    layer = layers[key]
+                    if tuple(tensor.shape) != (layer.b.shape[0], layer.a.shape[1]):
+                        raise CheckpointError(
+                            f"{path}: {key} has shape {list(tensor.shape)} but the adapter expects "
+                            f"{[layer.b.shape[0], layer.a.shape[1]]}: pass the base model the adapter was trained on"
+                        )
+                    tensor = merge_weight(tensor, layer, dtype)
+                elif dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield key, tensor
+                del tensor
+
+
+def save_merged_model(
+    base_dir: str | os.PathLike,
+    adapter: str | os.PathLike | nn.Module | Adapter,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write the merged model as a Hugging Face directory (config, tokenizer and generation files copied from
+    ``base_dir``); ``out_dir`` must hold no weights yet. Returns ``out_dir``."""
+    return save_hf_checkpoint(merged_hf_weights(base_dir, adapter, dtype), out_dir, source_dir=base_dir,
+                              max_shard_size=max_shard_size)

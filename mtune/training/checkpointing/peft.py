@@ -1,0 +1,267 @@
+"""PEFT adapter directories: ``adapter_config.json`` + ``adapter_model.safetensors``, as Hugging Face PEFT writes
+them, so ``peft.PeftModel.from_pretrained(base_model, adapter_dir)`` loads what mtune saves and mtune loads what
+PEFT saves.
+
+- :func:`save_peft_adapter` writes a LoRA / DoRA model's adapter (the base weights are not written).
+- :func:`load_peft_adapter` loads an adapter directory into a model that already has the same LoRA layout
+  (``lora.adapter_dir``: start training from an existing adapter); a layout that disagrees is refused with one line
+  naming the field.
+- :func:`read_adapter` / :func:`adapter_from_model` give an :class:`Adapter` (A, B, scaling, DoRA magnitude per
+  adapted linear), the form :mod:`mtune.training.checkpointing.merge` folds into base weights.
+
+Key names are PEFT's: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (``lora_B``,
+``lora_magnitude_vector`` for DoRA; ``base_model.model.lm_head....`` for the output projection).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtune.modules.lora import LoRALinear, adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "Adapter",
+    "AdapterLayer",
+    "AdapterError",
+    "adapter_from_model",
+    "is_adapter_dir",
+    "load_peft_adapter",
+    "lora_layout",
+    "read_adapter",
+    "read_adapter_config",
+    "save_peft_adapter",
+]
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+_PEFT_SUFFIXES = {".lora_A.weight": "a", ".lora_B.weight": "b", ".lora_magnitude_vector": "magnitude"}
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be read, or that does not fit the model; the message names file or field."""
+
+
+@dataclass
+class AdapterLayer:
+    """One adapted linear: ``a`` [rank, in], ``b`` [out, rank], ``scaling`` (alpha / rank), DoRA ``magnitude``
+    [out] or None."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    magnitude: torch.Tensor | None = None
+
+
+@dataclass
+class Adapter:
+    """An adapter as a map from mtune module name (``layers.0.self_attn.q_proj``, ``lm_head``) to its layer."""
+
+    layers: dict[str, AdapterLayer]
+
+
+def _plain(value: Any) -> Any:
+    # OmegaConf nodes -> plain containers, so configs and dicts are read the same way.
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a DTensor shard is gathered (collective: every rank must call this)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+# ------------------------------------------------------------------------------------------------------ layout
+def lora_layout(model: nn.Module) -> dict[str, Any]:
+    """The LoRA settings a model was built with, read from its LoRALinear modules: ``modules`` (sorted HF names),
+    ``rank``, ``alpha``, ``dropout``, ``use_dora``. Raises when the model has no adapter."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if not layers:
+        raise AdapterError("the model has no LoRA adapter: build it with a lora node (lora.modules, lora.rank, ...)")
+    first = layers[0][1]
+    dropout = first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0
+    return {
+        "modules": sorted({name.rpartition(".")[2] for name, _ in layers}),
+        "rank": first.rank,
+        "alpha": first.alpha,
+        "dropout": dropout,
+        "use_dora": first.use_dora,
+    }
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / ADAPTER_CONFIG_NAME).is_file()
+
+
+def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``adapter_config.json`` of ``adapter_dir``, checked to be a LoRA adapter mtune can represent."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG_NAME
+    if not path.is_file():
+        raise AdapterError(f"{path}: not found; adapter_dir must be a PEFT adapter directory "
+                           f"(adapter_config.json + {ADAPTER_WEIGHTS_NAME})")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{path}: invalid JSON ({e})") from None
+    unsupported = {
+        "peft_type": (config.get("peft_type", "LORA") != "LORA", "only LoRA / DoRA adapters are supported"),
+        "target_modules": (not isinstance(config.get("target_modules"), list),
+                           "must be a list of module names (a regex is not supported)"),
+        "rank_pattern": (bool(config.get("rank_pattern")), "per-module ranks are not supported"),
+        "alpha_pattern": (bool(config.get("alpha_pattern")), "per-module alphas are not supported"),
+        "modules_to_save": (bool(config.get("modules_to_save")), "fully trained extra modules are not supported"),
+        "bias": (config.get("bias", "none") != "none", "trained biases are not supported (need bias: none)"),
+        "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), "transposed (Conv1D) weights are not supported"),
+    }
+    for field, (bad, why) in unsupported.items():
+        if bad:
+            raise AdapterError(f"{path}: {field}={config.get(field)!r}: {why}")
+    return config
+
+
+def _scaling(config: Mapping[str, Any]) -> float:
+    rank, alpha = config["r"], config["lora_alpha"]
+    return alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+
+
+def check_adapter_matches(config: Mapping[str, Any], layout: Mapping[str, Any], where: str = "adapter_dir") -> None:
+    """Raise one line naming the first field where an adapter_config.json and a model's LoRA layout differ."""
+    pairs = [
+        ("r", config.get("r"), "lora.rank", layout["rank"]),
+        ("lora_alpha", float(config.get("lora_alpha", 8)), "lora.alpha", float(layout["alpha"])),
+        ("target_modules", sorted(config.get("target_modules") or []), "lora.modules", sorted(layout["modules"])),
+        ("use_dora", bool(config.get("use_dora", False)), "lora.use_dora", bool(layout["use_dora"])),
+        ("use_rslora", bool(config.get("use_rslora", False)), "(mtune scales by alpha/rank)", False),
+    ]
+    for field, theirs, key, ours in pairs:
+        if theirs != ours:
+            raise AdapterError(
+                f"{where}: adapter_config.json has {field}={theirs} but the model has {key}={ours}: "
+                f"set {key} to match the adapter, or use an adapter trained with {key}={ours}"
+            )
+
+
+# ------------------------------------------------------------------------------------------------------ save
+def save_peft_adapter(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    lora_cfg: Mapping[str, Any] | None = None,
+    base_model_name_or_path: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` for the model's LoRA / DoRA adapter.
+
+    Args:
+        model: a model transformed by ``apply_lora``; its adapter tensors are saved in their own dtype. With FSDP
+            the adapter is gathered (every rank must call this; only rank 0 needs to write, so pass its own dir).
+        out_dir: created if needed.
+        lora_cfg: the config's ``lora`` node; only ``dropout`` is taken from it (rank, alpha, modules and DoRA are
+            read from the model itself, and must agree with it).
+        base_model_name_or_path: recorded in ``adapter_config.json`` (the base checkpoint directory or hub id).
+    The directory loads with ``peft.PeftModel.from_pretrained(base, out_dir)``.
+    """
+    from safetensors.torch import save_file
+
+    layout = lora_layout(model)
+    lora_cfg = _plain(lora_cfg) or {}
+    for key in ("rank", "alpha", "use_dora"):
+        if key in lora_cfg and lora_cfg[key] is not None and lora_cfg[key] != layout[key]:
+            raise AdapterError(f"lora.{key}={lora_cfg[key]} but the model's adapters have {key}={layout[key]}")
+    dropout = float(lora_cfg.get("dropout") or layout["dropout"])
+    tensors = {k: _full(v).to("cpu").contiguous() for k, v in peft_adapter_state_dict(model).items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    config = adapter_config(layout["modules"], layout["rank"], layout["alpha"], dropout=dropout,
+                            use_dora=layout["use_dora"],
+                            base_model_name_or_path=None if base_model_name_or_path is None else str(base_model_name_or_path))
+    (out / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ load
+def _read_adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    path = adapter_dir / ADAPTER_WEIGHTS_NAME
+    if not path.is_file():
+        found = sorted(p.name for p in adapter_dir.glob("adapter_model*"))
+        hint = f" (found {', '.join(found)}; only safetensors is read)" if found else ""
+        raise AdapterError(f"{path}: not found{hint}")
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise AdapterError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
+    """Load a PEFT adapter directory into ``model``'s LoRALinear modules (in place; returns the model).
+
+    The model must already carry the adapter's layout (``apply_lora`` with the same modules, rank, alpha and DoRA
+    setting); otherwise :class:`AdapterError` names the first field that differs, e.g. ``adapter_config.json has
+    r=16 but the model has lora.rank=8``. Tensors are cast to the model's adapter dtype. Call it on an unsharded
+    model (before FSDP) after the base weights and ``reset_lora_parameters``.
+    """
+    adapter_dir = Path(adapter_dir)
+    config = read_adapter_config(adapter_dir)
+    check_adapter_matches(config, lora_layout(model), where=str(adapter_dir))
+    load_peft_adapter_state_dict(model, _read_adapter_tensors(adapter_dir))
+    return model
+
+
+def _module_name(peft_key: str) -> tuple[str, str] | None:
+    """(mtune module name, a|b|magnitude) for a PEFT adapter key, or None for keys that are not adapter tensors."""
+    for suffix, part in _PEFT_SUFFIXES.items():
+        if peft_key.endswith(suffix):
+            name = peft_key[: -len(suffix)].removeprefix("base_model.model.")
+            return name.removeprefix("model."), part
+    return None
+
+
+def read_adapter(adapter_dir: str | os.PathLike) -> Adapter:
+    """An :class:`Adapter` from a PEFT directory (tensors as stored; rsLoRA scaling alpha/sqrt(r) honoured)."""
+    adapter_dir = Path(adapter_dir)
+    config = read_adapter_config(adapter_dir)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_adapter_tensors(adapter_dir).items():
+        named = _module_name(key)
+        if named is not None:
+            parts.setdefault(named[0], {})[named[1]] = tensor
+    scaling = _scaling(config)
+    layers = {}
+    for name, p in parts.items():
+        if "a" not in p or "b" not in p:
+            raise AdapterError(f"{adapter_dir / ADAPTER_WEIGHTS_NAME}: module {name} lacks lora_A or lora_B")
+        if bool(config.get("use_dora")) != ("magnitude" in p):
+            raise AdapterError(f"{adapter_dir / ADAPTER_WEIGHTS_NAME}: module {name} does not match "
+                               f"use_dora={config.get('use_dora')} in {ADAPTER_CONFIG_NAME}")
+        layers[name] = AdapterLayer(p["a"], p["b"], scaling, p.get("magnitude"))
+    if not layers:
+        raise AdapterError(f"{adapter_dir / ADAPTER_WEIGHTS_NAME}: holds no lora_A / lora_B tensors")
+    return Adapter(layers)
+
+
+def adapter_from_model(model: nn.Module) -> Adapter:
+    """The live model's adapters (no copies, except the gather of FSDP shards: every rank must call this then)."""
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            magnitude = None if module.magnitude is None else _full(module.magnitude)
+            layers[name] = AdapterLayer(_full(module.lora_a.weight), _full(module.lora_b.weight), module.scaling,
+                                        magnitude)
+    if not layers:
+        raise AdapterError("the model has no LoRA adapter to export")
+    return Adapter(layers)
