@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -22,7 +23,9 @@ def _asset_path(relative: str) -> str:
 
 
 if not OmegaConf.has_resolver("mtune_asset"):
-    OmegaConf.register_new_resolver("mtune_asset", _asset_path)
+    with warnings.catch_warnings():  # omegaconf 2.4 renames it; 2.3 has only this name
+        warnings.simplefilter("ignore", UserWarning)
+        OmegaConf.register_new_resolver("mtune_asset", _asset_path)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:

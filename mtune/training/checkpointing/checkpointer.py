@@ -24,7 +24,8 @@ from torch import nn
 from mtune.modules.lora import merge_lora_weights
 from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter, find_latest_checkpoint, read_checkpoint_state
 from mtune.training.checkpointing.hf import load_hf_checkpoint, save_hf_checkpoint
-from mtune.training.checkpointing.peft import load_peft_adapter, merged_hf_weights, save_peft_adapter
+from mtune.training.checkpointing.merge import merged_hf_weights
+from mtune.training.checkpointing.peft import load_peft_adapter, save_peft_adapter
 from mtune.training.checkpointing.recipe_state import (
     RecipeState,
     check_resume_compatible,
