@@ -41,13 +41,15 @@ def prompt_tokens(tokenizer, prompt: str | None, messages: Iterable | None) -> l
     return tokenizer.encode(prompt, add_bos=True, add_eos=False)
 
 
-def stream_text(tokenizer, steps: Iterable[torch.Tensor], out: TextIO = sys.stdout) -> tuple[str, int]:
-    """Write the text of the first row of ``steps`` to ``out`` as it grows; returns (text, tokens generated).
+def stream_text(tokenizer, steps: Iterable[torch.Tensor], out: TextIO | None = None) -> tuple[str, int]:
+    """Write the text of the first row of ``steps`` to ``out`` (default: stdout) as it grows; returns (text, tokens
+    generated).
 
     Each step re-decodes all ids so far and writes what is new: byte-level tokens can split a character, and
     sentencepiece decides spaces from the context, so decoding token by token on its own would garble both. Text
     ending in an incomplete character (U+FFFD) waits for the next token.
     """
+    out = out if out is not None else sys.stdout
     ids: list[int] = []
     stops, printed, count = set(tokenizer.stop_tokens), "", 0
     for step in steps:
