@@ -1,6 +1,6 @@
 """Autoregressive text generation with the decoder's KV cache."""
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -33,7 +33,45 @@ def sample_next(
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-@torch.inference_mode()
+def generate_stream(
+    model,
+    prompt_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[torch.Tensor]:
+    """Like :func:`generate`, but yields each step's new tokens, LongTensor ``[b]``, as soon as they are sampled
+    (for printing text as it is produced). The KV cache is removed when the iterator ends or is closed."""
+    device = model.embed_tokens.weight.device
+    tokens = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    b, s = tokens.shape
+    stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=device)
+    model.setup_caches(b, s + max_new_tokens)
+    try:
+        with torch.inference_mode():
+            logits = model(tokens)[:, -1]
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        last = None
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, top_p, generator)
+            if last is not None:
+                nxt = torch.where(done, last, nxt)
+            yield nxt
+            done = done | torch.isin(nxt, stops)
+            last = nxt
+            if bool(done.all()):
+                break
+            with torch.inference_mode():
+                logits = model(nxt[:, None])[:, -1]
+    finally:
+        model.remove_caches()
+
+
 def generate(
     model,
     prompt_ids: torch.Tensor | Sequence[int],
@@ -54,27 +92,8 @@ def generate(
             ends when every row is finished.
         generator: RNG for sampling.
     """
-    device = model.embed_tokens.weight.device
-    tokens = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    tokens = torch.as_tensor(prompt_ids, dtype=torch.long, device=model.embed_tokens.weight.device)
     if tokens.dim() == 1:
         tokens = tokens[None]
-    b, s = tokens.shape
-    stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=device)
-    model.setup_caches(b, s + max_new_tokens)
-    try:
-        logits = model(tokens)[:, -1]
-        out, done = [tokens], torch.zeros(b, dtype=torch.bool, device=device)
-        last = None
-        for _ in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            if last is not None:
-                nxt = torch.where(done, last, nxt)
-            out.append(nxt[:, None])
-            done = done | torch.isin(nxt, stops)
-            last = nxt
-            if bool(done.all()):
-                break
-            logits = model(nxt[:, None])[:, -1]
-    finally:
-        model.remove_caches()
-    return torch.cat(out, dim=1)
+    steps = generate_stream(model, tokens, max_new_tokens, temperature, top_k, top_p, stop_tokens, generator)
+    return torch.cat([tokens, *(nxt[:, None] for nxt in steps)], dim=1)

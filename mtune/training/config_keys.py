@@ -6,6 +6,8 @@ and the docs tables are rendered from them. Names follow torchtune where torchtu
 
 from __future__ import annotations
 
+from omegaconf import DictConfig
+
 from mtune.config import REQUIRED, Key, KeyGroup, Node
 
 RUN_KEYS = KeyGroup(
@@ -120,3 +122,76 @@ LORA_KEYS = KeyGroup(
     ],
 )
 
+
+# ------------------------------------------------------------------------------------------------------ merge_lora
+def _merge_base_rule(cfg: DictConfig) -> list[str]:
+    """base_model_dir and model.checkpoint_dir name the same thing; one of them at most."""
+    model = cfg.get("model") or {}
+    if cfg.get("base_model_dir") and model.get("checkpoint_dir") and cfg.base_model_dir != model.checkpoint_dir:
+        return ["base_model_dir and model.checkpoint_dir differ: set only one of them (the adapter's base model)"]
+    return []
+
+
+MERGE_KEYS = KeyGroup(
+    "merge",
+    help="merge a saved PEFT adapter into its base checkpoint and write a Hugging Face model",
+    keys=[
+        Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)"),
+        Key("adapter_dir", str, REQUIRED, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)"),
+        Key("base_model_dir", str, None,
+            "the base Hugging Face checkpoint the adapter was trained on (null: model.checkpoint_dir, else the "
+            "adapter's base_model_name_or_path)"),
+        Node("model", "alternative spelling of the base: model.checkpoint_dir",
+             keys=KeyGroup("model", [Key("checkpoint_dir", str, None, "the base Hugging Face model directory")])),
+        Key("output_dir", str, REQUIRED, "where the merged model is written; must not exist yet (or be empty)"),
+        Key("dtype", str, None, "dtype of the written weights (null: as stored in the base checkpoint)",
+            choices=("fp32", "bf16", "fp16")),
+        Key("max_shard_size", (str, int), "5GB", "largest safetensors file, e.g. 5GB, 500MB or bytes"),
+    ],
+    rules=(_merge_base_rule,),
+)
+
+
+# ------------------------------------------------------------------------------------------------------ generate
+def _generate_input_rule(cfg: DictConfig) -> list[str]:
+    """Exactly one of prompt / messages; messages are {role, content} mappings."""
+    prompt, messages = cfg.get("prompt"), cfg.get("messages")
+    if (prompt is None) == (messages is None):
+        return ["set exactly one of prompt (plain text) or messages (a list of {role, content})"]
+    for i, message in enumerate(messages or []):
+        if not hasattr(message, "keys") or set(message.keys()) != {"role", "content"}:
+            return [f"messages.{i}: each message is a mapping with exactly the keys role and content"]
+    return []
+
+
+def _sampling_rule(cfg: DictConfig) -> list[str]:
+    problems = []
+    if cfg.get("temperature", 0.0) < 0:
+        problems.append("temperature must be >= 0 (0 = greedy)")
+    if cfg.get("top_p") is not None and not 0 < cfg.top_p <= 1:
+        problems.append("top_p must be in (0, 1] (or null)")
+    if cfg.get("top_k") is not None and cfg.top_k < 1:
+        problems.append("top_k must be >= 1 (or null)")
+    if cfg.get("max_new_tokens", 1) < 1:
+        problems.append("max_new_tokens must be >= 1")
+    return problems
+
+
+GENERATE_KEYS = KeyGroup(
+    "generate",
+    help="sample text from a model (a base or full checkpoint, or a base plus a PEFT adapter)",
+    keys=[
+        Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)"),
+        Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', ..."),
+        Key("dtype", str, "bf16", "dtype the model computes in", choices=("fp32", "bf16", "fp16")),
+        Key("seed", int, 0, "random seed for sampling"),
+        Key("adapter_dir", str, None, "a PEFT adapter directory applied on top of model.checkpoint_dir (null: none)"),
+        Key("prompt", str, None, "plain text to continue (BOS added where the family has one)"),
+        Key("messages", list, None, "a chat: list of {role: system|user|assistant, content}; the assistant replies"),
+        Key("max_new_tokens", int, 128, "stop after this many new tokens (or at a stop token)"),
+        Key("temperature", float, 0.0, "0 = greedy; otherwise logits are divided by it before sampling"),
+        Key("top_k", int, None, "sample among the k most likely tokens only (null: all)"),
+        Key("top_p", float, None, "sample from the smallest set of tokens whose probability reaches top_p (null: all)"),
+    ],
+    rules=(_generate_input_rule, _sampling_rule),
+)

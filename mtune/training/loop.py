@@ -112,7 +112,9 @@ def train_step(
             f"step {step}: the loss is {mean_loss}; lower the learning rate, set clip_grad_norm, or use dtype=fp32"
         )
     grad_norm, stepped = None, True
-    if not optimizer_in_bwd:
+    if optimizer_in_bwd:
+        optimizer.step()  # a no-op (each parameter stepped in backward); LR schedulers expect the call
+    else:
         if loss_scaler is not None:
             loss_scaler.unscale_(optimizer)
         if clip_grad_norm is not None:

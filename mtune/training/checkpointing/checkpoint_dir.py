@@ -6,7 +6,7 @@ directory into place (atomic on POSIX file systems) and fsyncs ``output_dir``. A
 either the previous complete checkpoint or the new one, plus maybe a ``.tmp_*`` directory that
 :func:`find_latest_checkpoint` cleans up.
 
-Crash tests: ``MTUNE_FAULT_INJECT=<point>`` kills the process (exit status 137, no cleanup) at that point of
+Crash tests: ``MTUNE_FAULT_INJECT=<point>`` (or ``<point>@<step>``) kills the process (exit status 137, no cleanup) at that point of
 :meth:`CheckpointWriter.save`; see :data:`FAULT_POINTS`.
 
 This module does not import torch.
@@ -54,9 +54,11 @@ FAULT_POINTS = (
 )
 
 
-def maybe_inject_fault(point: str) -> None:
-    """Kill this process now (exit status 137, like SIGKILL) if ``MTUNE_FAULT_INJECT`` names ``point``."""
-    if os.environ.get(FAULT_ENV) == point:
+def maybe_inject_fault(point: str, step: int | None = None) -> None:
+    """Kill this process now (exit status 137, like SIGKILL) if ``MTUNE_FAULT_INJECT`` names ``point``, or
+    ``point@N`` and this is the save of step N (so a crash test can let earlier saves complete)."""
+    wanted = os.environ.get(FAULT_ENV)
+    if wanted == point or (step is not None and wanted == f"{point}@{step}"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(137)
@@ -214,12 +216,12 @@ class CheckpointWriter:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        maybe_inject_fault("after_model_write")
+        maybe_inject_fault("after_model_write", step)
         self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final)
         _fsync_tree(tmp)
-        maybe_inject_fault("before_rename")
+        maybe_inject_fault("before_rename", step)
         self._rename_into_place(tmp, target)
-        maybe_inject_fault("after_rename")
+        maybe_inject_fault("after_rename", step)
         if not final:
             self._prune()
 

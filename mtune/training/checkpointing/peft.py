@@ -34,6 +34,7 @@ __all__ = [
     "AdapterLayer",
     "AdapterError",
     "adapter_from_model",
+    "check_adapter_matches",
     "is_adapter_dir",
     "load_peft_adapter",
     "lora_layout",

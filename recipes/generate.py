@@ -1,0 +1,116 @@
+"""Generate text from a base or fully fine-tuned checkpoint, or a base plus a PEFT adapter, printed as it is produced.
+
+    mtune run generate --config tiny/generate prompt="Hello"
+    mtune run generate --config tiny/generate '~prompt' 'messages=[{role: user, content: "reverse: a b c"}]'
+
+`prompt` is plain text to continue; `messages` is a chat, rendered in the tokenizer's chat format with the assistant
+header appended. Greedy with `temperature: 0`; otherwise sampled (`top_k`, `top_p`) from a generator seeded with
+`seed`. Decoding uses the model's KV cache. The generated text goes to stdout token by token; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from typing import TextIO
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mtune.config import RecipeSchema
+from mtune.modules.generation import generate_stream
+from mtune.tokenizers import Message, load_tokenizer
+from mtune.training.checkpointing.peft import load_peft_adapter, read_adapter_config
+from mtune.training.config_keys import GENERATE_KEYS, MODEL_NODES
+from mtune.training.model_setup import resolve_model_source, setup_model
+from mtune.training.precision import resolve_dtype
+from mtune.training.run import configure_logging, resolve_device
+
+SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS])
+
+log = logging.getLogger("mtune")
+
+
+def prompt_tokens(tokenizer, prompt: str | None, messages: Iterable | None) -> list[int]:
+    """Token ids of a plain-text prompt (BOS where the family has one, no EOS) or of a chat awaiting its reply."""
+    if messages is not None:
+        chat = [Message(role=m["role"], content=m["content"]) for m in messages]
+        return tokenizer.tokenize_messages(chat, add_generation_prompt=True).tokens
+    return tokenizer.encode(prompt, add_bos=True, add_eos=False)
+
+
+def stream_text(tokenizer, steps: Iterable[torch.Tensor], out: TextIO | None = None) -> tuple[str, int]:
+    """Write the text of the first row of ``steps`` to ``out`` (default: stdout) as it grows; returns (text, tokens
+    generated).
+
+    Each step re-decodes all ids so far and writes what is new: byte-level tokens can split a character, and
+    sentencepiece decides spaces from the context, so decoding token by token on its own would garble both. Text
+    ending in an incomplete character (U+FFFD) waits for the next token.
+    """
+    out = out if out is not None else sys.stdout
+    ids: list[int] = []
+    stops, printed, count = set(tokenizer.stop_tokens), "", 0
+    for step in steps:
+        token = int(step[0])
+        count += 1
+        if token in stops:
+            break
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd") or not text.startswith(printed):
+            continue
+        out.write(text[len(printed):])
+        out.flush()
+        printed = text
+    text = tokenizer.decode(ids)
+    if text.startswith(printed):
+        out.write(text[len(printed):])
+    out.write("\n")
+    out.flush()
+    return text, count
+
+
+def _lora_from_adapter(adapter_dir: str) -> dict:
+    config = read_adapter_config(adapter_dir)
+    return dict(modules=config["target_modules"], rank=config["r"], alpha=config["lora_alpha"], dropout=0.0,
+                use_dora=bool(config.get("use_dora", False)), quantize_base=False)
+
+
+def main(cfg: DictConfig) -> str:
+    configure_logging()
+    device = resolve_device(cfg.get("device", "auto"))
+    dtype = resolve_dtype(cfg.get("dtype", "bf16"), device)
+    source = resolve_model_source(cfg.model)
+    adapter_dir = cfg.get("adapter_dir")
+    lora = _lora_from_adapter(adapter_dir) if adapter_dir else None
+    model, _ = setup_model(source, device=device, dtype=dtype, lora=lora)
+    if adapter_dir:
+        load_peft_adapter(model, adapter_dir)
+        log.info("adapter: loaded %s", adapter_dir)
+    model.eval()
+
+    tokenizer_cfg = cfg.get("tokenizer") or {}
+    tokenizer_path = tokenizer_cfg.get("path") or source.checkpoint_dir
+    if tokenizer_path is None:
+        raise ValueError("tokenizer.path is needed when the model has random weights (model.size)")
+    tokenizer = load_tokenizer(tokenizer_path, max_seq_len=tokenizer_cfg.get("max_seq_len"))
+    messages = cfg.get("messages")
+    if messages is not None:
+        messages = OmegaConf.to_container(messages, resolve=True) if OmegaConf.is_config(messages) else messages
+    prompt = prompt_tokens(tokenizer, cfg.get("prompt"), messages)
+
+    generator = None
+    temperature = float(cfg.get("temperature", 0.0))
+    if temperature > 0:
+        generator = torch.Generator(device).manual_seed(int(cfg.get("seed", 0)))
+    start = time.perf_counter()
+    steps = generate_stream(model, prompt, int(cfg.get("max_new_tokens", 128)), temperature=temperature,
+                            top_k=cfg.get("top_k"), top_p=cfg.get("top_p"), stop_tokens=tokenizer.stop_tokens,
+                            generator=generator)
+    text, count = stream_text(tokenizer, steps)
+    seconds = time.perf_counter() - start
+    log.info("%d prompt tokens, %d new tokens in %.2f s (%.1f tokens/s)", len(prompt), count, seconds,
+             count / max(seconds, 1e-9))
+    return text

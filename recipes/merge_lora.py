@@ -1,0 +1,75 @@
+"""Merge a saved PEFT adapter (LoRA / DoRA) into its base checkpoint and write a Hugging Face model directory.
+
+    mtune run merge_lora --config tiny/merge_lora adapter_dir=out/final output_dir=out/merged
+
+For runs saved with `save_adapter_weights_only: true` (other LoRA runs write the merged model themselves). The base
+checkpoint is streamed one tensor at a time in the precision it is stored in (or `dtype`), each adapted weight gets
+W + (alpha/r) B A (DoRA: rescaled to its learned row magnitudes), and the result is written to a temporary directory
+beside `output_dir`, then renamed into place, so `output_dir` is either absent or complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from mtune.config import RecipeSchema
+from mtune.training.checkpointing.merge import save_merged_model
+from mtune.training.checkpointing.peft import read_adapter_config
+from mtune.training.config_keys import MERGE_KEYS
+from mtune.training.run import configure_logging
+
+SCHEMA = RecipeSchema([MERGE_KEYS])
+
+log = logging.getLogger("mtune")
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def base_model_dir(cfg: DictConfig, adapter_config: dict) -> Path:
+    """``base_model_dir``, else ``model.checkpoint_dir``, else the adapter's ``base_model_name_or_path`` when that
+    is a local directory."""
+    model = cfg.get("model") or {}
+    for key, value in (("base_model_dir", cfg.get("base_model_dir")), ("model.checkpoint_dir", model.get("checkpoint_dir"))):
+        if value:
+            if not (Path(value) / "config.json").is_file():
+                raise FileNotFoundError(f"{key}={value}: no config.json there; it must be the adapter's base model "
+                                        "(a Hugging Face model directory)")
+            return Path(value)
+    recorded = adapter_config.get("base_model_name_or_path")
+    if recorded and (Path(recorded) / "config.json").is_file():
+        return Path(recorded)
+    raise ValueError(f"base_model_dir is not set and the adapter's base_model_name_or_path ({recorded!r}) is not a "
+                     "local model directory: set base_model_dir=<the base model's Hugging Face directory>")
+
+
+def main(cfg: DictConfig) -> Path:
+    configure_logging()
+    import torch
+
+    adapter_dir = Path(cfg.adapter_dir)
+    base = base_model_dir(cfg, read_adapter_config(adapter_dir))
+    out = Path(cfg.output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"output_dir={out} already exists and is not empty: choose another output_dir or "
+                              "remove it")
+    dtype = cfg.get("dtype")
+    dtype = getattr(torch, _DTYPES[dtype]) if dtype else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_merged_model(base, adapter_dir, tmp, dtype=dtype, max_shard_size=cfg.get("max_shard_size", "5GB"))
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename cannot replace a directory
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("merged %s into %s -> %s", adapter_dir, base, out)
+    return out

@@ -1,0 +1,102 @@
+"""The generate recipe against transformers' (and peft's) greedy generate, decoded with the Hugging Face tokenizer."""
+
+import io
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mtune.training.checkpointing.peft import save_peft_adapter
+from recipes import generate as generate_recipe
+from tests._helpers.models import write_tiny_hf_model
+from tests._helpers.tokenizers import write_tokenizer_files
+from tests.mtune.training.checkpointing.test_peft import trained_lora_model
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world, the model"}]
+PROMPT = "the model learns to follow"
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    path = write_tiny_hf_model(root, "llama3_1", vocab_size=768)
+    write_tokenizer_files(path, "llama3")
+    model = trained_lora_model(path, modules=["q_proj", "v_proj", "lm_head"], seed=7)
+    save_peft_adapter(model, root / "adapter")
+    return path, root / "adapter"
+
+
+def run(capsys, **keys):
+    cfg = OmegaConf.create({"recipe": "generate", "device": "cpu", "dtype": "fp32", "max_new_tokens": NEW_TOKENS,
+                            **keys})
+    generate_recipe.SCHEMA.fill_defaults(cfg)
+    assert not generate_recipe.SCHEMA.check(cfg)
+    text = generate_recipe.main(cfg)
+    assert capsys.readouterr().out == text + "\n"
+    return text
+
+
+def hf_text(path, adapter=None, prompt=None, messages=None):
+    from mtune.tokenizers import load_tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    if messages is not None:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    else:
+        ids = [tok.convert_tokens_to_ids("<|begin_of_text|>")] + tok.encode(prompt, add_special_tokens=False)
+    ids = torch.tensor([ids])
+    stops = load_tokenizer(path).stop_tokens
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=stops, pad_token_id=stops[0])
+    new = [t for t in out[0, ids.shape[1]:].tolist() if t not in stops]
+    return tok.decode(new, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", ["prompt", "chat", "chat+adapter"])
+def test_greedy_text_equals_transformers(kind, model_dir, capsys):
+    path, adapter = model_dir
+    keys = {"model": {"checkpoint_dir": str(path)}}
+    if kind == "prompt":
+        keys["prompt"], reference = PROMPT, hf_text(path, prompt=PROMPT)
+    else:
+        keys["messages"] = MESSAGES
+        if kind == "chat+adapter":
+            keys["adapter_dir"] = str(adapter)
+        reference = hf_text(path, adapter=keys.get("adapter_dir"), messages=MESSAGES)
+    text = run(capsys, **keys)
+    assert len(text) > 10
+    assert text == reference
+
+
+def test_text_streams_and_sampling_is_seeded(model_dir, capsys):
+    path, _ = model_dir
+    keys = {"model": {"checkpoint_dir": str(path)}, "prompt": PROMPT, "temperature": 1.0, "top_k": 50, "top_p": 0.9}
+    both = OmegaConf.create({**keys, "messages": MESSAGES})
+    generate_recipe.SCHEMA.fill_defaults(both)
+    assert generate_recipe.SCHEMA.check(both) == ["set exactly one of prompt (plain text) or messages (a list of "
+                                                  "{role, content})"]
+    first, again = run(capsys, seed=1, **keys), run(capsys, seed=1, **keys)
+    assert first == again and first != run(capsys, seed=2, **keys)
+
+    class Writes(io.StringIO):
+        chunks = 0
+
+        def write(self, s):
+            self.chunks += bool(s)
+            return super().write(s)
+
+    from mtune.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(path)
+    ids = tok.encode(PROMPT + " hello world the model", add_bos=False, add_eos=False)
+    out = Writes()
+    text, count = generate_recipe.stream_text(tok, (torch.tensor([t]) for t in ids), out)
+    assert text == tok.decode(ids) and out.getvalue() == text + "\n" and count == len(ids)
+    assert out.chunks >= len(ids) // 2  # written as it grows, not at the end

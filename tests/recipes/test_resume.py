@@ -1,0 +1,121 @@
+"""Exact resume (issue: checkpoints). Each variant trains 8 steps (2 epochs of 4, a cosine schedule with warmup)
+uninterrupted, saving every 2 steps; a second run resumes from step_2 (mid-epoch) or step_6 (mid second epoch) and
+must log the same losses, bit for bit, and end with the same parameters. fp32 on CPU."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mtune.training.checkpointing.recipe_state import ResumeError
+from tests._helpers.recipes import REPO, TRAIN_CONFIG, losses, read_metrics, run_recipe_in_process, train_overrides
+
+SCHEDULE = ["epochs=2", "max_steps_per_epoch=4", "save_every_n_steps=2",
+            "lr_scheduler._component_=mtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "lr_scheduler.num_warmup_steps=2"]
+
+VARIANTS = {
+    "full": ("full_single_device", ["~lora"]),
+    "full_optimizer_in_bwd": ("full_single_device", ["~lora", "optimizer_in_bwd=true"]),
+    "lora": ("lora_single_device", []),
+    "lora_accumulation": ("lora_single_device", ["batch_size=2", "gradient_accumulation_steps=2"]),
+    "lora_optimizer_in_bwd": ("lora_single_device", ["optimizer_in_bwd=true"]),
+    "dora_dropout": ("lora_single_device", ["lora.use_dora=true", "lora.dropout=0.1"]),
+    "qlora": ("lora_single_device", ["lora.quantize_base=true"]),
+}
+
+
+def _final_params(out, recipe):
+    sub = "adapter/adapter_model.safetensors" if recipe == "lora_single_device" else "model/model.safetensors"
+    return load_file(out / "final" / sub)
+
+
+def _assert_same_params(a, b):
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_is_exact(tmp_path, tiny_checkpoint, tiny_data, variant):
+    recipe, extra = VARIANTS[variant]
+    reference = run_recipe_in_process(recipe, train_overrides(tmp_path / "ref", tiny_checkpoint, tiny_data)
+                                      + SCHEDULE + extra)
+    full_run = losses(reference)
+    assert len(full_run) == 8
+    resume_at = 6 if variant == "lora" else 2  # mid-epoch 2 once, mid-epoch 1 for the rest
+    resumed = run_recipe_in_process(
+        recipe, train_overrides(tmp_path / "resumed", tiny_checkpoint, tiny_data) + SCHEDULE + extra
+        + [f"resume_from_checkpoint={reference / f'step_{resume_at}'}"])
+    rows = read_metrics(resumed)
+    assert [r["step"] for r in rows] == list(range(resume_at + 1, 9))
+    assert losses(resumed) == full_run[resume_at:]  # bit for bit
+    _assert_same_params(_final_params(reference, recipe), _final_params(resumed, recipe))
+
+
+def test_resume_refuses_a_config_that_changes_training(tmp_path, tiny_checkpoint, tiny_data):
+    out = run_recipe_in_process("lora_single_device", train_overrides(tmp_path, tiny_checkpoint, tiny_data)
+                                + ["max_steps_per_epoch=2", "save_every_n_steps=2"])
+    with pytest.raises(ResumeError, match=r"batch_size \(4 -> 2\).*lora.rank \(8 -> 4\)"):
+        run_recipe_in_process("lora_single_device", train_overrides(tmp_path, tiny_checkpoint, tiny_data)
+                              + ["resume_from_checkpoint=true", "batch_size=2", "lora.rank=4"])
+    # keys that do not change what a step computes may change
+    run_recipe_in_process("lora_single_device", train_overrides(tmp_path, tiny_checkpoint, tiny_data)
+                          + ["resume_from_checkpoint=true", "max_steps_per_epoch=3", "keep_last_n_checkpoints=1"])
+    assert read_metrics(out)[-1]["step"] == 3
+
+
+def test_keep_last_n_checkpoints(tmp_path, tiny_checkpoint, tiny_data):
+    out = run_recipe_in_process("lora_single_device", train_overrides(tmp_path, tiny_checkpoint, tiny_data)
+                                + ["save_every_n_steps=1", "keep_last_n_checkpoints=2"])
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_5", "step_6"]
+
+
+def _cli(overrides, env_extra=None, wait=True):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1", **(env_extra or {})}
+    cmd = [sys.executable, "-m", "mtune", "run", "full_single_device", "--config", str(TRAIN_CONFIG), "~lora",
+           *overrides]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        proc.wait(timeout=600)
+    return proc
+
+
+@pytest.mark.slow
+def test_crash_during_a_save_and_sigterm_resume_exactly(tmp_path, tiny_checkpoint, tiny_data):
+    reference = run_recipe_in_process("full_single_device", ["~lora"] + train_overrides(
+        tmp_path / "ref", tiny_checkpoint, tiny_data) + SCHEDULE)
+    expected = losses(reference)
+
+    # Killed while writing step_4 (after the files, before the rename): step_2 stays the latest complete one.
+    crash = train_overrides(tmp_path / "crash", tiny_checkpoint, tiny_data) + SCHEDULE
+    proc = _cli(crash, {"MTUNE_FAULT_INJECT": "before_rename@4"})
+    assert proc.returncode == 137
+    out = tmp_path / "crash" / "out"
+    assert (out / "step_2").is_dir() and not (out / "step_4").exists()
+    assert any(p.name.startswith(".tmp_step_4") for p in out.iterdir())
+    proc = _cli(crash + ["resume_from_checkpoint=true"])
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    assert not any(p.name.startswith(".tmp_") for p in out.iterdir())  # the half-written one was cleaned up
+    assert losses(out)[-6:] == expected[2:]  # metrics.jsonl appends: steps 1-3 before the crash, then 3-8
+
+    # SIGTERM mid-run: the step in flight finishes, a checkpoint is written, the process exits 0.
+    term = train_overrides(tmp_path / "term", tiny_checkpoint, tiny_data) + SCHEDULE[:2] + SCHEDULE[3:] + [
+        "epochs=2", "save_every_n_steps=100"]
+    out = tmp_path / "term" / "out"
+    proc = _cli(term, wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and read_metrics(out)):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    saved = sorted(p.name for p in out.iterdir() if p.name.startswith("step_"))
+    assert len(saved) == 1 and not (out / "final").exists()
+    stopped_at = int(saved[0].split("_")[1])
+    assert 1 <= stopped_at < 8
+    proc = _cli(term + ["resume_from_checkpoint=true"])
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    assert losses(out)[stopped_at:] == expected[stopped_at:]
