@@ -62,7 +62,7 @@ def hf_text(path, adapter=None, prompt=None, messages=None):
 @pytest.mark.parametrize("kind", ["prompt", "chat", "chat+adapter"])
 def test_greedy_text_equals_transformers(kind, model_dir, capsys):
     path, adapter = model_dir
-    keys = {"model": {"checkpoint_dir": str(path)}}
+    keys = {"model": {"checkpoint_dir": str(path)}, "tokenizer": {"path": str(path)}}
     if kind == "prompt":
         keys["prompt"], reference = PROMPT, hf_text(path, prompt=PROMPT)
     else:
@@ -77,7 +77,7 @@ def test_greedy_text_equals_transformers(kind, model_dir, capsys):
 
 def test_text_streams_and_sampling_is_seeded(model_dir, capsys):
     path, _ = model_dir
-    keys = {"model": {"checkpoint_dir": str(path)}, "prompt": PROMPT, "temperature": 1.0, "top_k": 50, "top_p": 0.9}
+    keys = {"model": {"checkpoint_dir": str(path)}, "tokenizer": {"path": str(path)}, "prompt": PROMPT, "temperature": 1.0, "top_k": 50, "top_p": 0.9}
     both = OmegaConf.create({**keys, "messages": MESSAGES})
     generate_recipe.SCHEMA.fill_defaults(both)
     assert generate_recipe.SCHEMA.check(both) == ["set exactly one of prompt (plain text) or messages (a list of "
