@@ -123,6 +123,20 @@ LORA_KEYS = KeyGroup(
 )
 
 
+DISTRIBUTED_KEYS = KeyGroup(
+    "distributed",
+    help="sharding with FSDP2 across devices and machines (launch with mtune run --nproc_per_node N ...)",
+    keys=[
+        Key("distributed_backend", str, None, "process-group backend (null: nccl on CUDA, gloo on CPU)"),
+        Key("fsdp_reshard_after_forward", bool, True,
+            "true: free gathered weights after each block's forward (ZeRO-3-like, least memory); false: keep them "
+            "until backward (ZeRO-2-like, less communication)"),
+        Key("fsdp_cpu_offload", bool, False,
+            "keep parameters, gradients and optimizer state in CPU memory; the optimizer steps on the CPU"),
+    ],
+)
+
+
 # ------------------------------------------------------------------------------------------------------ merge_lora
 def _merge_base_rule(cfg: DictConfig) -> list[str]:
     """base_model_dir and model.checkpoint_dir name the same thing; one of them at most."""
