@@ -8,6 +8,7 @@ single-process step on the whole batch (rank 0 computes the reference). Prints o
 results are recorded in docs/distributed.md.
 """
 
+import faulthandler
 import sys
 import tempfile
 import traceback
@@ -22,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtune.modules.loss import CrossEntropyLoss  # noqa: E402
 from mtune.modules.nf4_linear import dequantize  # noqa: E402
 from mtune.training.distributed import (  # noqa: E402
-    gathered_state_dict_items, init_distributed, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
+    init_distributed, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
 )
+from mtune.training.distributed_checkpoint import gathered_state_dict_items  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.model_setup import is_adapter_param, resolve_model_source, setup_model  # noqa: E402
 from mtune.training.optimizers import build_optimizer  # noqa: E402
@@ -89,7 +91,7 @@ def check(name, ckpt, lora=None, optimizer="torch.optim.AdamW", in_bwd=False, ac
 
 
 def main():
-    import faulthandler; faulthandler.dump_traceback_later(550, exit=True)
+    faulthandler.dump_traceback_later(550, exit=True)  # a rank stuck in a collective prints where, then exits
     init_distributed()
     root = Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None
     holder = [str(root) if root else None]

@@ -12,9 +12,9 @@ recipe follows (no rank ever holds the whole model; one full tensor at a time at
                                not_in_checkpoint=is_adapter_param)   # or init_weights_sharded(model, device)
     if lora: reset_adapters_sharded(model)                     # same values as single-device, whatever the ranks
     ... train with mtune.training.loop.train_step(..., world_size=world_size) ...
-    save_gathered_hf_checkpoint(model, out_dir, source_dir=..., adapter_only=False)   # rank 0 writes
+    save_gathered_hf_checkpoint(model, out_dir, source_dir=...)   # rank 0 writes
 
-Resume state lives in :mod:`mtune.training.distributed_checkpoint` (torch.distributed.checkpoint).
+Saving (DCP resume state, gathered HF / PEFT export) lives in :mod:`mtune.training.distributed_checkpoint`.
 
 A shard of a weight is exactly the rows ``torch.chunk(weight, world_size)[rank]``, the slice FSDP2 itself uses, so
 it can be read straight out of a safetensors file with ``get_slice``. NF4 (QLoRA) weights are different: NF4 stores
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,11 +37,9 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from mtune.modules.lora import ADAPTER_PARAM_NAMES, LoRALinear, _peft_key
+from mtune.modules.lora import ADAPTER_PARAM_NAMES, LoRALinear
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4, quantize_nf4
-from mtune.training.checkpointing.hf import (
-    CheckpointError, _expected, _hf_to_mtune, _open, save_hf_checkpoint, weight_files,
-)
+from mtune.training.checkpointing.hf import CheckpointError, _expected, _hf_to_mtune, _open, weight_files
 
 __all__ = [
     "init_distributed",
@@ -52,9 +50,6 @@ __all__ = [
     "load_hf_checkpoint_sharded",
     "init_weights_sharded",
     "reset_adapters_sharded",
-    "gathered_state_dict_items",
-    "gathered_peft_adapter_items",
-    "save_gathered_hf_checkpoint",
     "local_tensor_bytes",
 ]
 
@@ -296,66 +291,6 @@ def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
     if not isinstance(param, DTensor):
         return tuple(param.shape)
     return (_row_slice(param)[1], *param.shape[1:])
-
-
-# ------------------------------------------------------------------------------------------------ export
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor (collective: every rank must call it); NF4 shards come back dequantized."""
-    if not isinstance(tensor, DTensor):
-        return dequantize(tensor.detach())
-    local = tensor.to_local()
-    if is_nf4(local):  # dequantize the rows here, gather plain tensors (NF4 cannot be all-gathered by DTensor)
-        tensor = DTensor.from_local(dequantize(local), tensor.device_mesh, tensor.placements, run_check=False,
-                                    shape=tensor.shape, stride=tensor.stride())
-    return tensor.detach().full_tensor()
-
-
-def gathered_state_dict_items(model: nn.Module, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(mtune name, full tensor on CPU)`` one parameter at a time, on rank 0 only.
-
-    Every rank must run the generator to the end (each tensor is an all-gather); other ranks yield nothing. The
-    writing rank holds one full tensor at a time (plus what its consumer keeps). NF4 weights are yielded
-    dequantized, in their original dtype. ``adapter_only`` yields only the LoRA / DoRA parameters.
-    """
-    rank0 = is_rank_zero()
-    for name, tensor in model.state_dict().items():
-        if adapter_only and not name.endswith(ADAPTER_PARAM_NAMES):
-            continue
-        full = _gather(tensor)
-        if rank0:
-            yield name, full.cpu()
-        del full
-
-
-def gathered_peft_adapter_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`mtune.modules.lora.peft_adapter_state_dict` for a sharded model: PEFT-named full adapter tensors,
-    yielded on rank 0 (all ranks must iterate). ``dict(...)`` of it is small: adapters only."""
-    for name, tensor in gathered_state_dict_items(model, adapter_only=True):
-        yield _peft_key(name), tensor
-
-
-def save_gathered_hf_checkpoint(
-    model: nn.Module,
-    out_dir: str | os.PathLike,
-    *,
-    source_dir: str | os.PathLike | None = None,
-    max_shard_size: int | str = "1GB",
-    dtype: torch.dtype | None = None,
-) -> Path | None:
-    """Write the sharded model as a Hugging Face directory from rank 0 (all ranks must call it).
-
-    Rank 0 holds one gathered tensor plus at most ``max_shard_size`` of pending output at a time. ``dtype`` casts
-    each tensor (e.g. back to bf16 after fp32 training). Returns the directory on rank 0, None elsewhere.
-    """
-    items = gathered_state_dict_items(model)
-    if dtype is not None:
-        items = ((n, t.to(dtype)) for n, t in items)
-    if not is_rank_zero():
-        for _ in items:  # runs the all-gathers; nothing is yielded here
-            pass
-        return None
-    return save_hf_checkpoint(items, out_dir, source_dir=source_dir, max_shard_size=max_shard_size,
-                              model_args=getattr(model, "args", None))
 
 
 def local_tensor_bytes(model: nn.Module) -> int:

@@ -22,10 +22,12 @@ from mtune.modules.lora import peft_adapter_state_dict
 from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import _mtune_to_hf
 from mtune.training.distributed import (
-    gathered_peft_adapter_items, gathered_state_dict_items, init_weights_sharded, load_hf_checkpoint_sharded,
-    reset_adapters_sharded, save_gathered_hf_checkpoint, shard_model,
+    init_weights_sharded, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
 )
-from mtune.training.distributed_checkpoint import load_distributed_state, save_distributed_state
+from mtune.training.distributed_checkpoint import (
+    gathered_peft_adapter_items, gathered_state_dict_items, load_distributed_state, save_distributed_state,
+    save_gathered_hf_checkpoint,
+)
 from mtune.training.loop import train_step
 from mtune.training.model_setup import ModelSource, is_adapter_param, resolve_model_source, setup_model
 from mtune.training.optimizers import _tensor_bytes
