@@ -19,6 +19,9 @@ __all__ = [
     "check_lora_on_tied_lm_head",
     "check_activation_offloading",
     "check_activation_checkpointing",
+    "DISTRIBUTED_RULES",
+    "check_distributed_optimizer",
+    "check_distributed_backend",
 ]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -133,3 +136,34 @@ def check_eval_dataset(cfg: Any) -> list[str]:
 
 TRAINING_RULES = MEMORY_RULES + (check_eval_dataset,)
 """Every rule a single-device training recipe attaches to its `RecipeSchema`."""
+
+
+# ------------------------------------------------------------------------------------------------ distributed
+# Measured with torch 2.13 + FSDP2 on 2 gloo processes (docs/distributed.md, benchmarks/fsdp2_support_matrix.py).
+# Works and needs no rule: NF4 (QLoRA) bases, DoRA, activation checkpointing, optimizer_in_bwd, CPU offload,
+# torch.optim.AdamW and torchao.optim.AdamW8bit.
+_DISTRIBUTED_BACKENDS = ("nccl", "gloo")
+
+
+def check_distributed_optimizer(cfg: Any) -> list[str]:
+    """Optimizers that cannot step FSDP2's sharded (DTensor) parameters."""
+    component = str(_get(cfg, "optimizer._component_", ""))
+    if component.startswith("bitsandbytes."):
+        return [f"optimizer._component_={component} cannot step FSDP2's sharded parameters (its kernels get mixed "
+                "torch.Tensor and DTensor arguments): use torchao.optim.AdamW8bit for 8-bit states, or "
+                "torch.optim.AdamW"]
+    if component == "torchao.optim.AdamW4bit":
+        return ["optimizer._component_=torchao.optim.AdamW4bit fails on FSDP2's sharded parameters (its compiled "
+                "4-bit kernel rejects the DTensor shards): use torchao.optim.AdamW8bit or torch.optim.AdamW"]
+    return []
+
+
+def check_distributed_backend(cfg: Any) -> list[str]:
+    backend = _get(cfg, "distributed_backend")
+    if backend is not None and backend not in _DISTRIBUTED_BACKENDS:
+        return [f"distributed_backend={backend!r} is not supported: use null (nccl on GPUs, gloo on CPU), nccl or gloo"]
+    return []
+
+
+DISTRIBUTED_RULES = TRAINING_RULES + (check_distributed_optimizer, check_distributed_backend)
+"""Every rule a distributed training recipe attaches to its `RecipeSchema`."""

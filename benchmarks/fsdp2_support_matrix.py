@@ -1,0 +1,126 @@
+"""Which memory techniques and optimizers work with FSDP2 here: run under torchrun with 2 processes, e.g.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/fsdp2_support_matrix.py
+
+Each check builds the tiny model from a Hugging Face directory written with transformers, shards it with
+`shard_model`, runs one `train_step` on half of a global batch per rank and compares the gathered parameters with a
+single-process step on the whole batch (rank 0 computes the reference). Prints one line per combination; the
+results are recorded in docs/distributed.md.
+"""
+
+import faulthandler
+import sys
+import tempfile
+import traceback
+from unittest import mock
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mtune.modules.loss import CrossEntropyLoss  # noqa: E402
+from mtune.modules.nf4_linear import dequantize  # noqa: E402
+from mtune.training.distributed import (  # noqa: E402
+    init_distributed, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
+)
+from mtune.training.distributed_checkpoint import gathered_state_dict_items  # noqa: E402
+from mtune.training.loop import train_step  # noqa: E402
+from mtune.training.model_setup import is_adapter_param, resolve_model_source, setup_model  # noqa: E402
+from mtune.training.optimizers import build_optimizer  # noqa: E402
+
+LORA = dict(modules=["q_proj", "v_proj", "o_proj"], rank=8, alpha=16)
+
+
+def _batch(lo, hi):
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, 512, (4, 24), generator=g)
+    labels = tokens.roll(-1, dims=1)
+    labels[:, -1] = -100
+    labels[1, 10:] = -100  # unequal token counts across ranks
+    return {"tokens": tokens[lo:hi], "labels": labels[lo:hi]}
+
+
+def _build(ckpt, lora, sharded, ac=False, cpu_offload=False):
+    source = resolve_model_source({"checkpoint_dir": ckpt})
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    if not sharded:
+        model, _ = setup_model(source, device=device, dtype=torch.float32, lora=lora, activation_checkpointing=ac)
+        return model
+    model, _ = setup_model(source, device=device, dtype=torch.float32, lora=lora, activation_checkpointing=ac,
+                           materialize=False)
+    shard_model(model, cpu_offload=cpu_offload)
+    load_hf_checkpoint_sharded(model, ckpt, dtype=torch.float32, device=device, not_in_checkpoint=is_adapter_param)
+    if lora is not None:
+        reset_adapters_sharded(model)
+    return model
+
+
+def check(name, ckpt, lora=None, optimizer="torch.optim.AdamW", in_bwd=False, ac=False, cpu_offload=False,
+          compare=True):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt_cfg = {"_component_": optimizer, "lr": 1e-3}
+    try:
+        model = _build(ckpt, lora, sharded=True, ac=ac, cpu_offload=cpu_offload)
+        opt = build_optimizer(opt_cfg, model, optimizer_in_bwd=in_bwd)
+        per = 4 // world
+        res = train_step(model, [_batch(rank * per, (rank + 1) * per)], CrossEntropyLoss(), opt,
+                         device=torch.device("cpu"), world_size=world, optimizer_in_bwd=in_bwd)
+        after = dict(gathered_state_dict_items(model))
+        detail = ""
+        if rank == 0 and compare:
+            ref = _build(ckpt, lora, sharded=False, ac=ac)
+            ref_opt = build_optimizer(opt_cfg, ref, optimizer_in_bwd=in_bwd)
+            with mock.patch("mtune.training.loop._all_reduce_sum", lambda v: v):  # a single-process step
+                ref_res = train_step(ref, [_batch(0, 4)], CrossEntropyLoss(), ref_opt, device=torch.device("cpu"),
+                                     optimizer_in_bwd=in_bwd)
+            diff = max((after[k] - dequantize(v)).abs().max().item() for k, v in ref.state_dict().items())
+            moved = max((after[k] - dequantize(v)).abs().max().item() for k, v in
+                        _build(ckpt, lora, sharded=False).state_dict().items())
+            detail = (f"loss {res.loss:.6f} vs {ref_res.loss:.6f}, max |param - single-process| {diff:.2e}, "
+                      f"max update {moved:.2e}")
+        if rank == 0:
+            print(f"OK    {name}: {detail}", flush=True)
+    except Exception as e:  # report and continue with the next combination
+        if rank == 0:
+            print(f"FAIL  {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            traceback.print_exc(limit=-3, file=sys.stdout)
+    dist.barrier()
+
+
+def main():
+    faulthandler.dump_traceback_later(550, exit=True)  # a rank stuck in a collective prints where, then exits
+    init_distributed()
+    root = Path(tempfile.mkdtemp()) if dist.get_rank() == 0 else None
+    holder = [str(root) if root else None]
+    dist.broadcast_object_list(holder)
+    ckpt = Path(holder[0]) / "llama3_1"
+    if dist.get_rank() == 0:
+        from tests._helpers.models import write_tiny_hf_model
+        write_tiny_hf_model(holder[0], "llama3_1")
+    dist.barrier()
+    only = sys.argv[1:]
+    checks = {
+        "full fine-tune, AdamW": dict(),
+        "LoRA, AdamW": dict(lora=LORA),
+        "QLoRA (NF4 base), AdamW": dict(lora={**LORA, "quantize_base": True}),
+        "DoRA, AdamW": dict(lora={**LORA, "use_dora": True}),
+        "QDoRA (NF4 base), AdamW": dict(lora={**LORA, "use_dora": True, "quantize_base": True}),
+        "full + activation checkpointing": dict(ac=True),
+        "full + optimizer_in_bwd": dict(in_bwd=True),
+        "LoRA + optimizer_in_bwd": dict(lora=LORA, in_bwd=True),
+        "full + CPU offload (FSDP2 CPUOffloadPolicy)": dict(cpu_offload=True),
+        "full + bitsandbytes AdamW8bit": dict(optimizer="bitsandbytes.optim.AdamW8bit", compare=False),
+        "full + torchao AdamW8bit": dict(optimizer="torchao.optim.AdamW8bit", compare=False),
+        "full + torchao AdamW4bit": dict(optimizer="torchao.optim.AdamW4bit", compare=False),
+    }
+    for name, kwargs in checks.items():
+        if not only or any(o in name for o in only):
+            check(name, ckpt, **kwargs)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

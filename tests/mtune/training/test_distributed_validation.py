@@ -1,0 +1,33 @@
+"""DISTRIBUTED_RULES fire on the combinations measured to fail under FSDP2 and stay quiet on those that work."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from mtune.training.validation import DISTRIBUTED_RULES
+
+
+def problems(**cfg):
+    conf = OmegaConf.create(cfg)
+    return [p for rule in DISTRIBUTED_RULES for p in rule(conf)]
+
+
+@pytest.mark.parametrize("component", ["torch.optim.AdamW", "torchao.optim.AdamW8bit"])
+def test_supported_optimizers_pass(component):
+    assert problems(optimizer={"_component_": component}, distributed_backend=None, optimizer_in_bwd=True,
+                    lora={"modules": ["q_proj"], "use_dora": True, "quantize_base": True}) == []
+
+
+@pytest.mark.parametrize("component,fix", [
+    ("bitsandbytes.optim.AdamW8bit", "use torchao.optim.AdamW8bit for 8-bit states, or torch.optim.AdamW"),
+    ("bitsandbytes.optim.PagedAdamW", "use torchao.optim.AdamW8bit for 8-bit states, or torch.optim.AdamW"),
+    ("torchao.optim.AdamW4bit", "use torchao.optim.AdamW8bit or torch.optim.AdamW"),
+])
+def test_optimizers_that_fail_on_dtensor_are_rejected(component, fix):
+    (problem,) = problems(optimizer={"_component_": component})
+    assert problem.startswith(f"optimizer._component_={component}") and problem.endswith(fix)
+
+
+def test_backend_names():
+    assert problems(distributed_backend="gloo") == [] and problems(distributed_backend="nccl") == []
+    assert problems(distributed_backend="mpi") == [
+        "distributed_backend='mpi' is not supported: use null (nccl on GPUs, gloo on CPU), nccl or gloo"]
