@@ -61,13 +61,12 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``).
 
     ``backend`` is the config's ``distributed_backend``: None picks nccl when CUDA is available, else gloo.
-    Returns ``(rank, world_size, local_rank)``; ``(0, 1, 0)`` without initialising anything when the process was
-    not launched by torchrun. On CUDA the current device becomes ``cuda:LOCAL_RANK``.
+    Returns ``(rank, world_size, local_rank)``. A process not launched by torchrun joins a group of one (so a
+    distributed recipe also runs, and resumes, in one process). On CUDA the current device becomes
+    ``cuda:LOCAL_RANK``.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1, 0
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -75,7 +74,11 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
         raise RuntimeError("distributed_backend=nccl needs CUDA GPUs: set distributed_backend=gloo (or null) on CPU")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend)
+    if "WORLD_SIZE" not in os.environ:
+        # Not launched by torchrun: a group of one, so the same code (sharding, DCP) runs in a single process.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 

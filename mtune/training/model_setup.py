@@ -146,3 +146,39 @@ def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torc
     load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
                        not_in_checkpoint=is_adapter_param, after_tensor=_quantize_when_loaded)
     log.info("model: loaded %s", source.checkpoint_dir)
+
+
+def setup_sharded_model(
+    source: ModelSource,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    lora: Mapping[str, Any] | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    **memory: Any,
+):
+    """:func:`setup_model` for FSDP2: build on meta, apply the memory techniques, shard every block and the root,
+    then load each rank's rows of the checkpoint (or random weights) and initialise the adapters. No rank holds
+    the full model; see :mod:`mtune.training.distributed`. Returns ``(model, activation_context)``."""
+    from mtune.training.distributed import (
+        init_weights_sharded,
+        load_hf_checkpoint_sharded,
+        reset_adapters_sharded,
+        shard_model,
+    )
+
+    model, offload = setup_model(source, device=device, dtype=dtype, lora=lora, materialize=False, **memory)
+    shard_model(model, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    if source.checkpoint_dir is not None:
+        load_hf_checkpoint_sharded(model, source.checkpoint_dir, dtype=dtype, device=device,
+                                   not_in_checkpoint=is_adapter_param)
+        log.info("model: loaded %s, sharded", source.checkpoint_dir)
+    else:
+        torch.manual_seed(seed)  # every rank draws the same full tensors, then keeps its rows
+        init_weights_sharded(model, device)
+    if lora is not None:
+        torch.manual_seed(seed)  # the same adapter initialisation on every rank
+        reset_adapters_sharded(model)
+    return model, offload

@@ -192,9 +192,10 @@ class CheckpointWriter:
         self.mtune_version = mtune_version
 
     def save(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-             write_fn: Callable[[Path], None], final: bool = False) -> Path:
+             write_fn: Callable[[Path], None], final: bool = False, world_size: int = 1) -> Path:
         """Write a checkpoint with ``write_fn(tmp_dir)`` and return its final path."""
-        with self.open(step=step, epoch=epoch, config=config, kind=kind, final=final) as tmp_dir:
+        with self.open(step=step, epoch=epoch, config=config, kind=kind, final=final,
+                       world_size=world_size) as tmp_dir:
             write_fn(tmp_dir)
         return self.checkpoint_path(step, final)
 
@@ -203,7 +204,7 @@ class CheckpointWriter:
 
     @contextmanager
     def open(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-             final: bool = False) -> Iterator[Path]:
+             final: bool = False, world_size: int = 1) -> Iterator[Path]:
         """Yield an empty temporary directory; when the block ends without an exception, commit it as
         ``step_<step>`` (or ``final``). On an exception the temporary directory is removed."""
         target = self.checkpoint_path(step, final)
@@ -217,7 +218,7 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         maybe_inject_fault("after_model_write", step)
-        self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final)
+        self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final, world_size=world_size)
         _fsync_tree(tmp)
         maybe_inject_fault("before_rename", step)
         self._rename_into_place(tmp, target)
@@ -226,7 +227,7 @@ class CheckpointWriter:
             self._prune()
 
     def _write_state(self, tmp: Path, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-                     final: bool) -> None:
+                     final: bool, world_size: int = 1) -> None:
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         state = {
             "mtune_version": self.mtune_version,
@@ -234,6 +235,7 @@ class CheckpointWriter:
             "epoch": int(epoch),
             "kind": kind,
             "final": bool(final),
+            "world_size": int(world_size),  # with batch_size, fixes the global batch a resume must keep
             "complete": True,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": files,

@@ -57,13 +57,15 @@ class Checkpointer:
 
     def __init__(self, *, output_dir: str | Path, config: Mapping[str, Any], base_checkpoint_dir: Path | None,
                  lora: Mapping[str, Any] | None = None, save_adapter_weights_only: bool = False,
-                 keep_last_n_checkpoints: int | None = None, max_shard_size: int | str = "5GB"):
+                 keep_last_n_checkpoints: int | None = None, max_shard_size: int | str = "5GB",
+                 world_size: int = 1):
         self.output_dir = Path(output_dir)
         self.config = dict(config)
         self.base_checkpoint_dir = base_checkpoint_dir
         self.lora = dict(lora) if lora is not None else None
         self.save_adapter_weights_only = save_adapter_weights_only
         self.max_shard_size = max_shard_size
+        self.world_size = world_size
         self.writer = CheckpointWriter(self.output_dir, keep_last_n_checkpoints=keep_last_n_checkpoints)
 
     @property
@@ -81,7 +83,7 @@ class Checkpointer:
                               grad_scaler=loss_scaler, dataloader=dataloader)
 
         path = self.writer.save(step=step, epoch=epoch, config=self.config, kind=self.kind, write_fn=write,
-                                final=final)
+                                final=final, world_size=self.world_size)
         log.info("checkpoint: %s", path)
         return path
 
@@ -120,7 +122,8 @@ class Checkpointer:
                dataloader=None) -> RecipeState:
         """Check the config against the checkpoint's, load its weights and recipe state (RNG states last)."""
         state = read_checkpoint_state(path)
-        check_resume_compatible(state["config"], self.config, checkpoint=path)
+        check_resume_compatible(state["config"], self.config, checkpoint=path,
+                                saved_world_size=state.get("world_size", 1), world_size=self.world_size)
         if self.lora is None:
             param = next(model.parameters())
             load_hf_checkpoint(model, path / MODEL_SUBDIR, dtype=param.dtype, device=param.device)
@@ -131,3 +134,83 @@ class Checkpointer:
         log.info("resumed from %s at step %d (epoch %d)", path, recipe_state.step, recipe_state.epoch)
         return recipe_state
 
+
+
+class DistributedCheckpointer(Checkpointer):
+    """Checkpoints of an FSDP2 run. Every rank writes its shards of the trainable parameters and their optimizer
+    state with ``torch.distributed.checkpoint`` into ``distributed_state/`` (resumable on any number of ranks);
+    rank 0 writes the gathered Hugging Face model / PEFT adapter (one tensor at a time), ``recipe_state.pt``
+    (scheduler, data position, RNG) and commits the directory. ``output_dir`` must be on a filesystem every rank
+    sees (one machine, or a shared filesystem across machines).
+    """
+
+    def __init__(self, *, rank: int, **kwargs):
+        super().__init__(**kwargs)
+        self.rank = rank
+
+    def save(self, *, step: int, epoch: int, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
+             dataloader=None, final: bool = False) -> Path:
+        import torch.distributed as dist
+
+        from mtune.training.distributed_checkpoint import DISTRIBUTED_STATE_DIRNAME, save_distributed_state
+
+        def write_shared(tmp: Path) -> None:
+            self._write_model(model, tmp)  # gathers: every rank takes part, rank 0 writes
+            save_distributed_state(tmp / DISTRIBUTED_STATE_DIRNAME, model, optimizer, adapter_only=self.lora is not None)
+            if self.rank == 0:
+                save_recipe_state(tmp, step=step, epoch=epoch, lr_scheduler=lr_scheduler, grad_scaler=loss_scaler,
+                                  dataloader=dataloader)
+            dist.barrier()
+
+        if self.rank != 0:
+            shared = [None]
+            dist.broadcast_object_list(shared, src=0)
+            write_shared(Path(shared[0]))
+            dist.barrier()  # rank 0 commits the directory
+            return self.writer.checkpoint_path(step, final)
+        with self.writer.open(step=step, epoch=epoch, config=self.config, kind=self.kind, final=final,
+                              world_size=self.world_size) as tmp:
+            dist.broadcast_object_list([str(tmp)], src=0)
+            write_shared(tmp)
+        dist.barrier()
+        path = self.writer.checkpoint_path(step, final)
+        log.info("checkpoint: %s", path)
+        return path
+
+    def _write_model(self, model: nn.Module, tmp: Path) -> None:
+        from mtune.training.checkpointing.merge import save_merged_model
+        from mtune.training.distributed_checkpoint import save_gathered_hf_checkpoint
+
+        source = self.base_checkpoint_dir
+        if self.lora is None:
+            save_gathered_hf_checkpoint(model, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size="1GB")
+            return
+        save_peft_adapter(model, tmp / ADAPTER_SUBDIR, self.lora,
+                          base_model_name_or_path=str(source) if source is not None else None)
+        if self.save_adapter_weights_only or self.rank != 0:
+            return
+        if source is None:  # random base weights: merge the gathered tensors on rank 0 is not possible cheaply
+            log.info("no base checkpoint: the merged model is not written (save_adapter_weights_only applies)")
+            return
+        # Streamed from the base checkpoint on rank 0, one tensor at a time: never the whole model in memory.
+        save_merged_model(source, tmp / ADAPTER_SUBDIR, tmp / MODEL_SUBDIR, max_shard_size="1GB")
+
+    def find(self, resume_from: bool | str) -> Path | None:
+        import torch.distributed as dist
+
+        found = [super().find(resume_from) if self.rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)  # rank 0 cleans half-written dirs and decides for every rank
+        return found[0]
+
+    def resume(self, path: Path, *, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
+               dataloader=None) -> RecipeState:
+        from mtune.training.distributed_checkpoint import DISTRIBUTED_STATE_DIRNAME, load_distributed_state
+
+        state = read_checkpoint_state(path)
+        check_resume_compatible(state["config"], self.config, checkpoint=path,
+                                saved_world_size=state.get("world_size", 1), world_size=self.world_size)
+        load_distributed_state(path / DISTRIBUTED_STATE_DIRNAME, model, optimizer, adapter_only=self.lora is not None)
+        recipe_state = load_recipe_state(path, lr_scheduler=lr_scheduler, grad_scaler=loss_scaler,
+                                         dataloader=dataloader)
+        log.info("resumed from %s at step %d (epoch %d)", path, recipe_state.step, recipe_state.epoch)
+        return recipe_state

@@ -166,7 +166,7 @@ def save_peft_adapter(
 
     Args:
         model: a model transformed by ``apply_lora``; its adapter tensors are saved in their own dtype. With FSDP
-            the adapter is gathered (every rank must call this; only rank 0 needs to write, so pass its own dir).
+            the adapter is gathered (every rank must call this) and rank 0 writes it.
         out_dir: created if needed.
         lora_cfg: the config's ``lora`` node; only ``dropout`` is taken from it (rank, alpha, modules and DoRA are
             read from the model itself, and must agree with it).
@@ -183,6 +183,8 @@ def save_peft_adapter(
     dropout = float(lora_cfg.get("dropout") or layout["dropout"])
     tensors = {k: _full(v).to("cpu").contiguous() for k, v in peft_adapter_state_dict(model).items()}
     out = Path(out_dir)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
+        return out  # the gathers above needed every rank; rank 0 writes
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     config = adapter_config(layout["modules"], layout["rank"], layout["alpha"], dropout=dropout,

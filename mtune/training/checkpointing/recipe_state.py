@@ -165,14 +165,20 @@ def _plain(value: Any) -> Any:
 
 
 def check_resume_compatible(saved_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
-                            checkpoint: str | os.PathLike | None = None) -> None:
+                            checkpoint: str | os.PathLike | None = None, saved_world_size: int = 1,
+                            world_size: int = 1) -> None:
     """Raise :class:`ResumeError` naming every key that differs between the checkpoint's config ``saved_cfg`` (from
     its ``mtune_state.json``) and this run's resolved ``cfg``, unless the key is in :data:`MAY_CHANGE_ON_RESUME`.
 
     Both are plain dicts with interpolations resolved (``OmegaConf.to_container(cfg, resolve=True)``).
+    ``batch_size`` may differ when ``batch_size x world_size`` (the global batch) does not.
     """
     saved = {k: v for k, v in saved_cfg.items() if k not in MAY_CHANGE_ON_RESUME}
     new = {k: v for k, v in cfg.items() if k not in MAY_CHANGE_ON_RESUME}
+    # On another number of ranks the per-rank batch_size may change as long as the global batch does not.
+    if isinstance(saved.get("batch_size"), int) and isinstance(new.get("batch_size"), int):
+        if saved["batch_size"] * saved_world_size == new["batch_size"] * world_size:
+            saved.pop("batch_size"), new.pop("batch_size")
     differences: list[str] = []
     _differences(saved, new, "", differences)
     if differences:

@@ -1,0 +1,81 @@
+"""Fine-tune LoRA / DoRA adapters (QLoRA with lora.quantize_base=true) sharded with FSDP2 over several devices or
+machines.
+
+    mtune run --nproc_per_node 2 lora_distributed --config tiny/lora_distributed
+    mtune run --nnodes 2 --node_rank 0 --rdzv_endpoint host0:29500 --nproc_per_node 8 \\
+        lora_distributed --config llama3_1/70B_qlora_distributed
+
+Each transformer block and then the root are sharded (FSDP2 `fully_shard`); every rank reads only its rows of the
+checkpoint (NF4 weights stay NF4 shards) and a disjoint share of each global batch. Checkpoints hold the sharded
+adapter and optimizer state (resumable on any number of ranks) and, written by rank 0 one tensor at a time, the PEFT
+adapter and the merged Hugging Face model.
+"""
+
+from omegaconf import DictConfig, OmegaConf
+
+from mtune.config import RecipeSchema
+from mtune.training.config_keys import (
+    DISTRIBUTED_KEYS,
+    LORA_KEYS,
+    MEMORY_KEYS,
+    MODEL_NODES,
+    RUN_KEYS,
+    TRAINING_NODES,
+)
+from mtune.training.validation import DISTRIBUTED_RULES
+
+SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS, DISTRIBUTED_KEYS],
+                      rules=DISTRIBUTED_RULES)
+SUPPORTS_DISTRIBUTED = True
+
+
+def main(cfg: DictConfig) -> None:
+    from mtune.config import instantiate
+    from mtune.modules.loss import CrossEntropyLoss
+    from mtune.tokenizers import load_tokenizer
+    from mtune.training.checkpointing.checkpointer import DistributedCheckpointer
+    from mtune.training.distributed import destroy_distributed, init_distributed
+    from mtune.training.model_setup import memory_flags, resolve_model_source, setup_sharded_model
+    from mtune.training.optimizers import build_optimizer
+    from mtune.training.run import setup_run
+    from mtune.training.session import TrainingSession, setup_data
+
+    # ---- setup: process group, device and dtype, tokenizer, sharded model with adapters, data, optimizer
+    rank, world_size, _ = init_distributed(cfg.distributed_backend)
+    run = setup_run(cfg, rank=rank, world_size=world_size)
+    source = resolve_model_source(cfg.model)
+    tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
+    model, activation_context = setup_sharded_model(
+        source, device=run.device, dtype=run.dtype, seed=run.seed, lora=cfg.lora,
+        reshard_after_forward=cfg.fsdp_reshard_after_forward, cpu_offload=cfg.fsdp_cpu_offload, **memory_flags(cfg))
+
+    train_loader, val_loader, plan = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
+    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=cfg.optimizer_in_bwd)
+    lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=plan.total_steps)
+    loss_fn = instantiate(cfg.loss) or CrossEntropyLoss()
+
+    checkpointer = DistributedCheckpointer(rank=rank, world_size=world_size, output_dir=run.output_dir,
+                                           config=OmegaConf.to_container(cfg, resolve=True),
+                                           base_checkpoint_dir=source.checkpoint_dir, lora=cfg.lora,
+                                           save_adapter_weights_only=cfg.save_adapter_weights_only,
+                                           keep_last_n_checkpoints=cfg.keep_last_n_checkpoints)
+    session = TrainingSession(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                              lr_scheduler=lr_scheduler, loss_fn=loss_fn, train_loader=train_loader,
+                              val_loader=val_loader, plan=plan, checkpointer=checkpointer,
+                              activation_context=activation_context, task_eval=instantiate(cfg.task_eval))
+    session.resume_if_asked()
+
+    # ---- train
+    for micro_batches in session.batches():
+        result = session.train_step(micro_batches)
+        session.end_step(result)
+
+    # ---- save: final/ with the sharded state, the PEFT adapter and the merged model
+    session.finish()
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    from mtune._cli.launch_recipe import run_recipe_file
+
+    run_recipe_file(__file__)
