@@ -60,3 +60,22 @@ def test_gradient_accumulation_2x2_equals_batch_4(tmp_path, tiny_checkpoint, tin
     expected, got = _trained(plain["lora_single_device"], "lora_single_device"), _trained(out, "lora_single_device")
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)
+
+
+def test_validation_loss_and_memory_breakdown(tmp_path, tiny_checkpoint, tiny_data, plain):
+    import json
+
+    from tests._helpers.recipes import read_metrics
+
+    out = _run(tmp_path, tiny_checkpoint, tiny_data, "observed", eval_every_n_steps=3, memory_breakdown=True,
+               **{"dataset_val._component_": "mtune.data.instruct_dataset", "dataset_val.source": str(tiny_data)})
+    assert losses(out) == losses(plain["lora_single_device"])  # observing changes nothing
+    val = [row for row in read_metrics(out) if "val_loss" in row]
+    assert [row["step"] for row in val] == [3, 6] and val[1]["val_loss"] < val[0]["val_loss"]
+    summary = json.loads((out / "memory_breakdown.json").read_text())
+    peak = summary["peak"]
+    # LoRA on a 1.6M-parameter fp32 model: gradients and AdamW state exist only for the ~23K adapter parameters.
+    assert peak["parameters"] > 4 * 1_500_000 and 0 < peak["gradients"] < peak["parameters"] / 20
+    assert 1.9 * peak["gradients"] <= peak["optimizer_state"] <= 2.2 * peak["gradients"]
+    assert peak["activations"] > 0
+    assert (out / "memory_breakdown.png").read_bytes()[:4] == b"\x89PNG"

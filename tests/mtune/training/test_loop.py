@@ -1,0 +1,66 @@
+"""The training step: token-weighted loss over micro-batches, non-finite losses, and out-of-memory advice."""
+
+import pytest
+import torch
+from torch import nn
+
+from mtune.modules.loss import CrossEntropyLoss
+from mtune.training.loop import NonFiniteLossError, micro_batch_groups, train_step
+from mtune.training.oom import OutOfMemory, memory_advice, oom_guard
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.lm_head = nn.Linear(8, 16)
+
+    def forward(self, tokens, input_pos=None, document_ids=None, return_hidden=False):
+        return self.lm_head(self.embed(tokens))
+
+
+def _batch(rows):
+    tokens = torch.tensor([r[0] for r in rows])
+    labels = torch.tensor([r[1] for r in rows])
+    return {"tokens": tokens, "labels": labels}
+
+
+def test_token_weighted_loss_over_micro_batches():
+    # 3 trained tokens in the first micro-batch, 1 in the second: the step loss is the mean over all 4 tokens.
+    a = _batch([([1, 2, 3], [2, 3, 4])])
+    b = _batch([([5, 6, 7], [-100, -100, 8])])
+    model = _Tiny()
+    ce = nn.functional.cross_entropy
+    with torch.no_grad():
+        expected = (ce(model(a["tokens"])[0], a["labels"][0], reduction="sum")
+                    + ce(model(b["tokens"])[0, 2:], b["labels"][0, 2:], reduction="sum")) / 4
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = train_step(model, [a, b], CrossEntropyLoss(), opt, device=torch.device("cpu"))
+    assert result.trained_tokens == 4 and result.loss == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_non_finite_loss_names_the_step():
+    model = _Tiny()
+    with torch.no_grad():
+        model.lm_head.bias.fill_(float("nan"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteLossError, match="step 7: the loss is nan"):
+        train_step(model, [_batch([([1, 2], [2, 3])])], CrossEntropyLoss(), opt, device=torch.device("cpu"), step=7)
+
+
+def test_micro_batch_groups_drop_an_incomplete_last_group():
+    assert list(micro_batch_groups(range(7), 3)) == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_out_of_memory_names_the_phase_and_the_flags_not_yet_set():
+    cfg = {"batch_size": 8, "enable_activation_checkpointing": False, "lora": {"quantize_base": False},
+           "optimizer": {"_component_": "torch.optim.AdamW"}, "dtype": "bf16", "tokenizer": {"max_seq_len": 4096}}
+    with pytest.raises(OutOfMemory) as err:
+        with oom_guard("forward/backward and optimizer step", cfg):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    message = str(err.value)
+    assert message.startswith("out of memory during forward/backward and optimizer step")
+    assert "enable_activation_checkpointing=true" in message and "lora.quantize_base=true (QLoRA)" in message
+    assert "dtype=bf16" not in message  # already set
+    assert "enable_activation_offloading=true" in memory_advice({**cfg, "enable_activation_checkpointing": True})
