@@ -20,6 +20,7 @@ __all__ = [
     "check_activation_offloading",
     "check_activation_checkpointing",
     "DISTRIBUTED_RULES",
+    "check_distributed_adapter_start",
     "check_distributed_optimizer",
     "check_distributed_backend",
 ]
@@ -165,5 +166,13 @@ def check_distributed_backend(cfg: Any) -> list[str]:
     return []
 
 
-DISTRIBUTED_RULES = TRAINING_RULES + (check_distributed_optimizer, check_distributed_backend)
+def check_distributed_adapter_start(cfg: Any) -> list[str]:
+    if _get(cfg, "lora.adapter_dir") is not None:
+        return ["lora.adapter_dir is not supported by the distributed recipes yet: start from the adapter with "
+                "lora_single_device, or resume a distributed run with resume_from_checkpoint"]
+    return []
+
+
+DISTRIBUTED_RULES = TRAINING_RULES + (check_distributed_optimizer, check_distributed_backend,
+                                      check_distributed_adapter_start)
 """Every rule a distributed training recipe attaches to its `RecipeSchema`."""

@@ -31,3 +31,11 @@ def test_backend_names():
     assert problems(distributed_backend="gloo") == [] and problems(distributed_backend="nccl") == []
     assert problems(distributed_backend="mpi") == [
         "distributed_backend='mpi' is not supported: use null (nccl on GPUs, gloo on CPU), nccl or gloo"]
+
+
+def test_adapter_start_is_refused_in_distributed_recipes():
+    from mtune.training.validation import check_distributed_adapter_start
+
+    assert check_distributed_adapter_start(OmegaConf.create({"lora": {"adapter_dir": None}})) == []
+    assert "lora.adapter_dir is not supported by the distributed recipes" in check_distributed_adapter_start(
+        OmegaConf.create({"lora": {"adapter_dir": "/tmp/a"}}))[0]
