@@ -17,6 +17,7 @@ identical; `apply_activation_offloading` says so once in the log.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.stream = torch.cuda.Stream() if self.use_streams else None
         self._param_storages = {p.untyped_storage().data_ptr() for p in params if not p.is_meta}
         self.offloaded_bytes = 0  # bytes moved to the host in the last forward(s); for logs and tests
+        self._copies: dict[int, tuple] = {}  # id(device tensor) -> (weakref to it, its host copy), while it lives
         super().__init__(self._pack, self._unpack)
 
     def _should_offload(self, t: torch.Tensor) -> bool:
@@ -55,6 +57,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._should_offload(t):
             return t
+        # One tensor saved by several ops (log_softmax's output, by it and by nll_loss) is copied once.
+        seen = self._copies.get(id(t))
+        if seen is not None and seen[0]() is t:
+            return seen[1]
+        packed = self._copy_to_host(t)
+        self._copies[id(t)] = (weakref.ref(t, lambda _, key=id(t): self._copies.pop(key, None)), packed)
+        return packed
+
+    def _copy_to_host(self, t: torch.Tensor) -> Any:
         self.offloaded_bytes += t.numel() * t.element_size()
         if self.stream is None:
             return (t.device, t.to("cpu"))

@@ -164,9 +164,10 @@ class TrainingSession:
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:
+                # Offloading innermost: its hooks take the saved tensors; the breakdown counts what stays.
+                stack.enter_context(self.breakdown.track_forward())
                 if self.activation_context is not None:
                     stack.enter_context(self.activation_context)
-                stack.enter_context(self.breakdown.track_forward())
                 return train_step(
                     self.model, micro_batches, self.loss_fn, self.optimizer, device=self.run.device,
                     autocast=self.run.autocast, loss_scaler=self.loss_scaler,

@@ -117,3 +117,18 @@ def test_offloading_on_cuda_moves_block_inputs_and_is_exact(use_streams):
 
     _assert_identical(run(plain), run(offloaded))
     assert ctx.offloaded_bytes >= 2 * tokens.numel() * 256 * 4  # at least the two blocks' inputs
+
+
+def test_a_tensor_saved_twice_is_copied_to_the_host_once(monkeypatch):
+    ctx = OffloadActivations(use_streams=False, min_offload_bytes=0)
+    monkeypatch.setattr(ctx, "_should_offload", lambda t: type(t) is torch.Tensor)
+    x = torch.randn(64, 64, requires_grad=True)
+    with ctx:
+        y = torch.log_softmax(x, dim=-1)  # saves its output ...
+        loss = torch.nn.functional.nll_loss(y, torch.zeros(64, dtype=torch.long))  # ... which nll_loss saves too
+    loss.backward()
+    expected = torch.autograd.grad(torch.nn.functional.nll_loss(torch.log_softmax(x, -1), torch.zeros(64,
+                                   dtype=torch.long)), x)[0]
+    assert torch.equal(x.grad, expected)
+    # Saved: y by log_softmax and again by nll_loss (64x64 fp32, 16384 bytes), the target (512), total_weight (4).
+    assert ctx.offloaded_bytes == 16384 + 512 + 4
