@@ -34,7 +34,7 @@ from mtune.modules.generation import generate
 from mtune.tokenizers import Message, load_tokenizer
 from mtune.tokenizers.bpe_to_tiktoken import train_byte_level_bpe, write_tiktoken_file
 from mtune.tokenizers.llama3 import PATTERN, special_tokens
-from mtune.training.checkpointing.hf import save_hf_checkpoint
+from mtune.training.checkpointing.hf import load_model_from_hf, save_hf_checkpoint
 
 BASE_VOCAB = 512
 LLAMA3_CHAT_TEMPLATE = (
@@ -140,6 +140,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus-lines", type=int, default=200_000)
     parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue from this model directory's weights (a previous run) instead of random ones")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-rows", type=int, default=2000)
     parser.add_argument("--eval-rows", type=int, default=100)
@@ -162,10 +165,16 @@ def main() -> None:
     print(f"corpus: {len(corpus)} lines, {len(tokens)} tokens", flush=True)
 
     margs = tiny_model_args()
-    model = build_model_from_args(margs, device="cpu")
+    if args.init_from is not None:
+        if (args.init_from / "tokenizer.model").read_bytes() != (tmp_dir / "tokenizer.model").read_bytes():
+            raise SystemExit(f"{args.init_from}: its tokenizer differs from this seed's; use the same --seed")
+        model = load_model_from_hf(args.init_from, dtype=torch.float32)
+    else:
+        model = build_model_from_args(margs, device="cpu")
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     start = time.time()
-    logs = pretrain(model, tokens, args.steps, args.seed)
+    # A continued run walks the corpus in a new order rather than repeating the first run's.
+    logs = pretrain(model, tokens, args.steps, args.seed + (args.init_from is not None), lr=args.lr)
     minutes = (time.time() - start) / 60
 
     eval_rows = make_task_split(args.seed + 1, args.eval_rows)
