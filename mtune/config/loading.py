@@ -7,10 +7,12 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+import omegaconf
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mtune.assets import asset_path
 from mtune.config.errors import ConfigError, did_you_mean
 
 COMPONENT = "_component_"
@@ -26,6 +28,13 @@ if not OmegaConf.has_resolver("mtune_asset"):
     with warnings.catch_warnings():  # omegaconf 2.4 renames it; 2.3 has only this name
         warnings.simplefilter("ignore", UserWarning)
         OmegaConf.register_new_resolver("mtune_asset", _asset_path)
+
+# `${mtune_asset:tiny/model}` in a config is the installed path of a file shipped with mtune (see mtune.assets).
+# omegaconf 2.4 renamed register_new_resolver to register_resolver (2.3's register_resolver is the legacy one).
+if not OmegaConf.has_resolver("mtune_asset"):
+    _new_api = tuple(int(x) for x in omegaconf.__version__.split(".")[:2]) >= (2, 4)
+    _register = OmegaConf.register_resolver if _new_api else OmegaConf.register_new_resolver
+    _register("mtune_asset", lambda name: str(asset_path(name)))
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:

@@ -7,11 +7,12 @@ so a tiny model built beside it can match. Files are cached per process: trainin
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 from functools import lru_cache
 from pathlib import Path
+
+from mtune.tokenizers.bpe_to_tiktoken import train_byte_level_bpe, write_tiktoken_file
 
 # The official chat templates, written out from the model cards' tokenizer_config.json (tool-calling branches of
 # the Qwen 2.5 and Mistral v0.3 templates left out: mtune renders system/user/assistant turns only).
@@ -167,33 +168,7 @@ def write_mistral_tokenizer(model_dir: str | Path) -> int:
 @lru_cache(maxsize=None)
 def _byte_level_bpe(pattern: str, vocab_size: int) -> str:
     """Train a byte-level BPE with `tokenizers`; returns its tokenizer.json (no added tokens)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(corpus(), trainer)
-    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
-    return tok.to_str()
-
-
-def _byte_decoder() -> dict[str, int]:
-    # GPT-2's printable stand-ins for bytes, as ByteLevel uses them.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = list(printable), 0
-    codes = list(printable)
-    for b in range(256):
-        if b not in printable:
-            codes.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(codes, chars)}
+    return train_byte_level_bpe(corpus(), vocab_size, pattern)
 
 
 LLAMA3_BASE_VOCAB = 512
@@ -212,14 +187,7 @@ def write_llama3_tokenizer(model_dir: str | Path) -> int:
     """Write a tiny Llama 3 tokenizer: `original/tokenizer.model` as a tiktoken rank file (512 ranks, in the
     `tokenizers` trainer's merge order) plus the 256 special tokens after it. Returns the vocab size (768)."""
     model_dir = Path(model_dir)
-    vocab = json.loads(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB))["model"]["vocab"]
-    byte_of = _byte_decoder()
-    lines = []
-    for token, rank in sorted(vocab.items(), key=lambda kv: kv[1]):
-        raw = bytes(byte_of[ch] for ch in token)
-        lines.append(f"{base64.b64encode(raw).decode()} {rank}")
-    (model_dir / "original").mkdir(parents=True, exist_ok=True)
-    (model_dir / "original" / "tokenizer.model").write_text("\n".join(lines) + "\n")
+    write_tiktoken_file(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB), model_dir / "original" / "tokenizer.model")
     vocab_size = LLAMA3_BASE_VOCAB + LLAMA3_NUM_SPECIAL
     # The Hub's tokenizer.json beside it: the same trained BPE with the special tokens added after the base.
     spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB))
