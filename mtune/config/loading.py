@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -16,18 +15,6 @@ from mtune.assets import asset_path
 from mtune.config.errors import ConfigError, did_you_mean
 
 COMPONENT = "_component_"
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-
-
-def _asset_path(relative: str) -> str:
-    """``${mtune_asset:tiny/model}``: a file or directory shipped inside the mtune package."""
-    return str(ASSETS_DIR / relative)
-
-
-if not OmegaConf.has_resolver("mtune_asset"):
-    with warnings.catch_warnings():  # omegaconf 2.4 renames it; 2.3 has only this name
-        warnings.simplefilter("ignore", UserWarning)
-        OmegaConf.register_new_resolver("mtune_asset", _asset_path)
 
 # `${mtune_asset:tiny/model}` in a config is the installed path of a file shipped with mtune (see mtune.assets).
 # omegaconf 2.4 renamed register_new_resolver to register_resolver (2.3's register_resolver is the legacy one).
