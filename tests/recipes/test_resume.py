@@ -119,3 +119,24 @@ def test_crash_during_a_save_and_sigterm_resume_exactly(tmp_path, tiny_checkpoin
     proc = _cli(term + ["resume_from_checkpoint=true"])
     assert proc.returncode == 0, proc.stderr.read()[-2000:]
     assert losses(out)[stopped_at:] == expected[stopped_at:]
+
+
+def test_start_from_an_adapter_and_merge_it_like_the_run_did(tmp_path, tiny_checkpoint, tiny_data):
+    from tests._helpers.recipes import REPO as repo
+
+    first = run_recipe_in_process("lora_single_device", train_overrides(tmp_path / "first", tiny_checkpoint, tiny_data)
+                                  + ["max_steps_per_epoch=2", "lora.use_dora=true"])
+    adapter = first / "final" / "adapter"
+    # lr 0: the second run starts from the saved adapter and cannot move it, so it saves it back unchanged
+    second = run_recipe_in_process("lora_single_device", train_overrides(tmp_path / "second", tiny_checkpoint,
+                                   tiny_data) + ["max_steps_per_epoch=1", "lora.use_dora=true", "optimizer.lr=0",
+                                                 f"lora.adapter_dir={adapter}"])
+    _assert_same_params(load_file(adapter / "adapter_model.safetensors"),
+                        load_file(second / "final" / "adapter" / "adapter_model.safetensors"))
+    # merge_lora on the saved adapter writes exactly the merged model the run wrote itself
+    merged = tmp_path / "merged"
+    run_recipe_in_process("merge_lora", [f"output_dir={merged}", f"adapter_dir={adapter}",
+                                         f"base_model_dir={tiny_checkpoint}"],
+                          config=repo / "recipes" / "configs" / "tiny" / "merge_lora.yaml")
+    _assert_same_params(load_file(first / "final" / "model" / "model.safetensors"),
+                        load_file(merged / "model.safetensors"))
