@@ -25,7 +25,7 @@ RUN_KEYS = KeyGroup(
         Key("batch_size", int, 4, "samples per micro-batch on each device"),
         Key("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step"),
         Key("clip_grad_norm", float, None, "clip the global gradient norm to this value (null: no clipping)"),
-        Key("compile", bool, False, "torch.compile each transformer block and the loss"),
+        Key("compile", bool, False, "torch.compile each transformer block (faster steps after a slow first one)"),
         Key("log_every_n_steps", int, 1, "write a line to metrics.jsonl every N optimizer steps"),
         Key("save_every_n_steps", int, None, "also checkpoint to step_<N>/ every N steps (null: only final/)"),
         Key("keep_last_n_checkpoints", int, None, "delete older step_<N>/ checkpoints beyond this many (null: keep all)"),
