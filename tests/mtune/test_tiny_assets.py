@@ -80,7 +80,7 @@ def test_task_data_disjoint_exact_reversals():
     for row in train + evals:
         assert set(row) == {"instruction", "output"} and row["instruction"].startswith(prefix)
         words = row["instruction"][len(prefix):].split(" ")
-        assert 3 <= len(words) <= 5 and set(words) <= set(WORDS)
+        assert len(words) == 3 and len(set(words)) == 3 and set(words) <= set(WORDS)
         assert row["output"] == " ".join(reversed(words))
     assert not {r["instruction"] for r in train} & {r["instruction"] for r in evals}
     assert len({r["instruction"] for r in train}) == 2000
