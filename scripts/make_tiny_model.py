@@ -6,7 +6,7 @@ weights, and the instruction splits. Run from the repository root::
 
     python scripts/make_tiny_model.py --out mtune/assets/tiny
 
-Pretraining is ~20 minutes on 2 CPU cores (see docs/tiny_model.md for the figures of the shipped files). On the same
+Each pretraining run takes 10-25 minutes on a CPU (see docs/tiny_model.md for the figures of the shipped files). On the same
 torch build and thread count the run repeats exactly.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from mtune.data.word_reversal import (
-    PROMPT_TEMPLATE, WORDS, chat_warmup_example, line_start_reversal, make_task_split, pretraining_corpus, sample_word_list,
+    PROMPT_TEMPLATE, WORDS, chat_warmup_example, make_task_split, pretraining_corpus, sample_word_list,
 )
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.generation import generate
@@ -108,21 +108,18 @@ def chat_reversal_accuracy(model, tokenizer, rows: list[dict]) -> float:
     return hits / len(rows)
 
 
-def training_tokens(corpus: list[str], tokenizer, chat_fraction: float, newline_fraction: float,
-                    seed: int) -> list[int]:
+def training_tokens(corpus: list[str], tokenizer, chat_fraction: float, seed: int) -> list[int]:
     """The corpus lines (each ``<|begin_of_text|> line <|end_of_text|>``) mixed in a seeded random order with
-    :func:`chat_warmup_example` conversations rendered in the chat format (``chat_fraction`` of the documents) and
-    :func:`line_start_reversal` lines (``newline_fraction``)."""
+    :func:`chat_warmup_example` conversations rendered in the chat format, which make up ``chat_fraction`` of the
+    documents (each conversation ends at the assistant's ``<|eot_id|>``)."""
     docs = [tokenizer.encode(line) for line in corpus]
     rng = random.Random(seed)
-    n_chat = round(len(corpus) * chat_fraction / (1 - chat_fraction - newline_fraction))
-    n_newline = round(len(corpus) * newline_fraction / (1 - chat_fraction - newline_fraction))
-    docs += [tokenizer.encode(line_start_reversal(rng)) for _ in range(n_newline)]
+    n_chat = round(len(corpus) * chat_fraction / (1 - chat_fraction))
     for _ in range(n_chat):
         row = chat_warmup_example(rng)
         docs.append(tokenizer.tokenize_messages(
             [Message("user", row["instruction"]), Message("assistant", row["output"])]).tokens)
-    if n_chat or n_newline:
+    if n_chat:
         rng.shuffle(docs)
     return [t for doc in docs for t in doc]
 
@@ -164,8 +161,6 @@ def main() -> None:
                         help="continue from this model directory's weights (a previous run) instead of random ones")
     parser.add_argument("--chat-fraction", type=float, default=0.0,
                         help="share of documents that are chat-format warm-up conversations (not reversal)")
-    parser.add_argument("--newline-fraction", type=float, default=0.0,
-                        help="share of documents that are plain reversals with the answer on its own line")
     parser.add_argument("--task-words", type=int, nargs=2, default=(3, 3), metavar=("MIN", "MAX"),
                         help="words per task sample in train/eval.jsonl")
     parser.add_argument("--threads", type=int, default=2)
@@ -186,7 +181,7 @@ def main() -> None:
     write_tokenizer(corpus, tmp_dir)
     (tmp_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
     tokenizer = load_tokenizer(tmp_dir)
-    tokens = training_tokens(corpus, tokenizer, args.chat_fraction, args.newline_fraction, args.seed + 4)
+    tokens = training_tokens(corpus, tokenizer, args.chat_fraction, args.seed + 4)
     print(f"corpus: {len(corpus)} lines, chat fraction {args.chat_fraction}, {len(tokens)} tokens", flush=True)
 
     margs = tiny_model_args()

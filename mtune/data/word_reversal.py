@@ -92,9 +92,3 @@ def chat_warmup_example(rng: random.Random) -> dict[str, str]:
         return {"instruction": f"Which word comes before {words[i]}: {fwd}", "output": words[i - 1]}
     return {"instruction": f"Which word comes after {words[i - 1]}: {fwd}", "output": words[i]}
 
-
-def line_start_reversal(rng: random.Random) -> str:
-    """A plain-text reversal whose answer starts a new line (``reverse: a b c`` newline ``c b a``), so that its first
-    word is the no-space token, as at the start of a chat answer."""
-    words = sample_word_list(rng, 2, 6)
-    return f"reverse: {' '.join(words)}\n{' '.join(reversed(words))}"
