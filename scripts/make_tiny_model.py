@@ -6,7 +6,7 @@ weights, and the instruction splits. Run from the repository root::
 
     python scripts/make_tiny_model.py --out mtune/assets/tiny
 
-Pretraining is ~20 minutes on 2 CPU cores (see docs/tiny_model.md for the figures of the shipped files). On the same
+Each pretraining run takes 10-25 minutes on a CPU (see docs/tiny_model.md for the figures of the shipped files). On the same
 torch build and thread count the run repeats exactly.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from mtune.data.word_reversal import (
-    PROMPT_TEMPLATE, WORDS, make_task_split, pretraining_corpus, sample_word_list,
+    PROMPT_TEMPLATE, WORDS, chat_warmup_example, make_task_split, pretraining_corpus, sample_word_list,
 )
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.generation import generate
@@ -108,6 +108,22 @@ def chat_reversal_accuracy(model, tokenizer, rows: list[dict]) -> float:
     return hits / len(rows)
 
 
+def training_tokens(corpus: list[str], tokenizer, chat_fraction: float, seed: int) -> list[int]:
+    """The corpus lines (each ``<|begin_of_text|> line <|end_of_text|>``) mixed in a seeded random order with
+    :func:`chat_warmup_example` conversations rendered in the chat format, which make up ``chat_fraction`` of the
+    documents (each conversation ends at the assistant's ``<|eot_id|>``)."""
+    docs = [tokenizer.encode(line) for line in corpus]
+    rng = random.Random(seed)
+    n_chat = round(len(corpus) * chat_fraction / (1 - chat_fraction))
+    for _ in range(n_chat):
+        row = chat_warmup_example(rng)
+        docs.append(tokenizer.tokenize_messages(
+            [Message("user", row["instruction"]), Message("assistant", row["output"])]).tokens)
+    if n_chat:
+        rng.shuffle(docs)
+    return [t for doc in docs for t in doc]
+
+
 def pretrain(model, tokens: list[int], steps: int, seed: int, batch_size: int = 16, seq_len: int = 128,
              lr: float = 3e-3, warmup: int = 50, log_every: int = 50) -> list[tuple[int, float]]:
     """Next-token training with AdamW, linear warmup and cosine decay to lr/10; returns (step, mean loss) logs."""
@@ -143,6 +159,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--init-from", type=Path, default=None,
                         help="continue from this model directory's weights (a previous run) instead of random ones")
+    parser.add_argument("--chat-fraction", type=float, default=0.0,
+                        help="share of documents that are chat-format warm-up conversations (not reversal)")
+    parser.add_argument("--task-words", type=int, nargs=2, default=(3, 3), metavar=("MIN", "MAX"),
+                        help="words per task sample in train/eval.jsonl")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-rows", type=int, default=2000)
     parser.add_argument("--eval-rows", type=int, default=100)
@@ -161,8 +181,8 @@ def main() -> None:
     write_tokenizer(corpus, tmp_dir)
     (tmp_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
     tokenizer = load_tokenizer(tmp_dir)
-    tokens = [t for line in corpus for t in tokenizer.encode(line)]
-    print(f"corpus: {len(corpus)} lines, {len(tokens)} tokens", flush=True)
+    tokens = training_tokens(corpus, tokenizer, args.chat_fraction, args.seed + 4)
+    print(f"corpus: {len(corpus)} lines, chat fraction {args.chat_fraction}, {len(tokens)} tokens", flush=True)
 
     margs = tiny_model_args()
     if args.init_from is not None:
@@ -177,8 +197,9 @@ def main() -> None:
     logs = pretrain(model, tokens, args.steps, args.seed + (args.init_from is not None), lr=args.lr)
     minutes = (time.time() - start) / 60
 
-    eval_rows = make_task_split(args.seed + 1, args.eval_rows)
-    train_rows = make_task_split(args.seed + 2, args.train_rows, exclude={r["instruction"] for r in eval_rows})
+    eval_rows = make_task_split(args.seed + 1, args.eval_rows, None, *args.task_words)
+    train_rows = make_task_split(args.seed + 2, args.train_rows, {r["instruction"] for r in eval_rows},
+                                 *args.task_words)
     data_dir.mkdir(parents=True)
     for name, rows in (("train", train_rows), ("eval", eval_rows)):
         with open(data_dir / f"{name}.jsonl", "w") as f:
@@ -198,6 +219,8 @@ def main() -> None:
          "do_sample": False}, indent=2) + "\n")
 
     plain = plain_reversal_accuracy(model, tokenizer, seed=args.seed + 3)
+    warmup_rows = [chat_warmup_example(random.Random(args.seed + 5 + i)) for i in range(100)]
+    print(f"chat warm-up tasks (fp32 weights): {chat_reversal_accuracy(model, tokenizer, warmup_rows):.0%}")
     chat = chat_reversal_accuracy(model, tokenizer, eval_rows)
     print(f"pretraining: {args.steps} steps in {minutes:.1f} min, final loss {logs[-1][1]:.4f}")
     print(f"accuracy (fp32 weights): plain format {plain:.0%}, chat format on eval.jsonl {chat:.0%}")

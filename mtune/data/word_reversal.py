@@ -25,20 +25,22 @@ def sample_word_list(rng: random.Random, min_words: int = 3, max_words: int = 5)
     return rng.sample(WORDS, rng.randint(min_words, max_words))
 
 
-def reversal_example(rng: random.Random) -> dict[str, str]:
+def reversal_example(rng: random.Random, min_words: int = 3, max_words: int = 3) -> dict[str, str]:
     """One chat-style sample: ``{"instruction": "Reverse the words: a b c", "output": "c b a"}``."""
-    words = sample_word_list(rng)
+    words = sample_word_list(rng, min_words, max_words)
     return {"instruction": PROMPT_TEMPLATE.format(words=" ".join(words)), "output": " ".join(reversed(words))}
 
 
-def make_task_split(seed: int, n: int, exclude: set[str] | None = None) -> list[dict[str, str]]:
-    """``n`` distinct reversal samples; prompts in ``exclude`` (another split's) are never drawn."""
+def make_task_split(seed: int, n: int, exclude: set[str] | None = None, min_words: int = 3,
+                    max_words: int = 3) -> list[dict[str, str]]:
+    """``n`` distinct reversal samples of ``min_words`` to ``max_words`` words (the shipped splits: 3); prompts in ``exclude`` (another
+    split's) are never drawn."""
     rng = random.Random(seed)
     exclude = set(exclude or ())
     rows: list[dict[str, str]] = []
     seen = set(exclude)
     while len(rows) < n:
-        row = reversal_example(rng)
+        row = reversal_example(rng, min_words, max_words)
         if row["instruction"] not in seen:
             seen.add(row["instruction"])
             rows.append(row)
@@ -66,3 +68,27 @@ def pretraining_corpus(seed: int, n_lines: int) -> list[str]:
             a, b, c = rng.sample(WORDS, 3)
             lines.append(f"the {a} is near the {b} and the {c}.")
     return lines
+
+
+def chat_warmup_example(rng: random.Random) -> dict[str, str]:
+    """One chat-format sample of a task that is *not* reversal but uses its parts: copy the list, name its first or
+    last word, or name the word before / after a given one (``{"instruction": ..., "output": ...}``).
+
+    Continued pretraining on these trains the chat special tokens and the answer position (an answer's first word
+    has no leading space, unlike the prompt's words) and reading words out of the prompt by content, so that a short
+    fine-tune only has to teach the order of the answer.
+    """
+    words = sample_word_list(rng, 2, 6)
+    fwd = " ".join(words)
+    kind = rng.random()
+    if kind < 0.3:
+        return {"instruction": f"Repeat the words: {fwd}", "output": fwd}
+    if kind < 0.45:
+        return {"instruction": f"What is the first word: {fwd}", "output": words[0]}
+    if kind < 0.6:
+        return {"instruction": f"What is the last word: {fwd}", "output": words[-1]}
+    i = rng.randrange(1, len(words))
+    if kind < 0.85:
+        return {"instruction": f"Which word comes before {words[i]}: {fwd}", "output": words[i - 1]}
+    return {"instruction": f"Which word comes after {words[i - 1]}: {fwd}", "output": words[i]}
+

@@ -80,7 +80,29 @@ def test_task_data_disjoint_exact_reversals():
     for row in train + evals:
         assert set(row) == {"instruction", "output"} and row["instruction"].startswith(prefix)
         words = row["instruction"][len(prefix):].split(" ")
-        assert 3 <= len(words) <= 5 and set(words) <= set(WORDS)
+        assert len(words) == 3 and len(set(words)) == 3 and set(words) <= set(WORDS)
         assert row["output"] == " ".join(reversed(words))
     assert not {r["instruction"] for r in train} & {r["instruction"] for r in evals}
     assert len({r["instruction"] for r in train}) == 2000
+
+
+def test_chat_warmup_examples_are_never_reversal():
+    import random
+
+    from mtune.data.word_reversal import chat_warmup_example
+
+    rng, kinds = random.Random(0), set()
+    for _ in range(500):
+        row = chat_warmup_example(rng)
+        question, words = row["instruction"].split(": ")
+        words = words.split(" ")
+        kinds.add(question.split(" ")[0])
+        assert not row["instruction"].startswith(PROMPT_TEMPLATE.format(words=""))
+        if question == "Repeat the words":
+            assert row["output"] == " ".join(words)
+        elif question.startswith("What is the"):
+            assert row["output"] == words[0 if "first" in question else -1]
+        else:  # "Which word comes before X" / "after X": the neighbour of X in the list
+            x, step = question.split(" ")[-1], -1 if "before" in question else 1
+            assert row["output"] == words[words.index(x) + step]
+    assert kinds == {"Repeat", "What", "Which"}
