@@ -59,13 +59,9 @@ def is_tiktoken_file(path: Path) -> bool:
 def _ranks_from_tokenizer_json(path: Path) -> dict[bytes, int]:
     # Hugging Face's Llama 3 tokenizer.json is the same BPE with ids = tiktoken ranks, bytes spelled with GPT-2's
     # byte-to-printable-character table; undo that table to get the rank file back.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    char_to_byte = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            char_to_byte[chr(256 + extra)] = b
-            extra += 1
+    from mtune.tokenizers.bpe_to_tiktoken import byte_level_alphabet
+
+    char_to_byte = byte_level_alphabet()
     vocab = json.loads(path.read_text(encoding="utf-8"))["model"]["vocab"]
     try:
         return {bytes(char_to_byte[c] for c in token): rank for token, rank in vocab.items()}
