@@ -125,7 +125,6 @@ def setup_model(
     )
     if not materialize:
         return model, offload
-    model.to_empty(device=device)
     load_weights(model, source, device=device, dtype=dtype)
     if lora is not None:
         reset_lora_parameters(model)  # adapters start at zero update; NF4 bases are already quantized
@@ -138,14 +137,30 @@ def setup_model(
 
 
 def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> None:
-    """Stream the base checkpoint into a materialised model, or initialise it randomly when there is none."""
+    """Give a meta-device model its weights on ``device``: stream the base checkpoint in one tensor at a time (each
+    placed straight from the file, NF4 weights quantized on arrival, so the full-precision model never exists at
+    once), or initialise randomly when there is no checkpoint. Adapter parameters are left uninitialised."""
     if source.checkpoint_dir is None:
+        model.to_empty(device=device)
         model.init_weights()
         log.info("model: random weights (no checkpoint_dir)")
         return
     load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
                        not_in_checkpoint=is_adapter_param, after_tensor=_quantize_when_loaded)
+    _materialize_meta_tensors(model, device)
     log.info("model: loaded %s", source.checkpoint_dir)
+
+
+def _materialize_meta_tensors(model: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) what a base checkpoint does not hold: adapter parameters and any buffers."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(module, name, nn.Parameter(torch.empty_like(param, device=device),
+                                                   requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)  # keeps its persistence
 
 
 def setup_sharded_model(
