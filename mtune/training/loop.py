@@ -17,7 +17,8 @@ from torch import nn
 
 from mtune.data.common import IGNORE_INDEX
 
-__all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "evaluate", "forward_loss"]
+__all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "evaluate", "forward_loss",
+           "all_reduce"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -44,9 +45,10 @@ def micro_batch_groups(batches: Iterable[dict], accumulation_steps: int) -> Iter
             group = []
 
 
-def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+def all_reduce(value: torch.Tensor, op=None) -> torch.Tensor:
+    """Reduce ``value`` in place over all ranks (sum by default); unchanged without a process group."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(value)
+        torch.distributed.all_reduce(value, op=op or torch.distributed.ReduceOp.SUM)
     return value
 
 
@@ -90,7 +92,7 @@ def train_step(
     ``before_zero_grad()`` runs after the optimizer step while gradients still exist (memory accounting).
     """
     local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-    total = _all_reduce_sum(torch.tensor(float(local_tokens), device=device))
+    total = all_reduce(torch.tensor(float(local_tokens), device=device))
     denominator = total.clamp(min=1.0) / world_size
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
     num_tokens = 0
@@ -105,7 +107,7 @@ def train_step(
                 loss = loss_scaler.scale(loss)
             loss.backward()
         loss_sum += summed.detach().float()
-    loss_sum = _all_reduce_sum(loss_sum)
+    loss_sum = all_reduce(loss_sum)
     mean_loss = (loss_sum / total.clamp(min=1.0)).item()
     if not math.isfinite(mean_loss) and not fp16:
         raise NonFiniteLossError(
@@ -146,5 +148,5 @@ def evaluate(
             tokens += n
     finally:
         model.train(was_training)
-    loss_sum, tokens = _all_reduce_sum(loss_sum), _all_reduce_sum(tokens)
+    loss_sum, tokens = all_reduce(loss_sum), all_reduce(tokens)
     return (loss_sum / tokens.clamp(min=1.0)).item()

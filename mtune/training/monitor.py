@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mtune.training.loop import StepResult
+from mtune.training.loop import StepResult, all_reduce
 from mtune.training.memory_stats import peak_memory_stats
 from mtune.training.metrics import METRICS_FILENAME, StepTimer, build_metric_logger, plot_loss_curve
 from mtune.training.progress import TrainingProgress
@@ -18,16 +18,6 @@ from mtune.training.progress import TrainingProgress
 __all__ = ["TrainingMonitor"]
 
 log = logging.getLogger("mtune")
-
-
-def _all_reduce(value: float, op) -> float:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        t = torch.tensor(float(value), dtype=torch.float64)
-        if torch.distributed.get_backend() == "nccl":
-            t = t.cuda()
-        torch.distributed.all_reduce(t, op=op)
-        return float(t.item())
-    return value
 
 
 class TrainingMonitor:
@@ -53,8 +43,7 @@ class TrainingMonitor:
         self.skipped_steps = 0
 
     def step(self, *, step: int, epoch: int, result: StepResult, lr: float, extra: Mapping[str, Any] | None = None):
-        self.timer.add_tokens(int(_all_reduce(result.num_tokens, torch.distributed.ReduceOp.SUM)
-                                  if self.world_size > 1 else result.num_tokens))
+        self.timer.add_tokens(int(self._reduce(result.num_tokens, torch.distributed.ReduceOp.SUM)))
         if not result.stepped:
             self.skipped_steps += 1
         if step % self.log_every_n_steps and not extra:
@@ -62,7 +51,7 @@ class TrainingMonitor:
             return
         memory = peak_memory_stats(self.device, reset=True)
         if self.world_size > 1:
-            memory = {k: _all_reduce(v, torch.distributed.ReduceOp.MAX) for k, v in memory.items()}
+            memory = {k: self._reduce(v, torch.distributed.ReduceOp.MAX) for k, v in memory.items()}
         metrics = {"step": step, "epoch": epoch, "loss": result.loss, "lr": lr,
                    "trained_tokens": result.trained_tokens, **self.timer.rates(), **memory}
         if result.grad_norm is not None:
@@ -72,6 +61,11 @@ class TrainingMonitor:
         metrics.update(extra or {})
         self.logger.log_dict(metrics, step=step)
         self.progress.update(step, metrics, epoch=epoch)
+
+    def _reduce(self, value: float, op) -> float:
+        if self.world_size == 1:
+            return value
+        return float(all_reduce(torch.tensor(float(value), dtype=torch.float64, device=self.device), op).item())
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Extra values for a step (e.g. ``val_loss``) in their own row."""
