@@ -25,10 +25,10 @@ from mtune.modules.nf4_linear import dequantize  # noqa: E402
 from mtune.training.distributed import (  # noqa: E402
     init_distributed, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
 )
-from mtune.training.distributed_checkpoint import gathered_state_dict_items  # noqa: E402
+from mtune.training.checkpointing.dcp import gathered_state_dict_items  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.model_setup import is_adapter_param, resolve_model_source, setup_model  # noqa: E402
-from mtune.training.optimizers import build_optimizer  # noqa: E402
+from mtune.training.memory.optimizers import build_optimizer  # noqa: E402
 
 LORA = dict(modules=["q_proj", "v_proj", "o_proj"], rank=8, alpha=16)
 

@@ -41,13 +41,13 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-import mtune.training.activation_offloading as offloading  # noqa: E402
+import mtune.training.memory.activation_offloading as offloading  # noqa: E402
 from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
-from mtune.training.memory_stats import MemoryBreakdown, tensor_storage_bytes  # noqa: E402
+from mtune.training.memory.accounting import MemoryBreakdown, tensor_storage_bytes  # noqa: E402
 from mtune.training.model_setup import ModelSource, setup_model  # noqa: E402
-from mtune.training.optimizers import build_optimizer  # noqa: E402
+from mtune.training.memory.optimizers import build_optimizer  # noqa: E402
 
 MODEL = dict(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, intermediate_dim=1408,
              max_seq_len=512)  # every linear's numel is a multiple of 16384, as NF4 needs

@@ -11,8 +11,8 @@ Fitting a full fine-tune is mostly about optimizer state and gradients: see the 
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
-from mtune.training.config_keys import MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
-from mtune.training.validation import TRAINING_RULES
+from mtune.config.keys import MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import TRAINING_RULES
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES], rules=TRAINING_RULES)
 
@@ -23,8 +23,8 @@ def main(cfg: DictConfig) -> None:
     from mtune.tokenizers import load_tokenizer
     from mtune.training.checkpointing.checkpointer import Checkpointer
     from mtune.training.model_setup import memory_flags, resolve_model_source, setup_model
-    from mtune.training.optimizers import build_optimizer
-    from mtune.training.run import setup_run
+    from mtune.training.memory.optimizers import build_optimizer
+    from mtune.training.context import setup_run
     from mtune.training.session import TrainingSession, setup_data
 
     # ---- setup: device and dtype, tokenizer, model with memory techniques, data, optimizer

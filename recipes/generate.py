@@ -23,10 +23,10 @@ from mtune.config import RecipeSchema
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
 from mtune.training.checkpointing.peft import load_peft_adapter, read_adapter_config
-from mtune.training.config_keys import GENERATE_KEYS, MODEL_NODES
+from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
 from mtune.training.model_setup import resolve_model_source, setup_model
-from mtune.training.precision import resolve_dtype
-from mtune.training.run import configure_logging, resolve_device
+from mtune.training.memory.precision import resolve_dtype
+from mtune.training.context import configure_logging, resolve_device
 
 SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS])
 

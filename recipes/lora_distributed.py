@@ -14,7 +14,7 @@ adapter and the merged Hugging Face model.
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
-from mtune.training.config_keys import (
+from mtune.config.keys import (
     DISTRIBUTED_KEYS,
     LORA_KEYS,
     MEMORY_KEYS,
@@ -22,7 +22,7 @@ from mtune.training.config_keys import (
     RUN_KEYS,
     TRAINING_NODES,
 )
-from mtune.training.validation import DISTRIBUTED_RULES
+from mtune.config.rules import DISTRIBUTED_RULES
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS, DISTRIBUTED_KEYS],
                       rules=DISTRIBUTED_RULES)
@@ -36,8 +36,8 @@ def main(cfg: DictConfig) -> None:
     from mtune.training.checkpointing.checkpointer import DistributedCheckpointer
     from mtune.training.distributed import destroy_distributed, init_distributed
     from mtune.training.model_setup import memory_flags, resolve_model_source, setup_sharded_model
-    from mtune.training.optimizers import build_optimizer
-    from mtune.training.run import setup_run
+    from mtune.training.memory.optimizers import build_optimizer
+    from mtune.training.context import setup_run
     from mtune.training.session import TrainingSession, setup_data
 
     # ---- setup: process group, device and dtype, tokenizer, sharded model with adapters, data, optimizer

@@ -12,8 +12,8 @@ model in Hugging Face format.
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
-from mtune.training.config_keys import LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
-from mtune.training.validation import TRAINING_RULES
+from mtune.config.keys import LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import TRAINING_RULES
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS], rules=TRAINING_RULES)
 
@@ -25,8 +25,8 @@ def main(cfg: DictConfig) -> None:
     from mtune.training.checkpointing.checkpointer import Checkpointer
     from mtune.training.checkpointing.peft import load_peft_adapter
     from mtune.training.model_setup import memory_flags, resolve_model_source, setup_model
-    from mtune.training.optimizers import build_optimizer
-    from mtune.training.run import setup_run
+    from mtune.training.memory.optimizers import build_optimizer
+    from mtune.training.context import setup_run
     from mtune.training.session import TrainingSession, setup_data
 
     # ---- setup: device and dtype, tokenizer, model with adapters and memory techniques, data, optimizer

@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 from mtune.config import RecipeSchema
 from mtune.training.checkpointing.merge import save_merged_model
 from mtune.training.checkpointing.peft import read_adapter_config
-from mtune.training.config_keys import MERGE_KEYS
-from mtune.training.run import configure_logging
+from mtune.config.keys import MERGE_KEYS
+from mtune.training.context import configure_logging
 
 SCHEMA = RecipeSchema([MERGE_KEYS])
 

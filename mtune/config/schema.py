@@ -2,7 +2,7 @@
 
 A `Key` is one top-level setting; a `Node` is a mapping (``optimizer``, ``lora``) whose inner keys are checked by
 signature when it has ``_component_``, or by its own `KeyGroup`. Groups are declared once (in
-``mtune/training/config_keys.py``) and composed by each recipe into its `RecipeSchema`.
+``mtune/config/keys.py``) and composed by each recipe into its `RecipeSchema`.
 """
 
 from __future__ import annotations

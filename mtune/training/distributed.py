@@ -14,7 +14,7 @@ recipe follows (no rank ever holds the whole model; one full tensor at a time at
     ... train with mtune.training.loop.train_step(..., world_size=world_size) ...
     save_gathered_hf_checkpoint(model, out_dir, source_dir=...)   # rank 0 writes
 
-Saving (DCP resume state, gathered HF / PEFT export) lives in :mod:`mtune.training.distributed_checkpoint`.
+Saving (DCP resume state, gathered HF / PEFT export) lives in :mod:`mtune.training.checkpointing.dcp`.
 
 A shard of a weight is exactly the rows ``torch.chunk(weight, world_size)[rank]``, the slice FSDP2 itself uses, so
 it can be read straight out of a safetensors file with ``get_slice``. NF4 (QLoRA) weights are different: NF4 stores
@@ -298,7 +298,7 @@ def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 def local_tensor_bytes(model: nn.Module) -> int:
     """Bytes this rank stores for the model's parameters and buffers (NF4 shards counted by their parts)."""
-    from mtune.training.optimizers import _tensor_bytes
+    from mtune.training.memory.optimizers import _tensor_bytes
 
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -2,7 +2,7 @@
 second copy of the model in memory.
 
 Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
-:func:`mtune.training.memory.apply_memory_techniques`) -> ``to_empty`` on the training device -> stream the base
+:func:`mtune.training.memory.apply.apply_memory_techniques`) -> ``to_empty`` on the training device -> stream the base
 weights from the Hugging Face checkpoint (quantizing each frozen NF4 weight as soon as it arrives) or initialise
 randomly -> initialise adapters -> optionally load a saved PEFT adapter.
 """
@@ -23,7 +23,7 @@ from mtune.modules.lora import LoRALinear, freeze_base, reset_lora_parameters
 from mtune.modules.nf4_linear import FrozenNF4Linear, is_nf4, quantize_nf4
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
-from mtune.training.memory import apply_memory_techniques
+from mtune.training.memory.apply import apply_memory_techniques
 
 __all__ = ["ModelSource", "resolve_model_source", "build_model_on_meta", "setup_model", "memory_flags",
            "is_adapter_param"]

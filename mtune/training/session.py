@@ -24,11 +24,11 @@ from torch import nn
 
 from mtune.training.checkpointing.checkpointer import Checkpointer
 from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
-from mtune.training.memory_stats import MemoryBreakdown
-from mtune.training.monitor import TrainingMonitor
-from mtune.training.oom import oom_guard
-from mtune.training.profiler import build_profiler
-from mtune.training.run import Run
+from mtune.training.memory.accounting import MemoryBreakdown
+from mtune.training.observe.monitor import TrainingMonitor
+from mtune.training.memory.oom import oom_guard
+from mtune.training.observe.profiler import build_profiler
+from mtune.training.context import RunContext
 from mtune.training.signals import GracefulStop
 
 __all__ = ["StepPlan", "TrainingSession", "setup_data"]
@@ -94,7 +94,7 @@ class TrainingSession:
         task_eval: a callable ``(model, tokenizer) -> {"exact_match": ..., ...}`` run before and after training.
     """
 
-    def __init__(self, cfg, run: Run, *, model: nn.Module, tokenizer, optimizer, lr_scheduler, loss_fn,
+    def __init__(self, cfg, run: RunContext, *, model: nn.Module, tokenizer, optimizer, lr_scheduler, loss_fn,
                  train_loader, val_loader, plan: StepPlan, checkpointer: Checkpointer, activation_context=None,
                  task_eval=None):
         self.cfg, self.run, self.model, self.tokenizer = cfg, run, model, tokenizer

@@ -18,11 +18,11 @@ from mtune._cli.catalog import builtin_configs, builtin_recipes, load_recipe_mod
 from mtune.config import RecipeSchema, load_config, validate_config
 from mtune.modules.lora import LoRALinear
 from mtune.modules.nf4_linear import FrozenNF4Linear
-from mtune.training.config_keys import (DISTRIBUTED_KEYS, LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS,
+from mtune.config.keys import (DISTRIBUTED_KEYS, LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS,
                                         TRAINING_NODES)
 from mtune.training.model_setup import ModelSource, is_adapter_param, memory_flags, setup_model
 from mtune.models import model_args
-from mtune.training.validation import TRAINING_RULES
+from mtune.config.rules import TRAINING_RULES
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"

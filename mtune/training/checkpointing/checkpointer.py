@@ -152,7 +152,7 @@ class DistributedCheckpointer(Checkpointer):
              dataloader=None, final: bool = False) -> Path:
         import torch.distributed as dist
 
-        from mtune.training.distributed_checkpoint import DISTRIBUTED_STATE_DIRNAME, save_distributed_state
+        from mtune.training.checkpointing.dcp import DISTRIBUTED_STATE_DIRNAME, save_distributed_state
 
         def write_shared(tmp: Path) -> None:
             self._write_model(model, tmp)  # gathers: every rank takes part, rank 0 writes
@@ -179,7 +179,7 @@ class DistributedCheckpointer(Checkpointer):
 
     def _write_model(self, model: nn.Module, tmp: Path) -> None:
         from mtune.training.checkpointing.merge import save_merged_model
-        from mtune.training.distributed_checkpoint import save_gathered_hf_checkpoint
+        from mtune.training.checkpointing.dcp import save_gathered_hf_checkpoint
 
         source = self.base_checkpoint_dir
         if self.lora is None:
@@ -204,7 +204,7 @@ class DistributedCheckpointer(Checkpointer):
 
     def resume(self, path: Path, *, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
                dataloader=None) -> RecipeState:
-        from mtune.training.distributed_checkpoint import DISTRIBUTED_STATE_DIRNAME, load_distributed_state
+        from mtune.training.checkpointing.dcp import DISTRIBUTED_STATE_DIRNAME, load_distributed_state
 
         state = read_checkpoint_state(path)
         check_resume_compatible(state["config"], self.config, checkpoint=path,

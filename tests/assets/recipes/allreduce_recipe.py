@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
-from mtune.training.config_keys import RUN_KEYS
+from mtune.config.keys import RUN_KEYS
 
 SUPPORTS_DISTRIBUTED = True
 SCHEMA = RecipeSchema([RUN_KEYS])

@@ -6,8 +6,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import KeyGroup, Node, RecipeSchema, instantiate
-from mtune.training.config_keys import MEMORY_KEYS, RUN_KEYS
-from mtune.training.validation import TRAINING_RULES
+from mtune.config.keys import MEMORY_KEYS, RUN_KEYS
+from mtune.config.rules import TRAINING_RULES
 
 SCHEMA = RecipeSchema(
     [RUN_KEYS, MEMORY_KEYS, KeyGroup("echo", [Node("component", "any _component_ to build", required=True)])],

@@ -4,14 +4,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from mtune.config import REQUIRED, Key, KeyGroup, Node, RecipeSchema, render_help, render_markdown, validate_config
-from mtune.training.config_keys import (
+from mtune.config.keys import (
     LORA_KEYS,
     MEMORY_KEYS,
     MODEL_NODES,
     RUN_KEYS,
     TRAINING_NODES,
 )
-from mtune.training.validation import TRAINING_RULES
+from mtune.config.rules import TRAINING_RULES
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS], rules=TRAINING_RULES)
 

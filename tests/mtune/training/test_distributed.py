@@ -24,13 +24,13 @@ from mtune.training.checkpointing.hf import _mtune_to_hf
 from mtune.training.distributed import (
     init_weights_sharded, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
 )
-from mtune.training.distributed_checkpoint import (
+from mtune.training.checkpointing.dcp import (
     gathered_peft_adapter_items, gathered_state_dict_items, load_distributed_state, save_distributed_state,
     save_gathered_hf_checkpoint,
 )
 from mtune.training.loop import train_step
 from mtune.training.model_setup import ModelSource, is_adapter_param, resolve_model_source, setup_model
-from mtune.training.optimizers import _tensor_bytes
+from mtune.training.memory.optimizers import _tensor_bytes
 from tests._helpers.distributed import run_on_ranks
 from tests._helpers.models import write_tiny_hf_model
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import NonFiniteLossError, micro_batch_groups, train_step
-from mtune.training.oom import OutOfMemory, memory_advice, oom_guard
+from mtune.training.memory.oom import OutOfMemory, memory_advice, oom_guard
 
 
 class _Tiny(nn.Module):

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from mtune.training.profiler import NullProfiler, build_profiler
+from mtune.training.observe.profiler import NullProfiler, build_profiler
 
 
 def test_disabled_is_a_no_op(tmp_path):
@@ -16,7 +16,7 @@ def test_disabled_is_a_no_op(tmp_path):
 
 
 def test_traces_the_active_steps(tmp_path):
-    node = {"_component_": "mtune.training.profiler.setup_torch_profiler", "enabled": True, "wait_steps": 1,
+    node = {"_component_": "mtune.training.observe.profiler.setup_torch_profiler", "enabled": True, "wait_steps": 1,
             "warmup_steps": 1, "active_steps": 2, "num_cycles": 1}
     x = torch.randn(32, 32)
     with build_profiler(node, output_dir=tmp_path) as profiler:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from mtune.training.metrics import (
+from mtune.training.observe.metric_logging import (
     JsonlLogger,
     MetricLogger,
     MultiLogger,
@@ -13,7 +13,7 @@ from mtune.training.metrics import (
     StepTimer,
     build_metric_logger,
 )
-from mtune.training.progress import TrainingProgress, format_metrics
+from mtune.training.observe.progress import TrainingProgress, format_metrics
 
 ROWS = [
     {"epoch": 0, "loss": 2.5, "lr": 1e-4, "grad_norm": 1.25, "tokens_per_second": 1000.0,
@@ -54,7 +54,7 @@ def test_tensor_values_become_numbers(tmp_path):
 
 
 def test_non_zero_rank_writes_nothing(tmp_path):
-    logger = build_metric_logger({"_component_": "mtune.training.metrics.TensorBoardLogger"},
+    logger = build_metric_logger({"_component_": "mtune.training.observe.metric_logging.TensorBoardLogger"},
                                  output_dir=tmp_path, rank=1, world_size=2)
     assert isinstance(logger, NullLogger)
     _log_rows(logger)
@@ -69,7 +69,7 @@ def test_bad_component_is_one_clear_error(tmp_path):
 
 def test_tensorboard_events_readable(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    logger = build_metric_logger({"_component_": "mtune.training.metrics.TensorBoardLogger"}, output_dir=tmp_path)
+    logger = build_metric_logger({"_component_": "mtune.training.observe.metric_logging.TensorBoardLogger"}, output_dir=tmp_path)
     assert isinstance(logger, MultiLogger)
     _log_rows(logger)
     logger.close()
@@ -86,7 +86,7 @@ def test_wandb_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = build_metric_logger({"_component_": "mtune.training.metrics.WandBLogger", "project": "mtune-test"},
+    logger = build_metric_logger({"_component_": "mtune.training.observe.metric_logging.WandBLogger", "project": "mtune-test"},
                                  output_dir=tmp_path)
     wandb_logger = logger.loggers[1]
     _log_rows(logger)

@@ -8,9 +8,9 @@ import torch
 
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.training.activation_checkpointing import apply_activation_checkpointing
-from mtune.training.activation_offloading import OffloadActivations, apply_activation_offloading
-from mtune.training.memory import apply_memory_techniques
+from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
+from mtune.training.memory.apply import apply_memory_techniques
 
 gen = torch.Generator().manual_seed(7)
 TOKENS = torch.randint(0, 512, (2, 64), generator=gen)

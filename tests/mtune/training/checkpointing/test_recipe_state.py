@@ -117,7 +117,7 @@ SAVED = {
 
 def test_changes_that_do_not_alter_training_may_resume():
     cfg = dict(SAVED, epochs=3, max_steps_per_epoch=50, log_every_n_steps=5, save_every_n_steps=2,
-               output_dir="/elsewhere", metric_logger={"_component_": "mtune.training.metrics.TensorBoardLogger"},
+               output_dir="/elsewhere", metric_logger={"_component_": "mtune.training.observe.metric_logging.TensorBoardLogger"},
                profiler={"enabled": True}, enable_activation_checkpointing=True, resume_from_checkpoint=True)
     check_resume_compatible(SAVED, cfg)
     assert not set(MUST_MATCH_ON_RESUME) & set(MAY_CHANGE_ON_RESUME)

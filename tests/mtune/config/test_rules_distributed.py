@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from mtune.training.validation import DISTRIBUTED_RULES
+from mtune.config.rules import DISTRIBUTED_RULES
 
 
 def problems(**cfg):
@@ -34,7 +34,7 @@ def test_backend_names():
 
 
 def test_adapter_start_is_refused_in_distributed_recipes():
-    from mtune.training.validation import check_distributed_adapter_start
+    from mtune.config.rules import check_distributed_adapter_start
 
     assert check_distributed_adapter_start(OmegaConf.create({"lora": {"adapter_dir": None}})) == []
     assert "lora.adapter_dir is not supported by the distributed recipes" in check_distributed_adapter_start(

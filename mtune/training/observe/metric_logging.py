@@ -231,7 +231,7 @@ def build_metric_logger(node: Mapping[str, Any] | None, *, output_dir: str | os.
         kwargs = {str(k): v for k, v in dict(node).items()}
         target = kwargs.pop("_component_", None)
         if target is None:
-            raise ValueError("metric_logger needs a _component_, e.g. mtune.training.metrics.TensorBoardLogger")
+            raise ValueError("metric_logger needs a _component_, e.g. mtune.training.observe.metric_logging.TensorBoardLogger")
         component = _import_component(str(target)) if isinstance(target, str) else target
         if component not in (JsonlLogger, NullLogger):
             kwargs.setdefault("output_dir", str(output_dir))

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from mtune.training import optimizers as optim_mod
-from mtune.training.optimizers import OptimizerInBackward, build_optimizer, optimizer_state_bytes
+from mtune.training.memory import optimizers as optim_mod
+from mtune.training.memory.optimizers import OptimizerInBackward, build_optimizer, optimizer_state_bytes
 
 LR = 1e-3
 gen = torch.Generator().manual_seed(8)
@@ -72,7 +72,7 @@ def test_adamw4bit_state_and_falling_loss(adamw):
 def test_paged_optimizer_runs_unpaged_on_cpu_and_says_so(adamw, caplog, monkeypatch):
     monkeypatch.setattr(optim_mod, "_warned_paging", False)
     reference, _, _ = adamw
-    with caplog.at_level(logging.WARNING, logger="mtune.training.optimizers"):
+    with caplog.at_level(logging.WARNING, logger="mtune.training.memory.optimizers"):
         model, _, _ = _train("bitsandbytes.optim.PagedAdamW")
         _train("bitsandbytes.optim.PagedAdamW8bit", steps=1)
     assert sum("paging needs CUDA" in r.message for r in caplog.records) == 1  # once per process

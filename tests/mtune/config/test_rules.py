@@ -5,7 +5,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from mtune.training.validation import MEMORY_RULES
+from mtune.config.rules import MEMORY_RULES
 
 
 def problems(**cfg):

@@ -107,7 +107,7 @@ def build_profiler(node: Mapping[str, Any] | None, *, output_dir: str | os.PathL
         return NullProfiler()
     kwargs = {str(k): v for k, v in dict(node).items()}
     component = kwargs.pop("_component_", None)
-    if component not in (None, "mtune.training.profiler.setup_torch_profiler", setup_torch_profiler):
-        raise ValueError(f"profiler._component_ must be mtune.training.profiler.setup_torch_profiler, got {component}")
+    if component not in (None, "mtune.training.observe.profiler.setup_torch_profiler", setup_torch_profiler):
+        raise ValueError(f"profiler._component_ must be mtune.training.observe.profiler.setup_torch_profiler, got {component}")
     trace_dir = kwargs.pop("output_dir", None) or Path(output_dir) / "profiler"
     return setup_torch_profiler(output_dir=trace_dir, rank=rank, **kwargs)

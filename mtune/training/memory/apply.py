@@ -20,8 +20,8 @@ from typing import Any
 from torch import nn
 
 from mtune.modules.lora import apply_lora
-from mtune.training.activation_checkpointing import apply_activation_checkpointing
-from mtune.training.activation_offloading import OffloadActivations, apply_activation_offloading
+from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
 
 __all__ = ["apply_memory_techniques"]
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from mtune.training.loop import StepResult, all_reduce
-from mtune.training.memory_stats import peak_memory_stats
-from mtune.training.metrics import METRICS_FILENAME, StepTimer, build_metric_logger, plot_loss_curve
-from mtune.training.progress import TrainingProgress
+from mtune.training.memory.accounting import peak_memory_stats
+from mtune.training.observe.metric_logging import METRICS_FILENAME, StepTimer, build_metric_logger, plot_loss_curve
+from mtune.training.observe.progress import TrainingProgress
 
 __all__ = ["TrainingMonitor"]
 

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import torch
 
-from mtune.training.precision import LossScaler, autocast, resolve_dtype, storage_dtype
+from mtune.training.memory.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 from mtune.training.rng import set_seed
 
-__all__ = ["Run", "setup_run", "resolve_device", "configure_logging"]
+__all__ = ["RunContext", "setup_run", "resolve_device", "configure_logging"]
 
 log = logging.getLogger("mtune")
 
 
 @dataclass
-class Run:
+class RunContext:
     """The settings of one process of a run, derived once from the config.
 
     Attributes:
@@ -80,7 +80,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def setup_run(cfg, rank: int = 0, world_size: int = 1) -> Run:
+def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
     """Configure logging, resolve device and dtype (one clear error when the device cannot do it), seed every RNG
     and create ``output_dir``."""
     configure_logging(rank)
@@ -94,7 +94,7 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> Run:
     set_seed(seed)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    run = Run(device=device, dtype_name=dtype_name, dtype=storage_dtype(dtype_name), output_dir=output_dir,
+    run = RunContext(device=device, dtype_name=dtype_name, dtype=storage_dtype(dtype_name), output_dir=output_dir,
               seed=seed, rank=rank, world_size=world_size)
     log.info("device %s, dtype %s, seed %d, output_dir %s", device, dtype_name, seed, output_dir)
     return run

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from mtune.training.memory_stats import MemoryBreakdown, peak_memory_stats, tensor_storage_bytes
-from mtune.training.metrics import JsonlLogger, plot_loss_curve
+from mtune.training.memory.accounting import MemoryBreakdown, peak_memory_stats, tensor_storage_bytes
+from mtune.training.observe.metric_logging import JsonlLogger, plot_loss_curve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
