@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mtune.modules.loss import CrossEntropyLoss  # noqa: E402
 from mtune.modules.nf4_linear import dequantize  # noqa: E402
-from mtune.training.distributed import (  # noqa: E402
-    init_distributed, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
-)
+from mtune.modules.lora import is_adapter_param  # noqa: E402
+from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded  # noqa: E402
+from mtune.training.distributed import init_distributed, shard_model  # noqa: E402
 from mtune.training.checkpointing.dcp import gathered_state_dict_items  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
-from mtune.training.model_setup import is_adapter_param, resolve_model_source, setup_model  # noqa: E402
+from mtune.training.model_setup import reset_adapters_sharded, resolve_model_source, setup_model  # noqa: E402
 from mtune.training.memory.optimizers import build_optimizer  # noqa: E402
 
 LORA = dict(modules=["q_proj", "v_proj", "o_proj"], rank=8, alpha=16)

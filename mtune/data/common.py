@@ -11,7 +11,7 @@ import torch
 IGNORE_INDEX = -100
 """Label of positions that are not trained on (prompt tokens, padding, the last token of a document)."""
 
-log = logging.getLogger("mtune.data")
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):

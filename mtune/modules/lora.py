@@ -25,7 +25,7 @@ On a model with real weights `apply_lora` does the reset itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -42,11 +42,22 @@ __all__ = [
     "load_peft_adapter_state_dict",
     "adapter_config",
     "merge_lora_weights",
+    "merge_adapter",
+    "peft_key",
+    "is_adapter_param",
+    "has_nf4_weight",
+    "ADAPTER_PARAM_NAMES",
     "LORA_TARGETS",
 ]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 ADAPTER_PARAM_NAMES = ("lora_a.weight", "lora_b.weight", "magnitude")
+"""Name suffixes of adapter parameters (LoRA A/B, DoRA magnitude): trainable, and absent from base checkpoints."""
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether the parameter ``name`` belongs to an adapter (and so is not in a base checkpoint)."""
+    return name.endswith(ADAPTER_PARAM_NAMES)
 
 
 class LoRALinear(nn.Linear):
@@ -91,15 +102,27 @@ class LoRALinear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, **kwargs) -> "LoRALinear":
         return cls(linear.weight, linear.bias, **kwargs)
 
+    @staticmethod
+    def adapter_initializers() -> list[tuple[str, Callable[[torch.Tensor], object]]]:
+        """``(parameter name, fill)`` of the adapter matrices, in the order :meth:`reset_adapter` draws them from
+        torch's RNG: A Kaiming-uniform (PEFT's default), B zeros. ``fill(t)`` fills a full-shape tensor in place."""
+        return [("lora_a.weight", lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5))),
+                ("lora_b.weight", nn.init.zeros_)]
+
+    @staticmethod
+    def row_norms(weight: torch.Tensor) -> torch.Tensor:
+        """||W||_row in fp32 for a plain or NF4 weight [out, in]: the starting DoRA magnitude."""
+        return torch.linalg.norm(dequantize(weight).float(), dim=1)
+
     @torch.no_grad()
     def reset_adapter(self) -> None:
-        """A: Kaiming-uniform, B: zeros (PEFT's default); quantizes the base if asked; magnitude = ||W||_row."""
-        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b.weight)
+        """A, B by :meth:`adapter_initializers`; quantizes the base if asked; magnitude = ||W||_row."""
+        for name, fill in self.adapter_initializers():
+            fill(self.get_parameter(name))
         if self.quantize_base and not is_nf4(self.weight):
             self.weight = quantize_nf4(self.weight)
         if self.magnitude is not None:
-            self.magnitude.copy_(torch.linalg.norm(dequantize(self.weight).float(), dim=1))
+            self.magnitude.copy_(self.row_norms(self.weight))
 
     def _weight_norm(self, weight: torch.Tensor) -> torch.Tensor:
         delta = self.lora_b.weight @ self.lora_a.weight
@@ -122,18 +145,41 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + s B A (LoRA) or m * (W + s B A) / ||W + s B A||_row (DoRA), in the base dtype."""
-        weight = dequantize(self.weight)
-        merged = weight.float() + self.scaling * (self.lora_b.weight.float() @ self.lora_a.weight.float())
-        if self.magnitude is not None:
-            merged = merged * (self.magnitude.float() / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
-        return merged.to(weight.dtype)
+        """This layer's base weight with the adapter folded in (:func:`merge_adapter`), in the base dtype."""
+        return merge_adapter(dequantize(self.weight), self.lora_a.weight, self.lora_b.weight, self.scaling,
+                             self.magnitude)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
             f"alpha={self.alpha}, dora={self.use_dora}, nf4={is_nf4(self.weight)}"
         )
+
+
+def has_nf4_weight(module: nn.Module) -> bool:
+    """Whether ``module.weight`` is stored as NF4 once loaded: a `FrozenNF4Linear`, or a QLoRA `LoRALinear`."""
+    return isinstance(module, FrozenNF4Linear) or (isinstance(module, LoRALinear) and module.quantize_base)
+
+
+@torch.no_grad()
+def merge_adapter(
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    magnitude: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The merged weight [out, in]: W + s B A (LoRA) or m * (W + s B A) / ||W + s B A||_row (DoRA, PEFT's merge).
+
+    Computed in fp32 on ``weight``'s device and returned in ``dtype`` (default: ``weight``'s dtype). ``lora_a`` is
+    [rank, in], ``lora_b`` [out, rank], ``magnitude`` [out]; they may live on another device.
+    """
+    device = weight.device
+    merged = weight.float() + scaling * (lora_b.to(device).float() @ lora_a.to(device).float())
+    if magnitude is not None:
+        merged = merged * (magnitude.to(device).float() / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+    return merged.to(dtype or weight.dtype)
 
 
 def _is_tied_lm_head(model: nn.Module) -> bool:
@@ -210,7 +256,9 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 _TO_PEFT = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
 
 
-def _peft_key(key: str) -> str:
+def peft_key(key: str) -> str:
+    """mtune's adapter key -> PEFT's (``layers.0.self_attn.q_proj.lora_a.weight`` ->
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)."""
     module, _, _ = key.rpartition(".lora_") if ".lora_" in key else key.rpartition(".magnitude")
     suffix = key[len(module) + 1 :]
     prefix = "base_model.model." if module.startswith("lm_head") else "base_model.model.model."
@@ -220,7 +268,7 @@ def _peft_key(key: str) -> str:
 def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter with PEFT's key names, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
     ready for `adapter_model.safetensors`."""
-    return {_peft_key(k): v for k, v in lora_state_dict(model).items()}
+    return {peft_key(k): v for k, v in lora_state_dict(model).items()}
 
 
 def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
@@ -229,7 +277,7 @@ def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.T
     Full base-layer copies that PEFT adds when lm_head is targeted (`...lm_head.base_layer.weight`) are ignored:
     the base weights come from the base model."""
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(".base_layer.weight")}
-    by_peft_name = {_peft_key(k): k for k in lora_state_dict(model)}
+    by_peft_name = {peft_key(k): k for k in lora_state_dict(model)}
     missing = set(by_peft_name) - set(state_dict)
     unexpected = set(state_dict) - set(by_peft_name)
     if missing or unexpected:

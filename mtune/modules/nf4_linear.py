@@ -4,7 +4,8 @@ torchao's `NF4Tensor` stores a weight in 4-bit codes with one scale per 64 value
 to 8 bits per 256), about 0.26x the bytes of bf16. The forward dequantizes to the weight's original dtype and runs a
 normal matmul, so compute happens in the model dtype. NF4 weights are frozen: they never receive gradients.
 
-torchao needs each weight's element count divisible by 16384 (see CONVENTIONS.md); tiny test models are sized for it.
+torchao needs each weight's element count divisible by 16384 (`quantize_nf4` says so when it is not); the tiny test
+models are sized for it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Module names are Hugging Face's (``embed_tokens``, ``layers[i].self_attn.q_proj`
 map by stripping ``model.`` and adapters target modules by their HF names.
 """
 
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -111,16 +113,27 @@ class TransformerDecoder(nn.Module):
         if self.args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def initializers(self, std: float = 0.02) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
+        """``(parameter name, fill)`` for every parameter, in the order :meth:`init_weights` draws from torch's RNG:
+        normal(0, std) for linear and embedding weights (adapters' included), zeros for biases, ones for norms.
+        ``fill(t)`` fills a tensor of the parameter's full shape in place. A tied ``lm_head.weight`` is listed again
+        (it is drawn twice). The sharded setup fills full tensors with these and keeps each rank's rows, so a sharded
+        model starts from the same values as a single-device one."""
+        normal = functools.partial(nn.init.normal_, std=std)
+        for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                yield f"{prefix}weight", normal
+                if getattr(module, "bias", None) is not None:
+                    yield f"{prefix}bias", nn.init.zeros_
+            elif isinstance(module, RMSNorm):
+                yield f"{prefix}weight", nn.init.ones_
+
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Random initialisation (normal(0, std) weights, zero biases, unit norms), e.g. after ``to_empty``."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+        """Random initialisation by :meth:`initializers`, e.g. after ``to_empty``."""
+        for name, fill in self.initializers(std):
+            fill(self.get_parameter(name))
         self.tie_weights()
 
     # ----------------------------------------------------------------- caches

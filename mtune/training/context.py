@@ -15,7 +15,7 @@ from mtune.training.rng import set_seed
 
 __all__ = ["RunContext", "setup_run", "resolve_device", "configure_logging"]
 
-log = logging.getLogger("mtune")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -18,17 +18,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtune.models import model_args
-from mtune.modules.lora import LoRALinear, freeze_base, reset_lora_parameters
-from mtune.modules.nf4_linear import FrozenNF4Linear, is_nf4, quantize_nf4
+from torch.distributed.tensor import DTensor
+
+from mtune.models import build_model_from_args, model_args
+from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
+from mtune.modules.nf4_linear import is_nf4, quantize_nf4
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
+from mtune.training.checkpointing.sharded import (
+    as_param_like,
+    assign_tensors,
+    load_hf_checkpoint_sharded,
+    local_rows,
+)
+from mtune.training.distributed import shard_model
 from mtune.training.memory.apply import apply_memory_techniques
 
-__all__ = ["ModelSource", "resolve_model_source", "build_model_on_meta", "setup_model", "memory_flags",
-           "is_adapter_param"]
+__all__ = ["ModelSource", "resolve_model_source", "setup_model", "memory_flags", "setup_sharded_model",
+           "init_weights_sharded", "reset_adapters_sharded"]
 
-log = logging.getLogger("mtune")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,22 +73,9 @@ def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
     raise ValueError("model: set checkpoint_dir (a Hugging Face model directory) or family + size")
 
 
-def is_adapter_param(name: str) -> bool:
-    """Adapter parameters (LoRA A/B, DoRA magnitude) are not part of a base checkpoint."""
-    return name.endswith(("lora_a.weight", "lora_b.weight", "magnitude"))
-
-
-def build_model_on_meta(source: ModelSource, dtype: torch.dtype) -> TransformerDecoder:
-    with torch.device("meta"):
-        model = TransformerDecoder(source.args)
-    return model.to(dtype)
-
-
 def _quantize_when_loaded(module: nn.Module) -> None:
     # Quantize each frozen base weight as soon as its tensor arrives: QLoRA never holds the whole model in bf16.
-    if isinstance(module, FrozenNF4Linear):
-        module.quantize_()
-    elif isinstance(module, LoRALinear) and module.quantize_base and not is_nf4(module.weight):
+    if has_nf4_weight(module) and not is_nf4(module.weight) and not module.weight.is_meta:
         module.weight = quantize_nf4(module.weight)
 
 
@@ -113,7 +109,7 @@ def setup_model(
     ``lora`` is the config's ``lora`` node (None for a full fine-tune). With ``materialize=False`` the model stays
     on the meta device (planning, or FSDP sharding before the weights are loaded).
     """
-    model = build_model_on_meta(source, dtype)
+    model = build_model_from_args(source.args, dtype=dtype)  # on the meta device
     offload = apply_memory_techniques(
         model,
         lora=lora,
@@ -177,23 +173,63 @@ def setup_sharded_model(
     """:func:`setup_model` for FSDP2: build on meta, apply the memory techniques, shard every block and the root,
     then load each rank's rows of the checkpoint (or random weights) and initialise the adapters. No rank holds
     the full model; see :mod:`mtune.training.distributed`. Returns ``(model, activation_context)``."""
-    from mtune.training.distributed import (
-        init_weights_sharded,
-        load_hf_checkpoint_sharded,
-        reset_adapters_sharded,
-        shard_model,
-    )
-
     model, offload = setup_model(source, device=device, dtype=dtype, lora=lora, materialize=False, **memory)
     shard_model(model, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    # Every rank draws the same full tensors from the same RNG stream, then keeps its rows; the draws are those of
+    # setup_model on one device (base weights, then adapters), so the values do not depend on the ranks.
+    torch.manual_seed(seed)
     if source.checkpoint_dir is not None:
         load_hf_checkpoint_sharded(model, source.checkpoint_dir, dtype=dtype, device=device,
                                    not_in_checkpoint=is_adapter_param)
         log.info("model: loaded %s, sharded", source.checkpoint_dir)
     else:
-        torch.manual_seed(seed)  # every rank draws the same full tensors, then keeps its rows
         init_weights_sharded(model, device)
     if lora is not None:
-        torch.manual_seed(seed)  # the same adapter initialisation on every rank
         reset_adapters_sharded(model)
     return model, offload
+
+
+@torch.no_grad()
+def init_weights_sharded(model: TransformerDecoder, device: torch.device | str) -> nn.Module:
+    """Random weights for a sharded meta model, by the model's own :meth:`~TransformerDecoder.initializers`: each
+    full tensor is filled on every rank from the same RNG state (call ``torch.manual_seed`` first) and each rank
+    keeps its rows, so the values equal :meth:`~TransformerDecoder.init_weights` on one device whatever the number
+    of ranks. NF4 weights are quantized whole before they are split. Adapters are drawn (as on one device) but left
+    for :func:`reset_adapters_sharded`."""
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens: it is kept once
+    tensors = {}
+    for name, fill in model.initializers():
+        param = model.get_parameter(name)
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        fill(full)  # every draw init_weights makes (adapters, a tied lm_head again): the RNG stream of one device
+        if name not in params or is_adapter_param(name):
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        if leaf == "weight" and has_nf4_weight(model.get_submodule(module_name)):
+            full = quantize_nf4(full).data
+        tensors[name] = as_param_like(local_rows(full, param), param)
+    assign_tensors(model, tensors)
+    return model
+
+
+@torch.no_grad()
+def reset_adapters_sharded(model: nn.Module) -> None:
+    """Initialise every LoRA / DoRA adapter of a sharded model as :meth:`LoRALinear.reset_adapter` does on one
+    device (its :meth:`~LoRALinear.adapter_initializers` fill full tensors in module order, each rank keeps its
+    rows; DoRA magnitudes are the row norms of the rank's own rows of the base weight), whatever the number of
+    ranks. Call after the base weights are loaded, with the same RNG state on every rank; freezes the base."""
+    tensors = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        local_weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
+        for leaf, fill in module.adapter_initializers():
+            param = module.get_parameter(leaf)
+            full = torch.empty(param.shape, dtype=param.dtype, device=local_weight.device)
+            fill(full)
+            tensors[f"{name}.{leaf}"] = as_param_like(local_rows(full, param), param)
+        if module.magnitude is not None:
+            norms = module.row_norms(local_weight).to(module.magnitude.dtype)
+            tensors[f"{name}.magnitude"] = as_param_like(norms, module.magnitude)
+    assign_tensors(model, tensors)
+    freeze_base(model)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtune.config import instantiate
+from mtune.data import build_dataloader
 from mtune.training.checkpointing.checkpointer import Checkpointer
 from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.memory.accounting import MemoryBreakdown
@@ -33,7 +35,7 @@ from mtune.training.signals import GracefulStop
 
 __all__ = ["StepPlan", "TrainingSession", "setup_data"]
 
-log = logging.getLogger("mtune")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,6 @@ class StepPlan:
 
 def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
     """``(train_loader, val_loader or None, plan)`` from the config's ``dataset`` / ``dataset_val`` nodes."""
-    from mtune.config import instantiate
-    from mtune.data import build_dataloader
-
     train_loader = build_dataloader(instantiate(cfg.dataset, tokenizer=tokenizer), cfg.batch_size, seed=cfg.seed,
                                     rank=rank, world_size=world_size)
     val_loader = None

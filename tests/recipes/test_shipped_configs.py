@@ -20,7 +20,8 @@ from mtune.modules.lora import LoRALinear
 from mtune.modules.nf4_linear import FrozenNF4Linear
 from mtune.config.keys import (DISTRIBUTED_KEYS, LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS,
                                         TRAINING_NODES)
-from mtune.training.model_setup import ModelSource, is_adapter_param, memory_flags, setup_model
+from mtune.modules.lora import is_adapter_param
+from mtune.training.model_setup import ModelSource, memory_flags, setup_model
 from mtune.models import model_args
 from mtune.config.rules import TRAINING_RULES
 

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import mtune
+
 __all__ = [
     "CheckpointWriter",
     "find_latest_checkpoint",
@@ -185,11 +187,7 @@ class CheckpointWriter:
             raise ValueError(f"keep_last_n_checkpoints must be >= 1 or null, got {keep_last_n_checkpoints}")
         self.output_dir = Path(output_dir)
         self.keep_last_n_checkpoints = keep_last_n_checkpoints
-        if mtune_version is None:
-            import mtune
-
-            mtune_version = mtune.__version__
-        self.mtune_version = mtune_version
+        self.mtune_version = mtune_version if mtune_version is not None else mtune.__version__
 
     def save(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
              write_fn: Callable[[Path], None], final: bool = False, world_size: int = 1) -> Path:

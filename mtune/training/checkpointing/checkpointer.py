@@ -19,12 +19,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from mtune.modules.lora import merge_lora_weights
 from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter, find_latest_checkpoint, read_checkpoint_state
+from mtune.training.checkpointing.dcp import (
+    DISTRIBUTED_STATE_DIRNAME,
+    load_distributed_state,
+    save_distributed_state,
+    save_gathered_hf_checkpoint,
+)
 from mtune.training.checkpointing.hf import load_hf_checkpoint, save_hf_checkpoint
-from mtune.training.checkpointing.merge import merged_hf_weights
+from mtune.training.checkpointing.merge import merged_hf_weights, save_merged_model
 from mtune.training.checkpointing.peft import load_peft_adapter, save_peft_adapter
 from mtune.training.checkpointing.recipe_state import (
     RecipeState,
@@ -33,9 +40,9 @@ from mtune.training.checkpointing.recipe_state import (
     save_recipe_state,
 )
 
-__all__ = ["Checkpointer", "MODEL_SUBDIR", "ADAPTER_SUBDIR"]
+__all__ = ["Checkpointer", "DistributedCheckpointer", "MODEL_SUBDIR", "ADAPTER_SUBDIR"]
 
-log = logging.getLogger("mtune")
+log = logging.getLogger(__name__)
 
 MODEL_SUBDIR = "model"
 ADAPTER_SUBDIR = "adapter"
@@ -150,10 +157,6 @@ class DistributedCheckpointer(Checkpointer):
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
              dataloader=None, final: bool = False) -> Path:
-        import torch.distributed as dist
-
-        from mtune.training.checkpointing.dcp import DISTRIBUTED_STATE_DIRNAME, save_distributed_state
-
         def write_shared(tmp: Path) -> None:
             self._write_model(model, tmp)  # gathers: every rank takes part, rank 0 writes
             save_distributed_state(tmp / DISTRIBUTED_STATE_DIRNAME, model, optimizer, adapter_only=self.lora is not None)
@@ -178,9 +181,6 @@ class DistributedCheckpointer(Checkpointer):
         return path
 
     def _write_model(self, model: nn.Module, tmp: Path) -> None:
-        from mtune.training.checkpointing.merge import save_merged_model
-        from mtune.training.checkpointing.dcp import save_gathered_hf_checkpoint
-
         source = self.base_checkpoint_dir
         if self.lora is None:
             save_gathered_hf_checkpoint(model, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size="1GB")
@@ -196,16 +196,12 @@ class DistributedCheckpointer(Checkpointer):
         save_merged_model(source, tmp / ADAPTER_SUBDIR, tmp / MODEL_SUBDIR, max_shard_size="1GB")
 
     def find(self, resume_from: bool | str) -> Path | None:
-        import torch.distributed as dist
-
         found = [super().find(resume_from) if self.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)  # rank 0 cleans half-written dirs and decides for every rank
         return found[0]
 
     def resume(self, path: Path, *, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
                dataloader=None) -> RecipeState:
-        from mtune.training.checkpointing.dcp import DISTRIBUTED_STATE_DIRNAME, load_distributed_state
-
         state = read_checkpoint_state(path)
         check_resume_compatible(state["config"], self.config, checkpoint=path,
                                 saved_world_size=state.get("world_size", 1), world_size=self.world_size)

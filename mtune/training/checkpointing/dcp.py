@@ -19,15 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from mtune.modules.lora import ADAPTER_PARAM_NAMES, _peft_key
+from mtune.modules.lora import is_adapter_param, peft_key
 from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import save_hf_checkpoint
-from mtune.training.distributed import is_rank_zero
+from mtune.training.memory.optimizers import inner_optimizers
 
 __all__ = [
     "save_distributed_state",
@@ -42,11 +43,8 @@ DISTRIBUTED_STATE_DIRNAME = "distributed_state"
 """Suggested sub-directory of ``step_<N>/`` for this state (next to ``recipe_state.pt``)."""
 
 
-def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    inner = getattr(optimizer, "optimizers", None)  # OptimizerInBackward: one optimizer per parameter
-    return list(inner.values()) if isinstance(inner, dict) else [optimizer]
+def _is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _options(adapter_only: bool, strict: bool = True) -> StateDictOptions:
@@ -66,7 +64,7 @@ def save_distributed_state(
     :class:`~mtune.training.memory.optimizers.OptimizerInBackward` (its per-parameter optimizers are saved) or None.
     """
     path = Path(checkpoint_dir)
-    optimizers = _optimizers(optimizer)
+    optimizers = inner_optimizers(optimizer)
     model_state, optim_state = get_state_dict(model, optimizers, options=_options(adapter_only))
     state = {"model": model_state}
     if optimizers:
@@ -88,7 +86,7 @@ def load_distributed_state(
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path}: no distributed checkpoint there (.metadata missing); point "
                                 "resume_from_checkpoint at a step_<N> directory of a distributed run")
-    optimizers = _optimizers(optimizer)
+    optimizers = inner_optimizers(optimizer)
     options = _options(adapter_only)
     model_state, optim_state = get_state_dict(model, optimizers, options=options)
     state = {"model": model_state}
@@ -118,9 +116,9 @@ def gathered_state_dict_items(model: nn.Module, adapter_only: bool = False) -> I
     writing rank holds one full tensor at a time (plus what its consumer keeps). NF4 weights are yielded
     dequantized, in their original dtype. ``adapter_only`` yields only the LoRA / DoRA parameters.
     """
-    rank0 = is_rank_zero()
+    rank0 = _is_rank_zero()
     for name, tensor in model.state_dict().items():
-        if adapter_only and not name.endswith(ADAPTER_PARAM_NAMES):
+        if adapter_only and not is_adapter_param(name):
             continue
         full = _gather(tensor)
         if rank0:
@@ -132,7 +130,7 @@ def gathered_peft_adapter_items(model: nn.Module) -> Iterator[tuple[str, torch.T
     """:func:`mtune.modules.lora.peft_adapter_state_dict` for a sharded model: PEFT-named full adapter tensors,
     yielded on rank 0 (all ranks must iterate). ``dict(...)`` of it is small: adapters only."""
     for name, tensor in gathered_state_dict_items(model, adapter_only=True):
-        yield _peft_key(name), tensor
+        yield peft_key(name), tensor
 
 
 def save_gathered_hf_checkpoint(
@@ -151,7 +149,7 @@ def save_gathered_hf_checkpoint(
     items = gathered_state_dict_items(model)
     if dtype is not None:
         items = ((n, t.to(dtype)) for n, t in items)
-    if not is_rank_zero():
+    if not _is_rank_zero():
         for _ in items:  # runs the all-gathers; nothing is yielded here
             pass
         return None

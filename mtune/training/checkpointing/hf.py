@@ -18,6 +18,7 @@ from torch import nn
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
+from mtune.training.checkpointing._shard_writer import ShardWriter, parse_size
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -35,11 +36,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _hf_to_mtune(key: str) -> str:
-    return key.removeprefix("model.")
+def mtune_name(hf_key: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.self_attn.q_proj.weight``."""
+    return hf_key.removeprefix("model.")
 
 
-def _mtune_to_hf(name: str) -> str:
+def hf_key(name: str) -> str:
+    """mtune's parameter name -> the Hugging Face checkpoint key (``lm_head.`` and ``model.`` names unchanged)."""
     return name if name.startswith(("lm_head.", "model.")) else f"model.{name}"
 
 
@@ -99,7 +102,8 @@ def weight_files(checkpoint_dir: str | os.PathLike) -> dict[Path, list[str] | No
     raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_NAME} (only safetensors checkpoints are supported)")
 
 
-def _open(path: Path):
+def open_safetensors(path: Path):
+    """``safe_open`` a file for reading on CPU; a truncated or corrupt file raises :class:`CheckpointError`."""
     from safetensors import safe_open
 
     try:
@@ -108,13 +112,55 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
 
 
-def _expected(model: nn.Module) -> dict[str, torch.Tensor]:
+def checkpoint_keys(checkpoint_dir: str | os.PathLike) -> dict[Path, list[str]]:
+    """Every safetensors file of a checkpoint with its HF keys (from the index, or the single file's header)."""
+    listed = {}
+    for path, keys in weight_files(checkpoint_dir).items():
+        if keys is None:
+            with open_safetensors(path) as f:
+                keys = list(f.keys())
+        listed[path] = keys
+    return listed
+
+
+def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name; a tied lm_head appears once, as embed_tokens."""
     expected = dict(model.named_parameters())
     expected.update((k, v) for k, v in model.state_dict(keep_vars=True).items() if k not in expected)
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         expected.pop("lm_head.weight", None)
     return expected
+
+
+def locate_tensors(
+    model: nn.Module, checkpoint_dir: str | os.PathLike, not_in_checkpoint: Callable[[str], bool] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[Path, list[tuple[str, str]]]]:
+    """Match a checkpoint's keys to the model's tensors before anything is read.
+
+    Returns ``(expected, by_file)``: the model's tensors by mtune name (:func:`expected_tensors`, minus those
+    ``not_in_checkpoint(name)`` marks, e.g. LoRA adapters) and, per safetensors file, its ``(mtune name, hf key)``
+    pairs. Missing or unexpected keys raise :class:`CheckpointError` naming them.
+    """
+    expected = expected_tensors(model)
+    if not_in_checkpoint is not None:
+        expected = {k: v for k, v in expected.items() if not not_in_checkpoint(k)}
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    listed = set()
+    for path, keys in checkpoint_keys(checkpoint_dir).items():
+        for key in keys:
+            name = mtune_name(key)
+            if tied and name == "lm_head.weight":
+                continue  # some tied checkpoints store the shared matrix twice
+            by_file.setdefault(path, []).append((name, key))
+            listed.add(name)
+    missing, unexpected = expected.keys() - listed, listed - expected.keys()
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{checkpoint_dir}: checkpoint does not match the model: missing keys [{_short_list(missing)}], "
+            f"unexpected keys [{_short_list(unexpected)}]"
+        )
+    return expected, by_file
 
 
 @torch.no_grad()
@@ -152,31 +198,9 @@ def load_hf_checkpoint(
     ``after_tensor(module)`` is called with the module that just received a tensor, e.g. to quantize a frozen
     weight to NF4 at once, so the whole model never sits in memory at full precision.
     """
-    files = weight_files(checkpoint_dir)
-    expected = _expected(model)
-    if not_in_checkpoint is not None:
-        expected = {k: v for k, v in expected.items() if not not_in_checkpoint(k)}
-    tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
-    listed: dict[str, tuple[Path, str]] = {}  # mtune name -> (file, hf key)
-    for path, keys in files.items():
-        if keys is None:
-            with _open(path) as f:
-                keys = list(f.keys())
-        for key in keys:
-            listed[_hf_to_mtune(key)] = (path, key)
-    if tied:
-        listed.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-    missing, unexpected = expected.keys() - listed.keys(), listed.keys() - expected.keys()
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{checkpoint_dir}: checkpoint does not match the model: missing keys [{_short_list(missing)}], "
-            f"unexpected keys [{_short_list(unexpected)}]"
-        )
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (path, key) in listed.items():
-        by_file.setdefault(path, []).append((name, key))
+    expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
     for path, entries in by_file.items():
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             for name, key in entries:
                 want = tuple(expected[name].shape)
                 try:
@@ -242,11 +266,9 @@ def save_hf_checkpoint(
         raise CheckpointError(f"{out}: pass source_dir (the checkpoint the weights came from) or model_args")
     tied = bool(config.get("tie_word_embeddings", False))
 
-    from mtune.training.checkpointing._shard_writer import ShardWriter, parse_size
-
     writer, saved_dtype = ShardWriter(out, parse_size(max_shard_size)), None
     for name, tensor in items:
-        key = _mtune_to_hf(name)
+        key = hf_key(name)
         if tied and key == "lm_head.weight":
             continue
         tensor = tensor.detach()

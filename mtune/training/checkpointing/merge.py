@@ -1,6 +1,6 @@
 """Fold a LoRA / DoRA adapter into its base checkpoint, streaming one tensor at a time.
 
-For each adapted linear (s = alpha / rank):
+For each adapted linear (s = alpha / rank; the formula is `mtune.modules.lora.merge_adapter`):
 
     LoRA:  W' = W + s B A
     DoRA:  W' = m * (W + s B A) / ||W + s B A||_row        (PEFT's merge; m is ``lora_magnitude_vector``)
@@ -22,21 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mtune.training.checkpointing.hf import CheckpointError, _open, save_hf_checkpoint, weight_files
+from mtune.modules.lora import merge_adapter
+from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, open_safetensors, save_hf_checkpoint
 from mtune.training.checkpointing.peft import Adapter, AdapterLayer, adapter_from_model, read_adapter
 
-__all__ = ["merge_weight", "merged_hf_weights", "save_merged_model"]
-
-
-def merge_weight(weight: torch.Tensor, layer: AdapterLayer, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """W' for one base weight [out, in] (computed in fp32) in ``dtype`` (default: the weight's own dtype)."""
-    out_dtype = dtype or weight.dtype
-    device = weight.device
-    merged = weight.float() + layer.scaling * (layer.b.to(device).float() @ layer.a.to(device).float())
-    if layer.magnitude is not None:
-        norm = torch.linalg.norm(merged, dim=1)
-        merged = merged * (layer.magnitude.to(device).float() / norm).unsqueeze(1)
-    return merged.to(out_dtype)
+__all__ = ["merged_hf_weights", "save_merged_model"]
 
 
 def _as_adapter(adapter: str | os.PathLike | nn.Module | Adapter) -> Adapter:
@@ -70,13 +60,7 @@ def merged_hf_weights(
     Feed the result to ``save_hf_checkpoint(..., source_dir=base_dir)``; see :func:`save_merged_model`.
     """
     layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
-    files = weight_files(base_dir)
-    listed: dict[Path, list[str]] = {}
-    for path, keys in files.items():
-        if keys is None:
-            with _open(path) as f:
-                keys = list(f.keys())
-        listed[path] = keys
+    listed = checkpoint_keys(base_dir)
     missing = set(layers) - {k for keys in listed.values() for k in keys}
     if missing:
         raise CheckpointError(
@@ -88,7 +72,7 @@ def merged_hf_weights(
 
 def _stream(listed, layers, dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for path, keys in listed.items():
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             for key in keys:
                 tensor = f.get_tensor(key)
                 if key in layers:
@@ -98,7 +82,7 @@ def _stream(listed, layers, dtype) -> Iterator[tuple[str, torch.Tensor]]:
                             f"{path}: {key} has shape {list(tensor.shape)} but the adapter expects "
                             f"{[layer.b.shape[0], layer.a.shape[1]]}: pass the base model the adapter was trained on"
                         )
-                    tensor = merge_weight(tensor, layer, dtype)
+                    tensor = merge_adapter(tensor, layer.a, layer.b, layer.scaling, layer.magnitude, dtype)
                 elif dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 yield key, tensor

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["peak_memory_stats", "MemoryBreakdown", "tensor_storage_bytes"]
+__all__ = ["peak_memory_stats", "MemoryBreakdown", "tensor_bytes", "tensor_storage_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,14 @@ def peak_memory_stats(device: torch.device | str, reset: bool = True) -> dict[st
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024  # Linux reports KiB, macOS bytes
     return {"peak_memory_gib": rss_bytes / GIB}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements; tensor subclasses (torchao's quantized states, NF4) count their inner parts."""
+    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return t.numel() * t.element_size()
+    inner, _ = t.__tensor_flatten__()
+    return sum(tensor_bytes(getattr(t, name)) for name in inner)
 
 
 def _storages(tensor: torch.Tensor) -> Iterator[tuple[tuple, int]]:

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_optimizer", "OptimizerInBackward", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
+from mtune.training.memory.accounting import tensor_bytes
+
+__all__ = ["build_optimizer", "OptimizerInBackward", "inner_optimizers", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
 
 log = logging.getLogger(__name__)
 
@@ -148,20 +150,22 @@ class OptimizerInBackward(torch.optim.Optimizer):
             handle.remove()
 
 
+def inner_optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    """The optimizers that hold state: an `OptimizerInBackward`'s per-parameter ones, else ``[optimizer]``
+    (``[]`` for None). Code that reads or saves optimizer state goes through this, not through the wrapper."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, OptimizerInBackward):
+        return list(optimizer.optimizers.values())
+    return [optimizer]
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held in the optimizer's per-parameter state tensors (quantized states and their scales included)."""
-    optimizers = optimizer.optimizers.values() if isinstance(optimizer, OptimizerInBackward) else [optimizer]
     total = 0
-    for opt in optimizers:
+    for opt in inner_optimizers(optimizer):
         for state in opt.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    total += _tensor_bytes(value)
+                    total += tensor_bytes(value)
     return total
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
-        return t.numel() * t.element_size()
-    inner, _ = t.__tensor_flatten__()  # torchao's quantized states are tensor subclasses: count their parts
-    return sum(_tensor_bytes(getattr(t, name)) for name in inner)

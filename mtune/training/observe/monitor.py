@@ -17,7 +17,7 @@ from mtune.training.observe.progress import TrainingProgress
 
 __all__ = ["TrainingMonitor"]
 
-log = logging.getLogger("mtune")
+log = logging.getLogger(__name__)
 
 
 class TrainingMonitor:

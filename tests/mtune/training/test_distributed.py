@@ -16,21 +16,23 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from mtune.models import model_args
+from mtune.models import build_model_from_args, model_args
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.modules.lora import peft_adapter_state_dict
+from mtune.modules.lora import is_adapter_param, peft_adapter_state_dict
 from mtune.modules.nf4_linear import dequantize, is_nf4
-from mtune.training.checkpointing.hf import _mtune_to_hf
-from mtune.training.distributed import (
-    init_weights_sharded, load_hf_checkpoint_sharded, reset_adapters_sharded, shard_model,
-)
+from mtune.training.checkpointing.hf import hf_key
+from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
+from mtune.training.distributed import shard_model
 from mtune.training.checkpointing.dcp import (
     gathered_peft_adapter_items, gathered_state_dict_items, load_distributed_state, save_distributed_state,
     save_gathered_hf_checkpoint,
 )
 from mtune.training.loop import train_step
-from mtune.training.model_setup import ModelSource, is_adapter_param, resolve_model_source, setup_model
-from mtune.training.memory.optimizers import _tensor_bytes
+from mtune.training.memory.accounting import tensor_bytes
+from mtune.training.model_setup import (
+    ModelSource, init_weights_sharded, reset_adapters_sharded, resolve_model_source, setup_model,
+    setup_sharded_model,
+)
 from tests._helpers.distributed import run_on_ranks
 from tests._helpers.models import write_tiny_hf_model
 
@@ -102,7 +104,7 @@ def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
 
     # 2. QLoRA + DoRA (bf16): NF4 shards, adapter init, a step, DCP save, reload on 2 ranks
     model = _sharded(lora_ckpt, torch.bfloat16, QDORA)
-    out["nf4_local"] = {n: (is_nf4(p.to_local()), _tensor_bytes(p.to_local())) for n, p in model.named_parameters()
+    out["nf4_local"] = {n: (is_nf4(p.to_local()), tensor_bytes(p.to_local())) for n, p in model.named_parameters()
                         if n.endswith("proj.weight")}
     out["qdora_loaded"] = dict(gathered_state_dict_items(model))
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -126,6 +128,11 @@ def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
     with _PeakRSS() as rss:
         save_gathered_hf_checkpoint(big, tmp / "big", max_shard_size="16MB")
     out["big_rss"] = (rss.start, rss.peak)
+
+    # 4. random weights (tied embeddings) with QDoRA adapters, set up sharded: the values of one device
+    model, _ = setup_sharded_model(ModelSource("llama3_2", model_args("llama3_2", "tiny"), None), device=CPU,
+                                   dtype=torch.float32, seed=5, lora=QDORA)
+    out["random_qdora"] = dict(gathered_state_dict_items(model))
     if rank == 0:
         torch.save(out, tmp / "rank0.pt")
     torch.save({"nf4_local": out["nf4_local"]}, tmp / f"nf4_rank{rank}.pt")
@@ -168,7 +175,7 @@ def test_nf4_weights_stay_nf4_shards_of_half_the_bytes(run):
         if not name.endswith("proj.weight"):
             continue
         assert is_nf4(full)
-        full_bytes = _tensor_bytes(full)
+        full_bytes = tensor_bytes(full)
         for local in ranks:
             is_nf4_shard, local_bytes = local[name]
             assert is_nf4_shard, name
@@ -187,7 +194,7 @@ def test_two_rank_step_equals_single_process_step(run):
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":  # tied: written once, as embed_tokens
             continue
-        torch.testing.assert_close(exported[_mtune_to_hf(name)], tensor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(exported[hf_key(name)], tensor, rtol=0, atol=1e-6)
     assert (model.embed_tokens.weight - initial["embed_tokens.weight"]).abs().max() > 1e-3  # the step moved it
 
 
@@ -228,13 +235,25 @@ def test_gathered_export_holds_one_tensor_at_a_time(run):
     # rank 0 gathers 8 MB tensors and writes 16 MB shards: measured +77 MB (safetensors serialises a shard in
     # memory; freed blocks stay resident); holding the whole model would add ~260 MB
     assert peak - start < 0.5 * model_bytes, (peak - start, model_bytes)
-    # the export equals the same random init drawn in one process
+    # the export equals the model's own random init drawn in one process (TransformerDecoder.init_weights)
     torch.manual_seed(0)
-    single, _ = setup_model(ModelSource("llama3_1", BIG, None), device=CPU, dtype=torch.float32, materialize=False)
-    init_weights_sharded(single, CPU)
+    single = build_model_from_args(BIG, device=CPU, dtype=torch.float32)
     index_files = sorted((tmp / "big").glob("*.safetensors"))
     written = {}
     for path in index_files:
         written.update(load_file(path))
     for name, tensor in single.state_dict().items():
-        assert torch.equal(written[_mtune_to_hf(name)], tensor), name
+        assert torch.equal(written[hf_key(name)], tensor), name
+
+
+def test_sharded_random_init_with_adapters_equals_one_device(run):
+    # Base weights from TransformerDecoder.initializers and adapters from LoRALinear.adapter_initializers, drawn in
+    # one device's order: a tied lm_head, adapter draws and NF4 quantization included.
+    *_, out = run
+    torch.manual_seed(5)
+    single, _ = setup_model(ModelSource("llama3_2", model_args("llama3_2", "tiny"), None), device=CPU,
+                            dtype=torch.float32, lora=QDORA)
+    expected = {n: dequantize(t) for n, t in single.state_dict().items()}
+    assert out["random_qdora"].keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(out["random_qdora"][name], tensor), name
