@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mtune.config.keys import MemoryConfig  # noqa: E402
 from mtune.modules.loss import CrossEntropyLoss  # noqa: E402
 from mtune.modules.nf4_linear import dequantize  # noqa: E402
 from mtune.modules.lora import is_adapter_param  # noqa: E402
@@ -47,10 +48,11 @@ def _build(ckpt, lora, sharded, ac=False, cpu_offload=False):
     device = torch.device("cpu")
     torch.manual_seed(0)
     if not sharded:
-        model, _ = setup_model(source, device=device, dtype=torch.float32, lora=lora, activation_checkpointing=ac)
+        model, _ = setup_model(source, device=device, dtype=torch.float32, lora=lora,
+                               memory=MemoryConfig(enable_activation_checkpointing=ac))
         return model
-    model, _ = setup_model(source, device=device, dtype=torch.float32, lora=lora, activation_checkpointing=ac,
-                           materialize=False)
+    model, _ = setup_model(source, device=device, dtype=torch.float32, lora=lora,
+                           memory=MemoryConfig(enable_activation_checkpointing=ac), materialize=False)
     shard_model(model, cpu_offload=cpu_offload)
     load_hf_checkpoint_sharded(model, ckpt, dtype=torch.float32, device=device, not_in_checkpoint=is_adapter_param)
     if lora is not None:
@@ -67,15 +69,14 @@ def check(name, ckpt, lora=None, optimizer="torch.optim.AdamW", in_bwd=False, ac
         opt = build_optimizer(opt_cfg, model, optimizer_in_bwd=in_bwd)
         per = 4 // world
         res = train_step(model, [_batch(rank * per, (rank + 1) * per)], CrossEntropyLoss(), opt,
-                         device=torch.device("cpu"), world_size=world, optimizer_in_bwd=in_bwd)
+                         device=torch.device("cpu"), world_size=world)
         after = dict(gathered_state_dict_items(model))
         detail = ""
         if rank == 0 and compare:
             ref = _build(ckpt, lora, sharded=False, ac=ac)
             ref_opt = build_optimizer(opt_cfg, ref, optimizer_in_bwd=in_bwd)
-            with mock.patch("mtune.training.loop._all_reduce_sum", lambda v: v):  # a single-process step
-                ref_res = train_step(ref, [_batch(0, 4)], CrossEntropyLoss(), ref_opt, device=torch.device("cpu"),
-                                     optimizer_in_bwd=in_bwd)
+            with mock.patch("mtune.training.loop.all_reduce", lambda v, op=None: v):  # a single-process step
+                ref_res = train_step(ref, [_batch(0, 4)], CrossEntropyLoss(), ref_opt, device=torch.device("cpu"))
             diff = max((after[k] - dequantize(v)).abs().max().item() for k, v in ref.state_dict().items())
             moved = max((after[k] - dequantize(v)).abs().max().item() for k, v in
                         _build(ckpt, lora, sharded=False).state_dict().items())

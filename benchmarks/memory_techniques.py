@@ -42,12 +42,13 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import mtune.training.memory.activation_offloading as offloading  # noqa: E402
+from mtune.config.keys import MemoryConfig  # noqa: E402
 from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.memory.accounting import MemoryBreakdown, tensor_storage_bytes  # noqa: E402
+from mtune.training.memory.optimizers import build_optimizer, inner_optimizers  # noqa: E402
 from mtune.training.model_setup import ModelSource, setup_model  # noqa: E402
-from mtune.training.memory.optimizers import build_optimizer  # noqa: E402
 
 MODEL = dict(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, intermediate_dim=1408,
              max_seq_len=512)  # every linear's numel is a multiple of 16384, as NF4 needs
@@ -215,17 +216,16 @@ def measure(row: Row) -> dict:
     source = ModelSource("llama3_2", model_args("llama3_2", "tiny", **MODEL), None)
     saved = SavedBytes()
     with counted_no_offload(saved):
-        model, offload_ctx = setup_model(source, device=device, dtype=dtype, lora=row.lora,
-                                         activation_checkpointing=row.checkpointing,
-                                         activation_checkpointing_every_n_layers=row.every_n_layers,
-                                         activation_offloading=row.offloading)
+        memory = MemoryConfig(enable_activation_checkpointing=row.checkpointing,
+                              activation_checkpointing_every_n_layers=row.every_n_layers,
+                              enable_activation_offloading=row.offloading, optimizer_in_bwd=row.optimizer_in_bwd)
+        model, offload_ctx = setup_model(source, device=device, dtype=dtype, lora=row.lora, memory=memory)
     saved.exclude_parameters(model)
     offloadable = count_offloadable(offload_ctx, saved) if offload_ctx is not None else None
     grads = GradientPeak(model)
     optimizer = build_optimizer({"_component_": row.optimizer, "lr": 1e-4}, model,
-                                optimizer_in_bwd=row.optimizer_in_bwd)
-    inner = list(getattr(optimizer, "optimizers", {}).values()) or optimizer
-    breakdown = MemoryBreakdown(model, inner, tempfile.gettempdir(), num_steps=2)  # 2: step() never writes files
+                                optimizer_in_bwd=memory.optimizer_in_bwd)
+    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=2)  # 2: step() never writes files
     loss_fn = ChunkedCrossEntropyLoss(num_chunks=8) if row.chunked_loss else CrossEntropyLoss()
     logits = LogitsPeak(MODEL["vocab_size"]) if row.dtype == "fp32" and row.lora is None and row.optimizer == \
         "torch.optim.AdamW" and not row.optimizer_in_bwd else None
@@ -243,8 +243,7 @@ def measure(row: Row) -> dict:
                     contexts.enter_context(logits)
             if offload_ctx is not None:  # innermost, as the recipe's session enters it: the loss is offloaded too
                 contexts.enter_context(offload_ctx)
-            return train_step(model, [batch], loss_fn, optimizer, device=device, activation_context=None,
-                              optimizer_in_bwd=row.optimizer_in_bwd,
+            return train_step(model, [batch], loss_fn, optimizer, device=device,
                               before_zero_grad=breakdown.step if measure else None)
 
     start = time.perf_counter()

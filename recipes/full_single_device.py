@@ -8,44 +8,33 @@ Fitting a full fine-tune is mostly about optimizer state and gradients: see the 
 `step_<N>/` and `final/` holds the model in Hugging Face format.
 """
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
-from mtune.config.keys import MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.keys import MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES, MemoryConfig
 from mtune.config.rules import TRAINING_RULES
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES], rules=TRAINING_RULES)
 
 
 def main(cfg: DictConfig) -> None:
-    from mtune.config import instantiate
-    from mtune.modules.loss import CrossEntropyLoss
     from mtune.tokenizers import load_tokenizer
-    from mtune.training.checkpointing.checkpointer import Checkpointer
-    from mtune.training.model_setup import memory_flags, resolve_model_source, setup_model
-    from mtune.training.memory.optimizers import build_optimizer
     from mtune.training.context import setup_run
+    from mtune.training.memory.optimizers import build_optimizer
+    from mtune.training.model_setup import resolve_model_source, setup_model
     from mtune.training.session import TrainingSession, setup_data
 
     # ---- setup: device and dtype, tokenizer, model with memory techniques, data, optimizer
     run = setup_run(cfg)
+    memory = MemoryConfig.from_config(cfg)
     source = resolve_model_source(cfg.model)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
-    model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, **memory_flags(cfg))
-
-    train_loader, val_loader, plan = setup_data(cfg, tokenizer)
-    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=cfg.optimizer_in_bwd)
-    lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=plan.total_steps)
-    loss_fn = instantiate(cfg.loss) or CrossEntropyLoss()
-
-    checkpointer = Checkpointer(output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
-                                base_checkpoint_dir=source.checkpoint_dir,
-                                keep_last_n_checkpoints=cfg.keep_last_n_checkpoints)
-    session = TrainingSession(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                              lr_scheduler=lr_scheduler, loss_fn=loss_fn, train_loader=train_loader,
-                              val_loader=val_loader, plan=plan, checkpointer=checkpointer,
-                              activation_context=activation_context, task_eval=instantiate(cfg.task_eval))
-    session.resume_if_asked()
+    model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory)
+    data = setup_data(cfg, tokenizer)
+    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd)
+    session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
+                                          base_checkpoint_dir=source.checkpoint_dir,
+                                          activation_context=activation_context)
 
     # ---- train
     for micro_batches in session.batches():

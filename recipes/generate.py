@@ -20,13 +20,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
+from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
 from mtune.training.checkpointing.peft import load_peft_adapter, read_adapter_config
-from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
-from mtune.training.model_setup import resolve_model_source, setup_model
-from mtune.training.memory.precision import resolve_dtype
 from mtune.training.context import configure_logging, resolve_device
+from mtune.training.memory.precision import resolve_dtype
+from mtune.training.model_setup import resolve_model_source, setup_model
 
 SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS])
 
@@ -80,10 +80,10 @@ def _lora_from_adapter(adapter_dir: str) -> dict:
 
 def main(cfg: DictConfig) -> str:
     configure_logging()
-    device = resolve_device(cfg.get("device", "auto"))
-    dtype = resolve_dtype(cfg.get("dtype", "bf16"), device)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     source = resolve_model_source(cfg.model)
-    adapter_dir = cfg.get("adapter_dir")
+    adapter_dir = cfg.adapter_dir
     lora = _lora_from_adapter(adapter_dir) if adapter_dir else None
     model, _ = setup_model(source, device=device, dtype=dtype, lora=lora)
     if adapter_dir:
@@ -96,18 +96,18 @@ def main(cfg: DictConfig) -> str:
     if tokenizer_path is None:
         raise ValueError("tokenizer.path is needed when the model has random weights (model.size)")
     tokenizer = load_tokenizer(tokenizer_path, max_seq_len=tokenizer_cfg.get("max_seq_len"))
-    messages = cfg.get("messages")
+    messages = cfg.messages
     if messages is not None:
         messages = OmegaConf.to_container(messages, resolve=True) if OmegaConf.is_config(messages) else messages
-    prompt = prompt_tokens(tokenizer, cfg.get("prompt"), messages)
+    prompt = prompt_tokens(tokenizer, cfg.prompt, messages)
 
     generator = None
-    temperature = float(cfg.get("temperature", 0.0))
+    temperature = float(cfg.temperature)
     if temperature > 0:
-        generator = torch.Generator(device).manual_seed(int(cfg.get("seed", 0)))
+        generator = torch.Generator(device).manual_seed(cfg.seed)
     start = time.perf_counter()
-    steps = generate_stream(model, prompt, int(cfg.get("max_new_tokens", 128)), temperature=temperature,
-                            top_k=cfg.get("top_k"), top_p=cfg.get("top_p"), stop_tokens=tokenizer.stop_tokens,
+    steps = generate_stream(model, prompt, cfg.max_new_tokens, temperature=temperature,
+                            top_k=cfg.top_k, top_p=cfg.top_p, stop_tokens=tokenizer.stop_tokens,
                             generator=generator)
     text, count = stream_text(tokenizer, steps)
     seconds = time.perf_counter() - start

@@ -11,7 +11,7 @@ adapter and optimizer state (resumable on any number of ranks) and, written by r
 adapter and the merged Hugging Face model.
 """
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
 from mtune.config.keys import (
@@ -21,6 +21,7 @@ from mtune.config.keys import (
     MODEL_NODES,
     RUN_KEYS,
     TRAINING_NODES,
+    MemoryConfig,
 )
 from mtune.config.rules import DISTRIBUTED_RULES
 
@@ -30,40 +31,27 @@ SUPPORTS_DISTRIBUTED = True
 
 
 def main(cfg: DictConfig) -> None:
-    from mtune.config import instantiate
-    from mtune.modules.loss import CrossEntropyLoss
     from mtune.tokenizers import load_tokenizer
-    from mtune.training.checkpointing.checkpointer import DistributedCheckpointer
-    from mtune.training.distributed import destroy_distributed, init_distributed
-    from mtune.training.model_setup import memory_flags, resolve_model_source, setup_sharded_model
-    from mtune.training.memory.optimizers import build_optimizer
     from mtune.training.context import setup_run
+    from mtune.training.distributed import destroy_distributed, init_distributed
+    from mtune.training.memory.optimizers import build_optimizer
+    from mtune.training.model_setup import resolve_model_source, setup_sharded_model
     from mtune.training.session import TrainingSession, setup_data
 
     # ---- setup: process group, device and dtype, tokenizer, sharded model with adapters, data, optimizer
     rank, world_size, _ = init_distributed(cfg.distributed_backend)
     run = setup_run(cfg, rank=rank, world_size=world_size)
+    memory = MemoryConfig.from_config(cfg)
     source = resolve_model_source(cfg.model)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
     model, activation_context = setup_sharded_model(
-        source, device=run.device, dtype=run.dtype, seed=run.seed, lora=cfg.lora,
-        reshard_after_forward=cfg.fsdp_reshard_after_forward, cpu_offload=cfg.fsdp_cpu_offload, **memory_flags(cfg))
-
-    train_loader, val_loader, plan = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
-    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=cfg.optimizer_in_bwd)
-    lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=plan.total_steps)
-    loss_fn = instantiate(cfg.loss) or CrossEntropyLoss()
-
-    checkpointer = DistributedCheckpointer(rank=rank, world_size=world_size, output_dir=run.output_dir,
-                                           config=OmegaConf.to_container(cfg, resolve=True),
-                                           base_checkpoint_dir=source.checkpoint_dir, lora=cfg.lora,
-                                           save_adapter_weights_only=cfg.save_adapter_weights_only,
-                                           keep_last_n_checkpoints=cfg.keep_last_n_checkpoints)
-    session = TrainingSession(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                              lr_scheduler=lr_scheduler, loss_fn=loss_fn, train_loader=train_loader,
-                              val_loader=val_loader, plan=plan, checkpointer=checkpointer,
-                              activation_context=activation_context, task_eval=instantiate(cfg.task_eval))
-    session.resume_if_asked()
+        source, device=run.device, dtype=run.dtype, seed=run.seed, lora=cfg.lora, memory=memory,
+        fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward, fsdp_cpu_offload=cfg.fsdp_cpu_offload)
+    data = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
+    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd)
+    session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
+                                          base_checkpoint_dir=source.checkpoint_dir,
+                                          activation_context=activation_context)
 
     # ---- train
     for micro_batches in session.batches():

@@ -18,16 +18,15 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
+from mtune.config.keys import MERGE_KEYS
 from mtune.training.checkpointing.merge import save_merged_model
 from mtune.training.checkpointing.peft import read_adapter_config
-from mtune.config.keys import MERGE_KEYS
 from mtune.training.context import configure_logging
+from mtune.training.memory.precision import DTYPES
 
 SCHEMA = RecipeSchema([MERGE_KEYS])
 
 log = logging.getLogger("mtune")
-
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def base_model_dir(cfg: DictConfig, adapter_config: dict) -> Path:
@@ -49,22 +48,19 @@ def base_model_dir(cfg: DictConfig, adapter_config: dict) -> Path:
 
 def main(cfg: DictConfig) -> Path:
     configure_logging()
-    import torch
-
     adapter_dir = Path(cfg.adapter_dir)
     base = base_model_dir(cfg, read_adapter_config(adapter_dir))
     out = Path(cfg.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"output_dir={out} already exists and is not empty: choose another output_dir or "
                               "remove it")
-    dtype = cfg.get("dtype")
-    dtype = getattr(torch, _DTYPES[dtype]) if dtype else None
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_merged_model(base, adapter_dir, tmp, dtype=dtype, max_shard_size=cfg.get("max_shard_size", "5GB"))
+        save_merged_model(base, adapter_dir, tmp, dtype=dtype, max_shard_size=cfg.max_shard_size)
         if out.exists():
             out.rmdir()  # empty (checked above); rename cannot replace a directory
         os.replace(tmp, out)

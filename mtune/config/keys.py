@@ -6,26 +6,41 @@ and the docs tables are rendered from them. Names follow torchtune where torchtu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
 from omegaconf import DictConfig
 
-from mtune.config import REQUIRED, Key, KeyGroup, Node
+from mtune.config.schema import REQUIRED, Key, KeyGroup, Node
+
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+"""The values of every ``dtype`` key; `mtune.training.memory.precision.DTYPES` maps them to torch dtypes."""
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+"""The linears ``lora.modules`` may name (Hugging Face's module names)."""
+
+# Keys several groups share, declared once.
+RECIPE_KEY = Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)")
+DEVICE_KEY = Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', "
+                 "'cuda:1', ...")
+DTYPE_KEY = Key("dtype", str, "bf16", "dtype of the model's weights; fp16 = fp32 weights with fp16 autocast and loss "
+                "scaling (training) or fp16 weights (generation)", choices=DTYPE_NAMES)
 
 RUN_KEYS = KeyGroup(
     "run",
     help="where a run writes, what it runs on, how long it trains and how often it logs and saves",
     keys=[
-        Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)"),
+        RECIPE_KEY,
         Key("output_dir", str, REQUIRED, "directory for checkpoints, metrics.jsonl and logs"),
         Key("seed", int, 0, "random seed for weight init, data order and dropout"),
-        Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', 'cuda:1', ..."),
-        Key("dtype", str, "bf16", "storage dtype of the model; fp16 = fp32 weights with fp16 autocast and loss scaling",
-            choices=("fp32", "bf16", "fp16")),
+        DEVICE_KEY,
+        DTYPE_KEY,
         Key("epochs", int, 1, "passes over the training set"),
         Key("max_steps_per_epoch", int, None, "stop each epoch after this many optimizer steps (null: whole epoch)"),
         Key("batch_size", int, 4, "samples per micro-batch on each device"),
         Key("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step"),
         Key("clip_grad_norm", float, None, "clip the global gradient norm to this value (null: no clipping)"),
-        Key("compile", bool, False, "torch.compile each transformer block (faster steps after a slow first one)"),
         Key("log_every_n_steps", int, 1, "write a line to metrics.jsonl every N optimizer steps"),
         Key("save_every_n_steps", int, None, "also checkpoint to step_<N>/ every N steps (null: only final/)"),
         Key("keep_last_n_checkpoints", int, None, "delete older step_<N>/ checkpoints beyond this many (null: keep all)"),
@@ -37,15 +52,42 @@ RUN_KEYS = KeyGroup(
 
 MEMORY_KEYS = KeyGroup(
     "memory",
-    help="techniques that trade compute or transfers for memory",
+    help="techniques that trade compute or transfers for memory, and compile",
     keys=[
         Key("enable_activation_checkpointing", bool, False, "recompute block activations in the backward pass"),
         Key("activation_checkpointing_every_n_layers", int, 1, "checkpoint every Nth transformer block"),
         Key("enable_activation_offloading", bool, False, "move saved activations to CPU memory until backward"),
         Key("activation_offloading_use_streams", bool, True, "overlap offloading transfers with compute (CUDA only)"),
         Key("optimizer_in_bwd", bool, False, "step each parameter's optimizer during backward and free its gradient"),
+        Key("compile", bool, False, "torch.compile each transformer block (faster steps after a slow first one)"),
     ],
 )
+
+
+def _default(group: KeyGroup, name: str) -> Any:
+    return next(key.default for key in group.keys if key.name == name)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The `MEMORY_KEYS` of a run, typed and under their YAML names, built once by :meth:`from_config` and passed to
+    the code that acts on them (`mtune.training.memory.apply.apply_memory_techniques`, `build_optimizer`).
+    Defaults are the declarations' own; left out, every technique is off."""
+
+    enable_activation_checkpointing: bool = _default(MEMORY_KEYS, "enable_activation_checkpointing")
+    activation_checkpointing_every_n_layers: int = _default(MEMORY_KEYS, "activation_checkpointing_every_n_layers")
+    enable_activation_offloading: bool = _default(MEMORY_KEYS, "enable_activation_offloading")
+    activation_offloading_use_streams: bool = _default(MEMORY_KEYS, "activation_offloading_use_streams")
+    optimizer_in_bwd: bool = _default(MEMORY_KEYS, "optimizer_in_bwd")
+    compile: bool = _default(MEMORY_KEYS, "compile")
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> "MemoryConfig":
+        """Read every field from a config whose defaults the recipe's schema has filled in (as ``mtune run`` does)."""
+        missing = [f.name for f in fields(cls) if f.name not in cfg]
+        if missing:
+            raise KeyError(f"the config lacks {missing}: fill it with the recipe's SCHEMA.fill_defaults first")
+        return cls(**{f.name: cfg[f.name] for f in fields(cls)})
 
 MODEL_NODES = KeyGroup(
     "model",
@@ -106,8 +148,7 @@ LORA_KEYS = KeyGroup(
             keys=KeyGroup(
                 "lora",
                 [
-                    Key("modules", list, ["q_proj", "v_proj"],
-                        "linears to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj lm_head"),
+                    Key("modules", list, ["q_proj", "v_proj"], "linears to adapt: " + " ".join(LORA_TARGETS)),
                     Key("rank", int, 8, "adapter rank r"),
                     Key("alpha", float, 16.0, "scale numerator: the update is scaled by alpha / rank"),
                     Key("dropout", float, 0.0, "dropout on the adapter input"),
@@ -150,7 +191,7 @@ MERGE_KEYS = KeyGroup(
     "merge",
     help="merge a saved PEFT adapter into its base checkpoint and write a Hugging Face model",
     keys=[
-        Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)"),
+        RECIPE_KEY,
         Key("adapter_dir", str, REQUIRED, "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)"),
         Key("base_model_dir", str, None,
             "the base Hugging Face checkpoint the adapter was trained on (null: model.checkpoint_dir, else the "
@@ -159,7 +200,7 @@ MERGE_KEYS = KeyGroup(
              keys=KeyGroup("model", [Key("checkpoint_dir", str, None, "the base Hugging Face model directory")])),
         Key("output_dir", str, REQUIRED, "where the merged model is written; must not exist yet (or be empty)"),
         Key("dtype", str, None, "dtype of the written weights (null: as stored in the base checkpoint)",
-            choices=("fp32", "bf16", "fp16")),
+            choices=DTYPE_NAMES),
         Key("max_shard_size", (str, int), "5GB", "largest safetensors file, e.g. 5GB, 500MB or bytes"),
     ],
     rules=(_merge_base_rule,),
@@ -180,13 +221,13 @@ def _generate_input_rule(cfg: DictConfig) -> list[str]:
 
 def _sampling_rule(cfg: DictConfig) -> list[str]:
     problems = []
-    if cfg.get("temperature", 0.0) < 0:
+    if cfg.temperature < 0:
         problems.append("temperature must be >= 0 (0 = greedy)")
-    if cfg.get("top_p") is not None and not 0 < cfg.top_p <= 1:
+    if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
         problems.append("top_p must be in (0, 1] (or null)")
-    if cfg.get("top_k") is not None and cfg.top_k < 1:
+    if cfg.top_k is not None and cfg.top_k < 1:
         problems.append("top_k must be >= 1 (or null)")
-    if cfg.get("max_new_tokens", 1) < 1:
+    if cfg.max_new_tokens < 1:
         problems.append("max_new_tokens must be >= 1")
     return problems
 
@@ -195,9 +236,9 @@ GENERATE_KEYS = KeyGroup(
     "generate",
     help="sample text from a model (a base or full checkpoint, or a base plus a PEFT adapter)",
     keys=[
-        Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)"),
-        Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', ..."),
-        Key("dtype", str, "bf16", "dtype the model computes in", choices=("fp32", "bf16", "fp16")),
+        RECIPE_KEY,
+        DEVICE_KEY,
+        DTYPE_KEY,
         Key("seed", int, 0, "random seed for sampling"),
         Key("adapter_dir", str, None, "a PEFT adapter directory applied on top of model.checkpoint_dir (null: none)"),
         Key("prompt", str, None, "plain text to continue (BOS added where the family has one)"),

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtune.config.keys import LORA_TARGETS
+
 __all__ = [
     "MEMORY_RULES",
     "TRAINING_RULES",
@@ -25,7 +27,6 @@ __all__ = [
     "check_distributed_backend",
 ]
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def _get(cfg: Any, dotted: str, default: Any = None) -> Any:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from mtune.config.keys import LORA_TARGETS
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4, linear_maybe_nf4, quantize_nf4
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "LORA_TARGETS",
 ]
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 ADAPTER_PARAM_NAMES = ("lora_a.weight", "lora_b.weight", "magnitude")
 """Name suffixes of adapter parameters (LoRA A/B, DoRA magnitude): trainable, and absent from base checkpoints."""
 

@@ -81,16 +81,16 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
-    """Configure logging, resolve device and dtype (one clear error when the device cannot do it), seed every RNG
+    """From a config with its defaults filled in (``device``, ``dtype``, ``seed``, ``output_dir``): configure logging, resolve device and dtype (one clear error when the device cannot do it), seed every RNG
     and create ``output_dir``."""
     configure_logging(rank)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = resolve_device(cfg.get("device", "auto"), local_rank)
+    device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype_name = cfg.get("dtype", "bf16")
+    dtype_name = cfg.dtype
     resolve_dtype(dtype_name, device)  # raises when the device cannot compute in it
-    seed = int(cfg.get("seed", 0))
+    seed = cfg.seed
     set_seed(seed)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

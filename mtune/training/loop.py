@@ -30,7 +30,7 @@ class StepResult:
     loss: float  # token-weighted mean loss of the step (over all ranks)
     trained_tokens: int  # tokens with a label in this step (all ranks)
     num_tokens: int  # tokens before padding, prompts included (this rank)
-    grad_norm: float | None  # before clipping; None with optimizer_in_bwd
+    grad_norm: float | None  # before clipping; None without clip_grad_norm
     stepped: bool  # False when fp16 loss scaling skipped the step
 
 
@@ -77,17 +77,16 @@ def train_step(
     autocast=contextlib.nullcontext,
     loss_scaler=None,
     clip_grad_norm: float | None = None,
-    optimizer_in_bwd: bool = False,
-    activation_context=None,
     world_size: int = 1,
     step: int = 0,
     fp16: bool = False,
     before_zero_grad=None,
 ) -> StepResult:
-    """Forward and backward every micro-batch, then clip and step (unless the optimizer steps in backward).
+    """Forward and backward every micro-batch, then unscale, clip and step the optimizer.
 
-    ``autocast`` is a context factory (fp16 autocast or a no-op); ``activation_context`` (e.g. activation
-    offloading) wraps forward and backward. With ``world_size`` > 1 the gradient of each rank is scaled by the world
+    ``autocast`` is a context factory (fp16 autocast or a no-op). An `OptimizerInBackward` has already stepped each
+    parameter during backward: its ``step()`` and ``zero_grad()`` do nothing (the validator refuses clipping and
+    fp16 loss scaling with it). With ``world_size`` > 1 the gradient of each rank is scaled by the world
     size, because FSDP averages gradients over ranks while the loss is normalised by the tokens of all ranks.
     ``before_zero_grad()`` runs after the optimizer step while gradients still exist (memory accounting).
     """
@@ -99,13 +98,12 @@ def train_step(
     for batch in micro_batches:
         num_tokens += int(batch.get("num_tokens", batch["tokens"].numel()))
         batch = _to_device(batch, device)
-        with activation_context or contextlib.nullcontext():
-            with autocast():
-                summed, _ = forward_loss(model, batch, loss_fn)
-            loss = summed / denominator
-            if loss_scaler is not None:
-                loss = loss_scaler.scale(loss)
-            loss.backward()
+        with autocast():
+            summed, _ = forward_loss(model, batch, loss_fn)
+        loss = summed / denominator
+        if loss_scaler is not None:
+            loss = loss_scaler.scale(loss)
+        loss.backward()
         loss_sum += summed.detach().float()
     loss_sum = all_reduce(loss_sum)
     mean_loss = (loss_sum / total.clamp(min=1.0)).item()
@@ -113,20 +111,16 @@ def train_step(
         raise NonFiniteLossError(
             f"step {step}: the loss is {mean_loss}; lower the learning rate, set clip_grad_norm, or use dtype=fp32"
         )
-    grad_norm, stepped = None, True
-    if optimizer_in_bwd:
-        optimizer.step()  # a no-op (each parameter stepped in backward); LR schedulers expect the call
-    else:
-        if loss_scaler is not None:
-            loss_scaler.unscale_(optimizer)
-        if clip_grad_norm is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
-        stepped = loss_scaler.step(optimizer) if loss_scaler is not None else (optimizer.step() or True)
+    grad_norm = None
+    if loss_scaler is not None:
+        loss_scaler.unscale_(optimizer)
+    if clip_grad_norm is not None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
+    stepped = loss_scaler.step(optimizer) if loss_scaler is not None else (optimizer.step() or True)
     if before_zero_grad is not None:
         before_zero_grad()
-    if not optimizer_in_bwd:
-        optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     return StepResult(mean_loss, int(total.item()), num_tokens, grad_norm, stepped)
 
 

@@ -2,9 +2,11 @@
 second copy of the model in memory.
 
 Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
-:func:`mtune.training.memory.apply.apply_memory_techniques`) -> ``to_empty`` on the training device -> stream the base
-weights from the Hugging Face checkpoint (quantizing each frozen NF4 weight as soon as it arrives) or initialise
-randomly -> initialise adapters -> optionally load a saved PEFT adapter.
+:func:`mtune.training.memory.apply.apply_memory_techniques`) -> stream the base weights from the Hugging Face
+checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 weight as it arrives), or
+initialise randomly -> initialise adapters (the recipe may then load a saved PEFT adapter). The FSDP2 path
+(:func:`setup_sharded_model`) shards between the memory techniques and the weights, and each rank loads or draws
+only its rows.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from torch.distributed.tensor import DTensor
 
+from mtune.config.keys import MemoryConfig
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
@@ -34,7 +37,7 @@ from mtune.training.checkpointing.sharded import (
 from mtune.training.distributed import shard_model
 from mtune.training.memory.apply import apply_memory_techniques
 
-__all__ = ["ModelSource", "resolve_model_source", "setup_model", "memory_flags", "setup_sharded_model",
+__all__ = ["ModelSource", "resolve_model_source", "setup_model", "setup_sharded_model",
            "init_weights_sharded", "reset_adapters_sharded"]
 
 log = logging.getLogger(__name__)
@@ -79,46 +82,24 @@ def _quantize_when_loaded(module: nn.Module) -> None:
         module.weight = quantize_nf4(module.weight)
 
 
-def memory_flags(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The config's memory-technique keys as :func:`setup_model` keyword arguments."""
-    return {
-        "activation_checkpointing": bool(cfg.get("enable_activation_checkpointing")),
-        "activation_checkpointing_every_n_layers": int(cfg.get("activation_checkpointing_every_n_layers") or 1),
-        "activation_offloading": bool(cfg.get("enable_activation_offloading")),
-        "activation_offloading_use_streams": bool(cfg.get("activation_offloading_use_streams", True)),
-        "compile": bool(cfg.get("compile")),
-    }
-
-
 def setup_model(
     source: ModelSource,
     *,
     device: torch.device,
     dtype: torch.dtype,
     lora: Mapping[str, Any] | None = None,
-    activation_checkpointing: bool = False,
-    activation_checkpointing_every_n_layers: int = 1,
-    activation_offloading: bool = False,
-    activation_offloading_use_streams: bool = True,
-    compile: bool = False,
+    memory: MemoryConfig = MemoryConfig(),
     materialize: bool = True,
 ):
-    """Build, transform and load the model. Returns ``(model, activation_context)``; the context (activation
-    offloading, or None) must wrap forward and backward.
+    """Build, transform and load the model. Returns ``(model, activation_context)``: the activation-offloading
+    context to enter around forward and backward, or None.
 
-    ``lora`` is the config's ``lora`` node (None for a full fine-tune). With ``materialize=False`` the model stays
-    on the meta device (planning, or FSDP sharding before the weights are loaded).
+    ``lora`` is the config's ``lora`` node (None for a full fine-tune); ``memory`` the run's memory keys
+    (``MemoryConfig.from_config(cfg)``; the default applies none). With ``materialize=False`` the model stays on
+    the meta device (planning, or FSDP sharding before the weights are loaded).
     """
     model = build_model_from_args(source.args, dtype=dtype)  # on the meta device
-    offload = apply_memory_techniques(
-        model,
-        lora=lora,
-        activation_checkpointing=activation_checkpointing,
-        every_n_layers=activation_checkpointing_every_n_layers,
-        activation_offloading=activation_offloading,
-        offload_use_streams=activation_offloading_use_streams,
-        compile=compile,
-    )
+    offload = apply_memory_techniques(model, memory, lora=lora)
     if not materialize:
         return model, offload
     load_weights(model, source, device=device, dtype=dtype)
@@ -166,15 +147,16 @@ def setup_sharded_model(
     dtype: torch.dtype,
     seed: int,
     lora: Mapping[str, Any] | None = None,
-    reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
-    **memory: Any,
+    memory: MemoryConfig = MemoryConfig(),
+    fsdp_reshard_after_forward: bool,
+    fsdp_cpu_offload: bool,
 ):
     """:func:`setup_model` for FSDP2: build on meta, apply the memory techniques, shard every block and the root,
     then load each rank's rows of the checkpoint (or random weights) and initialise the adapters. No rank holds
-    the full model; see :mod:`mtune.training.distributed`. Returns ``(model, activation_context)``."""
-    model, offload = setup_model(source, device=device, dtype=dtype, lora=lora, materialize=False, **memory)
-    shard_model(model, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    the full model; see :mod:`mtune.training.distributed`. ``fsdp_reshard_after_forward`` and ``fsdp_cpu_offload``
+    are the config's keys of those names. Returns ``(model, activation_context)``."""
+    model, offload = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, materialize=False)
+    shard_model(model, reshard_after_forward=fsdp_reshard_after_forward, cpu_offload=fsdp_cpu_offload)
     # Every rank draws the same full tensors from the same RNG stream, then keeps its rows; the draws are those of
     # setup_model on one device (base weights, then adapters), so the values do not depend on the ranks.
     torch.manual_seed(seed)

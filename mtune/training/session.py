@@ -1,5 +1,6 @@
 """The per-step machinery every training recipe shares, so that a recipe's own loop is four lines::
 
+    session = TrainingSession.from_config(cfg, run, model=..., tokenizer=..., optimizer=..., data=...)
     for micro_batches in session.batches():     # from the resume point; honours epochs and max_steps_per_epoch
         result = session.train_step(micro_batches)
         session.end_step(result)                 # lr schedule, metrics, eval, checkpoints, stop signals
@@ -20,17 +21,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 
 from mtune.config import instantiate
 from mtune.data import build_dataloader
-from mtune.training.checkpointing.checkpointer import Checkpointer
+from mtune.modules.loss import CrossEntropyLoss
+from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
+from mtune.training.context import RunContext
 from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.memory.accounting import MemoryBreakdown
-from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.memory.oom import oom_guard
+from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.profiler import build_profiler
-from mtune.training.context import RunContext
 from mtune.training.signals import GracefulStop
 
 __all__ = ["StepPlan", "TrainingSession", "setup_data"]
@@ -101,12 +106,44 @@ class TrainingSession:
         self.train_loader, self.val_loader, self.plan = train_loader, val_loader, plan
         self.checkpointer, self.activation_context, self.task_eval = checkpointer, activation_context, task_eval
         self.loss_scaler = run.loss_scaler()
-        self.optimizer_in_bwd = bool(cfg.get("optimizer_in_bwd"))
         self.step, self.epoch = 0, 0
         self.stopped = False
         self.results: dict[str, Any] = {}
         self._stop = GracefulStop(rank=run.rank)
         self._resumed = False
+
+    @classmethod
+    def from_config(cls, cfg, run: RunContext, *, model: nn.Module, tokenizer, optimizer, data,
+                    base_checkpoint_dir, activation_context=None) -> "TrainingSession":
+        """The session of a training recipe, from its config and the parts it set up: builds the LR schedule
+        (``lr_scheduler``), the loss (``loss``, default cross-entropy), the checkpointer (sharded DCP state when a
+        process group is up, a LoRA adapter when the config has a ``lora`` node) and the task metric
+        (``task_eval``), then resumes when ``resume_from_checkpoint`` asks.
+
+        Args:
+            data: ``(train_loader, val_loader, plan)`` from :func:`setup_data`.
+            base_checkpoint_dir: the checkpoint the model started from (None for random weights).
+            activation_context: from ``setup_model`` (activation offloading), or None.
+        """
+        train_loader, val_loader, plan = data
+        lora = cfg.get("lora")
+        checkpointer_args = dict(
+            output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
+            base_checkpoint_dir=base_checkpoint_dir, lora=lora,
+            save_adapter_weights_only=bool(lora is not None and cfg.save_adapter_weights_only),
+            keep_last_n_checkpoints=cfg.keep_last_n_checkpoints,
+        )
+        if dist.is_initialized():
+            checkpointer = DistributedCheckpointer(rank=run.rank, world_size=run.world_size, **checkpointer_args)
+        else:
+            checkpointer = Checkpointer(**checkpointer_args)
+        session = cls(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                      lr_scheduler=instantiate(cfg.lr_scheduler, optimizer, num_training_steps=plan.total_steps),
+                      loss_fn=instantiate(cfg.loss) or CrossEntropyLoss(), train_loader=train_loader,
+                      val_loader=val_loader, plan=plan, checkpointer=checkpointer,
+                      activation_context=activation_context, task_eval=instantiate(cfg.task_eval))
+        session.resume_if_asked()
+        return session
 
     # ---------------------------------------------------------------------------------------------- start
     def resume_if_asked(self) -> None:
@@ -128,7 +165,7 @@ class TrainingSession:
             initial_step=self.step, log_every_n_steps=self.cfg.get("log_every_n_steps") or 1,
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
         )
-        self.breakdown = MemoryBreakdown(self.model, self._inner_optimizers(), self.run.output_dir,
+        self.breakdown = MemoryBreakdown(self.model, inner_optimizers(self.optimizer), self.run.output_dir,
                                          enabled=bool(self.cfg.get("memory_breakdown")), rank=self.run.rank)
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
@@ -137,9 +174,6 @@ class TrainingSession:
             self._run_task_eval("before")
         log.info("training: %d steps (%d per epoch x %d epochs), %d samples per step", self.plan.total_steps,
                  self.plan.steps_per_epoch, self.plan.epochs, self.plan.samples_per_step)
-
-    def _inner_optimizers(self):
-        return list(getattr(self.optimizer, "optimizers", {}).values()) or self.optimizer
 
     # ----------------------------------------------------------------------------------------------- loop
     def batches(self) -> Iterator[list[dict]]:
@@ -170,7 +204,7 @@ class TrainingSession:
                 return train_step(
                     self.model, micro_batches, self.loss_fn, self.optimizer, device=self.run.device,
                     autocast=self.run.autocast, loss_scaler=self.loss_scaler,
-                    clip_grad_norm=self.cfg.get("clip_grad_norm"), optimizer_in_bwd=self.optimizer_in_bwd,
+                    clip_grad_norm=self.cfg.get("clip_grad_norm"),
                     world_size=self.run.world_size, step=self.step + 1, fp16=self.run.dtype_name == "fp16",
                     before_zero_grad=self.breakdown.step,
                 )

@@ -21,7 +21,8 @@ from mtune.modules.nf4_linear import FrozenNF4Linear
 from mtune.config.keys import (DISTRIBUTED_KEYS, LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS,
                                         TRAINING_NODES)
 from mtune.modules.lora import is_adapter_param
-from mtune.training.model_setup import ModelSource, memory_flags, setup_model
+from mtune.config.keys import MemoryConfig
+from mtune.training.model_setup import ModelSource, setup_model
 from mtune.models import model_args
 from mtune.config.rules import TRAINING_RULES
 
@@ -135,7 +136,7 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         source = ModelSource(ckpt_family, model_args(ckpt_family, size), None)
         lora = cfg.get("lora")
         model, _ = setup_model(source, device=torch.device("meta"), dtype=torch.bfloat16, lora=lora,
-                               materialize=False, **memory_flags(cfg))
+                               materialize=False, memory=MemoryConfig.from_config(cfg))
         params = dict(model.named_parameters())
         base = sum(p.numel() for n, p in params.items() if not is_adapter_param(n))
         trainable = sum(p.numel() for p in params.values() if p.requires_grad)

@@ -1,6 +1,7 @@
 """Activation offloading: keep the tensors autograd saves for backward in host memory instead of GPU memory.
 
-`OffloadActivations` is a `torch.autograd.graph.saved_tensors_hooks` context. While it is active, every tensor
+`OffloadActivations` is a `torch.autograd.graph.saved_tensors_hooks` context that the training step enters around
+forward *and* the loss (`mtune.training.session.TrainingSession.train_step`). While it is active, every tensor
 autograd saves is copied to host memory (pinned, so the copy is asynchronous) and copied back when backward needs
 it. With `use_streams=True` both copies run on a side CUDA stream, so they overlap with compute; the allocator is
 told (`record_stream`) which stream still uses each buffer.
@@ -35,16 +36,25 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         use_streams: copy on a side CUDA stream so transfers overlap compute (CUDA only; ignored elsewhere).
         min_offload_bytes: tensors smaller than this stay where they are. Default 1 MiB.
         params: parameters never to offload (their storages are recognised); default none.
+        model: its parameters are never offloaded either, read each time the context is entered (a model set up
+            on the meta device gets its real parameters later).
     """
 
-    def __init__(self, use_streams: bool = True, min_offload_bytes: int = 1 << 20, params=()):
+    def __init__(self, use_streams: bool = True, min_offload_bytes: int = 1 << 20, params=(),
+                 model: nn.Module | None = None):
         self.min_offload_bytes = min_offload_bytes
         self.use_streams = use_streams and torch.cuda.is_available()
         self.stream = torch.cuda.Stream() if self.use_streams else None
+        self.model = model
         self._param_storages = {p.untyped_storage().data_ptr() for p in params if not p.is_meta}
         self.offloaded_bytes = 0  # bytes moved to the host in the last forward(s); for logs and tests
         self._copies: dict[int, tuple] = {}  # id(device tensor) -> (weakref to it, its host copy), while it lives
         super().__init__(self._pack, self._unpack)
+
+    def __enter__(self):
+        if self.model is not None:
+            self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters() if not p.is_meta}
+        return super().__enter__()
 
     def _should_offload(self, t: torch.Tensor) -> bool:
         return (
@@ -110,21 +120,13 @@ def _keep_saved_tensors_in_place(module: nn.Module) -> None:
 def apply_activation_offloading(
     model: nn.Module, use_streams: bool = True, min_offload_bytes: int = 1 << 20
 ) -> OffloadActivations:
-    """Offloads saved activations during every `model(...)` call, except inside `model.norm` and `model.lm_head`.
-    In place, via forward hooks on the model; returns the `OffloadActivations` context it uses (for its `offloaded_bytes`)."""
+    """The `OffloadActivations` context for `model`; enter it around forward and backward. Inside `model.norm` and
+    `model.lm_head` saved tensors stay in place (forward hooks installed here, in place): they run last in forward
+    and first in backward, so offloading them would only add copies."""
     if not torch.cuda.is_available():
         log.info("activation offloading: no CUDA device, activations already live in host memory: it saves nothing")
-    ctx = OffloadActivations(use_streams=use_streams, min_offload_bytes=min_offload_bytes)
-
-    def enter(module, args):
-        ctx._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters() if not p.is_meta}
-        ctx.__enter__()
-
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(lambda module, args, out: ctx.__exit__(None, None, None), always_call=True)
-    # The final norm and lm_head run last in forward and first in backward: offloading them only adds copies.
     for name in ("norm", "lm_head"):
         module = getattr(model, name, None)
         if module is not None:
             _keep_saved_tensors_in_place(module)
-    return ctx
+    return OffloadActivations(use_streams=use_streams, min_offload_bytes=min_offload_bytes, model=model)

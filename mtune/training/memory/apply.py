@@ -1,11 +1,16 @@
 """The one place that applies memory techniques to a built model, in one fixed order:
 
 1. LoRA / DoRA adapters (and NF4 base weights for QLoRA) — changes which modules exist, so it comes first.
-2. Activation checkpointing of blocks — wraps the blocks' forward, adapters included.
-3. Activation offloading — hooks on the whole model; with (2) it moves each block's saved input.
-4. torch.compile per block (`block.compile()`) — compiles the checkpointed block as a unit; compiling blocks one by
-   one keeps compile time per distinct block, not per model.
-5. FSDP2 sharding — applied afterwards by the distributed recipe, on the blocks and then the model.
+2. Activation checkpointing of blocks (``enable_activation_checkpointing``) — wraps the blocks' forward, adapters
+   included.
+3. Activation offloading (``enable_activation_offloading``) — returns the context that the training step enters
+   around forward and backward (so the loss's saved tensors are covered too); with (2) it moves each block's saved
+   input.
+4. torch.compile per block (``compile``: `block.compile()`) — compiles the checkpointed block as a unit; compiling
+   blocks one by one keeps compile time per distinct block, not per model.
+
+FSDP2 sharding comes after, in `mtune.training.model_setup.setup_sharded_model` (blocks, then the root), and
+``optimizer_in_bwd`` acts through the optimizer (`mtune.training.memory.optimizers.build_optimizer`).
 
 No global state: every step acts on the given model (a meta-device model works; see `mtune.modules.lora` for the
 order of `to_empty` / loading / `reset_lora_parameters`).
@@ -19,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from mtune.config.keys import MemoryConfig
 from mtune.modules.lora import apply_lora
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
 from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
@@ -29,25 +35,15 @@ log = logging.getLogger(__name__)
 
 
 def apply_memory_techniques(
-    model: nn.Module,
-    *,
-    lora: Mapping[str, Any] | None = None,
-    activation_checkpointing: bool = False,
-    every_n_layers: int = 1,
-    activation_offloading: bool = False,
-    offload_use_streams: bool = True,
-    compile: bool = False,
+    model: nn.Module, memory: MemoryConfig = MemoryConfig(), lora: Mapping[str, Any] | None = None
 ) -> OffloadActivations | None:
-    """Transforms `model` in place, in the order above. Returns the offloading context (None without offloading).
+    """Transforms `model` in place, in the order above. Returns the activation-offloading context to enter around
+    forward and backward, or None without offloading.
 
     Args:
+        memory: the run's memory keys (`MemoryConfig.from_config(cfg)`); the default applies nothing.
         lora: the config's `lora` node (`modules`, `rank`, `alpha`, `dropout`, `use_dora`, `quantize_base`), or None
             for a full fine-tune.
-        activation_checkpointing / every_n_layers: `enable_activation_checkpointing`,
-            `activation_checkpointing_every_n_layers`.
-        activation_offloading / offload_use_streams: `enable_activation_offloading`,
-            `activation_offloading_use_streams`.
-        compile: `compile`: each block of `model.layers` is compiled separately.
     """
     if lora is not None:
         apply_lora(
@@ -59,17 +55,18 @@ def apply_memory_techniques(
             use_dora=lora.get("use_dora", False),
             quantize_base=lora.get("quantize_base", False),
         )
-    if activation_checkpointing:
-        apply_activation_checkpointing(model, every_n_layers=every_n_layers)
+    if memory.enable_activation_checkpointing:
+        apply_activation_checkpointing(model, every_n_layers=memory.activation_checkpointing_every_n_layers)
     offload = None
-    if activation_offloading:
-        offload = apply_activation_offloading(model, use_streams=offload_use_streams)
-    if compile:
+    if memory.enable_activation_offloading:
+        offload = apply_activation_offloading(model, use_streams=memory.activation_offloading_use_streams)
+    if memory.compile:
         for block in model.layers:
             block.compile()
     log.info(
         "memory techniques: lora=%s, activation_checkpointing=%s (every %d), activation_offloading=%s, compile=%s",
         None if lora is None else ("dora" if lora.get("use_dora") else "lora") + ("+nf4" if lora.get("quantize_base") else ""),
-        activation_checkpointing, every_n_layers, activation_offloading, compile,
+        memory.enable_activation_checkpointing, memory.activation_checkpointing_every_n_layers,
+        memory.enable_activation_offloading, memory.compile,
     )
     return offload

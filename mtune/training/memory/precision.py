@@ -22,27 +22,30 @@ import logging
 
 import torch
 
-__all__ = ["resolve_dtype", "storage_dtype", "autocast", "LossScaler"]
+from mtune.config.keys import DTYPE_NAMES
+
+__all__ = ["DTYPES", "resolve_dtype", "storage_dtype", "autocast", "LossScaler"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+"""The ``dtype`` key's values as torch dtypes."""
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """The torch dtype for `dtype=name` on `device`, or a one-line error when the device cannot compute in it."""
-    if name not in _DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported: use one of {list(_DTYPES)}")
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported: use one of {list(DTYPES)}")
     device = torch.device(device)
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ValueError(f"dtype=bf16: the GPU {torch.cuda.get_device_name(device)} has no bf16 support: "
                          "set dtype=fp16 (with loss scaling) or dtype=fp32")
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def storage_dtype(name: str) -> torch.dtype:
     """The dtype the model's parameters are stored in: fp16 training keeps fp32 weights (compute is autocast)."""
-    return torch.float32 if name == "fp16" else _DTYPES[name]
+    return torch.float32 if name == "fp16" else DTYPES[name]
 
 
 def autocast(name: str, device: torch.device | str):

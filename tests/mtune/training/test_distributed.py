@@ -131,7 +131,8 @@ def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
 
     # 4. random weights (tied embeddings) with QDoRA adapters, set up sharded: the values of one device
     model, _ = setup_sharded_model(ModelSource("llama3_2", model_args("llama3_2", "tiny"), None), device=CPU,
-                                   dtype=torch.float32, seed=5, lora=QDORA)
+                                   dtype=torch.float32, seed=5, lora=QDORA, fsdp_reshard_after_forward=True,
+                                   fsdp_cpu_offload=False)
     out["random_qdora"] = dict(gathered_state_dict_items(model))
     if rank == 0:
         torch.save(out, tmp / "rank0.pt")

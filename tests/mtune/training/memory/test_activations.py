@@ -1,11 +1,13 @@
 """Activation checkpointing, activation offloading and per-block compile: same numbers as the plain model, and
 checkpointing's saving measured as bytes of tensors saved for backward."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
 
+from mtune.config.keys import MemoryConfig
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
@@ -22,9 +24,10 @@ def _model(n_layers=8):
     return build_model("llama3_1", "tiny", device="cpu", n_layers=n_layers)
 
 
-def _loss_and_grads(model):
-    loss_sum, n = CrossEntropyLoss()(model(TOKENS), LABELS)
-    (loss_sum / n).backward()
+def _loss_and_grads(model, activation_context=None):
+    with activation_context or contextlib.nullcontext():  # around forward and backward, as the session enters it
+        loss_sum, n = CrossEntropyLoss()(model(TOKENS), LABELS)
+        (loss_sum / n).backward()
     return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters()}
 
 
@@ -64,8 +67,9 @@ def test_checkpointing_is_exact_and_cuts_saved_activations():
 def test_offloading_is_exact():
     plain = _model(n_layers=2)
     offloaded = copy.deepcopy(plain)
-    ctx = apply_memory_techniques(offloaded, activation_checkpointing=True, activation_offloading=True)
-    _assert_identical(_loss_and_grads(apply_activation_checkpointing(plain)), _loss_and_grads(offloaded))
+    ctx = apply_memory_techniques(offloaded, MemoryConfig(enable_activation_checkpointing=True,
+                                                          enable_activation_offloading=True))
+    _assert_identical(_loss_and_grads(apply_activation_checkpointing(plain)), _loss_and_grads(offloaded, ctx))
     assert ctx.offloaded_bytes == 0  # no CUDA: activations already in host memory, nothing moved
 
 
@@ -87,10 +91,9 @@ def test_offload_hooks_round_trip_through_host_copies(monkeypatch):
 def test_compile_per_block_matches_eager():
     plain = _model(n_layers=1)  # compile on CPU is slow: one block
     compiled = copy.deepcopy(plain)
-    apply_memory_techniques(compiled, lora={"modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8},
-                            activation_checkpointing=True, compile=True)
-    apply_memory_techniques(plain, lora={"modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8},
-                            activation_checkpointing=True)
+    lora = {"modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8}
+    apply_memory_techniques(compiled, MemoryConfig(enable_activation_checkpointing=True, compile=True), lora=lora)
+    apply_memory_techniques(plain, MemoryConfig(enable_activation_checkpointing=True), lora=lora)
     compiled.load_state_dict(plain.state_dict())
     (loss_eager, grads_eager), (loss_compiled, grads_compiled) = _loss_and_grads(plain), _loss_and_grads(compiled)
     assert abs(loss_eager.item() - loss_compiled.item()) <= 1e-5 * loss_eager.abs().item()
@@ -110,12 +113,13 @@ def test_offloading_on_cuda_moves_block_inputs_and_is_exact(use_streams):
     ctx = apply_activation_offloading(offloaded, use_streams=use_streams, min_offload_bytes=0)
     tokens, labels = TOKENS.cuda(), LABELS.cuda()
 
-    def run(model):
-        loss_sum, n = CrossEntropyLoss()(model(tokens), labels)
-        (loss_sum / n).backward()
+    def run(model, activation_context=None):
+        with activation_context or contextlib.nullcontext():
+            loss_sum, n = CrossEntropyLoss()(model(tokens), labels)
+            (loss_sum / n).backward()
         return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters()}
 
-    _assert_identical(run(plain), run(offloaded))
+    _assert_identical(run(plain), run(offloaded, ctx))
     assert ctx.offloaded_bytes >= 2 * tokens.numel() * 256 * 4  # at least the two blocks' inputs
 
 

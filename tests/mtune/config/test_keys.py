@@ -1,0 +1,51 @@
+"""The key declarations: each YAML name declared once, and the memory keys carried under their own names."""
+
+from dataclasses import fields
+
+from omegaconf import OmegaConf
+
+from mtune.config import Key, KeyGroup, Node
+from mtune.config import keys as declared
+from mtune.config.keys import MEMORY_KEYS, MemoryConfig
+
+
+def _groups() -> list[KeyGroup]:
+    groups = [v for v in vars(declared).values() if isinstance(v, KeyGroup)]
+    inner = [d.keys for g in groups for d in g.keys if isinstance(d, Node) and d.keys is not None]
+    return groups + inner
+
+
+def test_each_memory_key_is_declared_once():
+    declarations = [(group.name, decl) for group in _groups() for decl in group.keys]
+    for key in MEMORY_KEYS.keys:
+        assert [g for g, decl in declarations if decl.name == key.name] == ["memory"], key.name
+
+
+def test_keys_shared_by_recipes_are_one_declaration():
+    # recipe, device and dtype mean the same for training and generation: one Key object, not copies
+    for name in ("recipe", "device"):
+        assert len({id(decl) for _, decl in ((g, d) for g in _groups() for d in g.keys) if decl.name == name}) == 1
+    dtype = {id(d) for g in _groups() for d in g.keys if d.name == "dtype" and d.default == "bf16"}
+    assert dtype == {id(declared.DTYPE_KEY)}
+
+
+def test_memory_config_carries_each_memory_key_under_its_yaml_name():
+    names = [k.name for k in MEMORY_KEYS.keys]
+    assert [f.name for f in fields(MemoryConfig)] == names
+    assert all(isinstance(k, Key) for k in MEMORY_KEYS.keys)
+    defaults = MemoryConfig()
+    assert {n: getattr(defaults, n) for n in names} == {k.name: k.default for k in MEMORY_KEYS.keys}
+    # from_config reads every key by its own name: flip each one and see it arrive
+    flipped = {k.name: (not k.default if isinstance(k.default, bool) else k.default + 2) for k in MEMORY_KEYS.keys}
+    memory = MemoryConfig.from_config(OmegaConf.create({"output_dir": "x", **flipped}))
+    assert {n: getattr(memory, n) for n in names} == flipped
+
+
+def test_memory_config_refuses_a_config_without_its_defaults():
+    cfg = OmegaConf.create({"enable_activation_checkpointing": True})
+    try:
+        MemoryConfig.from_config(cfg)
+    except KeyError as err:
+        assert "compile" in str(err) and "fill_defaults" in str(err)
+    else:
+        raise AssertionError("a config missing memory keys was accepted")
