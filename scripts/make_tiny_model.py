@@ -33,17 +33,10 @@ from mtune.models import build_model_from_args, model_args
 from mtune.modules.generation import generate
 from mtune.tokenizers import Message, load_tokenizer
 from mtune.tokenizers.bpe_to_tiktoken import train_byte_level_bpe, write_tiktoken_file
-from mtune.tokenizers.llama3 import PATTERN, special_tokens
+from mtune.tokenizers.llama3 import CHAT_TEMPLATE, PATTERN, special_tokens
 from mtune.training.checkpointing.hf import load_model_from_hf, save_hf_checkpoint
 
 BASE_VOCAB = 512
-LLAMA3_CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
 
 
 def tiny_model_args():
@@ -70,7 +63,7 @@ def write_tokenizer(corpus: list[str], model_dir: Path) -> None:
     (model_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-        "pad_token": "<|finetune_right_pad_id|>", "model_max_length": 256, "chat_template": LLAMA3_CHAT_TEMPLATE,
+        "pad_token": "<|finetune_right_pad_id|>", "model_max_length": 256, "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
 
 

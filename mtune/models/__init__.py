@@ -25,9 +25,6 @@ FAMILIES: dict[str, tuple[type[DecoderArgs], dict[str, dict]]] = {
     "tiny": (Llama3Args, {"tiny": LLAMA3_1_SIZES["tiny"]}),
 }
 
-ARGS_BY_FAMILY = {"llama2": Llama2Args, "llama3": Llama3Args, "qwen2": Qwen2Args, "mistral": MistralArgs}
-
-
 def model_args(family: str, size: str = "tiny", **overrides) -> DecoderArgs:
     """The arguments of a named size, e.g. ``model_args("llama3_1", "8B")``; ``overrides`` replace fields."""
     if family not in FAMILIES:
@@ -60,4 +57,4 @@ def build_model(
     return build_model_from_args(model_args(family, size, **overrides), device=device, dtype=dtype)
 
 
-__all__ = ["FAMILIES", "ARGS_BY_FAMILY", "model_args", "build_model", "build_model_from_args", "DecoderArgs"]
+__all__ = ["FAMILIES", "model_args", "build_model", "build_model_from_args", "DecoderArgs"]

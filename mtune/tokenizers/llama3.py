@@ -22,6 +22,15 @@ PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 NUM_SPECIAL_TOKENS = 256
+# The official Jinja chat template of Llama 3 instruct models (their tokenizer_config.json, tool-calling branches
+# left out), for model directories mtune writes (the tiny built-in model); transformers renders the same format.
+CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 # Offsets from the base vocabulary size (128000 in the released models), in Llama 3.1's layout; the rest of the
 # 256 slots are <|reserved_special_token_N|>.
 _NAMED = {

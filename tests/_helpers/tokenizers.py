@@ -13,17 +13,11 @@ from functools import lru_cache
 from pathlib import Path
 
 from mtune.tokenizers.bpe_to_tiktoken import train_byte_level_bpe, write_tiktoken_file
+from mtune.tokenizers.llama3 import CHAT_TEMPLATE as LLAMA3_CHAT_TEMPLATE
 
 # The official chat templates, written out from the model cards' tokenizer_config.json (tool-calling branches of
-# the Qwen 2.5 and Mistral v0.3 templates left out: mtune renders system/user/assistant turns only).
-LLAMA3_CHAT_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-
+# the Qwen 2.5 and Mistral v0.3 templates left out: mtune renders system/user/assistant turns only). Llama 3's is
+# mtune.tokenizers.llama3.CHAT_TEMPLATE, which the tiny built-in model's files carry too.
 LLAMA2_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
     "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from mtune.training.observe.plots import plot_memory_breakdown
+
 __all__ = ["peak_memory_stats", "MemoryBreakdown", "tensor_bytes", "tensor_storage_bytes"]
 
 log = logging.getLogger(__name__)
@@ -189,34 +191,5 @@ class MemoryBreakdown:
         path = self.output_dir / "memory_breakdown.json"
         summary = self.summary()
         path.write_text(json.dumps(summary, indent=2))
-        _plot_breakdown(summary, self.output_dir / "memory_breakdown.png")
+        plot_memory_breakdown(summary, self.output_dir / "memory_breakdown.png", CATEGORIES)
         return path
-
-
-def _plot_breakdown(summary: dict[str, Any], out_png: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("Memory breakdown plot skipped (JSON written): pip install 'mtune[plots]' for matplotlib")
-        return None
-    steps = summary["steps"]
-    scale, unit = (GIB, "GiB") if summary["peak"]["total"] >= GIB else (1024**2, "MiB")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bottom = [0.0] * len(steps)
-    x = [r["step"] for r in steps]
-    for category in CATEGORIES:
-        heights = [r[category] / scale for r in steps]
-        ax.bar(x, heights, bottom=bottom, label=category.replace("_", " "))
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"live tensors ({unit})")
-    ax.set_xticks(x)
-    ax.set_title("Memory by category")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png)
-    plt.close(fig)
-    return out_png

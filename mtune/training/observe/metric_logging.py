@@ -1,4 +1,4 @@
-"""Metric loggers and the tokens/s meter.
+"""Metric loggers: ``metrics.jsonl`` always, TensorBoard or Weights & Biases when the config asks.
 
 Every run writes ``${output_dir}/metrics.jsonl`` (one JSON object per logged step). The ``metric_logger`` config
 node may name one more backend by ``_component_`` (TensorBoard or Weights & Biases); it receives the same dicts.
@@ -17,7 +17,6 @@ import importlib
 import json
 import math
 import os
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -32,9 +31,7 @@ __all__ = [
     "NullLogger",
     "MultiLogger",
     "build_metric_logger",
-    "StepTimer",
     "METRICS_FILENAME",
-    "plot_loss_curve",
 ]
 
 
@@ -237,95 +234,3 @@ def build_metric_logger(node: Mapping[str, Any] | None, *, output_dir: str | os.
             kwargs.setdefault("output_dir", str(output_dir))
             loggers.append(component(**kwargs))
     return loggers[0] if len(loggers) == 1 else MultiLogger(loggers)
-
-
-class StepTimer:
-    """Measures tokens/s over a logging interval.
-
-    Call :meth:`start` when the interval begins, :meth:`add_tokens` once per step with the number of non-padding
-    tokens processed *on all ranks* in that step (the recipe sums them over ranks), and :meth:`rates` at logging
-    time; :meth:`rates` restarts the interval.
-
-    Args:
-        world_size: number of ranks; ``tokens_per_second_per_device = tokens_per_second / world_size``.
-        clock: seconds as a float; ``time.perf_counter`` by default (a fake clock in tests).
-        synchronize: wait for queued CUDA work before reading the clock, so the rate covers finished work.
-    """
-
-    def __init__(self, world_size: int = 1, clock: Callable[[], float] = time.perf_counter,
-                 synchronize: bool = True):
-        if world_size < 1:
-            raise ValueError(f"StepTimer world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self._clock = clock
-        self._synchronize = synchronize
-        self._tokens = 0
-        self._start: float | None = None
-
-    def _now(self) -> float:
-        if self._synchronize:
-            import torch
-
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-        return self._clock()
-
-    def start(self) -> None:
-        self._tokens = 0
-        self._start = self._now()
-
-    def add_tokens(self, num_tokens: int) -> None:
-        self._tokens += int(num_tokens)
-
-    def rates(self, reset: bool = True) -> dict[str, float]:
-        """``{"tokens_per_second": ..., "tokens_per_second_per_device": ...}`` since :meth:`start`."""
-        if self._start is None:
-            raise RuntimeError("StepTimer.rates() called before StepTimer.start()")
-        now = self._now()
-        elapsed = now - self._start
-        tps = self._tokens / elapsed if elapsed > 0 else 0.0
-        if reset:
-            self._tokens = 0
-            self._start = now
-        return {"tokens_per_second": tps, "tokens_per_second_per_device": tps / self.world_size}
-
-
-def plot_loss_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
-    """Plot ``loss`` (and ``val_loss`` where present) against ``step`` from a ``metrics.jsonl`` into ``out_png``.
-
-    Returns the PNG path, or None (with a message naming the ``plots`` extra) when matplotlib is not installed.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("Loss curve not plotted: pip install 'mtune[plots]' for matplotlib")
-        return None
-    series: dict[str, tuple[list[int], list[float]]] = {"loss": ([], []), "val_loss": ([], [])}
-    with open(metrics_jsonl, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{metrics_jsonl}:{line_number} is not JSON ({e})") from e
-            for key, (steps, values) in series.items():
-                if isinstance(row.get(key), (int, float)):
-                    steps.append(row["step"])
-                    values.append(row[key])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, (steps, values) in series.items():
-        if steps:
-            ax.plot(steps, values, marker="o" if key == "val_loss" else None, label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png)
-    plt.close(fig)
-    return out_png

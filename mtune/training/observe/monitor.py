@@ -12,7 +12,9 @@ import torch
 
 from mtune.training.loop import StepResult, all_reduce
 from mtune.training.memory.accounting import peak_memory_stats
-from mtune.training.observe.metric_logging import METRICS_FILENAME, StepTimer, build_metric_logger, plot_loss_curve
+from mtune.training.observe.metric_logging import METRICS_FILENAME, build_metric_logger
+from mtune.training.observe.plots import plot_loss_curve
+from mtune.training.observe.step_timer import StepTimer
 from mtune.training.observe.progress import TrainingProgress
 
 __all__ = ["TrainingMonitor"]

@@ -10,9 +10,9 @@ from mtune.training.observe.metric_logging import (
     MetricLogger,
     MultiLogger,
     NullLogger,
-    StepTimer,
     build_metric_logger,
 )
+from mtune.training.observe.step_timer import StepTimer
 from mtune.training.observe.progress import TrainingProgress, format_metrics
 
 ROWS = [
