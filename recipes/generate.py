@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
 from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
+from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
 from mtune.training.checkpointing.peft import load_peft_adapter, read_adapter_config
@@ -28,7 +29,7 @@ from mtune.training.context import configure_logging, resolve_device
 from mtune.training.memory.precision import resolve_dtype
 from mtune.training.model_setup import resolve_model_source, setup_model
 
-SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS])
+SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS], rules=GENERATE_RULES)
 
 log = logging.getLogger("mtune")
 

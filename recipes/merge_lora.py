@@ -19,12 +19,13 @@ from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
 from mtune.config.keys import MERGE_KEYS
+from mtune.config.rules import MERGE_RULES
 from mtune.training.checkpointing.merge import save_merged_model
 from mtune.training.checkpointing.peft import read_adapter_config
 from mtune.training.context import configure_logging
 from mtune.training.memory.precision import DTYPES
 
-SCHEMA = RecipeSchema([MERGE_KEYS])
+SCHEMA = RecipeSchema([MERGE_KEYS], rules=MERGE_RULES)
 
 log = logging.getLogger("mtune")
 

@@ -10,8 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from omegaconf import DictConfig
-
 from mtune.config.schema import REQUIRED, Key, KeyGroup, Node
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
@@ -179,14 +177,6 @@ DISTRIBUTED_KEYS = KeyGroup(
 
 
 # ------------------------------------------------------------------------------------------------------ merge_lora
-def _merge_base_rule(cfg: DictConfig) -> list[str]:
-    """base_model_dir and model.checkpoint_dir name the same thing; one of them at most."""
-    model = cfg.get("model") or {}
-    if cfg.get("base_model_dir") and model.get("checkpoint_dir") and cfg.base_model_dir != model.checkpoint_dir:
-        return ["base_model_dir and model.checkpoint_dir differ: set only one of them (the adapter's base model)"]
-    return []
-
-
 MERGE_KEYS = KeyGroup(
     "merge",
     help="merge a saved PEFT adapter into its base checkpoint and write a Hugging Face model",
@@ -203,35 +193,10 @@ MERGE_KEYS = KeyGroup(
             choices=DTYPE_NAMES),
         Key("max_shard_size", (str, int), "5GB", "largest safetensors file, e.g. 5GB, 500MB or bytes"),
     ],
-    rules=(_merge_base_rule,),
 )
 
 
 # ------------------------------------------------------------------------------------------------------ generate
-def _generate_input_rule(cfg: DictConfig) -> list[str]:
-    """Exactly one of prompt / messages; messages are {role, content} mappings."""
-    prompt, messages = cfg.get("prompt"), cfg.get("messages")
-    if (prompt is None) == (messages is None):
-        return ["set exactly one of prompt (plain text) or messages (a list of {role, content})"]
-    for i, message in enumerate(messages or []):
-        if not hasattr(message, "keys") or set(message.keys()) != {"role", "content"}:
-            return [f"messages.{i}: each message is a mapping with exactly the keys role and content"]
-    return []
-
-
-def _sampling_rule(cfg: DictConfig) -> list[str]:
-    problems = []
-    if cfg.temperature < 0:
-        problems.append("temperature must be >= 0 (0 = greedy)")
-    if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
-        problems.append("top_p must be in (0, 1] (or null)")
-    if cfg.top_k is not None and cfg.top_k < 1:
-        problems.append("top_k must be >= 1 (or null)")
-    if cfg.max_new_tokens < 1:
-        problems.append("max_new_tokens must be >= 1")
-    return problems
-
-
 GENERATE_KEYS = KeyGroup(
     "generate",
     help="sample text from a model (a base or full checkpoint, or a base plus a PEFT adapter)",
@@ -248,5 +213,4 @@ GENERATE_KEYS = KeyGroup(
         Key("top_k", int, None, "sample among the k most likely tokens only (null: all)"),
         Key("top_p", float, None, "sample from the smallest set of tokens whose probability reaches top_p (null: all)"),
     ],
-    rules=(_generate_input_rule, _sampling_rule),
 )

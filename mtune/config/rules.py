@@ -1,5 +1,7 @@
-"""Rules for incompatible memory / optimizer flags: each is `cfg -> list[str]` of one-line problems naming the flags
-and the fix. Training recipes attach `TRAINING_RULES` to their schema; `mtune validate` runs them before any training.
+"""The cross-key rules, all of them: each is `cfg -> list[str]` of one-line problems naming the keys and the fix.
+A recipe attaches one tuple to its `RecipeSchema(groups, rules=...)` (`TRAINING_RULES`, `DISTRIBUTED_RULES`,
+`MERGE_RULES`, `GENERATE_RULES`); `mtune validate` and `mtune run` run them, on the config with its defaults filled
+in, before anything is built.
 
 No torch import here: `mtune validate` reads this module.
 """
@@ -25,6 +27,8 @@ __all__ = [
     "check_distributed_adapter_start",
     "check_distributed_optimizer",
     "check_distributed_backend",
+    "MERGE_RULES",
+    "GENERATE_RULES",
 ]
 
 
@@ -177,3 +181,45 @@ def check_distributed_adapter_start(cfg: Any) -> list[str]:
 DISTRIBUTED_RULES = TRAINING_RULES + (check_distributed_optimizer, check_distributed_backend,
                                       check_distributed_adapter_start)
 """Every rule a distributed training recipe attaches to its `RecipeSchema`."""
+
+
+# ------------------------------------------------------------------------------------------------ merge_lora
+def check_merge_base(cfg: Any) -> list[str]:
+    """base_model_dir and model.checkpoint_dir name the same thing; one of them at most."""
+    model = cfg.get("model") or {}
+    if cfg.get("base_model_dir") and model.get("checkpoint_dir") and cfg.base_model_dir != model.checkpoint_dir:
+        return ["base_model_dir and model.checkpoint_dir differ: set only one of them (the adapter's base model)"]
+    return []
+
+
+MERGE_RULES = (check_merge_base,)
+"""The rules the merge_lora recipe attaches to its `RecipeSchema`."""
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def check_generate_input(cfg: Any) -> list[str]:
+    """Exactly one of prompt / messages; messages are {role, content} mappings."""
+    prompt, messages = cfg.get("prompt"), cfg.get("messages")
+    if (prompt is None) == (messages is None):
+        return ["set exactly one of prompt (plain text) or messages (a list of {role, content})"]
+    for i, message in enumerate(messages or []):
+        if not hasattr(message, "keys") or set(message.keys()) != {"role", "content"}:
+            return [f"messages.{i}: each message is a mapping with exactly the keys role and content"]
+    return []
+
+
+def check_sampling(cfg: Any) -> list[str]:
+    problems = []
+    if cfg.temperature < 0:
+        problems.append("temperature must be >= 0 (0 = greedy)")
+    if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
+        problems.append("top_p must be in (0, 1] (or null)")
+    if cfg.top_k is not None and cfg.top_k < 1:
+        problems.append("top_k must be >= 1 (or null)")
+    if cfg.max_new_tokens < 1:
+        problems.append("max_new_tokens must be >= 1")
+    return problems
+
+
+GENERATE_RULES = (check_generate_input, check_sampling)
+"""The rules the generate recipe attaches to its `RecipeSchema`."""

@@ -83,12 +83,11 @@ class Node:
 
 @dataclass(frozen=True)
 class KeyGroup:
-    """Keys that several recipes read, declared once; ``rules`` are checks `cfg -> list[str]` of problems."""
+    """Keys that several recipes read, declared once. Checks across keys are rules of the `RecipeSchema`."""
 
     name: str
     keys: Sequence[Key | Node]
     help: str = ""
-    rules: Sequence[Rule] = ()
 
     def __post_init__(self) -> None:
         names = [k.name for k in self.keys]
@@ -103,7 +102,8 @@ class KeyGroup:
 
 @dataclass(frozen=True)
 class RecipeSchema:
-    """The recipe-level keys a recipe reads: its groups plus extra ``rules`` (`cfg -> list[str]`)."""
+    """The recipe-level keys a recipe reads (its groups) and the rules across them (`cfg -> list[str]`, from
+    `mtune.config.rules`)."""
 
     groups: Sequence[KeyGroup]
     rules: Sequence[Rule] = field(default_factory=tuple)
@@ -120,10 +120,6 @@ class RecipeSchema:
     def keys(self) -> dict[str, Key | Node]:
         return {k.name: k for group in self.groups for k in group.keys}
 
-    @property
-    def all_rules(self) -> list[Rule]:
-        return [rule for group in self.groups for rule in group.rules] + list(self.rules)
-
     def check(self, cfg: DictConfig) -> list[str]:
         """Every problem with ``cfg``'s recipe-level keys: unknown or missing keys, wrong types, broken rules."""
         problems = _check_keys(cfg, self.keys, "")
@@ -131,7 +127,7 @@ class RecipeSchema:
             return problems  # rules read keys, so they run only on a well-formed config
         # Rules see the config as the recipe will: with every left-out key at its default.
         filled = self.fill_defaults(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
-        for rule in self.all_rules:
+        for rule in self.rules:
             try:
                 problems += list(rule(filled))
             except Exception as err:  # a rule must not hide the other problems
