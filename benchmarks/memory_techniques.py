@@ -48,6 +48,7 @@ from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss  # noqa
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.memory.accounting import MemoryBreakdown, tensor_storage_bytes  # noqa: E402
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers  # noqa: E402
+from mtune.training.memory.precision import DTYPES  # noqa: E402
 from mtune.training.model_setup import ModelSource, setup_model  # noqa: E402
 
 MODEL = dict(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, intermediate_dim=1408,
@@ -212,7 +213,7 @@ class LogitsPeak(TorchDispatchMode):
 def measure(row: Row) -> dict:
     torch.manual_seed(0)
     device = torch.device("cpu")
-    dtype = torch.bfloat16 if row.dtype == "bf16" else torch.float32
+    dtype = DTYPES[row.dtype]
     source = ModelSource("llama3_2", model_args("llama3_2", "tiny", **MODEL), None)
     saved = SavedBytes()
     with counted_no_offload(saved):

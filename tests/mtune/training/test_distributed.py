@@ -22,11 +22,11 @@ from mtune.modules.lora import is_adapter_param, peft_adapter_state_dict
 from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import hf_key
 from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
-from mtune.training.distributed import shard_model
 from mtune.training.checkpointing.dcp import (
     gathered_peft_adapter_items, gathered_state_dict_items, load_distributed_state, save_distributed_state,
     save_gathered_hf_checkpoint,
 )
+from mtune.training.distributed import shard_model
 from mtune.training.loop import train_step
 from mtune.training.memory.accounting import tensor_bytes
 from mtune.training.model_setup import (
