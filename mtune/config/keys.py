@@ -127,7 +127,7 @@ TRAINING_NODES = KeyGroup(
         Node("lr_scheduler", "learning-rate schedule, stepped once per optimizer step (null: constant)"),
         Node("loss", "the loss (null: the library's cross-entropy)"),
         Node("dataset", "the training set builder, called with tokenizer=", required=True),
-        Node("dataset_val", "the validation set builder (needed by eval_every_n_steps)"),
+        Node("dataset_val", "the held-out set builder, for val_loss (needed by eval_every_n_steps)"),
         Node("metric_logger", "where metrics go besides metrics.jsonl (null: only metrics.jsonl)"),
         Node("profiler", "torch.profiler settings (null: no profiling)"),
         Node("task_eval", "a task metric computed before and after training, e.g. exact-match accuracy (null: none)"),

@@ -134,7 +134,7 @@ MEMORY_RULES = (
 
 
 def check_eval_dataset(cfg: Any) -> list[str]:
-    """Evaluation needs a validation set."""
+    """eval_every_n_steps needs a held-out set (dataset_val) to compute val_loss on."""
     if _get(cfg, "eval_every_n_steps") is not None and _get(cfg, "dataset_val") is None:
         return ["eval_every_n_steps is set but dataset_val is not: add a dataset_val node or set eval_every_n_steps=null"]
     return []

@@ -1,4 +1,4 @@
-"""One optimizer step over accumulated micro-batches, and the validation loss.
+"""One optimizer step over accumulated micro-batches, and the loss over a held-out set (``val_loss``).
 
 The loss of a step is the token-weighted mean over all of its micro-batches (and ranks): each micro-batch's summed
 token loss is divided by the number of trained tokens of the whole step before backward, so 2 micro-batches of 1

@@ -7,7 +7,7 @@
     session.finish()                             # final checkpoint, task metric after training
 
 What happens in a step, in order: forward and backward of every micro-batch (token-weighted loss), unscale and clip,
-optimizer step (or none with optimizer-in-backward), LR scheduler step, metrics, validation loss every
+optimizer step (or none with optimizer-in-backward), LR scheduler step, metrics, ``val_loss`` every
 ``eval_every_n_steps``, a checkpoint every ``save_every_n_steps`` or when SIGTERM/SIGINT asked to stop.
 """
 
@@ -218,7 +218,7 @@ class TrainingSession:
         self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr)
         every_eval = self.cfg.get("eval_every_n_steps")
         if self.val_loader is not None and every_eval and self.step % every_eval == 0:
-            self.monitor.log({"val_loss": self.validation_loss()}, step=self.step)
+            self.monitor.log({"val_loss": self.val_loss()}, step=self.step)
         stop = self._stop.requested_on_any_rank()
         every_save = self.cfg.get("save_every_n_steps")
         if stop or (every_save and self.step % every_save == 0):
@@ -227,8 +227,9 @@ class TrainingSession:
             self.stopped = True
             log.info("stopped by a signal after step %d; resume with resume_from_checkpoint=true", self.step)
 
-    def validation_loss(self) -> float:
-        self.val_loader.set_epoch(0)  # every evaluation reads the whole validation set from its start
+    def val_loss(self) -> float:
+        """Token-weighted mean loss over the whole held-out set (``dataset_val``)."""
+        self.val_loader.set_epoch(0)  # every evaluation reads the whole held-out set from its start
         with oom_guard("evaluation", self.cfg):
             return evaluate(self.model, self.val_loader, self.loss_fn, device=self.run.device,
                             autocast=self.run.autocast)

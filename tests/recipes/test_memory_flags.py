@@ -62,7 +62,7 @@ def test_gradient_accumulation_2x2_equals_batch_4(tmp_path, tiny_checkpoint, tin
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)
 
 
-def test_validation_loss_and_memory_breakdown(tmp_path, tiny_checkpoint, tiny_data, plain):
+def test_val_loss_and_memory_breakdown(tmp_path, tiny_checkpoint, tiny_data, plain):
     import json
 
     from tests._helpers.recipes import read_metrics
