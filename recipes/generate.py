@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
+from mtune.config.errors import ConfigError
 from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
 from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream
@@ -95,7 +96,7 @@ def main(cfg: DictConfig) -> str:
     tokenizer_cfg = cfg.get("tokenizer") or {}
     tokenizer_path = tokenizer_cfg.get("path") or source.checkpoint_dir
     if tokenizer_path is None:
-        raise ValueError("tokenizer.path is needed when the model has random weights (model.size)")
+        raise ConfigError("tokenizer.path is needed when the model has random weights (model.size)")
     tokenizer = load_tokenizer(tokenizer_path, max_seq_len=tokenizer_cfg.get("max_seq_len"))
     messages = cfg.messages
     if messages is not None:

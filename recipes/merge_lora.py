@@ -18,8 +18,10 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
+from mtune.config.errors import ConfigError
 from mtune.config.keys import MERGE_KEYS
 from mtune.config.rules import MERGE_RULES
+from mtune.errors import OutputExistsError, PathNotFoundError
 from mtune.training.checkpointing.merge import save_merged_model
 from mtune.training.checkpointing.peft import read_adapter_config
 from mtune.training.context import configure_logging
@@ -37,13 +39,13 @@ def base_model_dir(cfg: DictConfig, adapter_config: dict) -> Path:
     for key, value in (("base_model_dir", cfg.get("base_model_dir")), ("model.checkpoint_dir", model.get("checkpoint_dir"))):
         if value:
             if not (Path(value) / "config.json").is_file():
-                raise FileNotFoundError(f"{key}={value}: no config.json there; it must be the adapter's base model "
+                raise PathNotFoundError(f"{key}={value}: no config.json there; it must be the adapter's base model "
                                         "(a Hugging Face model directory)")
             return Path(value)
     recorded = adapter_config.get("base_model_name_or_path")
     if recorded and (Path(recorded) / "config.json").is_file():
         return Path(recorded)
-    raise ValueError(f"base_model_dir is not set and the adapter's base_model_name_or_path ({recorded!r}) is not a "
+    raise ConfigError(f"base_model_dir is not set and the adapter's base_model_name_or_path ({recorded!r}) is not a "
                      "local model directory: set base_model_dir=<the base model's Hugging Face directory>")
 
 
@@ -53,7 +55,7 @@ def main(cfg: DictConfig) -> Path:
     base = base_model_dir(cfg, read_adapter_config(adapter_dir))
     out = Path(cfg.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"output_dir={out} already exists and is not empty: choose another output_dir or "
+        raise OutputExistsError(f"output_dir={out} already exists and is not empty: choose another output_dir or "
                               "remove it")
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
 

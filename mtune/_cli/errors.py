@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+from mtune.errors import MtuneError
 
-class CliError(Exception):
-    """A failure the user can act on: printed as ``error: <message>`` (+ ``hint: ...``), exit status 1."""
 
-    exit_code = 1
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.hint = hint
+class CliError(MtuneError):
+    """A failure of a CLI command the user can act on: printed as ``error: <message>`` (+ ``hint: ...``), exit
+    status 1."""
 
 
 class UsageError(CliError):

@@ -55,19 +55,22 @@ def dispatch(argv: list[str]) -> int:
 
 
 def handle_errors(function: Callable[[list[str]], int], argv: list[str]) -> int:
-    """Run ``function(argv)`` and turn a user-facing error into one line on stderr and an exit status."""
-    from mtune._cli.errors import CliError
-    from mtune.config.errors import ConfigError
+    """Run ``function(argv)`` and turn a user-facing error into one line on stderr and an exit status.
+
+    Every `MtuneError` (config, data, checkpoint, resume, adapter, non-finite loss, out of memory, CLI) is printed
+    as ``error: ...`` / ``hint: ...``; other exceptions are bugs or unforeseen failures and keep their traceback.
+    ``MTUNE_DEBUG=1`` shows the traceback of every error."""
+    from mtune.errors import MtuneError
 
     try:
         return function(argv)
-    except (CliError, ConfigError) as err:
+    except MtuneError as err:
         if os.environ.get("MTUNE_DEBUG") == "1":
             raise
         print(f"error: {err}", file=sys.stderr)
         if err.hint:
             print(f"hint: {err.hint}", file=sys.stderr)
-        return getattr(err, "exit_code", 1)
+        return err.exit_code
     except KeyboardInterrupt:
         return 130
 

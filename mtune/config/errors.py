@@ -5,16 +5,14 @@ from __future__ import annotations
 import difflib
 from typing import Iterable
 
+from mtune.errors import MtuneError
 
-class ConfigError(ValueError):
+
+class ConfigError(MtuneError, ValueError):
     """A problem in a config or its overrides that the user can fix.
 
     ``str(err)`` is one line naming the key; ``err.hint`` (may be empty) says what to do.
     """
-
-    def __init__(self, message: str, hint: str = ""):
-        super().__init__(message)
-        self.hint = hint
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import torch
 
+from mtune.errors import MtuneError
+
 IGNORE_INDEX = -100
 """Label of positions that are not trained on (prompt tokens, padding, the last token of a document)."""
 
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(MtuneError, ValueError):
     """A problem with the data or the dataset settings that the user has to fix (one line, naming file/row/key)."""
 
 

@@ -6,6 +6,7 @@ Family names are those of the config folders (``llama2``, ``llama3``, ``llama3_1
 
 import torch
 
+from mtune.config.errors import ConfigError
 from mtune.models.llama2 import LLAMA2_SIZES, Llama2Args
 from mtune.models.llama3 import LLAMA3_1_SIZES, LLAMA3_2_SIZES, LLAMA3_3_SIZES, LLAMA3_SIZES, Llama3Args
 from mtune.models.mistral import MISTRAL_SIZES, MistralArgs
@@ -28,10 +29,10 @@ FAMILIES: dict[str, tuple[type[DecoderArgs], dict[str, dict]]] = {
 def model_args(family: str, size: str = "tiny", **overrides) -> DecoderArgs:
     """The arguments of a named size, e.g. ``model_args("llama3_1", "8B")``; ``overrides`` replace fields."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+        raise ConfigError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
     args_cls, sizes = FAMILIES[family]
     if size not in sizes:
-        raise ValueError(f"unknown size {size!r} for family {family!r}; choose one of {list(sizes)}")
+        raise ConfigError(f"unknown size {size!r} for family {family!r}; choose one of {list(sizes)}")
     return args_cls(**{**sizes[size], **overrides})
 
 

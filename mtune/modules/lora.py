@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from mtune.config.errors import ConfigError
 from mtune.config.keys import LORA_TARGETS
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4, linear_maybe_nf4, quantize_nf4
 
@@ -206,9 +207,9 @@ def apply_lora(
     modules = set(modules)
     unknown = modules - set(LORA_TARGETS)
     if unknown:
-        raise ValueError(f"lora.modules has unknown names {sorted(unknown)}: choose from {list(LORA_TARGETS)}")
+        raise ConfigError(f"lora.modules has unknown names {sorted(unknown)}: choose from {list(LORA_TARGETS)}")
     if "lm_head" in modules and _is_tied_lm_head(model):
-        raise ValueError(
+        raise ConfigError(
             "lora.modules contains lm_head but this model ties lm_head to embed_tokens: remove lm_head from lora.modules"
         )
     kwargs = dict(rank=rank, alpha=alpha, dropout=dropout, use_dora=use_dora, quantize_base=quantize_base)
@@ -225,7 +226,7 @@ def apply_lora(
             elif quantize_base and parent_name.startswith("layers."):
                 setattr(parent, child_name, FrozenNF4Linear.from_linear(child))
     if not found:
-        raise ValueError(f"lora.modules {sorted(modules)} matched no nn.Linear in the model")
+        raise ConfigError(f"lora.modules {sorted(modules)} matched no nn.Linear in the model")
     freeze_base(model)
     if not any(p.is_meta for p in model.parameters()):
         reset_lora_parameters(model)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtune.config.errors import ConfigError
+
 try:  # torchao >= 0.18 moved NF4 under quantize_.workflows
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, linear_nf4, to_nf4
 except ImportError:  # older torchao
@@ -29,7 +31,7 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
     """Returns a frozen Parameter holding `weight` as NF4 (dequantizes back to `weight.dtype`)."""
     if weight.numel() % 16384 != 0:
-        raise ValueError(
+        raise ConfigError(
             f"NF4 needs a weight whose element count is divisible by 16384; got shape {tuple(weight.shape)}: "
             "pick model sizes with larger or rounder linear layers, or set lora.quantize_base=false"
         )

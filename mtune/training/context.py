@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from mtune.config.errors import ConfigError
 from mtune.training.memory.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 from mtune.training.rng import set_seed
 
@@ -72,11 +73,11 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={name}: this machine has no CUDA GPU (or torch is a CPU build): set device=cpu")
+            raise ConfigError(f"device={name}: this machine has no CUDA GPU (or torch is a CPU build): set device=cpu")
         if device.index is None:
             device = torch.device("cuda", local_rank)
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+            raise ConfigError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     return device
 
 

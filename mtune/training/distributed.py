@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from mtune.config.errors import ConfigError
+
 __all__ = ["init_distributed", "destroy_distributed", "shard_model"]
 
 # ------------------------------------------------------------------------------------------------ process group
@@ -35,7 +37,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("distributed_backend=nccl needs CUDA GPUs: set distributed_backend=gloo (or null) on CPU")
+        raise ConfigError("distributed_backend=nccl needs CUDA GPUs: set distributed_backend=gloo (or null) on CPU")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     if "WORLD_SIZE" not in os.environ:

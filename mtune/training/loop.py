@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from mtune.data.common import IGNORE_INDEX
+from mtune.errors import MtuneError
 
 __all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "evaluate", "forward_loss",
            "all_reduce"]
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(MtuneError, RuntimeError):
     """The loss became inf or NaN in a bf16/fp32 run."""
 
 

@@ -19,6 +19,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from mtune.config.errors import ConfigError
+
 __all__ = ["get_cosine_schedule_with_warmup", "get_constant_schedule_with_warmup", "get_linear_schedule_with_warmup"]
 
 
@@ -43,9 +45,9 @@ def _linear_factor(step: int, *, num_warmup_steps: int, num_training_steps: int)
 
 def _check_steps(num_warmup_steps: int, num_training_steps: int | None = None) -> None:
     if num_warmup_steps < 0:
-        raise ValueError(f"lr_scheduler.num_warmup_steps must be >= 0, got {num_warmup_steps}")
+        raise ConfigError(f"lr_scheduler.num_warmup_steps must be >= 0, got {num_warmup_steps}")
     if num_training_steps is not None and num_training_steps < 1:
-        raise ValueError(f"lr_scheduler num_training_steps must be >= 1, got {num_training_steps}")
+        raise ConfigError(f"lr_scheduler num_training_steps must be >= 1, got {num_training_steps}")
 
 
 def get_cosine_schedule_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int,

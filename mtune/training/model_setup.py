@@ -22,7 +22,9 @@ from torch import nn
 
 from torch.distributed.tensor import DTensor
 
+from mtune.config.errors import ConfigError
 from mtune.config.keys import MemoryConfig
+from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
@@ -58,11 +60,11 @@ def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
     checkpoint_dir = model_cfg.get("checkpoint_dir")
     size = model_cfg.get("size")
     if checkpoint_dir and size:
-        raise ValueError("model: set either checkpoint_dir (load weights) or size (random weights), not both")
+        raise ConfigError("model: set either checkpoint_dir (load weights) or size (random weights), not both")
     if checkpoint_dir:
         path = Path(checkpoint_dir)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
+            raise PathNotFoundError(
                 f"model.checkpoint_dir={checkpoint_dir}: no config.json there; download the model first "
                 f"(mtune download <repo> --output-dir {checkpoint_dir})"
             )
@@ -71,9 +73,9 @@ def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
     if size:
         family = model_cfg.get("family")
         if not family:
-            raise ValueError("model.size needs model.family (e.g. model.family=llama3_2 model.size=1B)")
+            raise ConfigError("model.size needs model.family (e.g. model.family=llama3_2 model.size=1B)")
         return ModelSource(family, model_args(family, size), None)
-    raise ValueError("model: set checkpoint_dir (a Hugging Face model directory) or family + size")
+    raise ConfigError("model: set checkpoint_dir (a Hugging Face model directory) or family + size")
 
 
 def _quantize_when_loaded(module: nn.Module) -> None:

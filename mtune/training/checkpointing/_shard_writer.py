@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from mtune.config.errors import ConfigError
+
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -15,7 +17,7 @@ def parse_size(size: int | str) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", size, flags=re.IGNORECASE)
     if not match:
-        raise ValueError(f"max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
+        raise ConfigError(f"max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mtune.config.errors import ConfigError
+from mtune.errors import PathNotFoundError
 import mtune
 
 __all__ = [
@@ -89,7 +91,7 @@ def read_checkpoint_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{checkpoint_dir} is not a complete mtune checkpoint: {STATE_FILENAME} is missing")
+        raise PathNotFoundError(f"{checkpoint_dir} is not a complete mtune checkpoint: {STATE_FILENAME} is missing")
 
 
 def _complete_state(path: Path) -> dict[str, Any] | None:
@@ -184,7 +186,7 @@ class CheckpointWriter:
     def __init__(self, output_dir: str | os.PathLike, keep_last_n_checkpoints: int | None = None,
                  mtune_version: str | None = None):
         if keep_last_n_checkpoints is not None and keep_last_n_checkpoints < 1:
-            raise ValueError(f"keep_last_n_checkpoints must be >= 1 or null, got {keep_last_n_checkpoints}")
+            raise ConfigError(f"keep_last_n_checkpoints must be >= 1 or null, got {keep_last_n_checkpoints}")
         self.output_dir = Path(output_dir)
         self.keep_last_n_checkpoints = keep_last_n_checkpoints
         self.mtune_version = mtune_version if mtune_version is not None else mtune.__version__

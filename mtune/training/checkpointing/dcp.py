@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from mtune.errors import PathNotFoundError
 from mtune.modules.lora import is_adapter_param, peft_key
 from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import save_hf_checkpoint
@@ -84,7 +85,7 @@ def load_distributed_state(
     number of ranks. Call after the base weights are loaded and the optimizer is built; every rank must call it."""
     path = Path(checkpoint_dir)
     if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path}: no distributed checkpoint there (.metadata missing); point "
+        raise PathNotFoundError(f"{path}: no distributed checkpoint there (.metadata missing); point "
                                 "resume_from_checkpoint at a step_<N> directory of a distributed run")
     optimizers = inner_optimizers(optimizer)
     options = _options(adapter_only)

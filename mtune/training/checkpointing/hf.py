@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
@@ -28,7 +29,7 @@ _COPIED_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken")
 _NOT_COPIED = {CONFIG_NAME, INDEX_NAME, "mtune_state.json"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MtuneError, ValueError):
     """A checkpoint directory that cannot be read or written; the message names the file or key."""
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtune.errors import MtuneError
 from mtune.modules.lora import LoRALinear, adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
 
 __all__ = [
@@ -48,7 +49,7 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 _PEFT_SUFFIXES = {".lora_A.weight": "a", ".lora_B.weight": "b", ".lora_magnitude_vector": "magnitude"}
 
 
-class AdapterError(ValueError):
+class AdapterError(MtuneError, ValueError):
     """An adapter directory that cannot be read, or that does not fit the model; the message names file or field."""
 
 

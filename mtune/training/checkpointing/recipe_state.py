@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mtune.errors import MtuneError, PathNotFoundError
 from mtune.training.rng import get_rng_state, set_rng_state
 
 __all__ = [
@@ -127,21 +128,21 @@ def load_recipe_state(checkpoint_dir: str | os.PathLike, *, optimizer: _Stateful
     """
     path = Path(checkpoint_dir) / RECIPE_STATE_FILENAME
     if not path.is_file():
-        raise FileNotFoundError(f"Cannot resume: {path} is missing (was the checkpoint saved by an mtune recipe?)")
+        raise PathNotFoundError(f"Cannot resume: {path} is missing (was the checkpoint saved by an mtune recipe?)")
     state = torch.load(path, map_location="cpu", weights_only=True)
     for name, target in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler), ("grad_scaler", grad_scaler),
                          ("dataloader", dataloader)):
         if target is None:
             continue
         if state[name] is None:
-            raise ValueError(f"Cannot resume: {path} holds no {name} state, but one was passed to load it into")
+            raise ResumeError(f"Cannot resume: {path} holds no {name} state, but one was passed to load it into")
         target.load_state_dict(state[name])
     if restore_rng:
         set_rng_state(state["rng"])
     return RecipeState(step=state["step"], epoch=state["epoch"], extra=state["extra"])
 
 
-class ResumeError(ValueError):
+class ResumeError(MtuneError, ValueError):
     """The config of this run cannot continue the checkpoint's run."""
 
 

@@ -15,6 +15,8 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mtune.config.errors import ConfigError
+
 __all__ = ["apply_activation_checkpointing", "is_checkpointed"]
 
 
@@ -30,7 +32,7 @@ def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1) ->
     """Checkpoints block i of `model.layers` when i % every_n_layers == 0 (1 = every block). In place; returns the
     model. Applying twice does not nest."""
     if every_n_layers < 1:
-        raise ValueError(f"activation_checkpointing_every_n_layers must be >= 1, got {every_n_layers}")
+        raise ConfigError(f"activation_checkpointing_every_n_layers must be >= 1, got {every_n_layers}")
     for i, block in enumerate(model.layers):
         if i % every_n_layers == 0 and not is_checkpointed(block):
             block.forward = functools.partial(_checkpointed_forward, block.forward)

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
+from mtune.errors import MtuneError
+
 __all__ = ["OutOfMemory", "oom_guard", "memory_advice"]
 
 
-class OutOfMemory(RuntimeError):
+class OutOfMemory(MtuneError, RuntimeError):
     """Raised instead of torch's OutOfMemoryError, with the phase and what to change."""
 
 

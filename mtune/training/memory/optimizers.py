@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtune.config.errors import ConfigError
 from mtune.training.memory.accounting import tensor_bytes
 
 __all__ = ["build_optimizer", "OptimizerInBackward", "inner_optimizers", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
@@ -47,7 +48,7 @@ def _resolve(component: str) -> Callable:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
-        raise ValueError(
+        raise ConfigError(
             f"optimizer._component_={component!r} cannot be imported ({err}): use one of {list(SUPPORTED_OPTIMIZERS)}"
         ) from None
 
@@ -85,14 +86,14 @@ def build_optimizer(
     cfg = dict(optimizer_cfg)
     component = cfg.pop("_component_", None)
     if component is None:
-        raise ValueError(f"optimizer needs _component_: one of {list(SUPPORTED_OPTIMIZERS)}")
+        raise ConfigError(f"optimizer needs _component_: one of {list(SUPPORTED_OPTIMIZERS)}")
     cfg.update(overrides)
     if isinstance(params_or_model, nn.Module):
         named = [(n, p) for n, p in params_or_model.named_parameters() if p.requires_grad]
     else:
         named = [(str(i), p) for i, p in enumerate(p for p in params_or_model if p.requires_grad)]
     if not named:
-        raise ValueError("the model has no trainable parameters: check lora.modules or the frozen layers")
+        raise ConfigError("the model has no trainable parameters: check lora.modules or the frozen layers")
     kwargs = _component_kwargs(component, cfg, named[0][1].device)
     cls = _resolve(component)
     if optimizer_in_bwd:

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from mtune.config.errors import ConfigError
 from mtune.config.keys import DTYPE_NAMES
 
 __all__ = ["DTYPES", "resolve_dtype", "storage_dtype", "autocast", "LossScaler"]
@@ -35,10 +36,10 @@ DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """The torch dtype for `dtype=name` on `device`, or a one-line error when the device cannot compute in it."""
     if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported: use one of {list(DTYPES)}")
+        raise ConfigError(f"dtype={name!r} is not supported: use one of {list(DTYPES)}")
     device = torch.device(device)
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise ValueError(f"dtype=bf16: the GPU {torch.cuda.get_device_name(device)} has no bf16 support: "
+        raise ConfigError(f"dtype=bf16: the GPU {torch.cuda.get_device_name(device)} has no bf16 support: "
                          "set dtype=fp16 (with loss scaling) or dtype=fp32")
     return DTYPES[name]
 
