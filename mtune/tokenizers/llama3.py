@@ -31,8 +31,16 @@ CHAT_TEMPLATE = (
     "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
-# Offsets from the base vocabulary size (128000 in the released models), in Llama 3.1's layout; the rest of the
-# 256 slots are <|reserved_special_token_N|>.
+# Offsets from the base vocabulary size (128000 in the released models) of the tokens mtune gives a role; they are
+# the same in every Llama 3 release.
+_BEGIN_OF_TEXT, _END_OF_TEXT, _PAD, _START_HEADER, _END_HEADER, _EOM, _EOT, _PYTHON_TAG = 0, 1, 4, 6, 7, 8, 9, 10
+# Tokens whose name a checkpoint must give at its offset for its names to be taken as a Llama 3 layout.
+_REQUIRED = {_BEGIN_OF_TEXT: "<|begin_of_text|>", _END_OF_TEXT: "<|end_of_text|>",
+             _START_HEADER: "<|start_header_id|>", _END_HEADER: "<|end_header_id|>", _EOT: "<|eot_id|>"}
+# The generated names, in Llama 3.1's layout, for a rank file with no tokenizer.json / tokenizer_config.json beside
+# it; the rest of the 256 slots are <|reserved_special_token_N|>. Other releases name some slots differently
+# (Llama 3.2 calls +5 <|step_id|> and numbers the reserved tokens from 2 at +11), which is why a checkpoint's own
+# names win whenever its files carry them.
 _NAMED = {
     0: "<|begin_of_text|>", 1: "<|end_of_text|>", 2: "<|reserved_special_token_0|>",
     3: "<|reserved_special_token_1|>", 4: "<|finetune_right_pad_id|>", 5: "<|reserved_special_token_2|>",
@@ -41,13 +49,61 @@ _NAMED = {
 
 
 def special_tokens(num_base: int) -> dict[str, int]:
-    """The 256 Llama 3 special tokens and their ids, placed right after ``num_base`` base tokens."""
+    """The 256 generated Llama 3 special tokens (Llama 3.1's names) and their ids, placed right after ``num_base``
+    base tokens. Used only when a checkpoint's files do not name them (see :func:`special_token_names`)."""
     names = dict(_NAMED)
     next_reserved = 3
     for offset in range(len(_NAMED), NUM_SPECIAL_TOKENS):
         names[offset] = f"<|reserved_special_token_{next_reserved}|>"
         next_reserved += 1
     return {name: num_base + offset for offset, name in names.items()}
+
+
+def special_token_names(tokenizer_file: Path, num_base: int) -> tuple[dict[int, str], list[Path]]:
+    """The names of the 256 special tokens (id -> name) and the files they were read from.
+
+    Names come from the checkpoint: the ``added_tokens`` of its ``tokenizer.json``, then the
+    ``added_tokens_decoder`` of its ``tokenizer_config.json`` for any id the first leaves out. Both are looked for
+    beside ``tokenizer_file`` and, when that sits in ``original/``, in the model directory above it. Only where
+    neither file exists (a bare rank file) or neither names an id are the generated names used (Llama 3.1's,
+    :func:`special_tokens`). Ids outside the 256 slots after the base vocabulary are ignored.
+    """
+    folder = tokenizer_file.parent
+    folders = [folder, folder.parent] if folder.name == "original" else [folder]
+    ids = range(num_base, num_base + NUM_SPECIAL_TOKENS)
+    names: dict[int, str] = {}
+    sources: list[Path] = []
+    for model_dir in folders:
+        for file, read in (("tokenizer.json", _added_tokens), ("tokenizer_config.json", _added_tokens_decoder)):
+            path = model_dir / file
+            if not path.is_file():
+                continue
+            found = {i: name for i, name in read(path).items() if i in ids and i not in names}
+            if found:
+                names.update(found)
+                sources.append(path)
+        if names:
+            break
+    for offset, name in _REQUIRED.items():
+        if names and names.get(num_base + offset, name) != name:
+            raise ValueError(f"{', '.join(map(str, sources))}: id {num_base + offset} is {names[num_base + offset]!r}, but a Llama 3 "
+                             f"tokenizer has {name} there; this tokenizer.json does not belong to the rank file "
+                             f"{tokenizer_file}")
+    taken = set(names.values())
+    for name, i in special_tokens(num_base).items():
+        if i not in names:
+            names[i] = name if name not in taken else f"<|unnamed_special_token_{i - num_base}|>"
+    return names, sources
+
+
+def _added_tokens(path: Path) -> dict[int, str]:
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    return {int(t["id"]): t["content"] for t in spec.get("added_tokens") or []}
+
+
+def _added_tokens_decoder(path: Path) -> dict[int, str]:
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return {int(i): t["content"] for i, t in (config.get("added_tokens_decoder") or {}).items()}
 
 
 def is_tiktoken_file(path: Path) -> bool:
@@ -84,7 +140,12 @@ class Llama3Tokenizer(Tokenizer):
 
     ``bos_id`` = <|begin_of_text|>, ``eos_id`` = <|end_of_text|> (ends a document in ``encode``),
     ``pad_id`` = <|finetune_right_pad_id|>, ``end_of_turn_id`` = <|eot_id|>,
-    ``stop_tokens`` = [<|end_of_text|>, <|eom_id|>, <|eot_id|>].
+    ``stop_tokens`` = [<|end_of_text|>, <|eom_id|>, <|eot_id|>]; these ids are fixed offsets after the base vocabulary.
+
+    ``special`` maps the 256 special tokens' names to their ids. The names, which ``decode(...,
+    skip_special_tokens=False)`` prints, are the checkpoint's own (its ``tokenizer.json`` / ``tokenizer_config.json``,
+    listed in ``special_token_sources``); a bare rank file with neither beside it gets generated names in Llama 3.1's
+    layout, which differ from other releases' (see :func:`special_token_names`).
     """
 
     family = "llama3"
@@ -96,19 +157,20 @@ class Llama3Tokenizer(Tokenizer):
         path = Path(path)
         super().__init__([path], max_seq_len)
         ranks = _ranks_from_tokenizer_json(path) if path.suffix == ".json" else load_tiktoken_bpe(str(path))
-        self.num_base_tokens = len(ranks)
-        self.special = special_tokens(self.num_base_tokens)
-        self._id_to_special = {i: s for s, i in self.special.items()}
+        self.num_base_tokens = base = len(ranks)
+        names, self.special_token_sources = special_token_names(path, base)
+        self.special = {name: i for i, name in sorted(names.items())}
         self._enc = tiktoken.Encoding(name=f"mtune_llama3_{path.name}", pat_str=PATTERN, mergeable_ranks=ranks,
                                       special_tokens=self.special)
-        self.bos_id = self.special["<|begin_of_text|>"]
-        self.eos_id = self.special["<|end_of_text|>"]
-        self.pad_id = self.special["<|finetune_right_pad_id|>"]
-        self.start_header_id = self.special["<|start_header_id|>"]
-        self.end_header_id = self.special["<|end_header_id|>"]
-        self.eot_id = self.end_of_turn_id = self.special["<|eot_id|>"]
-        self.eom_id = self.special["<|eom_id|>"]
-        self.python_tag_id = self.special["<|python_tag|>"]
+        # Ids by position, the same in every Llama 3 release, whatever the checkpoint calls the slots.
+        self.bos_id = base + _BEGIN_OF_TEXT
+        self.eos_id = base + _END_OF_TEXT
+        self.pad_id = base + _PAD
+        self.start_header_id = base + _START_HEADER
+        self.end_header_id = base + _END_HEADER
+        self.eot_id = self.end_of_turn_id = base + _EOT
+        self.eom_id = base + _EOM
+        self.python_tag_id = base + _PYTHON_TAG
         self.stop_tokens = [self.eos_id, self.eom_id, self.eot_id]
         self.vocab_size = self.num_base_tokens + NUM_SPECIAL_TOKENS
 

@@ -169,17 +169,26 @@ LLAMA3_BASE_VOCAB = 512
 LLAMA3_NUM_SPECIAL = 256
 
 
-def llama3_special_token_names() -> list[str]:
-    """Llama 3.1's 256 special tokens in id order, as in its tokenizer.json (ids 128000-128255)."""
+def llama3_special_token_names(release: str = "3.2") -> list[str]:
+    """A Llama 3 release's 256 special tokens in id order, as its tokenizer.json lists them (ids 128000-128255).
+
+    The releases differ from +5 on: Llama 3.1 calls +5 <|reserved_special_token_2|> and numbers the reserved tokens
+    from 3 at +11; Llama 3.2 calls +5 <|step_id|> and numbers them from 2 at +11 (up to 246 at +255).
+    """
+    if release not in ("3.1", "3.2"):
+        raise ValueError(f"unknown Llama 3 release {release!r}; expected 3.1 or 3.2")
+    step = "<|step_id|>" if release == "3.2" else "<|reserved_special_token_2|>"
     named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-             "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>",
-             "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-    return named + [f"<|reserved_special_token_{k}|>" for k in range(3, 3 + LLAMA3_NUM_SPECIAL - len(named))]
+             "<|finetune_right_pad_id|>", step, "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>"]
+    first = 2 if release == "3.2" else 3
+    return named + [f"<|reserved_special_token_{k}|>" for k in range(first, first + LLAMA3_NUM_SPECIAL - len(named))]
 
 
-def write_llama3_tokenizer(model_dir: str | Path) -> int:
+def write_llama3_tokenizer(model_dir: str | Path, release: str = "3.2") -> int:
     """Write a tiny Llama 3 tokenizer: `original/tokenizer.model` as a tiktoken rank file (512 ranks, in the
-    `tokenizers` trainer's merge order) plus the 256 special tokens after it. Returns the vocab size (768)."""
+    `tokenizers` trainer's merge order) plus the 256 special tokens after it, named as in Llama `release`'s
+    tokenizer.json (3.2 or 3.1). Returns the vocab size (768)."""
     model_dir = Path(model_dir)
     write_tiktoken_file(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB), model_dir / "original" / "tokenizer.model")
     vocab_size = LLAMA3_BASE_VOCAB + LLAMA3_NUM_SPECIAL
@@ -187,7 +196,7 @@ def write_llama3_tokenizer(model_dir: str | Path) -> int:
     spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB))
     spec["added_tokens"] = [
         {"id": LLAMA3_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True} for i, t in enumerate(llama3_special_token_names())
+         "normalized": False, "special": True} for i, t in enumerate(llama3_special_token_names(release))
     ]
     _write_json(model_dir / "tokenizer.json", spec)
     _write_json(model_dir / "tokenizer_config.json", {
