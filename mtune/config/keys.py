@@ -44,6 +44,9 @@ RUN_KEYS = KeyGroup(
         Key("keep_last_n_checkpoints", int, None, "delete older step_<N>/ checkpoints beyond this many (null: keep all)"),
         Key("resume_from_checkpoint", (bool, str), False,
             "true: resume from the latest complete checkpoint in output_dir; or a checkpoint directory"),
+        Key("overwrite_output_dir", bool, False,
+            "true: delete the run already in output_dir (checkpoints, metrics, plots) and start again; false: refuse "
+            "such an output_dir unless resuming"),
         Key("eval_every_n_steps", int, None, "compute val_loss on dataset_val every N steps (null: never)"),
     ],
 )

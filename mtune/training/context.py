@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +13,12 @@ from pathlib import Path
 import torch
 
 from mtune.config.errors import ConfigError
+from mtune.errors import OutputExistsError
+from mtune.training.checkpointing.checkpoint_dir import FINAL_NAME, TMP_PREFIX
 from mtune.training.memory.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 from mtune.training.rng import set_seed
 
-__all__ = ["RunContext", "setup_run", "resolve_device", "configure_logging"]
+__all__ = ["RunContext", "setup_run", "resolve_device", "configure_logging", "claim_output_dir", "run_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +85,43 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+# What a run writes into output_dir besides its checkpoints: finding any of them means the directory holds a run.
+RUN_OUTPUTS = ("metrics.jsonl", "results.json", "loss_curve.png", "memory_breakdown.json", "memory_breakdown.png")
+
+
+def run_outputs(output_dir: Path) -> list[Path]:
+    """The outputs of an earlier run in ``output_dir``: its checkpoints (complete or half-written) and run files."""
+    if not output_dir.is_dir():
+        return []
+    found = [output_dir / name for name in RUN_OUTPUTS if (output_dir / name).exists()]
+    found += sorted(p for p in output_dir.iterdir() if p.is_dir() and (
+        p.name == FINAL_NAME or p.name.startswith(TMP_PREFIX) or re.fullmatch(r"step_\d+", p.name)))
+    return found
+
+
+def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_main: bool) -> None:
+    """Refuse an ``output_dir`` that already holds a run, unless this run resumes it or ``overwrite_output_dir``
+    asks to replace it (then the earlier run's checkpoints and run files are deleted, by the main process)."""
+    found = run_outputs(output_dir)
+    if not found or resuming:
+        return
+    names = ", ".join(p.name for p in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    if not overwrite:
+        raise OutputExistsError(
+            f"output_dir={output_dir} already holds a run ({names})",
+            "resume it with resume_from_checkpoint=true, choose another output_dir, or set overwrite_output_dir=true "
+            "to delete that run and start again")
+    if is_main:
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        log.warning("overwrite_output_dir=true: deleted the earlier run in %s (%s)", output_dir, names)
+
+
 def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
-    """From a config with its defaults filled in (``device``, ``dtype``, ``seed``, ``output_dir``): configure logging, resolve device and dtype (one clear error when the device cannot do it), seed every RNG
-    and create ``output_dir``."""
+    """From a config with its defaults filled in (``device``, ``dtype``, ``seed``, ``output_dir``,
+    ``resume_from_checkpoint``, ``overwrite_output_dir``): configure logging, resolve device and dtype (one clear
+    error when the device cannot do it), seed every RNG, and claim ``output_dir`` (refused when it holds another
+    run; see :func:`claim_output_dir`)."""
     configure_logging(rank)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(cfg.device, local_rank)
@@ -94,8 +132,15 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
     seed = cfg.seed
     set_seed(seed)
     output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    claim_output_dir(output_dir, resuming=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir,
+                     is_main=rank == 0)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the main process has deleted an overwritten run before anyone writes
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"output_dir={output_dir}: cannot create it ({err.strerror})") from None
     run = RunContext(device=device, dtype_name=dtype_name, dtype=storage_dtype(dtype_name), output_dir=output_dir,
-              seed=seed, rank=rank, world_size=world_size)
+                     seed=seed, rank=rank, world_size=world_size)
     log.info("device %s, dtype %s, seed %d, output_dir %s", device, dtype_name, seed, output_dir)
     return run

@@ -26,9 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import mtune
 from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
-import mtune
+from mtune.training.checkpointing.hf import CheckpointError
 
 __all__ = [
     "CheckpointWriter",
@@ -89,28 +90,44 @@ def read_checkpoint_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(checkpoint_dir) / STATE_FILENAME
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            state = json.load(f)
     except FileNotFoundError:
         raise PathNotFoundError(f"{checkpoint_dir} is not a complete mtune checkpoint: {STATE_FILENAME} is missing")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt, not JSON ({e})", _CORRUPT_HINT.format(path=checkpoint_dir)) from None
+    if not isinstance(state, dict) or state.get("complete") is not True or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path}: not the state of a complete checkpoint (no complete: true and step)",
+                              _CORRUPT_HINT.format(path=checkpoint_dir))
+    return state
 
 
-def _complete_state(path: Path) -> dict[str, Any] | None:
-    try:
-        state = read_checkpoint_state(path)
-    except (OSError, ValueError):
+_CORRUPT_HINT = ("resume from an earlier checkpoint (resume_from_checkpoint=<its directory>), or move {path} away "
+                 "and resume from the latest one left")
+
+
+def _complete_state(path: Path, strict: bool = False) -> dict[str, Any] | None:
+    """The checkpoint state of ``path``, or None when it is not a complete checkpoint. With ``strict`` a state file
+    that exists but cannot be read raises :class:`CheckpointError` (a damaged checkpoint, not a half-written one)."""
+    if strict and not (path / STATE_FILENAME).exists():
         return None
-    return state if state.get("complete") is True and isinstance(state.get("step"), int) else None
+    try:
+        return read_checkpoint_state(path)
+    except (OSError, ValueError):
+        if strict:
+            raise
+        return None
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete ``step_<N>`` checkpoints in ``output_dir`` as ``(step, path)``, oldest first (``final`` excluded)."""
+def list_checkpoints(output_dir: str | os.PathLike, strict: bool = False) -> list[tuple[int, Path]]:
+    """Complete ``step_<N>`` checkpoints in ``output_dir`` as ``(step, path)``, oldest first (``final`` excluded).
+    ``strict``: a ``step_<N>`` whose state file is damaged raises :class:`CheckpointError` instead of being skipped."""
     found = []
     root = Path(output_dir)
     if not root.is_dir():
         return found
     for child in root.iterdir():
         match = _STEP_RE.match(child.name)
-        if match and child.is_dir() and _complete_state(child) is not None:
+        if match and child.is_dir() and _complete_state(child, strict) is not None:
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -148,15 +165,17 @@ def clean_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def find_latest_checkpoint(output_dir: str | os.PathLike, clean: bool = True) -> Path | None:
+def find_latest_checkpoint(output_dir: str | os.PathLike, clean: bool = True, strict: bool = False) -> Path | None:
     """The complete checkpoint with the highest step in ``output_dir`` (``step_<N>`` dirs and ``final``; on a tie
     the ``step_<N>`` dir), or None. Directories without ``mtune_state.json`` and ``.tmp_*`` dirs are ignored; with
-    ``clean=True`` they are removed (see :func:`clean_incomplete_checkpoints`)."""
+    ``clean=True`` they are removed (see :func:`clean_incomplete_checkpoints`). ``strict`` (resuming): a checkpoint
+    whose ``mtune_state.json`` exists but is damaged raises :class:`CheckpointError` naming it, so a resume never
+    silently starts over."""
     if clean:
         clean_incomplete_checkpoints(output_dir)
-    candidates = [(step, 1, path) for step, path in list_checkpoints(output_dir)]
+    candidates = [(step, 1, path) for step, path in list_checkpoints(output_dir, strict)]
     final = Path(output_dir) / FINAL_NAME
-    final_state = _complete_state(final) if final.is_dir() else None
+    final_state = _complete_state(final, strict) if final.is_dir() else None
     if final_state is not None:
         candidates.append((final_state["step"], 0, final))
     return max(candidates)[2] if candidates else None
@@ -211,20 +230,33 @@ class CheckpointWriter:
         tmp = self.output_dir / f"{TMP_PREFIX}{target.name}_{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
         try:
+            tmp.mkdir(parents=True)
             yield tmp
-        except BaseException:
+            maybe_inject_fault("after_model_write", step)
+            self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final,
+                              world_size=world_size)
+            _fsync_tree(tmp)
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
+            if _is_write_failure(err):
+                raise self._save_failed(target, err) from err
             raise
-        maybe_inject_fault("after_model_write", step)
-        self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final, world_size=world_size)
-        _fsync_tree(tmp)
         maybe_inject_fault("before_rename", step)
         self._rename_into_place(tmp, target)
         maybe_inject_fault("after_rename", step)
         if not final:
             self._prune()
+
+    def _save_failed(self, target: Path, err: BaseException) -> CheckpointError:
+        """The one-line error for a save the filesystem refused (disk full, permissions, ...): what was being
+        saved where, why, and which checkpoint is still intact."""
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+        previous = find_latest_checkpoint(self.output_dir, clean=False)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        return CheckpointError(f"saving {target.name} to {self.output_dir}: {reason}",
+                               f"free space in {self.output_dir} (or point output_dir elsewhere); {kept}, "
+                               "resume_from_checkpoint=true continues from it")
 
     def _write_state(self, tmp: Path, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
                      final: bool, world_size: int = 1) -> None:
@@ -269,6 +301,12 @@ class CheckpointWriter:
             maybe_inject_fault("during_prune")
             shutil.rmtree(path)
             log.info("Removed old checkpoint %s (keep_last_n_checkpoints=%d)", path, self.keep_last_n_checkpoints)
+
+
+def _is_write_failure(err: BaseException) -> bool:
+    """An error of the filesystem under a save: an OSError (ENOSPC, EACCES, EROFS, ...) or safetensors' own
+    error type, which wraps the OSError of its writer."""
+    return isinstance(err, OSError) or type(err).__name__ == "SafetensorError"
 
 
 def _plain_config(config: Mapping[str, Any]) -> Any:

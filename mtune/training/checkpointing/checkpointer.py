@@ -116,7 +116,7 @@ class Checkpointer:
         """The checkpoint ``resume_from_checkpoint`` names: the latest complete one in ``output_dir`` for true, or
         the given directory. None when true but there is none yet (the run starts fresh)."""
         if resume_from is True:
-            path = find_latest_checkpoint(self.output_dir)
+            path = find_latest_checkpoint(self.output_dir, strict=True)
             if path is None:
                 log.info("resume_from_checkpoint=true: no complete checkpoint in %s yet, starting fresh",
                          self.output_dir)

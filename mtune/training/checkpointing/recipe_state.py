@@ -74,6 +74,11 @@ MAY_CHANGE_ON_RESUME = (
     "activation_checkpointing_every_n_layers",
     "enable_activation_offloading",
     "activation_offloading_use_streams",
+    "task_eval",
+    "distributed_backend",
+    "fsdp_reshard_after_forward",
+    "fsdp_cpu_offload",
+    "overwrite_output_dir",
 )
 
 
@@ -172,15 +177,23 @@ def check_resume_compatible(saved_cfg: Mapping[str, Any], cfg: Mapping[str, Any]
     its ``mtune_state.json``) and this run's resolved ``cfg``, unless the key is in :data:`MAY_CHANGE_ON_RESUME`.
 
     Both are plain dicts with interpolations resolved (``OmegaConf.to_container(cfg, resolve=True)``).
-    ``batch_size`` may differ when ``batch_size x world_size`` (the global batch) does not.
+    On another number of ranks ``batch_size`` may differ as long as ``batch_size x world_size`` (the global batch)
+    does not; a different global batch is refused, whatever ``batch_size`` says.
     """
     saved = {k: v for k, v in saved_cfg.items() if k not in MAY_CHANGE_ON_RESUME}
     new = {k: v for k, v in cfg.items() if k not in MAY_CHANGE_ON_RESUME}
-    # On another number of ranks the per-rank batch_size may change as long as the global batch does not.
-    if isinstance(saved.get("batch_size"), int) and isinstance(new.get("batch_size"), int):
-        if saved["batch_size"] * saved_world_size == new["batch_size"] * world_size:
-            saved.pop("batch_size"), new.pop("batch_size")
     differences: list[str] = []
+    # The global batch (batch_size x ranks) must stay; the per-rank batch_size may change with the number of ranks.
+    saved_batch, new_batch = saved.pop("batch_size", None), new.pop("batch_size", None)
+    if isinstance(saved_batch, int) and isinstance(new_batch, int):
+        if saved_world_size == world_size and saved_batch != new_batch:
+            differences.append(f"batch_size ({saved_batch!r} -> {new_batch!r})")
+        elif saved_batch * saved_world_size != new_batch * world_size:
+            differences.append(f"global batch = batch_size x ranks ({saved_batch} x {saved_world_size} = "
+                               f"{saved_batch * saved_world_size} -> {new_batch} x {world_size} = "
+                               f"{new_batch * world_size})")
+    elif saved_batch != new_batch:
+        differences.append(f"batch_size ({saved_batch!r} -> {new_batch!r})")
     _differences(saved, new, "", differences)
     if differences:
         where = f" {checkpoint}" if checkpoint is not None else ""

@@ -110,3 +110,47 @@ def test_dirs_without_state_file_are_not_checkpoints(tmp_path):
     assert find_latest_checkpoint(tmp_path, clean=False) is None
     with pytest.raises(FileNotFoundError, match="step_9 is not a complete mtune checkpoint"):
         read_checkpoint_state(tmp_path / "step_9")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("failure", ["oserror", "safetensors"])
+def test_a_full_disk_at_save_keeps_the_previous_checkpoint_and_says_what_to_free(tmp_path, failure):
+    import errno
+
+    import safetensors
+
+    from mtune.training.checkpointing.hf import CheckpointError
+
+    writer = CheckpointWriter(tmp_path, keep_last_n_checkpoints=1)
+    writer.save(step=5, epoch=0, config=CONFIG, kind="hf_full", write_fn=lambda d: (d / "w").write_bytes(b"5" * 64))
+    before = _tree(tmp_path / "step_5")
+
+    def full_disk(directory):
+        (directory / "w").write_bytes(b"6" * 32)
+        if failure == "oserror":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise safetensors.SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    with pytest.raises(CheckpointError) as info:
+        writer.save(step=6, epoch=0, config=CONFIG, kind="hf_full", write_fn=full_disk)
+    message = str(info.value)
+    assert message.startswith(f"saving step_6 to {tmp_path}: ") and "No space left on device" in message
+    assert f"the previous checkpoint {tmp_path / 'step_5'} is intact" in info.value.hint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]  # no half-written step_6, no .tmp_ left
+    assert _tree(tmp_path / "step_5") == before
+
+
+def test_a_damaged_state_file_is_reported_by_name_when_resuming(tmp_path):
+    from mtune.training.checkpointing.hf import CheckpointError
+
+    writer = CheckpointWriter(tmp_path)
+    writer.save(step=3, epoch=0, config=CONFIG, kind="hf_full", write_fn=lambda d: None)
+    (tmp_path / "step_3" / "mtune_state.json").write_text('{"step": 3, "comp')
+    assert find_latest_checkpoint(tmp_path) is None  # listing and pruning skip it
+    with pytest.raises(CheckpointError, match=r"step_3/mtune_state.json: corrupt, not JSON"):
+        find_latest_checkpoint(tmp_path, strict=True)
+    with pytest.raises(CheckpointError, match="not JSON"):
+        read_checkpoint_state(tmp_path / "step_3")

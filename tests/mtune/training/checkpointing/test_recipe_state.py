@@ -134,3 +134,20 @@ def test_refusal_lists_every_differing_key():
         "batch_size (2 -> 4), lora.rank (8 -> 16), new_unknown_key (absent -> 1), optimizer.lr (0.0001 -> 0.0002), "
         "optimizer.weight_decay (absent -> 0.1), seed (1 -> 2). Set them back, or start a new run in another "
         "output_dir.")
+
+
+def test_a_different_global_batch_is_refused_whatever_the_ranks():
+    # 2 ranks x 2 = 4 samples per step: 1 rank x 4 keeps it; 1 rank x 2 (the same per-rank batch) halves it
+    check_resume_compatible(SAVED, dict(SAVED, batch_size=4), saved_world_size=2, world_size=1)
+    with pytest.raises(ResumeError, match=r"global batch = batch_size x ranks \(2 x 2 = 4 -> 2 x 1 = 2\)"):
+        check_resume_compatible(SAVED, SAVED, saved_world_size=2, world_size=1)
+
+
+def test_every_declared_key_is_classified_for_resume():
+    from mtune.config import keys
+
+    groups = [keys.RUN_KEYS, keys.MEMORY_KEYS, keys.MODEL_NODES, keys.TRAINING_NODES, keys.LORA_KEYS,
+              keys.DISTRIBUTED_KEYS]
+    names = {decl.name for group in groups for decl in group.keys}
+    classified = set(MUST_MATCH_ON_RESUME) | set(MAY_CHANGE_ON_RESUME)
+    assert names - classified == set()

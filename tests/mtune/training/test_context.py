@@ -1,0 +1,36 @@
+"""A run never destroys results it did not make: an output_dir holding a run is refused unless resuming or
+overwrite_output_dir=true."""
+
+import pytest
+
+from mtune.errors import OutputExistsError
+from mtune.training.context import claim_output_dir
+
+
+def _earlier_run(root):
+    (root / "step_2").mkdir(parents=True)
+    (root / "step_2" / "model.safetensors").write_bytes(b"weights")
+    (root / "step_2" / "mtune_state.json").write_text('{"step": 2, "complete": true}')
+    (root / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (root / "notes.txt").write_text("mine")  # not a run output: never touched
+    return {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_an_output_dir_holding_a_run_is_refused_and_left_byte_identical(tmp_path):
+    before = _earlier_run(tmp_path)
+    with pytest.raises(OutputExistsError) as info:
+        claim_output_dir(tmp_path, resuming=False, overwrite=False, is_main=True)
+    assert str(info.value) == f"output_dir={tmp_path} already holds a run (metrics.jsonl, step_2)"
+    assert "resume_from_checkpoint=true" in info.value.hint and "overwrite_output_dir=true" in info.value.hint
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_resuming_keeps_the_run_and_overwriting_deletes_only_its_outputs(tmp_path):
+    before = _earlier_run(tmp_path)
+    claim_output_dir(tmp_path, resuming=True, overwrite=False, is_main=True)
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    claim_output_dir(tmp_path, resuming=False, overwrite=True, is_main=False)  # only the main process deletes
+    assert (tmp_path / "step_2").is_dir()
+    claim_output_dir(tmp_path, resuming=False, overwrite=True, is_main=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    claim_output_dir(tmp_path / "new", resuming=False, overwrite=False, is_main=True)  # absent or empty: fine
