@@ -1,0 +1,152 @@
+"""The progress display on terminals of every kind: plain lines where a bar cannot work, log lines through the bar,
+evaluations with their own progress."""
+
+import io
+import logging
+import os
+import re
+import shutil
+import time
+
+import pytest
+
+from mtune.training.observe import progress as progress_module
+from mtune.training.observe.progress import TrainingProgress, bar_fits
+
+METRICS = {"loss": 0.5, "lr": 1e-4}
+
+
+class FakeTerminal(io.StringIO):
+    """A stream that says it is a terminal; its size is whatever ``os.get_terminal_size`` is patched to say."""
+
+    def isatty(self):
+        return True
+
+    def fileno(self):
+        return 2
+
+
+@pytest.fixture
+def terminal_size(monkeypatch):
+    """Set the size every terminal reports: ``terminal_size(columns, lines)``."""
+
+    def set_size(columns, lines):
+        size = os.terminal_size((columns, lines))
+        monkeypatch.setattr(os, "get_terminal_size", lambda *args: size)
+        monkeypatch.setattr(shutil, "get_terminal_size", lambda *args, **kwargs: size)
+
+    return set_size
+
+
+@pytest.fixture
+def mtune_console(monkeypatch):
+    """The ``mtune`` logger set up as ``configure_logging`` does, writing to a fake terminal that is stderr."""
+    out = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", out)
+    logger = logging.getLogger("mtune")
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("mtune: %(message)s"))
+    monkeypatch.setattr(logger, "handlers", [handler])
+    monkeypatch.setattr(logger, "propagate", False)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    return out, logger, handler
+
+
+def _screen_lines(text):
+    """What a reader of the raw output sees as separate lines: split at newlines and carriage returns."""
+    return [line for line in re.split(r"[\r\n]", text) if line]
+
+
+def _run(progress, steps):
+    for step in range(1, steps + 1):
+        progress.update(step, METRICS, epoch=0)
+    progress.close()
+
+
+def test_terminal_reporting_zero_size_gets_plain_lines(terminal_size):
+    terminal_size(0, 0)
+    out = FakeTerminal()
+    assert not bar_fits(out)
+    progress = TrainingProgress(total_steps=3, stream=out)
+    assert not progress.has_bar
+    _run(progress, 3)
+    assert out.getvalue().splitlines() == [f"step {i}/3 | epoch 0 | loss 0.5000 | lr 1.00e-04" for i in (1, 2, 3)]
+
+
+def test_not_a_terminal_gets_plain_lines_without_carriage_returns(terminal_size):
+    terminal_size(120, 40)  # a size is known, but the stream is a file
+    out = io.StringIO()
+    progress = TrainingProgress(total_steps=4, stream=out, log_every_n_steps=2)
+    assert not progress.has_bar
+    _run(progress, 4)
+    assert "\r" not in out.getvalue()
+    assert out.getvalue().splitlines() == ["step 2/4 | epoch 0 | loss 0.5000 | lr 1.00e-04",
+                                           "step 4/4 | epoch 0 | loss 0.5000 | lr 1.00e-04"]
+
+
+def test_sized_terminal_gets_a_bar(terminal_size):
+    terminal_size(100, 30)
+    out = FakeTerminal()
+    progress = TrainingProgress(total_steps=3, stream=out)
+    assert progress.has_bar
+    _run(progress, 3)
+    assert "\r" in out.getvalue() and "3/3" in out.getvalue() and "loss=0.5000" in out.getvalue()
+
+
+def test_log_line_during_the_bar_appears_once_and_whole(terminal_size, mtune_console):
+    terminal_size(100, 30)
+    out, logger, handler = mtune_console
+    progress = TrainingProgress(total_steps=3, stream=out)
+    progress.update(1, METRICS, epoch=0)
+    logging.getLogger("mtune.training.checkpointing").info("saved step_1 to /runs/a/step_1")
+    progress.update(2, METRICS, epoch=0)
+    progress.close()
+    assert logger.handlers == [handler]  # the console handler is back once the bar is gone
+    text = out.getvalue()
+    assert text.count("saved step_1") == 1
+    assert "mtune: saved step_1 to /runs/a/step_1" in _screen_lines(text)
+    # Without a bar the handler is left alone: records go straight to it.
+    plain = TrainingProgress(total_steps=3, stream=io.StringIO())
+    assert logger.handlers == [handler]
+    plain.close()
+
+
+def test_logger_without_console_handler_is_left_alone(terminal_size, monkeypatch):
+    terminal_size(100, 30)
+    logger = logging.getLogger("mtune")
+    file_handler = logging.NullHandler()
+    monkeypatch.setattr(logger, "handlers", [file_handler])
+    progress = TrainingProgress(total_steps=2, stream=FakeTerminal())
+    assert logger.handlers == [file_handler]  # nothing added, so a propagated record is not printed twice
+    progress.close()
+
+
+def test_evaluation_has_its_own_bar(terminal_size, monkeypatch):
+    terminal_size(100, 30)
+    monkeypatch.setattr(progress_module, "_REFRESH_SECONDS", 0.01)
+    out = FakeTerminal()
+    progress = TrainingProgress(total_steps=3, stream=out)
+    with progress.activity("task eval before training") as activity:
+        time.sleep(0.2)  # nothing advances it: the bar is redrawn anyway, its elapsed time moving
+    assert len(re.findall(r"task eval before training \[00:00\]", out.getvalue())) >= 3
+    assert activity.seconds >= 0.2
+    with progress.activity("val_loss", total=4, unit="batches") as activity:
+        assert list(activity.count("abcd")) == list("abcd")
+        time.sleep(0.1)  # let the redraw show where it stands
+    assert re.search(r"val_loss: 100%\|#+\| 4/4 ", out.getvalue())
+    _run(progress, 3)
+
+
+def test_evaluation_without_a_bar_prints_a_starting_line():
+    out = io.StringIO()
+    progress = TrainingProgress(total_steps=3, stream=out)
+    with progress.activity("val_loss", total=4, unit="batches") as activity:
+        assert list(activity.count(range(4))) == [0, 1, 2, 3]
+    with progress.activity("task eval before training"):
+        pass
+    progress.close()
+    assert out.getvalue().splitlines() == ["val_loss: 4 batches ...", "task eval before training ..."]
+    quiet = io.StringIO()
+    with TrainingProgress(total_steps=3, rank=1, stream=quiet).activity("val_loss", total=4) as activity:
+        activity.advance()
+    assert quiet.getvalue() == ""
