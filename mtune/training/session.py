@@ -228,11 +228,16 @@ class TrainingSession:
             log.info("stopped by a signal after step %d; resume with resume_from_checkpoint=true", self.step)
 
     def val_loss(self) -> float:
-        """Token-weighted mean loss over the whole held-out set (``dataset_val``)."""
+        """Token-weighted mean loss over the whole held-out set (``dataset_val``), with its own progress (a
+        short-lived bar counting batches, or a starting line) while it runs."""
         self.val_loader.set_epoch(0)  # every evaluation reads the whole held-out set from its start
-        with oom_guard("evaluation", self.cfg):
-            return evaluate(self.model, self.val_loader, self.loss_fn, device=self.run.device,
-                            autocast=self.run.autocast)
+        monitor = getattr(self, "monitor", None)  # None before the run starts: nothing to show progress on
+        shown = monitor.activity("val_loss", total=len(self.val_loader), unit="batches") if monitor else None
+        with shown or contextlib.nullcontext() as activity:
+            batches = activity.count(self.val_loader) if activity else self.val_loader
+            with oom_guard("evaluation", self.cfg):
+                return evaluate(self.model, batches, self.loss_fn, device=self.run.device,
+                                autocast=self.run.autocast)
 
     # ---------------------------------------------------------------------------------------------- end
     def save(self, final: bool = False):
@@ -261,10 +266,12 @@ class TrainingSession:
         return self.results
 
     def _run_task_eval(self, when: str) -> None:
-        with oom_guard("task evaluation", self.cfg):
-            scores = self.task_eval(self.model, self.tokenizer)
+        what = f"task eval {when} training"
+        with self.monitor.activity(what) as activity:
+            with oom_guard("task evaluation", self.cfg):
+                scores = self.task_eval(self.model, self.tokenizer)
         self.results[f"task_eval_{when}"] = scores
-        self.monitor.write(f"task eval {when} training: exact_match {scores['exact_match']:.1%} "
-                           f"on {scores['num_samples']} samples")
+        self.monitor.write(f"{what}: exact_match {scores['exact_match']:.1%} on {scores['num_samples']} samples "
+                           f"({activity.seconds:.1f} s)")
         for example in scores.get("examples", [])[:2]:
             self.monitor.write(f"  {example['prompt']!r} -> {example['answer']!r} (expected {example['reference']!r})")
