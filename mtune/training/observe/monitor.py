@@ -26,13 +26,17 @@ class TrainingMonitor:
     """Log a step: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_second`` (all ranks),
     ``tokens_per_second_per_device``, ``trained_tokens``, ``peak_memory_gib`` (max over ranks), ``val_loss``.
 
-    Every rank must call :meth:`step` (tokens and memory are reduced over ranks); only rank 0 writes.
+    Every rank must call :meth:`step` (tokens and memory are reduced over ranks); only rank 0 writes. A row is
+    written every ``log_every_n_steps`` steps and for the run's last step (``total_steps``). A run that ends
+    earlier (a signal stopped it) gets its last step written by :meth:`close`, which runs no collective: on more
+    than one rank that row has this rank's peak memory left out rather than a maximum over ranks.
     """
 
     def __init__(self, *, output_dir: Path, device: torch.device, total_steps: int, initial_step: int = 0,
                  log_every_n_steps: int = 1, metric_logger: Mapping[str, Any] | None = None,
                  config: Mapping[str, Any] | None = None, rank: int = 0, world_size: int = 1):
         self.output_dir, self.device, self.rank, self.world_size = Path(output_dir), device, rank, world_size
+        self.total_steps = int(total_steps)
         self.log_every_n_steps = max(1, int(log_every_n_steps or 1))
         self.logger = build_metric_logger(metric_logger, output_dir=output_dir, rank=rank, world_size=world_size)
         if config is not None:
@@ -43,26 +47,36 @@ class TrainingMonitor:
         self.timer.start()
         peak_memory_stats(device, reset=True)
         self.skipped_steps = 0
+        # The last step when it was not logged: (step, epoch, result, lr, clock reading at its end).
+        self._unlogged: tuple[int, int, StepResult, float, float] | None = None
+        self._closed = False
 
     def step(self, *, step: int, epoch: int, result: StepResult, lr: float, extra: Mapping[str, Any] | None = None):
         self.timer.add_tokens(int(self._reduce(result.num_tokens, torch.distributed.ReduceOp.SUM)))
         if not result.stepped:
             self.skipped_steps += 1
-        if step % self.log_every_n_steps and not extra:
+        if step % self.log_every_n_steps and step != self.total_steps and not extra:
+            self._unlogged = (step, epoch, result, lr, self.timer.clock())
             self.progress.update(step)
             return
+        self._unlogged = None
         memory = peak_memory_stats(self.device, reset=True)
         if self.world_size > 1:
             memory = {k: self._reduce(v, torch.distributed.ReduceOp.MAX) for k, v in memory.items()}
+        metrics = self._row(step, epoch, result, lr, self.timer.rates(), memory, extra)
+        self.logger.log_dict(metrics, step=step)
+        self.progress.update(step, metrics, epoch=epoch)
+
+    @staticmethod
+    def _row(step, epoch, result: StepResult, lr, rates, memory, extra) -> dict[str, Any]:
         metrics = {"step": step, "epoch": epoch, "loss": result.loss, "lr": lr,
-                   "trained_tokens": result.trained_tokens, **self.timer.rates(), **memory}
+                   "trained_tokens": result.trained_tokens, **rates, **memory}
         if result.grad_norm is not None:
             metrics["grad_norm"] = result.grad_norm
         if not result.stepped:
             metrics["skipped_step"] = 1
         metrics.update(extra or {})
-        self.logger.log_dict(metrics, step=step)
-        self.progress.update(step, metrics, epoch=epoch)
+        return metrics
 
     def _reduce(self, value: float, op) -> float:
         if self.world_size == 1:
@@ -78,7 +92,22 @@ class TrainingMonitor:
     def write(self, message: str) -> None:
         self.progress.write(message)
 
+    def activity(self, description: str, total: int | None = None, unit: str = "it"):
+        """A side task's own progress (an evaluation): see :meth:`TrainingProgress.activity`."""
+        return self.progress.activity(description, total=total, unit=unit)
+
     def close(self) -> None:
+        """Write the last step if it was not logged, close the display and the loggers, plot the loss curve.
+        Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._unlogged is not None:
+            step, epoch, result, lr, ended = self._unlogged
+            memory = peak_memory_stats(self.device, reset=True) if self.world_size == 1 else {}
+            self.logger.log_dict(self._row(step, epoch, result, lr, self.timer.rates(end=ended), memory, None),
+                                 step=step)
+            self._unlogged = None
         self.progress.close()
         self.logger.close()
         if self.rank == 0:

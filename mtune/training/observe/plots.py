@@ -1,6 +1,7 @@
 """Plots people would rather see than read: the loss curve of a run and its memory breakdown by category.
 
-matplotlib is optional (the ``plots`` extra): without it each function says so once and returns None.
+matplotlib is one of mtune's dependencies; should it be missing anyway (a trimmed environment), each function says
+so and returns None. A loss curve with no loss to draw is not plotted at all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _pyplot(what: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("%s not plotted: pip install 'mtune[plots]' for matplotlib", what)
+        log.warning("%s not plotted: matplotlib is not installed (mtune depends on it: pip install matplotlib)", what)
         return None
     return plt
 
@@ -35,12 +36,37 @@ def _pyplot(what: str):
 def plot_loss_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
     """Plot ``loss`` (and ``val_loss`` where present) against ``step`` from a ``metrics.jsonl`` into ``out_png``.
 
-    Returns the PNG path, or None (with a message naming the ``plots`` extra) when matplotlib is not installed.
+    Returns the PNG path, or None when there is nothing to plot (no file, or no row with a loss) or matplotlib is
+    missing. Short series get a marker on each point, so that a single logged step is still visible.
     """
+    series = _loss_series(metrics_jsonl)
+    if not any(steps for steps, _ in series.values()):
+        log.debug("loss curve not plotted: %s has no loss values", metrics_jsonl)
+        return None
     plt = _pyplot("loss curve")
     if plt is None:
         return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, (steps, values) in series.items():
+        if steps:
+            marker = "o" if key == "val_loss" or len(steps) <= 20 else None
+            ax.plot(steps, values, marker=marker, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def _loss_series(metrics_jsonl: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
+    """``{"loss": (steps, values), "val_loss": (steps, values)}`` read from a ``metrics.jsonl`` (empty if absent)."""
     series: dict[str, tuple[list[int], list[float]]] = {"loss": ([], []), "val_loss": ([], [])}
+    if not Path(metrics_jsonl).is_file():
+        return series
     with open(metrics_jsonl, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -53,19 +79,7 @@ def plot_loss_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike
                 if isinstance(row.get(key), (int, float)):
                     steps.append(row["step"])
                     values.append(row[key])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, (steps, values) in series.items():
-        if steps:
-            ax.plot(steps, values, marker="o" if key == "val_loss" else None, label=key)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png)
-    plt.close(fig)
-    return out_png
+    return series
 
 
 def plot_memory_breakdown(summary: dict[str, Any], out_png: str | os.PathLike,

@@ -46,11 +46,18 @@ class StepTimer:
     def add_tokens(self, num_tokens: int) -> None:
         self._tokens += int(num_tokens)
 
-    def rates(self, reset: bool = True) -> dict[str, float]:
-        """``{"tokens_per_second": ..., "tokens_per_second_per_device": ...}`` since :meth:`start`."""
+    def clock(self) -> float:
+        """The clock's reading now, without waiting for the device (to pass as ``rates(end=...)`` later)."""
+        return self._clock()
+
+    def rates(self, reset: bool = True, end: float | None = None) -> dict[str, float]:
+        """``{"tokens_per_second": ..., "tokens_per_second_per_device": ...}`` since :meth:`start`.
+
+        ``end``: a :meth:`clock` reading that closes the interval (the end of the last step counted) instead of now.
+        """
         if self._start is None:
             raise RuntimeError("StepTimer.rates() called before StepTimer.start()")
-        now = self._now()
+        now = self._now() if end is None else end
         elapsed = now - self._start
         tps = self._tokens / elapsed if elapsed > 0 else 0.0
         if reset:

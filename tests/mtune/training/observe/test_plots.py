@@ -16,3 +16,21 @@ def test_loss_curve_png(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 1}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2 is not JSON"):
         plot_loss_curve(tmp_path / "bad.jsonl", tmp_path / "x.png")
+
+
+def test_nothing_to_plot_gives_no_png_and_no_warning(tmp_path):
+    import warnings
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "val_free.jsonl").write_text('{"step": 1, "lr": 0.1}\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("empty.jsonl", "val_free.jsonl", "missing.jsonl"):
+            assert plot_loss_curve(tmp_path / name, tmp_path / f"{name}.png") is None
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_one_logged_step_is_plotted(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3, "loss": 1.25}\n')
+    out = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC

@@ -1,0 +1,58 @@
+"""TrainingMonitor in-process: the last step always reaches metrics.jsonl, no plot without a loss."""
+
+import json
+import warnings
+
+import torch
+
+from mtune.training.loop import StepResult
+from mtune.training.observe.monitor import TrainingMonitor
+
+KEYS = {"step", "epoch", "loss", "lr", "trained_tokens", "tokens_per_second", "tokens_per_second_per_device",
+        "peak_memory_gib", "grad_norm"}
+
+
+def _monitor(tmp_path, total_steps, log_every_n_steps):
+    return TrainingMonitor(output_dir=tmp_path, device=torch.device("cpu"), total_steps=total_steps,
+                           log_every_n_steps=log_every_n_steps)
+
+
+def _steps(monitor, steps):
+    for step in steps:
+        result = StepResult(loss=3.0 / step, trained_tokens=10, num_tokens=16, grad_norm=1.5, stepped=True)
+        monitor.step(step=step, epoch=0, result=result, lr=1e-3)
+
+
+def _rows(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_shorter_than_log_interval_logs_its_last_step(tmp_path):
+    monitor = _monitor(tmp_path, total_steps=3, log_every_n_steps=10)
+    _steps(monitor, [1, 2, 3])
+    rows = _rows(tmp_path)  # written at step 3, before close
+    assert [r["step"] for r in rows] == [3]
+    assert set(rows[0]) == KEYS and rows[0]["loss"] == 1.0 and rows[0]["tokens_per_second"] > 0
+    monitor.close()
+    assert [r["step"] for r in _rows(tmp_path)] == [3]  # not written twice
+    assert (tmp_path / "loss_curve.png").is_file()
+
+
+def test_run_stopped_between_log_steps_gets_its_last_step_at_close(tmp_path):
+    monitor = _monitor(tmp_path, total_steps=10, log_every_n_steps=4)
+    _steps(monitor, [1, 2, 3, 4, 5, 6])  # a signal stops the run after step 6
+    assert [r["step"] for r in _rows(tmp_path)] == [4]
+    monitor.close()
+    monitor.close()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [4, 6]
+    assert set(rows[1]) == KEYS and rows[1]["loss"] == 0.5 and rows[1]["tokens_per_second"] > 0
+
+
+def test_no_steps_no_plot_and_no_warning(tmp_path):
+    monitor = _monitor(tmp_path, total_steps=3, log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monitor.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not (tmp_path / "loss_curve.png").exists()
