@@ -150,3 +150,57 @@ def test_evaluation_without_a_bar_prints_a_starting_line():
     with TrainingProgress(total_steps=3, rank=1, stream=quiet).activity("val_loss", total=4) as activity:
         activity.advance()
     assert quiet.getvalue() == ""
+
+
+class _ValLoader(list):
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+
+def _session(tmp_path, monkeypatch):
+    """A TrainingSession with only what val_loss and the task eval touch (a real monitor; evaluate faked)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mtune.training import session as session_module
+    from mtune.training.observe.monitor import TrainingMonitor
+
+    def fake_evaluate(model, batches, loss_fn, device, autocast):
+        total = 0.0
+        for batch in batches:
+            time.sleep(0.05)
+            total += batch
+        return total
+
+    monkeypatch.setattr(session_module, "evaluate", fake_evaluate)
+    session = session_module.TrainingSession.__new__(session_module.TrainingSession)
+    session.cfg, session.model, session.tokenizer, session.loss_fn, session.results = {}, None, None, None, {}
+    session.run = SimpleNamespace(device=torch.device("cpu"), autocast=None)
+    session.val_loader = _ValLoader([1, 2, 3])
+    session.task_eval = lambda model, tokenizer: {"exact_match": 0.5, "num_samples": 2, "examples": []}
+    session.monitor = TrainingMonitor(output_dir=tmp_path, device=torch.device("cpu"), total_steps=3)
+    return session
+
+
+def test_session_evaluations_print_their_progress_in_plain_mode(tmp_path, monkeypatch, capsys):
+    session = _session(tmp_path, monkeypatch)
+    session._run_task_eval("before")
+    assert session.val_loss() == 6.0
+    session.monitor.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "task eval before training ..."
+    assert re.fullmatch(r"task eval before training: exact_match 50\.0% on 2 samples \(\d+\.\d s\)", lines[1])
+    assert lines[2:] == ["val_loss: 3 batches ..."]
+
+
+def test_session_evaluations_get_a_bar_under_the_training_bar(tmp_path, monkeypatch, terminal_size):
+    terminal_size(100, 30)
+    monkeypatch.setattr(progress_module, "_REFRESH_SECONDS", 0.01)
+    out = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", out)
+    session = _session(tmp_path, monkeypatch)
+    assert session.monitor.progress.has_bar
+    assert session.val_loss() == 6.0
+    session.monitor.close()
+    assert re.search(r"val_loss: +\d+%\|#[^|]*\| [123]/3 ", out.getvalue())  # counted batches as they went
