@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from mtune.errors import MtuneError
+
 ROLES = ("system", "user", "assistant")
+
+
+class TokenizerError(MtuneError, ValueError):
+    """A tokenizer file that is not what its model directory or family needs; the message names the file."""
 
 
 @dataclass(frozen=True)

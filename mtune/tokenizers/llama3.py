@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from mtune.tokenizers.base import Message, Tokenizer
+from mtune.tokenizers.base import Message, Tokenizer, TokenizerError
 
 # Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
 PATTERN = (
@@ -86,9 +86,9 @@ def special_token_names(tokenizer_file: Path, num_base: int) -> tuple[dict[int, 
             break
     for offset, name in _REQUIRED.items():
         if names and names.get(num_base + offset, name) != name:
-            raise ValueError(f"{', '.join(map(str, sources))}: id {num_base + offset} is {names[num_base + offset]!r}, but a Llama 3 "
-                             f"tokenizer has {name} there; this tokenizer.json does not belong to the rank file "
-                             f"{tokenizer_file}")
+            where = ", ".join(map(str, sources))
+            raise TokenizerError(f"{where}: id {num_base + offset} is {names[num_base + offset]!r}, but a Llama 3 "
+                                 f"tokenizer has {name} there; these names do not belong to {tokenizer_file}")
     taken = set(names.values())
     for name, i in special_tokens(num_base).items():
         if i not in names:
@@ -131,7 +131,7 @@ def _ranks_from_tokenizer_json(path: Path) -> dict[bytes, int]:
     try:
         return {bytes(char_to_byte[c] for c in token): rank for token, rank in vocab.items()}
     except KeyError as err:
-        raise ValueError(f"{path}: not a byte-level BPE tokenizer.json (character {err} has no byte)") from None
+        raise TokenizerError(f"{path}: not a byte-level BPE tokenizer.json (character {err} has no byte)") from None
 
 
 class Llama3Tokenizer(Tokenizer):

@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtune.tokenizers.base import Tokenizer
+from mtune.errors import PathNotFoundError
+from mtune.tokenizers.base import Tokenizer, TokenizerError
 
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2")
 
@@ -46,7 +47,7 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
     """(family, tokenizer file) for a model directory or a tokenizer file; see the module docstring."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"tokenizer path {path} does not exist; set tokenizer.path to a model directory "
+        raise PathNotFoundError(f"tokenizer path {path} does not exist; set tokenizer.path to a model directory "
                                 "or a tokenizer file")
     if path.is_file():
         return _family_of_file(path), path
@@ -56,7 +57,7 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
         for name in ("original/tokenizer.model", "tokenizer.model", "tokenizer.model.v3", "tokenizer.json"):
             if (path / name).is_file():
                 return _family_of_file(path / name), path / name
-        raise FileNotFoundError(f"{path}: no config.json and no tokenizer.model / tokenizer.json; point "
+        raise PathNotFoundError(f"{path}: no config.json and no tokenizer.model / tokenizer.json; point "
                                 "tokenizer.path at a Hugging Face model directory")
     if model_type == "llama":
         for name in ("original/tokenizer.model", "tokenizer.model"):
@@ -68,19 +69,19 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
         file = path / "tokenizer.json"
         if file.is_file() and _family_of_file(file) == "llama3":
             return "llama3", file
-        raise FileNotFoundError(f"{path}: a llama model without original/tokenizer.model, tokenizer.model or a "
+        raise PathNotFoundError(f"{path}: a llama model without original/tokenizer.model, tokenizer.model or a "
                                 "Llama 3 tokenizer.json; download the tokenizer files with the weights")
     if model_type == "mistral":
         for name in ("tokenizer.model.v3", "tokenizer.model"):
             if (path / name).is_file():
                 return "mistral", path / name
-        raise FileNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
+        raise PathNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
                                 "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
     if model_type == "qwen2":
         if (path / "tokenizer.json").is_file():
             return "qwen2", path / "tokenizer.json"
-        raise FileNotFoundError(f"{path}: a qwen2 model without tokenizer.json; download it with the weights")
-    raise ValueError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, qwen2")
+        raise PathNotFoundError(f"{path}: a qwen2 model without tokenizer.json; download it with the weights")
+    raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, qwen2")
 
 
 def _family_of_file(file: Path) -> str:
@@ -91,7 +92,7 @@ def _family_of_file(file: Path) -> str:
             return "qwen2"
         if "<|begin_of_text|>" in added:
             return "llama3"
-        raise ValueError(f"{file}: neither a Qwen2 (<|im_start|>) nor a Llama 3 (<|begin_of_text|>) tokenizer.json")
+        raise TokenizerError(f"{file}: neither a Qwen2 (<|im_start|>) nor a Llama 3 (<|begin_of_text|>) tokenizer.json")
     from mtune.tokenizers.llama3 import is_tiktoken_file
 
     if is_tiktoken_file(file):
@@ -101,6 +102,6 @@ def _family_of_file(file: Path) -> str:
     try:
         sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
     except (RuntimeError, OSError) as err:
-        raise ValueError(f"{file}: neither a tiktoken rank file nor a sentencepiece model ({err})") from None
+        raise TokenizerError(f"{file}: neither a tiktoken rank file nor a sentencepiece model ({err})") from None
     inst = sp.piece_to_id("[INST]")
     return "mistral" if sp.id_to_piece(inst) == "[INST]" and sp.is_control(inst) else "llama2"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtune.tokenizers._sentencepiece import SentencePieceTokenizer
-from mtune.tokenizers.base import Message, check_alternating
+from mtune.tokenizers.base import Message, TokenizerError, check_alternating
 
 
 class MistralTokenizer(SentencePieceTokenizer):
@@ -24,7 +24,7 @@ class MistralTokenizer(SentencePieceTokenizer):
         super().__init__(path, max_seq_len)
         inst, end_inst = self.piece_id("[INST]"), self.piece_id("[/INST]")
         if inst is None or end_inst is None or not (self._sp.is_control(inst) and self._sp.is_control(end_inst)):
-            raise ValueError(
+            raise TokenizerError(
                 f"{path}: no [INST]/[/INST] control tokens; mtune supports Mistral's v3 sentencepiece tokenizer "
                 "(Mistral-7B-Instruct-v0.3 and later); for an older model use a v3 tokenizer.model"
             )

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from mtune.tokenizers.base import Message, Tokenizer
+from mtune.tokenizers.base import Message, Tokenizer, TokenizerError
 
 QWEN2_5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 QWEN2_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -60,7 +60,7 @@ class Qwen2Tokenizer(Tokenizer):
         for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
             ids[name] = self._full.token_to_id(name)
             if ids[name] is None:
-                raise ValueError(f"{path}: no {name} token; this does not look like a Qwen2 tokenizer.json")
+                raise TokenizerError(f"{path}: no {name} token; this does not look like a Qwen2 tokenizer.json")
         self.bos_id = None
         self.eos_id = self.pad_id = ids["<|endoftext|>"]
         self.im_start_id = ids["<|im_start|>"]

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
+from mtune.errors import MtuneError, PathNotFoundError
 from mtune.tokenizers import detect_tokenizer, load_tokenizer
+from mtune.tokenizers.base import TokenizerError
 from mtune.tokenizers.llama2 import Llama2Tokenizer
 from mtune.tokenizers.llama3 import Llama3Tokenizer
 from mtune.tokenizers.mistral import MistralTokenizer
@@ -55,21 +57,24 @@ def test_llama_model_type_with_sentencepiece_is_llama2(tokenizer_dirs, tmp_path)
 
 
 def test_clear_errors(tokenizer_dirs, tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    # Each is an MtuneError (the CLI prints it as one line) and still the built-in error it refines.
+    assert issubclass(TokenizerError, MtuneError) and issubclass(TokenizerError, ValueError)
+    assert issubclass(PathNotFoundError, MtuneError) and issubclass(PathNotFoundError, FileNotFoundError)
+    with pytest.raises(PathNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
     gpt = tmp_path / "gpt"
     gpt.mkdir()
     (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type 'gpt2' has no mtune tokenizer"):
+    with pytest.raises(TokenizerError, match="model_type 'gpt2' has no mtune tokenizer"):
         load_tokenizer(gpt)
     # A Llama 2 sentencepiece model given as Mistral: no [INST] control tokens.
     fake = shutil.copytree(tokenizer_dirs["llama2"], tmp_path / "fake_mistral")
     (fake / "config.json").write_text(json.dumps({"model_type": "mistral"}))
-    with pytest.raises(ValueError, match=r"no \[INST\]/\[/INST\] control tokens"):
+    with pytest.raises(TokenizerError, match=r"no \[INST\]/\[/INST\] control tokens"):
         load_tokenizer(fake)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match="no config.json and no tokenizer"):
+    with pytest.raises(PathNotFoundError, match="no config.json and no tokenizer"):
         load_tokenizer(empty)
 
 

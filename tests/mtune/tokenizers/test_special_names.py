@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from mtune.tokenizers import load_tokenizer
+from mtune.tokenizers.base import TokenizerError
 from tests._helpers.tokenizers import LLAMA3_BASE_VOCAB as BASE
 from tests._helpers.tokenizers import llama3_special_token_names, write_llama3_tokenizer
 
@@ -65,5 +66,5 @@ def test_tokenizer_json_of_another_layout_is_refused(tmp_path):
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     spec["added_tokens"][9]["content"] = "<|im_end|>"  # +9 must be <|eot_id|>
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=rf"id {BASE + 9} is '<\|im_end\|>'.*<\|eot_id\|>"):
+    with pytest.raises(TokenizerError, match=rf"id {BASE + 9} is '<\|im_end\|>'.*<\|eot_id\|>"):
         load_tokenizer(tmp_path)
