@@ -83,6 +83,8 @@ def validate_command(argv: list[str]) -> int:
             schema = load_recipe_module(find_recipe(str(recipe))).SCHEMA
         except CliError as err:
             errors.append(f"recipe: {err}")
+        else:
+            cfg = load_config(config_path, args.overrides, schema.text_keys)  # text keys keep their overrides as written
     report = validate_config(cfg, schema)
     errors += report.errors
     for warning in report.warnings:

@@ -144,7 +144,7 @@ def _print_recipe_help(recipe_path: Path) -> int:
 def _load_and_check(module, config_path: Path, overrides: list[str]):
     from mtune.config import ConfigError, load_config, validate_config
 
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, module.SCHEMA.text_keys)
     report = validate_config(cfg, module.SCHEMA)
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)

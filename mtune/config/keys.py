@@ -21,7 +21,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # Keys several groups share, declared once.
 RECIPE_KEY = Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)")
 DEVICE_KEY = Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', "
-                 "'cuda:1', ...")
+                 "'cuda:1', ...", pattern=r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?")
 DTYPE_KEY = Key("dtype", str, "bf16", "dtype of the model's weights; fp16 = fp32 weights with fp16 autocast and loss "
                 "scaling (training) or fp16 weights (generation)", choices=DTYPE_NAMES)
 
@@ -31,23 +31,26 @@ RUN_KEYS = KeyGroup(
     keys=[
         RECIPE_KEY,
         Key("output_dir", str, REQUIRED, "directory for checkpoints, metrics.jsonl and logs"),
-        Key("seed", int, 0, "random seed for weight init, data order and dropout"),
+        Key("seed", int, 0, "random seed for weight init, data order and dropout", at_least=0),
         DEVICE_KEY,
         DTYPE_KEY,
-        Key("epochs", int, 1, "passes over the training set"),
-        Key("max_steps_per_epoch", int, None, "stop each epoch after this many optimizer steps (null: whole epoch)"),
-        Key("batch_size", int, 4, "samples per micro-batch on each device"),
-        Key("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step"),
-        Key("clip_grad_norm", float, None, "clip the global gradient norm to this value (null: no clipping)"),
-        Key("log_every_n_steps", int, 1, "write a line to metrics.jsonl every N optimizer steps"),
-        Key("save_every_n_steps", int, None, "also checkpoint to step_<N>/ every N steps (null: only final/)"),
-        Key("keep_last_n_checkpoints", int, None, "delete older step_<N>/ checkpoints beyond this many (null: keep all)"),
+        Key("epochs", int, 1, "passes over the training set", at_least=1),
+        Key("max_steps_per_epoch", int, None, "stop each epoch after this many optimizer steps (null: whole epoch)",
+            at_least=1),
+        Key("batch_size", int, 4, "samples per micro-batch on each device", at_least=1),
+        Key("gradient_accumulation_steps", int, 1, "micro-batches per optimizer step", at_least=1),
+        Key("clip_grad_norm", float, None, "clip the global gradient norm to this value (null: no clipping)", above=0),
+        Key("log_every_n_steps", int, 1, "write a line to metrics.jsonl every N optimizer steps", at_least=1),
+        Key("save_every_n_steps", int, None, "also checkpoint to step_<N>/ every N steps (null: only final/)",
+            at_least=1),
+        Key("keep_last_n_checkpoints", int, None, "delete older step_<N>/ checkpoints beyond this many (null: keep all)",
+            at_least=1),
         Key("resume_from_checkpoint", (bool, str), False,
             "true: resume from the latest complete checkpoint in output_dir; or a checkpoint directory"),
         Key("overwrite_output_dir", bool, False,
             "true: delete the run already in output_dir (checkpoints, metrics, plots) and start again; false: refuse "
             "such an output_dir unless resuming"),
-        Key("eval_every_n_steps", int, None, "compute val_loss on dataset_val every N steps (null: never)"),
+        Key("eval_every_n_steps", int, None, "compute val_loss on dataset_val every N steps (null: never)", at_least=1),
     ],
 )
 
@@ -56,7 +59,7 @@ MEMORY_KEYS = KeyGroup(
     help="techniques that trade compute or transfers for memory, and compile",
     keys=[
         Key("enable_activation_checkpointing", bool, False, "recompute block activations in the backward pass"),
-        Key("activation_checkpointing_every_n_layers", int, 1, "checkpoint every Nth transformer block"),
+        Key("activation_checkpointing_every_n_layers", int, 1, "checkpoint every Nth transformer block", at_least=1),
         Key("enable_activation_offloading", bool, False, "move saved activations to CPU memory until backward"),
         Key("activation_offloading_use_streams", bool, True, "overlap offloading transfers with compute (CUDA only)"),
         Key("optimizer_in_bwd", bool, False, "step each parameter's optimizer during backward and free its gradient"),
@@ -114,7 +117,7 @@ MODEL_NODES = KeyGroup(
                 "tokenizer",
                 [
                     Key("path", str, None, "a model directory or tokenizer file (default: model.checkpoint_dir)"),
-                    Key("max_seq_len", int, None, "truncate samples to this many tokens (null: no limit)"),
+                    Key("max_seq_len", int, None, "truncate samples to this many tokens (null: no limit)", at_least=1),
                 ],
             ),
             required=True,
@@ -150,9 +153,9 @@ LORA_KEYS = KeyGroup(
                 "lora",
                 [
                     Key("modules", list, ["q_proj", "v_proj"], "linears to adapt: " + " ".join(LORA_TARGETS)),
-                    Key("rank", int, 8, "adapter rank r"),
-                    Key("alpha", float, 16.0, "scale numerator: the update is scaled by alpha / rank"),
-                    Key("dropout", float, 0.0, "dropout on the adapter input"),
+                    Key("rank", int, 8, "adapter rank r", at_least=1),
+                    Key("alpha", float, 16.0, "scale numerator: the update is scaled by alpha / rank", above=0),
+                    Key("dropout", float, 0.0, "dropout on the adapter input", at_least=0, below=1),
                     Key("use_dora", bool, False, "DoRA: learn a per-output magnitude as well"),
                     Key("quantize_base", bool, False, "QLoRA: store the frozen base linears as NF4"),
                     Key("adapter_dir", str, None, "start from this saved PEFT adapter instead of a fresh one"),
@@ -211,9 +214,10 @@ GENERATE_KEYS = KeyGroup(
         Key("adapter_dir", str, None, "a PEFT adapter directory applied on top of model.checkpoint_dir (null: none)"),
         Key("prompt", str, None, "plain text to continue (BOS added where the family has one)"),
         Key("messages", list, None, "a chat: list of {role: system|user|assistant, content}; the assistant replies"),
-        Key("max_new_tokens", int, 128, "stop after this many new tokens (or at a stop token)"),
-        Key("temperature", float, 0.0, "0 = greedy; otherwise logits are divided by it before sampling"),
-        Key("top_k", int, None, "sample among the k most likely tokens only (null: all)"),
-        Key("top_p", float, None, "sample from the smallest set of tokens whose probability reaches top_p (null: all)"),
+        Key("max_new_tokens", int, 128, "stop after this many new tokens (or at a stop token)", at_least=1),
+        Key("temperature", float, 0.0, "0 = greedy; otherwise logits are divided by it before sampling", at_least=0),
+        Key("top_k", int, None, "sample among the k most likely tokens only (null: all)", at_least=1),
+        Key("top_p", float, None, "sample from the smallest set of tokens whose probability reaches top_p (null: all)",
+            above=0, at_most=1),
     ],
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Container, Sequence
 
 import omegaconf
 import yaml
@@ -24,8 +24,9 @@ if not OmegaConf.has_resolver("mtune_asset"):
     _register("mtune_asset", lambda name: str(asset_path(name)))
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """Read the YAML file at ``path`` and apply ``overrides`` (see `apply_overrides`).
+def load_config(path: str | Path, overrides: Sequence[str] = (), text_keys: Container[str] = ()) -> DictConfig:
+    """Read the YAML file at ``path`` and apply ``overrides`` (see `apply_overrides`; ``text_keys`` are the dotted
+    keys declared as plain text, whose override values are kept as written).
 
     Interpolations such as ``${output_dir}/logs`` stay lazy: they resolve when a key is read.
     """
@@ -43,21 +44,26 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
         raise ConfigError(f"{path}: {str(err).splitlines()[0]}") from None
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{path}: a config must be a mapping of keys at the top level, found a list")
-    apply_overrides(cfg, overrides)
+    apply_overrides(cfg, overrides, text_keys)
     return cfg
 
 
 def parse_value(text: str):
-    """A command-line value in YAML syntax: ``3`` -> 3, ``[a,b]`` -> ['a', 'b'], ``null`` -> None.
+    """A command-line value in YAML syntax: ``3`` -> 3, ``[a,b]`` -> ['a', 'b'], ``{k: v}`` -> {'k': 'v'},
+    ``null`` -> None.
 
-    Text that is not valid YAML is kept as a string.
+    Only text in brackets or braces becomes a list or mapping: ``Reverse the words: ink jar`` (YAML would read a
+    mapping) and ``- x`` stay strings, as does text that is not valid YAML.
     """
     if text == "":
         return None
     try:
-        return _floats(yaml.safe_load(text))
+        value = _floats(yaml.safe_load(text))
     except yaml.YAMLError:
         return text
+    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("[", "{")):
+        return text
+    return value
 
 
 # YAML 1.1 (PyYAML) reads 1e-4 as a string; omegaconf's file loader reads it as a float, and so do overrides.
@@ -74,12 +80,13 @@ def _floats(value):
     return value
 
 
-def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str], text_keys: Container[str] = ()) -> DictConfig:
     """Apply command-line overrides to ``cfg`` in place, in order, and return it.
 
     Forms: ``key=value`` and ``a.b.c=value`` (value in YAML syntax; missing parents are created), ``~a.b``
     (delete the key), and ``node=dotted.Path`` on a node that has ``_component_`` (replaces the component and
-    keeps the node's other keys).
+    keeps the node's other keys). A key in ``text_keys`` (declared as text by the recipe's schema) takes the value
+    as written: ``prompt=123`` is the string ``"123"``; only ``null`` means None there.
     """
     for override in overrides:
         if override.startswith("~"):
@@ -91,7 +98,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 f"invalid override '{override}': expected key=value or ~key",
                 "write overrides as key=value, e.g. batch_size=4",
             )
-        value = parse_value(text)
+        value = None if key in text_keys and text in ("", "null", "~") else text if key in text_keys else (
+            parse_value(text))
         current = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if isinstance(current, DictConfig) and COMPONENT in current and isinstance(value, str):
             current[COMPONENT] = value

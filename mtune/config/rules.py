@@ -18,11 +18,11 @@ __all__ = [
     "MEMORY_RULES",
     "TRAINING_RULES",
     "check_eval_dataset",
+    "check_optimizer_values",
     "check_optimizer_in_bwd",
     "check_lora_node",
     "check_lora_on_tied_lm_head",
     "check_activation_offloading",
-    "check_activation_checkpointing",
     "DISTRIBUTED_RULES",
     "check_distributed_adapter_start",
     "check_distributed_optimizer",
@@ -79,9 +79,6 @@ def check_lora_node(cfg: Any) -> list[str]:
     unknown = sorted(set(_get(cfg, "lora.modules", [])) - set(LORA_TARGETS))
     if unknown:
         problems.append(f"lora.modules has unknown names {unknown}: choose from {list(LORA_TARGETS)}")
-    rank = _get(cfg, "lora.rank", 8)
-    if not isinstance(rank, int) or rank < 1:
-        problems.append(f"lora.rank={rank} must be a positive integer: e.g. lora.rank=8")
     return problems
 
 
@@ -117,20 +114,38 @@ def check_activation_offloading(cfg: Any) -> list[str]:
     return []
 
 
-def check_activation_checkpointing(cfg: Any) -> list[str]:
-    n = _get(cfg, "activation_checkpointing_every_n_layers", 1)
-    if not isinstance(n, int) or n < 1:
-        return [f"activation_checkpointing_every_n_layers={n} must be an integer >= 1: e.g. 1 (every block)"]
-    return []
-
-
 MEMORY_RULES = (
     check_optimizer_in_bwd,
     check_lora_node,
     check_lora_on_tied_lm_head,
     check_activation_offloading,
-    check_activation_checkpointing,
 )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_optimizer_values(cfg: Any) -> list[str]:
+    """The optimizer's numbers, whatever its component: lr and weight_decay numbers >= 0, eps > 0, betas two
+    numbers in [0, 1); and a schedule's num_warmup_steps an integer >= 0."""
+    problems = []
+    for name, ok, what in (("lr", lambda v: v >= 0, ">= 0"), ("weight_decay", lambda v: v >= 0, ">= 0"),
+                           ("eps", lambda v: v > 0, "> 0")):
+        value = _get(cfg, f"optimizer.{name}")
+        if value is None:
+            continue
+        if not _number(value):
+            problems.append(f"optimizer.{name}: expected a number, got {type(value).__name__} {value!r}")
+        elif not ok(value):
+            problems.append(f"optimizer.{name}: must be {what}, got {value!r}")
+    betas = _get(cfg, "optimizer.betas")
+    if betas is not None and not (len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
+        problems.append(f"optimizer.betas: must be two numbers in [0, 1), e.g. [0.9, 0.999], got {list(betas)!r}")
+    warmup = _get(cfg, "lr_scheduler.num_warmup_steps")
+    if warmup is not None and (not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0):
+        problems.append(f"lr_scheduler.num_warmup_steps: must be an integer >= 0, got {warmup!r}")
+    return problems
 
 
 def check_eval_dataset(cfg: Any) -> list[str]:
@@ -140,7 +155,7 @@ def check_eval_dataset(cfg: Any) -> list[str]:
     return []
 
 
-TRAINING_RULES = MEMORY_RULES + (check_eval_dataset,)
+TRAINING_RULES = MEMORY_RULES + (check_optimizer_values, check_eval_dataset)
 """Every rule a single-device training recipe attaches to its `RecipeSchema`."""
 
 
@@ -208,18 +223,5 @@ def check_generate_input(cfg: Any) -> list[str]:
     return []
 
 
-def check_sampling(cfg: Any) -> list[str]:
-    problems = []
-    if cfg.temperature < 0:
-        problems.append("temperature must be >= 0 (0 = greedy)")
-    if cfg.top_p is not None and not 0 < cfg.top_p <= 1:
-        problems.append("top_p must be in (0, 1] (or null)")
-    if cfg.top_k is not None and cfg.top_k < 1:
-        problems.append("top_k must be >= 1 (or null)")
-    if cfg.max_new_tokens < 1:
-        problems.append("max_new_tokens must be >= 1")
-    return problems
-
-
-GENERATE_RULES = (check_generate_input, check_sampling)
+GENERATE_RULES = (check_generate_input,)
 """The rules the generate recipe attaches to its `RecipeSchema`."""

@@ -7,6 +7,7 @@ signature when it has ``_component_``, or by its own `KeyGroup`. Groups are decl
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -42,6 +43,11 @@ class Key:
     default: Any = REQUIRED
     help: str = ""
     choices: tuple | None = None
+    at_least: float | None = None  # value >= at_least
+    above: float | None = None  # value > above
+    at_most: float | None = None  # value <= at_most
+    below: float | None = None  # value < below
+    pattern: str | None = None  # a str value must match this regular expression in full
 
     @property
     def types(self) -> tuple[type, ...]:
@@ -55,11 +61,28 @@ class Key:
             return names + ("|None" if self.default is None else "")
         return " | ".join(_TYPE_NAMES.get(t, t.__name__) for t in self.types)
 
+    @property
+    def range_text(self) -> str:
+        """The declared bounds in words, e.g. ``>= 0 and < 1`` (empty without bounds)."""
+        parts = [f"{op} {_number(bound)}" for op, bound in
+                 ((">=", self.at_least), (">", self.above), ("<=", self.at_most), ("<", self.below))
+                 if bound is not None]
+        return " and ".join(parts)
+
     def check(self, value: Any, key: str) -> list[str]:
         if not any(_is_instance(value, t) for t in self.types):
             return [f"{key}: expected {self.type_name}, got {_describe(value)}"]
-        if self.choices and value is not None and value not in self.choices:
+        if value is None:
+            return []
+        if self.choices and value not in self.choices:
             return [f"{key}: must be one of {', '.join(map(str, self.choices))}, got {value!r}"]
+        if self.pattern is not None and isinstance(value, str) and not re.fullmatch(self.pattern, value):
+            return [f"{key}: {value!r} is not valid ({self.help})"]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and self.range_text and not (
+            (self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+            and (self.at_most is None or value <= self.at_most) and (self.below is None or value < self.below)
+        ):
+            return [f"{key}: must be {self.range_text}{' (or null)' if self.default is None else ''}, got {value!r}"]
         return []
 
 
@@ -134,6 +157,11 @@ class RecipeSchema:
                 problems.append(f"rule {getattr(rule, '__name__', rule)} failed: {type(err).__name__}: {err}")
         return problems
 
+    @property
+    def text_keys(self) -> set[str]:
+        """Dotted names of the keys declared as plain text (type ``str`` alone): their overrides stay as written."""
+        return {name for _, name, decl in _rows(self.groups) if isinstance(decl, Key) and decl.type is str}
+
     def fill_defaults(self, cfg: DictConfig) -> DictConfig:
         """Set every declared key that ``cfg`` leaves out to its default (nodes to None), in place."""
         _fill(cfg, self.keys)
@@ -198,6 +226,10 @@ def _is_instance(value: Any, t: type) -> bool:
     return isinstance(value, t)
 
 
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
 def _describe(value: Any) -> str:
     if value is None:
         return "null"
@@ -230,7 +262,8 @@ def render_markdown(schema: RecipeSchema) -> str:
     """The schema as a Markdown table (key, type, default, description), grouped by key group."""
     lines = ["| key | type | default | description |", "|---|---|---|---|"]
     for _, name, decl in _rows(schema.groups):
-        type_name = decl.type_name.replace("|", "\\|")  # a bare | would split the table cell
+        bounds = f" {decl.range_text}" if isinstance(decl, Key) and decl.range_text else ""
+        type_name = (decl.type_name + bounds).replace("|", "\\|")  # a bare | would split the table cell
         lines.append(f"| `{name}` | {type_name} | `{_default_text(decl)}` | {decl.help} |")
     return "\n".join(lines) + "\n"
 
@@ -244,6 +277,7 @@ def render_help(schema: RecipeSchema) -> str:
         if group is not current:
             current = group
             lines.append(f"\n{group.name}" + (f": {group.help}" if group.help else ""))
-        meta = f"{decl.type_name}, default {_default_text(decl)}"
+        bounds = f" {decl.range_text}" if isinstance(decl, Key) and decl.range_text else ""
+        meta = f"{decl.type_name}{bounds}, default {_default_text(decl)}"
         lines.append(f"  {name:<{width}}{decl.help} [{meta}]")
     return "\n".join(lines).lstrip("\n") + "\n"

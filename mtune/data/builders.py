@@ -4,8 +4,9 @@
 Each reads rows with `load_source`, turns a row into chat messages (or plain text), tokenizes every row up front
 with the tokenizer's own chat format and returns a `TokenizedDataset`. Common arguments:
 
-- `source`, `data_files`, `split`, `revision`, extra keyword arguments: where the rows come from (see
-  `mtune.data.sources.load_source`);
+- `source`, `data_files`, `split`, `revision`, `load_dataset_kwargs`: where the rows come from (see
+  `mtune.data.sources.load_source`); `load_dataset_kwargs` is passed on to `datasets.load_dataset` for hub
+  datasets (e.g. `{name: wikitext-2-raw-v1}`) and is the only pass-through: any other key is refused by name;
 - `column_map`: `{builder's column name: the data's column name}`, e.g. `{instruction: prompt, output: answer}`;
 - `train_on_input` (default false): when false only assistant replies are trained on;
 - `max_seq_len`: truncation / pack length (default: the tokenizer's `max_seq_len`);
@@ -15,6 +16,8 @@ with the tokenizer's own chat format and returns a `TokenizedDataset`. Common ar
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from mtune.data.common import IGNORE_INDEX, DataError
@@ -39,7 +42,7 @@ def instruct_dataset(
     data_files: Any = None,
     split: str = "train",
     revision: str | None = None,
-    **load_kwargs: Any,
+    load_dataset_kwargs: Mapping[str, Any] | None = None,
 ) -> TokenizedDataset:
     """Instruction data (Alpaca columns `instruction`, `input` (optional), `output` by default).
 
@@ -57,7 +60,7 @@ def instruct_dataset(
         return messages
 
     settings = {"columns": columns, "system_prompt": system_prompt, "train_on_input": train_on_input}
-    source_rows = load_source(source, data_files, split, revision, **load_kwargs)
+    source_rows = load_source(source, data_files, split, revision, load_dataset_kwargs=load_dataset_kwargs)
     max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
     convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len)
     return build_tokenized(
@@ -68,8 +71,14 @@ def instruct_dataset(
 
 def alpaca_dataset(tokenizer, source: str = "tatsu-lab/alpaca", **kwargs: Any) -> TokenizedDataset:
     """The Alpaca data set (or any file with its columns): `instruct_dataset` with the hub's `tatsu-lab/alpaca`
-    as the default source."""
+    as the default source; it takes exactly `instruct_dataset`'s keyword arguments."""
     return instruct_dataset(tokenizer, source, **kwargs)
+
+
+# Config checks read this signature: instruct_dataset's own, so a misspelt key is refused, not swallowed.
+alpaca_dataset.__signature__ = inspect.signature(instruct_dataset).replace(parameters=[
+    p.replace(default="tatsu-lab/alpaca") if p.name == "source" else p
+    for p in inspect.signature(instruct_dataset).parameters.values()])
 
 
 def chat_dataset(
@@ -85,7 +94,7 @@ def chat_dataset(
     data_files: Any = None,
     split: str = "train",
     revision: str | None = None,
-    **load_kwargs: Any,
+    load_dataset_kwargs: Mapping[str, Any] | None = None,
 ) -> TokenizedDataset:
     """Multi-turn conversations, OpenAI style (a `messages` column of `{role, content}` with roles system / user /
     assistant) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system).
@@ -114,7 +123,7 @@ def chat_dataset(
 
     settings = {"columns": columns, "column_map": column_map, "system_prompt": system_prompt,
                 "train_on_input": train_on_input}
-    source_rows = load_source(source, data_files, split, revision, **load_kwargs)
+    source_rows = load_source(source, data_files, split, revision, load_dataset_kwargs=load_dataset_kwargs)
     max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
     convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len)
     return build_tokenized(
@@ -136,7 +145,7 @@ def text_completion_dataset(
     split: str = "train",
     revision: str | None = None,
     sample_by: str = "line",
-    **load_kwargs: Any,
+    load_dataset_kwargs: Mapping[str, Any] | None = None,
 ) -> TokenizedDataset:
     """Plain text for continued pre-training: the `text` column (or `column_map: {text: <column>}`), or `.txt`
     files split per line (default), per blank-line paragraph or per file (`sample_by`). Every token is trained on;
@@ -155,7 +164,8 @@ def text_completion_dataset(
             tokens = tokens[:max_seq_len] if truncated else tokens
         return tokens, tokens[1:] + [IGNORE_INDEX], truncated
 
-    source_rows = load_source(source, data_files, split, revision, sample_by=sample_by, **load_kwargs)
+    source_rows = load_source(source, data_files, split, revision, sample_by=sample_by,
+                              load_dataset_kwargs=load_dataset_kwargs)
     return build_tokenized(
         tokenizer, source_rows, convert, name="text", settings={"columns": columns, "add_eos": add_eos},
         max_seq_len=max_seq_len, packed=packed, cache=cache,

@@ -42,23 +42,29 @@ def load_source(
     split: str = "train",
     revision: str | None = None,
     sample_by: str = "line",
-    **load_kwargs: Any,
+    load_dataset_kwargs: Mapping[str, Any] | None = None,
 ) -> RowSource:
     """Resolve `source` to rows.
 
     `source` is a format name (`json`, `jsonl`, `parquet`, `csv`, `text`) reading `data_files`; a local file or
     directory (every supported file under it, or the `data_files` patterns inside it); a directory written by
     `datasets.Dataset.save_to_disk`; or else a Hugging Face hub dataset id (or any `datasets` builder name) loaded
-    with `datasets.load_dataset(source, split=split, data_files=data_files, revision=revision, **load_kwargs)`.
+    with `datasets.load_dataset(source, split=split, data_files=data_files, revision=revision,
+    **load_dataset_kwargs)` (``load_dataset_kwargs`` applies to those alone and is refused for local files).
     `data_files` may be a path, a glob, a list of them, or a `{split: files}` dict. Text files give one row
     `{"text": ...}` per line (default), blank-line separated paragraph, or whole file (`sample_by`).
     """
+    load_kwargs = dict(load_dataset_kwargs or {})
     if sample_by not in SAMPLE_BY:
         raise DataError(f"sample_by={sample_by!r}: expected one of {', '.join(SAMPLE_BY)}")
     if isinstance(data_files, Mapping):  # {split: files}, as datasets.load_dataset takes (a DictConfig too)
         if split not in data_files:
             raise DataError(f"data_files has no split {split!r} (splits: {', '.join(map(str, data_files))})")
         data_files = data_files[split]
+    local = source in FORMATS or Path(source).expanduser().exists()
+    if load_kwargs and local and not (Path(source).expanduser() / "dataset_info.json").exists():
+        raise DataError(f"load_dataset_kwargs {sorted(load_kwargs)} apply to hub datasets only; source={source!r} "
+                        "is read by mtune itself")
     if source in FORMATS:
         if not data_files:
             raise DataError(f"source={source!r} needs data_files: the file(s) to read, e.g. data_files=train.{source}")
@@ -118,7 +124,13 @@ def _local_source(files: list[Path], fmt: str | None, sample_by: str) -> RowSour
 
     def read() -> Iterator[Row]:
         for path, f in zip(files, formats):
-            yield from _READERS[f](path, sample_by)
+            try:
+                yield from _READERS[f](path, sample_by)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})",
+                                "save the file as UTF-8") from None
+            except OSError as e:
+                raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
 
     shown = str(files[0]) if len(files) == 1 else f"{len(files)} files under {Path(files[0]).parent}"
     return RowSource(fingerprint, shown, read)

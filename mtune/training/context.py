@@ -57,12 +57,18 @@ class RunContext:
 
 
 def configure_logging(rank: int = 0) -> None:
-    """INFO lines from mtune on rank 0, warnings only on the others."""
+    """INFO lines from mtune on rank 0, warnings only on the others, to the current ``sys.stderr`` (re-pointed on
+    every call: a program that runs several recipes in one process may have swapped stderr in between)."""
     level = logging.INFO if rank == 0 else logging.WARNING
     root = logging.getLogger("mtune")
-    if not root.handlers:
+    console = [h for h in root.handlers if getattr(h, "mtune_console", False)]
+    if console:
+        for handler in console:
+            handler.stream = sys.stderr  # not setStream: it flushes the old stream, which may be closed by now
+    elif not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("mtune: %(message)s"))
+        handler.mtune_console = True
         root.addHandler(handler)
         root.propagate = False
     root.setLevel(level)

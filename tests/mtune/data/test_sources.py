@@ -36,7 +36,7 @@ def test_datasets_library_path(tok, tmp_path):
     assert samples(instruct_dataset(tok, str(tmp_path / "saved"))) == reference  # load_from_disk
     arrow = [str(p) for p in (tmp_path / "saved").glob("*.arrow")]
     # Not a local path or a native format: goes through datasets.load_dataset like a hub id (no network needed).
-    ds = instruct_dataset(tok, "arrow", data_files=arrow, cache_dir=str(tmp_path / "hf"))
+    ds = instruct_dataset(tok, "arrow", data_files=arrow, load_dataset_kwargs={"cache_dir": str(tmp_path / "hf")})
     assert samples(ds) == reference
 
 
