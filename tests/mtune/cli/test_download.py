@@ -1,90 +1,21 @@
-"""`mtune download` against a small hub-compatible HTTP server on 127.0.0.1 (what huggingface_hub 2.4 asks for:
-GET /api/models/{repo}/revision/{rev}, GET /api/models/{repo}/tree/{sha}?recursive=..., HEAD and GET
-/{repo}/resolve/{sha}/{file}; errors are mapped from the X-Error-Code header)."""
+"""`mtune download` against the small hub-compatible HTTP server in tests/_helpers/hub_server.py (no network): files
+arrive byte for byte, and every failure (gated, missing, refused connection, broken transfer, unsafe names,
+unwritable output) is one `error:` line naming the repo, without a traceback."""
 
-import hashlib
-import json
 import os
-import re
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests._helpers.hub_server import FILES, REPO_ID, Hub, start
 from tests.mtune.cli.conftest import REPO
-
-REPO_ID = "tiny-org/tiny-model"
-SHA = "0123456789abcdef0123456789abcdef01234567"
-FILES = {
-    "config.json": b'{"hidden_size": 256}\n',
-    "model.safetensors": bytes(range(256)) * 40,
-    "tokenizer/tokenizer.json": b'{"version": "1.0"}',
-    "README.md": b"# tiny\n",
-}
-
-
-class Hub:
-    """What the server serves: ``files`` for ``REPO_ID``, or an error ``mode`` ('gated', 'missing')."""
-
-    def __init__(self):
-        self.files, self.mode, self.requests = dict(FILES), "ok", []
-
-
-def make_handler(hub):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _send(self, status, body=b"", headers=None, head=False):
-            self.send_response(status)
-            for name, value in {"Content-Length": str(len(body)), **(headers or {})}.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if not head:
-                self.wfile.write(body)
-
-        def _json(self, data, status=200, headers=None, head=False):
-            self._send(status, json.dumps(data).encode(), {"Content-Type": "application/json", **(headers or {})}, head)
-
-        def handle_any(self, head):
-            path = self.path.split("?")[0]
-            hub.requests.append(f"{self.command} {self.path}")
-            if hub.mode == "gated":
-                return self._json({"error": "Access to this repo is restricted."}, 401, {"X-Error-Code": "GatedRepo"}, head)
-            if hub.mode == "missing" or not path.startswith((f"/api/models/{REPO_ID}/", f"/{REPO_ID}/")):
-                return self._json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"}, head)
-            if re.fullmatch(rf"/api/models/{REPO_ID}/revision/[^/]+", path):
-                return self._json({"id": REPO_ID, "sha": SHA, "siblings": [{"rfilename": f} for f in hub.files]})
-            if path == f"/api/models/{REPO_ID}/tree/{SHA}":
-                return self._json([
-                    {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                    for name, data in hub.files.items()
-                ])
-            prefix = f"/{REPO_ID}/resolve/{SHA}/"
-            if path.startswith(prefix) and path[len(prefix):] in hub.files:
-                data = hub.files[path[len(prefix):]]
-                headers = {"X-Repo-Commit": SHA, "ETag": f'"{hashlib.sha1(data).hexdigest()}"'}
-                return self._send(200, data, headers, head)
-            return self._json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"}, head)
-
-        def do_GET(self):
-            self.handle_any(head=False)
-
-        def do_HEAD(self):
-            self.handle_any(head=True)
-
-    return Handler
 
 
 @pytest.fixture(scope="module")
 def hub():
     state = Hub()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    state.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    server = start(state)
     yield state
     server.shutdown()
 
@@ -93,17 +24,32 @@ def hub():
 def download(hub, tmp_path):
     hub.files, hub.mode = dict(FILES), "ok"
 
-    def run(*args, endpoint=None):
+    def run(*args, endpoint=None, no_pauses=False):
+        """``mtune download REPO_ID *args`` in a subprocess; ``no_pauses`` skips huggingface_hub's one-second waits
+        between retries (time.sleep does nothing in that process)."""
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith("HF_")}
+        env.pop("MTUNE_DEBUG", None)
         env.update(
             PYTHONPATH=str(REPO), HF_ENDPOINT=endpoint or hub.endpoint, HF_HOME=str(tmp_path / "hf_home"),
             HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_XET="1",
             HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5",
         )
-        return subprocess.run([sys.executable, "-m", "mtune", "download", REPO_ID, *map(str, args)], env=env,
-                              capture_output=True, text=True, timeout=60)
+        entry = "import sys, time; from mtune._cli.main import main; sys.exit(main(sys.argv[1:]))"
+        if no_pauses:
+            entry = entry.replace("main;", "main; time.sleep = lambda seconds: None;")
+        return subprocess.run([sys.executable, "-c", entry, "download", REPO_ID, *map(str, args)], env=env,
+                              capture_output=True, text=True, timeout=90)
 
     return run
+
+
+def one_error(out) -> str:
+    """The `error:` line of a failed run, after checking that it failed cleanly (exit 1, no traceback)."""
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out.stderr
+    return errors[0]
 
 
 def test_files_arrive_byte_for_byte(download, tmp_path):
@@ -130,25 +76,56 @@ def test_gated_repo_says_accept_the_licence(download, hub, tmp_path):
     assert out.returncode == 1
     assert out.stderr.splitlines() == [
         f"error: {REPO_ID} is gated: you must accept its licence before downloading",
-        f"hint: accept it at https://huggingface.co/{REPO_ID}, then pass --hf-token (or set HF_TOKEN)",
+        f"hint: accept it at https://huggingface.co/{REPO_ID}, then set HF_TOKEN (or pass --hf-token)",
     ]
 
 
 def test_missing_repo(download, hub, tmp_path):
     hub.mode = "missing"
-    out = download("--output-dir", tmp_path / "out")
-    assert out.returncode == 1 and f"error: repository {REPO_ID} not found on the hub" in out.stderr
+    assert one_error(download("--output-dir", tmp_path / "out")).startswith(
+        f"error: repository {REPO_ID} not found on the hub")
 
 
-def test_unreachable_hub(download, tmp_path):
-    out = download("--output-dir", tmp_path / "out", endpoint="http://127.0.0.1:9")
-    assert out.returncode == 1 and f"error: cannot reach the hub to download {REPO_ID}" in out.stderr
+def test_refused_connection_names_the_endpoint_and_the_repo(download, tmp_path):
+    out = download("--output-dir", tmp_path / "out", endpoint="http://127.0.0.1:9")  # discard port: nobody listens
+    line = one_error(out)
+    assert line.startswith(f"error: cannot reach the hub at http://127.0.0.1:9 to download {REPO_ID}"), line
+    assert "refused" in line.lower(), line
+    assert "hint: check the network connection" in out.stderr
+
+
+def test_transfer_cut_short_is_one_line(download, hub, tmp_path):
+    hub.mode = "truncated"  # after its retries huggingface_hub lets its HTTP client's transport error through
+    line = one_error(download("--output-dir", tmp_path / "out", no_pauses=True))
+    assert line.startswith(f"error: downloading {REPO_ID} from {hub.endpoint} failed: "), line
+
+
+def test_unwritable_output_dir(download, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    line = one_error(download("--output-dir", tmp_path / "file" / "out"))
+    assert line.startswith(f"error: cannot write {REPO_ID} to {tmp_path / 'file' / 'out'}"), line
 
 
 def test_dotdot_in_listing_is_never_written_outside_dir(download, hub, tmp_path):
     hub.files["../escape.txt"] = b"outside"
     hub.files["sub/../../escape2.txt"] = b"outside"
-    out = download("--output-dir", tmp_path / "out")
-    assert out.returncode == 1 and "unsafe file name" in out.stderr
+    assert "unsafe file name" in one_error(download("--output-dir", tmp_path / "out"))
     written = {p.name for p in tmp_path.rglob("*") if p.is_file()}
     assert not {"escape.txt", "escape2.txt"} & written
+
+
+def test_invalid_repo_id(hub, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf")}
+    env.pop("MTUNE_DEBUG", None)
+    out = subprocess.run([sys.executable, "-m", "mtune", "download", "a/b/c", "--output-dir", tmp_path / "out"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert one_error(out).startswith("error: 'a/b/c' is not a valid repository id"), out.stderr
+
+
+def test_download_loads_no_heavy_module_at_start():
+    code = ("import sys; from mtune._cli.main import _commands; _commands()['download']; "
+            "print(sorted(m for m in ('torch', 'huggingface_hub', 'httpx', 'httpx2') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]"
