@@ -70,11 +70,13 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?")[0]
             hub.requests.append(f"{self.command} {self.path}")
             if hub.mode == "gated":
-                return self._json({"error": "Access to this repo is restricted."}, 401, {"X-Error-Code": "GatedRepo"}, head)
+                body = {"error": "Access to this repo is restricted."}
+                return self._json(body, 401, {"X-Error-Code": "GatedRepo"}, head)
             if hub.mode == "missing" or not path.startswith((f"/api/models/{repo}/", f"/{repo}/")):
                 return self._json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"}, head)
             if re.fullmatch(rf"/api/models/{re.escape(repo)}/revision/[^/]+", path):
-                return self._json({"id": repo, "sha": SHA, "siblings": [{"rfilename": f} for f in hub.files]}, head=head)
+                siblings = [{"rfilename": name} for name in hub.files]
+                return self._json({"id": repo, "sha": SHA, "siblings": siblings}, head=head)
             if path == f"/api/models/{repo}/tree/{SHA}":
                 return self._json([
                     {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
