@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The README's test command: install mtune with its test extras and run the whole suite (slow tests included).
+# The README's test command: install mtune with its test extras (editable) and run the whole suite, slow tests
+# included, printing the 25 slowest. Extra arguments go to pytest. CI (.ci/run) runs it after checking the
+# README's install without extras (scripts/smoke_install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
