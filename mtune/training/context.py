@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from mtune.config.errors import ConfigError
 from mtune.errors import OutputExistsError
 from mtune.training.checkpointing.checkpoint_dir import FINAL_NAME, TMP_PREFIX
+from mtune.training.memory.placement import Placement
 from mtune.training.memory.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 from mtune.training.rng import set_seed
 
@@ -33,6 +34,7 @@ class RunContext:
         dtype: the storage dtype of the parameters (fp32 for ``fp16``, which computes under autocast).
         output_dir: where checkpoints, ``metrics.jsonl`` and plots go.
         rank, world_size: this process in a distributed run (0 and 1 on one device).
+        placement: ``device`` and the host (CPU) memory the offloading techniques move tensors to.
     """
 
     device: torch.device
@@ -42,6 +44,11 @@ class RunContext:
     seed: int = 0
     rank: int = 0
     world_size: int = 1
+    placement: Placement = field(default=None)  # type: ignore[assignment]  # set from device when not given
+
+    def __post_init__(self):
+        if self.placement is None:
+            self.placement = Placement(self.device)
 
     @property
     def is_main(self) -> bool:

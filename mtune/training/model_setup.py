@@ -38,6 +38,7 @@ from mtune.training.checkpointing.sharded import (
 )
 from mtune.training.distributed import shard_model
 from mtune.training.memory.apply import apply_memory_techniques
+from mtune.training.memory.placement import Placement
 
 __all__ = ["ModelSource", "resolve_model_source", "setup_model", "setup_sharded_model",
            "init_weights_sharded", "reset_adapters_sharded"]
@@ -92,16 +93,18 @@ def setup_model(
     lora: Mapping[str, Any] | None = None,
     memory: MemoryConfig = MemoryConfig(),
     materialize: bool = True,
+    placement: Placement | None = None,
 ):
     """Build, transform and load the model. Returns ``(model, activation_context)``: the activation-offloading
     context to enter around forward and backward, or None.
 
     ``lora`` is the config's ``lora`` node (None for a full fine-tune); ``memory`` the run's memory keys
     (``MemoryConfig.from_config(cfg)``; the default applies none). With ``materialize=False`` the model stays on
-    the meta device (planning, or FSDP sharding before the weights are loaded).
+    the meta device (planning, or FSDP sharding before the weights are loaded). ``placement`` is where offloaded
+    tensors go (default: ``device`` and the CPU).
     """
     model = build_model_from_args(source.args, dtype=dtype)  # on the meta device
-    offload = apply_memory_techniques(model, memory, lora=lora)
+    offload = apply_memory_techniques(model, memory, lora=lora, placement=placement or Placement(device))
     if not materialize:
         return model, offload
     load_weights(model, source, device=device, dtype=dtype)

@@ -4,15 +4,17 @@
 forward *and* the loss (`mtune.training.session.TrainingSession.train_step`). While it is active, every tensor
 autograd saves is copied to host memory (pinned, so the copy is asynchronous) and copied back when backward needs
 it. With `use_streams=True` both copies run on a side CUDA stream, so they overlap with compute; the allocator is
-told (`record_stream`) which stream still uses each buffer.
+told (`record_stream`) which stream still uses each buffer. Where the host is and whether a move copies anything
+is the run's `Placement` (`mtune.training.memory.placement`).
 
 Not offloaded: parameters and other tensors that share a parameter's storage (they stay in memory anyway), tensor
 subclasses such as NF4 weights, tensors smaller than `min_offload_bytes` (the copy would cost more than it frees),
 and tensors already in host memory. Combined with activation checkpointing (required by mtune's validator), what
 is saved per block is just the block's input, so offloading moves one [batch, seq, dim] tensor per block.
 
-On a machine without CUDA everything already lives in host memory: the hooks run, move nothing, and results are
-identical; `apply_activation_offloading` says so once in the log.
+On a machine without an accelerator everything already lives in host memory: the hooks run, move nothing, and
+results are identical; `apply_activation_offloading` says so once in the log. A placement with ``distinct=True``
+makes the copies happen on CPU too (tests).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtune.training.memory.placement import Placement
+
 __all__ = ["OffloadActivations", "NoOffload", "apply_activation_offloading"]
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     Args:
         use_streams: copy on a side CUDA stream so transfers overlap compute (CUDA only; ignored elsewhere).
+        placement: the compute device and the host; default `Placement.default()` (the accelerator and the CPU).
         min_offload_bytes: tensors smaller than this stay where they are. Default 1 MiB.
         params: parameters never to offload (their storages are recognised); default none.
         model: its parameters are never offloaded either, read each time the context is entered (a model set up
@@ -41,9 +46,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, use_streams: bool = True, min_offload_bytes: int = 1 << 20, params=(),
-                 model: nn.Module | None = None):
+                 model: nn.Module | None = None, placement: Placement | None = None):
+        self.placement = placement or Placement.default()
         self.min_offload_bytes = min_offload_bytes
-        self.use_streams = use_streams and torch.cuda.is_available()
+        self.use_streams = use_streams and self.placement.streams
         self.stream = torch.cuda.Stream() if self.use_streams else None
         self.model = model
         self._param_storages = {p.untyped_storage().data_ptr() for p in params if not p.is_meta}
@@ -59,7 +65,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _should_offload(self, t: torch.Tensor) -> bool:
         return (
             type(t) is torch.Tensor  # not parameters, not subclasses (NF4)
-            and t.device.type != "cpu"
+            and self.placement.distinct
+            and not self.placement.on_host(t)
             and t.numel() * t.element_size() >= self.min_offload_bytes
             and t.untyped_storage().data_ptr() not in self._param_storages
         )
@@ -78,10 +85,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _copy_to_host(self, t: torch.Tensor) -> Any:
         self.offloaded_bytes += t.numel() * t.element_size()
         if self.stream is None:
-            return (t.device, t.to("cpu"))
+            return (t.device, self.placement.to_host(t))
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            host = self.placement.empty_host(t.shape, t.dtype)
             host.copy_(t, non_blocking=True)
             t.record_stream(self.stream)  # t's memory may be reused only after the copy finished
         event = self.stream.record_event()
@@ -91,8 +98,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if isinstance(packed, torch.Tensor):
             return packed
         if len(packed) == 2:
-            device, host = packed
-            return host.to(device)
+            _, host = packed
+            return self.placement.to_compute(host)
         device, host, event = packed
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(event)
@@ -118,15 +125,17 @@ def _keep_saved_tensors_in_place(module: nn.Module) -> None:
 
 
 def apply_activation_offloading(
-    model: nn.Module, use_streams: bool = True, min_offload_bytes: int = 1 << 20
+    model: nn.Module, use_streams: bool = True, min_offload_bytes: int = 1 << 20, placement: Placement | None = None
 ) -> OffloadActivations:
     """The `OffloadActivations` context for `model`; enter it around forward and backward. Inside `model.norm` and
     `model.lm_head` saved tensors stay in place (forward hooks installed here, in place): they run last in forward
     and first in backward, so offloading them would only add copies."""
-    if not torch.cuda.is_available():
-        log.info("activation offloading: no CUDA device, activations already live in host memory: it saves nothing")
+    placement = placement or Placement.default()
+    if not placement.distinct:
+        log.info("activation offloading: the model computes in host memory (%s): it saves nothing", placement.compute)
     for name in ("norm", "lm_head"):
         module = getattr(model, name, None)
         if module is not None:
             _keep_saved_tensors_in_place(module)
-    return OffloadActivations(use_streams=use_streams, min_offload_bytes=min_offload_bytes, model=model)
+    return OffloadActivations(use_streams=use_streams, min_offload_bytes=min_offload_bytes, model=model,
+                              placement=placement)

@@ -28,6 +28,7 @@ from mtune.config.keys import MemoryConfig
 from mtune.modules.lora import apply_lora
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
 from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
+from mtune.training.memory.placement import Placement
 
 __all__ = ["apply_memory_techniques"]
 
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def apply_memory_techniques(
-    model: nn.Module, memory: MemoryConfig = MemoryConfig(), lora: Mapping[str, Any] | None = None
+    model: nn.Module, memory: MemoryConfig = MemoryConfig(), lora: Mapping[str, Any] | None = None,
+    placement: Placement | None = None,
 ) -> OffloadActivations | None:
     """Transforms `model` in place, in the order above. Returns the activation-offloading context to enter around
     forward and backward, or None without offloading.
@@ -44,6 +46,8 @@ def apply_memory_techniques(
         memory: the run's memory keys (`MemoryConfig.from_config(cfg)`); the default applies nothing.
         lora: the config's `lora` node (`modules`, `rank`, `alpha`, `dropout`, `use_dora`, `quantize_base`), or None
             for a full fine-tune.
+        placement: the compute device and the host the offloading techniques move tensors between; default
+            `Placement.default()` (the machine's accelerator and the CPU).
     """
     if lora is not None:
         apply_lora(
@@ -59,7 +63,8 @@ def apply_memory_techniques(
         apply_activation_checkpointing(model, every_n_layers=memory.activation_checkpointing_every_n_layers)
     offload = None
     if memory.enable_activation_offloading:
-        offload = apply_activation_offloading(model, use_streams=memory.activation_offloading_use_streams)
+        offload = apply_activation_offloading(model, use_streams=memory.activation_offloading_use_streams,
+                                              placement=placement)
     if memory.compile:
         for block in model.layers:
             block.compile()

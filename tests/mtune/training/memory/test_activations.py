@@ -13,6 +13,7 @@ from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
 from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
 from mtune.training.memory.apply import apply_memory_techniques
+from mtune.training.memory.placement import Placement
 
 gen = torch.Generator().manual_seed(7)
 TOKENS = torch.randint(0, 512, (2, 64), generator=gen)
@@ -73,19 +74,22 @@ def test_offloading_is_exact():
     assert ctx.offloaded_bytes == 0  # no CUDA: activations already in host memory, nothing moved
 
 
-def test_offload_hooks_round_trip_through_host_copies(monkeypatch):
-    # On CPU nothing needs moving; force the copy path to check pack/unpack give backward the same values.
+def test_offload_hooks_round_trip_through_host_copies():
+    # On CPU nothing needs moving; a distinct placement makes the copies happen, as between a GPU and its host.
     plain = _model(n_layers=2)
     twin = copy.deepcopy(plain)
-    ctx = OffloadActivations(use_streams=False, min_offload_bytes=0, params=twin.parameters())
-    monkeypatch.setattr(ctx, "_should_offload", lambda t: type(t) is torch.Tensor and
-                        t.untyped_storage().data_ptr() not in ctx._param_storages)
+    placement = Placement("cpu", distinct=True)
+    ctx = OffloadActivations(use_streams=False, min_offload_bytes=0, params=twin.parameters(), placement=placement)
+    copies = []
+    original = placement.to_compute
+    placement.to_compute = lambda t, **kw: copies.append(placement.on_host(t)) or original(t, **kw)
     expected = _loss_and_grads(plain)
     with ctx:
         loss_sum, n = CrossEntropyLoss()(twin(TOKENS), LABELS)
     (loss_sum / n).backward()
     _assert_identical(expected, (loss_sum.detach(), {k: p.grad for k, p in twin.named_parameters()}))
     assert ctx.offloaded_bytes > 1 << 20
+    assert copies and all(copies)  # backward read every saved tensor back from a host-resident copy
 
 
 def test_compile_per_block_matches_eager():
