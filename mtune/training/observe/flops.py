@@ -40,7 +40,7 @@ from torch import nn
 from mtune.modules.lora import LoRALinear
 from mtune.training.memory.activation_checkpointing import is_checkpointed
 
-__all__ = ["FlopsPerToken", "flops_per_token", "utilization"]
+__all__ = ["FlopsPerToken", "StepFlops", "flops_per_token", "utilization"]
 
 log = logging.getLogger(__name__)
 
@@ -187,3 +187,32 @@ def utilization(flops_per_token: float, tokens_per_second: float, peak_flops: fl
     if peak_flops <= 0:
         return 0.0
     return flops_per_token * tokens_per_second / peak_flops
+
+
+class StepFlops:
+    """Model and hardware FLOPs of one rank's training step, from its micro-batches: each batch's tokens before
+    padding times the FLOPs per token at its padded length (attention grows with it). Counts are memoised per
+    length; checkpointing is read from the model's blocks, so build it after ``setup_model``.
+
+    ``step_flops(micro_batches) -> (model_flops, hardware_flops)``.
+    """
+
+    def __init__(self, model: nn.Module, *, chunked_loss: bool = False, memory: Any | None = None):
+        self.model, self.chunked_loss, self.memory = model, chunked_loss, memory
+        self._per_length: dict[int, FlopsPerToken] = {}
+
+    def per_token(self, seq_len: int) -> FlopsPerToken:
+        if seq_len not in self._per_length:
+            self._per_length[seq_len] = flops_per_token(self.model, seq_len, self.memory,
+                                                        chunked_loss=self.chunked_loss)
+        return self._per_length[seq_len]
+
+    def __call__(self, micro_batches: list[dict]) -> tuple[float, float]:
+        model_flops = hardware_flops = 0.0
+        for batch in micro_batches:
+            tokens = batch["tokens"]
+            n = int(batch.get("num_tokens", tokens.numel()))
+            fpt = self.per_token(int(tokens.shape[-1]))
+            model_flops += fpt.model * n
+            hardware_flops += fpt.hardware * n
+        return model_flops, hardware_flops
