@@ -132,16 +132,21 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = linear_maybe_nf4(x, self.weight)
         x_drop = self.dropout(x)
-        lora = self.lora_b(self.lora_a(x_drop)) * self.scaling
         if self.magnitude is None:
-            out = base + lora
-        else:
-            scale = self.magnitude / self._weight_norm(dequantize(self.weight).to(x.dtype))
-            # With active dropout PEFT rescales the base output of the dropped input (x_drop), not x.
-            base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else (
-                linear_maybe_nf4(x_drop, self.weight)
-            )
-            out = base + (scale - 1) * base_drop + scale * lora
+            # base += s * A(x) B^T in one matmul that accumulates into the base output (alpha=s, in place): no
+            # [tokens, out] temporaries for the scaled update and the sum, and no elementwise ops in backward.
+            hidden = self.lora_a(x_drop)
+            out = base.view(-1, self.out_features).addmm_(hidden.view(-1, self.rank), self.lora_b.weight.t(),
+                                                          alpha=self.scaling).view(base.shape)
+            return out if self.bias is None else out + self.bias
+        # DoRA
+        lora = self.lora_b(self.lora_a(x_drop)) * self.scaling
+        scale = self.magnitude / self._weight_norm(dequantize(self.weight).to(x.dtype))
+        # With active dropout PEFT rescales the base output of the dropped input (x_drop), not x.
+        base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else (
+            linear_maybe_nf4(x_drop, self.weight)
+        )
+        out = base + (scale - 1) * base_drop + scale * lora
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()
