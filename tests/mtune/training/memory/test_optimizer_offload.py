@@ -20,8 +20,8 @@ from mtune.config.keys import MemoryConfig
 
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 3e-3, "weight_decay": 0.01}
 gen = torch.Generator().manual_seed(3)
-BATCHES = [{"tokens": torch.randint(0, 512, (2, 32), generator=gen),
-            "labels": torch.randint(0, 512, (2, 32), generator=gen)} for _ in range(6)]
+BATCHES = [{"tokens": torch.randint(0, 512, (1, 16), generator=gen),
+            "labels": torch.randint(0, 512, (1, 16), generator=gen)} for _ in range(4)]
 LORA = {"modules": ["q_proj", "v_proj", "down_proj"], "rank": 4, "alpha": 8}
 
 
@@ -33,7 +33,7 @@ def _model(lora=None, memory=MemoryConfig()):
     return model
 
 
-def _train(model, optimizer, steps=3, accumulation=2, clip=1.0, context=None):
+def _train(model, optimizer, steps=2, accumulation=2, clip=1.0, context=None):
     losses = []
     for step in range(steps):
         micro = BATCHES[step * accumulation:(step + 1) * accumulation]
