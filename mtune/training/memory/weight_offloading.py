@@ -118,7 +118,20 @@ class WeightOffloader:
                     groups.append(modules)
             return groups
         if config.type == "leaf_level":
-            return [[m] for m in model.modules() if _frozen_parameters(m)]
+            groups: list[list[nn.Module]] = []
+            owner: dict[int, int] = {}  # id(parameter) -> its group: a tied lm_head joins the embedding's group
+            for module in model.modules():
+                params = _frozen_parameters(module)
+                if not params:
+                    continue
+                shared = next((owner[id(p)] for p in params if id(p) in owner), None)
+                if shared is None:
+                    groups.append([module])
+                    shared = len(groups) - 1
+                else:
+                    groups[shared].append(module)
+                owner.update((id(p), shared) for p in params)
+            return groups
         raise ValueError(f"weight_offloading.type={config.type!r}: use block_level or leaf_level")
 
     # ---------------------------------------------------------------------------------------- to the host

@@ -162,6 +162,19 @@ def test_generation_with_offloaded_weights_matches():
     assert len(offloader.resident_groups()) <= 2
 
 
+def test_a_tied_output_projection_shares_the_embeddings_group():
+    torch.manual_seed(0)
+    plain = build_model("llama3_2", "tiny", device="cpu", n_layers=1).requires_grad_(False)
+    assert plain.lm_head.weight is plain.embed_tokens.weight
+    twin = copy.deepcopy(plain)
+    apply_memory_techniques(twin, MemoryConfig(weight_offloading=WeightOffloading("leaf_level", 1, False)),
+                            placement=Placement("cpu", distinct=True))
+    offloader = weight_offloader(twin)
+    offloader.offload()
+    assert [twin.embed_tokens, twin.lm_head] in offloader.groups
+    assert torch.equal(twin(TOKENS), plain(TOKENS))
+
+
 def test_a_cpu_only_placement_installs_nothing(caplog):
     model = build_model("llama3_1", "tiny", device="cpu", n_layers=1)
     with caplog.at_level("INFO", logger="mtune"):
