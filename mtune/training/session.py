@@ -260,6 +260,7 @@ class TrainingSession:
             self._stop.__exit__(None, None, None)
             self.profiler.__exit__(None, None, None)
             self.monitor.close()
+            self.breakdown.close()
         self.results.update(step=self.step, skipped_steps=self.monitor.skipped_steps)
         if self.run.is_main:
             (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
