@@ -18,6 +18,12 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """The linears ``lora.modules`` may name (Hugging Face's module names)."""
 
+WEIGHT_STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+"""The values of ``weight_storage_dtype`` (torch dtype names), besides null."""
+
+ACTIVATION_CHECKPOINTING_POLICIES = ("block", "selective_op")
+"""The values of ``activation_checkpointing_policy``."""
+
 # Keys several groups share, declared once.
 RECIPE_KEY = Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)")
 DEVICE_KEY = Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', "
@@ -64,6 +70,16 @@ MEMORY_KEYS = KeyGroup(
         Key("activation_offloading_use_streams", bool, True, "overlap offloading transfers with compute (CUDA only)"),
         Key("optimizer_in_bwd", bool, False, "step each parameter's optimizer during backward and free its gradient"),
         Key("compile", bool, False, "torch.compile each transformer block (faster steps after a slow first one)"),
+        # ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
+        Key("weight_storage_dtype", str, None,
+            "store the frozen linear weights inside the blocks in this fp8 format (one fp32 scale per output row) "
+            "and upcast each to the compute dtype just before use; LoRA recipes only (null: as dtype)",
+            choices=WEIGHT_STORAGE_DTYPES),
+        Key("weight_storage_skip_patterns", list, [],
+            "fnmatch globs on module names (model.layers.0.* or layers.0.*) whose weights keep the model dtype"),
+        Key("activation_checkpointing_policy", str, "block",
+            "block: recompute each checkpointed block whole; selective_op: keep the matmul and attention outputs "
+            "and recompute only the cheap ops between them", choices=ACTIVATION_CHECKPOINTING_POLICIES),
     ],
 )
 
@@ -84,6 +100,10 @@ class MemoryConfig:
     activation_offloading_use_streams: bool = _default(MEMORY_KEYS, "activation_offloading_use_streams")
     optimizer_in_bwd: bool = _default(MEMORY_KEYS, "optimizer_in_bwd")
     compile: bool = _default(MEMORY_KEYS, "compile")
+    # ---- issue 13, items 3-4
+    weight_storage_dtype: str | None = _default(MEMORY_KEYS, "weight_storage_dtype")
+    weight_storage_skip_patterns: tuple[str, ...] = tuple(_default(MEMORY_KEYS, "weight_storage_skip_patterns"))
+    activation_checkpointing_policy: str = _default(MEMORY_KEYS, "activation_checkpointing_policy")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "MemoryConfig":
@@ -91,7 +111,9 @@ class MemoryConfig:
         missing = [f.name for f in fields(cls) if f.name not in cfg]
         if missing:
             raise KeyError(f"the config lacks {missing}: fill it with the recipe's SCHEMA.fill_defaults first")
-        return cls(**{f.name: cfg[f.name] for f in fields(cls)})
+        values = {f.name: cfg[f.name] for f in fields(cls)}
+        values["weight_storage_skip_patterns"] = tuple(values["weight_storage_skip_patterns"] or ())
+        return cls(**values)
 
 MODEL_NODES = KeyGroup(
     "model",

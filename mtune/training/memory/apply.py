@@ -2,7 +2,8 @@
 
 1. LoRA / DoRA adapters (and NF4 base weights for QLoRA) — changes which modules exist, so it comes first.
 2. Activation checkpointing of blocks (``enable_activation_checkpointing``) — wraps the blocks' forward, adapters
-   included.
+   included; ``activation_checkpointing_policy`` says whether a block is recomputed whole (``block``) or keeps its
+   matmul and attention outputs (``selective_op``).
 3. Activation offloading (``enable_activation_offloading``) — returns the context that the training step enters
    around forward and backward (so the loss's saved tensors are covered too); with (2) it moves each block's saved
    input.
@@ -60,7 +61,8 @@ def apply_memory_techniques(
             quantize_base=lora.get("quantize_base", False),
         )
     if memory.enable_activation_checkpointing:
-        apply_activation_checkpointing(model, every_n_layers=memory.activation_checkpointing_every_n_layers)
+        apply_activation_checkpointing(model, every_n_layers=memory.activation_checkpointing_every_n_layers,
+                                       policy=memory.activation_checkpointing_policy)
     offload = None
     if memory.enable_activation_offloading:
         offload = apply_activation_offloading(model, use_streams=memory.activation_offloading_use_streams,
@@ -69,9 +71,10 @@ def apply_memory_techniques(
         for block in model.layers:
             block.compile()
     log.info(
-        "memory techniques: lora=%s, activation_checkpointing=%s (every %d), activation_offloading=%s, compile=%s",
+        "memory techniques: lora=%s, activation_checkpointing=%s (%s, every %d), activation_offloading=%s, compile=%s",
         None if lora is None else ("dora" if lora.get("use_dora") else "lora") + ("+nf4" if lora.get("quantize_base") else ""),
-        memory.enable_activation_checkpointing, memory.activation_checkpointing_every_n_layers,
+        memory.enable_activation_checkpointing, memory.activation_checkpointing_policy,
+        memory.activation_checkpointing_every_n_layers,
         memory.enable_activation_offloading, memory.compile,
     )
     return offload

@@ -34,11 +34,16 @@ def test_memory_config_carries_each_memory_key_under_its_yaml_name():
     assert [f.name for f in fields(MemoryConfig)] == names
     assert all(isinstance(k, Key) for k in MEMORY_KEYS.keys)
     defaults = MemoryConfig()
-    assert {n: getattr(defaults, n) for n in names} == {k.name: k.default for k in MEMORY_KEYS.keys}
-    # from_config reads every key by its own name: flip each one and see it arrive
-    flipped = {k.name: (not k.default if isinstance(k.default, bool) else k.default + 2) for k in MEMORY_KEYS.keys}
+    as_declared = {"weight_storage_skip_patterns": list}  # MemoryConfig holds the list as a tuple (frozen)
+    assert {n: as_declared.get(n, lambda v: v)(getattr(defaults, n)) for n in names} == {
+        k.name: k.default for k in MEMORY_KEYS.keys}
+    # from_config reads every key by its own name: change each one and see it arrive
+    changed = {"weight_storage_dtype": "float8_e5m2", "weight_storage_skip_patterns": ["model.layers.0.*"],
+               "activation_checkpointing_policy": "selective_op"}
+    flipped = {k.name: changed[k.name] if k.name in changed else not k.default if isinstance(k.default, bool)
+               else k.default + 2 for k in MEMORY_KEYS.keys}
     memory = MemoryConfig.from_config(OmegaConf.create({"output_dir": "x", **flipped}))
-    assert {n: getattr(memory, n) for n in names} == flipped
+    assert {n: as_declared.get(n, lambda v: v)(getattr(memory, n)) for n in names} == flipped
 
 
 def test_memory_config_refuses_a_config_without_its_defaults():

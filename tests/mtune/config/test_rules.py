@@ -46,3 +46,28 @@ def test_tied_lm_head_read_from_checkpoint_config(tmp_path):
     assert len(problems(lora=lora, model={"checkpoint_dir": str(tmp_path)})) == 1
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # absent: untied
     assert problems(lora=lora, model={"checkpoint_dir": str(tmp_path)}) == []
+
+
+# ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
+def test_fp8_storage_and_selective_checkpointing_pass_where_they_apply():
+    assert problems(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=["*.down_proj"],
+                    enable_activation_checkpointing=True, activation_checkpointing_policy="selective_op",
+                    enable_activation_offloading=True) == []
+    assert problems(weight_storage_dtype=None, activation_checkpointing_policy="block") == []
+
+
+@pytest.mark.parametrize("cfg,keys", [
+    (dict(weight_storage_dtype="float8_e4m3fn", lora={**LORA, "quantize_base": True}),
+     ["weight_storage_dtype=float8_e4m3fn", "lora.quantize_base=true", "weight_storage_dtype=null",
+      "lora.quantize_base=false"]),
+    (dict(weight_storage_dtype="float8_e5m2"),  # a full fine-tune: no lora node
+     ["weight_storage_dtype=float8_e5m2", "no lora node", "weight_storage_dtype=null"]),
+    (dict(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=[3]),
+     ["weight_storage_skip_patterns", "got 3"]),
+    (dict(activation_checkpointing_policy="selective_op"),
+     ["activation_checkpointing_policy=selective_op", "enable_activation_checkpointing=true",
+      "activation_checkpointing_policy=block"]),
+])
+def test_fp8_storage_and_selective_checkpointing_rules_name_both_keys(cfg, keys):
+    found = problems(**cfg)
+    assert len(found) == 1 and all(k in found[0] for k in keys), found

@@ -39,3 +39,11 @@ def test_adapter_start_is_refused_in_distributed_recipes():
     assert check_distributed_adapter_start(OmegaConf.create({"lora": {"adapter_dir": None}})) == []
     assert "lora.adapter_dir is not supported by the distributed recipes" in check_distributed_adapter_start(
         OmegaConf.create({"lora": {"adapter_dir": "/tmp/a"}}))[0]
+
+
+def test_fp8_weight_storage_is_refused_in_distributed_recipes():
+    found = problems(lora={"modules": ["q_proj"]}, weight_storage_dtype="float8_e4m3fn")
+    assert len(found) == 1 and "not supported by the distributed recipes" in found[0]
+    assert "weight_storage_dtype=null" in found[0]
+    assert problems(lora={"modules": ["q_proj"]}, enable_activation_checkpointing=True,
+                    activation_checkpointing_policy="selective_op") == []
