@@ -1,6 +1,8 @@
 """The one place that applies memory techniques to a built model, in one fixed order:
 
 1. LoRA / DoRA adapters (and NF4 base weights for QLoRA) — changes which modules exist, so it comes first.
+   Then fp8 storage of the frozen block linears (``weight_storage_dtype``), which needs to know which weights the
+   adapters froze.
 2. Activation checkpointing of blocks (``enable_activation_checkpointing``) — wraps the blocks' forward, adapters
    included; ``activation_checkpointing_policy`` says whether a block is recomputed whole (``block``) or keeps its
    matmul and attention outputs (``selective_op``).
@@ -30,6 +32,7 @@ from mtune.modules.lora import apply_lora
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
 from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
 from mtune.training.memory.placement import Placement
+from mtune.training.memory.weight_storage import apply_fp8_weight_storage
 
 __all__ = ["apply_memory_techniques"]
 
@@ -60,6 +63,8 @@ def apply_memory_techniques(
             use_dora=lora.get("use_dora", False),
             quantize_base=lora.get("quantize_base", False),
         )
+    if memory.weight_storage_dtype is not None:
+        apply_fp8_weight_storage(model, memory.weight_storage_dtype, memory.weight_storage_skip_patterns)
     if memory.enable_activation_checkpointing:
         apply_activation_checkpointing(model, every_n_layers=memory.activation_checkpointing_every_n_layers,
                                        policy=memory.activation_checkpointing_policy)
@@ -71,8 +76,10 @@ def apply_memory_techniques(
         for block in model.layers:
             block.compile()
     log.info(
-        "memory techniques: lora=%s, activation_checkpointing=%s (%s, every %d), activation_offloading=%s, compile=%s",
+        "memory techniques: lora=%s, weight_storage=%s, activation_checkpointing=%s (%s, every %d), "
+        "activation_offloading=%s, compile=%s",
         None if lora is None else ("dora" if lora.get("use_dora") else "lora") + ("+nf4" if lora.get("quantize_base") else ""),
+        memory.weight_storage_dtype,
         memory.enable_activation_checkpointing, memory.activation_checkpointing_policy,
         memory.activation_checkpointing_every_n_layers,
         memory.enable_activation_offloading, memory.compile,
