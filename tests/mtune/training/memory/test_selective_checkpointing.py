@@ -114,3 +114,32 @@ def test_compile_per_block_with_selective_op_matches_eager():
     assert abs(loss_eager.item() - loss_compiled.item()) <= 1e-5 * loss_eager.abs().item()
     for k, g in grads_eager.items():
         assert (g - grads_compiled[k]).abs().max().item() <= 1e-5, k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_selective_op_on_cuda_keeps_the_attention_kernel_output_and_is_exact(monkeypatch):
+    # CUDA runs other attention kernels than the CPU (flash / efficient / cuDNN): the policy must know the one used.
+    import mtune.training.memory.activation_checkpointing as checkpointing
+
+    kept = []
+    policy = checkpointing.selective_op_policy
+
+    def recording_policy(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        if not ctx.is_recompute and decision == checkpointing.CheckpointPolicy.MUST_SAVE:
+            kept.append(str(func))
+        return decision
+
+    monkeypatch.setattr(checkpointing, "selective_op_policy", recording_policy)
+    plain = _model(n_layers=2).cuda().to(torch.bfloat16)
+    selective = apply_activation_checkpointing(copy.deepcopy(plain), policy="selective_op")
+    tokens, labels = TOKENS.cuda(), LABELS.cuda()
+
+    def run(model):
+        loss_sum, n = CrossEntropyLoss()(model(tokens), labels)
+        (loss_sum / n).backward()
+        return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+    _assert_identical(run(plain), run(selective))
+    assert any("scaled_dot_product" in name for name in kept), sorted(set(kept))

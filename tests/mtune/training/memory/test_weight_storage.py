@@ -163,3 +163,19 @@ def test_compile_per_block_on_an_fp8_base_matches_eager(batch):
     assert abs(loss_e.item() - loss_c.item()) <= 1e-5 * loss_e.abs().item()
     for key, grad in grads_e.items():
         assert (grad - grads_c[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_base_on_cuda_in_bf16(batch):
+    cuda = torch.device("cuda")
+    batch = {k: v.to(cuda) for k, v in batch.items()}
+    reference = setup_model(SOURCE, device=cuda, dtype=torch.bfloat16, lora=LORA)[0]
+    model = setup_model(SOURCE, device=cuda, dtype=torch.bfloat16, lora=LORA,
+                        memory=MemoryConfig(weight_storage_dtype="float8_e4m3fn"))[0]
+    assert all(is_fp8_stored(m) and m.weight.is_cuda for m in _block_linears(model).values())
+    (ref_logits, ref_loss), (logits, loss) = _logits_and_loss(reference, batch), _logits_and_loss(model, batch)
+    assert (logits - ref_logits).norm() / ref_logits.norm() < 0.02 and abs(loss - ref_loss) < 0.005 * ref_loss
+    loss_sum, n = CrossEntropyLoss()(model(batch["tokens"]), batch["labels"])
+    (loss_sum / n).backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in lora_state_dict(model).values())
