@@ -38,7 +38,7 @@ from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.profiler import build_profiler
 from mtune.training.signals import GracefulStop
 
-__all__ = ["StepPlan", "TrainingSession", "setup_data"]
+__all__ = ["StepPlan", "TrainingSession", "setup_data", "tracks_tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,12 @@ def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
                                       seed=cfg.seed, shuffle=False, rank=rank, world_size=world_size,
                                       drop_last=False)
     return train_loader, val_loader, StepPlan.from_config(cfg, len(train_loader), world_size)
+
+
+def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
+    """Whether a run tracks live tensor bytes: with ``memory_breakdown`` or ``plan_check``, and not with
+    ``compile`` (a dispatch mode over compiled blocks would run them eagerly, changing what is measured)."""
+    return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not cfg.get("compile")
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -165,8 +171,12 @@ class TrainingSession:
             initial_step=self.step, log_every_n_steps=self.cfg.get("log_every_n_steps") or 1,
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
         )
+        # Live tensor bytes (peak_tensor_gib, memory_breakdown.json, plan_check) cost a Python call per op:
+        # tracked only when memory_breakdown or plan_check asks (see docs/plan.md for the measured overhead).
         self.breakdown = MemoryBreakdown(self.model, inner_optimizers(self.optimizer), self.run.output_dir,
-                                         enabled=bool(self.cfg.get("memory_breakdown")), rank=self.run.rank)
+                                         enabled=tracks_tensor_bytes(self.cfg), rank=self.run.rank,
+                                         write=bool(self.cfg.get("memory_breakdown")), placement=self.run.placement)
+        self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
         self._stop.__enter__()
@@ -197,8 +207,9 @@ class TrainingSession:
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:
-                # Offloading innermost: its hooks take the saved tensors; the breakdown counts what stays.
-                stack.enter_context(self.breakdown.track_forward())
+                # The byte tracker sees every op of the whole step (it is a dispatch mode, not a saved-tensor hook,
+                # so offloading's hooks and it never hide each other).
+                stack.enter_context(self.breakdown.track_step())
                 if self.activation_context is not None:
                     stack.enter_context(self.activation_context)
                 return train_step(
@@ -206,7 +217,6 @@ class TrainingSession:
                     autocast=self.run.autocast, loss_scaler=self.loss_scaler,
                     clip_grad_norm=self.cfg.get("clip_grad_norm"),
                     world_size=self.run.world_size, step=self.step + 1, fp16=self.run.dtype_name == "fp16",
-                    before_zero_grad=self.breakdown.step,
                 )
 
     def end_step(self, result: StepResult) -> None:

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class TrainingMonitor:
     """Log a step: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_second`` (all ranks),
-    ``tokens_per_second_per_device``, ``trained_tokens``, ``peak_memory_gib`` (max over ranks), ``val_loss``.
+    ``tokens_per_second_per_device``, ``trained_tokens``, ``peak_memory_gib`` (max over ranks), ``val_loss``; ``peak_tensor_gib`` and
+    ``peak_host_tensor_gib`` (max over ranks) when the session tracks live tensor bytes.
 
     Every rank must call :meth:`step` (tokens and memory are reduced over ranks); only rank 0 writes. A row is
     written every ``log_every_n_steps`` steps and for the run's last step (``total_steps``). A run that ends
@@ -47,6 +48,8 @@ class TrainingMonitor:
         self.timer.start()
         peak_memory_stats(device, reset=True)
         self.skipped_steps = 0
+        # Live tensor-byte peaks since the last row (peak_tensor_gib, peak_host_tensor_gib); the session sets it.
+        self.memory_metrics = dict
         # The last step when it was not logged: (step, epoch, result, lr, clock reading at its end).
         self._unlogged: tuple[int, int, StepResult, float, float] | None = None
         self._closed = False
@@ -60,7 +63,7 @@ class TrainingMonitor:
             self.progress.update(step)
             return
         self._unlogged = None
-        memory = peak_memory_stats(self.device, reset=True)
+        memory = {**peak_memory_stats(self.device, reset=True), **self.memory_metrics()}
         if self.world_size > 1:
             memory = {k: self._reduce(v, torch.distributed.ReduceOp.MAX) for k, v in memory.items()}
         metrics = self._row(step, epoch, result, lr, self.timer.rates(), memory, extra)
@@ -104,7 +107,7 @@ class TrainingMonitor:
         self._closed = True
         if self._unlogged is not None:
             step, epoch, result, lr, ended = self._unlogged
-            memory = peak_memory_stats(self.device, reset=True) if self.world_size == 1 else {}
+            memory = {**peak_memory_stats(self.device, reset=True), **self.memory_metrics()} if self.world_size == 1 else {}
             self.logger.log_dict(self._row(step, epoch, result, lr, self.timer.rates(end=ended), memory, None),
                                  step=step)
             self._unlogged = None

@@ -90,7 +90,7 @@ def plot_memory_breakdown(summary: dict[str, Any], out_png: str | os.PathLike,
     if plt is None:
         return None
     steps = summary["steps"]
-    scale, unit = (GIB, "GiB") if summary["peak"]["total"] >= GIB else (1024**2, "MiB")
+    scale, unit = (GIB, "GiB") if summary["device_peak_bytes"] >= GIB else (1024**2, "MiB")
     fig, ax = plt.subplots(figsize=(6, 4))
     bottom = [0.0] * len(steps)
     x = [r["step"] for r in steps]
@@ -99,7 +99,7 @@ def plot_memory_breakdown(summary: dict[str, Any], out_png: str | os.PathLike,
         ax.bar(x, heights, bottom=bottom, label=category.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"live tensors ({unit})")
+    ax.set_ylabel(f"live tensors at the device peak ({unit})")
     ax.set_xticks(x)
     ax.set_title("Memory by category")
     ax.legend()
