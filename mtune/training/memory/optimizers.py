@@ -73,6 +73,7 @@ def build_optimizer(
     params_or_model: nn.Module | Iterable[nn.Parameter],
     *,
     optimizer_in_bwd: bool = False,
+    target_device: torch.device | str | None = None,
     **overrides: Any,
 ) -> torch.optim.Optimizer:
     """Builds the optimizer the config node describes over the trainable parameters.
@@ -81,6 +82,8 @@ def build_optimizer(
         optimizer_cfg: mapping with `_component_` (a dotted path, see SUPPORTED_OPTIMIZERS) and its kwargs (lr, ...).
         params_or_model: a model (its parameters with requires_grad) or an iterable of parameters.
         optimizer_in_bwd: return an `OptimizerInBackward` (one optimizer per parameter, stepped during backward).
+        target_device: the device whose defaults to use (fused AdamW on CUDA); default: the parameters' device.
+            ``mtune plan`` builds a CUDA run's optimizer over fake CPU tensors.
         overrides: keyword arguments that replace the config's.
     """
     cfg = dict(optimizer_cfg)
@@ -94,7 +97,7 @@ def build_optimizer(
         named = [(str(i), p) for i, p in enumerate(p for p in params_or_model if p.requires_grad)]
     if not named:
         raise ConfigError("the model has no trainable parameters: check lora.modules or the frozen layers")
-    kwargs = _component_kwargs(component, cfg, named[0][1].device)
+    kwargs = _component_kwargs(component, cfg, torch.device(target_device) if target_device else named[0][1].device)
     cls = _resolve(component)
     if optimizer_in_bwd:
         return OptimizerInBackward(named, cls, **kwargs)

@@ -115,8 +115,9 @@ class TensorTracker(TorchDispatchMode):
     """
 
     def __init__(self, placement: Placement | None = None, *, model: nn.Module | None = None,
-                 optimizers: Iterable[torch.optim.Optimizer] = ()):
+                 optimizers: Iterable[torch.optim.Optimizer] = (), device_alignment: int = 1):
         super().__init__()
+        self.device_alignment = device_alignment  # 512 counts device storages as CUDA's caching allocator does
         self.placement = placement or Placement("cpu")
         self.model = model
         self.optimizers = list(optimizers)
@@ -167,9 +168,9 @@ class TensorTracker(TorchDispatchMode):
 
     def _add(self, storage: torch.UntypedStorage, category: str, sample: torch.Tensor | None = None) -> None:
         record = _Record()
-        record.nbytes = storage.nbytes()
         record.category = category
         record.where = self._where(storage, sample)
+        record.nbytes = self._size(storage, record.where)
         key = id(storage)
         records, current, total = self._records, self._current, self._total
 
@@ -184,6 +185,11 @@ class TensorTracker(TorchDispatchMode):
         current[record.where][category] += record.nbytes
         total[record.where] += record.nbytes
 
+    def _size(self, storage: torch.UntypedStorage, where: str) -> int:
+        nbytes = storage.nbytes()
+        align = self.device_alignment if where == "device" else 1
+        return -(-nbytes // align) * align
+
     def _move(self, record: _Record, category: str) -> None:
         self._current[record.where][record.category] -= record.nbytes
         record.category = category
@@ -193,7 +199,7 @@ class TensorTracker(TorchDispatchMode):
         record = self._records.get(id(storage))
         if record is None:
             return
-        delta = storage.nbytes() - record.nbytes
+        delta = self._size(storage, record.where) - record.nbytes
         record.nbytes += delta
         self._current[record.where][record.category] += delta
         self._total[record.where] += delta
