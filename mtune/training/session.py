@@ -267,6 +267,7 @@ class TrainingSession:
                 if self.task_eval is not None:
                     self._run_task_eval("after")
         finally:
+            self.breakdown.close()
             self._stop.__exit__(None, None, None)
             self.profiler.__exit__(None, None, None)
             self.monitor.close()

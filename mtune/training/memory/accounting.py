@@ -98,7 +98,8 @@ class MemoryBreakdown:
     Wrap each whole step (forward, backward, optimizer step, ``zero_grad``) in :meth:`track_step`; the step's
     peaks are recorded when the block ends, so record *k* is step *k*. :meth:`log_metrics` gives the largest peaks
     since its last call (``peak_tensor_gib``, ``peak_host_tensor_gib``). With ``write=True``, after ``num_steps``
-    steps ``memory_breakdown.json`` and ``memory_breakdown.png`` go to ``output_dir`` (rank 0): per step what was
+    steps (or at :meth:`close`, for a shorter run) ``memory_breakdown.json`` and ``memory_breakdown.png`` go to
+    ``output_dir`` (rank 0): per step what was
     live at the device's peak and each category's own peak; overall ``device_peak_bytes``, ``host_peak_bytes``
     and each category's peak under ``device`` and ``host`` (the same fields as ``mtune plan --json``).
 
@@ -135,6 +136,11 @@ class MemoryBreakdown:
             self.records.append(step_record(len(self.records) + 1, memory))
             if len(self.records) == self.num_steps and self.write_file:
                 self.write()
+
+    def close(self) -> None:
+        """Write the files now if the run ended before ``num_steps`` steps (nothing when none was tracked)."""
+        if self.write_file and 0 < len(self.records) < self.num_steps:
+            self.write()
 
     def log_metrics(self) -> dict[str, float]:
         """``peak_tensor_gib`` and ``peak_host_tensor_gib`` since the last call (empty when nothing was tracked)."""
