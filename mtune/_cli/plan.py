@@ -89,7 +89,7 @@ def plan_command(argv: list[str]) -> int:
         from mtune.training.memory.fit import fit_command
 
         return fit_command(cfg, recipe=args.recipe, config_path=config_path, overrides=args.overrides,
-                           device_memory=device_memory, host_memory=host_memory, world_size=world_size,
+                           schema=module.SCHEMA, device_memory=device_memory, host_memory=host_memory, world_size=world_size,
                            output=Path(options.get("output") or "mtune_fit.yaml"))
     plan = plan_memory(cfg, device_memory=device_memory, host_memory=host_memory, world_size=world_size)
     print(f"mtune plan: {args.recipe} with {config_path} ({plan.seconds:.1f} s)")

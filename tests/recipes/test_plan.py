@@ -126,3 +126,30 @@ def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, 
     assert main(["plan", "--device-memory", "1GiB", "lora_single_device", "--config", str(TRAIN_CONFIG),
                  *overrides]) == 0
     assert "fits in 1.00 GiB" in capsys.readouterr().out
+
+
+def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_data):
+    from omegaconf import OmegaConf
+
+    from mtune.training.memory.fit import KNOBS, search, write_config
+
+    recipe = "lora_single_device"
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {})
+    module = load_recipe_module(find_recipe(recipe))
+    plain = plan_memory(_config(recipe, overrides))
+    halved = plan_memory(_config(recipe, overrides + ["batch_size=2", "gradient_accumulation_steps=2"]))
+    budget = (plain.device_peak_bytes + halved.device_peak_bytes) // 2  # the configured batch does not fit
+    knobs = [k for k in KNOBS if k.name in ("activation_checkpointing", "micro_batch")]
+    candidates = search(_config(recipe, overrides), module.SCHEMA, device_memory=budget, knobs=knobs, max_fits=3)
+    fitting = [c for c in candidates if c.fits]
+    assert fitting and all(c.plan.device_peak_bytes <= budget for c in fitting)
+    assert [c.cost for c in fitting] == sorted(c.cost for c in fitting)  # cheapest first by the cost model
+    best = fitting[0]
+    # halving the micro-batch costs no FLOPs; checkpointing costs a recomputation: the cheapest fit halves the batch
+    assert best.changes == {"batch_size": 2, "gradient_accumulation_steps": 2}
+    assert any(c.pruned for c in candidates) or len([c for c in candidates if c.plan]) < len(candidates)
+    path = write_config(TRAIN_CONFIG, overrides, best.changes, tmp_path / "fit.yaml")
+    assert OmegaConf.load(path).batch_size == 2
+    out = run_recipe_in_process(recipe, [f"output_dir={tmp_path / 'fit_run'}"], config=path)
+    measured = json.loads((out / "memory_breakdown.json").read_text())["device_peak_bytes"]
+    assert measured <= budget < plain.device_peak_bytes
