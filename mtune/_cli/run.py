@@ -164,4 +164,8 @@ def run_recipe(recipe_path: Path, config_path: Path, overrides: list[str]) -> No
     cfg = load_and_check(module, config_path, overrides)
     if os.environ.get("RANK", "0") == "0" and os.environ.get("MTUNE_QUIET") != "1":
         print(f"mtune: running {recipe_path.stem} with {config_path}", file=sys.stderr)
+    if hasattr(module, "SCHEMA") and "plan_check" in module.SCHEMA.keys:  # training recipes
+        from mtune.training.memory.oom import set_invocation
+
+        set_invocation(recipe_path.stem, str(config_path), overrides)
     module.main(cfg)

@@ -266,6 +266,7 @@ class TrainingSession:
                 self.save(final=True)
                 if self.task_eval is not None:
                     self._run_task_eval("after")
+                self._plan_check()
         finally:
             self.breakdown.close()
             self._stop.__exit__(None, None, None)
@@ -275,6 +276,32 @@ class TrainingSession:
         if self.run.is_main:
             (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
         return self.results
+
+    def _plan_check(self) -> None:
+        """With ``plan_check``: plan this config (``mtune plan``, fake tensors) and log the prediction beside the
+        measured peak of live tensor bytes, device and host; also into ``results.json`` under ``plan_check``."""
+        measured = self.breakdown.overall
+        if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
+            return
+        from mtune.errors import MtuneError
+        from mtune.training.memory.plan import format_bytes, plan_memory
+
+        try:
+            plan = plan_memory(self.cfg, world_size=self.run.world_size)
+        except MtuneError as err:
+            self.monitor.write(f"plan_check: skipped ({err})")
+            return
+        check = {"planned_device_bytes": plan.device_peak_bytes, "measured_device_bytes": measured.peak["device"],
+                 "planned_host_bytes": plan.host_peak_bytes, "measured_host_bytes": measured.peak["host"],
+                 "planned_for": plan.batch}
+        error = plan.device_peak_bytes / measured.peak["device"] - 1 if measured.peak["device"] else 0.0
+        check["device_error"] = error
+        self.results["plan_check"] = check
+        self.monitor.write(
+            f"plan_check: device planned {format_bytes(plan.device_peak_bytes)}, measured "
+            f"{format_bytes(measured.peak['device'])} ({error:+.1%}); host planned {format_bytes(plan.host_peak_bytes)}"
+            f", measured {format_bytes(measured.peak['host'])} (the plan assumes every batch at "
+            f"{plan.batch['seq_len']} tokens; shorter batches measure less)")
 
     def _run_task_eval(self, when: str) -> None:
         what = f"task eval {when} training"

@@ -153,3 +153,12 @@ def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_dat
     out = run_recipe_in_process(recipe, [f"output_dir={tmp_path / 'fit_run'}"], config=path)
     measured = json.loads((out / "memory_breakdown.json").read_text())["device_peak_bytes"]
     assert measured <= budget < plain.device_peak_bytes
+
+
+def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_checkpoint, tiny_data):
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {"plan_check": True, "memory_breakdown": False})
+    out = run_recipe_in_process("lora_single_device", overrides)
+    check = json.loads((out / "results.json").read_text())["plan_check"]
+    assert check["measured_device_bytes"] > 0 and abs(check["device_error"]) < 0.05
+    assert check["planned_host_bytes"] == check["measured_host_bytes"] == 0
+    assert not (out / "memory_breakdown.json").exists()  # plan_check tracks without writing the breakdown
