@@ -58,6 +58,22 @@ def test_offloaded_runs_equal_the_plain_run(tmp_path, tiny_checkpoint, tiny_data
         assert all(torch.equal(merged_a[k], merged_b[k]) for k in merged_a)
 
 
+
+def test_merged_export_of_a_random_weight_model_with_offloaded_weights(tmp_path, tiny_checkpoint, tiny_data,
+                                                                        distinct_placement):
+    # Without a base checkpoint the merged model is written from the run's own weights, which weight_offloading
+    # keeps in host memory: they must be brought back (and copied out) for the export, not read from freed storage.
+    from tests._helpers.tokenizers import write_tokenizer_files
+
+    assert write_tokenizer_files(tmp_path / "tok", "qwen2") <= 512  # within the random tiny model's vocabulary
+    random_weights = ["model.checkpoint_dir=null", "model.family=tiny", "model.size=tiny",
+                      f"tokenizer.path={tmp_path / 'tok'}", "tokenizer.max_seq_len=512"]
+    plain = _run(tmp_path, tiny_checkpoint, tiny_data, "plain", "lora_single_device", *random_weights)
+    offloaded = _run(tmp_path, tiny_checkpoint, tiny_data, "offloaded", "lora_single_device", *random_weights,
+                     f"weight_offloading={WEIGHT_OFFLOADING}")
+    expected, got = (load_file(o / "final" / "model" / "model.safetensors") for o in (plain, offloaded))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
 def test_generate_with_offloaded_weights(tiny_checkpoint, distinct_placement, capsys):
     from recipes import generate as generate_recipe
 
