@@ -27,6 +27,7 @@ from torch import nn
 
 from mtune.config import instantiate
 from mtune.data import build_dataloader
+from mtune.errors import MtuneError
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
@@ -35,6 +36,7 @@ from mtune.training.memory.accounting import MemoryBreakdown
 from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.optimizers import inner_optimizers
 from mtune.training.observe.monitor import TrainingMonitor
+from mtune.training.plan import format_bytes, plan_memory
 from mtune.training.observe.profiler import build_profiler
 from mtune.training.signals import GracefulStop
 
@@ -283,9 +285,6 @@ class TrainingSession:
         measured = self.breakdown.overall
         if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
             return
-        from mtune.errors import MtuneError
-        from mtune.training.memory.plan import format_bytes, plan_memory
-
         try:
             plan = plan_memory(self.cfg, world_size=self.run.world_size)
         except MtuneError as err:

@@ -11,7 +11,7 @@ import torch
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
 from mtune.training.memory.optimizer_layouts import Bnb8bitAdamLayout, BnbAdamLayout
-from mtune.training.memory.plan import CUDA_BLOCK_BYTES, parse_bytes, plan_memory
+from mtune.training.plan import CUDA_BLOCK_BYTES, parse_bytes, plan_memory
 from mtune.training.memory.tracker import CATEGORIES
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
 
@@ -131,7 +131,7 @@ def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, 
 def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_data):
     from omegaconf import OmegaConf
 
-    from mtune.training.memory.fit import KNOBS, search, write_config
+    from mtune.training.plan_fit import KNOBS, search, write_config
 
     recipe = "lora_single_device"
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {})

@@ -11,9 +11,10 @@ config plans on a laptop.
 
 - The batch is ``batch_size`` rows of ``tokenizer.max_seq_len`` tokens (packed rows with their document ids when
   ``dataset.packed``), every token trained: the largest batch the config can produce.
-- Step 1 runs one micro-batch (it creates the optimizer state); step 2 runs ``min(gradient_accumulation_steps, 2)``
-  micro-batches: the second has the first's gradients alive, as every later one does, so the peak of any number of
-  micro-batches is seen.
+- Step 1 runs one small micro-batch (1 x 16 tokens): it only creates the optimizer state, whose size does not
+  depend on the batch. Step 2, the one measured, runs ``min(gradient_accumulation_steps, 2)`` full micro-batches:
+  the second has the first's gradients alive, as every later one does, so the peak of any number of micro-batches
+  is seen. (A real run's first step peaks no higher than its second: the same tensors, less optimizer state.)
 - The compute device is modelled by fake CPU tensors; for a CUDA target the host is a distinct
   :class:`~mtune.training.memory.placement.Placement` host, so offloaded tensors count there, and every device
   storage is rounded up to the caching allocator's 512-byte blocks: the device peak predicts
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mtune.config import instantiate
 from mtune.config.errors import ConfigError
@@ -44,7 +46,9 @@ from mtune.training.memory.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.precision import autocast, storage_dtype
-from mtune.training.memory.tracker import CATEGORIES, StepMemory, TensorTracker
+from mtune.training.memory.tracker import CATEGORIES, TensorTracker
+from mtune.training.model_setup import ModelSource, materialize_model, resolve_model_source, setup_model
+from mtune.training.observe.plots import plot_memory_plan
 
 __all__ = ["MemoryPlan", "PlanError", "plan_memory", "plan_summary_line", "parse_bytes", "format_bytes",
            "CUDA_CONTEXT_BYTES", "CUDA_BLOCK_BYTES"]
@@ -108,8 +112,6 @@ class MemoryPlan:
 
     def plot(self, out_png) -> Any:
         """The stacked bar chart (PNG) of what is live at each location's peak; None without matplotlib."""
-        from mtune.training.observe.plots import plot_memory_plan
-
         return plot_memory_plan(self.at_peak, out_png, CATEGORIES, title=f"mtune plan: {self.target}",
                                 context_bytes=self.cuda_context_bytes, budget_bytes=self.device_memory)
 
@@ -174,8 +176,6 @@ def _target(device: str) -> torch.device:
 
 
 def _model_source(cfg):
-    from mtune.training.model_setup import ModelSource, resolve_model_source
-
     source = resolve_model_source(cfg.model)  # reads config.json only
     return ModelSource(source.family, source.args, None)  # random init under fake tensors: no weight file is read
 
@@ -191,12 +191,14 @@ def _optimizer_node(cfg) -> dict:
     return node
 
 
-def _batch(cfg, vocab_size: int, micro_batches: int) -> list[dict]:
+def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False) -> list[dict]:
     seq_len = cfg.tokenizer.get("max_seq_len")
     if not seq_len:
         raise ConfigError("tokenizer.max_seq_len is null: the planner needs the longest sample length; set "
                           "tokenizer.max_seq_len=N")
     batch_size = int(cfg.batch_size)
+    if small:  # step 1 only creates the optimizer state, whose size does not depend on the batch
+        batch_size, seq_len = 1, min(seq_len, 16)
     packed = bool((cfg.get("dataset") or {}).get("packed"))
     batches = []
     for _ in range(micro_batches):
@@ -215,10 +217,6 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                 fake: bool = True, world_size: int = 1) -> MemoryPlan:
     """Plan ``cfg`` (a training config with its recipe's defaults filled in). With ``fake=False`` the same
     steps run on real tensors (tests compare the two)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from mtune.training.model_setup import materialize_model, setup_model
-
     if world_size != 1:
         raise PlanError("--nproc_per_node: per-rank planning of distributed (FSDP2) recipes is not built yet; plan "
                         "the single-device config, whose parameters, gradients and optimizer state FSDP2 divides "
@@ -252,10 +250,9 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             loss_fn = instantiate(cfg.get("loss")) or CrossEntropyLoss()
             tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                                     device_alignment=CUDA_BLOCK_BYTES if cuda else 1)
-            peaks = StepMemory()
-            for micro_batches in (1, min(accumulation, 2)):
+            for step, micro_batches in enumerate((1, min(accumulation, 2))):
                 with tracker:
-                    batches = _batch(cfg, source.args.vocab_size, micro_batches)
+                    batches = _batch(cfg, source.args.vocab_size, micro_batches, small=step == 0)
                     with activation_context if activation_context is not None else contextlib.nullcontext():
                         step_on_tensors(model, batches, loss_fn, optimizer,
                                         denominator=torch.tensor(float(micro_batches * batches[0]["tokens"].numel())),
@@ -263,7 +260,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                                         autocast=lambda: autocast(dtype_name, target),
                                         clip_grad_norm=cfg.get("clip_grad_norm"))
                     del batches
-                peaks = peaks.merge(tracker.take_interval())
+                peaks = tracker.take_interval()  # step 2's: the optimizer state exists from its start
     finally:
         logging.getLogger("mtune").disabled = False
     params = list(model.parameters())
