@@ -61,7 +61,7 @@ def plan_one(config: str, workdir: Path, fit: str | None) -> dict:
     if not fit:
         plan = json.loads(out.read_text())
         result.update({k: plan[k] for k in ("device_peak_bytes", "host_peak_bytes", "device_total_bytes", "device",
-                                            "host", "batch", "parameters")})
+                                            "host", "at_peak", "batch", "parameters")})
     return result
 
 
