@@ -79,16 +79,21 @@ def main() -> None:
             if args.fit:
                 result["fit"] = plan_one(config, Path(tmp), args.fit)
             results.append(result)
+            write(args.out, results)  # after each config: a long run can be stopped and still leave its figures
             gib = 1024**3
             print(f"{config}: device {result['device_total_bytes'] / gib:.2f} GiB "
                   f"(allocated {result['device_peak_bytes'] / gib:.2f}), host {result['host_peak_bytes'] / gib:.2f}"
                   f" GiB; planned in {result['seconds']:.1f} s using {result['peak_rss_bytes'] / gib:.2f} GiB"
                   + (f"; --fit {args.fit}: {result['fit']['seconds']:.0f} s" if args.fit else "")
                   + f" ({time.perf_counter() - started:.0f} s with start-up)", flush=True)
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "python": platform.python_version()}
-    Path(args.out).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
     print(f"written {args.out}")
+
+
+def write(out: str, results: list[dict]) -> None:
+    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+               "cpus": os.cpu_count(), "python": platform.python_version(),
+               "load_average": os.getloadavg()[0]}
+    Path(out).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

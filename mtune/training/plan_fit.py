@@ -185,7 +185,8 @@ def _changes(base, cfg, keys: Iterable[str]) -> dict:
 
 
 def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, knobs: list[Knob] | None = None,
-           max_fits: int = 5, max_plans: int = 40, progress: Callable[[str], None] | None = None) -> list[Candidate]:
+           max_fits: int = 5, max_plans: int = 40, progress: Callable[[str], None] | None = None,
+           world_size: int = 1) -> list[Candidate]:
     """Every candidate of ``knobs`` over ``cfg`` that ``schema``'s rules accept, cheapest first, each planned or
     pruned as the module docstring says. Returns them all (``fits`` None where never planned)."""
     knobs = KNOBS if knobs is None else knobs
@@ -210,7 +211,8 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
     def plan(candidate: Candidate) -> None:
-        candidate.plan = plan_memory(candidate.cfg, device_memory=device_memory, host_memory=host_memory)
+        candidate.plan = plan_memory(candidate.cfg, device_memory=device_memory, host_memory=host_memory,
+                                     world_size=world_size)
         state["plans"] += 1
         spare = candidate.plan.fits()
         candidate.fits = spare["device"] >= 0 and (spare["host"] is None or spare["host"] >= 0)
@@ -255,10 +257,9 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
     """``mtune plan --fit``: print the fitting configs cheapest first and write the best to ``output``."""
     if device_memory is None:
         raise ConfigError("--fit needs --device-memory SIZE (the memory of the device to fit, e.g. 24GiB)")
-    if world_size != 1:
-        raise ConfigError("--fit plans single-device recipes only (per-rank planning is not built yet)")
     print(f"mtune plan --fit: {recipe} with {config_path} into {format_bytes(device_memory)}")
-    candidates = search(cfg, schema, device_memory=device_memory, host_memory=host_memory, progress=print)
+    candidates = search(cfg, schema, device_memory=device_memory, host_memory=host_memory, progress=print,
+                        world_size=world_size)
     fitting = [c for c in candidates if c.fits]
     planned = sum(1 for c in candidates if c.plan is not None)
     pruned = sum(1 for c in candidates if c.pruned)
