@@ -40,7 +40,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
+import mtune.training.memory.activation_checkpointing as checkpointing  # noqa: E402
 import mtune.training.memory.activation_offloading as offloading  # noqa: E402
 from mtune.config.keys import MemoryConfig  # noqa: E402
 from mtune.models import model_args  # noqa: E402
@@ -70,6 +72,8 @@ class Row:
     offloading: bool = False
     optimizer_in_bwd: bool = False
     chunked_loss: bool = False
+    checkpointing_policy: str = "block"
+    weight_storage: str | None = None
 
 
 ROWS = [
@@ -87,6 +91,8 @@ ROWS = [
     Row("LoRA r8, bf16", "bf16", lora=LORA),
     Row("QLoRA r8 (NF4 base, bf16)", "bf16", lora={**LORA, "quantize_base": True}),
     Row("chunked cross-entropy (8 chunks)", chunked_loss=True),
+    Row("bf16 + selective_op checkpointing", "bf16", checkpointing=True, checkpointing_policy="selective_op"),
+    Row("LoRA r8, bf16, fp8 base (e4m3)", "bf16", lora=LORA, weight_storage="float8_e4m3fn"),
 ]
 
 
@@ -124,6 +130,27 @@ def counted_no_offload(counter: SavedBytes):
         yield
     finally:
         offloading.NoOffload = original
+
+
+@contextlib.contextmanager
+def counted_selective_saves(counter: SavedBytes):
+    # selective_op keeps the outputs of the ops its policy saves in checkpoint's own cache, not through
+    # saved_tensors_hooks: count them where the policy decides (first forward only, not the recompute).
+    policy = checkpointing.selective_op_policy
+
+    def counting_policy(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            for t in tree_leaves(ctx.op_output):
+                if isinstance(t, torch.Tensor):
+                    counter.pack(t)
+        return decision
+
+    checkpointing.selective_op_policy = counting_policy
+    try:
+        yield
+    finally:
+        checkpointing.selective_op_policy = policy
 
 
 def count_offloadable(ctx: offloading.OffloadActivations, counter: SavedBytes) -> dict:
@@ -219,7 +246,9 @@ def measure(row: Row) -> dict:
     with counted_no_offload(saved):
         memory = MemoryConfig(enable_activation_checkpointing=row.checkpointing,
                               activation_checkpointing_every_n_layers=row.every_n_layers,
-                              enable_activation_offloading=row.offloading, optimizer_in_bwd=row.optimizer_in_bwd)
+                              enable_activation_offloading=row.offloading, optimizer_in_bwd=row.optimizer_in_bwd,
+                              activation_checkpointing_policy=row.checkpointing_policy,
+                              weight_storage_dtype=row.weight_storage)
         model, offload_ctx = setup_model(source, device=device, dtype=dtype, lora=row.lora, memory=memory)
     saved.exclude_parameters(model)
     offloadable = count_offloadable(offload_ctx, saved) if offload_ctx is not None else None
@@ -240,6 +269,7 @@ def measure(row: Row) -> dict:
         with contexts:
             if measure:
                 contexts.enter_context(saved.hooks())
+                contexts.enter_context(counted_selective_saves(saved))
                 if logits is not None:
                     contexts.enter_context(logits)
             if offload_ctx is not None:  # innermost, as the recipe's session enters it: the loss is offloaded too
@@ -292,6 +322,8 @@ def markdown_table(results: list[dict]) -> str:
                          "on CPU nothing moves")
         if r["fp32_logits_peak"] is not None:
             notes.append(f"fp32 logits peak {r['fp32_logits_peak'] / MiB:.1f} MiB")
+        if r["config"]["weight_storage"]:
+            notes.append(f"plus {r['buffers'] / MiB:.1f} MiB of buffers: fp32 row scales and RoPE tables")
         if r["config"]["optimizer_in_bwd"]:
             notes.append("gradients: most alive at once in backward")
         cells = [r[k] / MiB for k in ("parameters", "gradients", "optimizer_state", "activations", "total")]

@@ -281,6 +281,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             else:
                 materialize_model(model, source, device=torch.device("cpu"), dtype=dtype, lora=lora)
             optimizer = build_optimizer(_optimizer_node(cfg), model, optimizer_in_bwd=memory.optimizer_in_bwd,
+                                        optimizer_offload=memory.optimizer_offload, placement=placement,
                                         target_device=target)
             loss_fn = instantiate(cfg.get("loss")) or CrossEntropyLoss()
             tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),

@@ -28,16 +28,18 @@ from torch import nn
 from mtune.config import instantiate
 from mtune.data import build_dataloader
 from mtune.errors import MtuneError
-from mtune.modules.loss import CrossEntropyLoss
+from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
 from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.memory.accounting import MemoryBreakdown
 from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
-from mtune.training.plan import format_bytes, plan_memory
+from mtune.training.observe.peak_flops import cpu_bf16_warning, peak_flops
 from mtune.training.observe.profiler import build_profiler
+from mtune.training.plan import format_bytes, plan_memory
 from mtune.training.signals import GracefulStop
 
 __all__ = ["StepPlan", "TrainingSession", "setup_data", "tracks_tensor_bytes"]
@@ -167,11 +169,29 @@ class TrainingSession:
                                          dataloader=self.train_loader)
         self.step, self.epoch, self._resumed = state.step, self.train_loader.epoch, True
 
+    def _setup_utilization(self):
+        """FLOPs per step (``mfu``, ``hfu``) and the device's peak; says once when bf16 runs on a CPU that emulates
+        it. Returns the peak, or None when it is unknown (then no mfu is logged)."""
+        self.step_flops = StepFlops(self.model, chunked_loss=isinstance(self.loss_fn, ChunkedCrossEntropyLoss))
+        self._step_flops_now: tuple[float, float] | None = None
+        warning = cpu_bf16_warning(self.run.device, self.run.dtype_name)
+        if warning and self.run.is_main:
+            log.warning(warning)
+        peak = peak_flops(self.run.device, self.run.dtype_name)
+        if self.run.is_main:
+            if peak is None:
+                log.info("mfu/hfu: no peak FLOP/s known for %s in %s: set MTUNE_PEAK_FLOPS (FLOP/s) to log them",
+                         self.run.device, self.run.dtype_name)
+            else:
+                log.info("mfu/hfu against %s in %s: %s", self.run.device, self.run.dtype_name, peak)
+        return peak
+
     def _start(self) -> None:
         self.monitor = TrainingMonitor(
             output_dir=self.run.output_dir, device=self.run.device, total_steps=self.plan.total_steps,
             initial_step=self.step, log_every_n_steps=self.cfg.get("log_every_n_steps") or 1,
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
+            peak=self._setup_utilization(),
         )
         # Live tensor bytes (peak_tensor_gib, memory_breakdown.json, plan_check) cost a Python call per op:
         # tracked only when memory_breakdown or plan_check asks (see docs/plan.md for the measured overhead).
@@ -207,6 +227,7 @@ class TrainingSession:
                     break
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
+        self._step_flops_now = self.step_flops(micro_batches)
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:
                 # The byte tracker sees every op of the whole step (it is a dispatch mode, not a saved-tensor hook,
@@ -227,7 +248,7 @@ class TrainingSession:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.profiler.step()
-        self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr)
+        self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr, flops=self._step_flops_now)
         every_eval = self.cfg.get("eval_every_n_steps")
         if self.val_loader is not None and every_eval and self.step % every_eval == 0:
             self.monitor.log({"val_loss": self.val_loss()}, step=self.step)
@@ -275,6 +296,13 @@ class TrainingSession:
             self.profiler.__exit__(None, None, None)
             self.monitor.close()
         self.results.update(step=self.step, skipped_steps=self.monitor.skipped_steps)
+        throughput = self.monitor.summary()
+        if throughput:
+            self.results["throughput"] = {**throughput, **({"peak_flops": self.monitor.peak.flops,
+                                                            "peak_flops_source": self.monitor.peak.source}
+                                                           if self.monitor.peak else {})}
+            if self.run.is_main:
+                log.info(self.monitor.summary_line())
         if self.run.is_main:
             (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
         return self.results

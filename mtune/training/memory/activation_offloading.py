@@ -60,6 +60,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self):
         if self.model is not None:
+            # By storage identity: a weight offloaded by weight_offloading has an empty storage (and no address) now,
+            # and fake tensors (the planner's) have no address at all.
             self._param_storages = {storage_key(p) for p in self.model.parameters() if not p.is_meta}
         return super().__enter__()
 
@@ -69,7 +71,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             and self.placement.distinct
             and not self.placement.on_host(t)
             and t.numel() * t.element_size() >= self.min_offload_bytes
-            and storage_key(t) not in self._param_storages  # by identity: fake tensors (the planner's) have no address
+            and storage_key(t) not in self._param_storages
         )
 
     def _pack(self, t: torch.Tensor) -> Any:
