@@ -80,13 +80,13 @@ def plan_command(argv: list[str]) -> int:
     module = load_recipe_module(recipe_path)
     cfg = load_and_check(module, config_path, args.overrides)
 
-    from mtune.training.memory.plan import parse_bytes, plan_memory
+    from mtune.training.plan import parse_bytes, plan_memory
 
     device_memory = parse_bytes(options["device_memory"], "--device-memory") if "device_memory" in options else None
     host_memory = parse_bytes(options["host_memory"], "--host-memory") if "host_memory" in options else None
     world_size = int(options.get("nproc_per_node") or 1)
     if options["fit"]:
-        from mtune.training.memory.fit import fit_command
+        from mtune.training.plan_fit import fit_command
 
         return fit_command(cfg, recipe=args.recipe, config_path=config_path, overrides=args.overrides,
                            schema=module.SCHEMA, device_memory=device_memory, host_memory=host_memory, world_size=world_size,

@@ -27,6 +27,7 @@ from torch import nn
 
 from mtune.config import instantiate
 from mtune.data import build_dataloader
+from mtune.errors import MtuneError
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
@@ -38,6 +39,7 @@ from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.peak_flops import cpu_bf16_warning, peak_flops
 from mtune.training.observe.profiler import build_profiler
+from mtune.training.plan import format_bytes, plan_memory
 from mtune.training.signals import GracefulStop
 
 __all__ = ["StepPlan", "TrainingSession", "setup_data", "tracks_tensor_bytes"]
@@ -311,9 +313,6 @@ class TrainingSession:
         measured = self.breakdown.overall
         if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
             return
-        from mtune.errors import MtuneError
-        from mtune.training.memory.plan import format_bytes, plan_memory
-
         try:
             plan = plan_memory(self.cfg, world_size=self.run.world_size)
         except MtuneError as err:

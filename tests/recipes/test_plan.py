@@ -11,7 +11,7 @@ import torch
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
 from mtune.training.memory.optimizer_layouts import Bnb8bitAdamLayout, BnbAdamLayout
-from mtune.training.memory.plan import CUDA_BLOCK_BYTES, parse_bytes, plan_memory
+from mtune.training.plan import CUDA_BLOCK_BYTES, parse_bytes, plan_memory
 from mtune.training.memory.tracker import CATEGORIES
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
 
@@ -131,7 +131,7 @@ def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, 
 def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_data):
     from omegaconf import OmegaConf
 
-    from mtune.training.memory.fit import KNOBS, search, write_config
+    from mtune.training.plan_fit import KNOBS, search, write_config
 
     recipe = "lora_single_device"
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {})
@@ -162,3 +162,18 @@ def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_
     assert check["measured_device_bytes"] > 0 and abs(check["device_error"]) < 0.05
     assert check["planned_host_bytes"] == check["measured_host_bytes"] == 0
     assert not (out / "memory_breakdown.json").exists()  # plan_check tracks without writing the breakdown
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, changes", [("lora_distributed", {}),
+                                             ("full_distributed", {"~lora": None, "fsdp_reshard_after_forward": False})])
+def test_per_rank_plan_matches_a_two_rank_run(tmp_path, tiny_checkpoint, tiny_data, recipe, changes):
+    from tests.recipes.test_distributed import torchrun
+
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, changes)
+    plan = plan_memory(_config(recipe, overrides), world_size=2)
+    torchrun(recipe, overrides)
+    measured = json.loads((tmp_path / "out" / "memory_breakdown.json").read_text())  # rank 0's
+    assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=0.05)
+    for category in ("parameters", "optimizer_state"):  # rank 0's shards
+        assert plan.device[category] == pytest.approx(measured["device"][category], rel=0.01), category

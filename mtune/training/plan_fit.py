@@ -4,7 +4,7 @@ and write the best as a ready-to-run YAML.
 The search space is :data:`KNOBS`, one entry per technique: each names the overrides it can try, how much memory
 each choice saves (a level: higher saves more) and whether it applies to a config. Every candidate (one choice per
 knob) that the recipe's rules accept is ordered by :func:`step_cost`; candidates are then planned for real
-(:func:`~mtune.training.memory.plan.plan_memory`, fake tensors) in that order. Pruning: when a candidate does not
+(:func:`~mtune.training.plan.plan_memory`, fake tensors) in that order. Pruning: when a candidate does not
 fit, every candidate that saves no more on any knob (each level <= its) cannot fit either and is never planned.
 The search stops after ``max_fits`` fitting candidates (the cheapest ones) or ``max_plans`` plans.
 
@@ -30,7 +30,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from mtune.training.memory.plan import MemoryPlan, format_bytes, plan_memory
+from mtune.config import load_config
+from mtune.config.errors import ConfigError
+from mtune.training.model_setup import resolve_model_source
+from mtune.training.plan import MemoryPlan, format_bytes, plan_memory
 
 __all__ = ["Knob", "KNOBS", "Candidate", "search", "step_cost", "model_flops_per_token", "fit_command",
            "REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH"]
@@ -115,8 +118,6 @@ weight storage, selective activation checkpointing) is one more entry here."""
 
 
 def _args(cfg):
-    from mtune.training.model_setup import resolve_model_source
-
     return resolve_model_source(cfg.model).args
 
 
@@ -184,7 +185,8 @@ def _changes(base, cfg, keys: Iterable[str]) -> dict:
 
 
 def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, knobs: list[Knob] | None = None,
-           max_fits: int = 5, max_plans: int = 40, progress: Callable[[str], None] | None = None) -> list[Candidate]:
+           max_fits: int = 5, max_plans: int = 40, progress: Callable[[str], None] | None = None,
+           world_size: int = 1) -> list[Candidate]:
     """Every candidate of ``knobs`` over ``cfg`` that ``schema``'s rules accept, cheapest first, each planned or
     pruned as the module docstring says. Returns them all (``fits`` None where never planned)."""
     knobs = KNOBS if knobs is None else knobs
@@ -209,7 +211,8 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
     def plan(candidate: Candidate) -> None:
-        candidate.plan = plan_memory(candidate.cfg, device_memory=device_memory, host_memory=host_memory)
+        candidate.plan = plan_memory(candidate.cfg, device_memory=device_memory, host_memory=host_memory,
+                                     world_size=world_size)
         state["plans"] += 1
         spare = candidate.plan.fits()
         candidate.fits = spare["device"] >= 0 and (spare["host"] is None or spare["host"] >= 0)
@@ -252,14 +255,11 @@ def _yaml(value) -> str:
 def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], schema, device_memory: int | None,
                 host_memory: int | None, world_size: int, output: Path) -> int:
     """``mtune plan --fit``: print the fitting configs cheapest first and write the best to ``output``."""
-    from mtune.config.errors import ConfigError
-
     if device_memory is None:
         raise ConfigError("--fit needs --device-memory SIZE (the memory of the device to fit, e.g. 24GiB)")
-    if world_size != 1:
-        raise ConfigError("--fit plans single-device recipes only (per-rank planning is not built yet)")
     print(f"mtune plan --fit: {recipe} with {config_path} into {format_bytes(device_memory)}")
-    candidates = search(cfg, schema, device_memory=device_memory, host_memory=host_memory, progress=print)
+    candidates = search(cfg, schema, device_memory=device_memory, host_memory=host_memory, progress=print,
+                        world_size=world_size)
     fitting = [c for c in candidates if c.fits]
     planned = sum(1 for c in candidates if c.plan is not None)
     pruned = sum(1 for c in candidates if c.pruned)
@@ -283,8 +283,6 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
 
 def write_config(config_path: Path, overrides: list[str], changes: dict, output: Path) -> Path:
     """The user's config with their overrides and the fit's changes, interpolations kept, as YAML."""
-    from mtune.config import load_config
-
     cfg = load_config(config_path, overrides)
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)

@@ -11,14 +11,21 @@ config plans on a laptop.
 
 - The batch is ``batch_size`` rows of ``tokenizer.max_seq_len`` tokens (packed rows with their document ids when
   ``dataset.packed``), every token trained: the largest batch the config can produce.
-- Step 1 runs one micro-batch (it creates the optimizer state); step 2 runs ``min(gradient_accumulation_steps, 2)``
-  micro-batches: the second has the first's gradients alive, as every later one does, so the peak of any number of
-  micro-batches is seen.
+- Step 1 runs one small micro-batch (1 x 16 tokens): its optimizer step creates the optimizer state, which may
+  peak higher than any later step (lazy state creation; FSDP2's first step), and does not depend on the batch;
+  its forward and backward peak below step 2's, which has the same tensors and the optimizer state too. Step 2
+  runs ``min(gradient_accumulation_steps, 2)`` full micro-batches: the second has the first's gradients alive, as
+  every later one does, so the peak of any number of micro-batches is seen. The plan is the larger of the two.
 - The compute device is modelled by fake CPU tensors; for a CUDA target the host is a distinct
   :class:`~mtune.training.memory.placement.Placement` host, so offloaded tensors count there, and every device
   storage is rounded up to the caching allocator's 512-byte blocks: the device peak predicts
   ``torch.cuda.max_memory_allocated()``. :data:`CUDA_CONTEXT_BYTES` is added for the whole-GPU figure
   (``nvidia-smi``).
+- A distributed recipe's config is planned for rank 0 of ``world_size`` ranks (``--nproc_per_node``): a fake
+  process group of that size (no communication), the recipe's own FSDP2 sharding
+  (:func:`~mtune.training.distributed.shard_model`) and sharded initialisation, then the same two steps: the
+  per-rank shards, FSDP2's all-gather and reduce-scatter buffers and resharding after forward are all live tensors
+  the tracker sees.
 - Optimizers that cannot step on fake tensors (bitsandbytes) are replaced by stand-ins that create the documented
   state layout (:mod:`mtune.training.memory.optimizer_layouts`).
 """
@@ -33,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mtune.config import instantiate
 from mtune.config.errors import ConfigError
@@ -44,7 +53,17 @@ from mtune.training.memory.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.precision import autocast, storage_dtype
-from mtune.training.memory.tracker import CATEGORIES, StepMemory, TensorTracker
+from mtune.training.memory.tracker import CATEGORIES, TensorTracker
+from mtune.training.distributed import shard_model
+from mtune.training.model_setup import (
+    ModelSource,
+    init_weights_sharded,
+    materialize_model,
+    reset_adapters_sharded,
+    resolve_model_source,
+    setup_model,
+)
+from mtune.training.observe.plots import plot_memory_plan
 
 __all__ = ["MemoryPlan", "PlanError", "plan_memory", "plan_summary_line", "parse_bytes", "format_bytes",
            "CUDA_CONTEXT_BYTES", "CUDA_BLOCK_BYTES"]
@@ -108,8 +127,6 @@ class MemoryPlan:
 
     def plot(self, out_png) -> Any:
         """The stacked bar chart (PNG) of what is live at each location's peak; None without matplotlib."""
-        from mtune.training.observe.plots import plot_memory_plan
-
         return plot_memory_plan(self.at_peak, out_png, CATEGORIES, title=f"mtune plan: {self.target}",
                                 context_bytes=self.cuda_context_bytes, budget_bytes=self.device_memory)
 
@@ -174,8 +191,6 @@ def _target(device: str) -> torch.device:
 
 
 def _model_source(cfg):
-    from mtune.training.model_setup import ModelSource, resolve_model_source
-
     source = resolve_model_source(cfg.model)  # reads config.json only
     return ModelSource(source.family, source.args, None)  # random init under fake tensors: no weight file is read
 
@@ -191,12 +206,14 @@ def _optimizer_node(cfg) -> dict:
     return node
 
 
-def _batch(cfg, vocab_size: int, micro_batches: int) -> list[dict]:
+def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False) -> list[dict]:
     seq_len = cfg.tokenizer.get("max_seq_len")
     if not seq_len:
         raise ConfigError("tokenizer.max_seq_len is null: the planner needs the longest sample length; set "
                           "tokenizer.max_seq_len=N")
     batch_size = int(cfg.batch_size)
+    if small:  # step 1 only creates the optimizer state, whose size does not depend on the batch
+        batch_size, seq_len = 1, min(seq_len, 16)
     packed = bool((cfg.get("dataset") or {}).get("packed"))
     batches = []
     for _ in range(micro_batches):
@@ -215,14 +232,13 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                 fake: bool = True, world_size: int = 1) -> MemoryPlan:
     """Plan ``cfg`` (a training config with its recipe's defaults filled in). With ``fake=False`` the same
     steps run on real tensors (tests compare the two)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from mtune.training.model_setup import materialize_model, setup_model
-
-    if world_size != 1:
-        raise PlanError("--nproc_per_node: per-rank planning of distributed (FSDP2) recipes is not built yet; plan "
-                        "the single-device config, whose parameters, gradients and optimizer state FSDP2 divides "
-                        "by the number of ranks")
+    sharded = "fsdp_reshard_after_forward" in cfg  # a distributed recipe's config
+    if world_size != 1 and not sharded:
+        raise PlanError(f"--nproc_per_node {world_size}: recipe {cfg.get('recipe')} runs on one device; plan a "
+                        "*_distributed recipe's config for several ranks")
+    if fake and sharded and dist.is_initialized():
+        raise PlanError("plan a distributed config from a process without a process group (the planner makes a "
+                        "fake one of the given world size)")
     start = time.perf_counter()
     target = _target(str(cfg.device))
     cuda = target.type == "cuda"
@@ -244,28 +260,49 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
     accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
     logging.getLogger("mtune").disabled = True  # setup's own log lines are about a run, not a plan
+    fake_group = False
     try:
+        if sharded:
+            if cfg.get("fsdp_cpu_offload"):
+                notes.append("fsdp_cpu_offload: the shards, gradients and optimizer state FSDP2 keeps on the CPU "
+                             "are counted on the device (not modelled yet)")
+            if not dist.is_initialized():  # rank 0 of a fake process group of world_size ranks: no communication
+                from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+                fake_group = True
+            shard_model(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, cpu_offload=False)
         with mode if mode is not None else contextlib.nullcontext():
-            materialize_model(model, source, device=torch.device("cpu"), dtype=dtype, lora=lora)
+            if sharded:  # setup_sharded_model's own steps after sharding: each rank's rows, then the adapters
+                torch.manual_seed(int(cfg.get("seed") or 0))
+                init_weights_sharded(model, "cpu")
+                if lora is not None:
+                    reset_adapters_sharded(model)
+            else:
+                materialize_model(model, source, device=torch.device("cpu"), dtype=dtype, lora=lora)
             optimizer = build_optimizer(_optimizer_node(cfg), model, optimizer_in_bwd=memory.optimizer_in_bwd,
+                                        optimizer_offload=memory.optimizer_offload, placement=placement,
                                         target_device=target)
             loss_fn = instantiate(cfg.get("loss")) or CrossEntropyLoss()
             tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                                     device_alignment=CUDA_BLOCK_BYTES if cuda else 1)
-            peaks = StepMemory()
-            for micro_batches in (1, min(accumulation, 2)):
+            for step, micro_batches in enumerate((1, min(accumulation, 2))):
                 with tracker:
-                    batches = _batch(cfg, source.args.vocab_size, micro_batches)
+                    batches = _batch(cfg, source.args.vocab_size, micro_batches, small=step == 0)
                     with activation_context if activation_context is not None else contextlib.nullcontext():
                         step_on_tensors(model, batches, loss_fn, optimizer,
-                                        denominator=torch.tensor(float(micro_batches * batches[0]["tokens"].numel())),
+                                        denominator=torch.tensor(float(micro_batches * batches[0]["tokens"].numel()))
+                                        / world_size,
                                         device=torch.device("cpu"),
                                         autocast=lambda: autocast(dtype_name, target),
                                         clip_grad_norm=cfg.get("clip_grad_norm"))
                     del batches
-                peaks = peaks.merge(tracker.take_interval())
+                interval = tracker.take_interval()
+                peaks = interval if step == 0 else peaks.merge(interval)
     finally:
         logging.getLogger("mtune").disabled = False
+        if fake_group:
+            dist.destroy_process_group()
     params = list(model.parameters())
     return MemoryPlan(
         target=str(target), world_size=world_size,
