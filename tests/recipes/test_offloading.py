@@ -88,7 +88,7 @@ def test_both_flags_through_the_cli_on_the_tiny_configs(tmp_path):
     # lora_single_device reads both keys; one short run takes each flag end to end through the command line.
     out = _mtune("run", "lora_single_device", "--config", "tiny/lora_single_device", f"output_dir={tmp_path / 'lora'}",
                  "optimizer_offload=cpu", f"weight_offloading={WEIGHT_OFFLOADING}", "epochs=1",
-                 "max_steps_per_epoch=2", "task_eval=null", "device=cpu")
+                 "max_steps_per_epoch=2", "batch_size=4", "task_eval=null", "device=cpu")
     assert len(read_metrics(tmp_path / "lora")) >= 1 and (tmp_path / "lora" / "final" / "adapter").is_dir()
     assert "optimizer_offload=cpu: the model already computes in host memory" in out.stderr
     assert "weight_offloading: the model computes in host memory" in out.stderr
