@@ -32,8 +32,11 @@ def distinct_placement(monkeypatch):
 
 
 def _run(tmp_path, tiny_checkpoint, tiny_data, name, recipe, *extra, **changes):
+    schedule = {"lr_scheduler._component_": "mtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                "lr_scheduler.num_warmup_steps": 1}  # the schedule sets the lr of the host optimizer's groups
     overrides = train_overrides(tmp_path / name, tiny_checkpoint, tiny_data, max_steps_per_epoch=3,
-                                gradient_accumulation_steps=2, batch_size=2, clip_grad_norm=1.0, **changes)
+                                gradient_accumulation_steps=2, batch_size=2, clip_grad_norm=1.0, **schedule,
+                                **changes)
     return run_recipe_in_process(recipe, overrides + list(extra))
 
 
@@ -50,6 +53,7 @@ def test_offloaded_runs_equal_the_plain_run(tmp_path, tiny_checkpoint, tiny_data
     if recipe == "lora_single_device":
         assert "of frozen weights in 2 groups (block_level) wait in cpu memory" in log
     assert losses(offloaded) == losses(plain) and len(losses(plain)) == 3
+    assert [row["lr"] for row in read_metrics(offloaded)] == [row["lr"] for row in read_metrics(plain)]
     part = "adapter/adapter_model.safetensors" if recipe == "lora_single_device" else "model/model.safetensors"
     expected, got = load_file(plain / "final" / part), load_file(offloaded / "final" / part)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from mtune.config.errors import ConfigError
 from mtune.config.keys import WeightOffloading
 from mtune.training.memory.placement import Placement, storage_key
 
@@ -138,7 +139,7 @@ class WeightOffloader:
                     groups[shared].append(module)
                 owner.update((id(p), shared) for p in params)
             return groups
-        raise ValueError(f"weight_offloading.type={config.type!r}: use block_level or leaf_level")
+        raise ConfigError(f"weight_offloading.type={config.type!r}: use block_level or leaf_level")
 
     # ---------------------------------------------------------------------------------------- to the host
     @torch.no_grad()
