@@ -4,8 +4,8 @@ A Llama-architecture model (8 layers, dim 512, 8 heads / 4 KV heads, intermediat
 embeddings; ~40M parameters) is built with mtune's own `setup_model` / `build_optimizer` / `train_step`, as the
 recipes do, on batch 2 x 512 tokens. Each row runs two optimizer steps: the first is measured, the second timed.
 
-- parameters, optimizer state: `MemoryBreakdown.step()` after the optimizer step (distinct storages; NF4 weights
-  and low-bit optimizer states by their inner tensors).
+- parameters, optimizer state: each category's peak in `MemoryBreakdown.track_step()` around the measured step
+  (live tensor bytes; NF4 weights and low-bit optimizer states by their inner tensors).
 - gradients: the largest total of live `.grad` bytes seen in a post-accumulate-grad hook during backward (with
   optimizer_in_bwd this is one parameter's gradient at a time).
 - activations: distinct storages saved for backward that stay on the compute device, parameters excluded, counted
@@ -43,7 +43,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
+import mtune.training.memory.activation_checkpointing as checkpointing  # noqa: E402
 import mtune.training.memory.activation_offloading as offloading  # noqa: E402
 from mtune.config.keys import MemoryConfig, WeightOffloading  # noqa: E402
 from mtune.models import model_args  # noqa: E402
@@ -76,6 +78,8 @@ class Row:
     offloading: bool = False
     optimizer_in_bwd: bool = False
     chunked_loss: bool = False
+    checkpointing_policy: str = "block"
+    weight_storage: str | None = None
     optimizer_offload: str | None = None
     weight_offloading: WeightOffloading | None = None
 
@@ -95,6 +99,8 @@ ROWS = [
     Row("LoRA r8, bf16", "bf16", lora=LORA),
     Row("QLoRA r8 (NF4 base, bf16)", "bf16", lora={**LORA, "quantize_base": True}),
     Row("chunked cross-entropy (8 chunks)", chunked_loss=True),
+    Row("bf16 + selective_op checkpointing", "bf16", checkpointing=True, checkpointing_policy="selective_op"),
+    Row("LoRA r8, bf16, fp8 base (e4m3)", "bf16", lora=LORA, weight_storage="float8_e4m3fn"),
     # optimizer_offload / weight_offloading (issue 13, items 1-2): device bytes in the columns, host bytes in notes
     Row("optimizer_offload=cpu", optimizer_offload="cpu"),
     Row("LoRA r8 + weight_offloading block_level", lora=LORA, weight_offloading=WeightOffloading("block_level", 1, False)),
@@ -140,6 +146,27 @@ def counted_no_offload(counter: SavedBytes):
         yield
     finally:
         offloading.NoOffload = original
+
+
+@contextlib.contextmanager
+def counted_selective_saves(counter: SavedBytes):
+    # selective_op keeps the outputs of the ops its policy saves in checkpoint's own cache, not through
+    # saved_tensors_hooks: count them where the policy decides (first forward only, not the recompute).
+    policy = checkpointing.selective_op_policy
+
+    def counting_policy(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            for t in tree_leaves(ctx.op_output):
+                if isinstance(t, torch.Tensor):
+                    counter.pack(t)
+        return decision
+
+    checkpointing.selective_op_policy = counting_policy
+    try:
+        yield
+    finally:
+        checkpointing.selective_op_policy = policy
 
 
 def count_offloadable(ctx: offloading.OffloadActivations, counter: SavedBytes) -> dict:
@@ -237,6 +264,8 @@ def measure(row: Row) -> dict:
         memory = MemoryConfig(enable_activation_checkpointing=row.checkpointing,
                               activation_checkpointing_every_n_layers=row.every_n_layers,
                               enable_activation_offloading=row.offloading, optimizer_in_bwd=row.optimizer_in_bwd,
+                              activation_checkpointing_policy=row.checkpointing_policy,
+                              weight_storage_dtype=row.weight_storage,
                               optimizer_offload=row.optimizer_offload, weight_offloading=row.weight_offloading)
         model, offload_ctx = setup_model(source, device=device, dtype=dtype, lora=row.lora, memory=memory,
                                          placement=placement)
@@ -246,7 +275,8 @@ def measure(row: Row) -> dict:
     optimizer = build_optimizer({"_component_": row.optimizer, "lr": 1e-4}, model,
                                 optimizer_in_bwd=memory.optimizer_in_bwd, optimizer_offload=row.optimizer_offload,
                                 placement=placement)
-    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=2)  # 2: step() never writes files
+    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=1, write=False,
+                                placement=placement)
     loss_fn = ChunkedCrossEntropyLoss(num_chunks=8) if row.chunked_loss else CrossEntropyLoss()
     logits = LogitsPeak(MODEL["vocab_size"]) if row.dtype == "fp32" and row.lora is None and row.optimizer == \
         "torch.optim.AdamW" and not row.optimizer_in_bwd else None
@@ -260,12 +290,14 @@ def measure(row: Row) -> dict:
         with contexts:
             if measure:
                 contexts.enter_context(saved.hooks())
+                contexts.enter_context(counted_selective_saves(saved))
                 if logits is not None:
                     contexts.enter_context(logits)
             if offload_ctx is not None:  # innermost, as the recipe's session enters it: the loss is offloaded too
                 contexts.enter_context(offload_ctx)
-            return train_step(model, [batch], loss_fn, optimizer, device=device,
-                              before_zero_grad=breakdown.step if measure else None)
+            if measure:
+                contexts.enter_context(breakdown.track_step())
+            return train_step(model, [batch], loss_fn, optimizer, device=device)
 
     start = time.perf_counter()
     first = step(measure=True)
@@ -275,7 +307,7 @@ def measure(row: Row) -> dict:
     second = step(measure=False)
     seconds = time.perf_counter() - start
 
-    record = breakdown.records[0]
+    record = breakdown.records[0]["category_peak"]["device"]  # the compute device's bytes (distinct placement)
     host = host_bytes(model, optimizer, placement)
     result = {
         "name": row.name,
@@ -284,7 +316,7 @@ def measure(row: Row) -> dict:
         "buffers": record["buffers"],
         "gradients": grads.peak,
         "gradients_after_step": record["gradients"],
-        "optimizer_state": record["optimizer_state"] - host["optimizer_state"],
+        "optimizer_state": record["optimizer_state"],
         "host": host if placement.distinct else None,
         "activations": saved.bytes,
         "offloaded_copy_bytes": offloadable["bytes"] if offloadable else None,
@@ -329,6 +361,8 @@ def markdown_table(results: list[dict]) -> str:
                          "on CPU nothing moves")
         if r["fp32_logits_peak"] is not None:
             notes.append(f"fp32 logits peak {r['fp32_logits_peak'] / MiB:.1f} MiB")
+        if r["config"]["weight_storage"]:
+            notes.append(f"plus {r['buffers'] / MiB:.1f} MiB of buffers: fp32 row scales and RoPE tables")
         if r["config"]["optimizer_in_bwd"]:
             notes.append("gradients: most alive at once in backward")
         if r["host"] is not None:

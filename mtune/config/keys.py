@@ -18,6 +18,12 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """The linears ``lora.modules`` may name (Hugging Face's module names)."""
 
+WEIGHT_STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+"""The values of ``weight_storage_dtype`` (torch dtype names), besides null."""
+
+ACTIVATION_CHECKPOINTING_POLICIES = ("block", "selective_op")
+"""The values of ``activation_checkpointing_policy``."""
+
 # Keys several groups share, declared once.
 RECIPE_KEY = Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)")
 DEVICE_KEY = Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', "
@@ -91,6 +97,16 @@ MEMORY_KEYS = KeyGroup(
             "backward, the optimizer step on the CPU (ZeRO-Offload style; torch.optim.AdamW only; null: off)",
             choices=OPTIMIZER_OFFLOAD_TARGETS),
         WEIGHT_OFFLOADING,
+        # ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
+        Key("weight_storage_dtype", str, None,
+            "store the frozen linear weights inside the blocks in this fp8 format (one fp32 scale per output row) "
+            "and upcast each to the compute dtype just before use; LoRA recipes only (null: as dtype)",
+            choices=WEIGHT_STORAGE_DTYPES),
+        Key("weight_storage_skip_patterns", list, [],
+            "fnmatch globs on module names (model.layers.0.* or layers.0.*) whose weights keep the model dtype"),
+        Key("activation_checkpointing_policy", str, "block",
+            "block: recompute each checkpointed block whole; selective_op: keep the matmul and attention outputs "
+            "and recompute only the cheap ops between them", choices=ACTIVATION_CHECKPOINTING_POLICIES),
     ],
 )
 
@@ -113,6 +129,10 @@ class MemoryConfig:
     compile: bool = _default(MEMORY_KEYS, "compile")
     optimizer_offload: str | None = _default(MEMORY_KEYS, "optimizer_offload")
     weight_offloading: "WeightOffloading | None" = _default(MEMORY_KEYS, "weight_offloading")
+    # ---- issue 13, items 3-4
+    weight_storage_dtype: str | None = _default(MEMORY_KEYS, "weight_storage_dtype")
+    weight_storage_skip_patterns: tuple[str, ...] = tuple(_default(MEMORY_KEYS, "weight_storage_skip_patterns"))
+    activation_checkpointing_policy: str = _default(MEMORY_KEYS, "activation_checkpointing_policy")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "MemoryConfig":
@@ -122,6 +142,7 @@ class MemoryConfig:
             raise KeyError(f"the config lacks {missing}: fill it with the recipe's SCHEMA.fill_defaults first")
         values = {f.name: cfg[f.name] for f in fields(cls)}
         values["weight_offloading"] = WeightOffloading.from_node(values["weight_offloading"])
+        values["weight_storage_skip_patterns"] = tuple(values["weight_storage_skip_patterns"] or ())
         return cls(**values)
 
 
@@ -139,6 +160,7 @@ class WeightOffloading:
         if node is None or isinstance(node, WeightOffloading):
             return node
         return cls(**{f.name: node[f.name] for f in fields(cls) if f.name in node})
+
 
 MODEL_NODES = KeyGroup(
     "model",
@@ -185,7 +207,10 @@ TRAINING_NODES = KeyGroup(
         Node("profiler", "torch.profiler settings (null: no profiling)"),
         Node("task_eval", "a task metric computed before and after training, e.g. exact-match accuracy (null: none)"),
         Key("memory_breakdown", bool, False,
-            "measure parameter / gradient / optimizer-state / activation bytes over the first steps (JSON + PNG)"),
+            "write memory_breakdown.json/.png: live tensor bytes by category, device and host, of the first steps"),
+        Key("plan_check", bool, True,
+            "track live tensor bytes (peak_tensor_gib in metrics.jsonl) and log them beside mtune plan's prediction "
+            "at the end of the run"),
     ],
 )
 

@@ -25,11 +25,14 @@ __all__ = [
     "check_activation_offloading",
     "check_optimizer_offload",
     "check_weight_offloading",
+    "check_weight_storage",
+    "check_activation_checkpointing_policy",
     "DISTRIBUTED_RULES",
     "check_distributed_adapter_start",
     "check_distributed_optimizer",
     "check_distributed_backend",
     "check_distributed_offload",
+    "check_distributed_weight_storage",
     "MERGE_RULES",
     "GENERATE_RULES",
 ]
@@ -160,6 +163,36 @@ def check_weight_offloading(cfg: Any) -> list[str]:
                         "weights that are freed between uses): set compile=false or weight_offloading=null")
     return problems
 # ---------------------------------------------------------------------------------------------------------------
+# ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4) -------------------------------
+def check_weight_storage(cfg: Any) -> list[str]:
+    """fp8 storage is for frozen weights: it needs adapters to train (a full fine-tune updates every weight, and an
+    fp8 copy cannot take small updates), and it is one storage choice, so not together with NF4."""
+    dtype = _get(cfg, "weight_storage_dtype")
+    patterns = _get(cfg, "weight_storage_skip_patterns", [])
+    problems = [f"weight_storage_skip_patterns: each entry must be a string glob such as 'model.layers.0.*', got "
+                f"{p!r}" for p in patterns if not isinstance(p, str)]
+    if dtype is None:
+        return problems
+    if _get(cfg, "lora") is None:
+        problems.append(f"weight_storage_dtype={dtype} stores frozen weights, but this config has no lora node (a full "
+                        "fine-tune trains every weight): add a lora node (a LoRA recipe), or set "
+                        "weight_storage_dtype=null")
+    elif _get(cfg, "lora.quantize_base", False):
+        problems.append(f"weight_storage_dtype={dtype} cannot be combined with lora.quantize_base=true (the base "
+                        "weights are stored either as fp8 or as NF4): set one of weight_storage_dtype=null or "
+                        "lora.quantize_base=false")
+    return problems
+
+
+def check_activation_checkpointing_policy(cfg: Any) -> list[str]:
+    """A policy says how checkpointed blocks recompute; it needs checkpointing to be on."""
+    policy = _get(cfg, "activation_checkpointing_policy", "block")
+    if policy != "block" and not _get(cfg, "enable_activation_checkpointing", False):
+        return [f"activation_checkpointing_policy={policy} needs enable_activation_checkpointing=true (the policy "
+                "chooses what checkpointed blocks keep): set enable_activation_checkpointing=true or "
+                "activation_checkpointing_policy=block"]
+    return []
+# -------------------------------------------------------------------------------------------------------------------
 
 
 MEMORY_RULES = (
@@ -169,6 +202,8 @@ MEMORY_RULES = (
     check_activation_offloading,
     check_optimizer_offload,
     check_weight_offloading,
+    check_weight_storage,
+    check_activation_checkpointing_policy,
 )
 
 
@@ -245,6 +280,15 @@ def check_distributed_offload(cfg: Any) -> list[str]:
             problems.append(f"{key} is a single-device technique: the distributed recipes offload parameters, "
                             f"gradients and optimizer states with fsdp_cpu_offload=true; set {key}=null")
     return problems
+def check_distributed_weight_storage(cfg: Any) -> list[str]:
+    """fp8 weight storage keeps a per-row scale beside each weight; FSDP2 sharding and sharded loading do not
+    handle it yet (issue 13, item 3)."""
+    dtype = _get(cfg, "weight_storage_dtype")
+    if dtype is not None:
+        return [f"weight_storage_dtype={dtype} is not supported by the distributed recipes yet (FSDP2 shards the "
+                "weights but not their fp8 scales): set weight_storage_dtype=null (lora.quantize_base=true gives "
+                "4-bit bases that FSDP2 shards), or train on one device"]
+    return []
 
 
 def check_distributed_adapter_start(cfg: Any) -> list[str]:
@@ -255,7 +299,8 @@ def check_distributed_adapter_start(cfg: Any) -> list[str]:
 
 
 DISTRIBUTED_RULES = TRAINING_RULES + (check_distributed_optimizer, check_distributed_backend,
-                                      check_distributed_adapter_start, check_distributed_offload)
+                                      check_distributed_adapter_start, check_distributed_offload,
+                                      check_distributed_weight_storage)
 """Every rule a distributed training recipe attaches to its `RecipeSchema`."""
 
 

@@ -3,7 +3,7 @@ second copy of the model in memory.
 
 Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
 :func:`mtune.training.memory.apply.apply_memory_techniques`) -> stream the base weights from the Hugging Face
-checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 weight as it arrives), or
+checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 or fp8-stored weight as it arrives), or
 initialise randomly -> initialise adapters (the recipe may then load a saved PEFT adapter). The FSDP2 path
 (:func:`setup_sharded_model`) shards between the memory techniques and the weights, and each rank loads or draws
 only its rows.
@@ -28,6 +28,7 @@ from mtune.config.keys import MemoryConfig
 from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
+from mtune.modules.fp8_linear import quantize_fp8_weight_
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
@@ -42,7 +43,7 @@ from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.weight_offloading import offloaded_weights_materialized, weight_offloader
 
-__all__ = ["ModelSource", "resolve_model_source", "setup_model", "setup_sharded_model",
+__all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_model", "setup_sharded_model",
            "init_weights_sharded", "reset_adapters_sharded"]
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,11 @@ def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
 
 
 def _quantize_when_loaded(module: nn.Module) -> None:
-    # Quantize each frozen base weight as soon as its tensor arrives: QLoRA never holds the whole model in bf16.
+    # Quantize each frozen base weight as soon as its tensor arrives (NF4 for QLoRA, or fp8 storage): the whole model
+    # never exists in bf16.
     if has_nf4_weight(module) and not is_nf4(module.weight) and not module.weight.is_meta:
         module.weight = quantize_nf4(module.weight)
+    quantize_fp8_weight_(module)
 
 
 def setup_model(
@@ -113,6 +116,16 @@ def setup_model(
     offload = apply_memory_techniques(model, memory, lora=lora, placement=placement or Placement(device))
     if not materialize:
         return model, offload
+    materialize_model(model, source, device=device, dtype=dtype, lora=lora, trainable=trainable)
+    return model, offload
+
+
+def materialize_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
+                      lora: Mapping[str, Any] | None = None, trainable: bool = True) -> None:
+    """The second half of :func:`setup_model`: weights for the meta model (loaded, or random without a
+    checkpoint; frozen weights go to host memory as they arrive when ``weight_offloading`` hooked the model), then
+    fresh adapters and a frozen base. ``mtune plan`` runs this under ``FakeTensorMode`` with
+    ``source.checkpoint_dir=None``, so it reads no weight file and allocates nothing."""
     offloader = weight_offloader(model)
 
     def after_tensor(module: nn.Module) -> None:
@@ -134,7 +147,6 @@ def setup_model(
     total = sum(p.numel() for p in model.parameters())
     log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6,
              n_trainable / 1e6, 100 * n_trainable / max(total, 1))
-    return model, offload
 
 
 def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,

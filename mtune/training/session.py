@@ -27,18 +27,20 @@ from torch import nn
 
 from mtune.config import instantiate
 from mtune.data import build_dataloader
-from mtune.modules.loss import CrossEntropyLoss
+from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
 from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.memory.accounting import MemoryBreakdown
 from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
+from mtune.training.observe.peak_flops import cpu_bf16_warning, peak_flops
 from mtune.training.observe.profiler import build_profiler
 from mtune.training.signals import GracefulStop
 
-__all__ = ["StepPlan", "TrainingSession", "setup_data"]
+__all__ = ["StepPlan", "TrainingSession", "setup_data", "tracks_tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,12 @@ def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
                                       seed=cfg.seed, shuffle=False, rank=rank, world_size=world_size,
                                       drop_last=False)
     return train_loader, val_loader, StepPlan.from_config(cfg, len(train_loader), world_size)
+
+
+def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
+    """Whether a run tracks live tensor bytes: with ``memory_breakdown`` or ``plan_check``, and not with
+    ``compile`` (a dispatch mode over compiled blocks would run them eagerly, changing what is measured)."""
+    return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not cfg.get("compile")
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -159,14 +167,36 @@ class TrainingSession:
                                          dataloader=self.train_loader)
         self.step, self.epoch, self._resumed = state.step, self.train_loader.epoch, True
 
+    def _setup_utilization(self):
+        """FLOPs per step (``mfu``, ``hfu``) and the device's peak; says once when bf16 runs on a CPU that emulates
+        it. Returns the peak, or None when it is unknown (then no mfu is logged)."""
+        self.step_flops = StepFlops(self.model, chunked_loss=isinstance(self.loss_fn, ChunkedCrossEntropyLoss))
+        self._step_flops_now: tuple[float, float] | None = None
+        warning = cpu_bf16_warning(self.run.device, self.run.dtype_name)
+        if warning and self.run.is_main:
+            log.warning(warning)
+        peak = peak_flops(self.run.device, self.run.dtype_name)
+        if self.run.is_main:
+            if peak is None:
+                log.info("mfu/hfu: no peak FLOP/s known for %s in %s: set MTUNE_PEAK_FLOPS (FLOP/s) to log them",
+                         self.run.device, self.run.dtype_name)
+            else:
+                log.info("mfu/hfu against %s in %s: %s", self.run.device, self.run.dtype_name, peak)
+        return peak
+
     def _start(self) -> None:
         self.monitor = TrainingMonitor(
             output_dir=self.run.output_dir, device=self.run.device, total_steps=self.plan.total_steps,
             initial_step=self.step, log_every_n_steps=self.cfg.get("log_every_n_steps") or 1,
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
+            peak=self._setup_utilization(),
         )
+        # Live tensor bytes (peak_tensor_gib, memory_breakdown.json, plan_check) cost a Python call per op:
+        # tracked only when memory_breakdown or plan_check asks (see docs/plan.md for the measured overhead).
         self.breakdown = MemoryBreakdown(self.model, inner_optimizers(self.optimizer), self.run.output_dir,
-                                         enabled=bool(self.cfg.get("memory_breakdown")), rank=self.run.rank)
+                                         enabled=tracks_tensor_bytes(self.cfg), rank=self.run.rank,
+                                         write=bool(self.cfg.get("memory_breakdown")), placement=self.run.placement)
+        self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
         self._stop.__enter__()
@@ -195,10 +225,12 @@ class TrainingSession:
                     break
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
+        self._step_flops_now = self.step_flops(micro_batches)
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:
-                # Offloading innermost: its hooks take the saved tensors; the breakdown counts what stays.
-                stack.enter_context(self.breakdown.track_forward())
+                # The byte tracker sees every op of the whole step (it is a dispatch mode, not a saved-tensor hook,
+                # so offloading's hooks and it never hide each other).
+                stack.enter_context(self.breakdown.track_step())
                 if self.activation_context is not None:
                     stack.enter_context(self.activation_context)
                 return train_step(
@@ -206,7 +238,6 @@ class TrainingSession:
                     autocast=self.run.autocast, loss_scaler=self.loss_scaler,
                     clip_grad_norm=self.cfg.get("clip_grad_norm"),
                     world_size=self.run.world_size, step=self.step + 1, fp16=self.run.dtype_name == "fp16",
-                    before_zero_grad=self.breakdown.step,
                 )
 
     def end_step(self, result: StepResult) -> None:
@@ -215,7 +246,7 @@ class TrainingSession:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.profiler.step()
-        self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr)
+        self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr, flops=self._step_flops_now)
         every_eval = self.cfg.get("eval_every_n_steps")
         if self.val_loader is not None and every_eval and self.step % every_eval == 0:
             self.monitor.log({"val_loss": self.val_loss()}, step=self.step)
@@ -256,15 +287,49 @@ class TrainingSession:
                 self.save(final=True)
                 if self.task_eval is not None:
                     self._run_task_eval("after")
+                self._plan_check()
         finally:
+            self.breakdown.close()
             self._stop.__exit__(None, None, None)
             self.profiler.__exit__(None, None, None)
             self.monitor.close()
-            self.breakdown.close()
         self.results.update(step=self.step, skipped_steps=self.monitor.skipped_steps)
+        throughput = self.monitor.summary()
+        if throughput:
+            self.results["throughput"] = {**throughput, **({"peak_flops": self.monitor.peak.flops,
+                                                            "peak_flops_source": self.monitor.peak.source}
+                                                           if self.monitor.peak else {})}
+            if self.run.is_main:
+                log.info(self.monitor.summary_line())
         if self.run.is_main:
             (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
         return self.results
+
+    def _plan_check(self) -> None:
+        """With ``plan_check``: plan this config (``mtune plan``, fake tensors) and log the prediction beside the
+        measured peak of live tensor bytes, device and host; also into ``results.json`` under ``plan_check``."""
+        measured = self.breakdown.overall
+        if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
+            return
+        from mtune.errors import MtuneError
+        from mtune.training.memory.plan import format_bytes, plan_memory
+
+        try:
+            plan = plan_memory(self.cfg, world_size=self.run.world_size)
+        except MtuneError as err:
+            self.monitor.write(f"plan_check: skipped ({err})")
+            return
+        check = {"planned_device_bytes": plan.device_peak_bytes, "measured_device_bytes": measured.peak["device"],
+                 "planned_host_bytes": plan.host_peak_bytes, "measured_host_bytes": measured.peak["host"],
+                 "planned_for": plan.batch}
+        error = plan.device_peak_bytes / measured.peak["device"] - 1 if measured.peak["device"] else 0.0
+        check["device_error"] = error
+        self.results["plan_check"] = check
+        self.monitor.write(
+            f"plan_check: device planned {format_bytes(plan.device_peak_bytes)}, measured "
+            f"{format_bytes(measured.peak['device'])} ({error:+.1%}); host planned {format_bytes(plan.host_peak_bytes)}"
+            f", measured {format_bytes(measured.peak['host'])} (the plan assumes every batch at "
+            f"{plan.batch['seq_len']} tokens; shorter batches measure less)")
 
     def _run_task_eval(self, when: str) -> None:
         what = f"task eval {when} training"

@@ -91,3 +91,26 @@ def test_offloading_keys_are_checked_by_mtune_validate(tmp_path):
     for expected in ("optimizer_offload: must be one of cpu", "weight_offloading.type: must be one of block_level, "
                      "leaf_level", "weight_offloading.blocks_per_group: must be >= 1"):
         assert expected in out.stdout + out.stderr, out.stdout + out.stderr
+# ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
+def test_fp8_storage_and_selective_checkpointing_pass_where_they_apply():
+    assert problems(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=["*.down_proj"],
+                    enable_activation_checkpointing=True, activation_checkpointing_policy="selective_op",
+                    enable_activation_offloading=True) == []
+    assert problems(weight_storage_dtype=None, activation_checkpointing_policy="block") == []
+
+
+@pytest.mark.parametrize("cfg,keys", [
+    (dict(weight_storage_dtype="float8_e4m3fn", lora={**LORA, "quantize_base": True}),
+     ["weight_storage_dtype=float8_e4m3fn", "lora.quantize_base=true", "weight_storage_dtype=null",
+      "lora.quantize_base=false"]),
+    (dict(weight_storage_dtype="float8_e5m2"),  # a full fine-tune: no lora node
+     ["weight_storage_dtype=float8_e5m2", "no lora node", "weight_storage_dtype=null"]),
+    (dict(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=[3]),
+     ["weight_storage_skip_patterns", "got 3"]),
+    (dict(activation_checkpointing_policy="selective_op"),
+     ["activation_checkpointing_policy=selective_op", "enable_activation_checkpointing=true",
+      "activation_checkpointing_policy=block"]),
+])
+def test_fp8_storage_and_selective_checkpointing_rules_name_both_keys(cfg, keys):
+    found = problems(**cfg)
+    assert len(found) == 1 and all(k in found[0] for k in keys), found
