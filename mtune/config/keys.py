@@ -75,8 +75,8 @@ WEIGHT_OFFLOADING = Node(
                 "each module holding weights on its own (least memory, most transfers)",
                 choices=WEIGHT_OFFLOADING_TYPES),
             Key("blocks_per_group", int, 1, "block_level: transformer blocks copied in together", at_least=1),
-            Key("use_streams", bool, True, "CUDA only: copy the next group on a side stream from pinned memory while "
-                "the current one computes (twice the groups on the device)"),
+            Key("use_streams", bool, True, "prefetch the next group while the current one computes (twice the groups "
+                "on the device): on CUDA on a side stream from pinned memory; elsewhere in line, no overlap"),
         ],
     ),
 )

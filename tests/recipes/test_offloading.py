@@ -32,8 +32,11 @@ def distinct_placement(monkeypatch):
 
 
 def _run(tmp_path, tiny_checkpoint, tiny_data, name, recipe, *extra, **changes):
+    schedule = {"lr_scheduler._component_": "mtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                "lr_scheduler.num_warmup_steps": 1}  # the schedule sets the lr of the host optimizer's groups
     overrides = train_overrides(tmp_path / name, tiny_checkpoint, tiny_data, max_steps_per_epoch=3,
-                                gradient_accumulation_steps=2, batch_size=2, clip_grad_norm=1.0, **changes)
+                                gradient_accumulation_steps=2, batch_size=2, clip_grad_norm=1.0, **schedule,
+                                **changes)
     return run_recipe_in_process(recipe, overrides + list(extra))
 
 
@@ -50,6 +53,7 @@ def test_offloaded_runs_equal_the_plain_run(tmp_path, tiny_checkpoint, tiny_data
     if recipe == "lora_single_device":
         assert "of frozen weights in 2 groups (block_level) wait in cpu memory" in log
     assert losses(offloaded) == losses(plain) and len(losses(plain)) == 3
+    assert [row["lr"] for row in read_metrics(offloaded)] == [row["lr"] for row in read_metrics(plain)]
     part = "adapter/adapter_model.safetensors" if recipe == "lora_single_device" else "model/model.safetensors"
     expected, got = load_file(plain / "final" / part), load_file(offloaded / "final" / part)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
@@ -104,7 +108,7 @@ def test_both_flags_through_the_cli_on_the_tiny_configs(tmp_path):
     # lora_single_device reads both keys; one short run takes each flag end to end through the command line.
     out = _mtune("run", "lora_single_device", "--config", "tiny/lora_single_device", f"output_dir={tmp_path / 'lora'}",
                  "optimizer_offload=cpu", f"weight_offloading={WEIGHT_OFFLOADING}", "epochs=1",
-                 "max_steps_per_epoch=2", "task_eval=null", "device=cpu")
+                 "max_steps_per_epoch=2", "batch_size=4", "task_eval=null", "device=cpu")
     assert len(read_metrics(tmp_path / "lora")) >= 1 and (tmp_path / "lora" / "final" / "adapter").is_dir()
     assert "optimizer_offload=cpu: the model already computes in host memory" in out.stderr
     assert "weight_offloading: the model computes in host memory" in out.stderr
