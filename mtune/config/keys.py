@@ -60,6 +60,29 @@ RUN_KEYS = KeyGroup(
     ],
 )
 
+# ---- optimizer-state offload and weight group offloading (issue 13, items 1-2) -------------------------------
+OPTIMIZER_OFFLOAD_TARGETS = ("cpu",)
+WEIGHT_OFFLOADING_TYPES = ("block_level", "leaf_level")
+
+WEIGHT_OFFLOADING = Node(
+    "weight_offloading",
+    "frozen weights wait in host memory; each group of blocks (or each leaf module) is copied to the compute device "
+    "just before it runs and freed after, in forward, backward and recomputation (null: off)",
+    keys=KeyGroup(
+        "weight_offloading",
+        [
+            Key("type", str, "block_level", "block_level: groups of blocks_per_group transformer blocks; leaf_level: "
+                "each module holding weights on its own (least memory, most transfers)",
+                choices=WEIGHT_OFFLOADING_TYPES),
+            Key("blocks_per_group", int, 1, "block_level: transformer blocks copied in together", at_least=1),
+            Key("use_streams", bool, True, "CUDA only: copy the next group on a side stream from pinned memory while "
+                "the current one computes (twice the groups on the device)"),
+        ],
+    ),
+)
+"""``weight_offloading``: read by the training recipes (through `MEMORY_KEYS`) and by ``generate``; one declaration."""
+# ---------------------------------------------------------------------------------------------------------------
+
 MEMORY_KEYS = KeyGroup(
     "memory",
     help="techniques that trade compute or transfers for memory, and compile",
@@ -70,6 +93,10 @@ MEMORY_KEYS = KeyGroup(
         Key("activation_offloading_use_streams", bool, True, "overlap offloading transfers with compute (CUDA only)"),
         Key("optimizer_in_bwd", bool, False, "step each parameter's optimizer during backward and free its gradient"),
         Key("compile", bool, False, "torch.compile each transformer block (faster steps after a slow first one)"),
+        Key("optimizer_offload", str, None, "cpu: optimizer states in host memory, gradients moved there during "
+            "backward, the optimizer step on the CPU (ZeRO-Offload style; torch.optim.AdamW only; null: off)",
+            choices=OPTIMIZER_OFFLOAD_TARGETS),
+        WEIGHT_OFFLOADING,
         # ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
         Key("weight_storage_dtype", str, None,
             "store the frozen linear weights inside the blocks in this fp8 format (one fp32 scale per output row) "
@@ -100,6 +127,8 @@ class MemoryConfig:
     activation_offloading_use_streams: bool = _default(MEMORY_KEYS, "activation_offloading_use_streams")
     optimizer_in_bwd: bool = _default(MEMORY_KEYS, "optimizer_in_bwd")
     compile: bool = _default(MEMORY_KEYS, "compile")
+    optimizer_offload: str | None = _default(MEMORY_KEYS, "optimizer_offload")
+    weight_offloading: "WeightOffloading | None" = _default(MEMORY_KEYS, "weight_offloading")
     # ---- issue 13, items 3-4
     weight_storage_dtype: str | None = _default(MEMORY_KEYS, "weight_storage_dtype")
     weight_storage_skip_patterns: tuple[str, ...] = tuple(_default(MEMORY_KEYS, "weight_storage_skip_patterns"))
@@ -112,8 +141,26 @@ class MemoryConfig:
         if missing:
             raise KeyError(f"the config lacks {missing}: fill it with the recipe's SCHEMA.fill_defaults first")
         values = {f.name: cfg[f.name] for f in fields(cls)}
+        values["weight_offloading"] = WeightOffloading.from_node(values["weight_offloading"])
         values["weight_storage_skip_patterns"] = tuple(values["weight_storage_skip_patterns"] or ())
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class WeightOffloading:
+    """The ``weight_offloading`` node, typed (`mtune.training.memory.weight_offloading` acts on it)."""
+
+    type: str = _default(WEIGHT_OFFLOADING.keys, "type")
+    blocks_per_group: int = _default(WEIGHT_OFFLOADING.keys, "blocks_per_group")
+    use_streams: bool = _default(WEIGHT_OFFLOADING.keys, "use_streams")
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any] | "WeightOffloading" | None) -> "WeightOffloading | None":
+        """None stays None (off); a mapping's left-out keys take their declared defaults."""
+        if node is None or isinstance(node, WeightOffloading):
+            return node
+        return cls(**{f.name: node[f.name] for f in fields(cls) if f.name in node})
+
 
 MODEL_NODES = KeyGroup(
     "model",
@@ -241,5 +288,6 @@ GENERATE_KEYS = KeyGroup(
         Key("top_k", int, None, "sample among the k most likely tokens only (null: all)", at_least=1),
         Key("top_p", float, None, "sample from the smallest set of tokens whose probability reaches top_p (null: all)",
             above=0, at_most=1),
+        WEIGHT_OFFLOADING,
     ],
 )

@@ -11,6 +11,7 @@ only its rows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from mtune.training.checkpointing.sharded import (
 from mtune.training.distributed import shard_model
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
+from mtune.training.memory.weight_offloading import offloaded_weights_materialized, weight_offloader
 
 __all__ = ["ModelSource", "resolve_model_source", "setup_model", "setup_sharded_model",
            "init_weights_sharded", "reset_adapters_sharded"]
@@ -97,6 +99,7 @@ def setup_model(
     memory: MemoryConfig = MemoryConfig(),
     materialize: bool = True,
     placement: Placement | None = None,
+    trainable: bool = True,
 ):
     """Build, transform and load the model. Returns ``(model, activation_context)``: the activation-offloading
     context to enter around forward and backward, or None.
@@ -104,34 +107,52 @@ def setup_model(
     ``lora`` is the config's ``lora`` node (None for a full fine-tune); ``memory`` the run's memory keys
     (``MemoryConfig.from_config(cfg)``; the default applies none). With ``materialize=False`` the model stays on
     the meta device (planning, or FSDP sharding before the weights are loaded). ``placement`` is where offloaded
-    tensors go (default: ``device`` and the CPU).
+    tensors go (default: ``device`` and the CPU). ``trainable=False`` freezes every weight first (generation), so
+    ``weight_offloading`` may move all of them.
     """
     model = build_model_from_args(source.args, dtype=dtype)  # on the meta device
+    if not trainable:
+        model.requires_grad_(False)
     offload = apply_memory_techniques(model, memory, lora=lora, placement=placement or Placement(device))
     if not materialize:
         return model, offload
-    load_weights(model, source, device=device, dtype=dtype)
+    offloader = weight_offloader(model)
+
+    def after_tensor(module: nn.Module) -> None:
+        _quantize_when_loaded(module)
+        if offloader is not None:
+            offloader.offload_module(module)  # frozen weights leave the device as soon as they arrive
+
+    load_weights(model, source, device=device, dtype=dtype, after_tensor=after_tensor)
     if lora is not None:
-        reset_lora_parameters(model)  # adapters start at zero update; NF4 bases are already quantized
+        dora = any(isinstance(m, LoRALinear) and m.magnitude is not None for m in model.modules())
+        with offloaded_weights_materialized(model) if dora else contextlib.nullcontext():
+            reset_lora_parameters(model)  # adapters start at zero update; NF4 bases are already quantized
         freeze_base(model)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if offloader is not None:
+        offloader.offload()  # what loading did not move: random initialisation
+    if not trainable:
+        model.requires_grad_(False)  # adapters too (they stay on the device: weights are offloaded frozen on arrival)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6, trainable / 1e6,
-             100 * trainable / max(total, 1))
+    log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6,
+             n_trainable / 1e6, 100 * n_trainable / max(total, 1))
     return model, offload
 
 
-def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> None:
+def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
+                 after_tensor=_quantize_when_loaded) -> None:
     """Give a meta-device model its weights on ``device``: stream the base checkpoint in one tensor at a time (each
-    placed straight from the file, NF4 weights quantized on arrival, so the full-precision model never exists at
-    once), or initialise randomly when there is no checkpoint. Adapter parameters are left uninitialised."""
+    placed straight from the file, then ``after_tensor(module)``: NF4 weights quantized on arrival, so the
+    full-precision model never exists at once), or initialise randomly when there is no checkpoint. Adapter
+    parameters are left uninitialised."""
     if source.checkpoint_dir is None:
         model.to_empty(device=device)
         model.init_weights()
         log.info("model: random weights (no checkpoint_dir)")
         return
     load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
-                       not_in_checkpoint=is_adapter_param, after_tensor=_quantize_when_loaded)
+                       not_in_checkpoint=is_adapter_param, after_tensor=after_tensor)
     _materialize_meta_tensors(model, device)
     log.info("model: loaded %s", source.checkpoint_dir)
 

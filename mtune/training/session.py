@@ -27,14 +27,16 @@ from torch import nn
 
 from mtune.config import instantiate
 from mtune.data import build_dataloader
-from mtune.modules.loss import CrossEntropyLoss
+from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
 from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.memory.accounting import MemoryBreakdown
 from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
+from mtune.training.observe.peak_flops import cpu_bf16_warning, peak_flops
 from mtune.training.observe.profiler import build_profiler
 from mtune.training.signals import GracefulStop
 
@@ -159,11 +161,29 @@ class TrainingSession:
                                          dataloader=self.train_loader)
         self.step, self.epoch, self._resumed = state.step, self.train_loader.epoch, True
 
+    def _setup_utilization(self):
+        """FLOPs per step (``mfu``, ``hfu``) and the device's peak; says once when bf16 runs on a CPU that emulates
+        it. Returns the peak, or None when it is unknown (then no mfu is logged)."""
+        self.step_flops = StepFlops(self.model, chunked_loss=isinstance(self.loss_fn, ChunkedCrossEntropyLoss))
+        self._step_flops_now: tuple[float, float] | None = None
+        warning = cpu_bf16_warning(self.run.device, self.run.dtype_name)
+        if warning and self.run.is_main:
+            log.warning(warning)
+        peak = peak_flops(self.run.device, self.run.dtype_name)
+        if self.run.is_main:
+            if peak is None:
+                log.info("mfu/hfu: no peak FLOP/s known for %s in %s: set MTUNE_PEAK_FLOPS (FLOP/s) to log them",
+                         self.run.device, self.run.dtype_name)
+            else:
+                log.info("mfu/hfu against %s in %s: %s", self.run.device, self.run.dtype_name, peak)
+        return peak
+
     def _start(self) -> None:
         self.monitor = TrainingMonitor(
             output_dir=self.run.output_dir, device=self.run.device, total_steps=self.plan.total_steps,
             initial_step=self.step, log_every_n_steps=self.cfg.get("log_every_n_steps") or 1,
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
+            peak=self._setup_utilization(),
         )
         self.breakdown = MemoryBreakdown(self.model, inner_optimizers(self.optimizer), self.run.output_dir,
                                          enabled=bool(self.cfg.get("memory_breakdown")), rank=self.run.rank)
@@ -195,6 +215,7 @@ class TrainingSession:
                     break
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
+        self._step_flops_now = self.step_flops(micro_batches)
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:
                 # Offloading innermost: its hooks take the saved tensors; the breakdown counts what stays.
@@ -215,7 +236,7 @@ class TrainingSession:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.profiler.step()
-        self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr)
+        self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr, flops=self._step_flops_now)
         every_eval = self.cfg.get("eval_every_n_steps")
         if self.val_loader is not None and every_eval and self.step % every_eval == 0:
             self.monitor.log({"val_loss": self.val_loss()}, step=self.step)
@@ -260,7 +281,15 @@ class TrainingSession:
             self._stop.__exit__(None, None, None)
             self.profiler.__exit__(None, None, None)
             self.monitor.close()
+            self.breakdown.close()
         self.results.update(step=self.step, skipped_steps=self.monitor.skipped_steps)
+        throughput = self.monitor.summary()
+        if throughput:
+            self.results["throughput"] = {**throughput, **({"peak_flops": self.monitor.peak.flops,
+                                                            "peak_flops_source": self.monitor.peak.source}
+                                                           if self.monitor.peak else {})}
+            if self.run.is_main:
+                log.info(self.monitor.summary_line())
         if self.run.is_main:
             (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
         return self.results

@@ -81,6 +81,8 @@ MAY_CHANGE_ON_RESUME = (
     "fsdp_reshard_after_forward",
     "fsdp_cpu_offload",
     "overwrite_output_dir",
+    "optimizer_offload",  # the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
+    "weight_offloading",  # where frozen weights wait between uses; the values computed are the same
     "activation_checkpointing_policy",  # what checkpointed blocks keep; the numbers are the same (issue 13, item 4)
 )
 

@@ -51,28 +51,50 @@ def peak_memory_stats(device: torch.device | str, reset: bool = True) -> dict[st
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s elements; tensor subclasses (torchao's quantized states, NF4) count their inner parts."""
-    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
-        return t.numel() * t.element_size()
-    inner, _ = t.__tensor_flatten__()
-    return sum(tensor_bytes(getattr(t, name)) for name in inner)
+    """Bytes of ``t``'s elements; tensor subclasses (torchao's quantized states, NF4) count their inner parts, and
+    a DTensor (an FSDP2-sharded parameter, gradient or optimizer state) the local shard of this rank."""
+    if isinstance(t, torch.nn.Parameter):
+        t = t.data
+    if _is_wrapper(t):
+        return sum(tensor_bytes(part) for part in _inner_tensors(t))
+    return t.numel() * t.element_size()
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+
+
+def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors a wrapper subclass holds. ``__tensor_flatten__`` also names non-tensor parts (a DTensor's
+    ``device_mesh``), which hold no tensor bytes."""
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        part = getattr(t, name)
+        if isinstance(part, torch.Tensor):
+            yield part
 
 
 def _storages(tensor: torch.Tensor) -> Iterator[tuple[tuple, int]]:
     """``(key, nbytes)`` of the storages behind ``tensor``. Wrapper subclasses (torchao's NF4Tensor, low-bit
-    optimizer states, DTensor) are opened up to their inner tensors, whose storages hold the real bytes."""
+    optimizer states, DTensor) are opened up to their inner tensors, whose storages hold the real bytes: a
+    DTensor's local shard, which may itself be an NF4Tensor."""
     if isinstance(tensor, torch.nn.Parameter):
         tensor = tensor.data
-    if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
-        names, _ = tensor.__tensor_flatten__()
-        for name in names:
-            yield from _storages(getattr(tensor, name))
+    if _is_wrapper(tensor):
+        for part in _inner_tensors(tensor):
+            yield from _storages(part)
         return
     if tensor.device.type == "meta":
         return
     storage = tensor.untyped_storage()
     if storage.nbytes() > 0:
         yield (tensor.device.type, tensor.device.index, storage.data_ptr()), storage.nbytes()
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear saves ``weight.t()`` for backward). FSDP2's all-gathered weights are
+    parameters too, though their storages are not those of the sharded parameters the model lists."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
 
 
 def tensor_storage_bytes(tensors: Iterable[torch.Tensor], exclude: set | None = None) -> tuple[int, set]:
@@ -146,6 +168,8 @@ class MemoryBreakdown:
         total = [0]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if _is_parameter(tensor):
+                return tensor
             for key, nbytes in _storages(tensor):
                 if key not in seen and key not in param_keys:
                     seen.add(key)
@@ -173,6 +197,12 @@ class MemoryBreakdown:
         self._activation_bytes = 0
         if len(self.records) == self.num_steps:
             self.write()
+
+    def close(self) -> None:
+        """At the end of a run: write what was recorded if the run was shorter than ``num_steps``."""
+        if not self.done and self.records:
+            self.write()
+            self.num_steps = len(self.records)
 
     def summary(self) -> dict[str, Any]:
         """``{"unit": "bytes", "steps": [per-step records], "peak": {category: max over steps}, ...}``."""

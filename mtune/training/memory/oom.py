@@ -37,6 +37,12 @@ def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
         advice.append("optimizer=bitsandbytes.optim.PagedAdamW8bit")
     if not cfg.get("optimizer_in_bwd") and lora is None and int(cfg.get("gradient_accumulation_steps") or 1) == 1:
         advice.append("optimizer_in_bwd=true")
+    single_device = "fsdp_cpu_offload" not in cfg  # the distributed recipes offload with fsdp_cpu_offload instead
+    if (single_device and optimizer == "torch.optim.AdamW" and not cfg.get("optimizer_offload")
+            and not cfg.get("optimizer_in_bwd") and cfg.get("dtype") != "fp16"):
+        advice.append("optimizer_offload=cpu")
+    if single_device and lora is not None and cfg.get("weight_offloading") is None and not cfg.get("compile"):
+        advice.append("weight_offloading={type: block_level, blocks_per_group: 1}")
     loss = str((cfg.get("loss") or {}).get("_component_", ""))
     if "Chunked" not in loss:
         advice.append("loss._component_=mtune.modules.loss.ChunkedCrossEntropyLoss")

@@ -32,6 +32,8 @@ _SHOWN = (
     ("lr", "lr", "{:.2e}"),
     ("grad_norm", "grad_norm", "{:.3f}"),
     ("tokens_per_second", "tok/s", "{:.0f}"),
+    ("mfu", "mfu", "{:.1%}"),
+    ("hfu", "hfu", "{:.1%}"),
     ("peak_memory_gib", "peak_mem", "{:.2f}GiB"),
 )
 # How often an activity bar redraws while nothing advances it (its elapsed time keeps moving).

@@ -46,6 +46,10 @@ class StepTimer:
     def add_tokens(self, num_tokens: int) -> None:
         self._tokens += int(num_tokens)
 
+    def synchronized_clock(self) -> float:
+        """The clock's reading once queued device work has finished (what :meth:`rates` measures to)."""
+        return self._now()
+
     def clock(self) -> float:
         """The clock's reading now, without waiting for the device (to pass as ``rates(end=...)`` later)."""
         return self._clock()

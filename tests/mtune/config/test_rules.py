@@ -48,6 +48,49 @@ def test_tied_lm_head_read_from_checkpoint_config(tmp_path):
     assert problems(lora=lora, model={"checkpoint_dir": str(tmp_path)}) == []
 
 
+# ---- optimizer_offload and weight_offloading (issue 13, items 1-2)
+ADAMW = {"_component_": "torch.optim.AdamW", "lr": 1e-4}
+OFFLOAD = {"type": "block_level", "blocks_per_group": 1, "use_streams": True}
+
+
+def test_offloading_configs_that_work_pass():
+    assert problems(optimizer_offload="cpu", optimizer=ADAMW, dtype="bf16", gradient_accumulation_steps=4,
+                    clip_grad_norm=1.0) == []
+    assert problems(lora={**LORA, "quantize_base": True}, weight_offloading=OFFLOAD, optimizer_offload="cpu",
+                    optimizer=ADAMW, enable_activation_checkpointing=True, enable_activation_offloading=True) == []
+
+
+@pytest.mark.parametrize("cfg,keys", [
+    (dict(optimizer_offload="cpu", optimizer={"_component_": "bitsandbytes.optim.AdamW8bit"}),
+     ("optimizer_offload=cpu", "optimizer._component_=bitsandbytes.optim.AdamW8bit")),
+    (dict(optimizer_offload="cpu", optimizer={"_component_": "torchao.optim.AdamW8bit"}),
+     ("optimizer_offload=cpu", "optimizer._component_=torchao.optim.AdamW8bit")),
+    (dict(optimizer_offload="cpu", optimizer=ADAMW, optimizer_in_bwd=True),
+     ("optimizer_offload=cpu", "optimizer_in_bwd=true")),
+    (dict(optimizer_offload="cpu", optimizer=ADAMW, dtype="fp16"), ("optimizer_offload=cpu", "dtype=fp16")),
+    (dict(weight_offloading=OFFLOAD), ("weight_offloading", "lora")),
+    (dict(weight_offloading=OFFLOAD, lora=LORA, compile=True), ("weight_offloading", "compile=true")),
+])
+def test_offloading_pairs_are_refused_naming_both_keys(cfg, keys):
+    found = problems(**cfg)
+    assert len(found) == 1 and all(key in found[0] for key in keys), found
+
+
+def test_offloading_keys_are_checked_by_mtune_validate(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    config = repo / "recipes" / "configs" / "tiny" / "lora_single_device.yaml"
+    env = {"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "mtune", "validate", str(config), "optimizer_offload=gpu",
+                          "weight_offloading={type: block, blocks_per_group: 0}", "compile=true"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    for expected in ("optimizer_offload: must be one of cpu", "weight_offloading.type: must be one of block_level, "
+                     "leaf_level", "weight_offloading.blocks_per_group: must be >= 1"):
+        assert expected in out.stdout + out.stderr, out.stdout + out.stderr
 # ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
 def test_fp8_storage_and_selective_checkpointing_pass_where_they_apply():
     assert problems(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=["*.down_proj"],

@@ -64,3 +64,6 @@ def test_out_of_memory_names_the_phase_and_the_flags_not_yet_set():
     assert "enable_activation_checkpointing=true" in message and "lora.quantize_base=true (QLoRA)" in message
     assert "dtype=bf16" not in message  # already set
     assert "enable_activation_offloading=true" in memory_advice({**cfg, "enable_activation_checkpointing": True})
+    assert "optimizer_offload=cpu" in message and "weight_offloading={type: block_level" in message
+    assert "optimizer_offload=cpu" not in memory_advice({**cfg, "optimizer_offload": "cpu"})
+    assert "weight_offloading" not in " ".join(memory_advice({**cfg, "fsdp_cpu_offload": False}))

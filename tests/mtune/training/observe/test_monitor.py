@@ -3,6 +3,7 @@
 import json
 import warnings
 
+import pytest
 import torch
 
 from mtune.training.loop import StepResult
@@ -56,3 +57,20 @@ def test_no_steps_no_plot_and_no_warning(tmp_path):
         monitor.close()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     assert not (tmp_path / "loss_curve.png").exists()
+
+
+def test_mfu_and_hfu_from_step_flops_and_the_peak(tmp_path):
+    from mtune.training.observe.peak_flops import PeakFlops
+
+    peak = PeakFlops(1e9, "test")
+    monitor = TrainingMonitor(output_dir=tmp_path, device=torch.device("cpu"), total_steps=3, peak=peak)
+    for step in (1, 2, 3):
+        result = StepResult(loss=1.0, trained_tokens=10, num_tokens=16, grad_norm=None, stepped=True)
+        monitor.step(step=step, epoch=0, result=result, lr=1e-3, flops=(16 * 100.0, 16 * 150.0))
+    monitor.close()
+    for row in _rows(tmp_path):
+        assert row["mfu"] == pytest.approx(100.0 * row["tokens_per_second_per_device"] / 1e9)
+        assert row["hfu"] == pytest.approx(1.5 * row["mfu"])
+    summary = monitor.summary()
+    assert summary["steps"] == 2 and summary["mfu"] == pytest.approx(100.0 * summary["tokens_per_second"] / 1e9)
+    assert "mfu" in monitor.summary_line() and "(test)" in monitor.summary_line()

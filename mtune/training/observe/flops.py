@@ -1,0 +1,218 @@
+"""FLOPs per token of a training step, for a model as configured: the numerator of MFU and HFU.
+
+Counted per sequence position of a ``[batch, seq_len]`` batch (a multiply-add is 2 FLOPs; elementwise work, norms,
+softmax and the embedding lookup are left out, as in every published MFU figure):
+
+- **forward**: ``2 * in * out`` for every linear layer (the output projection included), plus attention's two
+  matmuls, ``QK^T`` and ``PV``: ``4 * seq_len * n_heads * head_dim`` per layer, counted over the full row (a causal
+  or block-causal mask does not halve it: the kernels compute the masked half too).
+- **backward**: for each linear, the input gradient (``2 * in * out``) when something below it trains, and the
+  weight gradient (``2 * in * out``) when its weight trains; frozen base weights (LoRA, NF4) cost one, not two. A LoRA
+  adapter (``A: in -> r``, ``B: r -> out``) adds its forward ``2r(in + out)``, its weight gradients ``2r(in + out)``,
+  the gradient into ``B``'s input ``2r * out``, and ``2r * in`` into its layer's input when that input needs one.
+  Attention backward is twice its forward whenever any of q, k, v needs a gradient. Which inputs need a gradient is
+  followed through the model as autograd does: in a LoRA model the embedding is frozen, so the first block's
+  q/k/v projections compute no input gradient.
+- **recompute**: forward work done again in backward: each block that activation checkpointing wraps runs its
+  forward again (up to the last tensor backward needs: all but ``down_proj``'s matmul, as
+  ``torch.utils.checkpoint`` stops early), and the chunked cross-entropy loss projects every chunk to logits again.
+
+``model = forward + backward`` gives MFU (model FLOPs utilisation); ``hardware = model + recompute`` gives HFU. For
+a full fine-tune this is the familiar ``6N + 3A`` (``N`` matmul weights incl. the output projection, ``A`` attention
+FLOPs per token of the forward), for LoRA about ``4N + 3A`` plus the adapters.
+
+Not counted: DoRA's per-step weight norm (``||W + sBA||``, a cost per step, not per token), padding (MFU is computed
+from non-padding tokens/s, so padded positions lower it, as they should), flash attention's internal recomputation of
+the scores in backward (an implementation detail of the kernel, not a recomputation the run chose).
+
+    fpt = flops_per_token(model, seq_len=2048, memory=MemoryConfig.from_config(cfg), chunked_loss=True)
+    mfu = fpt.model * tokens_per_second_per_device / peak_flops
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from mtune.modules.lora import LoRALinear
+from mtune.training.memory.activation_checkpointing import is_checkpointed
+
+__all__ = ["FlopsPerToken", "StepFlops", "flops_per_token", "utilization"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """FLOPs of one training step divided by the positions in its batch, by kind (see the module docstring).
+
+    ``parts`` splits ``model`` by where the work happens: ``linear`` (the blocks' projections, base weights),
+    ``adapters`` (LoRA A/B), ``attention`` (QK^T and PV), ``output`` (the output projection ``lm_head``).
+    """
+
+    forward: float
+    backward: float
+    recompute: float
+    seq_len: int
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def model(self) -> float:
+        """Forward + backward: the numerator of MFU (recomputation not counted)."""
+        return self.forward + self.backward
+
+    @property
+    def hardware(self) -> float:
+        """Model FLOPs + recomputation: the numerator of HFU."""
+        return self.model + self.recompute
+
+
+@dataclass
+class _Tally:
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    last: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, part: str, fwd: float, bwd: float) -> None:
+        self.forward += fwd
+        self.backward += bwd
+        self.parts[part] = self.parts.get(part, 0.0) + fwd + bwd
+
+
+def _linear(tally: _Tally, linear: nn.Linear, input_grad: bool, part: str) -> bool:
+    """Adds one linear layer's FLOPs per token; returns whether its output needs a gradient. Its last matmul's
+    forward FLOPs go to ``tally.last`` (see :func:`_block`)."""
+    fin, fout = linear.in_features, linear.out_features
+    weight_grad = bool(linear.weight.requires_grad)
+    base = 2.0 * fin * fout
+    tally.add(part, base, base * (input_grad + weight_grad))
+    tally.last = base
+    adapter_trains = False
+    if isinstance(linear, LoRALinear):
+        r = linear.rank
+        adapter_trains = linear.lora_a.weight.requires_grad or linear.lora_b.weight.requires_grad
+        fwd = 2.0 * r * (fin + fout)
+        bwd = 0.0
+        if adapter_trains:
+            bwd += 2.0 * r * fin * linear.lora_a.weight.requires_grad + 2.0 * r * fout * linear.lora_b.weight.requires_grad
+        if adapter_trains or input_grad:
+            bwd += 2.0 * r * fout  # gradient into B's input (A's output)
+        if input_grad:
+            bwd += 2.0 * r * fin  # gradient through A into the layer's input
+        tally.add("adapters", fwd, bwd)
+        tally.last = 2.0 * r * fout  # B runs after the base matmul
+    return input_grad or weight_grad or adapter_trains
+
+
+def _trains(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: int, checkpointed: bool) -> bool:
+    """Adds one transformer block; returns whether the residual stream after it needs a gradient.
+
+    A checkpointed block's recomputation stops once every tensor backward needs is back (torch.utils.checkpoint's
+    early stop): the last matmul, ``down_proj``'s (its adapter's ``B`` under LoRA), feeds only the residual add,
+    which saves nothing, so it is not run again."""
+    start = tally.forward
+    attn, mlp = block.self_attn, block.mlp
+    x = stream_grad or _trains(block.input_layernorm)
+    q = _linear(tally, attn.q_proj, x, "linear")
+    k = _linear(tally, attn.k_proj, x, "linear")
+    v = _linear(tally, attn.v_proj, x, "linear")
+    core = 4.0 * seq_len * attn.n_heads * attn.head_dim
+    attn_grad = q or k or v
+    tally.add("attention", core, 2.0 * core * attn_grad)
+    h = _linear(tally, attn.o_proj, attn_grad, "linear") or stream_grad
+    x = h or _trains(block.post_attention_layernorm)
+    gate = _linear(tally, mlp.gate_proj, x, "linear")
+    up = _linear(tally, mlp.up_proj, x, "linear")
+    down = _linear(tally, mlp.down_proj, gate or up, "linear")
+    if checkpointed:
+        tally.recompute += tally.forward - start - tally.last
+    return h or down
+
+
+def _checkpointed_layers(model: nn.Module, memory: Any | None) -> list[bool]:
+    n = len(model.layers)
+    if memory is None:
+        return [is_checkpointed(block) for block in model.layers]
+    if not memory.enable_activation_checkpointing:
+        return [False] * n
+    policy = getattr(memory, "activation_checkpointing_policy", "block")
+    if policy != "block":
+        log.warning("flops: activation_checkpointing_policy=%s is counted as recomputing whole blocks (an upper "
+                    "bound on hfu)", policy)
+    every = int(memory.activation_checkpointing_every_n_layers)
+    return [i % every == 0 for i in range(n)]
+
+
+def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *,
+                    chunked_loss: bool = False) -> FlopsPerToken:
+    """FLOPs per token of one training step (forward, backward, recomputation) of ``model`` at ``seq_len``.
+
+    Args:
+        model: an mtune ``TransformerDecoder`` as the run trains it (on any device, meta included): LoRA/QLoRA
+            applied and ``requires_grad`` set, so frozen weights and adapters are seen.
+        seq_len: the padded length of the sequences (attention's row length), e.g. ``tokenizer.max_seq_len`` for
+            packed data.
+        memory: the run's ``MemoryConfig`` (``enable_activation_checkpointing``,
+            ``activation_checkpointing_every_n_layers``). None: read checkpointing from the model's blocks (as
+            ``apply_activation_checkpointing`` marks them).
+        chunked_loss: the loss projects hidden states chunk by chunk under checkpointing
+            (``ChunkedCrossEntropyLoss``), so the output projection's forward runs twice.
+    """
+    if seq_len < 1:
+        raise ValueError(f"flops_per_token: seq_len must be >= 1, got {seq_len}")
+    tally = _Tally()
+    stream = bool(model.embed_tokens.weight.requires_grad)
+    for block, checkpointed in zip(model.layers, _checkpointed_layers(model, memory)):
+        stream = _block(tally, block, stream, seq_len, checkpointed)
+    before = tally.forward
+    _linear(tally, model.lm_head, stream or _trains(model.norm), "output")
+    if chunked_loss:
+        tally.recompute += tally.forward - before
+    return FlopsPerToken(forward=tally.forward, backward=tally.backward, recompute=tally.recompute,
+                         seq_len=int(seq_len), parts=tally.parts)
+
+
+def utilization(flops_per_token: float, tokens_per_second: float, peak_flops: float) -> float:
+    """Achieved FLOP/s over the device's peak: ``flops_per_token * tokens_per_second / peak_flops`` (0-1), with
+    tokens/s of one device. 0 when the peak is unknown (``peak_flops <= 0``)."""
+    if peak_flops <= 0:
+        return 0.0
+    return flops_per_token * tokens_per_second / peak_flops
+
+
+class StepFlops:
+    """Model and hardware FLOPs of one rank's training step, from its micro-batches: each batch's tokens before
+    padding times the FLOPs per token at its padded length (attention grows with it). Counts are memoised per
+    length; checkpointing is read from the model's blocks, so build it after ``setup_model``.
+
+    ``step_flops(micro_batches) -> (model_flops, hardware_flops)``.
+    """
+
+    def __init__(self, model: nn.Module, *, chunked_loss: bool = False, memory: Any | None = None):
+        self.model, self.chunked_loss, self.memory = model, chunked_loss, memory
+        self._per_length: dict[int, FlopsPerToken] = {}
+
+    def per_token(self, seq_len: int) -> FlopsPerToken:
+        if seq_len not in self._per_length:
+            self._per_length[seq_len] = flops_per_token(self.model, seq_len, self.memory,
+                                                        chunked_loss=self.chunked_loss)
+        return self._per_length[seq_len]
+
+    def __call__(self, micro_batches: list[dict]) -> tuple[float, float]:
+        model_flops = hardware_flops = 0.0
+        for batch in micro_batches:
+            tokens = batch["tokens"]
+            n = int(batch.get("num_tokens", tokens.numel()))
+            fpt = self.per_token(int(tokens.shape[-1]))
+            model_flops += fpt.model * n
+            hardware_flops += fpt.hardware * n
+        return model_flops, hardware_flops

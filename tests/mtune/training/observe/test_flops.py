@@ -1,0 +1,114 @@
+"""flops_per_token against torch's FlopCounterMode on a tiny model, and against the issue's worked figures."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from mtune.config.keys import MemoryConfig
+from mtune.models import build_model
+from mtune.modules.lora import apply_lora
+from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
+from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+from mtune.training.observe.flops import flops_per_token, utilization
+
+TINY = dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_dim=256, vocab_size=512,
+            tie_embeddings=False)
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+B, S = 2, 64
+
+
+def _counted(lora=None, every_n=0, chunked=False, tie=False):
+    """(per-token FLOPs by aten op as FlopCounterMode counts one real training step, flops_per_token)."""
+    torch.manual_seed(0)
+    model = build_model("llama3_2", "tiny", device="cpu", **{**TINY, "tie_embeddings": tie})
+    if lora:
+        apply_lora(model, lora, rank=4, alpha=8)
+    if every_n:
+        apply_activation_checkpointing(model, every_n)
+    tokens = torch.randint(0, TINY["vocab_size"], (B, S))
+    documents = torch.zeros(B, S, dtype=torch.long)
+    documents[:, 30:] = 1  # two packed documents: a block-causal mask
+    positions = torch.cat([torch.arange(30), torch.arange(S - 30)]).expand(B, S)
+    loss_fn = ChunkedCrossEntropyLoss(4) if chunked else CrossEntropyLoss()
+    # The math backend runs attention as bmm's that FlopCounterMode sees (the CPU flash kernel it does not count).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = model(tokens, input_pos=positions, document_ids=documents, return_hidden=chunked)
+        loss, _ = loss_fn(out, tokens.roll(-1, 1), model.lm_head)
+        loss.backward()
+    per_op = {str(op): n / (B * S) for op, n in counter.get_flop_counts()["Global"].items()}
+    return per_op, flops_per_token(model, S, chunked_loss=chunked)
+
+
+@pytest.mark.parametrize("case", [
+    dict(),                                   # full fine-tune
+    dict(tie=True),                           # tied output projection: its weight gradient counted once
+    dict(lora=ALL),                           # LoRA everywhere: frozen bases cost one backward matmul
+    dict(every_n=1),                          # checkpointing every block: hfu counts the recomputation
+    dict(every_n=2, chunked=True),            # blocks 0 and 2, plus the chunked loss's second projection
+    dict(lora=ALL, every_n=1, chunked=True),
+])
+def test_matches_flop_counter_mode(case):
+    per_op, fpt = _counted(**case)
+    assert fpt.hardware == sum(per_op.values())
+    if not case.get("every_n") and not case.get("chunked"):
+        assert fpt.recompute == 0 and fpt.model == fpt.hardware
+
+
+def test_partial_lora_first_block_computes_no_input_gradients():
+    # LoRA on q, v only: in block 0 the frozen embedding and norm mean no input gradient for q/k/v, and k_proj has
+    # no backward at all. The matmuls match exactly; attention differs only where the math backend skips dK
+    # (block 0), which the fused CPU kernel computes anyway, so flops_per_token counts it.
+    per_op, fpt = _counted(lora=["q_proj", "v_proj"])
+    assert fpt.parts["linear"] + fpt.parts["adapters"] + fpt.parts["output"] == per_op["aten.mm"]
+    qk_grad_of_block0 = 2 * S * TINY["n_heads"] * TINY["head_dim"]
+    assert fpt.parts["attention"] - qk_grad_of_block0 == per_op["aten.bmm"]
+
+
+def _fixture_model():
+    # The head-to-head benchmark's model: 30.9M parameters, 26.7M of them in matmuls (lm_head included).
+    return build_model("llama3_2", "tiny", dim=512, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=64,
+                       intermediate_dim=1408, vocab_size=8192, tie_embeddings=False)
+
+
+def test_issue_worked_figures():
+    model = _fixture_model()  # on meta: nothing is allocated
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    a = 4 * 512 * 8 * 64 * 8  # attention forward per token at 512: 4 * seq * heads * head_dim * layers
+    assert round(n / 1e6, 1) == 26.7 and round(a / 1e6, 1) == 8.4
+    full = flops_per_token(model, 512, chunked_loss=True)
+    assert full.model == 6 * n + 3 * a
+    assert full.model / 1e6 == pytest.approx(185.6, abs=0.05)
+    # Chunked loss: one more lm_head forward (2 * 512 * 8192) in hfu only.
+    assert full.hardware - full.model == 2 * 512 * 8192
+
+    apply_lora(model, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], rank=8, alpha=16)
+    lora = flops_per_token(model, 512)
+    adapters = sum(p.numel() for name, p in model.named_parameters() if p.requires_grad)
+    # The issue's closed form 4N + 3A + 6 * adapters, less what autograd never computes: block 0's q/k/v input
+    # gradients (its input comes from the frozen embedding) and its q/v adapters' input gradients.
+    skipped = 2 * 512 * (512 + 128 + 128) + 2 * 8 * 512 * 2
+    assert lora.model == 4 * n + 3 * a + 6 * adapters - skipped
+    assert lora.model / 1e6 == pytest.approx(135.6, rel=0.01)  # the issue's rounded figure: 134.6
+
+
+def test_memory_config_decides_checkpointing():
+    model = _fixture_model()
+    off = flops_per_token(model, 256)
+    every = flops_per_token(model, 256, MemoryConfig(enable_activation_checkpointing=True,
+                                                     activation_checkpointing_every_n_layers=1))
+    every4 = flops_per_token(model, 256, MemoryConfig(enable_activation_checkpointing=True,
+                                                      activation_checkpointing_every_n_layers=4))
+    assert off.recompute == 0 and every.model == off.model
+    assert every4.recompute == pytest.approx(every.recompute * 2 / 8)  # blocks 0 and 4 of 8
+    # Attention grows with the row: twice the sequence, twice the attention, the same projections.
+    longer = flops_per_token(model, 512)
+    assert longer.parts["attention"] == 2 * off.parts["attention"]
+    assert longer.parts["linear"] == off.parts["linear"]
+    with pytest.raises(ValueError, match="seq_len"):
+        flops_per_token(model, 0)
+
+
+def test_utilization():
+    assert utilization(185.6e6, 1000.0, 204e9) == pytest.approx(0.9098, abs=1e-4)
+    assert utilization(1.0, 1.0, 0.0) == 0.0
