@@ -4,8 +4,8 @@ A Llama-architecture model (8 layers, dim 512, 8 heads / 4 KV heads, intermediat
 embeddings; ~40M parameters) is built with mtune's own `setup_model` / `build_optimizer` / `train_step`, as the
 recipes do, on batch 2 x 512 tokens. Each row runs two optimizer steps: the first is measured, the second timed.
 
-- parameters, optimizer state: `MemoryBreakdown.step()` after the optimizer step (distinct storages; NF4 weights
-  and low-bit optimizer states by their inner tensors).
+- parameters, optimizer state: each category's peak in `MemoryBreakdown.track_step()` around the measured step
+  (live tensor bytes; NF4 weights and low-bit optimizer states by their inner tensors).
 - gradients: the largest total of live `.grad` bytes seen in a post-accumulate-grad hook during backward (with
   optimizer_in_bwd this is one parameter's gradient at a time).
 - activations: distinct storages saved for backward that stay on the compute device, parameters excluded, counted
@@ -257,7 +257,7 @@ def measure(row: Row) -> dict:
     grads = GradientPeak(model)
     optimizer = build_optimizer({"_component_": row.optimizer, "lr": 1e-4}, model,
                                 optimizer_in_bwd=memory.optimizer_in_bwd)
-    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=2)  # 2: step() never writes files
+    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=1, write=False)
     loss_fn = ChunkedCrossEntropyLoss(num_chunks=8) if row.chunked_loss else CrossEntropyLoss()
     logits = LogitsPeak(MODEL["vocab_size"]) if row.dtype == "fp32" and row.lora is None and row.optimizer == \
         "torch.optim.AdamW" and not row.optimizer_in_bwd else None
@@ -276,8 +276,9 @@ def measure(row: Row) -> dict:
                     contexts.enter_context(logits)
             if offload_ctx is not None:  # innermost, as the recipe's session enters it: the loss is offloaded too
                 contexts.enter_context(offload_ctx)
-            return train_step(model, [batch], loss_fn, optimizer, device=device,
-                              before_zero_grad=breakdown.step if measure else None)
+            if measure:
+                contexts.enter_context(breakdown.track_step())
+            return train_step(model, [batch], loss_fn, optimizer, device=device)
 
     start = time.perf_counter()
     first = step(measure=True)
@@ -287,7 +288,7 @@ def measure(row: Row) -> dict:
     second = step(measure=False)
     seconds = time.perf_counter() - start
 
-    record = breakdown.records[0]
+    record = breakdown.records[0]["category_peak"]["device"]
     result = {
         "name": row.name,
         "config": asdict(row),

@@ -207,7 +207,10 @@ TRAINING_NODES = KeyGroup(
         Node("profiler", "torch.profiler settings (null: no profiling)"),
         Node("task_eval", "a task metric computed before and after training, e.g. exact-match accuracy (null: none)"),
         Key("memory_breakdown", bool, False,
-            "measure parameter / gradient / optimizer-state / activation bytes over the first steps (JSON + PNG)"),
+            "write memory_breakdown.json/.png: live tensor bytes by category, device and host, of the first steps"),
+        Key("plan_check", bool, True,
+            "track live tensor bytes (peak_tensor_gib in metrics.jsonl) and log them beside mtune plan's prediction "
+            "at the end of the run"),
     ],
 )
 

@@ -43,7 +43,7 @@ from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.weight_offloading import offloaded_weights_materialized, weight_offloader
 
-__all__ = ["ModelSource", "resolve_model_source", "setup_model", "setup_sharded_model",
+__all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_model", "setup_sharded_model",
            "init_weights_sharded", "reset_adapters_sharded"]
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,16 @@ def setup_model(
     offload = apply_memory_techniques(model, memory, lora=lora, placement=placement or Placement(device))
     if not materialize:
         return model, offload
+    materialize_model(model, source, device=device, dtype=dtype, lora=lora, trainable=trainable)
+    return model, offload
+
+
+def materialize_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
+                      lora: Mapping[str, Any] | None = None, trainable: bool = True) -> None:
+    """The second half of :func:`setup_model`: weights for the meta model (loaded, or random without a
+    checkpoint; frozen weights go to host memory as they arrive when ``weight_offloading`` hooked the model), then
+    fresh adapters and a frozen base. ``mtune plan`` runs this under ``FakeTensorMode`` with
+    ``source.checkpoint_dir=None``, so it reads no weight file and allocates nothing."""
     offloader = weight_offloader(model)
 
     def after_tensor(module: nn.Module) -> None:
@@ -137,7 +147,6 @@ def setup_model(
     total = sum(p.numel() for p in model.parameters())
     log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6,
              n_trainable / 1e6, 100 * n_trainable / max(total, 1))
-    return model, offload
 
 
 def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,

@@ -71,6 +71,7 @@ MAY_CHANGE_ON_RESUME = (
     "metric_logger",
     "profiler",
     "memory_breakdown",
+    "plan_check",
     "compile",
     "enable_activation_checkpointing",
     "activation_checkpointing_every_n_layers",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mtune.training.memory.placement import Placement, storage_key
 
@@ -59,13 +60,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self):
         if self.model is not None:
-            # By storage identity: a weight offloaded by weight_offloading has an empty storage (and no address) now.
+            # By storage identity: a weight offloaded by weight_offloading has an empty storage (and no address) now,
+            # and fake tensors (the planner's) have no address at all.
             self._param_storages = {storage_key(p) for p in self.model.parameters() if not p.is_meta}
         return super().__enter__()
 
     def _should_offload(self, t: torch.Tensor) -> bool:
         return (
-            type(t) is torch.Tensor  # not parameters, not subclasses (NF4)
+            not isinstance(t, nn.Parameter) and not is_traceable_wrapper_subclass(t)  # not NF4; fake tensors ok
             and self.placement.distinct
             and not self.placement.on_host(t)
             and t.numel() * t.element_size() >= self.min_offload_bytes

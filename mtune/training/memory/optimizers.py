@@ -81,6 +81,7 @@ def build_optimizer(
     optimizer_in_bwd: bool = False,
     optimizer_offload: str | None = None,
     placement: Placement | None = None,
+    target_device: torch.device | str | None = None,
     **overrides: Any,
 ) -> torch.optim.Optimizer:
     """Builds the optimizer the config node describes over the trainable parameters.
@@ -93,6 +94,8 @@ def build_optimizer(
             `mtune.training.memory.optimizer_offload`) when ``placement`` has a host distinct from the compute
             device; None: off.
         placement: the compute device and the host (default: the parameters' device and the CPU).
+        target_device: the device whose defaults to use (fused AdamW on CUDA); default: the parameters' device.
+            ``mtune plan`` builds a CUDA run's optimizer over fake CPU tensors.
         overrides: keyword arguments that replace the config's.
     """
     cfg = dict(optimizer_cfg)
@@ -106,7 +109,7 @@ def build_optimizer(
         named = [(str(i), p) for i, p in enumerate(p for p in params_or_model if p.requires_grad)]
     if not named:
         raise ConfigError("the model has no trainable parameters: check lora.modules or the frozen layers")
-    device = named[0][1].device
+    device = torch.device(target_device) if target_device else named[0][1].device
     if optimizer_offload is not None:
         placement = placement or Placement(device)
         if component not in OPTIMIZER_OFFLOAD_OPTIMIZERS:
