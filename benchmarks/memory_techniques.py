@@ -99,8 +99,10 @@ ROWS = [
     Row("LoRA r8, bf16", "bf16", lora=LORA),
     Row("QLoRA r8 (NF4 base, bf16)", "bf16", lora={**LORA, "quantize_base": True}),
     Row("chunked cross-entropy (8 chunks)", chunked_loss=True),
-    Row("bf16 + selective_op checkpointing", "bf16", checkpointing=True, checkpointing_policy="selective_op"),
-    Row("LoRA r8, bf16, fp8 base (e4m3)", "bf16", lora=LORA, weight_storage="float8_e4m3fn"),
+    # fp32 (bf16 matmuls on a shared 2-core CPU took 350 s a step): compare with the baseline and LoRA r8 (q,k,v,o)
+    Row("activation checkpointing (fp32)", checkpointing=True),
+    Row("selective_op checkpointing (fp32)", checkpointing=True, checkpointing_policy="selective_op"),
+    Row("LoRA r8, fp8 base (e4m3)", lora=LORA, weight_storage="float8_e4m3fn"),
     # optimizer_offload / weight_offloading (issue 13, items 1-2): device bytes in the columns, host bytes in notes
     Row("optimizer_offload=cpu", optimizer_offload="cpu"),
     Row("LoRA r8 + weight_offloading block_level", lora=LORA, weight_offloading=WeightOffloading("block_level", 1, False)),
@@ -362,7 +364,8 @@ def markdown_table(results: list[dict]) -> str:
         if r["fp32_logits_peak"] is not None:
             notes.append(f"fp32 logits peak {r['fp32_logits_peak'] / MiB:.1f} MiB")
         if r["config"]["weight_storage"]:
-            notes.append(f"plus {r['buffers'] / MiB:.1f} MiB of buffers: fp32 row scales and RoPE tables")
+            notes.append(f"plus {r['buffers'] / MiB:.2f} MiB of fp32 row scales (buffers), also counted as saved "
+                         "activations (backward keeps them beside the fp8 codes)")
         if r["config"]["optimizer_in_bwd"]:
             notes.append("gradients: most alive at once in backward")
         if r["host"] is not None:
