@@ -318,7 +318,9 @@ def measure(row: Row) -> dict:
         "buffers": record["buffers"],
         "gradients": grads.peak,
         "gradients_after_step": record["gradients"],
-        "optimizer_state": record["optimizer_state"],
+        # A CPUOffloadOptimizer's states are host memory (on a GPU machine, the cpu device); on the distinct CPU
+        # placement the tracker sees them allocated by the first step before the optimizer marks them as host.
+        "optimizer_state": max(0, record["optimizer_state"] - host["optimizer_state"]),
         "host": host if placement.distinct else None,
         "activations": saved.bytes,
         "offloaded_copy_bytes": offloadable["bytes"] if offloadable else None,
