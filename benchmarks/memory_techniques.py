@@ -103,7 +103,7 @@ ROWS = [
     Row("activation checkpointing (fp32)", checkpointing=True),
     Row("selective_op checkpointing (fp32)", checkpointing=True, checkpointing_policy="selective_op"),
     Row("LoRA r8, fp8 base (e4m3)", lora=LORA, weight_storage="float8_e4m3fn"),
-    # optimizer_offload / weight_offloading (issue 13, items 1-2): device bytes in the columns, host bytes in notes
+    # optimizer_offload / weight_offloading: device bytes in the columns, host bytes in notes
     Row("optimizer_offload=cpu", optimizer_offload="cpu"),
     Row("LoRA r8 + weight_offloading block_level", lora=LORA, weight_offloading=WeightOffloading("block_level", 1, False)),
     Row("LoRA r8 + weight_offloading leaf_level", lora=LORA, weight_offloading=WeightOffloading("leaf_level", 1, False)),

@@ -27,7 +27,7 @@ MATRIX = {
     "full_ac_every_2_chunked_loss": ("full_single_device", {
         "~lora": None, "enable_activation_checkpointing": True, "activation_checkpointing_every_n_layers": 2,
         "loss._component_": "mtune.modules.loss.ChunkedCrossEntropyLoss"}),
-    # issue 13, items 3-4: planned 12430412 bytes, measured 12429392 (parameters 6386688 -> 2847744 with fp8)
+    # fp8 storage + selective_op: planned 12430412 bytes, measured 12429392 (parameters 6386688 -> 2847744 with fp8)
     "lora_fp8_selective_op": ("lora_single_device", {"weight_storage_dtype": "float8_e4m3fn",
                                                      "enable_activation_checkpointing": True,
                                                      "activation_checkpointing_policy": "selective_op"}),

@@ -48,7 +48,7 @@ def test_tied_lm_head_read_from_checkpoint_config(tmp_path):
     assert problems(lora=lora, model={"checkpoint_dir": str(tmp_path)}) == []
 
 
-# ---- optimizer_offload and weight_offloading (issue 13, items 1-2)
+# ---- optimizer_offload and weight_offloading
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 1e-4}
 OFFLOAD = {"type": "block_level", "blocks_per_group": 1, "use_streams": True}
 
@@ -93,7 +93,7 @@ def test_offloading_keys_are_checked_by_mtune_validate(tmp_path):
         assert expected in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-# ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
+# ---- fp8 weight storage and op-level selective checkpointing
 def test_fp8_storage_and_selective_checkpointing_pass_where_they_apply():
     assert problems(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=["*.down_proj"],
                     enable_activation_checkpointing=True, activation_checkpointing_policy="selective_op",
