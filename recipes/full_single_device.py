@@ -29,9 +29,11 @@ def main(cfg: DictConfig) -> None:
     memory = MemoryConfig.from_config(cfg)
     source = resolve_model_source(cfg.model)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
-    model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory)
+    model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
+                                            placement=run.placement)
     data = setup_data(cfg, tokenizer)
-    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd)
+    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd,
+                                optimizer_offload=memory.optimizer_offload, placement=run.placement)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
                                           base_checkpoint_dir=source.checkpoint_dir,
                                           activation_context=activation_context)

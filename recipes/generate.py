@@ -5,7 +5,8 @@
 
 `prompt` is plain text to continue; `messages` is a chat, rendered in the tokenizer's chat format with the assistant
 header appended. Greedy with `temperature: 0`; otherwise sampled (`top_k`, `top_p`) from a generator seeded with
-`seed`. Decoding uses the model's KV cache. The generated text goes to stdout token by token; logs go to stderr.
+`seed`. Decoding uses the model's KV cache. `weight_offloading` keeps the weights in host memory and brings one
+group of blocks (or one module) to the device at a time, for models larger than the device. The generated text goes to stdout token by token; logs go to stderr.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
 from mtune.config.errors import ConfigError
-from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
+from mtune.config.keys import GENERATE_KEYS, MODEL_NODES, MemoryConfig, WeightOffloading
 from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
@@ -87,7 +88,8 @@ def main(cfg: DictConfig) -> str:
     source = resolve_model_source(cfg.model)
     adapter_dir = cfg.adapter_dir
     lora = _lora_from_adapter(adapter_dir) if adapter_dir else None
-    model, _ = setup_model(source, device=device, dtype=dtype, lora=lora)
+    memory = MemoryConfig(weight_offloading=WeightOffloading.from_node(cfg.weight_offloading))
+    model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False)
     if adapter_dir:
         load_peft_adapter(model, adapter_dir)
         log.info("adapter: loaded %s", adapter_dir)

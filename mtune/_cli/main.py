@@ -1,4 +1,4 @@
-"""The ``mtune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``download``.
+"""The ``mtune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``download``, ``plan``.
 
 Only this module, argparse and the light command modules load at start-up; torch is imported by the recipe a
 command runs, never here. Every error is one line (``error: ...`` and maybe ``hint: ...``) with exit status 1, or 2
@@ -21,6 +21,8 @@ commands:
   ls         list the built-in recipes and their configs
   cp         copy a built-in recipe or config to edit it:  mtune cp llama3_2/1B_lora_single_device my.yaml
   validate   check a config without running it:  mtune validate my.yaml
+  plan       predict a config's peak memory, or find one that fits:  mtune plan --device-memory 24GiB --fit \
+             full_single_device --config llama3_1/8B_full_single_device
   download   download a model from the Hugging Face Hub:  mtune download meta-llama/Llama-3.2-1B-Instruct
 
 `mtune <command> --help` describes each; MTUNE_DEBUG=1 shows tracebacks.
@@ -30,10 +32,11 @@ commands:
 def _commands() -> dict[str, Callable[[list[str]], int]]:
     from mtune._cli.commands import cp_command, ls_command, validate_command
     from mtune._cli.download import download_command
+    from mtune._cli.plan import plan_command
     from mtune._cli.run import run_command
 
     return {"run": run_command, "ls": ls_command, "cp": cp_command, "validate": validate_command,
-            "download": download_command}
+            "download": download_command, "plan": plan_command}
 
 
 def dispatch(argv: list[str]) -> int:

@@ -120,7 +120,7 @@ def run_command(argv: list[str]) -> int:
             f"recipe '{args.recipe}' does not support distributed runs",
             "drop the launcher options, or pick a *_distributed recipe (see `mtune ls`)",
         )
-    _load_and_check(module, config_path, args.overrides)  # fail here once rather than on every rank
+    load_and_check(module, config_path, args.overrides)  # fail here once rather than on every rank
     launcher = list(args.launcher)
     if not any(opt.split("=")[0] in _MULTI_NODE for opt in launcher if opt.startswith("-")):
         launcher.insert(0, "--standalone")  # one node: torchrun picks a free port, so parallel runs do not clash
@@ -141,7 +141,9 @@ def _print_recipe_help(recipe_path: Path) -> int:
     return 0
 
 
-def _load_and_check(module, config_path: Path, overrides: list[str]):
+def load_and_check(module, config_path: Path, overrides: list[str]):
+    """The config with the overrides applied, checked against the recipe's SCHEMA (errors raised as one
+    ConfigError; warnings printed) and its defaults filled in."""
     from mtune.config import ConfigError, load_config, validate_config
 
     cfg = load_config(config_path, overrides, module.SCHEMA.text_keys)
@@ -159,7 +161,11 @@ def _load_and_check(module, config_path: Path, overrides: list[str]):
 def run_recipe(recipe_path: Path, config_path: Path, overrides: list[str]) -> None:
     """Load the recipe and config, check the config against the recipe's SCHEMA, then call ``main(cfg)``."""
     module = load_recipe_module(recipe_path)
-    cfg = _load_and_check(module, config_path, overrides)
+    cfg = load_and_check(module, config_path, overrides)
     if os.environ.get("RANK", "0") == "0" and os.environ.get("MTUNE_QUIET") != "1":
         print(f"mtune: running {recipe_path.stem} with {config_path}", file=sys.stderr)
+    if hasattr(module, "SCHEMA") and "plan_check" in module.SCHEMA.keys:  # training recipes
+        from mtune.training.memory.oom import set_invocation
+
+        set_invocation(recipe_path.stem, str(config_path), overrides)
     module.main(cfg)

@@ -18,6 +18,12 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """The linears ``lora.modules`` may name (Hugging Face's module names)."""
 
+WEIGHT_STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+"""The values of ``weight_storage_dtype`` (torch dtype names), besides null."""
+
+ACTIVATION_CHECKPOINTING_POLICIES = ("block", "selective_op")
+"""The values of ``activation_checkpointing_policy``."""
+
 # Keys several groups share, declared once.
 RECIPE_KEY = Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)")
 DEVICE_KEY = Key("device", str, "auto", "'auto' (the accelerator when there is one, else cpu), 'cpu', 'cuda', "
@@ -54,6 +60,29 @@ RUN_KEYS = KeyGroup(
     ],
 )
 
+# ---- optimizer-state offload and weight group offloading ---------------------------------------------
+OPTIMIZER_OFFLOAD_TARGETS = ("cpu",)
+WEIGHT_OFFLOADING_TYPES = ("block_level", "leaf_level")
+
+WEIGHT_OFFLOADING = Node(
+    "weight_offloading",
+    "frozen weights wait in host memory; each group of blocks (or each leaf module) is copied to the compute device "
+    "just before it runs and freed after, in forward, backward and recomputation (null: off)",
+    keys=KeyGroup(
+        "weight_offloading",
+        [
+            Key("type", str, "block_level", "block_level: groups of blocks_per_group transformer blocks; leaf_level: "
+                "each module holding weights on its own (least memory, most transfers)",
+                choices=WEIGHT_OFFLOADING_TYPES),
+            Key("blocks_per_group", int, 1, "block_level: transformer blocks copied in together", at_least=1),
+            Key("use_streams", bool, True, "prefetch the next group while the current one computes (twice the groups "
+                "on the device): on CUDA on a side stream from pinned memory; elsewhere in line, no overlap"),
+        ],
+    ),
+)
+"""``weight_offloading``: read by the training recipes (through `MEMORY_KEYS`) and by ``generate``; one declaration."""
+# ---------------------------------------------------------------------------------------------------------------
+
 MEMORY_KEYS = KeyGroup(
     "memory",
     help="techniques that trade compute or transfers for memory, and compile",
@@ -64,6 +93,20 @@ MEMORY_KEYS = KeyGroup(
         Key("activation_offloading_use_streams", bool, True, "overlap offloading transfers with compute (CUDA only)"),
         Key("optimizer_in_bwd", bool, False, "step each parameter's optimizer during backward and free its gradient"),
         Key("compile", bool, False, "torch.compile each transformer block (faster steps after a slow first one)"),
+        Key("optimizer_offload", str, None, "cpu: optimizer states in host memory, gradients moved there during "
+            "backward, the optimizer step on the CPU (ZeRO-Offload style; torch.optim.AdamW only; null: off)",
+            choices=OPTIMIZER_OFFLOAD_TARGETS),
+        WEIGHT_OFFLOADING,
+        # fp8 weight storage and op-level selective checkpointing
+        Key("weight_storage_dtype", str, None,
+            "store the frozen linear weights inside the blocks in this fp8 format (one fp32 scale per output row) "
+            "and upcast each to the compute dtype just before use; LoRA recipes only (null: as dtype)",
+            choices=WEIGHT_STORAGE_DTYPES),
+        Key("weight_storage_skip_patterns", list, [],
+            "fnmatch globs on module names (model.layers.0.* or layers.0.*) whose weights keep the model dtype"),
+        Key("activation_checkpointing_policy", str, "block",
+            "block: recompute each checkpointed block whole; selective_op: keep the matmul and attention outputs "
+            "and recompute only the cheap ops between them", choices=ACTIVATION_CHECKPOINTING_POLICIES),
     ],
 )
 
@@ -84,6 +127,11 @@ class MemoryConfig:
     activation_offloading_use_streams: bool = _default(MEMORY_KEYS, "activation_offloading_use_streams")
     optimizer_in_bwd: bool = _default(MEMORY_KEYS, "optimizer_in_bwd")
     compile: bool = _default(MEMORY_KEYS, "compile")
+    optimizer_offload: str | None = _default(MEMORY_KEYS, "optimizer_offload")
+    weight_offloading: "WeightOffloading | None" = _default(MEMORY_KEYS, "weight_offloading")
+    weight_storage_dtype: str | None = _default(MEMORY_KEYS, "weight_storage_dtype")
+    weight_storage_skip_patterns: tuple[str, ...] = tuple(_default(MEMORY_KEYS, "weight_storage_skip_patterns"))
+    activation_checkpointing_policy: str = _default(MEMORY_KEYS, "activation_checkpointing_policy")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "MemoryConfig":
@@ -91,7 +139,27 @@ class MemoryConfig:
         missing = [f.name for f in fields(cls) if f.name not in cfg]
         if missing:
             raise KeyError(f"the config lacks {missing}: fill it with the recipe's SCHEMA.fill_defaults first")
-        return cls(**{f.name: cfg[f.name] for f in fields(cls)})
+        values = {f.name: cfg[f.name] for f in fields(cls)}
+        values["weight_offloading"] = WeightOffloading.from_node(values["weight_offloading"])
+        values["weight_storage_skip_patterns"] = tuple(values["weight_storage_skip_patterns"] or ())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class WeightOffloading:
+    """The ``weight_offloading`` node, typed (`mtune.training.memory.weight_offloading` acts on it)."""
+
+    type: str = _default(WEIGHT_OFFLOADING.keys, "type")
+    blocks_per_group: int = _default(WEIGHT_OFFLOADING.keys, "blocks_per_group")
+    use_streams: bool = _default(WEIGHT_OFFLOADING.keys, "use_streams")
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any] | "WeightOffloading" | None) -> "WeightOffloading | None":
+        """None stays None (off); a mapping's left-out keys take their declared defaults."""
+        if node is None or isinstance(node, WeightOffloading):
+            return node
+        return cls(**{f.name: node[f.name] for f in fields(cls) if f.name in node})
+
 
 MODEL_NODES = KeyGroup(
     "model",
@@ -138,7 +206,10 @@ TRAINING_NODES = KeyGroup(
         Node("profiler", "torch.profiler settings (null: no profiling)"),
         Node("task_eval", "a task metric computed before and after training, e.g. exact-match accuracy (null: none)"),
         Key("memory_breakdown", bool, False,
-            "measure parameter / gradient / optimizer-state / activation bytes over the first steps (JSON + PNG)"),
+            "write memory_breakdown.json/.png: live tensor bytes by category, device and host, of the first steps"),
+        Key("plan_check", bool, True,
+            "track live tensor bytes (peak_tensor_gib in metrics.jsonl) and log them beside mtune plan's prediction "
+            "at the end of the run"),
     ],
 )
 
@@ -219,5 +290,6 @@ GENERATE_KEYS = KeyGroup(
         Key("top_k", int, None, "sample among the k most likely tokens only (null: all)", at_least=1),
         Key("top_p", float, None, "sample from the smallest set of tokens whose probability reaches top_p (null: all)",
             above=0, at_most=1),
+        WEIGHT_OFFLOADING,
     ],
 )

@@ -23,10 +23,16 @@ __all__ = [
     "check_lora_node",
     "check_lora_on_tied_lm_head",
     "check_activation_offloading",
+    "check_optimizer_offload",
+    "check_weight_offloading",
+    "check_weight_storage",
+    "check_activation_checkpointing_policy",
     "DISTRIBUTED_RULES",
     "check_distributed_adapter_start",
     "check_distributed_optimizer",
     "check_distributed_backend",
+    "check_distributed_offload",
+    "check_distributed_weight_storage",
     "MERGE_RULES",
     "GENERATE_RULES",
 ]
@@ -114,11 +120,90 @@ def check_activation_offloading(cfg: Any) -> list[str]:
     return []
 
 
+# ---- optimizer-state offload and weight group offloading ---------------------------------------------
+OPTIMIZER_OFFLOAD_OPTIMIZERS = ("torch.optim.AdamW",)
+"""The optimizers ``optimizer_offload=cpu`` steps on the host: those with a vectorised (foreach / fused) CPU step
+whose state is plain tensors shaped like the parameters."""
+
+
+def check_optimizer_offload(cfg: Any) -> list[str]:
+    """optimizer_offload=cpu moves each gradient to the host as backward produces it and steps there: the optimizer
+    must have a CPU step, and nothing may step on the device or need the gradients where they were."""
+    target = _get(cfg, "optimizer_offload")
+    if target is None:
+        return []
+    problems = []
+    component = str(_get(cfg, "optimizer._component_", ""))
+    if component not in OPTIMIZER_OFFLOAD_OPTIMIZERS:
+        problems.append(f"optimizer_offload={target} cannot be combined with optimizer._component_={component}: "
+                        f"offloading steps on the host with {', '.join(OPTIMIZER_OFFLOAD_OPTIMIZERS)} (foreach / "
+                        "fused CPU step); set optimizer._component_=torch.optim.AdamW or optimizer_offload=null")
+    if _get(cfg, "optimizer_in_bwd", False):
+        problems.append(f"optimizer_offload={target} cannot be combined with optimizer_in_bwd=true (both take over "
+                        "the optimizer step): set optimizer_in_bwd=false or optimizer_offload=null")
+    if _get(cfg, "dtype") == "fp16":
+        problems.append(f"optimizer_offload={target} cannot be combined with dtype=fp16 (loss scaling checks the "
+                        "gradients on the device, which offloading has already moved): set dtype=bf16 or "
+                        "dtype=fp32, or optimizer_offload=null")
+    return problems
+
+
+def check_weight_offloading(cfg: Any) -> list[str]:
+    """weight_offloading keeps frozen weights in host memory: a run must have some (the base of LoRA), and
+    torch.compile is not run over blocks whose weights come and go."""
+    if _get(cfg, "weight_offloading") is None:
+        return []
+    problems = []
+    if _get(cfg, "lora") is None:
+        problems.append("weight_offloading is set but every weight is trained (no lora node): it offloads frozen "
+                        "weights only; fine-tune with LoRA (lora.modules) or set weight_offloading=null (for "
+                        "optimizer states, optimizer_offload=cpu)")
+    if _get(cfg, "compile", False):
+        problems.append("weight_offloading cannot be combined with compile=true (compiled blocks would capture "
+                        "weights that are freed between uses): set compile=false or weight_offloading=null")
+    return problems
+# ---------------------------------------------------------------------------------------------------------------
+# ---- fp8 weight storage and op-level selective checkpointing ---------------------------------------------
+def check_weight_storage(cfg: Any) -> list[str]:
+    """fp8 storage is for frozen weights: it needs adapters to train (a full fine-tune updates every weight, and an
+    fp8 copy cannot take small updates), and it is one storage choice, so not together with NF4."""
+    dtype = _get(cfg, "weight_storage_dtype")
+    patterns = _get(cfg, "weight_storage_skip_patterns", [])
+    problems = [f"weight_storage_skip_patterns: each entry must be a string glob such as 'model.layers.0.*', got "
+                f"{p!r}" for p in patterns if not isinstance(p, str)]
+    if dtype is None:
+        return problems
+    if _get(cfg, "lora") is None:
+        problems.append(f"weight_storage_dtype={dtype} stores frozen weights, but this config has no lora node (a full "
+                        "fine-tune trains every weight): add a lora node (a LoRA recipe), or set "
+                        "weight_storage_dtype=null")
+    elif _get(cfg, "lora.quantize_base", False):
+        problems.append(f"weight_storage_dtype={dtype} cannot be combined with lora.quantize_base=true (the base "
+                        "weights are stored either as fp8 or as NF4): set one of weight_storage_dtype=null or "
+                        "lora.quantize_base=false")
+    return problems
+
+
+def check_activation_checkpointing_policy(cfg: Any) -> list[str]:
+    """A policy says how checkpointed blocks recompute; it needs checkpointing to be on."""
+    policy = _get(cfg, "activation_checkpointing_policy", "block")
+    if policy != "block" and not _get(cfg, "enable_activation_checkpointing", False):
+        return [f"activation_checkpointing_policy={policy} needs enable_activation_checkpointing=true (the policy "
+                "chooses what checkpointed blocks keep): set enable_activation_checkpointing=true or "
+                "activation_checkpointing_policy=block"]
+    return []
+# -------------------------------------------------------------------------------------------------------------------
+
+
 MEMORY_RULES = (
     check_optimizer_in_bwd,
     check_lora_node,
     check_lora_on_tied_lm_head,
     check_activation_offloading,
+    check_optimizer_offload,
+    check_weight_offloading,
+    check_weight_storage,
+    check_activation_checkpointing_policy,
 )
 
 
@@ -186,6 +271,28 @@ def check_distributed_backend(cfg: Any) -> list[str]:
     return []
 
 
+def check_distributed_offload(cfg: Any) -> list[str]:
+    """optimizer_offload and weight_offloading are single-device techniques; FSDP2 has its own CPU offload."""
+    problems = []
+    for key, value in (("optimizer_offload", _get(cfg, "optimizer_offload")),
+                       ("weight_offloading", _get(cfg, "weight_offloading"))):
+        if value is not None:
+            problems.append(f"{key} is a single-device technique: the distributed recipes offload parameters, "
+                            f"gradients and optimizer states with fsdp_cpu_offload=true; set {key}=null")
+    return problems
+
+
+def check_distributed_weight_storage(cfg: Any) -> list[str]:
+    """fp8 weight storage keeps a per-row scale beside each weight; FSDP2 sharding and sharded loading do not
+    handle it yet."""
+    dtype = _get(cfg, "weight_storage_dtype")
+    if dtype is not None:
+        return [f"weight_storage_dtype={dtype} is not supported by the distributed recipes yet (FSDP2 shards the "
+                "weights but not their fp8 scales): set weight_storage_dtype=null (lora.quantize_base=true gives "
+                "4-bit bases that FSDP2 shards), or train on one device"]
+    return []
+
+
 def check_distributed_adapter_start(cfg: Any) -> list[str]:
     if _get(cfg, "lora.adapter_dir") is not None:
         return ["lora.adapter_dir is not supported by the distributed recipes yet: start from the adapter with "
@@ -194,7 +301,8 @@ def check_distributed_adapter_start(cfg: Any) -> list[str]:
 
 
 DISTRIBUTED_RULES = TRAINING_RULES + (check_distributed_optimizer, check_distributed_backend,
-                                      check_distributed_adapter_start)
+                                      check_distributed_adapter_start, check_distributed_offload,
+                                      check_distributed_weight_storage)
 """Every rule a distributed training recipe attaches to its `RecipeSchema`."""
 
 

@@ -1,6 +1,8 @@
 """Autoregressive text generation with the decoder's KV cache."""
 
+import sys
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -33,6 +35,21 @@ def sample_next(
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
+def _grad_free(model) -> AbstractContextManager:
+    """The context to run the model's forwards in: ``inference_mode`` (the fastest) for a plain model, ``no_grad``
+    for one with distributed (DTensor) parameters.
+
+    FSDP2 allocates each block's all-gather buffers on the model's first forward and reuses them for the rest of
+    the run. When that first forward is a generation (a task evaluation before training) under ``inference_mode``,
+    the buffers become inference tensors, and training's next all-gather cannot write into them ("Inplace update
+    to inference tensor outside InferenceMode"). Under ``no_grad`` they are ordinary tensors.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no parameter can be a DTensor
+    if dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in model.parameters()):
+        return torch.no_grad()
+    return torch.inference_mode()
+
+
 def generate_stream(
     model,
     prompt_ids: torch.Tensor | Sequence[int],
@@ -44,7 +61,11 @@ def generate_stream(
     generator: torch.Generator | None = None,
 ) -> Iterator[torch.Tensor]:
     """Like :func:`generate`, but yields each step's new tokens, LongTensor ``[b]``, as soon as they are sampled
-    (for printing text as it is produced). The KV cache is removed when the iterator ends or is closed."""
+    (for printing text as it is produced). The KV cache is removed when the iterator ends or is closed.
+
+    Every forward runs under ``inference_mode``, or ``no_grad`` when the model is sharded (see :func:`_grad_free`).
+    A sharded model runs a collective in each forward, so every rank must generate for the same number of steps:
+    give every rank the same prompts (as the task evaluation does) or no ``stop_tokens``."""
     device = model.embed_tokens.weight.device
     tokens = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
     if tokens.dim() == 1:
@@ -52,8 +73,9 @@ def generate_stream(
     b, s = tokens.shape
     stops = torch.tensor(list(stop_tokens or []), dtype=torch.long, device=device)
     model.setup_caches(b, s + max_new_tokens)
+    grad_free = _grad_free(model)
     try:
-        with torch.inference_mode():
+        with grad_free:
             logits = model(tokens)[:, -1]
         done = torch.zeros(b, dtype=torch.bool, device=device)
         last = None
@@ -66,7 +88,7 @@ def generate_stream(
             last = nxt
             if bool(done.all()):
                 break
-            with torch.inference_mode():
+            with grad_free:
                 logits = model(nxt[:, None])[:, -1]
     finally:
         model.remove_caches()

@@ -15,7 +15,9 @@ m starts at ||W||_row, so DoRA also starts equal to the base model. Both follow 
 `peft_adapter_state_dict` + `adapter_config` load in `peft.PeftModel.from_pretrained`.
 
 With `quantize_base=True` (QLoRA) the frozen base weights are stored as NF4 (`mtune.modules.nf4_linear`); every
-other nn.Linear inside `model.layers` becomes a `FrozenNF4Linear` too, so all frozen projections are 4-bit.
+other nn.Linear inside `model.layers` becomes a `FrozenNF4Linear` too, so all frozen projections are 4-bit. A base
+may instead be stored in fp8 (`mtune.training.memory.weight_storage`, after `apply_lora`); `LoRALinear.base_weight`
+reads whichever storage the base has.
 
 Order of use on a meta-device model: build on meta -> `apply_lora` -> `to_empty` -> load base weights ->
 `reset_lora_parameters(model)` (initializes A, B, magnitudes; quantizes NF4 bases) -> optionally load adapter state.
@@ -32,6 +34,7 @@ from torch import nn
 
 from mtune.config.errors import ConfigError
 from mtune.config.keys import LORA_TARGETS
+from mtune.modules.fp8_linear import fp8_linear, is_fp8_stored, quantize_fp8_weight_, stored_weight
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4, linear_maybe_nf4, quantize_nf4
 
 __all__ = [
@@ -117,42 +120,52 @@ class LoRALinear(nn.Linear):
 
     @torch.no_grad()
     def reset_adapter(self) -> None:
-        """A, B by :meth:`adapter_initializers`; quantizes the base if asked; magnitude = ||W||_row."""
+        """A, B by :meth:`adapter_initializers`; quantizes the base if asked (NF4, or fp8 storage); magnitude =
+        ||W||_row of the stored base."""
         for name, fill in self.adapter_initializers():
             fill(self.get_parameter(name))
         if self.quantize_base and not is_nf4(self.weight):
             self.weight = quantize_nf4(self.weight)
+        quantize_fp8_weight_(self)
         if self.magnitude is not None:
-            self.magnitude.copy_(self.row_norms(self.weight))
+            self.magnitude.copy_(self.row_norms(self.base_weight()))
+
+    def base_weight(self) -> torch.Tensor:
+        """The frozen base weight as a plain tensor in its original dtype (NF4 or fp8 storage dequantized)."""
+        return dequantize(stored_weight(self))
+
+    def _base_linear(self, x: torch.Tensor) -> torch.Tensor:
+        if is_fp8_stored(self):
+            return fp8_linear(x, self.weight, self.weight_scale)
+        return linear_maybe_nf4(x, self.weight)
 
     def _weight_norm(self, weight: torch.Tensor) -> torch.Tensor:
         delta = self.lora_b.weight @ self.lora_a.weight
         return torch.linalg.norm(weight + self.scaling * delta.detach().to(weight.dtype), dim=1).detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = linear_maybe_nf4(x, self.weight)
+        base = self._base_linear(x)
         x_drop = self.dropout(x)
         if self.magnitude is None:
-            # base += s * A(x) B^T in one matmul that accumulates into the base output (alpha=s, in place): no
-            # [tokens, out] temporaries for the scaled update and the sum, and no elementwise ops in backward.
+            # base + s * A(x) B^T in one addmm (alpha=s): no [tokens, out] temporaries for the scaled update and the
+            # sum, and no elementwise ops in backward. Not in place: selective checkpointing keeps the base matmul's
+            # output to reuse in recomputation, and an in-place update would hand it back already updated.
             hidden = self.lora_a(x_drop)
-            out = base.view(-1, self.out_features).addmm_(hidden.view(-1, self.rank), self.lora_b.weight.t(),
-                                                          alpha=self.scaling).view(base.shape)
+            out = torch.addmm(base.view(-1, self.out_features), hidden.view(-1, self.rank), self.lora_b.weight.t(),
+                              alpha=self.scaling).view(base.shape)
             return out if self.bias is None else out + self.bias
         # DoRA
         lora = self.lora_b(self.lora_a(x_drop)) * self.scaling
-        scale = self.magnitude / self._weight_norm(dequantize(self.weight).to(x.dtype))
+        scale = self.magnitude / self._weight_norm(self.base_weight().to(x.dtype))
         # With active dropout PEFT rescales the base output of the dropped input (x_drop), not x.
-        base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else (
-            linear_maybe_nf4(x_drop, self.weight)
-        )
+        base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else self._base_linear(x_drop)
         out = base + (scale - 1) * base_drop + scale * lora
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """This layer's base weight with the adapter folded in (:func:`merge_adapter`), in the base dtype."""
-        return merge_adapter(dequantize(self.weight), self.lora_a.weight, self.lora_b.weight, self.scaling,
+        return merge_adapter(self.base_weight(), self.lora_a.weight, self.lora_b.weight, self.scaling,
                              self.magnitude)
 
     def extra_repr(self) -> str:
@@ -246,6 +259,8 @@ def reset_lora_parameters(model: nn.Module) -> None:
             module.reset_adapter()
         elif isinstance(module, FrozenNF4Linear):
             module.quantize_()
+        else:
+            quantize_fp8_weight_(module)  # fp8 storage (no-op elsewhere)
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -324,15 +339,18 @@ def adapter_config(
 @torch.no_grad()
 def merge_lora_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with every adapter folded into its base weight: plain tensors in the base dtype,
-    no adapter keys, NF4 weights dequantized. The model itself is not modified."""
+    no adapter keys, NF4 and fp8 weights dequantized (so the base is the stored, rounded one: exports from a base
+    checkpoint merge into the original instead, `mtune.training.checkpointing.merge`). The model is not modified."""
     merged = {}
-    lora_modules = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    modules = dict(model.named_modules())
     for key, value in model.state_dict().items():
         if key.endswith(ADAPTER_PARAM_NAMES):
             continue
-        module_name = key.rpartition(".")[0]
-        if key.endswith(".weight") and module_name in lora_modules:
-            merged[key] = lora_modules[module_name].merged_weight()
+        module = modules.get(key.rpartition(".")[0])
+        if key.endswith(".weight") and isinstance(module, LoRALinear):
+            merged[key] = module.merged_weight()
+        elif key.endswith(".weight") and is_fp8_stored(module):
+            merged[key] = stored_weight(module).detach()
         else:
             merged[key] = dequantize(value).detach()
     return merged

@@ -18,7 +18,8 @@ from torch import nn
 from mtune.data.common import IGNORE_INDEX
 from mtune.errors import MtuneError
 
-__all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "evaluate", "forward_loss",
+__all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "step_on_tensors", "evaluate",
+           "forward_loss",
            "all_reduce"]
 
 
@@ -93,11 +94,46 @@ def train_step(
     """
     local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
     total = all_reduce(torch.tensor(float(local_tokens), device=device))
-    denominator = total.clamp(min=1.0) / world_size
+    num_tokens = sum(int(batch.get("num_tokens", batch["tokens"].numel())) for batch in micro_batches)
+    loss_sum, grad_norm, stepped = step_on_tensors(
+        model, micro_batches, loss_fn, optimizer, denominator=total.clamp(min=1.0) / world_size, device=device,
+        autocast=autocast, loss_scaler=loss_scaler, clip_grad_norm=clip_grad_norm, before_zero_grad=before_zero_grad,
+        check_loss=lambda loss_sum: _check_finite(all_reduce(loss_sum), total, step, fp16),
+    )
+    mean_loss = (loss_sum / total.clamp(min=1.0)).item()
+    return StepResult(mean_loss, int(total.item()), num_tokens, None if grad_norm is None else float(grad_norm),
+                      stepped)
+
+
+def _check_finite(loss_sum: torch.Tensor, total: torch.Tensor, step: int, fp16: bool) -> None:
+    mean_loss = (loss_sum / total.clamp(min=1.0)).item()
+    if not math.isfinite(mean_loss) and not fp16:
+        raise NonFiniteLossError(
+            f"step {step}: the loss is {mean_loss}; lower the learning rate, set clip_grad_norm, or use dtype=fp32"
+        )
+
+
+def step_on_tensors(
+    model: nn.Module,
+    micro_batches: list[dict],
+    loss_fn: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    denominator: torch.Tensor,
+    device: torch.device,
+    autocast=contextlib.nullcontext,
+    loss_scaler=None,
+    clip_grad_norm: float | None = None,
+    before_zero_grad=None,
+    check_loss=None,
+):
+    """The tensor work of :func:`train_step`, with no data-dependent Python value (no ``.item()``), so ``mtune
+    plan`` runs it on fake tensors: forward and backward of every micro-batch (each loss divided by
+    ``denominator``), unscale and clip, the optimizer step, ``zero_grad``. ``check_loss(loss_sum)`` runs before the
+    optimizer step (the training loop refuses a non-finite loss there). Returns ``(summed loss, grad norm tensor or
+    None, stepped)``."""
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-    num_tokens = 0
     for batch in micro_batches:
-        num_tokens += int(batch.get("num_tokens", batch["tokens"].numel()))
         batch = _to_device(batch, device)
         with autocast():
             summed, _ = forward_loss(model, batch, loss_fn)
@@ -106,23 +142,20 @@ def train_step(
             loss = loss_scaler.scale(loss)
         loss.backward()
         loss_sum += summed.detach().float()
-    loss_sum = all_reduce(loss_sum)
-    mean_loss = (loss_sum / total.clamp(min=1.0)).item()
-    if not math.isfinite(mean_loss) and not fp16:
-        raise NonFiniteLossError(
-            f"step {step}: the loss is {mean_loss}; lower the learning rate, set clip_grad_norm, or use dtype=fp32"
-        )
+        del batch, summed, loss  # one micro-batch's activations at a time
+    if check_loss is not None:
+        check_loss(loss_sum)
     grad_norm = None
     if loss_scaler is not None:
         loss_scaler.unscale_(optimizer)
     if clip_grad_norm is not None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
     stepped = loss_scaler.step(optimizer) if loss_scaler is not None else (optimizer.step() or True)
     if before_zero_grad is not None:
         before_zero_grad()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(mean_loss, int(total.item()), num_tokens, grad_norm, stepped)
+    return loss_sum, grad_norm, stepped
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ second copy of the model in memory.
 
 Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
 :func:`mtune.training.memory.apply.apply_memory_techniques`) -> stream the base weights from the Hugging Face
-checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 weight as it arrives), or
+checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 or fp8-stored weight as it arrives), or
 initialise randomly -> initialise adapters (the recipe may then load a saved PEFT adapter). The FSDP2 path
 (:func:`setup_sharded_model`) shards between the memory techniques and the weights, and each rank loads or draws
 only its rows.
@@ -11,6 +11,7 @@ only its rows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from mtune.config.keys import MemoryConfig
 from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
+from mtune.modules.fp8_linear import quantize_fp8_weight_
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
@@ -39,8 +41,9 @@ from mtune.training.checkpointing.sharded import (
 from mtune.training.distributed import shard_model
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
+from mtune.training.memory.weight_offloading import offloaded_weights_materialized, weight_offloader
 
-__all__ = ["ModelSource", "resolve_model_source", "setup_model", "setup_sharded_model",
+__all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_model", "setup_sharded_model",
            "init_weights_sharded", "reset_adapters_sharded"]
 
 log = logging.getLogger(__name__)
@@ -80,9 +83,11 @@ def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
 
 
 def _quantize_when_loaded(module: nn.Module) -> None:
-    # Quantize each frozen base weight as soon as its tensor arrives: QLoRA never holds the whole model in bf16.
+    # Quantize each frozen base weight as soon as its tensor arrives (NF4 for QLoRA, or fp8 storage): the whole model
+    # never exists in bf16.
     if has_nf4_weight(module) and not is_nf4(module.weight) and not module.weight.is_meta:
         module.weight = quantize_nf4(module.weight)
+    quantize_fp8_weight_(module)
 
 
 def setup_model(
@@ -94,6 +99,7 @@ def setup_model(
     memory: MemoryConfig = MemoryConfig(),
     materialize: bool = True,
     placement: Placement | None = None,
+    trainable: bool = True,
 ):
     """Build, transform and load the model. Returns ``(model, activation_context)``: the activation-offloading
     context to enter around forward and backward, or None.
@@ -101,34 +107,61 @@ def setup_model(
     ``lora`` is the config's ``lora`` node (None for a full fine-tune); ``memory`` the run's memory keys
     (``MemoryConfig.from_config(cfg)``; the default applies none). With ``materialize=False`` the model stays on
     the meta device (planning, or FSDP sharding before the weights are loaded). ``placement`` is where offloaded
-    tensors go (default: ``device`` and the CPU).
+    tensors go (default: ``device`` and the CPU). ``trainable=False`` freezes every weight first (generation), so
+    ``weight_offloading`` may move all of them.
     """
     model = build_model_from_args(source.args, dtype=dtype)  # on the meta device
+    if not trainable:
+        model.requires_grad_(False)
     offload = apply_memory_techniques(model, memory, lora=lora, placement=placement or Placement(device))
     if not materialize:
         return model, offload
-    load_weights(model, source, device=device, dtype=dtype)
-    if lora is not None:
-        reset_lora_parameters(model)  # adapters start at zero update; NF4 bases are already quantized
-        freeze_base(model)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6, trainable / 1e6,
-             100 * trainable / max(total, 1))
+    materialize_model(model, source, device=device, dtype=dtype, lora=lora, trainable=trainable)
     return model, offload
 
 
-def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype) -> None:
+def materialize_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
+                      lora: Mapping[str, Any] | None = None, trainable: bool = True) -> None:
+    """The second half of :func:`setup_model`: weights for the meta model (loaded, or random without a
+    checkpoint; frozen weights go to host memory as they arrive when ``weight_offloading`` hooked the model), then
+    fresh adapters and a frozen base. ``mtune plan`` runs this under ``FakeTensorMode`` with
+    ``source.checkpoint_dir=None``, so it reads no weight file and allocates nothing."""
+    offloader = weight_offloader(model)
+
+    def after_tensor(module: nn.Module) -> None:
+        _quantize_when_loaded(module)
+        if offloader is not None:
+            offloader.offload_module(module)  # frozen weights leave the device as soon as they arrive
+
+    load_weights(model, source, device=device, dtype=dtype, after_tensor=after_tensor)
+    if lora is not None:
+        dora = any(isinstance(m, LoRALinear) and m.magnitude is not None for m in model.modules())
+        with offloaded_weights_materialized(model) if dora else contextlib.nullcontext():
+            reset_lora_parameters(model)  # adapters start at zero update; NF4 bases are already quantized
+        freeze_base(model)
+    if offloader is not None:
+        offloader.offload()  # what loading did not move: random initialisation
+    if not trainable:
+        model.requires_grad_(False)  # adapters too (they stay on the device: weights are offloaded frozen on arrival)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6,
+             n_trainable / 1e6, 100 * n_trainable / max(total, 1))
+
+
+def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
+                 after_tensor=_quantize_when_loaded) -> None:
     """Give a meta-device model its weights on ``device``: stream the base checkpoint in one tensor at a time (each
-    placed straight from the file, NF4 weights quantized on arrival, so the full-precision model never exists at
-    once), or initialise randomly when there is no checkpoint. Adapter parameters are left uninitialised."""
+    placed straight from the file, then ``after_tensor(module)``: NF4 weights quantized on arrival, so the
+    full-precision model never exists at once), or initialise randomly when there is no checkpoint. Adapter
+    parameters are left uninitialised."""
     if source.checkpoint_dir is None:
         model.to_empty(device=device)
         model.init_weights()
         log.info("model: random weights (no checkpoint_dir)")
         return
     load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
-                       not_in_checkpoint=is_adapter_param, after_tensor=_quantize_when_loaded)
+                       not_in_checkpoint=is_adapter_param, after_tensor=after_tensor)
     _materialize_meta_tensors(model, device)
     log.info("model: loaded %s", source.checkpoint_dir)
 

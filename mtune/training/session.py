@@ -27,6 +27,7 @@ from torch import nn
 
 from mtune.config import instantiate
 from mtune.data import build_dataloader
+from mtune.errors import MtuneError
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
@@ -38,9 +39,10 @@ from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.peak_flops import cpu_bf16_warning, peak_flops
 from mtune.training.observe.profiler import build_profiler
+from mtune.training.plan import format_bytes, plan_memory
 from mtune.training.signals import GracefulStop
 
-__all__ = ["StepPlan", "TrainingSession", "setup_data"]
+__all__ = ["StepPlan", "TrainingSession", "setup_data", "tracks_tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,12 @@ def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
                                       seed=cfg.seed, shuffle=False, rank=rank, world_size=world_size,
                                       drop_last=False)
     return train_loader, val_loader, StepPlan.from_config(cfg, len(train_loader), world_size)
+
+
+def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
+    """Whether a run tracks live tensor bytes: with ``memory_breakdown`` or ``plan_check``, and not with
+    ``compile`` (a dispatch mode over compiled blocks would run them eagerly, changing what is measured)."""
+    return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not cfg.get("compile")
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -185,8 +193,14 @@ class TrainingSession:
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
             peak=self._setup_utilization(),
         )
+        # Live tensor bytes (peak_tensor_gib, memory_breakdown.json, plan_check) cost a Python call per op:
+        # tracked only when memory_breakdown or plan_check asks, and for plan_check alone only over the first
+        # steps (see docs/plan.md for the measured overhead).
         self.breakdown = MemoryBreakdown(self.model, inner_optimizers(self.optimizer), self.run.output_dir,
-                                         enabled=bool(self.cfg.get("memory_breakdown")), rank=self.run.rank)
+                                         enabled=tracks_tensor_bytes(self.cfg), rank=self.run.rank,
+                                         write=bool(self.cfg.get("memory_breakdown")), placement=self.run.placement,
+                                         track_all_steps=bool(self.cfg.get("memory_breakdown")))
+        self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
         self._stop.__enter__()
@@ -218,8 +232,9 @@ class TrainingSession:
         self._step_flops_now = self.step_flops(micro_batches)
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:
-                # Offloading innermost: its hooks take the saved tensors; the breakdown counts what stays.
-                stack.enter_context(self.breakdown.track_forward())
+                # The byte tracker sees every op of the whole step (it is a dispatch mode, not a saved-tensor hook,
+                # so offloading's hooks and it never hide each other).
+                stack.enter_context(self.breakdown.track_step())
                 if self.activation_context is not None:
                     stack.enter_context(self.activation_context)
                 return train_step(
@@ -227,7 +242,6 @@ class TrainingSession:
                     autocast=self.run.autocast, loss_scaler=self.loss_scaler,
                     clip_grad_norm=self.cfg.get("clip_grad_norm"),
                     world_size=self.run.world_size, step=self.step + 1, fp16=self.run.dtype_name == "fp16",
-                    before_zero_grad=self.breakdown.step,
                 )
 
     def end_step(self, result: StepResult) -> None:
@@ -277,7 +291,9 @@ class TrainingSession:
                 self.save(final=True)
                 if self.task_eval is not None:
                     self._run_task_eval("after")
+                self._plan_check()
         finally:
+            self.breakdown.close()
             self._stop.__exit__(None, None, None)
             self.profiler.__exit__(None, None, None)
             self.monitor.close()
@@ -292,6 +308,29 @@ class TrainingSession:
         if self.run.is_main:
             (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
         return self.results
+
+    def _plan_check(self) -> None:
+        """With ``plan_check``: plan this config (``mtune plan``, fake tensors) and log the prediction beside the
+        measured peak of live tensor bytes, device and host; also into ``results.json`` under ``plan_check``."""
+        measured = self.breakdown.overall
+        if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
+            return
+        try:
+            plan = plan_memory(self.cfg, world_size=self.run.world_size)
+        except MtuneError as err:
+            self.monitor.write(f"plan_check: skipped ({err})")
+            return
+        check = {"planned_device_bytes": plan.device_peak_bytes, "measured_device_bytes": measured.peak["device"],
+                 "planned_host_bytes": plan.host_peak_bytes, "measured_host_bytes": measured.peak["host"],
+                 "planned_for": plan.batch}
+        error = plan.device_peak_bytes / measured.peak["device"] - 1 if measured.peak["device"] else 0.0
+        check["device_error"] = error
+        self.results["plan_check"] = check
+        self.monitor.write(
+            f"plan_check: device planned {format_bytes(plan.device_peak_bytes)}, measured "
+            f"{format_bytes(measured.peak['device'])} ({error:+.1%}); host planned {format_bytes(plan.host_peak_bytes)}"
+            f", measured {format_bytes(measured.peak['host'])} (the plan assumes every batch at "
+            f"{plan.batch['seq_len']} tokens; shorter batches measure less)")
 
     def _run_task_eval(self, when: str) -> None:
         what = f"task eval {when} training"

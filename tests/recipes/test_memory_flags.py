@@ -73,9 +73,13 @@ def test_val_loss_and_memory_breakdown(tmp_path, tiny_checkpoint, tiny_data, pla
     val = [row for row in read_metrics(out) if "val_loss" in row]
     assert [row["step"] for row in val] == [3, 6] and val[1]["val_loss"] < val[0]["val_loss"]
     summary = json.loads((out / "memory_breakdown.json").read_text())
-    peak = summary["peak"]
+    peak = summary["device"]
     # LoRA on a 1.6M-parameter fp32 model: gradients and AdamW state exist only for the ~23K adapter parameters.
     assert peak["parameters"] > 4 * 1_500_000 and 0 < peak["gradients"] < peak["parameters"] / 20
     assert 1.9 * peak["gradients"] <= peak["optimizer_state"] <= 2.2 * peak["gradients"]
-    assert peak["activations"] > 0
+    assert peak["activations"] > 0 and summary["steps"][0]["activations"] > 0
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    # the file covers the first 3 steps (written then); metrics.jsonl logs every step's own peak
+    assert [row["peak_tensor_gib"] * 2**30 for row in rows[:3]] == [s["device_peak_bytes"] for s in summary["steps"]]
+    assert all(row["peak_host_tensor_gib"] == 0 for row in rows)  # nothing offloaded
     assert (out / "memory_breakdown.png").read_bytes()[:4] == b"\x89PNG"

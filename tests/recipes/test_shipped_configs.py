@@ -15,16 +15,12 @@ import pytest
 import torch
 
 from mtune._cli.catalog import builtin_configs, builtin_recipes, load_recipe_module
-from mtune.config import RecipeSchema, load_config, validate_config
-from mtune.modules.lora import LoRALinear
-from mtune.modules.nf4_linear import FrozenNF4Linear
-from mtune.config.keys import (DISTRIBUTED_KEYS, LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS,
-                                        TRAINING_NODES)
-from mtune.modules.lora import is_adapter_param
+from mtune.config import load_config, validate_config
 from mtune.config.keys import MemoryConfig
-from mtune.training.model_setup import ModelSource, setup_model
 from mtune.models import model_args
-from mtune.config.rules import TRAINING_RULES
+from mtune.modules.lora import LoRALinear, is_adapter_param
+from mtune.modules.nf4_linear import FrozenNF4Linear
+from mtune.training.model_setup import ModelSource, setup_model
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
@@ -58,30 +54,22 @@ EXPECTED = (
 )
 TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distributed", "lora_distributed"}
 
-# Until recipes/full_distributed.py and lora_distributed.py exist, their schema is the single-device one plus the
-# distributed keys (as the lead specified them).
-_FALLBACK_SCHEMAS = {
-    "full_distributed": RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, DISTRIBUTED_KEYS],
-                                     rules=TRAINING_RULES),
-    "lora_distributed": RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS, DISTRIBUTED_KEYS],
-                                     rules=TRAINING_RULES),
-}
+# Where the shipped configs put a user's runs (this test only reads the text; nothing is written there).
+USER_RUNS = Path("/tmp") / "mtune"
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    """name -> (config, recipe SCHEMA, whether the recipe file exists) for every shipped config."""
+    """name -> (config, its recipe's SCHEMA) for every shipped config."""
     recipes = builtin_recipes(RECIPES)
     modules = {}
     out = {}
     for name, path in CONFIGS.items():
         cfg = load_config(path)
         recipe = cfg.get("recipe")
-        if recipe in recipes:
-            modules.setdefault(recipe, load_recipe_module(recipes[recipe]))
-            out[name] = (cfg, modules[recipe].SCHEMA, True)
-        else:
-            out[name] = (cfg, _FALLBACK_SCHEMAS.get(recipe), False)
+        assert recipe in recipes, f"{name}: recipe {recipe!r} does not exist"
+        modules.setdefault(recipe, load_recipe_module(recipes[recipe]))
+        out[name] = (cfg, modules[recipe].SCHEMA)
     return out
 
 
@@ -90,11 +78,7 @@ def test_expected_configs_are_shipped():
 
 
 def test_every_config_validates_against_its_recipe(loaded):
-    missing_recipe = {name for name, (_, _, exists) in loaded.items() if not exists}
-    # Only the distributed recipes may still be missing (the lead is writing them).
-    assert missing_recipe <= DISTRIBUTED, sorted(missing_recipe - DISTRIBUTED)
-    for name, (cfg, schema, _) in loaded.items():
-        assert schema is not None, f"{name}: recipe {cfg.get('recipe')!r} has no recipe file"
+    for name, (cfg, schema) in loaded.items():
         report = validate_config(cfg, schema)
         assert report.errors == [], f"{name}: {report.errors}"
         assert all("path does not exist" in w for w in report.warnings), f"{name}: {report.warnings}"
@@ -102,7 +86,7 @@ def test_every_config_validates_against_its_recipe(loaded):
 
 def test_shipped_training_configs_spell_out_every_key(loaded):
     """Like the tiny template: every key the recipe reads is written out, and header, paths and names agree."""
-    for name, (cfg, schema, _) in loaded.items():
+    for name, (cfg, schema) in loaded.items():
         family, file = name.split("/")
         if family == "tiny" or cfg.recipe not in TRAINING_RECIPES:
             continue
@@ -113,7 +97,7 @@ def test_shipped_training_configs_spell_out_every_key(loaded):
         assert re.search(rf"mtune download \S+/{re.escape(repo_name)} --output-dir /tmp/{re.escape(repo_name)}", text)
         assert re.search(rf"mtune run (--nproc_per_node \d+ )?{cfg.recipe} --config {re.escape(name)}\n", text), name
         assert re.search(r"fits (an? \d+ GB GPU|\d+ x \d+ GB GPUs)", text), f"{name}: no memory target in the header"
-        assert cfg.output_dir == f"/tmp/mtune/{family}_{file}"
+        assert cfg.output_dir == str(USER_RUNS / f"{family}_{file}")
         assert cfg.dtype == "bf16" and cfg.tokenizer.path == cfg.model.checkpoint_dir
         assert ("lora" in cfg) == cfg.recipe.startswith("lora")
         assert file.split("_")[1] == ("qlora" if cfg.get("lora", {}).get("quantize_base") else
@@ -127,7 +111,7 @@ def test_shipped_training_configs_spell_out_every_key(loaded):
 def test_models_build_on_meta_with_published_sizes(loaded):
     """The model each config names, built on meta with its LoRA / NF4 settings: published base count, PEFT's
     adapter count, only adapters trainable, NF4 on every frozen block linear for QLoRA."""
-    for name, (cfg, _, _) in loaded.items():
+    for name, (cfg, _) in loaded.items():
         family, file = name.split("/")
         if family == "tiny" or cfg.recipe not in TRAINING_RECIPES:
             continue
@@ -162,9 +146,8 @@ def test_mtune_ls_lists_every_config_under_its_recipe(loaded):
     for line in out.splitlines()[1:]:
         parts = line.split()
         if not line.startswith(" "):
-            recipe = parts[0]  # "full_distributed (no such recipe)" until the recipe file exists
-            parts = [p for p in parts[1:] if p not in ("(no", "such", "recipe)")]
+            recipe, parts = parts[0], parts[1:]
         for config in parts:
             if config != "-":
                 listed[config] = recipe
-    assert listed == {name: cfg.recipe for name, (cfg, _, _) in loaded.items()}
+    assert listed == {name: cfg.recipe for name, (cfg, _) in loaded.items()}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtune.modules.lora import merge_lora_weights
+from mtune.training.memory.weight_offloading import offloaded_weights_materialized
 from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter, find_latest_checkpoint, read_checkpoint_state
 from mtune.training.checkpointing.dcp import (
     DISTRIBUTED_STATE_DIRNAME,
@@ -107,7 +108,13 @@ class Checkpointer:
             return
         # The merged model users serve: the adapter folded into the base weights in the checkpoint's own precision
         # (for QLoRA, not the NF4 weights the run trained against; see docs/checkpoints.md).
-        weights = merged_hf_weights(source, model) if source is not None else merge_lora_weights(model)
+        if source is not None:
+            weights = merged_hf_weights(source, model)
+        else:  # no base checkpoint (random weights): merge the model's own, offloaded ones brought back for it
+            with offloaded_weights_materialized(model):
+                # Copied out inside the context: unmerged frozen weights are the offloaded tensors themselves, whose
+                # device storage is freed again when it ends.
+                weights = {k: v.detach().to("cpu", copy=True) for k, v in merge_lora_weights(model).items()}
         save_hf_checkpoint(weights, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size=self.max_shard_size,
                            model_args=args)
 

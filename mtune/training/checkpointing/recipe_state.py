@@ -50,6 +50,8 @@ MUST_MATCH_ON_RESUME = (
     "clip_grad_norm",
     "dataset",
     "seed",
+    "weight_storage_dtype",  # fp8-rounded base weights: every later step computes with them
+    "weight_storage_skip_patterns",
 )
 
 # Keys that may differ: how long to train, where and how often to write, what to observe, and memory/speed
@@ -69,6 +71,7 @@ MAY_CHANGE_ON_RESUME = (
     "metric_logger",
     "profiler",
     "memory_breakdown",
+    "plan_check",
     "compile",
     "enable_activation_checkpointing",
     "activation_checkpointing_every_n_layers",
@@ -79,6 +82,9 @@ MAY_CHANGE_ON_RESUME = (
     "fsdp_reshard_after_forward",
     "fsdp_cpu_offload",
     "overwrite_output_dir",
+    "optimizer_offload",  # the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
+    "weight_offloading",  # where frozen weights wait between uses; the values computed are the same
+    "activation_checkpointing_policy",  # what checkpointed blocks keep; the numbers are the same
 )
 
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.placement import Placement, storage_key
 
 __all__ = ["OffloadActivations", "NoOffload", "apply_activation_offloading"]
 
@@ -52,23 +53,25 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.use_streams = use_streams and self.placement.streams
         self.stream = torch.cuda.Stream() if self.use_streams else None
         self.model = model
-        self._param_storages = {p.untyped_storage().data_ptr() for p in params if not p.is_meta}
+        self._param_storages = {storage_key(p) for p in params if not p.is_meta}
         self.offloaded_bytes = 0  # bytes moved to the host in the last forward(s); for logs and tests
         self._copies: dict[int, tuple] = {}  # id(device tensor) -> (weakref to it, its host copy), while it lives
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self):
         if self.model is not None:
-            self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters() if not p.is_meta}
+            # By storage identity: a weight offloaded by weight_offloading has an empty storage (and no address) now,
+            # and fake tensors (the planner's) have no address at all.
+            self._param_storages = {storage_key(p) for p in self.model.parameters() if not p.is_meta}
         return super().__enter__()
 
     def _should_offload(self, t: torch.Tensor) -> bool:
         return (
-            type(t) is torch.Tensor  # not parameters, not subclasses (NF4)
+            not isinstance(t, nn.Parameter) and not is_traceable_wrapper_subclass(t)  # not NF4; fake tensors ok
             and self.placement.distinct
             and not self.placement.on_host(t)
             and t.numel() * t.element_size() >= self.min_offload_bytes
-            and t.untyped_storage().data_ptr() not in self._param_storages
+            and storage_key(t) not in self._param_storages
         )
 
     def _pack(self, t: torch.Tensor) -> Any:

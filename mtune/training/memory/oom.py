@@ -1,17 +1,37 @@
-"""Turn an out-of-memory error into advice: which phase ran out, and which flags of this config would lower the
-peak (only those not already set)."""
+"""Turn an out-of-memory error into advice: which phase ran out, which flags of this config would lower the peak
+(only those not already set), and the exact ``mtune plan --fit`` command that finds the fastest config that fits
+this device."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import shlex
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from mtune.errors import MtuneError
 
-__all__ = ["OutOfMemory", "oom_guard", "memory_advice"]
+__all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line"]
+
+# How this process was started (`mtune run`'s recipe, config and overrides), for the fit command in the message.
+_invocation: dict = {}
+
+
+def set_invocation(recipe: str, config: str, overrides: Sequence[str]) -> None:
+    """Remember ``mtune run RECIPE --config CONFIG overrides`` (``mtune run`` calls this before the recipe)."""
+    _invocation.update(recipe=recipe, config=str(config), overrides=list(overrides))
+
+
+def fit_command_line(cfg: Mapping[str, Any], device_memory: int | None = None) -> str:
+    """``mtune plan --fit --device-memory SIZE RECIPE --config CONFIG overrides`` for this run and device."""
+    recipe = _invocation.get("recipe") or str(cfg.get("recipe") or "RECIPE")
+    config = _invocation.get("config") or "CONFIG"
+    size = f"{device_memory / 1024**3:.0f}GiB" if device_memory else "SIZE"
+    words = ["mtune", "plan", "--fit", "--device-memory", size, recipe, "--config", config,
+             *_invocation.get("overrides", [])]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 class OutOfMemory(MtuneError, RuntimeError):
@@ -37,6 +57,12 @@ def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
         advice.append("optimizer=bitsandbytes.optim.PagedAdamW8bit")
     if not cfg.get("optimizer_in_bwd") and lora is None and int(cfg.get("gradient_accumulation_steps") or 1) == 1:
         advice.append("optimizer_in_bwd=true")
+    single_device = "fsdp_cpu_offload" not in cfg  # the distributed recipes offload with fsdp_cpu_offload instead
+    if (single_device and optimizer == "torch.optim.AdamW" and not cfg.get("optimizer_offload")
+            and not cfg.get("optimizer_in_bwd") and cfg.get("dtype") != "fp16"):
+        advice.append("optimizer_offload=cpu")
+    if single_device and lora is not None and cfg.get("weight_offloading") is None and not cfg.get("compile"):
+        advice.append("weight_offloading={type: block_level, blocks_per_group: 1}")
     loss = str((cfg.get("loss") or {}).get("_component_", ""))
     if "Chunked" not in loss:
         advice.append("loss._component_=mtune.modules.loss.ChunkedCrossEntropyLoss")
@@ -59,4 +85,8 @@ def oom_guard(phase: str, cfg: Mapping[str, Any]):
             stats = (f" (allocated {torch.cuda.memory_allocated() / gib:.1f} GiB, peak "
                      f"{torch.cuda.max_memory_allocated() / gib:.1f} GiB, reserved {torch.cuda.memory_reserved() / gib:.1f} GiB)")
         advice = ", ".join(memory_advice(cfg)) or "a smaller model or a larger GPU"
-        raise OutOfMemory(f"out of memory during {phase}{stats}; to lower the peak try: {advice}") from err
+        total = None
+        if torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        raise OutOfMemory(f"out of memory during {phase}{stats}; to lower the peak try: {advice}; or let the "
+                          f"planner find the fastest config that fits: {fit_command_line(cfg, total)}") from err

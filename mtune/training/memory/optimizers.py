@@ -12,6 +12,9 @@ arguments. Supported components (AdamW state per parameter element: fp32 2 x 4 b
 | torchao.optim.AdamW8bit              | ~2                    | compiled per parameter shape on first step       |
 | torchao.optim.AdamW4bit              | ~1                    | drifts more from AdamW (~36% in 10 steps)         |
 | torchao.optim.AdamWFp8               | ~2                    | float8 states                                    |
+
+``optimizer_offload: cpu`` (`CPUOffloadOptimizer`) supports torch.optim.AdamW (its foreach / fused CPU step); the
+validator refuses the others with it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import torch
 from torch import nn
 
 from mtune.config.errors import ConfigError
+from mtune.config.rules import OPTIMIZER_OFFLOAD_OPTIMIZERS
 from mtune.training.memory.accounting import tensor_bytes
+from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer
+from mtune.training.memory.placement import Placement
 
 __all__ = ["build_optimizer", "OptimizerInBackward", "inner_optimizers", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
 
@@ -76,6 +82,9 @@ def build_optimizer(
     params_or_model: nn.Module | Iterable[nn.Parameter],
     *,
     optimizer_in_bwd: bool = False,
+    optimizer_offload: str | None = None,
+    placement: Placement | None = None,
+    target_device: torch.device | str | None = None,
     **overrides: Any,
 ) -> torch.optim.Optimizer:
     """Builds the optimizer the config node describes over the trainable parameters.
@@ -84,6 +93,12 @@ def build_optimizer(
         optimizer_cfg: mapping with `_component_` (a dotted path, see SUPPORTED_OPTIMIZERS) and its kwargs (lr, ...).
         params_or_model: a model (its parameters with requires_grad) or an iterable of parameters.
         optimizer_in_bwd: return an `OptimizerInBackward` (one optimizer per parameter, stepped during backward).
+        optimizer_offload: ``"cpu"``: return a `CPUOffloadOptimizer` (states in host memory, stepped on the CPU;
+            `mtune.training.memory.optimizer_offload`) when ``placement`` has a host distinct from the compute
+            device; None: off.
+        placement: the compute device and the host (default: the parameters' device and the CPU).
+        target_device: the device whose defaults to use (fused AdamW on CUDA); default: the parameters' device.
+            ``mtune plan`` builds a CUDA run's optimizer over fake CPU tensors.
         overrides: keyword arguments that replace the config's.
     """
     cfg = dict(optimizer_cfg)
@@ -97,7 +112,22 @@ def build_optimizer(
         named = [(str(i), p) for i, p in enumerate(p for p in params_or_model if p.requires_grad)]
     if not named:
         raise ConfigError("the model has no trainable parameters: check lora.modules or the frozen layers")
-    kwargs = _component_kwargs(component, cfg, named[0][1].device)
+    device = torch.device(target_device) if target_device else named[0][1].device
+    if optimizer_offload is not None:
+        placement = placement or Placement(device)
+        if component not in OPTIMIZER_OFFLOAD_OPTIMIZERS:
+            raise ConfigError(f"optimizer_offload={optimizer_offload} supports optimizer._component_ "
+                              f"{' or '.join(OPTIMIZER_OFFLOAD_OPTIMIZERS)}, not {component}")
+        if optimizer_in_bwd:
+            raise ConfigError(f"optimizer_offload={optimizer_offload} cannot be combined with optimizer_in_bwd=true")
+        if placement.distinct:
+            kwargs = _component_kwargs(component, cfg, placement.host)  # the step runs on the host
+            log.info("optimizer_offload=%s: %s states in %s memory, stepped there", optimizer_offload, component,
+                     placement.host)
+            return CPUOffloadOptimizer(named, _resolve(component), placement, **kwargs)
+        log.info("optimizer_offload=%s: the model already computes in host memory (%s): the optimizer runs "
+                 "unchanged, nothing is moved", optimizer_offload, placement.compute)
+    kwargs = _component_kwargs(component, cfg, device)
     cls = _resolve(component)
     if optimizer_in_bwd:
         return OptimizerInBackward(named, cls, **kwargs)

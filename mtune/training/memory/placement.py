@@ -45,6 +45,7 @@ class Placement:
         self.host = torch.device(host)
         self.distinct = self.compute != self.host if distinct is None else distinct
         self._host_storages: dict[int, weakref.ref] = {}  # storage_key -> weakref to a host tensor holding it
+        self._allocating_host = 0  # > 0 while empty_host allocates (a byte tracker counts that storage as host)
 
     @classmethod
     def default(cls) -> Placement:
@@ -85,7 +86,18 @@ class Placement:
 
     def empty_host(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor (pinned when :attr:`pinned`), remembered as host-resident."""
-        return self.mark_host(torch.empty(shape, dtype=dtype, device=self.host, pin_memory=self.pinned))
+        self._allocating_host += 1
+        try:
+            host = torch.empty(shape, dtype=dtype, device=self.host, pin_memory=self.pinned)
+        finally:
+            self._allocating_host -= 1
+        return self.mark_host(host)
+
+    @property
+    def allocating_host(self) -> bool:
+        """True while :meth:`empty_host` allocates: the storage then being created is a host one even where the
+        two devices are the same (the tensor byte tracker asks, as it sees the allocation before it is marked)."""
+        return self._allocating_host > 0 and self.distinct
 
     # -------------------------------------------------------------- queries
     def mark_host(self, t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 class TrainingMonitor:
     """Log a step: ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_second`` (all ranks),
-    ``tokens_per_second_per_device``, ``trained_tokens``, ``peak_memory_gib`` (max over ranks), ``val_loss``, and
+    ``tokens_per_second_per_device``, ``trained_tokens``, ``peak_memory_gib`` (max over ranks), ``val_loss``;
+    ``peak_tensor_gib`` and ``peak_host_tensor_gib`` (max over ranks) when the session tracks live tensor bytes; and
     ``mfu`` / ``hfu`` when steps come with their FLOPs and the device's ``peak`` is known: the interval's FLOPs per
     token (model, or with recomputation) times ``tokens_per_second_per_device`` over the peak.
 
@@ -52,6 +53,8 @@ class TrainingMonitor:
         self.timer.start()
         peak_memory_stats(device, reset=True)
         self.skipped_steps = 0
+        # Live tensor-byte peaks since the last row (peak_tensor_gib, peak_host_tensor_gib); the session sets it.
+        self.memory_metrics = dict
         # The last step when it was not logged: (step, epoch, result, lr, clock reading at its end).
         self._unlogged: tuple[int, int, StepResult, float, float] | None = None
         self._closed = False
@@ -121,7 +124,7 @@ class TrainingMonitor:
             self.progress.update(step)
             return
         self._unlogged = None
-        memory = peak_memory_stats(self.device, reset=True)
+        memory = {**peak_memory_stats(self.device, reset=True), **self.memory_metrics()}
         if self.world_size > 1:
             memory = {k: self._reduce(v, torch.distributed.ReduceOp.MAX) for k, v in memory.items()}
         rates = self.timer.rates()
@@ -170,7 +173,8 @@ class TrainingMonitor:
         self._closed = True
         if self._unlogged is not None:
             step, epoch, result, lr, ended = self._unlogged
-            memory = peak_memory_stats(self.device, reset=True) if self.world_size == 1 else {}
+            memory = ({**peak_memory_stats(self.device, reset=True), **self.memory_metrics()}
+                      if self.world_size == 1 else {})
             rates = self.timer.rates(end=ended)
             rates.update(self._utilization(self._interval, rates["tokens_per_second_per_device"]))
             self.logger.log_dict(self._row(step, epoch, result, lr, rates, memory, None), step=step)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_loss_curve", "plot_memory_breakdown"]
+__all__ = ["plot_loss_curve", "plot_memory_breakdown", "plot_memory_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def plot_memory_breakdown(summary: dict[str, Any], out_png: str | os.PathLike,
     if plt is None:
         return None
     steps = summary["steps"]
-    scale, unit = (GIB, "GiB") if summary["peak"]["total"] >= GIB else (1024**2, "MiB")
+    scale, unit = (GIB, "GiB") if summary["device_peak_bytes"] >= GIB else (1024**2, "MiB")
     fig, ax = plt.subplots(figsize=(6, 4))
     bottom = [0.0] * len(steps)
     x = [r["step"] for r in steps]
@@ -99,10 +99,39 @@ def plot_memory_breakdown(summary: dict[str, Any], out_png: str | os.PathLike,
         ax.bar(x, heights, bottom=bottom, label=category.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"live tensors ({unit})")
+    ax.set_ylabel(f"live tensors at the device peak ({unit})")
     ax.set_xticks(x)
     ax.set_title("Memory by category")
     ax.legend()
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def plot_memory_plan(at_peak: dict[str, dict[str, int]], out_png: str | os.PathLike, categories: Sequence[str], *,
+                     title: str, context_bytes: int = 0, budget_bytes: int | None = None) -> Path | None:
+    """``mtune plan``'s chart: one stacked bar per location (``at_peak``: ``{"device"|"host": {category: bytes}}``,
+    what is live at that location's peak), the CUDA context on top of the device's, and the ``--device-memory``
+    budget as a line. Returns the PNG path, or None without matplotlib."""
+    plt = _pyplot("plan chart")
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 4))
+    wheres = list(at_peak)
+    bottoms = [0.0] * len(wheres)
+    for category in categories:
+        heights = [at_peak[where][category] / GIB for where in wheres]
+        ax.bar(wheres, heights, bottom=bottoms, label=category.replace("_", " "))
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    if context_bytes:
+        ax.bar([wheres[0]], [context_bytes / GIB], bottom=[bottoms[0]], label="CUDA context", color="grey")
+    if budget_bytes:
+        ax.axhline(budget_bytes / GIB, color="red", linestyle="--", label="device memory")
+    ax.set_ylabel("GiB live at the peak")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png)

@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from mtune.config import Key, KeyGroup, Node
 from mtune.config import keys as declared
-from mtune.config.keys import MEMORY_KEYS, MemoryConfig
+from mtune.config.keys import MEMORY_KEYS, MemoryConfig, WeightOffloading
 
 
 def _groups() -> list[KeyGroup]:
@@ -18,7 +18,9 @@ def _groups() -> list[KeyGroup]:
 def test_each_memory_key_is_declared_once():
     declarations = [(group.name, decl) for group in _groups() for decl in group.keys]
     for key in MEMORY_KEYS.keys:
-        assert [g for g, decl in declarations if decl.name == key.name] == ["memory"], key.name
+        assert [g for g, decl in declarations if decl.name == key.name and decl is not key] == [], key.name
+    # weight_offloading is also read by generate: the same declaration object, not a copy
+    assert [g for g, decl in declarations if decl is declared.WEIGHT_OFFLOADING] == ["memory", "generate"]
 
 
 def test_keys_shared_by_recipes_are_one_declaration():
@@ -32,14 +34,21 @@ def test_keys_shared_by_recipes_are_one_declaration():
 def test_memory_config_carries_each_memory_key_under_its_yaml_name():
     names = [k.name for k in MEMORY_KEYS.keys]
     assert [f.name for f in fields(MemoryConfig)] == names
-    assert all(isinstance(k, Key) for k in MEMORY_KEYS.keys)
+    assert all(isinstance(k, Key) for k in MEMORY_KEYS.keys if k.name != "weight_offloading")
     defaults = MemoryConfig()
-    assert {n: getattr(defaults, n) for n in names} == {k.name: k.default for k in MEMORY_KEYS.keys}
-    # from_config reads every key by its own name: flip each one and see it arrive
-    flipped = {k.name: (not k.default if isinstance(k.default, bool) else k.default + 2) for k in MEMORY_KEYS.keys}
+    as_declared = {"weight_storage_skip_patterns": list}  # MemoryConfig holds the list as a tuple (frozen)
+    assert {n: as_declared.get(n, lambda v: v)(getattr(defaults, n)) for n in names} == {
+        k.name: k.default for k in MEMORY_KEYS.keys}
+    # from_config reads every key by its own name: change each one and see it arrive
+    changed = {"optimizer_offload": "cpu", "weight_offloading": {"type": "leaf_level", "blocks_per_group": 3},
+               "weight_storage_dtype": "float8_e5m2", "weight_storage_skip_patterns": ["model.layers.0.*"],
+               "activation_checkpointing_policy": "selective_op"}
+    flipped = {k.name: changed[k.name] if k.name in changed else not k.default if isinstance(k.default, bool)
+               else k.default + 2 for k in MEMORY_KEYS.keys}
     memory = MemoryConfig.from_config(OmegaConf.create({"output_dir": "x", **flipped}))
-    assert {n: getattr(memory, n) for n in names} == flipped
-
+    expected = dict(flipped, weight_offloading=WeightOffloading(type="leaf_level", blocks_per_group=3))
+    assert {n: as_declared.get(n, lambda v: v)(getattr(memory, n)) for n in names} == expected
+    assert memory.weight_offloading.use_streams is True  # a left-out inner key takes its declared default
 
 def test_memory_config_refuses_a_config_without_its_defaults():
     cfg = OmegaConf.create({"enable_activation_checkpointing": True})

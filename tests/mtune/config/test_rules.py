@@ -46,3 +46,89 @@ def test_tied_lm_head_read_from_checkpoint_config(tmp_path):
     assert len(problems(lora=lora, model={"checkpoint_dir": str(tmp_path)})) == 1
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # absent: untied
     assert problems(lora=lora, model={"checkpoint_dir": str(tmp_path)}) == []
+
+
+# ---- optimizer_offload and weight_offloading
+ADAMW = {"_component_": "torch.optim.AdamW", "lr": 1e-4}
+OFFLOAD = {"type": "block_level", "blocks_per_group": 1, "use_streams": True}
+
+
+def test_offloading_configs_that_work_pass():
+    assert problems(optimizer_offload="cpu", optimizer=ADAMW, dtype="bf16", gradient_accumulation_steps=4,
+                    clip_grad_norm=1.0) == []
+    assert problems(lora={**LORA, "quantize_base": True}, weight_offloading=OFFLOAD, optimizer_offload="cpu",
+                    optimizer=ADAMW, enable_activation_checkpointing=True, enable_activation_offloading=True) == []
+
+
+@pytest.mark.parametrize("cfg,keys", [
+    (dict(optimizer_offload="cpu", optimizer={"_component_": "bitsandbytes.optim.AdamW8bit"}),
+     ("optimizer_offload=cpu", "optimizer._component_=bitsandbytes.optim.AdamW8bit")),
+    (dict(optimizer_offload="cpu", optimizer={"_component_": "torchao.optim.AdamW8bit"}),
+     ("optimizer_offload=cpu", "optimizer._component_=torchao.optim.AdamW8bit")),
+    (dict(optimizer_offload="cpu", optimizer=ADAMW, optimizer_in_bwd=True),
+     ("optimizer_offload=cpu", "optimizer_in_bwd=true")),
+    (dict(optimizer_offload="cpu", optimizer=ADAMW, dtype="fp16"), ("optimizer_offload=cpu", "dtype=fp16")),
+    (dict(weight_offloading=OFFLOAD), ("weight_offloading", "lora")),
+    (dict(weight_offloading=OFFLOAD, lora=LORA, compile=True), ("weight_offloading", "compile=true")),
+])
+def test_offloading_pairs_are_refused_naming_both_keys(cfg, keys):
+    found = problems(**cfg)
+    assert len(found) == 1 and all(key in found[0] for key in keys), found
+
+
+def test_offloading_keys_are_checked_by_mtune_validate(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    config = repo / "recipes" / "configs" / "tiny" / "lora_single_device.yaml"
+    env = {"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "mtune", "validate", str(config), "optimizer_offload=gpu",
+                          "weight_offloading={type: block, blocks_per_group: 0}", "compile=true"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    for expected in ("optimizer_offload: must be one of cpu", "weight_offloading.type: must be one of block_level, "
+                     "leaf_level", "weight_offloading.blocks_per_group: must be >= 1"):
+        assert expected in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+# ---- fp8 weight storage and op-level selective checkpointing
+def test_fp8_storage_and_selective_checkpointing_pass_where_they_apply():
+    assert problems(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=["*.down_proj"],
+                    enable_activation_checkpointing=True, activation_checkpointing_policy="selective_op",
+                    enable_activation_offloading=True) == []
+    assert problems(weight_storage_dtype=None, activation_checkpointing_policy="block") == []
+
+
+@pytest.mark.parametrize("cfg,keys", [
+    (dict(weight_storage_dtype="float8_e4m3fn", lora={**LORA, "quantize_base": True}),
+     ["weight_storage_dtype=float8_e4m3fn", "lora.quantize_base=true", "weight_storage_dtype=null",
+      "lora.quantize_base=false"]),
+    (dict(weight_storage_dtype="float8_e5m2"),  # a full fine-tune: no lora node
+     ["weight_storage_dtype=float8_e5m2", "no lora node", "weight_storage_dtype=null"]),
+    (dict(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=[3]),
+     ["weight_storage_skip_patterns", "got 3"]),
+    (dict(activation_checkpointing_policy="selective_op"),
+     ["activation_checkpointing_policy=selective_op", "enable_activation_checkpointing=true",
+      "activation_checkpointing_policy=block"]),
+])
+def test_fp8_storage_and_selective_checkpointing_rules_name_both_keys(cfg, keys):
+    found = problems(**cfg)
+    assert len(found) == 1 and all(k in found[0] for k in keys), found
+
+
+def test_fp8_storage_and_selective_checkpointing_are_checked_by_mtune_validate():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    config = repo / "recipes" / "configs" / "tiny" / "lora_single_device.yaml"
+    out = subprocess.run([sys.executable, "-m", "mtune", "validate", str(config), "weight_storage_dtype=float8_e4m3fn",
+                          "lora.quantize_base=true", "activation_checkpointing_policy=selective_op"],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"},
+                         timeout=120)
+    assert out.returncode == 1 and "2 problems" in out.stdout, out.stdout + out.stderr
+    assert "error: weight_storage_dtype=float8_e4m3fn cannot be combined with lora.quantize_base=true" in out.stdout
+    assert "error: activation_checkpointing_policy=selective_op needs enable_activation_checkpointing=true" in out.stdout

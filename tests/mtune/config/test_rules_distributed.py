@@ -39,3 +39,21 @@ def test_adapter_start_is_refused_in_distributed_recipes():
     assert check_distributed_adapter_start(OmegaConf.create({"lora": {"adapter_dir": None}})) == []
     assert "lora.adapter_dir is not supported by the distributed recipes" in check_distributed_adapter_start(
         OmegaConf.create({"lora": {"adapter_dir": "/tmp/a"}}))[0]
+
+
+def test_single_device_offloading_points_to_fsdp_cpu_offload():
+    from mtune.config.rules import check_distributed_offload
+
+    cfg = OmegaConf.create({"optimizer_offload": "cpu", "weight_offloading": {"type": "leaf_level"}})
+    found = check_distributed_offload(cfg)
+    assert len(found) == 2 and all("fsdp_cpu_offload=true" in p for p in found)
+    assert "optimizer_offload" in found[0] and "weight_offloading" in found[1]
+    assert check_distributed_offload(OmegaConf.create({"optimizer_offload": None, "weight_offloading": None})) == []
+
+
+def test_fp8_weight_storage_is_refused_in_distributed_recipes():
+    found = problems(lora={"modules": ["q_proj"]}, weight_storage_dtype="float8_e4m3fn")
+    assert len(found) == 1 and "not supported by the distributed recipes" in found[0]
+    assert "weight_storage_dtype=null" in found[0]
+    assert problems(lora={"modules": ["q_proj"]}, enable_activation_checkpointing=True,
+                    activation_checkpointing_policy="selective_op") == []

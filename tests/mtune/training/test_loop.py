@@ -64,3 +64,18 @@ def test_out_of_memory_names_the_phase_and_the_flags_not_yet_set():
     assert "enable_activation_checkpointing=true" in message and "lora.quantize_base=true (QLoRA)" in message
     assert "dtype=bf16" not in message  # already set
     assert "enable_activation_offloading=true" in memory_advice({**cfg, "enable_activation_checkpointing": True})
+    assert "optimizer_offload=cpu" in message and "weight_offloading={type: block_level" in message
+    assert "optimizer_offload=cpu" not in memory_advice({**cfg, "optimizer_offload": "cpu"})
+    assert "weight_offloading" not in " ".join(memory_advice({**cfg, "fsdp_cpu_offload": False}))
+
+
+def test_out_of_memory_ends_with_the_exact_fit_command():
+    from mtune.training.memory.oom import set_invocation
+
+    set_invocation("lora_single_device", "my config.yaml", ["batch_size=8", "lora.rank=16"])
+    with pytest.raises(OutOfMemory) as err:
+        with oom_guard("forward/backward and optimizer step", {"recipe": "lora_single_device"}):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    size = "SIZE" if not torch.cuda.is_available() else f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}GiB"
+    assert str(err.value).endswith(f"mtune plan --fit --device-memory {size} lora_single_device --config "
+                                   "'my config.yaml' batch_size=8 lora.rank=16")

@@ -151,3 +151,15 @@ def test_every_declared_key_is_classified_for_resume():
     names = {decl.name for group in groups for decl in group.keys}
     classified = set(MUST_MATCH_ON_RESUME) | set(MAY_CHANGE_ON_RESUME)
     assert names - classified == set()
+
+
+def test_fp8_storage_must_match_and_the_checkpointing_policy_may_change_on_resume():
+    # selective_op computes the same numbers as block (tests/mtune/training/memory/test_selective_checkpointing.py);
+    # fp8 storage rounds the base weights every later step computes with.
+    saved = dict(SAVED, activation_checkpointing_policy="block", weight_storage_dtype=None,
+                 weight_storage_skip_patterns=[])
+    check_resume_compatible(saved, dict(saved, activation_checkpointing_policy="selective_op"))
+    with pytest.raises(ResumeError, match=r"weight_storage_dtype \(None -> 'float8_e4m3fn'\)"):
+        check_resume_compatible(saved, dict(saved, weight_storage_dtype="float8_e4m3fn"))
+    with pytest.raises(ResumeError, match=r"weight_storage_skip_patterns"):
+        check_resume_compatible(saved, dict(saved, weight_storage_skip_patterns=["model.layers.0.*"]))

@@ -1,0 +1,106 @@
+"""``mtune plan``: predict the peak memory of a training config before a GPU is touched (and, with ``--fit``, find
+the fastest config that fits). Light at import: torch loads only when a plan runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+from mtune._cli.errors import UsageError
+from mtune._cli.run import load_and_check, parse_run_args
+
+USAGE = """\
+usage: mtune plan [--device-memory SIZE] [--host-memory SIZE] [--fit] [--json FILE] [--png FILE]
+                  [--nproc_per_node N] RECIPE --config CONFIG [key=value ...]
+
+Predict the peak memory of RECIPE with CONFIG (after the overrides) without running it: the recipe's own setup
+code builds the model, adapters, NF4 weights, optimizer and memory techniques on fake tensors and runs two
+training steps; no weight file is read and no real memory is used. The target is the config's `device`
+(device=cuda is accepted on a machine without a GPU).
+
+options:
+  --device-memory SIZE   the device's memory (24GiB, 80GB, ...): say whether the plan fits and by how much
+  --host-memory SIZE     the host memory offloaded tensors may use
+  --fit                  search the memory flags for the configs that fit --device-memory, fastest first by the
+                         cost model (docs/plan.md), and write the best as a ready-to-run YAML (--output, default
+                         ./mtune_fit.yaml)
+  --output FILE          where --fit writes the best config
+  --json FILE            also write the plan as JSON (device_peak_bytes, host_peak_bytes, device/host categories)
+  --png FILE             draw the plan as a stacked bar chart (default: beside --json, with .png)
+  --nproc_per_node N     plan each rank of an N-process distributed run (FSDP2)
+"""
+
+_VALUED = ("--device-memory", "--host-memory", "--json", "--png", "--nproc_per_node", "--output")
+
+
+def parse_plan_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """Take the planner's own options out of ``argv`` (before or after RECIPE); the rest is
+    ``RECIPE --config C overrides``, as for ``mtune run``."""
+    options: dict = {"fit": False}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in ("-h", "--help"):
+            options["help"] = True
+        elif name == "--fit":
+            options["fit"] = True
+        elif name in _VALUED:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UsageError(f"{name} needs a value")
+                value = argv[i + 1]
+                i += 1
+            options[name.lstrip("-").replace("-", "_")] = value
+        elif argv[i].startswith("-") and argv[i] not in ("--config", "-c") and not argv[i].startswith("--config="):
+            raise UsageError(f"unknown option {name}", "`mtune plan --help` lists the options")
+        else:
+            rest.append(argv[i])
+        i += 1
+    return options, rest
+
+
+def plan_command(argv: list[str]) -> int:
+    options, rest = parse_plan_args(argv)
+    if options.get("help") or not rest:
+        print(USAGE, end="")
+        return 0 if options.get("help") else 2
+    args = parse_run_args(rest)
+    if args.launcher:
+        raise UsageError("launcher options go before RECIPE in `mtune plan` too; only --nproc_per_node is read")
+    if args.help:
+        print(USAGE, end="")
+        return 0
+    if args.config is None:
+        raise UsageError("missing --config", f"mtune plan {args.recipe} --config CONFIG")
+    recipe_path = find_recipe(args.recipe)
+    config_path = find_config(args.config)
+    module = load_recipe_module(recipe_path)
+    cfg = load_and_check(module, config_path, args.overrides)
+
+    from mtune.training.plan import parse_bytes, plan_memory
+
+    device_memory = parse_bytes(options["device_memory"], "--device-memory") if "device_memory" in options else None
+    host_memory = parse_bytes(options["host_memory"], "--host-memory") if "host_memory" in options else None
+    world_size = int(options.get("nproc_per_node") or 1)
+    if options["fit"]:
+        from mtune.training.plan_fit import fit_command
+
+        return fit_command(cfg, recipe=args.recipe, config_path=config_path, overrides=args.overrides,
+                           schema=module.SCHEMA, device_memory=device_memory, host_memory=host_memory, world_size=world_size,
+                           output=Path(options.get("output") or "mtune_fit.yaml"))
+    plan = plan_memory(cfg, device_memory=device_memory, host_memory=host_memory, world_size=world_size)
+    print(f"mtune plan: {args.recipe} with {config_path} ({plan.seconds:.1f} s)")
+    print(plan.table())
+    if "json" in options:
+        Path(options["json"]).write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+        print(f"json: {options['json']}")
+    png = options.get("png") or (str(Path(options["json"]).with_suffix(".png")) if "json" in options else None)
+    if png:
+        written = plan.plot(png)
+        if written is not None:
+            print(f"chart: {written}")
+    spare = plan.fits()["device"]
+    return 1 if spare is not None and spare < 0 else 0

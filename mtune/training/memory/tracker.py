@@ -1,0 +1,304 @@
+"""Live tensor bytes, by category, on the compute device and on the host: the yardstick that real runs log
+(``peak_tensor_gib``, ``peak_host_tensor_gib``, ``memory_breakdown.json``) and that ``mtune plan`` runs on fake
+tensors, so a prediction and a measurement count exactly the same things at the same instants.
+
+:class:`TensorTracker` is a ``TorchDispatchMode``: every op's output storages are registered when they appear and
+dropped when Python frees them (a weak reference per storage; views share one), so the running totals are the
+bytes of live tensor storages after every op, and the peak is the largest of them. Nothing the allocator adds
+(block rounding, caching, the CUDA context) is counted here; :mod:`mtune.training.plan` adds it for a CUDA
+target.
+
+Categories (:data:`CATEGORIES`):
+
+- ``parameters`` and ``buffers``: the model's, registered when tracking starts (NF4 weights by their packed parts,
+  FSDP2 shards by this rank's shard);
+- ``gradients``: a parameter's ``.grad`` from the moment autograd accumulates it;
+- ``optimizer_state``: tensors in ``optimizer.state`` (recognised after each optimizer step; states created in
+  the very first step count as temporaries until it ends);
+- ``activations``: storages created outside backward and outside the optimizer step: the batch, what forward and
+  the loss keep for backward, and forward's short-lived intermediates;
+- ``temporaries``: storages created during backward (activation checkpointing's recomputation included) or the
+  optimizer step that are none of the above.
+
+Where a storage lives is decided by the run's :class:`~mtune.training.memory.placement.Placement`: storages it
+allocates on the host (offloaded activations, weights, optimizer states) count under ``host``, all others on the
+compute device under ``device``. Without distinct devices (a CPU-only run) nothing moves, so everything counts
+under ``device``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map_only
+
+from mtune.training.memory.placement import Placement
+
+__all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory", "storages_of"]
+
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
+LOCATIONS = ("device", "host")
+
+
+def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages holding ``t``'s bytes: a wrapper subclass (NF4, DTensor, quantized optimizer states) is opened
+    up to its inner tensors."""
+    if isinstance(t, nn.Parameter):
+        t = t.data
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            part = getattr(t, name)
+            if isinstance(part, torch.Tensor):
+                yield from storages_of(part)
+        return
+    yield t.untyped_storage()
+
+
+def _zero() -> dict[str, dict[str, int]]:
+    return {where: dict.fromkeys(CATEGORIES, 0) for where in LOCATIONS}
+
+
+@dataclass
+class StepMemory:
+    """The live tensor bytes of one tracked interval (an optimizer step).
+
+    ``peak[where]``: the largest total on the device / host; ``at_peak[where][category]``: what was live at the
+    instant of that peak; ``category_peak[where][category]``: each category's own largest value.
+    """
+
+    peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOCATIONS, 0))
+    at_peak: dict[str, dict[str, int]] = field(default_factory=_zero)
+    category_peak: dict[str, dict[str, int]] = field(default_factory=_zero)
+
+    def merge(self, other: StepMemory) -> StepMemory:
+        """The larger of the two intervals, per location and per category."""
+        out = StepMemory()
+        for where in LOCATIONS:
+            best = self if self.peak[where] >= other.peak[where] else other
+            out.peak[where] = best.peak[where]
+            out.at_peak[where] = dict(best.at_peak[where])
+            out.category_peak[where] = {c: max(self.category_peak[where][c], other.category_peak[where][c])
+                                        for c in CATEGORIES}
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peak": dict(self.peak), "at_peak": copy.deepcopy(self.at_peak),
+                "category_peak": copy.deepcopy(self.category_peak)}
+
+
+class _Record:
+    __slots__ = ("nbytes", "category", "where", "ref")
+
+
+class TensorTracker(TorchDispatchMode):
+    """Counts live tensor bytes by category and location; see the module docstring.
+
+    Use::
+
+        tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer))
+        with tracker:                        # one optimizer step (or two, or a whole planning run)
+            train_step(...)
+        tracker.take_interval()              # StepMemory of what ran since the last call
+
+    The mode may be entered and left many times; what it registered stays registered (parameters and optimizer
+    state live across steps). Works on real and fake tensors alike.
+    """
+
+    def __init__(self, placement: Placement | None = None, *, model: nn.Module | None = None,
+                 optimizers: Iterable[torch.optim.Optimizer] = (), device_alignment: int = 1):
+        super().__init__()
+        self.device_alignment = device_alignment  # 512 counts device storages as CUDA's caching allocator does
+        self.placement = placement or Placement("cpu")
+        self.model = model
+        self.optimizers = list(optimizers)
+        self._records: dict[int, _Record] = {}  # id(storage) -> record, while the storage lives
+        self._current = _zero()
+        self._total = dict.fromkeys(LOCATIONS, 0)
+        self._interval = StepMemory()
+        self._in_optimizer = 0
+        self._hooks: list = []
+        self._orig_resize = None
+        if model is not None:
+            self.register_model(model)
+
+    # ------------------------------------------------------------------------------------------ registration
+    def register_model(self, model: nn.Module) -> None:
+        """Count ``model``'s parameters and buffers (again after they were replaced, e.g. by FSDP2 sharding) and
+        watch its gradients."""
+        self.model = model
+        for p in model.parameters():
+            self.track(p, "parameters")
+        for b in model.buffers():
+            self.track(b, "buffers")
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in model.parameters() if p.requires_grad]
+
+    def register_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        self._recategorize_optimizer_state()
+
+    def track(self, t: torch.Tensor, category: str, *, recategorize: bool = True) -> None:
+        """Count the storages behind ``t`` under ``category`` (moving them there if already counted)."""
+        for storage in storages_of(t):
+            record = self._records.get(id(storage))
+            if record is None:
+                self._add(storage, category)
+            elif recategorize and record.category != category and record.category not in ("parameters", "buffers"):
+                self._move(record, category)
+
+    def _where(self, storage: torch.UntypedStorage, sample: torch.Tensor | None) -> str:
+        placement = self.placement
+        if placement.allocating_host:
+            return "host"
+        if sample is not None and placement.distinct and placement.on_host(sample):
+            return "host"
+        return "device"
+
+    def _add(self, storage: torch.UntypedStorage, category: str, sample: torch.Tensor | None = None) -> None:
+        record = _Record()
+        record.category = category
+        record.where = self._where(storage, sample)
+        record.nbytes = self._size(storage, record.where)
+        key = id(storage)
+        records, current, total = self._records, self._current, self._total
+
+        def freed(_ref, key=key, record=record):
+            if records.get(key) is record:
+                del records[key]
+                current[record.where][record.category] -= record.nbytes
+                total[record.where] -= record.nbytes
+
+        record.ref = weakref.ref(storage, freed)
+        records[key] = record
+        current[record.where][category] += record.nbytes
+        total[record.where] += record.nbytes
+
+    def _size(self, storage: torch.UntypedStorage, where: str) -> int:
+        nbytes = storage.nbytes()
+        align = self.device_alignment if where == "device" else 1
+        return -(-nbytes // align) * align
+
+    def _move(self, record: _Record, category: str) -> None:
+        self._current[record.where][record.category] -= record.nbytes
+        record.category = category
+        self._current[record.where][category] += record.nbytes
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        record = self._records.get(id(storage))
+        if record is None:
+            return
+        delta = self._size(storage, record.where) - record.nbytes
+        record.nbytes += delta
+        self._current[record.where][record.category] += delta
+        self._total[record.where] += delta
+        self._update_peaks()
+
+    # ---------------------------------------------------------------------------------------------- events
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.track(param.grad, "gradients")
+            self._update_peaks()
+
+    def _recategorize_optimizer_state(self) -> None:
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        self.track(value, "optimizer_state")
+
+    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer += 1
+
+    def _optimizer_post(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer -= 1
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    self.track(value, "optimizer_state")
+
+    def _update_peaks(self) -> None:
+        interval = self._interval
+        for where in LOCATIONS:
+            current = self._current[where]
+            if self._total[where] > interval.peak[where]:
+                interval.peak[where] = self._total[where]
+                interval.at_peak[where] = dict(current)
+            category_peak = interval.category_peak[where]
+            for category, value in current.items():
+                if value > category_peak[category]:
+                    category_peak[category] = value
+
+    # ---------------------------------------------------------------------------------------------- queries
+    def current(self) -> dict[str, dict[str, int]]:
+        """Live bytes now, ``{where: {category: bytes}}``."""
+        return copy.deepcopy(self._current)
+
+    def take_interval(self) -> StepMemory:
+        """The peaks since the last call (or since tracking began); starts a new interval at the current totals."""
+        interval = self._interval
+        self._interval = StepMemory()
+        self._update_peaks()
+        return interval
+
+    # -------------------------------------------------------------------------------------------- the mode
+    def __enter__(self):
+        self._optimizer_hooks = [register_optimizer_step_pre_hook(self._optimizer_pre),
+                                 register_optimizer_step_post_hook(self._optimizer_post)]
+        self._orig_resize = torch.UntypedStorage.resize_
+        orig, tracker = self._orig_resize, self
+
+        def resize_(storage, size):  # FSDP2 frees and refills its all-gather buffers this way; no op sees it
+            result = orig(storage, size)
+            tracker._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        self._update_peaks()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            for handle in self._optimizer_hooks:
+                handle.remove()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor run its local ops, which this mode then sees
+        out = func(*args, **(kwargs or {}))
+        if self._in_optimizer:
+            category = "temporaries"
+        elif torch._C._current_graph_task_id() != -1:  # inside backward
+            category = "temporaries"
+        else:
+            category = "activations"
+        tree_map_only(torch.Tensor, lambda t: self._register_output(t, category), out)
+        self._update_peaks()
+        return out
+
+    def _register_output(self, t: torch.Tensor, category: str) -> None:
+        for storage in storages_of(t):
+            if id(storage) not in self._records:
+                self._add(storage, category, t)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Run a block untracked (its new storages are not counted)."""
+        with torch.utils._python_dispatch._disable_current_modes():
+            yield

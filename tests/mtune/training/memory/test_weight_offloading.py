@@ -1,0 +1,214 @@
+"""weight_offloading against the plain model: bit-identical losses and gradients, and, counted every time weights
+are copied to the compute device, at most ``blocks_per_group`` blocks (twice that with ``use_streams``; leaf_level:
+one leaf, or two) materialised during forward, backward and recomputation.
+
+On this CPU-only machine ``Placement("cpu", distinct=True)`` makes every move a real copy; an offloaded weight's
+device storage is empty (0 bytes) while it is away, so "materialised" is read off the storages themselves."""
+
+import copy
+
+import pytest
+import torch
+
+from mtune.config.keys import MemoryConfig, WeightOffloading
+from mtune.models import build_model
+from mtune.modules.loss import CrossEntropyLoss
+from mtune.training.memory.activation_checkpointing import is_checkpointed
+from mtune.training.memory.apply import apply_memory_techniques
+from mtune.training.memory.placement import Placement
+from mtune.training.memory.weight_offloading import _in_backward, _plain_tensors, weight_offloader
+
+gen = torch.Generator().manual_seed(7)
+TOKENS = torch.randint(0, 512, (2, 32), generator=gen)
+LABELS = torch.randint(0, 512, (2, 32), generator=gen)
+LORA = {"modules": ["q_proj", "v_proj", "down_proj"], "rank": 4, "alpha": 8}
+N_LAYERS = 4
+
+
+def _pair(memory: MemoryConfig, lora=LORA, dtype=torch.float32, n_layers=N_LAYERS):
+    """(plain model, offloaded twin with the same weights, its offloader), both with ``memory``'s other techniques."""
+    torch.manual_seed(0)
+    base = build_model("llama3_1", "tiny", device="cpu", n_layers=n_layers, dtype=dtype)
+    plain, twin = copy.deepcopy(base), copy.deepcopy(base)
+    plain_memory = MemoryConfig(**{**memory.__dict__, "weight_offloading": None})
+    apply_memory_techniques(plain, plain_memory, lora=lora)
+    ctx = apply_memory_techniques(twin, memory, lora=lora, placement=Placement("cpu", distinct=True))
+    twin.load_state_dict(plain.state_dict())
+    offloader = weight_offloader(twin)
+    offloader.offload()
+    return plain, twin, offloader, ctx
+
+
+def _loss_and_grads(model, ctx=None):
+    with ctx if ctx is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss_sum, n = CrossEntropyLoss()(model(TOKENS), LABELS)
+        (loss_sum / n).backward()
+    return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_identical(a, b):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
+
+def _materialised(units) -> int:
+    """How many of ``units`` (blocks, or leaf modules) hold any offloaded weight in device memory right now."""
+    return sum(any(t.untyped_storage().nbytes() > 0 for p in unit.parameters() if not p.requires_grad
+                   for t in _plain_tensors(p)) for unit in units)
+
+
+def _instrument(model, offloader):
+    """Count materialised units after every copy to the device, tagged with the phase it happened in, and check
+    in every forward (recomputation included) that the module about to run has its weights."""
+    units = list(model.layers) if offloader.config.type == "block_level" else [m for g in offloader.groups for m in g]
+    log = []
+    original = offloader._copy_in
+
+    def copy_in(g, prefetch):
+        original(g, prefetch)
+        log.append(("backward" if _in_backward() else "forward", _materialised(units)))
+
+    offloader._copy_in = copy_in
+    recomputed = []
+    for module in (m for group in offloader.groups for m in group):
+        def check(module, args):
+            assert all(t.untyped_storage().nbytes() > 0 for p in module.parameters(recurse=False)
+                       for t in _plain_tensors(p))
+            if _in_backward():
+                recomputed.append(module)
+        module.register_forward_pre_hook(check)  # after the offloader's own pre-hook
+    return log, recomputed
+
+
+# (type, blocks_per_group, use_streams, activation checkpointing): each bound (1, 2 x 2 blocks; 1 or 2 leaves) and
+# each type with and without recomputation.
+CASES = [("block_level", 1, False, True), ("block_level", 2, True, True), ("block_level", 1, True, False),
+         ("leaf_level", 1, False, True), ("leaf_level", 1, True, False)]
+
+
+@pytest.mark.parametrize("kind,blocks_per_group,use_streams,checkpointing", CASES)
+def test_exact_and_at_most_one_group_on_the_device(kind, blocks_per_group, use_streams, checkpointing):
+    memory = MemoryConfig(enable_activation_checkpointing=checkpointing,
+                          weight_offloading=WeightOffloading(kind, blocks_per_group, use_streams))
+    plain, twin, offloader, _ = _pair(memory)
+    assert all(is_checkpointed(b) == checkpointing for b in twin.layers)
+    log, recomputed = _instrument(twin, offloader)
+    assert _materialised(twin.layers) == 0  # after offload(): every frozen block weight waits on the host
+    _assert_identical(_loss_and_grads(plain), _loss_and_grads(twin))
+    bound = (blocks_per_group if kind == "block_level" else 1) * (2 if use_streams else 1)
+    phases = {phase for phase, _ in log}
+    assert phases == {"forward", "backward"} and max(count for _, count in log) == bound, log
+    if checkpointing:  # recomputation ran each block's modules again, each with its weights
+        assert len(recomputed) >= N_LAYERS
+    # Trainable adapters never left; frozen weights did, and came back the number of times the design says.
+    assert all(p.untyped_storage().nbytes() > 0 for p in twin.parameters() if p.requires_grad)
+    frozen = sum(slot.nbytes for slots in offloader._slots for slot in slots)
+    # Forward brings every group, backward those whose weights its gradients need, again (not the last one, still
+    # there from forward, nor those upstream of every trained weight, such as the embedding).
+    assert offloader.copies_to_compute > frozen
+
+
+def test_stacks_with_qlora_checkpointing_and_activation_offloading():
+    memory = MemoryConfig(enable_activation_checkpointing=True, enable_activation_offloading=True,
+                          weight_offloading=WeightOffloading("leaf_level", 1, True))
+    plain, twin, offloader, ctx = _pair(memory, lora={**LORA, "quantize_base": True}, dtype=torch.bfloat16,
+                                        n_layers=2)
+    ctx.min_offload_bytes = 0
+    from mtune.modules.nf4_linear import is_nf4
+
+    assert any(is_nf4(p) for p in twin.parameters())
+    log, _ = _instrument(twin, offloader)
+    # NF4 weights move as their packed parts; the plain model runs the same NF4 arithmetic in place.
+    _assert_identical(_loss_and_grads(plain), _loss_and_grads(twin, ctx))
+    assert ctx.offloaded_bytes > 0 and max(count for _, count in log) == 2
+
+
+def test_device_bytes_of_frozen_weights():
+    """The measured effect on the 4-layer tiny model (fp32, LoRA on q/v/down): the frozen weights' device bytes at
+    rest and at their peak in a training step, against the plain model's."""
+    memory = MemoryConfig(weight_offloading=WeightOffloading("block_level", 1, False))
+    plain, twin, offloader, _ = _pair(memory)
+
+    def device_bytes(model):
+        return sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.requires_grad)
+
+    frozen = device_bytes(plain)
+    peak = [0]
+    for block in twin.layers:
+        block.register_forward_hook(lambda *_: peak.__setitem__(0, max(peak[0], device_bytes(twin))))
+    _loss_and_grads(twin)
+    host = sum(slot.nbytes for slots in offloader._slots for slot in slots)
+    block = sum(p.numel() * p.element_size() for p in twin.layers[0].parameters() if not p.requires_grad)
+    # embed_tokens, the final norm and lm_head stay on the device with block_level; every block waits on the host.
+    resident = frozen - N_LAYERS * block
+    assert host == N_LAYERS * block and peak[0] == resident + block
+    assert device_bytes(twin) == resident + block  # block 0: the last one backward used, kept for the next forward
+
+
+def test_generation_with_offloaded_weights_matches():
+    from mtune.modules.generation import generate_stream
+
+    memory = MemoryConfig(weight_offloading=WeightOffloading("leaf_level", 1, True))
+    torch.manual_seed(0)
+    plain = build_model("llama3_1", "tiny", device="cpu", n_layers=2).requires_grad_(False)
+    twin = copy.deepcopy(plain)
+    apply_memory_techniques(twin, memory, placement=Placement("cpu", distinct=True))
+    offloader = weight_offloader(twin)
+    offloader.offload()
+    prompt = TOKENS[0, :8].tolist()
+    expected = [int(t[0]) for t in generate_stream(plain, prompt, 12)]
+    assert [int(t[0]) for t in generate_stream(twin, prompt, 12)] == expected
+    assert len(offloader.groups) == 2 * 9 + 3  # per block 2 norms + 7 linears; embedding, final norm, lm_head
+    assert len(offloader.resident_groups()) <= 2
+
+
+def test_a_tied_output_projection_shares_the_embeddings_group():
+    torch.manual_seed(0)
+    plain = build_model("llama3_2", "tiny", device="cpu", n_layers=1).requires_grad_(False)
+    assert plain.lm_head.weight is plain.embed_tokens.weight
+    twin = copy.deepcopy(plain)
+    apply_memory_techniques(twin, MemoryConfig(weight_offloading=WeightOffloading("leaf_level", 1, False)),
+                            placement=Placement("cpu", distinct=True))
+    offloader = weight_offloader(twin)
+    offloader.offload()
+    assert [twin.embed_tokens, twin.lm_head] in offloader.groups
+    assert torch.equal(twin(TOKENS), plain(TOKENS))
+
+
+def test_a_cpu_only_placement_installs_nothing(caplog):
+    model = build_model("llama3_1", "tiny", device="cpu", n_layers=1)
+    with caplog.at_level("INFO", logger="mtune"):
+        apply_memory_techniques(model, MemoryConfig(weight_offloading=WeightOffloading()), lora=LORA,
+                                placement=Placement("cpu"))
+    assert weight_offloader(model) is None and "nothing to offload" in caplog.text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind,use_streams", [("block_level", False), ("block_level", True), ("leaf_level", True)])
+def test_on_cuda_weights_wait_in_pinned_memory_and_results_match(kind, use_streams):
+    torch.manual_seed(0)
+    base = build_model("llama3_1", "tiny", device="cuda", n_layers=N_LAYERS)
+    plain, twin = copy.deepcopy(base), copy.deepcopy(base)
+    memory = MemoryConfig(enable_activation_checkpointing=True, weight_offloading=WeightOffloading(kind, 1, use_streams))
+    apply_memory_techniques(plain, MemoryConfig(enable_activation_checkpointing=True), lora=LORA)
+    apply_memory_techniques(twin, memory, lora=LORA, placement=Placement("cuda"))
+    twin.load_state_dict(plain.state_dict())
+    offloader = weight_offloader(twin)
+    offloader.offload()
+    assert (offloader.stream is not None) == use_streams
+    assert all(slot.host.is_pinned() for slots in offloader._slots for slot in slots)
+    before = torch.cuda.memory_allocated()
+    tokens, labels = TOKENS.cuda(), LABELS.cuda()
+    results = []
+    for model in (plain, twin):
+        loss_sum, n = CrossEntropyLoss()(model(tokens), labels)
+        (loss_sum / n).backward()
+        results.append((loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}))
+    torch.cuda.synchronize()
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a)
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k])
+    assert torch.cuda.memory_allocated() < before + sum(p.numel() * 4 for p in plain.layers.parameters()) / 2

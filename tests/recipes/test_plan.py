@@ -1,0 +1,203 @@
+"""mtune plan against reality: the planned peak of live tensor bytes (fake tensors) against the peak measured by
+really running the same config through the recipe (memory_breakdown's tracker), on the tiny model; the planner
+reads no weight file; bitsandbytes' state layouts against a real step; the CLI's table, JSON and chart."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mtune._cli.catalog import find_recipe, load_recipe_module
+from mtune._cli.run import load_and_check
+from mtune.training.memory.optimizer_layouts import Bnb8bitAdamLayout, BnbAdamLayout
+from mtune.training.plan import CUDA_BLOCK_BYTES, parse_bytes, plan_memory
+from mtune.training.memory.tracker import CATEGORIES
+from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
+
+PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
+# name -> (recipe, overrides): every flag of the issue's matrix that runs on one CPU device, combined into seven runs
+MATRIX = {
+    "lora": ("lora_single_device", {}),
+    "full": ("full_single_device", {"~lora": None}),
+    "qlora_accumulation": ("lora_single_device", {"lora.quantize_base": True, "batch_size": 2,
+                                                  "gradient_accumulation_steps": 2}),
+    "lora_ac_offload": ("lora_single_device", {"enable_activation_checkpointing": True,
+                                               "enable_activation_offloading": True}),
+    "full_ac_every_2_chunked_loss": ("full_single_device", {
+        "~lora": None, "enable_activation_checkpointing": True, "activation_checkpointing_every_n_layers": 2,
+        "loss._component_": "mtune.modules.loss.ChunkedCrossEntropyLoss"}),
+    # fp8 storage + selective_op: planned 12430412 bytes, measured 12429392 (parameters 6386688 -> 2847744 with fp8)
+    "lora_fp8_selective_op": ("lora_single_device", {"weight_storage_dtype": "float8_e4m3fn",
+                                                     "enable_activation_checkpointing": True,
+                                                     "activation_checkpointing_policy": "selective_op"}),
+    "full_8bit_opt_in_bwd": ("full_single_device", {
+        "~lora": None, "optimizer._component_": "bitsandbytes.optim.AdamW8bit", "optimizer_in_bwd": True,
+        "clip_grad_norm": None}),
+}
+
+
+def _overrides(tmp_path, checkpoint, data, changes):
+    kept = {k: v for k, v in {**PACKED, **changes}.items() if not k.startswith("~")}
+    return train_overrides(tmp_path, checkpoint, data, **kept) + [k for k in changes if k.startswith("~")]
+
+
+def _config(recipe, overrides):
+    return load_and_check(load_recipe_module(find_recipe(recipe)), TRAIN_CONFIG, overrides)
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_planned_peak_matches_a_real_run(tmp_path, tiny_checkpoint, tiny_data, name):
+    recipe, changes = MATRIX[name]
+    if "bitsandbytes" in str(changes):
+        pytest.importorskip("bitsandbytes")
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, changes)
+    plan = plan_memory(_config(recipe, overrides))
+    out = run_recipe_in_process(recipe, overrides)
+    measured = json.loads((out / "memory_breakdown.json").read_text())
+    assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=0.05)
+    assert plan.host_peak_bytes == measured["host_peak_bytes"] == 0  # on a CPU target nothing is offloaded
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert plan.device[category] == pytest.approx(measured["device"][category], rel=0.01), category
+    assert plan.device["activations"] == pytest.approx(measured["device"]["activations"], rel=0.05)
+
+
+def test_offloaded_plan_matches_real_tensors(tmp_path, tiny_checkpoint, tiny_data):
+    # A CUDA target (device and host distinct, 512-byte blocks): fake tensors against the same steps on real ones.
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+        "device": "cuda", "enable_activation_checkpointing": True, "enable_activation_offloading": True,
+        "activation_offloading_use_streams": False, "batch_size": 32})  # block inputs of 2 MiB: above the 1 MiB floor
+    cfg = _config("lora_single_device", overrides)
+    planned, real = plan_memory(cfg), plan_memory(cfg, fake=False)
+    assert planned.host_peak_bytes > 0 and planned.host["activations"] > 0
+    assert planned.device_peak_bytes == pytest.approx(real.device_peak_bytes, rel=0.05)
+    assert planned.host_peak_bytes == pytest.approx(real.host_peak_bytes, rel=0.05)
+    assert planned.device_peak_bytes % CUDA_BLOCK_BYTES == 0 and planned.cuda_context_bytes > 0
+    without = plan_memory(_config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+        "device": "cuda", "enable_activation_checkpointing": True, "batch_size": 32})))
+    assert without.host_peak_bytes == 0 and without.device["activations"] > planned.device["activations"]
+
+
+def test_the_planner_reads_no_weight_file(tmp_path, tiny_checkpoint, tiny_data):
+    only_config = tmp_path / "only_config"
+    only_config.mkdir()
+    shutil.copy(tiny_checkpoint / "config.json", only_config / "config.json")
+    overrides = _overrides(tmp_path, only_config, tiny_data, {"tokenizer.path": str(tiny_checkpoint)})
+    cfg = _config("lora_single_device", overrides)
+    plan = plan_memory(cfg)
+    reference = plan_memory(_config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {})))
+    assert plan.device_peak_bytes == reference.device_peak_bytes > 0
+
+
+@pytest.mark.parametrize("layout, real_name", [(Bnb8bitAdamLayout, "AdamW8bit"), (BnbAdamLayout, "PagedAdamW"),
+                                               (Bnb8bitAdamLayout, "PagedAdamW8bit")])
+def test_bitsandbytes_layouts_match_a_real_step(layout, real_name):
+    bnb = pytest.importorskip("bitsandbytes")
+    from mtune.training.memory.accounting import tensor_storage_bytes
+
+    def state_bytes(cls):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(300, 257)), torch.nn.Parameter(torch.randn(100)),
+                  torch.nn.Parameter(torch.randn(64, 64))]  # 8-bit, below min_8bit_size, exactly min_8bit_size
+        optimizer = cls(params, lr=1e-3)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        tensors = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensor_storage_bytes(tensors)[0]
+
+    assert state_bytes(layout) == state_bytes(getattr(bnb.optim, real_name))
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512") == 512
+    with pytest.raises(Exception, match="--device-memory"):
+        parse_bytes("lots", "--device-memory")
+
+
+def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, capsys):
+    from mtune._cli.main import main
+
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {})
+    code = main(["plan", "lora_single_device", "--config", str(TRAIN_CONFIG), *overrides,
+                 "--device-memory", "1MiB", "--json", str(tmp_path / "plan.json")])
+    printed = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert code == 1 and "does NOT fit in 1.0 MiB" in printed  # a tiny model still needs more than 1 MiB
+    assert plan["device_peak_bytes"] > 2**20 and plan["spare_bytes"]["device"] < 0
+    assert set(plan["device"]) == set(plan["host"]) == set(CATEGORIES)
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plan", "--device-memory", "1GiB", "lora_single_device", "--config", str(TRAIN_CONFIG),
+                 *overrides]) == 0
+    assert "fits in 1.00 GiB" in capsys.readouterr().out
+
+
+def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_data):
+    from omegaconf import OmegaConf
+
+    from mtune.training.plan_fit import KNOBS, search, write_config
+
+    recipe = "lora_single_device"
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {})
+    module = load_recipe_module(find_recipe(recipe))
+    plain = plan_memory(_config(recipe, overrides))
+    halved = plan_memory(_config(recipe, overrides + ["batch_size=2", "gradient_accumulation_steps=2"]))
+    budget = (plain.device_peak_bytes + halved.device_peak_bytes) // 2  # the configured batch does not fit
+    knobs = [k for k in KNOBS if k.name in ("activation_checkpointing", "micro_batch")]
+    candidates = search(_config(recipe, overrides), module.SCHEMA, device_memory=budget, knobs=knobs, max_fits=3)
+    fitting = [c for c in candidates if c.fits]
+    assert fitting and all(c.plan.device_peak_bytes <= budget for c in fitting)
+    assert [c.cost for c in fitting] == sorted(c.cost for c in fitting)  # cheapest first by the cost model
+    best = fitting[0]
+    # halving the micro-batch costs no FLOPs; checkpointing costs a recomputation: the cheapest fit halves the batch
+    assert best.changes == {"batch_size": 2, "gradient_accumulation_steps": 2}
+    assert any(c.pruned for c in candidates) or len([c for c in candidates if c.plan]) < len(candidates)
+    path = write_config(TRAIN_CONFIG, overrides, best.changes, tmp_path / "fit.yaml")
+    assert OmegaConf.load(path).batch_size == 2
+    out = run_recipe_in_process(recipe, [f"output_dir={tmp_path / 'fit_run'}"], config=path)
+    measured = json.loads((out / "memory_breakdown.json").read_text())["device_peak_bytes"]
+    assert measured <= budget < plain.device_peak_bytes
+
+
+def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_checkpoint, tiny_data):
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {"plan_check": True, "memory_breakdown": False})
+    out = run_recipe_in_process("lora_single_device", overrides)
+    check = json.loads((out / "results.json").read_text())["plan_check"]
+    assert check["measured_device_bytes"] > 0 and abs(check["device_error"]) < 0.05
+    assert check["planned_host_bytes"] == check["measured_host_bytes"] == 0
+    assert not (out / "memory_breakdown.json").exists()  # plan_check tracks without writing the breakdown
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, changes", [("lora_distributed", {}),
+                                             ("full_distributed", {"~lora": None, "fsdp_reshard_after_forward": False})])
+def test_per_rank_plan_matches_a_two_rank_run(tmp_path, tiny_checkpoint, tiny_data, recipe, changes):
+    from tests.recipes.test_distributed import torchrun
+
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, changes)
+    plan = plan_memory(_config(recipe, overrides), world_size=2)
+    torchrun(recipe, overrides)
+    measured = json.loads((tmp_path / "out" / "memory_breakdown.json").read_text())  # rank 0's
+    assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=0.05)
+    for category in ("parameters", "optimizer_state"):  # rank 0's shards
+        assert plan.device[category] == pytest.approx(measured["device"][category], rel=0.01), category
+
+
+def test_fit_searches_fp8_storage_and_selective_op(tmp_path, tiny_checkpoint, tiny_data):
+    from mtune.training.plan_fit import KNOBS, step_cost
+
+    knobs = {k.name: k for k in KNOBS}
+    lora = _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {}))
+    full = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {"~lora": None}))
+    storage = [(level, c["weight_storage_dtype"], c["lora.quantize_base"]) for level, c in knobs["lora_method"].choices(lora)]
+    assert storage == [(0, None, False), (1, "float8_e4m3fn", False), (2, None, True)]  # bf16 > fp8 > NF4 bytes
+    policies = lambda cfg: [c.get("activation_checkpointing_policy") for _, c in knobs["activation_checkpointing"].choices(cfg)
+                            if c["enable_activation_checkpointing"]]
+    # with a frozen base selective_op can keep more than no checkpointing (the planner measured 8.60 MB vs 8.19 MB
+    # of activations on this model), so it is searched for full fine-tunes only
+    assert "selective_op" not in policies(lora) and policies(full)[0] == "selective_op"
+    selective = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+        "~lora": None, "enable_activation_checkpointing": True, "activation_checkpointing_policy": "selective_op"}))
+    block = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+        "~lora": None, "enable_activation_checkpointing": True}))
+    assert step_cost(full) == step_cost(selective) < step_cost(block)  # no matmul is recomputed
