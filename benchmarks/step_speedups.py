@@ -5,7 +5,7 @@ replaced (kept here as ``*_before``), on the head-to-head fixture's shapes, so b
     python benchmarks/step_speedups.py --batch 1 --layers 2  # quicker, on a busy machine
 
 Changes timed (a training step = forward, chunked loss, backward, AdamW step, as ``mtune.training.loop.train_step``):
-- ``lora_addmm``: LoRA's update accumulated into the base output by one in-place ``addmm_`` (alpha = scaling) instead
+- ``lora_addmm``: LoRA's update added to the base output by one ``addmm`` (alpha = scaling) instead
   of ``lora_b(lora_a(x)) * scaling`` then ``base + lora``; LoRA step (q, v, o, gate, up, down; rank 8).
 - ``loss_flat_chunks``: a candidate that was measured and not kept: the chunked loss over contiguous chunks of the
   flattened tokens (``after``) instead of the sequence slices mtune uses (``before``); full fine-tuning step.
