@@ -15,7 +15,8 @@ softmax and the embedding lookup are left out, as in every published MFU figure)
   q/k/v projections compute no input gradient.
 - **recompute**: forward work done again in backward: each block that activation checkpointing wraps runs its
   forward again (up to the last tensor backward needs: all but ``down_proj``'s matmul, as
-  ``torch.utils.checkpoint`` stops early), and the chunked cross-entropy loss projects every chunk to logits again.
+  ``torch.utils.checkpoint`` stops early; ``selective_op`` keeps every matmul and attention output, so its blocks
+  recompute nothing counted), and the chunked cross-entropy loss projects every chunk to logits again.
 
 ``model = forward + backward`` gives MFU (model FLOPs utilisation); ``hardware = model + recompute`` gives HFU. For
 a full fine-tune this is the familiar ``6N + 3A`` (``N`` matmul weights incl. the output projection, ``A`` attention
@@ -31,18 +32,14 @@ the scores in backward (an implementation detail of the kernel, not a recomputat
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from mtune.modules.lora import LoRALinear
-from mtune.training.memory.activation_checkpointing import is_checkpointed
 
 __all__ = ["FlopsPerToken", "StepFlops", "flops_per_token", "utilization"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,12 +110,13 @@ def _trains(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: int, checkpointed: bool) -> bool:
+def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: int, checkpointed: str | None) -> bool:
     """Adds one transformer block; returns whether the residual stream after it needs a gradient.
 
     A checkpointed block's recomputation stops once every tensor backward needs is back (torch.utils.checkpoint's
     early stop): the last matmul, ``down_proj``'s (its adapter's ``B`` under LoRA), feeds only the residual add,
-    which saves nothing, so it is not run again."""
+    which saves nothing, so it is not run again. Under ``selective_op`` the block keeps every matmul and attention
+    output, so what it recomputes is elementwise only: no counted FLOPs."""
     start = tally.forward
     attn, mlp = block.self_attn, block.mlp
     x = stream_grad or _trains(block.input_layernorm)
@@ -133,23 +131,21 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: int, che
     gate = _linear(tally, mlp.gate_proj, x, "linear")
     up = _linear(tally, mlp.up_proj, x, "linear")
     down = _linear(tally, mlp.down_proj, gate or up, "linear")
-    if checkpointed:
+    if checkpointed == "block":
         tally.recompute += tally.forward - start - tally.last
     return h or down
 
 
-def _checkpointed_layers(model: nn.Module, memory: Any | None) -> list[bool]:
+def _checkpointed_layers(model: nn.Module, memory: Any | None) -> list[str | None]:
+    """Each block's checkpointing policy (``block``, ``selective_op``) or None."""
     n = len(model.layers)
     if memory is None:
-        return [is_checkpointed(block) for block in model.layers]
+        return [getattr(block, "_mtune_checkpointed", None) for block in model.layers]
     if not memory.enable_activation_checkpointing:
-        return [False] * n
+        return [None] * n
     policy = getattr(memory, "activation_checkpointing_policy", "block")
-    if policy != "block":
-        log.warning("flops: activation_checkpointing_policy=%s is counted as recomputing whole blocks (an upper "
-                    "bound on hfu)", policy)
     every = int(memory.activation_checkpointing_every_n_layers)
-    return [i % every == 0 for i in range(n)]
+    return [policy if i % every == 0 else None for i in range(n)]
 
 
 def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *,

@@ -18,14 +18,14 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 B, S = 2, 64
 
 
-def _counted(lora=None, every_n=0, chunked=False, tie=False):
+def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
     """(per-token FLOPs by aten op as FlopCounterMode counts one real training step, flops_per_token)."""
     torch.manual_seed(0)
     model = build_model("llama3_2", "tiny", device="cpu", **{**TINY, "tie_embeddings": tie})
     if lora:
         apply_lora(model, lora, rank=4, alpha=8)
     if every_n:
-        apply_activation_checkpointing(model, every_n)
+        apply_activation_checkpointing(model, every_n, policy=policy)
     tokens = torch.randint(0, TINY["vocab_size"], (B, S))
     documents = torch.zeros(B, S, dtype=torch.long)
     documents[:, 30:] = 1  # two packed documents: a block-causal mask
@@ -47,11 +47,12 @@ def _counted(lora=None, every_n=0, chunked=False, tie=False):
     dict(every_n=1),                          # checkpointing every block: hfu counts the recomputation
     dict(every_n=2, chunked=True),            # blocks 0 and 2, plus the chunked loss's second projection
     dict(lora=ALL, every_n=1, chunked=True),
+    dict(every_n=1, policy="selective_op"),   # keeps matmul outputs: recomputes no counted FLOPs
 ])
 def test_matches_flop_counter_mode(case):
     per_op, fpt = _counted(**case)
     assert fpt.hardware == sum(per_op.values())
-    if not case.get("every_n") and not case.get("chunked"):
+    if (not case.get("every_n") or case.get("policy") == "selective_op") and not case.get("chunked"):
         assert fpt.recompute == 0 and fpt.model == fpt.hardware
 
 
