@@ -14,6 +14,9 @@ recipes do, on batch 2 x 512 tokens. Each row runs two optimizer steps: the firs
   the tensors counted under `offloadable` to host memory. Without CUDA nothing moves.
 - logits peak (plain vs chunked loss rows): the most bytes of fp32 [.., vocab] tensors alive at once during
   forward and backward, tracked by a dispatch mode.
+- offloading rows (optimizer_offload, weight_offloading) run with a distinct placement (`Placement("cpu",
+  distinct=True)`: every move a real copy, host storages told apart), so the columns count what stays on the compute
+  device and a note gives what waits in host memory.
 
     python benchmarks/memory_techniques.py [--rows NAME ...] [--out benchmarks/results/memory_techniques.json]
 """
@@ -44,13 +47,16 @@ from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 import mtune.training.memory.activation_checkpointing as checkpointing  # noqa: E402
 import mtune.training.memory.activation_offloading as offloading  # noqa: E402
-from mtune.config.keys import MemoryConfig  # noqa: E402
+from mtune.config.keys import MemoryConfig, WeightOffloading  # noqa: E402
 from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.memory.accounting import MemoryBreakdown, tensor_storage_bytes  # noqa: E402
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers  # noqa: E402
+from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer  # noqa: E402
+from mtune.training.memory.placement import Placement, storage_key  # noqa: E402
 from mtune.training.memory.precision import DTYPES  # noqa: E402
+from mtune.training.memory.weight_offloading import weight_offloader  # noqa: E402
 from mtune.training.model_setup import ModelSource, setup_model  # noqa: E402
 
 MODEL = dict(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, intermediate_dim=1408,
@@ -74,6 +80,8 @@ class Row:
     chunked_loss: bool = False
     checkpointing_policy: str = "block"
     weight_storage: str | None = None
+    optimizer_offload: str | None = None
+    weight_offloading: WeightOffloading | None = None
 
 
 ROWS = [
@@ -91,8 +99,14 @@ ROWS = [
     Row("LoRA r8, bf16", "bf16", lora=LORA),
     Row("QLoRA r8 (NF4 base, bf16)", "bf16", lora={**LORA, "quantize_base": True}),
     Row("chunked cross-entropy (8 chunks)", chunked_loss=True),
-    Row("bf16 + selective_op checkpointing", "bf16", checkpointing=True, checkpointing_policy="selective_op"),
-    Row("LoRA r8, bf16, fp8 base (e4m3)", "bf16", lora=LORA, weight_storage="float8_e4m3fn"),
+    # fp32 (bf16 matmuls on a shared 2-core CPU took 350 s a step): compare with the baseline and LoRA r8 (q,k,v,o)
+    Row("activation checkpointing (fp32)", checkpointing=True),
+    Row("selective_op checkpointing (fp32)", checkpointing=True, checkpointing_policy="selective_op"),
+    Row("LoRA r8, fp8 base (e4m3)", lora=LORA, weight_storage="float8_e4m3fn"),
+    # optimizer_offload / weight_offloading: device bytes in the columns, host bytes in notes
+    Row("optimizer_offload=cpu", optimizer_offload="cpu"),
+    Row("LoRA r8 + weight_offloading block_level", lora=LORA, weight_offloading=WeightOffloading("block_level", 1, False)),
+    Row("LoRA r8 + weight_offloading leaf_level", lora=LORA, weight_offloading=WeightOffloading("leaf_level", 1, False)),
 ]
 
 
@@ -104,12 +118,16 @@ class SavedBytes:
         self.seen: set = set()
         self.bytes = 0
         self.active = True  # off after the measured step
+        self.parameter_storages: set = set()
 
     def exclude_parameters(self, model: torch.nn.Module) -> None:
         self.seen |= tensor_storage_bytes(model.parameters())[1]
+        # By identity too: a weight that weight_offloading has sent away has an empty storage now and a new address
+        # when it comes back, but it is still the parameter's storage.
+        self.parameter_storages = {storage_key(p) for p in model.parameters() if type(p.data) is torch.Tensor}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not self.active:
+        if not self.active or (type(tensor) is torch.Tensor and storage_key(tensor) in self.parameter_storages):
             return tensor
         nbytes, keys = tensor_storage_bytes([tensor], exclude=self.seen)
         self.seen |= keys
@@ -165,7 +183,7 @@ def count_offloadable(ctx: offloading.OffloadActivations, counter: SavedBytes) -
         counter.pack(tensor)
         nbytes = tensor.numel() * tensor.element_size()
         if (counter.active and type(tensor) is torch.Tensor and nbytes >= ctx.min_offload_bytes
-                and tensor.untyped_storage().data_ptr() not in ctx._param_storages):
+                and storage_key(tensor) not in ctx._param_storages):
             moved["bytes"] += nbytes  # copies: a storage saved twice (log_softmax's output) is copied twice
             moved["tensors"] += 1
             distinct, keys = tensor_storage_bytes([tensor], exclude=seen)
@@ -243,19 +261,24 @@ def measure(row: Row) -> dict:
     dtype = DTYPES[row.dtype]
     source = ModelSource("llama3_2", model_args("llama3_2", "tiny", **MODEL), None)
     saved = SavedBytes()
+    placement = Placement(device, distinct=bool(row.optimizer_offload or row.weight_offloading))
     with counted_no_offload(saved):
         memory = MemoryConfig(enable_activation_checkpointing=row.checkpointing,
                               activation_checkpointing_every_n_layers=row.every_n_layers,
                               enable_activation_offloading=row.offloading, optimizer_in_bwd=row.optimizer_in_bwd,
                               activation_checkpointing_policy=row.checkpointing_policy,
-                              weight_storage_dtype=row.weight_storage)
-        model, offload_ctx = setup_model(source, device=device, dtype=dtype, lora=row.lora, memory=memory)
+                              weight_storage_dtype=row.weight_storage,
+                              optimizer_offload=row.optimizer_offload, weight_offloading=row.weight_offloading)
+        model, offload_ctx = setup_model(source, device=device, dtype=dtype, lora=row.lora, memory=memory,
+                                         placement=placement)
     saved.exclude_parameters(model)
     offloadable = count_offloadable(offload_ctx, saved) if offload_ctx is not None else None
     grads = GradientPeak(model)
     optimizer = build_optimizer({"_component_": row.optimizer, "lr": 1e-4}, model,
-                                optimizer_in_bwd=memory.optimizer_in_bwd)
-    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=1, write=False)
+                                optimizer_in_bwd=memory.optimizer_in_bwd, optimizer_offload=row.optimizer_offload,
+                                placement=placement)
+    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=1, write=False,
+                                placement=placement)
     loss_fn = ChunkedCrossEntropyLoss(num_chunks=8) if row.chunked_loss else CrossEntropyLoss()
     logits = LogitsPeak(MODEL["vocab_size"]) if row.dtype == "fp32" and row.lora is None and row.optimizer == \
         "torch.optim.AdamW" and not row.optimizer_in_bwd else None
@@ -286,7 +309,8 @@ def measure(row: Row) -> dict:
     second = step(measure=False)
     seconds = time.perf_counter() - start
 
-    record = breakdown.records[0]["category_peak"]["device"]
+    record = breakdown.records[0]["category_peak"]["device"]  # the compute device's bytes (distinct placement)
+    host = host_bytes(model, optimizer, placement)
     result = {
         "name": row.name,
         "config": asdict(row),
@@ -294,7 +318,10 @@ def measure(row: Row) -> dict:
         "buffers": record["buffers"],
         "gradients": grads.peak,
         "gradients_after_step": record["gradients"],
-        "optimizer_state": record["optimizer_state"],
+        # A CPUOffloadOptimizer's states are host memory (on a GPU machine, the cpu device); on the distinct CPU
+        # placement the tracker sees them allocated by the first step before the optimizer marks them as host.
+        "optimizer_state": max(0, record["optimizer_state"] - host["optimizer_state"]),
+        "host": host if placement.distinct else None,
         "activations": saved.bytes,
         "offloaded_copy_bytes": offloadable["bytes"] if offloadable else None,
         "offloaded_copies": offloadable["tensors"] if offloadable else None,
@@ -306,6 +333,22 @@ def measure(row: Row) -> dict:
         "step_seconds": seconds,
     }
     result["total"] = sum(result[k] for k in ("parameters", "gradients", "optimizer_state", "activations"))
+    return result
+
+
+def host_bytes(model, optimizer, placement: Placement) -> dict:
+    """What offloading keeps in host memory: optimizer states, the optimizer's parameter copies and gradient
+    buffers (optimizer_offload), frozen weights (weight_offloading)."""
+    states = [t for opt in inner_optimizers(optimizer) for s in opt.state.values() for t in s.values()
+              if isinstance(t, torch.Tensor) and placement.distinct and placement.on_host(t)]
+    result = {"optimizer_state": tensor_storage_bytes(states)[0], "parameter_copies": 0, "gradients": 0,
+              "frozen_weights": 0}
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        result["parameter_copies"] = tensor_storage_bytes(optimizer.host_params)[0]
+        result["gradients"] = tensor_storage_bytes(g for g in optimizer._grads if g is not None)[0]
+    offloader = weight_offloader(model)
+    if offloader is not None:
+        result["frozen_weights"] = sum(slot.nbytes for slots in offloader._slots for slot in slots)
     return result
 
 
@@ -323,9 +366,18 @@ def markdown_table(results: list[dict]) -> str:
         if r["fp32_logits_peak"] is not None:
             notes.append(f"fp32 logits peak {r['fp32_logits_peak'] / MiB:.1f} MiB")
         if r["config"]["weight_storage"]:
-            notes.append(f"plus {r['buffers'] / MiB:.1f} MiB of buffers: fp32 row scales and RoPE tables")
+            notes.append(f"plus {r['buffers'] / MiB:.2f} MiB of fp32 row scales (buffers), also counted as saved "
+                         "activations (backward keeps them beside the fp8 codes)")
         if r["config"]["optimizer_in_bwd"]:
             notes.append("gradients: most alive at once in backward")
+        if r["host"] is not None:
+            h = r["host"]
+            parts = [f"{label} {h[key] / MiB:.1f}" for key, label in (
+                ("optimizer_state", "optimizer state"), ("parameter_copies", "parameter copies"),
+                ("gradients", "gradients"), ("frozen_weights", "frozen weights")) if h[key]]
+            notes.append(f"device bytes; host: {', '.join(parts)} MiB")
+            if r["config"]["optimizer_offload"]:
+                notes.append("gradients: the most on the device at once (each leaves when complete)")
         cells = [r[k] / MiB for k in ("parameters", "gradients", "optimizer_state", "activations", "total")]
         lines.append(f"| {r['name']} | " + " | ".join(f"{c:.1f}" for c in cells)
                      + f" | {r['total'] / base:.2f} | {r['step_seconds']:.1f} | {'; '.join(notes)} |")

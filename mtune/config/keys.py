@@ -60,7 +60,7 @@ RUN_KEYS = KeyGroup(
     ],
 )
 
-# ---- optimizer-state offload and weight group offloading (issue 13, items 1-2) -------------------------------
+# ---- optimizer-state offload and weight group offloading ---------------------------------------------
 OPTIMIZER_OFFLOAD_TARGETS = ("cpu",)
 WEIGHT_OFFLOADING_TYPES = ("block_level", "leaf_level")
 
@@ -75,8 +75,8 @@ WEIGHT_OFFLOADING = Node(
                 "each module holding weights on its own (least memory, most transfers)",
                 choices=WEIGHT_OFFLOADING_TYPES),
             Key("blocks_per_group", int, 1, "block_level: transformer blocks copied in together", at_least=1),
-            Key("use_streams", bool, True, "CUDA only: copy the next group on a side stream from pinned memory while "
-                "the current one computes (twice the groups on the device)"),
+            Key("use_streams", bool, True, "prefetch the next group while the current one computes (twice the groups "
+                "on the device): on CUDA on a side stream from pinned memory; elsewhere in line, no overlap"),
         ],
     ),
 )
@@ -97,7 +97,7 @@ MEMORY_KEYS = KeyGroup(
             "backward, the optimizer step on the CPU (ZeRO-Offload style; torch.optim.AdamW only; null: off)",
             choices=OPTIMIZER_OFFLOAD_TARGETS),
         WEIGHT_OFFLOADING,
-        # ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
+        # fp8 weight storage and op-level selective checkpointing
         Key("weight_storage_dtype", str, None,
             "store the frozen linear weights inside the blocks in this fp8 format (one fp32 scale per output row) "
             "and upcast each to the compute dtype just before use; LoRA recipes only (null: as dtype)",
@@ -129,7 +129,6 @@ class MemoryConfig:
     compile: bool = _default(MEMORY_KEYS, "compile")
     optimizer_offload: str | None = _default(MEMORY_KEYS, "optimizer_offload")
     weight_offloading: "WeightOffloading | None" = _default(MEMORY_KEYS, "weight_offloading")
-    # ---- issue 13, items 3-4
     weight_storage_dtype: str | None = _default(MEMORY_KEYS, "weight_storage_dtype")
     weight_storage_skip_patterns: tuple[str, ...] = tuple(_default(MEMORY_KEYS, "weight_storage_skip_patterns"))
     activation_checkpointing_policy: str = _default(MEMORY_KEYS, "activation_checkpointing_policy")

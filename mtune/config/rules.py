@@ -120,7 +120,7 @@ def check_activation_offloading(cfg: Any) -> list[str]:
     return []
 
 
-# ---- optimizer-state offload and weight group offloading (issue 13, items 1-2) -------------------------------
+# ---- optimizer-state offload and weight group offloading ---------------------------------------------
 OPTIMIZER_OFFLOAD_OPTIMIZERS = ("torch.optim.AdamW",)
 """The optimizers ``optimizer_offload=cpu`` steps on the host: those with a vectorised (foreach / fused) CPU step
 whose state is plain tensors shaped like the parameters."""
@@ -163,7 +163,7 @@ def check_weight_offloading(cfg: Any) -> list[str]:
                         "weights that are freed between uses): set compile=false or weight_offloading=null")
     return problems
 # ---------------------------------------------------------------------------------------------------------------
-# ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4) -------------------------------
+# ---- fp8 weight storage and op-level selective checkpointing ---------------------------------------------
 def check_weight_storage(cfg: Any) -> list[str]:
     """fp8 storage is for frozen weights: it needs adapters to train (a full fine-tune updates every weight, and an
     fp8 copy cannot take small updates), and it is one storage choice, so not together with NF4."""
@@ -280,9 +280,11 @@ def check_distributed_offload(cfg: Any) -> list[str]:
             problems.append(f"{key} is a single-device technique: the distributed recipes offload parameters, "
                             f"gradients and optimizer states with fsdp_cpu_offload=true; set {key}=null")
     return problems
+
+
 def check_distributed_weight_storage(cfg: Any) -> list[str]:
     """fp8 weight storage keeps a per-row scale beside each weight; FSDP2 sharding and sharded loading do not
-    handle it yet (issue 13, item 3)."""
+    handle it yet."""
     dtype = _get(cfg, "weight_storage_dtype")
     if dtype is not None:
         return [f"weight_storage_dtype={dtype} is not supported by the distributed recipes yet (FSDP2 shards the "

@@ -15,7 +15,9 @@ m starts at ||W||_row, so DoRA also starts equal to the base model. Both follow 
 `peft_adapter_state_dict` + `adapter_config` load in `peft.PeftModel.from_pretrained`.
 
 With `quantize_base=True` (QLoRA) the frozen base weights are stored as NF4 (`mtune.modules.nf4_linear`); every
-other nn.Linear inside `model.layers` becomes a `FrozenNF4Linear` too, so all frozen projections are 4-bit.
+other nn.Linear inside `model.layers` becomes a `FrozenNF4Linear` too, so all frozen projections are 4-bit. A base
+may instead be stored in fp8 (`mtune.training.memory.weight_storage`, after `apply_lora`); `LoRALinear.base_weight`
+reads whichever storage the base has.
 
 Order of use on a meta-device model: build on meta -> `apply_lora` -> `to_empty` -> load base weights ->
 `reset_lora_parameters(model)` (initializes A, B, magnitudes; quantizes NF4 bases) -> optionally load adapter state.
@@ -144,16 +146,20 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self._base_linear(x)
         x_drop = self.dropout(x)
-        lora = self.lora_b(self.lora_a(x_drop)) * self.scaling
         if self.magnitude is None:
-            out = base + lora
-        else:
-            scale = self.magnitude / self._weight_norm(self.base_weight().to(x.dtype))
-            # With active dropout PEFT rescales the base output of the dropped input (x_drop), not x.
-            base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else (
-                self._base_linear(x_drop)
-            )
-            out = base + (scale - 1) * base_drop + scale * lora
+            # base + s * A(x) B^T in one addmm (alpha=s): no [tokens, out] temporaries for the scaled update and the
+            # sum, and no elementwise ops in backward. Not in place: selective checkpointing keeps the base matmul's
+            # output to reuse in recomputation, and an in-place update would hand it back already updated.
+            hidden = self.lora_a(x_drop)
+            out = torch.addmm(base.view(-1, self.out_features), hidden.view(-1, self.rank), self.lora_b.weight.t(),
+                              alpha=self.scaling).view(base.shape)
+            return out if self.bias is None else out + self.bias
+        # DoRA
+        lora = self.lora_b(self.lora_a(x_drop)) * self.scaling
+        scale = self.magnitude / self._weight_norm(self.base_weight().to(x.dtype))
+        # With active dropout PEFT rescales the base output of the dropped input (x_drop), not x.
+        base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else self._base_linear(x_drop)
+        out = base + (scale - 1) * base_drop + scale * lora
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()

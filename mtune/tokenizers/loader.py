@@ -45,6 +45,9 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
 
 def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
     """(family, tokenizer file) for a model directory or a tokenizer file; see the module docstring."""
+    if path is None:  # tokenizer.path: ${model.checkpoint_dir} with random weights (model.size) has nothing to read
+        raise PathNotFoundError("tokenizer.path is not set (with model.size there is no checkpoint_dir to read it "
+                                "from); set tokenizer.path to a model directory or a tokenizer file")
     path = Path(path).expanduser()
     if not path.exists():
         raise PathNotFoundError(f"tokenizer path {path} does not exist; set tokenizer.path to a model directory "

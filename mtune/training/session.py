@@ -194,10 +194,12 @@ class TrainingSession:
             peak=self._setup_utilization(),
         )
         # Live tensor bytes (peak_tensor_gib, memory_breakdown.json, plan_check) cost a Python call per op:
-        # tracked only when memory_breakdown or plan_check asks (see docs/plan.md for the measured overhead).
+        # tracked only when memory_breakdown or plan_check asks, and for plan_check alone only over the first
+        # steps (see docs/plan.md for the measured overhead).
         self.breakdown = MemoryBreakdown(self.model, inner_optimizers(self.optimizer), self.run.output_dir,
                                          enabled=tracks_tensor_bytes(self.cfg), rank=self.run.rank,
-                                         write=bool(self.cfg.get("memory_breakdown")), placement=self.run.placement)
+                                         write=bool(self.cfg.get("memory_breakdown")), placement=self.run.placement,
+                                         track_all_steps=bool(self.cfg.get("memory_breakdown")))
         self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()

@@ -19,7 +19,7 @@ SCHEDULE = ["max_steps_per_epoch=4", "save_every_n_steps=2",
 VARIANTS = {
     "lora": ("lora_single_device", "lora_distributed", []),
     "full": ("full_single_device", "full_distributed", ["~lora"]),
-    # with op-level selective checkpointing: FSDP2's gathers run outside the block's checkpoint (issue 13, item 4)
+    # with op-level selective checkpointing: FSDP2's gathers run outside the block's checkpoint
     "qlora": ("lora_single_device", "lora_distributed", ["lora.quantize_base=true", "lora.use_dora=true",
                                                          "enable_activation_checkpointing=true",
                                                          "activation_checkpointing_policy=selective_op"]),

@@ -32,8 +32,11 @@ def distinct_placement(monkeypatch):
 
 
 def _run(tmp_path, tiny_checkpoint, tiny_data, name, recipe, *extra, **changes):
+    schedule = {"lr_scheduler._component_": "mtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                "lr_scheduler.num_warmup_steps": 1}  # the schedule sets the lr of the host optimizer's groups
     overrides = train_overrides(tmp_path / name, tiny_checkpoint, tiny_data, max_steps_per_epoch=3,
-                                gradient_accumulation_steps=2, batch_size=2, clip_grad_norm=1.0, **changes)
+                                gradient_accumulation_steps=2, batch_size=2, clip_grad_norm=1.0, **schedule,
+                                **changes)
     return run_recipe_in_process(recipe, overrides + list(extra))
 
 
@@ -50,6 +53,7 @@ def test_offloaded_runs_equal_the_plain_run(tmp_path, tiny_checkpoint, tiny_data
     if recipe == "lora_single_device":
         assert "of frozen weights in 2 groups (block_level) wait in cpu memory" in log
     assert losses(offloaded) == losses(plain) and len(losses(plain)) == 3
+    assert [row["lr"] for row in read_metrics(offloaded)] == [row["lr"] for row in read_metrics(plain)]
     part = "adapter/adapter_model.safetensors" if recipe == "lora_single_device" else "model/model.safetensors"
     expected, got = load_file(plain / "final" / part), load_file(offloaded / "final" / part)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
@@ -57,6 +61,22 @@ def test_offloaded_runs_equal_the_plain_run(tmp_path, tiny_checkpoint, tiny_data
         merged_a, merged_b = (load_file(o / "final" / "model" / "model.safetensors") for o in (plain, offloaded))
         assert all(torch.equal(merged_a[k], merged_b[k]) for k in merged_a)
 
+
+
+def test_merged_export_of_a_random_weight_model_with_offloaded_weights(tmp_path, tiny_checkpoint, tiny_data,
+                                                                        distinct_placement):
+    # Without a base checkpoint the merged model is written from the run's own weights, which weight_offloading
+    # keeps in host memory: they must be brought back (and copied out) for the export, not read from freed storage.
+    from tests._helpers.tokenizers import write_tokenizer_files
+
+    assert write_tokenizer_files(tmp_path / "tok", "qwen2") <= 512  # within the random tiny model's vocabulary
+    random_weights = ["model.checkpoint_dir=null", "model.family=tiny", "model.size=tiny",
+                      f"tokenizer.path={tmp_path / 'tok'}", "tokenizer.max_seq_len=512"]
+    plain = _run(tmp_path, tiny_checkpoint, tiny_data, "plain", "lora_single_device", *random_weights)
+    offloaded = _run(tmp_path, tiny_checkpoint, tiny_data, "offloaded", "lora_single_device", *random_weights,
+                     f"weight_offloading={WEIGHT_OFFLOADING}")
+    expected, got = (load_file(o / "final" / "model" / "model.safetensors") for o in (plain, offloaded))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 def test_generate_with_offloaded_weights(tiny_checkpoint, distinct_placement, capsys):
     from recipes import generate as generate_recipe
@@ -88,7 +108,7 @@ def test_both_flags_through_the_cli_on_the_tiny_configs(tmp_path):
     # lora_single_device reads both keys; one short run takes each flag end to end through the command line.
     out = _mtune("run", "lora_single_device", "--config", "tiny/lora_single_device", f"output_dir={tmp_path / 'lora'}",
                  "optimizer_offload=cpu", f"weight_offloading={WEIGHT_OFFLOADING}", "epochs=1",
-                 "max_steps_per_epoch=2", "task_eval=null", "device=cpu")
+                 "max_steps_per_epoch=2", "batch_size=4", "task_eval=null", "device=cpu")
     assert len(read_metrics(tmp_path / "lora")) >= 1 and (tmp_path / "lora" / "final" / "adapter").is_dir()
     assert "optimizer_offload=cpu: the model already computes in host memory" in out.stderr
     assert "weight_offloading: the model computes in host memory" in out.stderr

@@ -112,7 +112,9 @@ class Checkpointer:
             weights = merged_hf_weights(source, model)
         else:  # no base checkpoint (random weights): merge the model's own, offloaded ones brought back for it
             with offloaded_weights_materialized(model):
-                weights = merge_lora_weights(model)
+                # Copied out inside the context: unmerged frozen weights are the offloaded tensors themselves, whose
+                # device storage is freed again when it ends.
+                weights = {k: v.detach().to("cpu", copy=True) for k, v in merge_lora_weights(model).items()}
         save_hf_checkpoint(weights, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size=self.max_shard_size,
                            model_args=args)
 

@@ -50,7 +50,7 @@ MUST_MATCH_ON_RESUME = (
     "clip_grad_norm",
     "dataset",
     "seed",
-    "weight_storage_dtype",  # fp8-rounded base weights: every later step computes with them (issue 13, item 3)
+    "weight_storage_dtype",  # fp8-rounded base weights: every later step computes with them
     "weight_storage_skip_patterns",
 )
 
@@ -84,7 +84,7 @@ MAY_CHANGE_ON_RESUME = (
     "overwrite_output_dir",
     "optimizer_offload",  # the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
     "weight_offloading",  # where frozen weights wait between uses; the values computed are the same
-    "activation_checkpointing_policy",  # what checkpointed blocks keep; the numbers are the same (issue 13, item 4)
+    "activation_checkpointing_policy",  # what checkpointed blocks keep; the numbers are the same
 )
 
 

@@ -120,13 +120,16 @@ class MemoryBreakdown:
     and each category's peak under ``device`` and ``host`` (the same fields as ``mtune plan --json``).
 
     ``optimizer`` may be one optimizer or a list (the inner ones of optimizer-in-backward). With ``enabled=False``
-    every call does nothing.
+    every call does nothing. With ``track_all_steps=False`` only the first ``num_steps`` steps are tracked (their
+    peaks are the run's once the optimizer state exists, for batches of the same length) and later steps run at
+    full speed: tracking costs a Python call per op (2.4x a 1B LoRA step on an H100).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                  output_dir: str | os.PathLike, num_steps: int = 3, enabled: bool = True, rank: int = 0,
-                 write: bool = True, placement: Placement | None = None):
+                 write: bool = True, placement: Placement | None = None, track_all_steps: bool = True):
         self.model = model
+        self.track_all_steps = track_all_steps
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         self.output_dir = Path(output_dir)
         self.num_steps = num_steps
@@ -136,13 +139,15 @@ class MemoryBreakdown:
         self.records: list[dict[str, Any]] = []
         self.overall: StepMemory | None = None  # every tracked step merged
         self._since_log: StepMemory | None = None
+        self.tracked_steps = 0
 
     @contextmanager
     def track_step(self) -> Iterator[None]:
         """Track the live bytes of the block (one optimizer step) and record its peaks when it ends."""
-        if not self.enabled:
+        if not self.enabled or (not self.track_all_steps and self.tracked_steps >= self.num_steps):
             yield
             return
+        self.tracked_steps += 1
         with self.tracker:
             yield
         memory = self.tracker.take_interval()

@@ -5,7 +5,7 @@ arguments. Supported components (AdamW state per parameter element: fp32 2 x 4 b
 
 | `_component_`                        | state bytes / element | notes                                            |
 |--------------------------------------|-----------------------|--------------------------------------------------|
-| torch.optim.AdamW                    | 8                     | fused on CUDA, foreach elsewhere, unless given   |
+| torch.optim.AdamW                    | 8                     | fused on CUDA and CPU, unless given              |
 | bitsandbytes.optim.AdamW8bit         | ~2                    | blockwise 8-bit states; runs on CPU too          |
 | bitsandbytes.optim.PagedAdamW8bit    | ~2                    | states in CUDA unified memory (paged); CPU: unpaged |
 | bitsandbytes.optim.PagedAdamW        | 8                     | as above, 32-bit states                          |
@@ -63,7 +63,9 @@ def _component_kwargs(component: str, kwargs: dict, device: torch.device) -> dic
     global _warned_paging
     kwargs = dict(kwargs)
     if component == "torch.optim.AdamW" and "fused" not in kwargs and "foreach" not in kwargs:
-        if device.type == "cuda":
+        # Fused: one kernel per parameter on CUDA and on CPU (torch >= 2.4). On a 2-core CPU it steps a full
+        # fine-tune's parameters ~4x faster than foreach, a LoRA adapter's ~100x (benchmarks/step_speedups.py).
+        if device.type in ("cuda", "cpu"):
             kwargs["fused"] = True
         else:
             kwargs["foreach"] = True

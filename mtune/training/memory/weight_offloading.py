@@ -23,6 +23,12 @@ which is prefetched. So at most one group (two with ``use_streams``) is on the d
 prefetch copies run on a side stream from pinned memory and the compute stream waits for them with an event;
 elsewhere they run in line (no overlap: set ``use_streams: false`` there).
 
+Recomputation under ``leaf_level``: a checkpointed block is recomputed when the first node of its backward unpacks
+a saved tensor; that node belongs to the block's last module in forward, which is also the last one the
+recomputation brings in, so it is on the device when the node continues. (``block_level`` recomputes the very group
+backward needs.) The tests cover LoRA and QLoRA blocks; a block whose backward started elsewhere would read an
+emptied storage and fail them.
+
 On a machine without an accelerator the weights are already in host memory: nothing is installed and a log line
 says so. ``Placement("cpu", distinct=True)`` runs every copy for real on CPU (tests); torch.compile is refused
 with it by the validator.
@@ -39,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from mtune.config.errors import ConfigError
 from mtune.config.keys import WeightOffloading
 from mtune.training.memory.placement import Placement, storage_key
 
@@ -132,7 +139,7 @@ class WeightOffloader:
                     groups[shared].append(module)
                 owner.update((id(p), shared) for p in params)
             return groups
-        raise ValueError(f"weight_offloading.type={config.type!r}: use block_level or leaf_level")
+        raise ConfigError(f"weight_offloading.type={config.type!r}: use block_level or leaf_level")
 
     # ---------------------------------------------------------------------------------------- to the host
     @torch.no_grad()

@@ -48,7 +48,7 @@ def test_tied_lm_head_read_from_checkpoint_config(tmp_path):
     assert problems(lora=lora, model={"checkpoint_dir": str(tmp_path)}) == []
 
 
-# ---- optimizer_offload and weight_offloading (issue 13, items 1-2)
+# ---- optimizer_offload and weight_offloading
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 1e-4}
 OFFLOAD = {"type": "block_level", "blocks_per_group": 1, "use_streams": True}
 
@@ -91,7 +91,9 @@ def test_offloading_keys_are_checked_by_mtune_validate(tmp_path):
     for expected in ("optimizer_offload: must be one of cpu", "weight_offloading.type: must be one of block_level, "
                      "leaf_level", "weight_offloading.blocks_per_group: must be >= 1"):
         assert expected in out.stdout + out.stderr, out.stdout + out.stderr
-# ---- fp8 weight storage and op-level selective checkpointing (issue 13, items 3-4)
+
+
+# ---- fp8 weight storage and op-level selective checkpointing
 def test_fp8_storage_and_selective_checkpointing_pass_where_they_apply():
     assert problems(lora=LORA, weight_storage_dtype="float8_e4m3fn", weight_storage_skip_patterns=["*.down_proj"],
                     enable_activation_checkpointing=True, activation_checkpointing_policy="selective_op",
@@ -114,3 +116,19 @@ def test_fp8_storage_and_selective_checkpointing_pass_where_they_apply():
 def test_fp8_storage_and_selective_checkpointing_rules_name_both_keys(cfg, keys):
     found = problems(**cfg)
     assert len(found) == 1 and all(k in found[0] for k in keys), found
+
+
+def test_fp8_storage_and_selective_checkpointing_are_checked_by_mtune_validate():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    config = repo / "recipes" / "configs" / "tiny" / "lora_single_device.yaml"
+    out = subprocess.run([sys.executable, "-m", "mtune", "validate", str(config), "weight_storage_dtype=float8_e4m3fn",
+                          "lora.quantize_base=true", "activation_checkpointing_policy=selective_op"],
+                         capture_output=True, text=True, env={"PYTHONPATH": str(repo), "PATH": "/usr/bin:/bin"},
+                         timeout=120)
+    assert out.returncode == 1 and "2 problems" in out.stdout, out.stdout + out.stderr
+    assert "error: weight_storage_dtype=float8_e4m3fn cannot be combined with lora.quantize_base=true" in out.stdout
+    assert "error: activation_checkpointing_policy=selective_op needs enable_activation_checkpointing=true" in out.stdout

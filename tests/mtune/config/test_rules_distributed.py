@@ -49,6 +49,8 @@ def test_single_device_offloading_points_to_fsdp_cpu_offload():
     assert len(found) == 2 and all("fsdp_cpu_offload=true" in p for p in found)
     assert "optimizer_offload" in found[0] and "weight_offloading" in found[1]
     assert check_distributed_offload(OmegaConf.create({"optimizer_offload": None, "weight_offloading": None})) == []
+
+
 def test_fp8_weight_storage_is_refused_in_distributed_recipes():
     found = problems(lora={"modules": ["q_proj"]}, weight_storage_dtype="float8_e4m3fn")
     assert len(found) == 1 and "not supported by the distributed recipes" in found[0]

@@ -143,3 +143,22 @@ def test_offloaded_activations_are_counted_where_they_are():
     device = plain["category_peak"]["device"]["activations"]
     assert moved["category_peak"]["host"]["activations"] >= 2 * block_input
     assert moved["category_peak"]["device"]["activations"] <= device - block_input
+
+
+def test_plan_check_alone_tracks_only_the_first_steps(tmp_path):
+    # Tracking costs a Python call per op: without memory_breakdown only num_steps steps are tracked.
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    window = MemoryBreakdown(model, optimizer, tmp_path, num_steps=2, write=False, track_all_steps=False)
+    every = MemoryBreakdown(model, optimizer, tmp_path, num_steps=2, write=False)
+    for breakdown in (window, every):
+        for _ in range(4):
+            with breakdown.track_step():
+                model(torch.randn(4, 8)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            breakdown.log_metrics()
+    assert window.tracked_steps == 2 and every.tracked_steps == 4
+    with window.track_step():  # after the window: nothing is recorded, so no peaks are logged
+        model(torch.randn(4, 8)).sum().backward()
+    assert window.log_metrics() == {}

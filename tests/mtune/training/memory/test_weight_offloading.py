@@ -25,10 +25,10 @@ LORA = {"modules": ["q_proj", "v_proj", "down_proj"], "rank": 4, "alpha": 8}
 N_LAYERS = 4
 
 
-def _pair(memory: MemoryConfig, lora=LORA, dtype=torch.float32):
+def _pair(memory: MemoryConfig, lora=LORA, dtype=torch.float32, n_layers=N_LAYERS):
     """(plain model, offloaded twin with the same weights, its offloader), both with ``memory``'s other techniques."""
     torch.manual_seed(0)
-    base = build_model("llama3_1", "tiny", device="cpu", n_layers=N_LAYERS, dtype=dtype)
+    base = build_model("llama3_1", "tiny", device="cpu", n_layers=n_layers, dtype=dtype)
     plain, twin = copy.deepcopy(base), copy.deepcopy(base)
     plain_memory = MemoryConfig(**{**memory.__dict__, "weight_offloading": None})
     apply_memory_techniques(plain, plain_memory, lora=lora)
@@ -112,7 +112,8 @@ def test_exact_and_at_most_one_group_on_the_device(kind, blocks_per_group, use_s
 def test_stacks_with_qlora_checkpointing_and_activation_offloading():
     memory = MemoryConfig(enable_activation_checkpointing=True, enable_activation_offloading=True,
                           weight_offloading=WeightOffloading("leaf_level", 1, True))
-    plain, twin, offloader, ctx = _pair(memory, lora={**LORA, "quantize_base": True}, dtype=torch.bfloat16)
+    plain, twin, offloader, ctx = _pair(memory, lora={**LORA, "quantize_base": True}, dtype=torch.bfloat16,
+                                        n_layers=2)
     ctx.min_offload_bytes = 0
     from mtune.modules.nf4_linear import is_nf4
 

@@ -74,3 +74,11 @@ def test_bf16_warning_only_for_bf16_on_a_cpu_without_it(tmp_path, monkeypatch):
     assert pf.cpu_bf16_warning("meta", "bf16", cache) is None
     monkeypatch.setattr(pf, "cpu_has_native_bf16", lambda: True)
     assert pf.cpu_bf16_warning("cpu", "bf16", cache) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_this_gpu_has_a_peak_in_the_table():
+    peak = pf.peak_flops("cuda", "bf16")
+    assert peak is not None, f"{torch.cuda.get_device_name()} is not in GPU_PEAK_TFLOPS"
+    assert peak.flops > 1e13 and "datasheet" in peak.source
