@@ -147,8 +147,9 @@ def model_flops_per_token(cfg) -> float:
     device with the config's adapters and checkpointing, at ``tokenizer.max_seq_len``. Cached per distinct
     model/adapter/checkpointing/loss combination (the other knobs cost no FLOPs)."""
     lora = cfg.get("lora")
-    memory = MemoryConfig(
-        enable_activation_checkpointing=bool(cfg.get("enable_activation_checkpointing")),
+    selective = cfg.get("activation_checkpointing_policy") == "selective_op"
+    memory = MemoryConfig(  # selective_op recomputes only the elementwise ops between matmuls: no matmul FLOPs
+        enable_activation_checkpointing=bool(cfg.get("enable_activation_checkpointing")) and not selective,
         activation_checkpointing_every_n_layers=int(cfg.get("activation_checkpointing_every_n_layers") or 1),
         activation_checkpointing_policy=str(cfg.get("activation_checkpointing_policy") or "block"))
     chunked = "Chunked" in str((cfg.get("loss") or {}).get("_component_", ""))
