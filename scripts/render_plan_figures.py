@@ -25,6 +25,17 @@ def single_device_configs() -> list[str]:
                   if not p.parent.name == "tiny")
 
 
+GPU_SIZES_GB = (4, 6, 8, 12, 16, 24, 32, 40, 48, 80, 141)
+
+
+def gpu_size(total_bytes: int) -> str:
+    """The smallest common GPU (decimal GB, as sold) whose memory holds ``total_bytes``: "a 24 GB", "an 80 GB"."""
+    size = next((gb for gb in GPU_SIZES_GB if gb * 10**9 >= total_bytes), None)
+    if size is None:
+        return "no single"
+    return f"{'an' if str(size).startswith('8') else 'a'} {size} GB"
+
+
 def header_block(result: dict) -> list[str]:
     batch = result["batch"]
     at_peak = {k: v for k, v in result["at_peak"]["device"].items() if v >= 0.05 * GIB}
@@ -33,7 +44,8 @@ def header_block(result: dict) -> list[str]:
              f"batch_size={batch['batch_size']}):",
              f"#   GPU {result['device_peak_bytes'] / GIB:.1f} GiB allocated at the peak ({parts})",
              f"#   + 0.5 GiB CUDA context = {result['device_total_bytes'] / GIB:.1f} GiB"
-             + (f"; host {result['host_peak_bytes'] / GIB:.1f} GiB" if result["host_peak_bytes"] else "") + ".",
+             + (f"; host {result['host_peak_bytes'] / GIB:.1f} GiB" if result["host_peak_bytes"] else "")
+             + f": fits {gpu_size(result['device_total_bytes'])} GPU.",
              "#   Alpaca samples are mostly far shorter than max_seq_len (batches pad to their longest), so real "
              "peaks are lower."]
     return lines
@@ -44,9 +56,11 @@ def rewrite_header(config: str, result: dict) -> None:
     lines = path.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("# Memory"))
     end = next(i for i, line in enumerate(lines) if line.startswith("recipe:"))
-    if any(line.startswith("#   Sharded") or "paged" in line for line in lines[start:end]):
-        pass  # the paging caveat is replaced by the planned figure too
-    path.write_text("\n".join(lines[:start] + header_block(result) + lines[end:]) + "\n")
+    block = header_block(result)
+    if any("_component_: bitsandbytes.optim.Paged" in line for line in lines):
+        block.insert(-1, "#   The paged optimizer state is counted on the GPU; when the GPU is full it pages to host RAM "
+                         "(slower).")
+    path.write_text("\n".join(lines[:start] + block + lines[end:]) + "\n")
 
 
 def rewrite_table(results: dict[str, dict]) -> None:

@@ -8,23 +8,22 @@ knob) that the recipe's rules accept is ordered by :func:`step_cost`; candidates
 fit, every candidate that saves no more on any knob (each level <= its) cannot fit either and is never planned.
 The search stops after ``max_fits`` fitting candidates (the cheapest ones) or ``max_plans`` plans.
 
-The cost model (:func:`step_cost`), in seconds per trained token on a reference GPU: model FLOPs per token
-(forward 2 x weights + attention; backward twice the forward for trained weights, once for frozen ones, whose
-input gradients are still needed) plus the recomputation of checkpointed blocks, divided by
-:data:`REFERENCE_FLOPS`; plus the bytes moved between device and host (offloaded activations out and back, paged
+The cost model (:func:`step_cost`), in seconds per trained token on a reference GPU: the FLOPs per token that
+the performance counter (:mod:`mtune.training.observe.flops`, the numerator of HFU) counts for the candidate's model
+(forward, backward, the recomputation of checkpointed blocks), divided by :data:`REFERENCE_FLOPS`; plus the bytes moved between device and host (offloaded activations out and back, paged
 optimizer states none while they fit) divided by :data:`REFERENCE_HOST_BANDWIDTH`. Smaller micro-batches and
 8-bit optimizers cost no FLOPs in this model; among equal costs the larger micro-batch and the fewer techniques
-win. ``model_flops_per_token`` is the one place FLOPs are counted, to be replaced by the performance work's
-counter (``mtune.training.observe.flops``) when it lands.
+win.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,12 @@ from omegaconf import OmegaConf
 
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
+from mtune.config.keys import MemoryConfig
+from mtune.models import build_model_from_args
+from mtune.modules.lora import freeze_base
+from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.model_setup import resolve_model_source
+from mtune.training.observe.flops import flops_per_token
 from mtune.training.plan import MemoryPlan, format_bytes, plan_memory
 
 __all__ = ["Knob", "KNOBS", "Candidate", "search", "step_cost", "model_flops_per_token", "fit_command",
@@ -134,32 +138,40 @@ def _args(cfg):
 
 
 # ------------------------------------------------------------------------------------------------ cost model
-def model_flops_per_token(args, seq_len: int, *, lora: bool, recompute_fraction: float) -> float:
-    """Training FLOPs per token of the decoder ``args`` at ``seq_len``: matmuls of the weights (2 per weight per
-    token forward) and of attention (scores and weighted values: 4 x seq_len x n_heads x head_dim per layer, half of
-    it under the causal mask), backward twice the forward where weights train and once where they are frozen
-    (LoRA: only input gradients), plus ``recompute_fraction`` of the blocks' forward again (activation
-    checkpointing)."""
-    head_dim = args.head_dim or args.dim // args.n_heads
-    attention_proj = args.dim * head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    mlp = 3 * args.dim * args.intermediate_dim
-    block_weights = attention_proj + mlp
-    block_forward = 2 * block_weights + 2 * seq_len * args.n_heads * head_dim  # causal: half of 4 * s * h * d
-    head_forward = 2 * args.dim * args.vocab_size
-    forward = args.n_layers * block_forward + head_forward
-    backward = (1.0 if lora else 2.0) * forward
-    return forward + backward + recompute_fraction * args.n_layers * block_forward
+_FLOPS_CACHE: dict = {}
+
+
+def model_flops_per_token(cfg) -> float:
+    """Training FLOPs per token of ``cfg``'s model, recomputation included: the performance counter
+    (:func:`mtune.training.observe.flops.flops_per_token`, the numerator of HFU) on the model built on the meta
+    device with the config's adapters and checkpointing, at ``tokenizer.max_seq_len``. Cached per distinct
+    model/adapter/checkpointing/loss combination (the other knobs cost no FLOPs)."""
+    lora = cfg.get("lora")
+    selective = cfg.get("activation_checkpointing_policy") == "selective_op"
+    memory = MemoryConfig(  # selective_op recomputes only the elementwise ops between matmuls: no matmul FLOPs
+        enable_activation_checkpointing=bool(cfg.get("enable_activation_checkpointing")) and not selective,
+        activation_checkpointing_every_n_layers=int(cfg.get("activation_checkpointing_every_n_layers") or 1),
+        activation_checkpointing_policy=str(cfg.get("activation_checkpointing_policy") or "block"))
+    chunked = "Chunked" in str((cfg.get("loss") or {}).get("_component_", ""))
+    lora_key = None if lora is None else json.dumps(OmegaConf.to_container(lora, resolve=True), sort_keys=True)
+    key = (json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True), lora_key,
+           astuple(memory), chunked, int(cfg.tokenizer.max_seq_len))
+    if key not in _FLOPS_CACHE:
+        source = resolve_model_source(cfg.model)
+        model = build_model_from_args(source.args)  # meta: no memory
+        lora_node = None if lora is None else OmegaConf.to_container(lora, resolve=True)
+        apply_memory_techniques(model, memory, lora=lora_node)
+        if lora is not None:
+            freeze_base(model)
+        _FLOPS_CACHE[key] = flops_per_token(model, int(cfg.tokenizer.max_seq_len), memory,
+                                            chunked_loss=chunked).hardware
+    return _FLOPS_CACHE[key]
 
 
 def step_cost(cfg) -> float:
     """Seconds per trained token on the reference GPU (see the module docstring)."""
     args = _args(cfg)
-    seq_len = int(cfg.tokenizer.max_seq_len)
-    recompute = 0.0
-    if cfg.get("enable_activation_checkpointing") and cfg.get("activation_checkpointing_policy") != "selective_op":
-        # selective_op recomputes only elementwise ops: no matmul FLOPs in this model
-        recompute = 1.0 / int(cfg.get("activation_checkpointing_every_n_layers") or 1)
-    flops = model_flops_per_token(args, seq_len, lora=cfg.get("lora") is not None, recompute_fraction=recompute)
+    flops = model_flops_per_token(cfg)
     moved = 0.0
     if cfg.get("enable_activation_checkpointing") and cfg.get("enable_activation_offloading"):
         dtype_bytes = 4 if cfg.get("dtype") == "fp32" else 2

@@ -34,6 +34,9 @@ MATRIX = {
     "full_8bit_opt_in_bwd": ("full_single_device", {
         "~lora": None, "optimizer._component_": "bitsandbytes.optim.AdamW8bit", "optimizer_in_bwd": True,
         "clip_grad_norm": None}),
+    "lora_fp8_weights_selective_ac": ("lora_single_device", {
+        "weight_storage_dtype": "float8_e4m3fn", "enable_activation_checkpointing": True,
+        "activation_checkpointing_policy": "selective_op"}),
 }
 
 
@@ -76,6 +79,23 @@ def test_offloaded_plan_matches_real_tensors(tmp_path, tiny_checkpoint, tiny_dat
     without = plan_memory(_config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
         "device": "cuda", "enable_activation_checkpointing": True, "batch_size": 32})))
     assert without.host_peak_bytes == 0 and without.device["activations"] > planned.device["activations"]
+
+
+@pytest.mark.parametrize("recipe, changes", [
+    ("full_single_device", {"~lora": None, "optimizer_offload": "cpu"}),
+    ("lora_single_device", {"weight_offloading": "{type: block_level, blocks_per_group: 1}"}),
+])
+def test_offloaded_weights_and_optimizer_states_count_on_the_host(tmp_path, tiny_checkpoint, tiny_data, recipe,
+                                                                  changes):
+    # CUDA target (distinct host): what the offloading techniques move is planned on the host, as real tensors show.
+    cfg = _config(recipe, _overrides(tmp_path, tiny_checkpoint, tiny_data, {"device": "cuda", **changes}))
+    planned, real = plan_memory(cfg), plan_memory(cfg, fake=False)
+    category = "optimizer_state" if "optimizer_offload" in changes else "parameters"
+    assert planned.host[category] > 0
+    if category == "optimizer_state":  # the states never sit on the device
+        assert planned.at_peak["device"][category] == 0
+    assert planned.device_peak_bytes == pytest.approx(real.device_peak_bytes, rel=0.05)
+    assert planned.host_peak_bytes == pytest.approx(real.host_peak_bytes, rel=0.05)
 
 
 def test_the_planner_reads_no_weight_file(tmp_path, tiny_checkpoint, tiny_data):

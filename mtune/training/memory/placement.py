@@ -106,6 +106,10 @@ class Placement:
         self._host_storages[key] = weakref.ref(t, lambda _, key=key: self._host_storages.pop(key, None))
         return t
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The live tensors this placement put on (or marked as) the host, one per storage."""
+        return [t for t in (ref() for ref in list(self._host_storages.values())) if t is not None]
+
     def on_host(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in host memory: on a host-type device that is not the compute device, or in a storage
         this placement put on the host."""

@@ -52,6 +52,12 @@ LOCATIONS = ("device", "host")
 def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """The storages holding ``t``'s bytes: a wrapper subclass (NF4, DTensor, quantized optimizer states) is opened
     up to its inner tensors."""
+    for part in plain_parts(t):
+        yield part.untyped_storage()
+
+
+def plain_parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors behind ``t`` (itself, or a wrapper subclass's inner tensors, recursively)."""
     if isinstance(t, nn.Parameter):
         t = t.data
     if is_traceable_wrapper_subclass(t):
@@ -59,9 +65,9 @@ def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         for name in names:
             part = getattr(t, name)
             if isinstance(part, torch.Tensor):
-                yield from storages_of(part)
+                yield from plain_parts(part)
         return
-    yield t.untyped_storage()
+    yield t
 
 
 def _zero() -> dict[str, dict[str, int]]:
@@ -130,6 +136,8 @@ class TensorTracker(TorchDispatchMode):
         self._orig_resize = None
         if model is not None:
             self.register_model(model)
+        for t in self.placement.host_tensors():  # moved to the host before tracking began: offloaded weights
+            self.track(t, "parameters", recategorize=False)
 
     # ------------------------------------------------------------------------------------------ registration
     def register_model(self, model: nn.Module) -> None:
@@ -151,10 +159,13 @@ class TensorTracker(TorchDispatchMode):
 
     def track(self, t: torch.Tensor, category: str, *, recategorize: bool = True) -> None:
         """Count the storages behind ``t`` under ``category`` (moving them there if already counted)."""
-        for storage in storages_of(t):
+        for part in plain_parts(t):
+            storage = part.untyped_storage()
             record = self._records.get(id(storage))
+            if record is not None and self.placement.distinct:
+                self._relocate(record, self._where(storage, part))  # marked as host since it was counted
             if record is None:
-                self._add(storage, category)
+                self._add(storage, category, part)  # where the placement says it lives (offloaded: the host)
             elif recategorize and record.category != category and record.category not in ("parameters", "buffers"):
                 self._move(record, category)
 
@@ -189,6 +200,15 @@ class TensorTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         align = self.device_alignment if where == "device" else 1
         return -(-nbytes // align) * align
+
+    def _relocate(self, record: _Record, where: str) -> None:
+        if where == record.where:
+            return
+        self._current[record.where][record.category] -= record.nbytes
+        self._total[record.where] -= record.nbytes
+        record.where = where
+        self._current[where][record.category] += record.nbytes
+        self._total[where] += record.nbytes
 
     def _move(self, record: _Record, category: str) -> None:
         self._current[record.where][record.category] -= record.nbytes
@@ -265,6 +285,7 @@ class TensorTracker(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
+        self._recategorize_optimizer_state()  # and relocate states marked as host since the last step
         self._update_peaks()
         return super().__enter__()
 
@@ -293,9 +314,10 @@ class TensorTracker(TorchDispatchMode):
         return out
 
     def _register_output(self, t: torch.Tensor, category: str) -> None:
-        for storage in storages_of(t):
+        for part in plain_parts(t):
+            storage = part.untyped_storage()
             if id(storage) not in self._records:
-                self._add(storage, category, t)
+                self._add(storage, category, part)
 
     @contextlib.contextmanager
     def paused(self):
