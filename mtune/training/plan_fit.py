@@ -10,8 +10,10 @@ The search stops after ``max_fits`` fitting candidates (the cheapest ones) or ``
 
 The cost model (:func:`step_cost`), in seconds per trained token on a reference GPU: the FLOPs per token that
 the performance counter (:mod:`mtune.training.observe.flops`, the numerator of HFU) counts for the candidate's model
-(forward, backward, the recomputation of checkpointed blocks), divided by :data:`REFERENCE_FLOPS`; plus the bytes moved between device and host (offloaded activations out and back, paged
-optimizer states none while they fit) divided by :data:`REFERENCE_HOST_BANDWIDTH`. Smaller micro-batches and
+(forward, backward, the recomputation of checkpointed blocks), divided by :data:`REFERENCE_FLOPS`; plus the bytes moved between device and host
+(:func:`transfer_bytes_per_token`: offloaded activations, optimizer offload's gradients and parameters, weight
+offloading's frozen weights; paged optimizer states none while they fit) divided by
+:data:`REFERENCE_HOST_BANDWIDTH`. Smaller micro-batches and
 8-bit optimizers cost no FLOPs in this model; among equal costs the larger micro-batch and the fewer techniques
 win.
 """
@@ -39,7 +41,8 @@ from mtune.training.model_setup import resolve_model_source
 from mtune.training.observe.flops import flops_per_token
 from mtune.training.plan import MemoryPlan, format_bytes, plan_memory
 
-__all__ = ["Knob", "KNOBS", "Candidate", "search", "step_cost", "model_flops_per_token", "fit_command",
+__all__ = ["Knob", "KNOBS", "Candidate", "search", "step_cost", "model_flops_per_token", "transfer_bytes_per_token",
+           "fit_command",
            "REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH"]
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,25 @@ def _loss(cfg) -> list[tuple[int, dict]]:
             (1, {"loss._component_": "mtune.modules.loss.ChunkedCrossEntropyLoss"})]
 
 
+def _optimizer_offload(cfg) -> list[tuple[int, dict]]:
+    """Optimizer states (and the step) in host memory; mostly worth it for full fine-tunes (LoRA's states are
+    tiny). The rules drop it where it does not apply (distributed recipes, non-AdamW optimizers, fp16)."""
+    return [(0, {"optimizer_offload": None}), (1, {"optimizer_offload": "cpu"})]
+
+
+_WEIGHT_OFFLOADING = {"block_level": {"type": "block_level", "blocks_per_group": 1, "use_streams": True},
+                      "leaf_level": {"type": "leaf_level", "blocks_per_group": 1, "use_streams": True}}
+
+
+def _weight_offloading(cfg) -> list[tuple[int, dict]]:
+    """Frozen weights in host memory, one block (block_level) or one module (leaf_level) on the device at a time;
+    only with frozen weights (a lora node)."""
+    if cfg.get("lora") is None:
+        return [(0, {"weight_offloading": None})]
+    return [(0, {"weight_offloading": None}), (1, {"weight_offloading": _WEIGHT_OFFLOADING["block_level"]}),
+            (2, {"weight_offloading": _WEIGHT_OFFLOADING["leaf_level"]})]
+
+
 def _micro_batch(cfg) -> list[tuple[int, dict]]:
     """``batch_size`` halved down to 1, with ``gradient_accumulation_steps`` raised to keep the samples per step."""
     batch, accumulation = int(cfg.batch_size), int(cfg.get("gradient_accumulation_steps") or 1)
@@ -126,11 +148,12 @@ KNOBS: list[Knob] = [
     Knob("optimizer", _optimizer),
     Knob("optimizer_in_bwd", _optimizer_in_bwd),
     Knob("loss", _loss),
-    Knob("micro_batch", _micro_batch),
+    Knob("optimizer_offload", _optimizer_offload),
+    Knob("weight_offloading", _weight_offloading),
+    Knob("micro_batch", _micro_batch),  # last: the search reads the micro-batch level as levels[-1]
 ]
 """The techniques searched, in this order. fp8 weight storage is a level of ``lora_method`` and selective_op one of
-``activation_checkpointing``; a technique that lands later (optimizer or weight offloading) is one more entry
-here."""
+``activation_checkpointing``; a new technique is one more entry here (before ``micro_batch``)."""
 
 
 def _args(cfg):
@@ -168,15 +191,60 @@ def model_flops_per_token(cfg) -> float:
     return _FLOPS_CACHE[key]
 
 
-def step_cost(cfg) -> float:
-    """Seconds per trained token on the reference GPU (see the module docstring)."""
+_PARAMS_CACHE: dict = {}
+
+
+def _parameter_bytes(cfg) -> tuple[float, float]:
+    """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored (NF4 ~0.5 byte a weight plus its scales,
+    fp8 one byte), from the model built on the meta device."""
+    lora = cfg.get("lora")
+    lora_key = None if lora is None else json.dumps(OmegaConf.to_container(lora, resolve=True), sort_keys=True)
+    key = (json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True), lora_key,
+           cfg.get("weight_storage_dtype"), cfg.get("dtype"))
+    if key not in _PARAMS_CACHE:
+        dtype_bytes = 4 if cfg.get("dtype") == "fp32" else 2
+        model = build_model_from_args(_args(cfg))  # meta: no memory
+        apply_memory_techniques(model, MemoryConfig(weight_storage_dtype=cfg.get("weight_storage_dtype")),
+                                lora=None if lora is None else OmegaConf.to_container(lora, resolve=True))
+        if lora is not None:
+            freeze_base(model)
+        nf4 = bool(lora is not None and lora.get("quantize_base"))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
+        frozen = 0.0
+        for p in model.parameters():
+            if not p.requires_grad:
+                per_weight = 0.53 if nf4 and p.dim() == 2 else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes
+                frozen += p.numel() * per_weight
+        _PARAMS_CACHE[key] = (float(trainable), frozen)
+    return _PARAMS_CACHE[key]
+
+
+def transfer_bytes_per_token(cfg) -> float:
+    """Bytes moved between device and host per trained token: offloaded activations (each block's input out and
+    back), optimizer offload (each micro-batch's gradients out, the updated parameters back once per step) and
+    weight offloading (every frozen weight in for forward and again for backward, a third time for leaf_level's
+    recomputation)."""
     args = _args(cfg)
-    flops = model_flops_per_token(cfg)
+    dtype_bytes = 4 if cfg.get("dtype") == "fp32" else 2
+    micro_tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
+    step_tokens = micro_tokens * int(cfg.get("gradient_accumulation_steps") or 1)
     moved = 0.0
     if cfg.get("enable_activation_checkpointing") and cfg.get("enable_activation_offloading"):
-        dtype_bytes = 4 if cfg.get("dtype") == "fp32" else 2
-        moved = 2 * args.n_layers * args.dim * dtype_bytes  # each block's input, out and back, per token
-    return flops / REFERENCE_FLOPS + moved / REFERENCE_HOST_BANDWIDTH
+        moved += 2 * args.n_layers * args.dim * dtype_bytes
+    if cfg.get("optimizer_offload") or cfg.get("weight_offloading"):
+        trainable, frozen = _parameter_bytes(cfg)
+        if cfg.get("optimizer_offload"):
+            moved += trainable / micro_tokens + trainable / step_tokens
+        offloading = cfg.get("weight_offloading")
+        if offloading:
+            visits = 3 if offloading.get("type") == "leaf_level" and cfg.get("enable_activation_checkpointing") else 2
+            moved += visits * frozen / micro_tokens
+    return moved
+
+
+def step_cost(cfg) -> float:
+    """Seconds per trained token on the reference GPU (see the module docstring)."""
+    return model_flops_per_token(cfg) / REFERENCE_FLOPS + transfer_bytes_per_token(cfg) / REFERENCE_HOST_BANDWIDTH
 
 
 # -------------------------------------------------------------------------------------------------- search

@@ -221,3 +221,30 @@ def test_fit_searches_fp8_storage_and_selective_op(tmp_path, tiny_checkpoint, ti
     block = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
         "~lora": None, "enable_activation_checkpointing": True}))
     assert step_cost(full) == step_cost(selective) < step_cost(block)  # no matmul is recomputed
+
+
+def test_fit_searches_the_offloading_techniques_and_charges_their_transfers(tmp_path, tiny_checkpoint, tiny_data):
+    from mtune.training.plan_fit import KNOBS, search, step_cost, transfer_bytes_per_token
+
+    knobs = {k.name: k for k in KNOBS}
+    lora = _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {}))
+    full = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {"~lora": None}))
+    assert [c["weight_offloading"] for _, c in knobs["weight_offloading"].choices(full)] == [None]  # nothing frozen
+    assert [c["weight_offloading"]["type"] for _, c in knobs["weight_offloading"].choices(lora)[1:]] == [
+        "block_level", "leaf_level"]
+    offloaded = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+        "~lora": None, "optimizer_offload": "cpu"}))
+    # each micro-batch's gradients out and the parameters back once per step: fp32 trainable bytes x 2 per token
+    from mtune.models import build_model_from_args
+    from mtune.training.model_setup import resolve_model_source
+
+    n = sum(p.numel() for p in build_model_from_args(resolve_model_source(full.model).args).parameters())
+    tokens = int(full.batch_size) * int(full.tokenizer.max_seq_len) * int(full.gradient_accumulation_steps or 1)
+    assert transfer_bytes_per_token(offloaded) == pytest.approx(2 * 4 * n / tokens)
+    assert step_cost(offloaded) > step_cost(full)  # the same FLOPs plus the transfers
+    # the search keeps only what the rules accept: no optimizer offload with bitsandbytes' optimizer
+    schema = load_recipe_module(find_recipe("lora_single_device")).SCHEMA
+    candidates = search(lora, schema, device_memory=1 << 40, max_fits=0, max_plans=0)
+    chosen = [c.cfg for c in candidates]
+    assert any(c.get("weight_offloading") for c in chosen) and any(c.get("optimizer_offload") for c in chosen)
+    assert not any(c.get("optimizer_offload") and "bitsandbytes" in c.optimizer._component_ for c in chosen)
