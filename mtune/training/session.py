@@ -320,6 +320,10 @@ class TrainingSession:
         except MtuneError as err:
             self.monitor.write(f"plan_check: skipped ({err})")
             return
+        except Exception as err:  # a diagnostic after the run is saved: a planner failure must not fail the run
+            log.warning("plan_check: the planner failed (%s: %s); the run itself is complete and saved. Please "
+                        "report it with the config", type(err).__name__, err)
+            return
         check = {"planned_device_bytes": plan.device_peak_bytes, "measured_device_bytes": measured.peak["device"],
                  "planned_host_bytes": plan.host_peak_bytes, "measured_host_bytes": measured.peak["host"],
                  "planned_for": plan.batch}

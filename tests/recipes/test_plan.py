@@ -188,6 +188,21 @@ def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_
     assert not (out / "memory_breakdown.json").exists()  # plan_check tracks without writing the breakdown
 
 
+def test_a_planner_failure_in_plan_check_warns_and_keeps_the_run(tmp_path, tiny_checkpoint, tiny_data, monkeypatch,
+                                                                 capfd):
+    from mtune.training import session
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an op the fake tensors do not support")
+
+    monkeypatch.setattr(session, "plan_memory", broken)
+    overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {"plan_check": True, "max_steps_per_epoch": 1})
+    out = run_recipe_in_process("lora_single_device", overrides)
+    assert (out / "final" / "mtune_state.json").exists() and "plan_check" not in json.loads(
+        (out / "results.json").read_text())
+    assert "plan_check: the planner failed (RuntimeError: an op the fake tensors do not support)" in capfd.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, changes", [("lora_distributed", {}),
                                              ("full_distributed", {"~lora": None, "fsdp_reshard_after_forward": False})])
