@@ -14,6 +14,7 @@ from mtune.training.memory.activation_checkpointing import apply_activation_chec
 from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
+from tests._helpers.training import assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)
 TOKENS = torch.randint(0, 512, (2, 64), generator=gen)
@@ -26,10 +27,7 @@ def _model(n_layers=8):
 
 
 def _loss_and_grads(model, activation_context=None):
-    with activation_context or contextlib.nullcontext():  # around forward and backward, as the session enters it
-        loss_sum, n = CrossEntropyLoss()(model(TOKENS), LABELS)
-        (loss_sum / n).backward()
-    return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters()}
+    return loss_and_grads(model, TOKENS, LABELS, activation_context)
 
 
 def _saved_bytes(model):
@@ -46,10 +44,7 @@ def _saved_bytes(model):
     return sum(size for ptr, size in storages.items() if ptr not in params)
 
 
-def _assert_identical(a, b):
-    (loss_a, grads_a), (loss_b, grads_b) = a, b
-    assert torch.equal(loss_a, loss_b)
-    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+_assert_identical = assert_identical
 
 
 def test_checkpointing_is_exact_and_cuts_saved_activations():

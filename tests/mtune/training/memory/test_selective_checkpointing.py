@@ -2,7 +2,6 @@
 gradients as no checkpointing, and live activation bytes strictly between no checkpointing and whole-block
 checkpointing, measured with torch's MemTracker (which sees the tensors kept inside checkpoint regions)."""
 
-import contextlib
 import copy
 import warnings
 
@@ -18,6 +17,7 @@ from mtune.training.memory.activation_checkpointing import apply_activation_chec
 from mtune.training.memory.activation_offloading import OffloadActivations
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
+from tests._helpers.training import assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)
 TOKENS = torch.randint(0, 512, (2, 64), generator=gen)
@@ -31,17 +31,10 @@ def _model(n_layers=4):
 
 
 def _loss_and_grads(model, activation_context=None):
-    torch.manual_seed(1)  # the same dropout masks on both sides
-    with activation_context or contextlib.nullcontext():
-        loss_sum, n = CrossEntropyLoss()(model(TOKENS), LABELS)
-        (loss_sum / n).backward()
-    return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return loss_and_grads(model, TOKENS, LABELS, activation_context, seed=1)  # the same dropout masks both sides
 
 
-def _assert_identical(a, b):
-    (loss_a, grads_a), (loss_b, grads_b) = a, b
-    assert torch.equal(loss_a, loss_b)
-    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+_assert_identical = assert_identical
 
 
 def _activation_mib_after_forward(model):

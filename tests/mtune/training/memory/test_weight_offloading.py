@@ -17,6 +17,7 @@ from mtune.training.memory.activation_checkpointing import is_checkpointed
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.weight_offloading import _in_backward, _plain_tensors, weight_offloader
+from tests._helpers.training import assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)
 TOKENS = torch.randint(0, 512, (2, 32), generator=gen)
@@ -40,16 +41,10 @@ def _pair(memory: MemoryConfig, lora=LORA, dtype=torch.float32, n_layers=N_LAYER
 
 
 def _loss_and_grads(model, ctx=None):
-    with ctx if ctx is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss_sum, n = CrossEntropyLoss()(model(TOKENS), LABELS)
-        (loss_sum / n).backward()
-    return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return loss_and_grads(model, TOKENS, LABELS, ctx)
 
 
-def _assert_identical(a, b):
-    (loss_a, grads_a), (loss_b, grads_b) = a, b
-    assert torch.equal(loss_a, loss_b)
-    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+_assert_identical = assert_identical
 
 
 def _materialised(units) -> int:

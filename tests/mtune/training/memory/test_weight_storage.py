@@ -21,8 +21,8 @@ from mtune.training import model_setup
 from mtune.training.memory.activation_offloading import OffloadActivations
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
-from mtune.training.memory.weight_storage import apply_fp8_weight_storage
 from mtune.training.model_setup import resolve_model_source, setup_model
+from tests._helpers.training import loss_and_grads
 
 TINY = Path(mtune.__file__).parent / "assets" / "tiny"
 SOURCE = resolve_model_source({"checkpoint_dir": str(TINY / "model")})
@@ -112,11 +112,7 @@ def test_trainable_and_nf4_weights_are_refused():
 
 
 def _loss_and_grads(model, batch, context=None):
-    torch.manual_seed(1)
-    with context or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss_sum, n = CrossEntropyLoss()(model(batch["tokens"]), batch["labels"])
-        (loss_sum / n).backward()
-    return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+    return loss_and_grads(model, batch["tokens"], batch["labels"], context, seed=1)
 
 
 def test_checkpointing_selective_op_and_offloading_change_nothing_on_an_fp8_base(batch):

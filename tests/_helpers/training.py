@@ -1,0 +1,26 @@
+"""One forward and backward of a model, and the bit-exact comparison the memory-technique tests make of two."""
+
+import contextlib
+
+import torch
+
+from mtune.modules.loss import CrossEntropyLoss
+
+
+def loss_and_grads(model, tokens, labels, context=None, seed=None):
+    """``(summed loss, {name: grad})`` of one forward and backward of ``model`` on ``tokens`` -> ``labels``, run
+    inside ``context`` (around forward and backward, as the session enters an activation context). ``seed`` seeds
+    torch first (the same dropout masks on both sides of a comparison)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with context if context is not None else contextlib.nullcontext():
+        loss_sum, n = CrossEntropyLoss()(model(tokens), labels)
+        (loss_sum / n).backward()
+    return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_identical(a, b):
+    """Two :func:`loss_and_grads` results are equal bit for bit."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
