@@ -68,7 +68,8 @@ def rewrite_table(results: dict[str, dict]) -> None:
     text = path.read_text()
     out = []
     for line in text.splitlines():
-        match = re.match(r"\| `([^`]+)` \| `([^`]+)` \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", line)
+        # rows as first written (five cells) or as rendered before (a sixth: the figure's source)
+        match = re.match(r"\| `([^`]+)` \| `([^`]+)` \| ([^|]+) \| ([^|]+) \| ([^|]+) \|(?: [^|]+ \|)?$", line)
         if line.startswith("| config | recipe | batch × accumulation |"):
             line = "| config | recipe | batch × accumulation | planned GPU (GiB) | host (GiB) | source |"
         elif line.startswith("|---|---|---|---|---|"):
