@@ -1,5 +1,6 @@
 """Test-session settings shared by every test."""
 
+import logging
 import os
 
 import pytest
@@ -16,3 +17,14 @@ def _peak_flops_cache(tmp_path_factory):
         os.environ.pop("MTUNE_PEAK_FLOPS_CACHE", None)
     else:
         os.environ["MTUNE_PEAK_FLOPS_CACHE"] = before
+
+
+@pytest.fixture(autouse=True)
+def _mtune_logger_as_found():
+    """A recipe run in process configures the ``mtune`` logger for a terminal (its own stderr handler, no
+    propagation), which would hide later tests' log records from ``caplog``: put it back after every test."""
+    logger = logging.getLogger("mtune")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.propagate, logger.level = propagate, level
