@@ -65,6 +65,10 @@ def shard_model(
 ) -> nn.Module:
     """``fully_shard`` each block of ``model.layers``, then the root (embeddings, final norm, lm_head). In place.
 
+    ``reshard_after_forward`` applies to the blocks. The root always stays gathered from its forward to the end of
+    backward (FSDP2's own default for a root): backward needs its weights first anyway, and the loss calls
+    ``model.lm_head`` after the forward has returned (``ChunkedCrossEntropyLoss``), which must see whole weights.
+
     Gradients are reduce-scattered in ``reduce_dtype`` (fp32 by default, so bf16 gradients are summed without
     rounding); ``param_dtype`` None computes in the storage dtype. ``cpu_offload`` keeps the parameter shards,
     gradients and optimizer step on the CPU (pinned memory only when there is an accelerator). Works on a meta
@@ -79,5 +83,5 @@ def shard_model(
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     for block in model.layers:
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model

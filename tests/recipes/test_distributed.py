@@ -18,7 +18,9 @@ SCHEDULE = ["max_steps_per_epoch=4", "save_every_n_steps=2",
             "lr_scheduler.num_warmup_steps=1"]
 VARIANTS = {
     "lora": ("lora_single_device", "lora_distributed", []),
-    "full": ("full_single_device", "full_distributed", ["~lora"]),
+    # with the chunked loss: it calls the (trained) output projection after the forward, outside FSDP2's hooks
+    "full": ("full_single_device", "full_distributed", ["~lora",
+                                                        "loss._component_=mtune.modules.loss.ChunkedCrossEntropyLoss"]),
     # with op-level selective checkpointing: FSDP2's gathers run outside the block's checkpoint
     "qlora": ("lora_single_device", "lora_distributed", ["lora.quantize_base=true", "lora.use_dora=true",
                                                          "enable_activation_checkpointing=true",
