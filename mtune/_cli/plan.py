@@ -84,7 +84,10 @@ def plan_command(argv: list[str]) -> int:
 
     device_memory = parse_bytes(options["device_memory"], "--device-memory") if "device_memory" in options else None
     host_memory = parse_bytes(options["host_memory"], "--host-memory") if "host_memory" in options else None
-    world_size = int(options.get("nproc_per_node") or 1)
+    world_size = options.get("nproc_per_node") or "1"
+    if not (world_size.isdigit() and int(world_size) > 0):
+        raise UsageError(f"--nproc_per_node {world_size}: expected a positive number of ranks to plan for")
+    world_size = int(world_size)
     if options["fit"]:
         from mtune.training.plan_fit import fit_command
 

@@ -50,6 +50,17 @@ class RunArgs:
     help: bool = False
 
 
+def _check_nproc_per_node(launcher: list[str]) -> None:
+    """torchrun takes a positive count or one of its device words; say so before it prints a traceback."""
+    for k, opt in enumerate(launcher):
+        name, eq, value = opt.partition("=")
+        if name != "--nproc_per_node":
+            continue
+        value = value if eq else launcher[k + 1]
+        if not (value.isdigit() and int(value) > 0) and value not in ("auto", "cpu", "gpu", "xpu"):
+            raise UsageError(f"--nproc_per_node {value}: expected a positive number of processes (or auto, cpu, gpu)")
+
+
 def parse_run_args(argv: list[str]) -> RunArgs:
     """Split ``argv`` into launcher options, RECIPE, ``--config`` and overrides; refuse anything else."""
     args, i = RunArgs(), 0
@@ -69,6 +80,7 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             args.launcher.append(argv[i + 1])
             i += 1
         i += 1
+    _check_nproc_per_node(args.launcher)
     if i >= len(argv):
         raise UsageError("missing RECIPE", "mtune run RECIPE --config CONFIG [key=value ...]; `mtune ls` lists recipes")
     args.recipe = argv[i]

@@ -106,6 +106,10 @@ def test_run_errors_are_one_line_with_a_hint(mtune, tmp_path):
     assert "Traceback" not in out.stderr
     out = mtune("run", "--nproc_per_node", "2", "echo_recipe", "--config", "test/echo")
     assert out.returncode == 1 and "error: recipe 'echo_recipe' does not support distributed runs" in out.stderr
+    for command, value in (("run", "two"), ("run", "0"), ("plan", "-1")):
+        out = mtune(command, "--nproc_per_node", value, "echo_recipe", "--config", "test/echo")
+        assert out.returncode == 2 and out.stderr.startswith(f"error: --nproc_per_node {value}: expected a positive"), \
+            out.stderr
     out = mtune("run", "echo_recipee", "--config", "test/echo")
     assert out.returncode == 1 and "did you mean 'echo_recipe'" in out.stderr
     out = mtune("run", "echo_recipe", "--config", "test/echo", "batch_size=two", MTUNE_DEBUG="1")
