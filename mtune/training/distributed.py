@@ -75,6 +75,14 @@ def shard_model(
     model: shard first, then load with
     :func:`mtune.training.checkpointing.sharded.load_hf_checkpoint_sharded`.
     """
+    from mtune.modules.lora import has_nf4_weight
+
+    if dist.is_initialized() and dist.get_world_size() == 1 and any(has_nf4_weight(m) for m in model.modules()):
+        # FSDP2's one-rank shortcut unshards a parameter from its first all-gather input only; an NF4 weight has
+        # three (scalers, factors, codes), so its forward fails.
+        raise ConfigError("lora.quantize_base=true under FSDP2 needs at least 2 processes (torch's FSDP2 cannot "
+                          "unshard NF4 weights in a group of one): run lora_single_device on one device, or "
+                          "launch with --nproc_per_node 2 or more")
     kwargs: dict = {
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),

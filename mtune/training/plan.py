@@ -36,6 +36,7 @@ import contextlib
 import logging
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -272,7 +273,9 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
                 fake_group = True
             shard_model(model, reshard_after_forward=cfg.fsdp_reshard_after_forward, cpu_offload=False)
-        with mode if mode is not None else contextlib.nullcontext():
+        with mode if mode is not None else contextlib.nullcontext(), warnings.catch_warnings():
+            # torchao's NF4 all-gather compares storage pointers, which fake tensors lack: harmless here
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             if sharded:  # setup_sharded_model's own steps after sharding: each rank's rows, then the adapters
                 torch.manual_seed(int(cfg.get("seed") or 0))
                 init_weights_sharded(model, "cpu")

@@ -34,9 +34,6 @@ MATRIX = {
     "full_8bit_opt_in_bwd": ("full_single_device", {
         "~lora": None, "optimizer._component_": "bitsandbytes.optim.AdamW8bit", "optimizer_in_bwd": True,
         "clip_grad_norm": None}),
-    "lora_fp8_weights_selective_ac": ("lora_single_device", {
-        "weight_storage_dtype": "float8_e4m3fn", "enable_activation_checkpointing": True,
-        "activation_checkpointing_policy": "selective_op"}),
 }
 
 
@@ -263,3 +260,33 @@ def test_fit_searches_the_offloading_techniques_and_charges_their_transfers(tmp_
     chosen = [c.cfg for c in candidates]
     assert any(c.get("weight_offloading") for c in chosen) and any(c.get("optimizer_offload") for c in chosen)
     assert not any(c.get("optimizer_offload") and "bitsandbytes" in c.optimizer._component_ for c in chosen)
+
+
+@pytest.mark.parametrize("config", ["llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed",
+                                    "llama3_1/70B_lora_distributed", "llama3_1/70B_qlora_distributed",
+                                    "qwen2_5/7B_lora_distributed"])
+def test_shipped_distributed_configs_plan_on_a_tiny_model_of_their_family(config):
+    """Each shipped multi-GPU config, flags as shipped (chunked loss, NF4, checkpointing, its optimizer), planned on
+    its family's tiny model: the recipe's sharded setup and two training steps run on fake tensors."""
+    from mtune._cli.catalog import find_config
+    from mtune.config.errors import ConfigError
+
+    family = config.split("/")[0]
+    recipe = "full_distributed" if "full" in config else "lora_distributed"
+
+    def planned(device, world_size):
+        cfg = load_and_check(load_recipe_module(find_recipe(recipe)), find_config(config), [
+            f"device={device}", "model.checkpoint_dir=null", f"model.family={family}", "model.size=tiny",
+            "tokenizer.path=null"])
+        return plan_memory(cfg, world_size=world_size)
+
+    assert planned("cuda", 2).device_peak_bytes > 0  # as shipped: for GPUs
+    if "qlora" in config:  # torch's FSDP2 cannot unshard NF4 weights in a group of one: refused, not crashed
+        with pytest.raises(ConfigError, match="needs at least 2 processes"):
+            planned("cuda", 1)
+        return
+    # on a CPU target (no allocator blocks) each of 2 ranks holds half of every parameter and optimizer state
+    two, one = planned("cpu", 2), planned("cpu", 1)
+    assert two.device["parameters"] == pytest.approx(one.device["parameters"] / 2, rel=0.01)
+    assert two.device["optimizer_state"] == pytest.approx(one.device["optimizer_state"] / 2, rel=0.01)
+    assert two.device_peak_bytes < one.device_peak_bytes
