@@ -17,11 +17,14 @@ from torch import nn
 from mtune.config.errors import ConfigError
 
 try:  # torchao >= 0.18 moved NF4 under quantize_.workflows
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, linear_nf4, to_nf4
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
+        NF4Tensor, construct_nf4_args, linear_nf4, to_nf4,
+    )
 except ImportError:  # older torchao
-    from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
+    from torchao.dtypes.nf4tensor import NF4Tensor, construct_nf4_args, linear_nf4, to_nf4
 
-__all__ = ["NF4Tensor", "FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4"]
+__all__ = ["NF4Tensor", "FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4",
+           "nf4_row_chunk"]
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -36,6 +39,19 @@ def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
             "pick model sizes with larger or rounder linear layers, or set lora.quantize_base=false"
         )
     return nn.Parameter(to_nf4(weight.detach()), requires_grad=False)
+
+
+def nf4_row_chunk(weight: torch.Tensor, chunks: int, index: int) -> torch.Tensor:
+    """Rows ``index`` of ``chunks`` of an NF4 weight, as ``fully_shard`` splits it, in memory of its own.
+
+    NF4Tensor's ``chunk`` returns views of the whole weight's codes and scales (one rank's shard would keep the
+    whole weight alive), and its ``clone`` re-quantizes against the shard's own scales (other values); this
+    copies the shard's codes and scales as they are.
+    """
+    piece = torch.chunk(weight, chunks, dim=0)[index]
+    owned = {name: getattr(piece, name).clone() for name in ("quantized_scalers", "quantization_factor",
+                                                             "quantized_data")}
+    return NF4Tensor(*construct_nf4_args(piece, owned))
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:

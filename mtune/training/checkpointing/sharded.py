@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mtune.modules.lora import has_nf4_weight
-from mtune.modules.nf4_linear import is_nf4, quantize_nf4
+from mtune.modules.nf4_linear import is_nf4, nf4_row_chunk, quantize_nf4
 from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
 
 __all__ = ["load_hf_checkpoint_sharded", "local_rows", "local_shape", "as_param_like", "assign_tensors"]
@@ -38,12 +38,12 @@ def _row_slice(param: DTensor) -> tuple[int, int]:
 
 
 def local_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a full tensor (``full`` itself for an unsharded parameter). NF4 goes through
-    NF4Tensor's own ``chunk``, which splits codes and scales into NF4 pieces as ``fully_shard`` does."""
+    """This rank's rows of a full tensor (``full`` itself for an unsharded parameter), in memory of their own so
+    the full tensor is freed. NF4 is split as ``fully_shard`` splits it (:func:`nf4_row_chunk`)."""
     if not isinstance(param, DTensor):
         return full
     if is_nf4(full):
-        return torch.chunk(full, param.device_mesh.size(), dim=0)[param.device_mesh.get_local_rank()]
+        return nf4_row_chunk(full, param.device_mesh.size(), param.device_mesh.get_local_rank())
     start, length = _row_slice(param)
     return full.narrow(0, start, length).clone()  # own memory: the full tensor is freed
 

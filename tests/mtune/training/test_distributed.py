@@ -92,6 +92,12 @@ class _PeakRSS:
         self.thread.join()
 
 
+def _storage_bytes(nf4) -> int:
+    """The memory an NF4 tensor keeps alive: its parts' whole storages (a view keeps the tensor it views)."""
+    return sum(getattr(nf4, name).untyped_storage().nbytes()
+               for name in ("quantized_scalers", "quantization_factor", "quantized_data"))
+
+
 def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
     tmp, out = Path(tmp), {}
     # 1. full fine-tune (tied embeddings): load, one SGD step on half of the batch, export
@@ -104,8 +110,8 @@ def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
 
     # 2. QLoRA + DoRA (bf16): NF4 shards, adapter init, a step, DCP save, reload on 2 ranks
     model = _sharded(lora_ckpt, torch.bfloat16, QDORA)
-    out["nf4_local"] = {n: (is_nf4(p.to_local()), tensor_bytes(p.to_local())) for n, p in model.named_parameters()
-                        if n.endswith("proj.weight")}
+    out["nf4_local"] = {n: (is_nf4(p.to_local()), tensor_bytes(p.to_local()), _storage_bytes(p.to_local()))
+                        for n, p in model.named_parameters() if n.endswith("proj.weight")}
     out["qdora_loaded"] = dict(gathered_state_dict_items(model))
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     train_step(model, [_batch(2 * rank, 2 * rank + 2)], CrossEntropyLoss(), adamw, device=CPU, world_size=2)
@@ -178,10 +184,12 @@ def test_nf4_weights_stay_nf4_shards_of_half_the_bytes(run):
         assert is_nf4(full)
         full_bytes = tensor_bytes(full)
         for local in ranks:
-            is_nf4_shard, local_bytes = local[name]
+            is_nf4_shard, local_bytes, kept_alive = local[name]
             assert is_nf4_shard, name
             # codes and scales split in half; the 16-entry NF4 table and scalar mean are on both ranks
             assert abs(local_bytes - full_bytes / 2) <= 0.01 * full_bytes, (name, local_bytes, full_bytes)
+            # and the shard owns its memory: no view keeps the whole weight's codes alive on every rank
+            assert kept_alive <= 0.51 * full_bytes, (name, kept_alive, full_bytes)
 
 
 def test_two_rank_step_equals_single_process_step(run):
