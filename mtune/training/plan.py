@@ -288,7 +288,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                                         target_device=target)
             loss_fn = instantiate(cfg.get("loss")) or CrossEntropyLoss()
             tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
-                                    device_alignment=CUDA_BLOCK_BYTES if cuda else 1)
+                                    device_alignment=CUDA_BLOCK_BYTES if cuda else 1, fake_mode=mode)
             for step, micro_batches in enumerate((1, min(accumulation, 2))):
                 with tracker:
                     batches = _batch(cfg, source.args.vocab_size, micro_batches, small=step == 0)

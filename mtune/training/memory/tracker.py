@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
@@ -44,6 +45,14 @@ from torch.utils._pytree import tree_map_only
 from mtune.training.memory.placement import Placement
 
 __all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory", "storages_of"]
+
+# DTensor runs each op once on fake tensors to infer its output's layout (under the planner's own FakeTensorMode
+# when one is active); what that allocates is not memory a step uses.
+_PROPAGATE = "_propagate_tensor_meta_non_cached"
+try:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+except ImportError:  # a torch build without distributed: no DTensor either
+    ShardingPropagator = None
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 LOCATIONS = ("device", "host")
@@ -121,9 +130,13 @@ class TensorTracker(TorchDispatchMode):
     """
 
     def __init__(self, placement: Placement | None = None, *, model: nn.Module | None = None,
-                 optimizers: Iterable[torch.optim.Optimizer] = (), device_alignment: int = 1):
+                 optimizers: Iterable[torch.optim.Optimizer] = (), device_alignment: int = 1,
+                 fake_mode: Any = None):
         super().__init__()
         self.device_alignment = device_alignment  # 512 counts device storages as CUDA's caching allocator does
+        # The FakeTensorMode whose tensors stand for real ones (the planner's); fake tensors of any other mode are
+        # shape propagation (DTensor runs each op on fakes to infer its output's layout) and occupy no memory.
+        self.fake_mode = fake_mode
         self.placement = placement or Placement("cpu")
         self.model = model
         self.optimizers = list(optimizers)
@@ -134,6 +147,8 @@ class TensorTracker(TorchDispatchMode):
         self._in_optimizer = 0
         self._hooks: list = []
         self._orig_resize = None
+        self._orig_propagate = None
+        self._propagating = 0
         if model is not None:
             self.register_model(model)
         for t in self.placement.host_tensors():  # moved to the host before tracking began: offloaded weights
@@ -285,6 +300,18 @@ class TensorTracker(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
+        self._orig_propagate = getattr(ShardingPropagator, _PROPAGATE, None) if ShardingPropagator else None
+        if self._orig_propagate is not None:
+            orig_propagate = self._orig_propagate
+
+            def propagate(propagator, op_schema):  # DTensor's layout inference, on fake tensors: no memory
+                tracker._propagating += 1
+                try:
+                    return orig_propagate(propagator, op_schema)
+                finally:
+                    tracker._propagating -= 1
+
+            setattr(ShardingPropagator, _PROPAGATE, propagate)
         self._recategorize_optimizer_state()  # and relocate states marked as host since the last step
         self._update_peaks()
         return super().__enter__()
@@ -294,6 +321,8 @@ class TensorTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             torch.UntypedStorage.resize_ = self._orig_resize
+            if self._orig_propagate is not None:
+                setattr(ShardingPropagator, _PROPAGATE, self._orig_propagate)
             for handle in self._optimizer_hooks:
                 handle.remove()
 
@@ -303,6 +332,8 @@ class TensorTracker(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
         out = func(*args, **(kwargs or {}))
+        if self._propagating:
+            return out
         if self._in_optimizer:
             category = "temporaries"
         elif torch._C._current_graph_task_id() != -1:  # inside backward
@@ -315,6 +346,8 @@ class TensorTracker(TorchDispatchMode):
 
     def _register_output(self, t: torch.Tensor, category: str) -> None:
         for part in plain_parts(t):
+            if isinstance(part, FakeTensor) and part.fake_mode is not self.fake_mode:
+                continue
             storage = part.untyped_storage()
             if id(storage) not in self._records:
                 self._add(storage, category, part)

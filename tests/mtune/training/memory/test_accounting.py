@@ -162,3 +162,45 @@ def test_plan_check_alone_tracks_only_the_first_steps(tmp_path):
     with window.track_step():  # after the window: nothing is recorded, so no peaks are logged
         model(torch.randn(4, 8)).sum().backward()
     assert window.log_metrics() == {}
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_dtensor_shape_propagation_is_not_counted(fake):
+    """DTensor runs every op once more on fake tensors of its own to infer the output's layout; an AdamW step
+    over sharded parameters must count as much as over plain ones (it counted 4x the parameters more)."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mtune.training.memory.tracker import TensorTracker
+
+    def step_peak(sharded: bool) -> int:
+        mode = FakeTensorMode() if fake else None
+        with mode if fake else contextlib.nullcontext(), torch.no_grad():
+            params = [torch.nn.Parameter(torch.randn(256, 256)) for _ in range(4)]
+            if sharded:
+                params = [torch.nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])) for p in params]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+            tracker = TensorTracker(optimizers=[optimizer], fake_mode=mode)
+            for p in params:
+                tracker.track(p, "parameters")
+                tracker.track(p.grad, "gradients")
+            with tracker:
+                optimizer.step()
+            return tracker.take_interval().peak["device"]
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain, sharded = step_peak(False), step_peak(True)
+    finally:
+        dist.destroy_process_group()
+    param_bytes = 4 * 256 * 256 * 4
+    assert plain >= 4 * param_bytes  # parameters, gradients and the two AdamW states
+    assert sharded == plain
