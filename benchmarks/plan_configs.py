@@ -3,6 +3,7 @@ planner process's peak resident memory (it must stay small: fake tensors allocat
 
 Each config is planned in its own process, as a user would run it, with the model named by family and size
 (`model.size`), so no checkpoint needs to be downloaded: the planner reads only a model's shape, never its weights.
+A distributed config is planned per rank for the number of processes its header runs it on.
 
     python benchmarks/plan_configs.py [CONFIG ...] [--out benchmarks/results/plan_configs.json] [--fit 24GiB]
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,12 +44,20 @@ def recipe_of(config: str) -> str:
     raise SystemExit(f"{config}: no recipe key")
 
 
+def ranks_of(config: str) -> int:
+    """The number of processes a distributed config's header runs it on (`mtune run --nproc_per_node N`), else 1."""
+    text = (REPO / "recipes" / "configs" / f"{config}.yaml").read_text()
+    match = re.search(r"mtune run --nproc_per_node (\d+) ", text)
+    return int(match.group(1)) if match else 1
+
+
 def plan_one(config: str, workdir: Path, fit: str | None) -> dict:
     family, size = config.split("/")[0], config.split("/")[1].split("_")[0]
-    recipe = recipe_of(config)
+    recipe, world_size = recipe_of(config), ranks_of(config)
     out = workdir / (config.replace("/", "__") + ".json")
-    args = ["plan", recipe, "--config", config, "device=cuda", "model.checkpoint_dir=null", f"model.family={family}",
-            f"model.size={size}", "tokenizer.path=null", "--json", str(out)]
+    args = ["plan", "--nproc_per_node", str(world_size), recipe, "--config", config, "device=cuda",
+            "model.checkpoint_dir=null", f"model.family={family}", f"model.size={size}", "tokenizer.path=null",
+            "--json", str(out)]
     if fit:
         args = ["plan", "--fit", "--device-memory", fit, "--output", str(workdir / "fit.yaml"), *args[1:-2]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
@@ -56,7 +66,7 @@ def plan_one(config: str, workdir: Path, fit: str | None) -> dict:
     if not stats:
         raise SystemExit(f"{config}: the planner failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     _, seconds, rss, code = stats[-1].split()
-    result = {"config": config, "recipe": recipe, "seconds": float(seconds), "peak_rss_bytes": int(rss),
+    result = {"config": config, "recipe": recipe, "world_size": world_size, "seconds": float(seconds), "peak_rss_bytes": int(rss),
               "exit_code": int(code), "output": proc.stdout.split("PLAN_STATS")[0]}
     if not fit:
         plan = json.loads(out.read_text())
@@ -90,10 +100,16 @@ def main() -> None:
 
 
 def write(out: str, results: list[dict]) -> None:
+    """Write ``results`` into ``out``, keeping the configs planned by earlier runs; each result names the machine
+    and date it was planned on."""
     machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                "cpus": os.cpu_count(), "python": platform.python_version(),
-               "load_average": os.getloadavg()[0]}
-    Path(out).write_text(json.dumps({"machine": machine, "results": results}, indent=2) + "\n")
+               "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
+    earlier = json.loads(Path(out).read_text()) if Path(out).exists() else {"results": []}
+    new = {r["config"] for r in results}
+    kept = [{"machine": earlier.get("machine"), **r} for r in earlier["results"] if r["config"] not in new]
+    fresh = [{"machine": machine, **r} for r in results]
+    Path(out).write_text(json.dumps({"results": kept + fresh}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,34 +20,43 @@ NAMES = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "
          "activations": "activations", "temporaries": "temporaries", "buffers": "buffers"}
 
 
-def single_device_configs() -> list[str]:
-    return sorted(str(p.relative_to(CONFIGS))[:-5] for p in CONFIGS.glob("*/*_single_device*.yaml")
-                  if not p.parent.name == "tiny")
+def shipped_training_configs() -> list[str]:
+    return sorted(str(p.relative_to(CONFIGS))[:-5] for p in CONFIGS.glob("*/*_*_distributed.yaml")
+                  if not p.parent.name == "tiny") + sorted(
+        str(p.relative_to(CONFIGS))[:-5] for p in CONFIGS.glob("*/*_single_device*.yaml")
+        if not p.parent.name == "tiny")
 
 
 GPU_SIZES_GB = (4, 6, 8, 12, 16, 24, 32, 40, 48, 80, 141)
 
 
-def gpu_size(total_bytes: int) -> str:
-    """The smallest common GPU (decimal GB, as sold) whose memory holds ``total_bytes``: "a 24 GB", "an 80 GB"."""
+def gpu_size(total_bytes: int, ranks: int = 1) -> str:
+    """The smallest common GPU (decimal GB, as sold) whose memory holds ``total_bytes``: "a 24 GB GPU", "an 80 GB
+    GPU", "4 x 24 GB GPUs" for ``ranks`` of them."""
     size = next((gb for gb in GPU_SIZES_GB if gb * 10**9 >= total_bytes), None)
     if size is None:
-        return "no single"
-    return f"{'an' if str(size).startswith('8') else 'a'} {size} GB"
+        return "no common GPU size"
+    if ranks > 1:
+        return f"{ranks} x {size} GB GPUs"
+    return f"{'an' if str(size).startswith('8') else 'a'} {size} GB GPU"
 
 
 def header_block(result: dict) -> list[str]:
     batch = result["batch"]
     at_peak = {k: v for k, v in result["at_peak"]["device"].items() if v >= 0.05 * GIB}
     parts = ", ".join(f"{NAMES[k]} {v / GIB:.1f}" for k, v in at_peak.items())
-    lines = [f"# Memory planned by `mtune plan` (device=cuda; every sample at max_seq_len={batch['seq_len']}, "
+    ranks = result.get("world_size", 1)
+    per_gpu = f" per GPU, {ranks} ranks" if ranks > 1 else ""
+    lines = [f"# Memory planned by `mtune plan` (device=cuda{per_gpu}; every sample at max_seq_len={batch['seq_len']}, "
              f"batch_size={batch['batch_size']}):",
              f"#   GPU {result['device_peak_bytes'] / GIB:.1f} GiB allocated at the peak ({parts})",
              f"#   + 0.5 GiB CUDA context = {result['device_total_bytes'] / GIB:.1f} GiB"
              + (f"; host {result['host_peak_bytes'] / GIB:.1f} GiB" if result["host_peak_bytes"] else "")
-             + f": fits {gpu_size(result['device_total_bytes'])} GPU.",
+             + f": fits {gpu_size(result['device_total_bytes'], ranks)}.",
              "#   Alpaca samples are mostly far shorter than max_seq_len (batches pad to their longest), so real "
              "peaks are lower."]
+    if ranks > 1:
+        lines.insert(-1, "#   Sharded state scales with 1/ranks (mtune plan --nproc_per_node N plans another count).")
     return lines
 
 
@@ -76,18 +85,21 @@ def rewrite_table(results: dict[str, dict]) -> None:
             line = "|---|---|---|---:|---:|---|"
         elif match and match.group(1) in results:
             r = results[match.group(1)]
-            line = (f"| `{match.group(1)}` | `{match.group(2)}` | {match.group(3).strip()} | "
-                    f"{r['device_total_bytes'] / GIB:.1f} | {r['host_peak_bytes'] / GIB:.1f} | `mtune plan` |")
+            ranks = r.get("world_size", 1)
+            figure = f"{r['device_total_bytes'] / GIB:.1f}" + (f" per GPU ({ranks} GPUs)" if ranks > 1 else "")
+            batch = f"{r['batch']['batch_size']} × {r['batch']['accumulation']}"
+            line = (f"| `{match.group(1)}` | `{match.group(2)}` | {batch} | "
+                    f"{figure} | {r['host_peak_bytes'] / GIB:.1f} | `mtune plan` |")
         elif match:
-            line = (f"| `{match.group(1)}` | `{match.group(2)}` | {match.group(3).strip()} | "
-                    f"{match.group(4).strip()} | - | arithmetic (not planned: distributed) |")
+            raise SystemExit(f"{match.group(1)}: no plan in {RESULTS}; plan it first: "
+                             f"python benchmarks/plan_configs.py {match.group(1)}")
         out.append(line)
     path.write_text("\n".join(out) + "\n")
 
 
 def main() -> None:
     if "--list" in sys.argv:
-        print(" ".join(single_device_configs()))
+        print(" ".join(shipped_training_configs()))
         return
     results = {r["config"]: r for r in json.loads(RESULTS.read_text())["results"]}
     for config, result in results.items():
