@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from mtune.config.errors import ConfigError
+from mtune.modules.lora import has_nf4_weight
 
 __all__ = ["init_distributed", "destroy_distributed", "shard_model"]
 
@@ -75,8 +76,6 @@ def shard_model(
     model: shard first, then load with
     :func:`mtune.training.checkpointing.sharded.load_hf_checkpoint_sharded`.
     """
-    from mtune.modules.lora import has_nf4_weight
-
     if dist.is_initialized() and dist.get_world_size() == 1 and any(has_nf4_weight(m) for m in model.modules()):
         # FSDP2's one-rank shortcut unshards a parameter from its first all-gather input only; an NF4 weight has
         # three (scalers, factors, codes), so its forward fails.
