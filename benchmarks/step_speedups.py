@@ -7,8 +7,8 @@ replaced (kept here as ``*_before``), on the head-to-head fixture's shapes, so b
 Changes timed (a training step = forward, chunked loss, backward, AdamW step, as ``mtune.training.loop.train_step``):
 - ``lora_addmm``: LoRA's update added to the base output by one ``addmm`` (alpha = scaling) instead
   of ``lora_b(lora_a(x)) * scaling`` then ``base + lora``; LoRA step (q, v, o, gate, up, down; rank 8).
-- ``loss_flat_chunks``: a candidate that was measured and not kept: the chunked loss over contiguous chunks of the
-  flattened tokens (``after``) instead of the sequence slices mtune uses (``before``); full fine-tuning step.
+- ``loss_flat_chunks``: the chunked loss over contiguous chunks of the flattened tokens (one ``mm`` each) instead of
+  slices of the sequence dimension (strided: a batched matmul each); LoRA and full fine-tuning steps.
 - ``adamw_fused``: ``torch.optim.AdamW(fused=True)`` against ``foreach=True`` (mtune's CPU default before), on
   the full and the LoRA parameter sets; optimizer step alone.
 Prints a table and writes JSON (``--out``, default benchmarks/results/step_speedups.json) with the load average.
@@ -46,13 +46,12 @@ def lora_forward_before(self, x):
     return out if self.bias is None else out + self.bias
 
 
-def chunked_loss_flat(self, hidden, labels, lm_head):
+def chunked_loss_strided(self, hidden, labels, lm_head):
     def chunk_loss(h, y):
         return loss_module._ce_sum(lm_head(h), y)
 
     total = hidden.new_zeros((), dtype=torch.float32)
-    flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    for h, y in zip(flat.chunk(self.num_chunks), targets.chunk(self.num_chunks)):
+    for h, y in zip(hidden.chunk(self.num_chunks, dim=1), labels.chunk(self.num_chunks, dim=1)):
         total = total + checkpoint(chunk_loss, h, y, use_reentrant=False)
     return total, (labels != loss_module.IGNORE_INDEX).sum()
 
@@ -63,7 +62,7 @@ def _model(args, lora: bool):
                         head_dim=64, intermediate_dim=1408, vocab_size=8192, tie_embeddings=False)
     if lora:
         apply_lora(model, LORA_MODULES, rank=8, alpha=16)
-    return model
+    return model.to(torch.bfloat16 if getattr(args, "dtype", "fp32") == "bf16" else torch.float32)
 
 
 def _batch(args):
@@ -133,6 +132,7 @@ def main():
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's weights and compute")
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "step_speedups.json")
     args = parser.parse_args()
@@ -150,21 +150,23 @@ def main():
 
         results.append(compare("lora_addmm (LoRA step)", before, step, args.rounds))
     if want("loss_flat_chunks"):
-        model = _model(args, lora=False)
-        step = _step_timer(model, batch, {"foreach": True})
+        for lora in (True, False):
+            model = _model(args, lora=lora)
+            step = _step_timer(model, batch, {"foreach": True})
 
-        def after():
-            with _patched(loss_module.ChunkedCrossEntropyLoss, "forward", chunked_loss_flat):
-                return step()
+            def before():
+                with _patched(loss_module.ChunkedCrossEntropyLoss, "forward", chunked_loss_strided):
+                    return step()
 
-        results.append(compare("loss_flat_chunks (full step)", step, after, args.rounds))
+            results.append(compare(f"loss_flat_chunks ({'LoRA' if lora else 'full'} step)", before, step,
+                                   args.rounds))
     if want("adamw_fused"):
         for lora in (False, True):
             model = _model(args, lora=lora)
             results.append(compare(f"adamw_fused ({'LoRA' if lora else 'full'} params)",
                                    _optimizer_timer(model, {"foreach": True}),
                                    _optimizer_timer(model, {"fused": True}), args.rounds * 2))
-    meta = {"batch": args.batch, "seq": args.seq, "layers": args.layers, "rounds": args.rounds,
+    meta = {"batch": args.batch, "seq": args.seq, "layers": args.layers, "rounds": args.rounds, "dtype": args.dtype,
             "threads": torch.get_num_threads(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
