@@ -102,20 +102,23 @@ def test_crash_during_a_save_and_sigterm_resume_exactly(tmp_path, tiny_checkpoin
     assert not any(p.name.startswith(".tmp_") for p in out.iterdir())  # the half-written one was cleaned up
     assert losses(out)[-6:] == expected[2:]  # metrics.jsonl appends: steps 1-3 before the crash, then 3-8
 
-    # SIGTERM mid-run: the step in flight finishes, a checkpoint is written, the process exits 0.
-    term = train_overrides(tmp_path / "term", tiny_checkpoint, tiny_data) + SCHEDULE[:2] + SCHEDULE[3:] + [
-        "epochs=2", "save_every_n_steps=100"]
+    # SIGTERM mid-run: the step in flight finishes, a checkpoint is written, the process exits 0. 48 steps, so the
+    # signal (sent once the first step is logged) arrives long before the end even when steps take milliseconds.
+    long_schedule = ["epochs=12"] + SCHEDULE[1:2] + SCHEDULE[3:] + ["save_every_n_steps=1000"]
+    expected = losses(run_recipe_in_process("full_single_device", ["~lora"] + train_overrides(
+        tmp_path / "term_ref", tiny_checkpoint, tiny_data) + long_schedule))
+    term = train_overrides(tmp_path / "term", tiny_checkpoint, tiny_data) + long_schedule
     out = tmp_path / "term" / "out"
     proc = _cli(term, wait=False)
     deadline = time.time() + 300
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and read_metrics(out)):
-        time.sleep(0.2)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
     saved = sorted(p.name for p in out.iterdir() if p.name.startswith("step_"))
     assert len(saved) == 1 and not (out / "final").exists()
     stopped_at = int(saved[0].split("_")[1])
-    assert 1 <= stopped_at < 8
+    assert 1 <= stopped_at < 48
     proc = _cli(term + ["resume_from_checkpoint=true"])
     assert proc.returncode == 0, proc.stderr.read()[-2000:]
     assert losses(out)[stopped_at:] == expected[stopped_at:]
