@@ -62,7 +62,7 @@ def _model(args, lora: bool):
                         head_dim=64, intermediate_dim=1408, vocab_size=8192, tie_embeddings=False)
     if lora:
         apply_lora(model, LORA_MODULES, rank=8, alpha=16)
-    return model.to(torch.bfloat16 if getattr(args, "dtype", "fp32") == "bf16" else torch.float32)
+    return model.to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
 
 
 def _batch(args):
