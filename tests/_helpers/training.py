@@ -24,3 +24,13 @@ def assert_identical(a, b):
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     assert torch.equal(loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
+
+def assert_close(a, b, tol=1e-5):
+    """Two :func:`loss_and_grads` results agree to ``tol``: the loss relatively, every gradient element absolutely
+    (compiled against eager, whose kernels round differently)."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert abs(loss_a.item() - loss_b.item()) <= tol * loss_a.abs().item()
+    for k, g in grads_a.items():
+        if g is not None:
+            assert (g - grads_b[k]).abs().max().item() <= tol, k
