@@ -36,6 +36,7 @@ from mtune.config.errors import ConfigError
 from mtune.config.keys import MemoryConfig
 from mtune.models import build_model_from_args
 from mtune.modules.lora import freeze_base
+from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.observe.flops import flops_per_token
@@ -178,7 +179,7 @@ def model_flops_per_token(cfg) -> float:
     chunked = "Chunked" in str((cfg.get("loss") or {}).get("_component_", ""))
     lora_key = None if lora is None else json.dumps(OmegaConf.to_container(lora, resolve=True), sort_keys=True)
     key = (json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True), lora_key,
-           astuple(memory), chunked, int(cfg.tokenizer.max_seq_len))
+           astuple(memory), chunked, cfg.get("dtype") == "fp16", int(cfg.tokenizer.max_seq_len))
     if key not in _FLOPS_CACHE:
         source = resolve_model_source(cfg.model)
         model = build_model_from_args(source.args)  # meta: no memory
@@ -186,8 +187,10 @@ def model_flops_per_token(cfg) -> float:
         apply_memory_techniques(model, memory, lora=lora_node)
         if lora is not None:
             freeze_base(model)
+        recomputes = chunked and ChunkedCrossEntropyLoss.recomputes_projection(
+            model.lm_head, autocast=cfg.get("dtype") == "fp16")
         _FLOPS_CACHE[key] = flops_per_token(model, int(cfg.tokenizer.max_seq_len), memory,
-                                            chunked_loss=chunked).hardware
+                                            loss_recomputes_projection=recomputes).hardware
     return _FLOPS_CACHE[key]
 
 

@@ -172,7 +172,9 @@ class TrainingSession:
     def _setup_utilization(self):
         """FLOPs per step (``mfu``, ``hfu``) and the device's peak; says once when bf16 runs on a CPU that emulates
         it. Returns the peak, or None when it is unknown (then no mfu is logged)."""
-        self.step_flops = StepFlops(self.model, chunked_loss=isinstance(self.loss_fn, ChunkedCrossEntropyLoss))
+        recomputes = isinstance(self.loss_fn, ChunkedCrossEntropyLoss) and self.loss_fn.recomputes_projection(
+            self.model.lm_head, autocast=self.run.dtype_name == "fp16")
+        self.step_flops = StepFlops(self.model, loss_recomputes_projection=recomputes)
         self._step_flops_now: tuple[float, float] | None = None
         warning = cpu_bf16_warning(self.run.device, self.run.dtype_name)
         if warning and self.run.is_main:

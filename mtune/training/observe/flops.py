@@ -16,7 +16,9 @@ softmax and the embedding lookup are left out, as in every published MFU figure)
 - **recompute**: forward work done again in backward: each block that activation checkpointing wraps runs its
   forward again (up to the last tensor backward needs: all but ``down_proj``'s matmul, as
   ``torch.utils.checkpoint`` stops early; ``selective_op`` keeps every matmul and attention output, so its blocks
-  recompute nothing counted), and the chunked cross-entropy loss projects every chunk to logits again.
+  recompute nothing counted), and the chunked cross-entropy loss's output projection when it runs twice
+  (``ChunkedCrossEntropyLoss.recomputes_projection``: a LoRA/NF4/hooked head, or fp16 autocast; a plain head's
+  gradients are computed with its forward, so its loss recomputes nothing).
 
 ``model = forward + backward`` gives MFU (model FLOPs utilisation); ``hardware = model + recompute`` gives HFU. For
 a full fine-tune this is the familiar ``6N + 3A`` (``N`` matmul weights incl. the output projection, ``A`` attention
@@ -26,7 +28,7 @@ Not counted: DoRA's per-step weight norm (``||W + sBA||``, a cost per step, not 
 from non-padding tokens/s, so padded positions lower it, as they should), flash attention's internal recomputation of
 the scores in backward (an implementation detail of the kernel, not a recomputation the run chose).
 
-    fpt = flops_per_token(model, seq_len=2048, memory=MemoryConfig.from_config(cfg), chunked_loss=True)
+    fpt = flops_per_token(model, seq_len=2048, memory=MemoryConfig.from_config(cfg))
     mfu = fpt.model * tokens_per_second_per_device / peak_flops
 """
 
@@ -149,7 +151,7 @@ def _checkpointed_layers(model: nn.Module, memory: Any | None) -> list[str | Non
 
 
 def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *,
-                    chunked_loss: bool = False) -> FlopsPerToken:
+                    loss_recomputes_projection: bool = False) -> FlopsPerToken:
     """FLOPs per token of one training step (forward, backward, recomputation) of ``model`` at ``seq_len``.
 
     Args:
@@ -160,8 +162,8 @@ def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *
         memory: the run's ``MemoryConfig`` (``enable_activation_checkpointing``,
             ``activation_checkpointing_every_n_layers``). None: read checkpointing from the model's blocks (as
             ``apply_activation_checkpointing`` marks them).
-        chunked_loss: the loss projects hidden states chunk by chunk under checkpointing
-            (``ChunkedCrossEntropyLoss``), so the output projection's forward runs twice.
+        loss_recomputes_projection: the loss runs the output projection's forward twice (a checkpointed chunked
+            loss: ``ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head)``).
     """
     if seq_len < 1:
         raise ValueError(f"flops_per_token: seq_len must be >= 1, got {seq_len}")
@@ -171,7 +173,7 @@ def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *
         stream = _block(tally, block, stream, seq_len, checkpointed)
     before = tally.forward
     _linear(tally, model.lm_head, stream or _trains(model.norm), "output")
-    if chunked_loss:
+    if loss_recomputes_projection:
         tally.recompute += tally.forward - before
     return FlopsPerToken(forward=tally.forward, backward=tally.backward, recompute=tally.recompute,
                          seq_len=int(seq_len), parts=tally.parts)
@@ -193,14 +195,14 @@ class StepFlops:
     ``step_flops(micro_batches) -> (model_flops, hardware_flops)``.
     """
 
-    def __init__(self, model: nn.Module, *, chunked_loss: bool = False, memory: Any | None = None):
-        self.model, self.chunked_loss, self.memory = model, chunked_loss, memory
+    def __init__(self, model: nn.Module, *, loss_recomputes_projection: bool = False, memory: Any | None = None):
+        self.model, self.loss_recomputes_projection, self.memory = model, loss_recomputes_projection, memory
         self._per_length: dict[int, FlopsPerToken] = {}
 
     def per_token(self, seq_len: int) -> FlopsPerToken:
         if seq_len not in self._per_length:
-            self._per_length[seq_len] = flops_per_token(self.model, seq_len, self.memory,
-                                                        chunked_loss=self.chunked_loss)
+            self._per_length[seq_len] = flops_per_token(
+                self.model, seq_len, self.memory, loss_recomputes_projection=self.loss_recomputes_projection)
         return self._per_length[seq_len]
 
     def __call__(self, micro_batches: list[dict]) -> tuple[float, float]:

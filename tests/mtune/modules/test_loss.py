@@ -20,7 +20,12 @@ def _batch(seed=6):
     return tokens, labels
 
 
-@pytest.mark.parametrize("family,lora", [("llama3_1", ["q_proj", "lm_head"]), ("llama3_2", None)])  # LoRA / tied head
+@pytest.mark.parametrize("family,lora", [
+    ("llama3_1", ["q_proj", "lm_head"]),  # LoRA on the head: the checkpointed path
+    ("llama3_2", None),                   # tied head: gradients computed in forward, into the embedding too
+    ("llama3_1", None),                   # untied trainable head
+    ("llama3_1", ["q_proj"]),             # frozen head: only the hidden states' gradient
+])
 def test_chunked_equals_plain_in_loss_and_grads(family, lora):
     torch.manual_seed(0)
     model = build_model(family, "tiny", device="cpu")
@@ -62,3 +67,57 @@ def test_token_weighted_accumulation_over_micro_batches():
 def test_chunked_needs_the_projection():
     with pytest.raises(ValueError, match="model.lm_head"):
         ChunkedCrossEntropyLoss()(torch.randn(1, 4, 8), torch.zeros(1, 4, dtype=torch.long), None)
+
+
+def _step(model, loss_fn, tokens, labels):
+    model.zero_grad(set_to_none=True)
+    total, n = loss_fn(model(tokens, return_hidden=True), labels, model.lm_head)
+    (total / n).backward()
+    return total.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gradients_in_forward_equal_the_checkpointed_path(dtype, tol):
+    # A forward hook on lm_head sends the loss down the checkpointed (recomputing) path; both must agree. bf16:
+    # the two paths round the logits' gradient at different points, so they agree to bf16 precision only.
+    torch.manual_seed(0)
+    model = build_model("llama3_1", "tiny", device="cpu").to(dtype)
+    tokens, labels = _batch()
+    loss_fn = ChunkedCrossEntropyLoss(num_chunks=3)
+    assert not loss_fn.recomputes_projection(model.lm_head)
+    fused_loss, fused = _step(model, loss_fn, tokens, labels)
+    hook = model.lm_head.register_forward_hook(lambda *_: None)
+    assert loss_fn.recomputes_projection(model.lm_head)
+    ref_loss, ref = _step(model, loss_fn, tokens, labels)
+    hook.remove()
+    assert fused.keys() == ref.keys() and "lm_head.weight" in fused
+    assert abs(fused_loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+    for name in ref:
+        scale = ref[name].float().abs().max().item()
+        assert (fused[name].float() - ref[name].float()).abs().max().item() <= tol * scale, name
+
+
+def test_without_grad_and_under_autocast():
+    torch.manual_seed(0)
+    model = build_model("llama3_1", "tiny", device="cpu")
+    tokens, labels = _batch()
+    loss_fn = ChunkedCrossEntropyLoss(num_chunks=4)
+    with torch.no_grad():
+        hidden = model(tokens, return_hidden=True)
+        total, n = loss_fn(hidden, labels, model.lm_head)
+        plain, _ = CrossEntropyLoss()(model.lm_head(hidden), labels)
+    assert not total.requires_grad and abs(total.item() - plain.item()) <= 1e-6 * plain.item()
+    # fp16 autocast runs the head in fp16 through its own forward: the checkpointed path
+    assert loss_fn.recomputes_projection(model.lm_head, autocast=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        total, _ = loss_fn(model(tokens, return_hidden=True), labels, model.lm_head)
+    assert abs(total.item() - plain.item()) <= 2e-3 * plain.item()
+
+
+def test_backward_twice_through_one_loss_is_refused():
+    model = build_model("llama3_1", "tiny", device="cpu")
+    tokens, labels = _batch()
+    total, _ = ChunkedCrossEntropyLoss()(model(tokens, return_hidden=True), labels, model.lm_head)
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        total.backward()

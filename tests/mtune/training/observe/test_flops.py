@@ -19,6 +19,7 @@ B, S = 2, 64
 
 
 def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
+    # chunked: ChunkedCrossEntropyLoss, which recomputes the head's projection only when the head is adapted
     """(per-token FLOPs by aten op as FlopCounterMode counts one real training step, flops_per_token)."""
     torch.manual_seed(0)
     model = build_model("llama3_2", "tiny", device="cpu", **{**TINY, "tie_embeddings": tie})
@@ -37,7 +38,8 @@ def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
         loss, _ = loss_fn(out, tokens.roll(-1, 1), model.lm_head)
         loss.backward()
     per_op = {str(op): n / (B * S) for op, n in counter.get_flop_counts()["Global"].items()}
-    return per_op, flops_per_token(model, S, chunked_loss=chunked)
+    recomputes = chunked and loss_fn.recomputes_projection(model.lm_head)
+    return per_op, flops_per_token(model, S, loss_recomputes_projection=recomputes)
 
 
 @pytest.mark.parametrize("case", [
@@ -45,15 +47,19 @@ def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
     dict(tie=True),                           # tied output projection: its weight gradient counted once
     dict(lora=ALL),                           # LoRA everywhere: frozen bases cost one backward matmul
     dict(every_n=1),                          # checkpointing every block: hfu counts the recomputation
-    dict(every_n=2, chunked=True),            # blocks 0 and 2, plus the chunked loss's second projection
+    dict(every_n=2, chunked=True),            # blocks 0 and 2; the chunked loss's gradients come with its forward
     dict(lora=ALL, every_n=1, chunked=True),
+    dict(lora=ALL + ["lm_head"], chunked=True),  # adapted head: the chunked loss projects twice
     dict(every_n=1, policy="selective_op"),   # keeps matmul outputs: recomputes no counted FLOPs
 ])
 def test_matches_flop_counter_mode(case):
     per_op, fpt = _counted(**case)
     assert fpt.hardware == sum(per_op.values())
-    if (not case.get("every_n") or case.get("policy") == "selective_op") and not case.get("chunked"):
+    head_recomputed = case.get("chunked") and "lm_head" in case.get("lora", [])
+    if (not case.get("every_n") or case.get("policy") == "selective_op") and not head_recomputed:
         assert fpt.recompute == 0 and fpt.model == fpt.hardware
+    if head_recomputed:
+        assert fpt.recompute > 0
 
 
 def test_partial_lora_first_block_computes_no_input_gradients():
@@ -78,11 +84,12 @@ def test_issue_worked_figures():
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     a = 4 * 512 * 8 * 64 * 8  # attention forward per token at 512: 4 * seq * heads * head_dim * layers
     assert round(n / 1e6, 1) == 26.7 and round(a / 1e6, 1) == 8.4
-    full = flops_per_token(model, 512, chunked_loss=True)
-    assert full.model == 6 * n + 3 * a
+    full = flops_per_token(model, 512)
+    assert full.model == full.hardware == 6 * n + 3 * a
     assert full.model / 1e6 == pytest.approx(185.6, abs=0.05)
-    # Chunked loss: one more lm_head forward (2 * 512 * 8192) in hfu only.
-    assert full.hardware - full.model == 2 * 512 * 8192
+    # A chunked loss that recomputes (an adapted head): one more lm_head forward (2 * 512 * 8192) in hfu only.
+    recomputed = flops_per_token(model, 512, loss_recomputes_projection=True)
+    assert recomputed.hardware - recomputed.model == 2 * 512 * 8192
 
     apply_lora(model, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], rank=8, alpha=16)
     lora = flops_per_token(model, 512)
