@@ -11,6 +11,10 @@ Changes timed (a training step = forward, chunked loss, backward, AdamW step, as
   slices of the sequence dimension (strided: a batched matmul each); LoRA and full fine-tuning steps.
 - ``adamw_fused``: ``torch.optim.AdamW(fused=True)`` against ``foreach=True`` (mtune's CPU default before), on
   the full and the LoRA parameter sets; optimizer step alone.
+- ``loss_grad_in_forward``: the chunked loss computing a plain head's gradients with its forward
+  (``_ProjectedCrossEntropy``) instead of checkpointing each chunk and projecting it again in backward (the path
+  LoRA-on-the-head still takes); full and LoRA steps.
+- ``adamw_fused_step``: a whole full fine-tuning step with fused AdamW against foreach.
 Prints a table and writes JSON (``--out``, default benchmarks/results/step_speedups.json) with the load average.
 """
 
@@ -166,6 +170,21 @@ def main():
             results.append(compare(f"adamw_fused ({'LoRA' if lora else 'full'} params)",
                                    _optimizer_timer(model, {"foreach": True}),
                                    _optimizer_timer(model, {"fused": True}), args.rounds * 2))
+    if want("loss_grad_in_forward"):
+        for lora in (False, True):
+            model = _model(args, lora=lora)
+            step = _step_timer(model, batch, {"foreach": True})
+
+            def before():
+                with _patched(loss_module, "_plain_projection_weight", lambda lm_head: None):
+                    return step()
+
+            results.append(compare(f"loss_grad_in_forward ({'LoRA' if lora else 'full'} step)", before, step,
+                                   args.rounds))
+    if want("adamw_fused_step"):
+        model = _model(args, lora=False)
+        results.append(compare("adamw_fused_step (full step)", _step_timer(model, batch, {"foreach": True}),
+                               _step_timer(model, batch, {"fused": True}), args.rounds))
     meta = {"batch": args.batch, "seq": args.seq, "layers": args.layers, "rounds": args.rounds, "dtype": args.dtype,
             "threads": torch.get_num_threads(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)

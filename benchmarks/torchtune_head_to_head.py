@@ -298,7 +298,10 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
         return {"lib": lib, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep,
                 "error": "no result written: " + (proc.stdout + proc.stderr)[-1800:], "loadavg": load}
     raw = json.loads(result.read_text())
-    steps = [b - a for a, b in zip(raw["stamps"], raw["stamps"][1:])]  # step k+1's time, k >= 1
+    # The run's own optimizer steps only: mtune's end-of-run plan check steps the planner's copy of the optimizer on
+    # fake tensors, which fires the same global hook (two stamps 0.4-1 s apart that are not training steps).
+    stamps = raw["stamps"][:args.steps]
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]  # step k+1's time, k >= 1
     timed = steps[max(args.warmup - 1, 0):]
     step_s = statistics.median(timed)
     return {"lib": lib, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep, "loadavg": load,
@@ -327,9 +330,12 @@ def _meta_model(case: dict):
 
 
 def flops(case: dict, seq_len: int = 512):
+    from mtune.modules.loss import ChunkedCrossEntropyLoss
     from mtune.training.observe.flops import flops_per_token
 
-    return flops_per_token(_meta_model(case), seq_len, chunked_loss=True)
+    model = _meta_model(case)
+    return flops_per_token(model, seq_len,
+                           loss_recomputes_projection=ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head))
 
 
 def ceiling(case: dict, dtype_name: str = "fp32", batch: int = 4, seq_len: int = 512, repeats: int = 3,
