@@ -128,7 +128,31 @@ def build_optimizer(
     cls = _resolve(component)
     if optimizer_in_bwd:
         return OptimizerInBackward(named, cls, **kwargs)
-    return cls([p for _, p in named], **kwargs)
+    optimizer = cls([p for _, p in named], **kwargs)
+    if type(optimizer) is torch.optim.AdamW:
+        allocate_adamw_state(optimizer)
+    return optimizer
+
+
+def allocate_adamw_state(optimizer: torch.optim.AdamW) -> None:
+    """Creates AdamW's per-parameter state now, as its first ``step()`` would (zero moments, step 0), so nothing
+    changes numerically. Allocated lazily, the states (2x the trainable weights) land in the holes the first
+    step's freed activations left, and the second step's activations must find new memory: on CPU a full
+    fine-tune's resident memory then grows by about the states' size over the first steps (glibc keeps the holes);
+    on CUDA the caching allocator fragments the same way. Allocated before the first forward, they sit beside the
+    weights and activations reuse one region step after step. Parameters that already have state are skipped."""
+    for group in optimizer.param_groups:
+        step_on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            # where AdamW keeps `step`: on the parameter's device when fused or capturable, else a CPU scalar
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if step_on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
