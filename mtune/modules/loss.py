@@ -67,13 +67,16 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=torch.float32)
         for h, y, gh in zip(hidden.chunk(num_chunks), labels.chunk(num_chunks),
                             grad_hidden.chunk(num_chunks) if need_hidden else [None] * num_chunks):
-            logits = torch.mm(h, weight.t())
-            log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            # one [chunk, vocab] fp32 buffer at a time beside at most one other: the logits are upcast and dropped
+            # before log_softmax, the upcast copy dropped after it, and every chunk buffer before the next chunk
+            logits = torch.mm(h, weight.t()).float()
+            log_probs = torch.log_softmax(logits, dim=-1)
             del logits
             unlabelled = (y == IGNORE_INDEX).unsqueeze(1)
             target = y.masked_fill(unlabelled.squeeze(1), 0).unsqueeze(1)
             total -= log_probs.gather(1, target).masked_fill(unlabelled, 0.0).sum()
             if not (need_hidden or need_weight):
+                del log_probs
                 continue
             # d(sum of losses)/d logits = softmax - one_hot(target), zero on unlabelled rows
             grad_logits = log_probs.exp_().scatter_add_(1, target, unlabelled.float().sub(1.0))
@@ -85,6 +88,7 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
                     grad_weight = torch.mm(grad_logits.t(), h)
                 else:
                     torch.addmm(grad_weight, grad_logits.t(), h, out=grad_weight)  # addmm_ eludes FlopCounterMode
+            del log_probs, grad_logits
         if need_weight and grad_weight is None:  # no tokens at all
             grad_weight = torch.zeros_like(weight)
         ctx.grad_hidden, ctx.grad_weight, ctx.consumed = grad_hidden, grad_weight, False
