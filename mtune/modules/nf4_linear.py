@@ -10,25 +10,39 @@ models are sized for it.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mtune.config.errors import ConfigError
 
-try:  # torchao >= 0.18 moved NF4 under quantize_.workflows
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
-        NF4Tensor, construct_nf4_args, linear_nf4, to_nf4,
-    )
-except ImportError:  # older torchao
-    from torchao.dtypes.nf4tensor import NF4Tensor, construct_nf4_args, linear_nf4, to_nf4
+__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4", "nf4_row_chunk"]
 
-__all__ = ["NF4Tensor", "FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4",
-           "nf4_row_chunk"]
+# torchao >= 0.18 keeps NF4 under quantize_.workflows, older versions under dtypes
+_NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
+
+
+@functools.cache
+def _nf4_api() -> ModuleType:
+    """torchao's NF4 module, imported on first use: importing torchao loads torch._dynamo (~85 MiB of resident
+    memory and about a second), which runs without NF4 weights never need."""
+    for name in _NF4_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(f"torchao provides none of {_NF4_MODULES}: QLoRA needs torchao (pip install torchao)")
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, NF4Tensor)
+    # an NF4 tensor can only exist once torchao's NF4 module is imported: no need to import it to ask
+    return any(isinstance(tensor, module.NF4Tensor) for module in map(sys.modules.get, _NF4_MODULES)
+               if module is not None)
 
 
 def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
@@ -38,7 +52,7 @@ def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
             f"NF4 needs a weight whose element count is divisible by 16384; got shape {tuple(weight.shape)}: "
             "pick model sizes with larger or rounder linear layers, or set lora.quantize_base=false"
         )
-    return nn.Parameter(to_nf4(weight.detach()), requires_grad=False)
+    return nn.Parameter(_nf4_api().to_nf4(weight.detach()), requires_grad=False)
 
 
 def nf4_row_chunk(weight: torch.Tensor, chunks: int, index: int) -> torch.Tensor:
@@ -48,10 +62,11 @@ def nf4_row_chunk(weight: torch.Tensor, chunks: int, index: int) -> torch.Tensor
     whole weight alive), and its ``clone`` re-quantizes against the shard's own scales (other values); this
     copies the shard's codes and scales as they are.
     """
+    nf4 = _nf4_api()
     piece = torch.chunk(weight, chunks, dim=0)[index]
     owned = {name: getattr(piece, name).clone() for name in ("quantized_scalers", "quantization_factor",
                                                              "quantized_data")}
-    return NF4Tensor(*construct_nf4_args(piece, owned))
+    return nf4.NF4Tensor(*nf4.construct_nf4_args(piece, owned))
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:
@@ -61,7 +76,7 @@ def dequantize(weight: torch.Tensor) -> torch.Tensor:
 
 def linear_maybe_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T without bias, for a plain or NF4 weight."""
-    return linear_nf4(input=x, weight=weight) if is_nf4(weight) else F.linear(x, weight)
+    return _nf4_api().linear_nf4(input=x, weight=weight) if is_nf4(weight) else F.linear(x, weight)
 
 
 class FrozenNF4Linear(nn.Linear):
