@@ -112,3 +112,37 @@ def test_optimizer_in_backward_equals_plain_step_with_one_gradient_alive(adamw):
 def test_unknown_optimizer_is_one_clear_line():
     with pytest.raises(ValueError, match="optimizer._component_='torch.optim.Adamw' cannot be imported"):
         build_optimizer({"_component_": "torch.optim.Adamw", "lr": 1.0}, _model())
+
+
+@pytest.mark.parametrize("kwargs", [{"fused": True}, {"foreach": True}, {"foreach": False, "amsgrad": True}])
+def test_adamw_states_made_up_front_train_bit_identically(kwargs):
+    # build_optimizer makes AdamW's states before the first step (less fragmentation); the steps must not change
+    model = _model()
+    opt = build_optimizer({"_component_": "torch.optim.AdamW", "lr": LR, "weight_decay": 0.01, **kwargs}, model)
+    assert all(set(s) >= {"step", "exp_avg", "exp_avg_sq"} and s["step"].item() == 0 for s in opt.state.values())
+    reference = _model()
+    lazy = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01, **kwargs)
+    assert not lazy.state
+    for _ in range(3):
+        for m, o in ((model, opt), (reference, lazy)):
+            (m(X) - Y).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), reference.parameters()))
+    for p, r in zip(model.parameters(), reference.parameters()):
+        mine, theirs = opt.state[p], lazy.state[r]
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert mine[key].device == theirs[key].device and mine[key].dtype == theirs[key].dtype, key
+            assert torch.equal(mine[key], theirs[key]), key
+
+
+def test_importing_the_training_loop_leaves_torchao_unloaded():
+    # torchao loads torch._dynamo (~85 MiB resident): only NF4 (QLoRA) and its optimizers need it
+    import subprocess
+    import sys
+
+    code = ("import sys, mtune.training.session, mtune.training.loop, mtune.modules.lora; "
+            "print('torchao' in sys.modules, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

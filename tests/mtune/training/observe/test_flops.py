@@ -19,8 +19,8 @@ B, S = 2, 64
 
 
 def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
-    # chunked: ChunkedCrossEntropyLoss, which recomputes the head's projection only when the head is adapted
-    """(per-token FLOPs by aten op as FlopCounterMode counts one real training step, flops_per_token)."""
+    """(per-token FLOPs by aten op as FlopCounterMode counts one real training step, flops_per_token). ``chunked``:
+    ChunkedCrossEntropyLoss, which recomputes the head's projection only when the head is adapted."""
     torch.manual_seed(0)
     model = build_model("llama3_2", "tiny", device="cpu", **{**TINY, "tie_embeddings": tie})
     if lora:
