@@ -10,7 +10,6 @@ models are sized for it.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 from types import ModuleType
@@ -25,18 +24,24 @@ __all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_ma
 
 # torchao >= 0.18 keeps NF4 under quantize_.workflows, older versions under dtypes
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
+_nf4: ModuleType | None = None  # torchao's NF4 module, once imported
 
 
-@functools.cache
 def _nf4_api() -> ModuleType:
     """torchao's NF4 module, imported on first use: importing torchao loads torch._dynamo (~85 MiB of resident
-    memory and about a second), which runs without NF4 weights never need."""
-    for name in _NF4_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise ImportError(f"torchao provides none of {_NF4_MODULES}: QLoRA needs torchao (pip install torchao)")
+    memory and about a second), which runs without NF4 weights never need. Kept in a module global (not a cache
+    wrapper), so torch.compile traces a plain attribute read here instead of breaking the graph on the import."""
+    global _nf4
+    if _nf4 is None:
+        for name in _NF4_MODULES:
+            try:
+                _nf4 = importlib.import_module(name)
+                break
+            except ImportError:
+                continue
+        else:
+            raise ImportError(f"torchao provides none of {_NF4_MODULES}: QLoRA needs torchao (pip install torchao)")
+    return _nf4
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
