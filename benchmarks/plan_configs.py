@@ -66,8 +66,8 @@ def plan_one(config: str, workdir: Path, fit: str | None) -> dict:
     if not stats:
         raise SystemExit(f"{config}: the planner failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     _, seconds, rss, code = stats[-1].split()
-    result = {"config": config, "recipe": recipe, "world_size": world_size, "seconds": float(seconds), "peak_rss_bytes": int(rss),
-              "exit_code": int(code), "output": proc.stdout.split("PLAN_STATS")[0]}
+    result = {"config": config, "recipe": recipe, "world_size": world_size, "seconds": float(seconds),
+              "peak_rss_bytes": int(rss), "exit_code": int(code), "output": proc.stdout.split("PLAN_STATS")[0]}
     if not fit:
         plan = json.loads(out.read_text())
         result.update({k: plan[k] for k in ("device_peak_bytes", "host_peak_bytes", "device_total_bytes", "device",

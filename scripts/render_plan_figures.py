@@ -21,10 +21,10 @@ NAMES = {"parameters": "weights", "gradients": "gradients", "optimizer_state": "
 
 
 def shipped_training_configs() -> list[str]:
-    return sorted(str(p.relative_to(CONFIGS))[:-5] for p in CONFIGS.glob("*/*_*_distributed.yaml")
-                  if not p.parent.name == "tiny") + sorted(
-        str(p.relative_to(CONFIGS))[:-5] for p in CONFIGS.glob("*/*_single_device*.yaml")
-        if not p.parent.name == "tiny")
+    """The shipped configs (not the tiny test ones): distributed first, then single-device, each sorted."""
+    return [name for pattern in ("*/*_*_distributed.yaml", "*/*_single_device*.yaml")
+            for name in sorted(str(p.relative_to(CONFIGS))[:-5] for p in CONFIGS.glob(pattern)
+                               if p.parent.name != "tiny")]
 
 
 GPU_SIZES_GB = (4, 6, 8, 12, 16, 24, 32, 40, 48, 80, 141)
