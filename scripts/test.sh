@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[dev]'
+bash scripts/print_versions.sh
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/mtune-inductor-cache}"
 # pytest exits 5 when it collected no test: that is a failure here too.
 python3 -m pytest -q --durations=25 "$@"

@@ -36,7 +36,8 @@ def test_readme_names_the_test_command_ci_runs():
 
 
 def test_ci_installs_as_the_readme_says_before_the_test_extras():
-    """.ci/run's commands, in order: the README's two pip installs (no extras), the smoke test, the test command."""
+    """.ci/run's commands, in order: the README's two pip installs (no extras), the versions they installed, the smoke
+    test, the test command."""
     installs = [part.strip() for part in readme_commands()[0].split("&&") if part.strip().startswith("pip install")]
     assert installs == ["pip install torch==2.13.0", "pip install ."]
     lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
@@ -45,6 +46,7 @@ def test_ci_installs_as_the_readme_says_before_the_test_extras():
     assert steps == [
         "python3 -m pip install -q torch==2.13.0",
         "python3 -m pip install -q .",
+        "bash scripts/print_versions.sh",
         "bash scripts/smoke_install.sh",
         "bash scripts/test.sh",
     ]
