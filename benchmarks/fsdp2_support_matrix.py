@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mtune.config.keys import MemoryConfig  # noqa: E402
+from mtune.training.memory.registry import MemoryConfig  # noqa: E402
 from mtune.modules.loss import CrossEntropyLoss  # noqa: E402
 from mtune.modules.nf4_linear import dequantize  # noqa: E402
 from mtune.modules.lora import is_adapter_param  # noqa: E402
@@ -66,7 +66,7 @@ def check(name, ckpt, lora=None, optimizer="torch.optim.AdamW", in_bwd=False, ac
     opt_cfg = {"_component_": optimizer, "lr": 1e-3}
     try:
         model = _build(ckpt, lora, sharded=True, ac=ac, cpu_offload=cpu_offload)
-        opt = build_optimizer(opt_cfg, model, optimizer_in_bwd=in_bwd)
+        opt = build_optimizer(opt_cfg, model, MemoryConfig(optimizer_in_bwd=in_bwd))
         per = 4 // world
         res = train_step(model, [_batch(rank * per, (rank + 1) * per)], CrossEntropyLoss(), opt,
                          device=torch.device("cpu"), world_size=world)
@@ -74,7 +74,7 @@ def check(name, ckpt, lora=None, optimizer="torch.optim.AdamW", in_bwd=False, ac
         detail = ""
         if rank == 0 and compare:
             ref = _build(ckpt, lora, sharded=False, ac=ac)
-            ref_opt = build_optimizer(opt_cfg, ref, optimizer_in_bwd=in_bwd)
+            ref_opt = build_optimizer(opt_cfg, ref, MemoryConfig(optimizer_in_bwd=in_bwd))
             with mock.patch("mtune.training.loop.all_reduce", lambda v, op=None: v):  # a single-process step
                 ref_res = train_step(ref, [_batch(0, 4)], CrossEntropyLoss(), ref_opt, device=torch.device("cpu"))
             diff = max((after[k] - dequantize(v)).abs().max().item() for k, v in ref.state_dict().items())

@@ -47,11 +47,12 @@ from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 import mtune.training.memory.activation_checkpointing as checkpointing  # noqa: E402
 import mtune.training.memory.activation_offloading as offloading  # noqa: E402
-from mtune.config.keys import MemoryConfig, WeightOffloading  # noqa: E402
+from mtune.training.memory.registry import MemoryConfig, WeightOffloading  # noqa: E402
 from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
-from mtune.training.memory.accounting import MemoryBreakdown, tensor_storage_bytes  # noqa: E402
+from mtune.training.memory.tensor_bytes import tensor_storage_bytes
+from mtune.training.planning.breakdown import MemoryBreakdown  # noqa: E402
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers  # noqa: E402
 from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer  # noqa: E402
 from mtune.training.memory.placement import Placement, storage_key  # noqa: E402
@@ -274,9 +275,7 @@ def measure(row: Row) -> dict:
     saved.exclude_parameters(model)
     offloadable = count_offloadable(offload_ctx, saved) if offload_ctx is not None else None
     grads = GradientPeak(model)
-    optimizer = build_optimizer({"_component_": row.optimizer, "lr": 1e-4}, model,
-                                optimizer_in_bwd=memory.optimizer_in_bwd, optimizer_offload=row.optimizer_offload,
-                                placement=placement)
+    optimizer = build_optimizer({"_component_": row.optimizer, "lr": 1e-4}, model, memory, placement=placement)
     breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), tempfile.gettempdir(), num_steps=1, write=False,
                                 placement=placement)
     loss_fn = ChunkedCrossEntropyLoss(num_chunks=8) if row.chunked_loss else CrossEntropyLoss()

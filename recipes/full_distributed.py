@@ -12,11 +12,12 @@ Hugging Face model, gathered and written by rank 0 one tensor at a time.
 from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
-from mtune.config.keys import DISTRIBUTED_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES, MemoryConfig
-from mtune.config.rules import DISTRIBUTED_RULES
+from mtune.config.keys import DISTRIBUTED_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import DISTRIBUTED_RUN_RULES
+from mtune.training.memory.registry import DISTRIBUTED_MEMORY_RULES, MEMORY_KEYS, MemoryConfig
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, DISTRIBUTED_KEYS],
-                      rules=DISTRIBUTED_RULES)
+                      rules=DISTRIBUTED_RUN_RULES + DISTRIBUTED_MEMORY_RULES)
 SUPPORTS_DISTRIBUTED = True
 
 
@@ -38,7 +39,7 @@ def main(cfg: DictConfig) -> None:
         source, device=run.device, dtype=run.dtype, seed=run.seed, memory=memory,
         fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward, fsdp_cpu_offload=cfg.fsdp_cpu_offload)
     data = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
-    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd)
+    optimizer = build_optimizer(cfg.optimizer, model, memory)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
                                           base_checkpoint_dir=source.checkpoint_dir,
                                           activation_context=activation_context)

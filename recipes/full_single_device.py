@@ -11,10 +11,11 @@ Fitting a full fine-tune is mostly about optimizer state and gradients: see the 
 from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
-from mtune.config.keys import MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES, MemoryConfig
-from mtune.config.rules import TRAINING_RULES
+from mtune.config.keys import MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import RUN_RULES
+from mtune.training.memory.registry import MEMORY_KEYS, MEMORY_RULES, MemoryConfig
 
-SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES], rules=TRAINING_RULES)
+SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES], rules=RUN_RULES + MEMORY_RULES)
 
 
 def main(cfg: DictConfig) -> None:
@@ -32,8 +33,7 @@ def main(cfg: DictConfig) -> None:
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
                                             placement=run.placement)
     data = setup_data(cfg, tokenizer)
-    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd,
-                                optimizer_offload=memory.optimizer_offload, placement=run.placement)
+    optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
                                           base_checkpoint_dir=source.checkpoint_dir,
                                           activation_context=activation_context)

@@ -22,16 +22,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
 from mtune.config.errors import ConfigError
-from mtune.config.keys import GENERATE_KEYS, MODEL_NODES, MemoryConfig, WeightOffloading
+from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
+from mtune.config.schema import KeyGroup
 from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
-from mtune.training.checkpointing.peft import load_peft_adapter, read_adapter_config
+from mtune.training.checkpointing.peft import load_peft_adapter, lora_node_from_adapter
 from mtune.training.context import configure_logging, resolve_device
 from mtune.training.memory.precision import resolve_dtype
+from mtune.training.memory.registry import MemoryConfig, WeightOffloading
+from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING_NODE
 from mtune.training.model_setup import resolve_model_source, setup_model
 
-SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS], rules=GENERATE_RULES)
+SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS, KeyGroup("offloading", [WEIGHT_OFFLOADING_NODE])],
+                      rules=GENERATE_RULES)
 
 log = logging.getLogger("mtune")
 
@@ -75,19 +79,13 @@ def stream_text(tokenizer, steps: Iterable[torch.Tensor], out: TextIO | None = N
     return text, count
 
 
-def _lora_from_adapter(adapter_dir: str) -> dict:
-    config = read_adapter_config(adapter_dir)
-    return dict(modules=config["target_modules"], rank=config["r"], alpha=config["lora_alpha"], dropout=0.0,
-                use_dora=bool(config.get("use_dora", False)), quantize_base=False)
-
-
 def main(cfg: DictConfig) -> str:
     configure_logging()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     source = resolve_model_source(cfg.model)
     adapter_dir = cfg.adapter_dir
-    lora = _lora_from_adapter(adapter_dir) if adapter_dir else None
+    lora = lora_node_from_adapter(adapter_dir) if adapter_dir else None
     memory = MemoryConfig(weight_offloading=WeightOffloading.from_node(cfg.weight_offloading))
     model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False)
     if adapter_dir:

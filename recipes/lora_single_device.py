@@ -12,10 +12,11 @@ model in Hugging Face format.
 from omegaconf import DictConfig
 
 from mtune.config import RecipeSchema
-from mtune.config.keys import LORA_KEYS, MEMORY_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES, MemoryConfig
-from mtune.config.rules import TRAINING_RULES
+from mtune.config.keys import MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import RUN_RULES
+from mtune.training.memory.registry import LORA_KEYS, MEMORY_KEYS, MEMORY_RULES, MemoryConfig
 
-SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS], rules=TRAINING_RULES)
+SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS], rules=RUN_RULES + MEMORY_RULES)
 
 
 def main(cfg: DictConfig) -> None:
@@ -36,8 +37,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.lora.adapter_dir:
         load_peft_adapter(model, cfg.lora.adapter_dir)  # continue from an existing adapter
     data = setup_data(cfg, tokenizer)
-    optimizer = build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd,
-                                optimizer_offload=memory.optimizer_offload, placement=run.placement)
+    optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
                                           base_checkpoint_dir=source.checkpoint_dir,
                                           activation_context=activation_context)

@@ -80,7 +80,8 @@ def plan_command(argv: list[str]) -> int:
     module = load_recipe_module(recipe_path)
     cfg = load_and_check(module, config_path, args.overrides)
 
-    from mtune.training.plan import parse_bytes, plan_memory
+    from mtune.training.planning.memory_plan import parse_bytes
+    from mtune.training.planning.plan import plan_memory
 
     device_memory = parse_bytes(options["device_memory"], "--device-memory") if "device_memory" in options else None
     host_memory = parse_bytes(options["host_memory"], "--host-memory") if "host_memory" in options else None
@@ -89,7 +90,7 @@ def plan_command(argv: list[str]) -> int:
         raise UsageError(f"--nproc_per_node {world_size}: expected a positive number of ranks to plan for")
     world_size = int(world_size)
     if options["fit"]:
-        from mtune.training.plan_fit import fit_command
+        from mtune.training.planning.fit import fit_command
 
         return fit_command(cfg, recipe=args.recipe, config_path=config_path, overrides=args.overrides,
                            schema=module.SCHEMA, device_memory=device_memory, host_memory=host_memory, world_size=world_size,

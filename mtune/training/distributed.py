@@ -21,9 +21,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from mtune.config.errors import ConfigError
 from mtune.modules.lora import has_nf4_weight
 
-__all__ = ["init_distributed", "destroy_distributed", "shard_model"]
+__all__ = ["init_distributed", "destroy_distributed", "shard_model", "all_reduce"]
 
-# ------------------------------------------------------------------------------------------------ process group
+
+def all_reduce(value: torch.Tensor, op=None) -> torch.Tensor:
+    """Reduce ``value`` in place over all ranks (sum by default); unchanged without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=op or dist.ReduceOp.SUM)
+    return value
+
+
 def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*``).
 

@@ -17,10 +17,10 @@ from torch import nn
 
 from mtune.data.common import IGNORE_INDEX
 from mtune.errors import MtuneError
+from mtune.training.distributed import all_reduce
 
 __all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "step_on_tensors", "evaluate",
-           "forward_loss",
-           "all_reduce"]
+           "forward_loss"]
 
 
 class NonFiniteLossError(MtuneError, RuntimeError):
@@ -45,13 +45,6 @@ def micro_batch_groups(batches: Iterable[dict], accumulation_steps: int) -> Iter
         if len(group) == accumulation_steps:
             yield group
             group = []
-
-
-def all_reduce(value: torch.Tensor, op=None) -> torch.Tensor:
-    """Reduce ``value`` in place over all ranks (sum by default); unchanged without a process group."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(value, op=op or torch.distributed.ReduceOp.SUM)
-    return value
 
 
 def forward_loss(model: nn.Module, batch: dict, loss_fn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mtune.config.errors import ConfigError
-from mtune.config.keys import MemoryConfig
 from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
@@ -41,10 +40,11 @@ from mtune.training.checkpointing.sharded import (
 from mtune.training.distributed import shard_model
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.weight_offloading import offloaded_weights_materialized, weight_offloader
 
 __all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_model", "setup_sharded_model",
-           "init_weights_sharded", "reset_adapters_sharded"]
+           "build_sharded_model", "materialize_sharded_model", "init_weights_sharded", "reset_adapters_sharded"]
 
 log = logging.getLogger(__name__)
 
@@ -189,12 +189,34 @@ def setup_sharded_model(
     fsdp_reshard_after_forward: bool,
     fsdp_cpu_offload: bool,
 ):
-    """:func:`setup_model` for FSDP2: build on meta, apply the memory techniques, shard every block and the root,
-    then load each rank's rows of the checkpoint (or random weights) and initialise the adapters. No rank holds
-    the full model; see :mod:`mtune.training.distributed`. ``fsdp_reshard_after_forward`` and ``fsdp_cpu_offload``
-    are the config's keys of those names. Returns ``(model, activation_context)``."""
-    model, offload = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, materialize=False)
+    """:func:`setup_model` for FSDP2: build on meta, apply the memory techniques, shard every block and the root
+    (:func:`build_sharded_model`), then load each rank's rows of the checkpoint (or random weights) and initialise
+    the adapters (:func:`materialize_sharded_model`). No rank holds the full model; see
+    :mod:`mtune.training.distributed`. ``fsdp_reshard_after_forward`` and ``fsdp_cpu_offload`` are the config's keys
+    of those names. Returns ``(model, activation_context)``."""
+    model, offload = build_sharded_model(source, device=device, dtype=dtype, lora=lora, memory=memory,
+                                         fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+                                         fsdp_cpu_offload=fsdp_cpu_offload)
+    materialize_sharded_model(model, source, device=device, dtype=dtype, seed=seed, lora=lora)
+    return model, offload
+
+
+def build_sharded_model(source: ModelSource, *, device: torch.device, dtype: torch.dtype,
+                        lora: Mapping[str, Any] | None = None, memory: MemoryConfig = MemoryConfig(),
+                        fsdp_reshard_after_forward: bool, fsdp_cpu_offload: bool, placement: Placement | None = None):
+    """The first half of :func:`setup_sharded_model`: the model on the meta device with its memory techniques
+    (offloading between ``device`` and the host, or ``placement``), every block and the root sharded (FSDP2
+    ``fully_shard``). Returns ``(model, activation_context)``."""
+    model, offload = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, materialize=False,
+                                 placement=placement)
     shard_model(model, reshard_after_forward=fsdp_reshard_after_forward, cpu_offload=fsdp_cpu_offload)
+    return model, offload
+
+
+def materialize_sharded_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device | str,
+                              dtype: torch.dtype, seed: int, lora: Mapping[str, Any] | None = None) -> None:
+    """The second half of :func:`setup_sharded_model`: each rank's rows of the checkpoint (or of random weights,
+    without ``source.checkpoint_dir``), then fresh adapters. ``mtune plan`` runs this under ``FakeTensorMode``."""
     # Every rank draws the same full tensors from the same RNG stream, then keeps its rows; the draws are those of
     # setup_model on one device (base weights, then adapters), so the values do not depend on the ranks.
     torch.manual_seed(seed)
@@ -206,7 +228,6 @@ def setup_sharded_model(
         init_weights_sharded(model, device)
     if lora is not None:
         reset_adapters_sharded(model)
-    return model, offload
 
 
 @torch.no_grad()

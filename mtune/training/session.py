@@ -32,14 +32,16 @@ from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
 from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
-from mtune.training.memory.accounting import MemoryBreakdown
+from mtune.training.planning.breakdown import MemoryBreakdown
 from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.memory.registry import LORA, MemoryConfig
 from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.peak_flops import cpu_bf16_warning, peak_flops
 from mtune.training.observe.profiler import build_profiler
-from mtune.training.plan import format_bytes, plan_memory
+from mtune.training.planning.memory_plan import format_bytes
+from mtune.training.planning.plan import plan_memory
 from mtune.training.signals import GracefulStop
 
 __all__ = ["StepPlan", "TrainingSession", "setup_data", "tracks_tensor_bytes"]
@@ -87,7 +89,7 @@ def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
 def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
     """Whether a run tracks live tensor bytes: with ``memory_breakdown`` or ``plan_check``, and not with
     ``compile`` (a dispatch mode over compiled blocks would run them eagerly, changing what is measured)."""
-    return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not cfg.get("compile")
+    return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not MemoryConfig.from_config(cfg).compile
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -136,7 +138,7 @@ class TrainingSession:
             activation_context: from ``setup_model`` (activation offloading), or None.
         """
         train_loader, val_loader, plan = data
-        lora = cfg.get("lora")
+        lora = LORA.node(cfg)
         checkpointer_args = dict(
             output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
             base_checkpoint_dir=base_checkpoint_dir, lora=lora,

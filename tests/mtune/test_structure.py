@@ -91,15 +91,106 @@ def test_light_packages_never_import_torch():
     assert not problems, "\n".join(problems)
 
 
+TECHNIQUES_PACKAGE = "mtune.training.memory.techniques"
+
+
 def test_training_and_modules_import_mtune_at_module_level():
-    # A function-local import of another mtune module would hide an import cycle; only the CLI (start-up time)
-    # and the tokenizer loader (one family's library at a time) import lazily.
+    # A function-local import of another mtune module would hide an import cycle; only the CLI (start-up time),
+    # the tokenizer loader (one family's library at a time) and a technique's apply() (its implementation, so that
+    # `mtune validate` reads the declaration without torch) import lazily.
     problems = []
     for name, tree in _modules().items():
         if not name.startswith(("mtune.training", "mtune.modules", "mtune.models")):
             continue
         for function in ast.walk(tree):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if _within(name, TECHNIQUES_PACKAGE) and function.name == "apply":
+                    continue
                 problems += [f"{name}:{line} imports {source} inside {function.name}()"
                              for source, _, line in _imports(function) if source.startswith("mtune")]
+    assert not problems, "\n".join(problems)
+
+
+# The packages from the bottom up: a module may import its own package and those below it, never one above
+# (docs/architecture.md draws the same picture).
+LAYERS = [
+    ["mtune.errors", "mtune.assets"],
+    ["mtune.config"],
+    ["mtune.tokenizers", "mtune.modules"],
+    ["mtune.data", "mtune.models"],
+    ["mtune.training.memory", "mtune.training.distributed", "mtune.training.rng", "mtune.training.signals",
+     "mtune.training.lr_schedulers"],
+    ["mtune.training.loop", "mtune.training.checkpointing", "mtune.training.task_eval"],
+    ["mtune.training.observe", "mtune.training.context", "mtune.training.model_setup"],
+    ["mtune.training.planning"],
+    ["mtune.training.session"],
+    ["mtune._cli", "mtune.__main__"],
+]
+
+
+def _layer(module: str) -> int | None:
+    matches = [(len(package), i) for i, packages in enumerate(LAYERS) for package in packages
+               if _within(module, package)]
+    return max(matches)[1] if matches else None
+
+
+def test_every_module_has_a_layer():
+    assert [name for name in _modules() if name not in ("mtune", "mtune.training") and _layer(name) is None] == []
+
+
+def test_no_import_runs_back_up():
+    problems = []
+    for name, tree in _modules().items():
+        for source, _, line in _imports(tree):
+            if source.startswith("mtune.") and _layer(source) is not None and _layer(name) is not None \
+                    and _layer(source) > _layer(name):
+                problems.append(f"{name}:{line} imports {source}, a package above it")
+    assert not problems, "\n".join(problems)
+
+
+def test_technique_declarations_never_import_torch():
+    # `mtune validate` reads every technique's keys and rules: the declarations import no torch and no mtune module
+    # that does, at module level (apply() imports the implementation when it runs).
+    allowed = ("mtune.config", "mtune.training.memory.technique", TECHNIQUES_PACKAGE)
+    problems = []
+    for name, tree in _modules().items():
+        if not (_within(name, TECHNIQUES_PACKAGE) or name in ("mtune.training.memory.registry",
+                                                               "mtune.training.memory.technique")):
+            continue
+        for node in tree.body:  # module level only
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for source, _, line in _imports(node):
+                if source == "torch" or source.startswith("torch.") or (
+                        source.startswith("mtune") and not any(_within(source, a) for a in allowed)):
+                    problems.append(f"{name}:{line} imports {source} at module level")
+    assert not problems, "\n".join(problems)
+
+
+def _reads(tree: ast.AST):
+    """``(key, line)`` for every string read from a mapping: ``x.get("key")``, ``x["key"]``, a dict literal's key."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "select") \
+                and node.args:
+            arg = node.args[-1] if node.func.attr == "select" else node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                yield arg.value.split(".")[0], node.lineno
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                and isinstance(node.slice.value, str):
+            yield node.slice.value, node.lineno
+        elif isinstance(node, ast.Dict):
+            for key in node.keys:
+                if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                    yield key.value.split(".")[0], key.lineno
+
+
+def test_no_technique_key_is_read_as_a_raw_string_outside_the_techniques():
+    # A technique's keys reach the code that acts on them typed (MemoryConfig, LoraConfig) or through the
+    # technique's own methods; only the techniques read them from a config by name (their interactions included).
+    from mtune.training.memory.registry import TECHNIQUES
+
+    keys = {key.name for technique in TECHNIQUES for key in technique.keys}
+    problems = [f"{name}:{line} reads {key!r}"
+                for name, tree in _modules().items() if not _within(name, TECHNIQUES_PACKAGE)
+                for key, line in _reads(tree) if key in keys]
     assert not problems, "\n".join(problems)

@@ -10,9 +10,10 @@ import torch
 
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
-from mtune.training.memory.optimizer_layouts import Bnb8bitAdamLayout, BnbAdamLayout
-from mtune.training.plan import CUDA_BLOCK_BYTES, parse_bytes, plan_memory
-from mtune.training.memory.tracker import CATEGORIES
+from mtune.training.planning.optimizer_layouts import Bnb8bitAdamLayout, BnbAdamLayout
+from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES, parse_bytes
+from mtune.training.planning.plan import plan_memory
+from mtune.training.planning.tracker import CATEGORIES
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
 
 PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
@@ -110,7 +111,7 @@ def test_the_planner_reads_no_weight_file(tmp_path, tiny_checkpoint, tiny_data):
                                                (Bnb8bitAdamLayout, "PagedAdamW8bit")])
 def test_bitsandbytes_layouts_match_a_real_step(layout, real_name):
     bnb = pytest.importorskip("bitsandbytes")
-    from mtune.training.memory.accounting import tensor_storage_bytes
+    from mtune.training.memory.tensor_bytes import tensor_storage_bytes
 
     def state_bytes(cls):
         torch.manual_seed(0)
@@ -152,7 +153,7 @@ def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, 
 def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_data):
     from omegaconf import OmegaConf
 
-    from mtune.training.plan_fit import KNOBS, search, write_config
+    from mtune.training.planning.fit import KNOBS, search, write_config
 
     recipe = "lora_single_device"
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {})
@@ -216,7 +217,8 @@ def test_per_rank_plan_matches_a_two_rank_run(tmp_path, tiny_checkpoint, tiny_da
 
 
 def test_fit_searches_fp8_storage_and_selective_op(tmp_path, tiny_checkpoint, tiny_data):
-    from mtune.training.plan_fit import KNOBS, step_cost
+    from mtune.training.planning.cost import step_cost
+    from mtune.training.planning.fit import KNOBS
 
     knobs = {k.name: k for k in KNOBS}
     lora = _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {}))
@@ -236,7 +238,8 @@ def test_fit_searches_fp8_storage_and_selective_op(tmp_path, tiny_checkpoint, ti
 
 
 def test_fit_searches_the_offloading_techniques_and_charges_their_transfers(tmp_path, tiny_checkpoint, tiny_data):
-    from mtune.training.plan_fit import KNOBS, search, step_cost, transfer_bytes_per_token
+    from mtune.training.planning.cost import step_cost, transfer_bytes_per_token
+    from mtune.training.planning.fit import KNOBS, search
 
     knobs = {k.name: k for k in KNOBS}
     lora = _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {}))

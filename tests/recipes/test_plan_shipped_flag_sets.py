@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
-from mtune.training.plan import plan_memory
+from mtune.training.planning.plan import plan_memory
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "assets" / "plans" / "shipped_flag_sets.json"

@@ -16,7 +16,7 @@ import torch
 
 from mtune._cli.catalog import builtin_configs, builtin_recipes, load_recipe_module
 from mtune.config import load_config, validate_config
-from mtune.config.keys import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig
 from mtune.models import model_args
 from mtune.modules.lora import LoRALinear, is_adapter_param
 from mtune.modules.nf4_linear import FrozenNF4Linear

@@ -29,6 +29,7 @@ from mtune.errors import MtuneError
 from mtune.modules.lora import LoRALinear, adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
 
 __all__ = [
+    "lora_node_from_adapter",
     "ADAPTER_CONFIG_NAME",
     "ADAPTER_WEIGHTS_NAME",
     "Adapter",
@@ -133,6 +134,14 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
             raise AdapterError(f"{path}: {field}={config.get(field)!r}: {why}")
     return config
 
+
+
+def lora_node_from_adapter(adapter_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``lora`` config node that rebuilds the adapters of a saved PEFT adapter (its modules, rank, alpha and
+    DoRA; no dropout, a full-precision base), e.g. to load it for generation."""
+    config = read_adapter_config(adapter_dir)
+    return dict(modules=config["target_modules"], rank=config["r"], alpha=config["lora_alpha"], dropout=0.0,
+                use_dora=bool(config.get("use_dora", False)), quantize_base=False)
 
 def _scaling(config: Mapping[str, Any]) -> float:
     rank, alpha = config["r"], config["lora_alpha"]

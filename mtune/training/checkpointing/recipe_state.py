@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from mtune.errors import MtuneError, PathNotFoundError
+from mtune.training.memory.registry import TECHNIQUES
 from mtune.training.rng import get_rng_state, set_rng_state
 
 __all__ = [
@@ -35,28 +36,24 @@ RECIPE_STATE_FILENAME = "recipe_state.pt"
 
 # Top-level config keys whose change alters the model, the data order or the optimisation, so a resumed run would
 # not be the continuation of the saved one. Keys in neither list are treated as these (refusing is the safe side).
-MUST_MATCH_ON_RESUME = (
+# The memory techniques' keys are classified by each technique (``must_match_on_resume``), added below.
+_RUN_KEYS_THAT_MUST_MATCH = (
     "recipe",
     "model",  # the architecture and the base weights (LoRA checkpoints do not hold them)
-    "lora",  # modules, rank, alpha, dropout, DoRA, NF4 base: the trainable parameters and their shapes
     "tokenizer",
     "dtype",
     "batch_size",
     "gradient_accumulation_steps",
     "optimizer",
-    "optimizer_in_bwd",  # changes the layout of the optimizer state
     "lr_scheduler",
     "loss",
     "clip_grad_norm",
     "dataset",
     "seed",
-    "weight_storage_dtype",  # fp8-rounded base weights: every later step computes with them
-    "weight_storage_skip_patterns",
 )
 
-# Keys that may differ: how long to train, where and how often to write, what to observe, and memory/speed
-# techniques that do not change what a step computes.
-MAY_CHANGE_ON_RESUME = (
+# Keys that may differ: how long to train, where and how often to write, what to observe.
+_RUN_KEYS_THAT_MAY_CHANGE = (
     "output_dir",
     "resume_from_checkpoint",
     "device",
@@ -72,20 +69,20 @@ MAY_CHANGE_ON_RESUME = (
     "profiler",
     "memory_breakdown",
     "plan_check",
-    "compile",
-    "enable_activation_checkpointing",
-    "activation_checkpointing_every_n_layers",
-    "enable_activation_offloading",
-    "activation_offloading_use_streams",
     "task_eval",
     "distributed_backend",
     "fsdp_reshard_after_forward",
     "fsdp_cpu_offload",
     "overwrite_output_dir",
-    "optimizer_offload",  # the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
-    "weight_offloading",  # where frozen weights wait between uses; the values computed are the same
-    "activation_checkpointing_policy",  # what checkpointed blocks keep; the numbers are the same
 )
+
+
+_TECHNIQUE_KEYS = [key.name for technique in TECHNIQUES for key in technique.keys]
+_TECHNIQUES_MUST_MATCH = tuple(name for technique in TECHNIQUES for name in technique.must_match_on_resume)
+MUST_MATCH_ON_RESUME = _RUN_KEYS_THAT_MUST_MATCH + _TECHNIQUES_MUST_MATCH
+"""Keys a resumed run must keep."""
+MAY_CHANGE_ON_RESUME = _RUN_KEYS_THAT_MAY_CHANGE + tuple(k for k in _TECHNIQUE_KEYS if k not in _TECHNIQUES_MUST_MATCH)
+"""Keys a resumed run may change (techniques that do not change what a step computes among them)."""
 
 
 class _Stateful(Protocol):

@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from mtune.config.errors import ConfigError
-from mtune.config.keys import ACTIVATION_CHECKPOINTING_POLICIES
+from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING_POLICIES
 
-__all__ = ["apply_activation_checkpointing", "is_checkpointed", "selective_op_policy", "saved_ops"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_policy", "is_checkpointed", "selective_op_policy", "saved_ops"]
 
 
 def saved_ops() -> frozenset:
@@ -63,8 +63,13 @@ def _selective_forward(original_forward, *args, **kwargs):
     return checkpoint(original_forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
 
 
+def checkpoint_policy(block: nn.Module) -> str | None:
+    """The policy ``block`` is checkpointed with (``block``, ``selective_op``), or None when it is not."""
+    return getattr(block, "_mtune_checkpointed", None)
+
+
 def is_checkpointed(block: nn.Module) -> bool:
-    return getattr(block, "_mtune_checkpointed", None) is not None
+    return checkpoint_policy(block) is not None
 
 
 def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, policy: str = "block") -> nn.Module:

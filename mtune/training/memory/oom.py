@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mtune.errors import MtuneError
+from mtune.training.memory.registry import TECHNIQUES
 
 __all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line"]
 
@@ -39,38 +40,16 @@ class OutOfMemory(MtuneError, RuntimeError):
 
 
 def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
-    """Flags that would lower peak memory and are not set in ``cfg`` yet, most effective first."""
-    advice = []
-    if not cfg.get("enable_activation_checkpointing"):
-        advice.append("enable_activation_checkpointing=true")
-    if cfg.get("enable_activation_checkpointing") and not cfg.get("enable_activation_offloading"):
-        advice.append("enable_activation_offloading=true")
+    """Settings that would lower peak memory and are not set in ``cfg`` yet, most effective first: every
+    technique's own advice (`MemoryTechnique.oom_advice`) and the run's (batch, dtype, sequence length), by rank."""
+    advice = [(rank, text) for technique in TECHNIQUES for rank, text in technique.oom_advice(cfg)]
     if int(cfg.get("batch_size") or 1) > 1:
-        advice.append("a smaller batch_size with a larger gradient_accumulation_steps")
-    lora = cfg.get("lora")
-    if lora is None:
-        advice.append("a LoRA recipe (lora_single_device) instead of a full fine-tune")
-    elif not lora.get("quantize_base"):
-        advice.append("lora.quantize_base=true (QLoRA)")
-    optimizer = str((cfg.get("optimizer") or {}).get("_component_", ""))
-    if "8bit" not in optimizer.lower() and "4bit" not in optimizer.lower() and lora is None:
-        advice.append("optimizer=bitsandbytes.optim.PagedAdamW8bit")
-    if not cfg.get("optimizer_in_bwd") and lora is None and int(cfg.get("gradient_accumulation_steps") or 1) == 1:
-        advice.append("optimizer_in_bwd=true")
-    single_device = "fsdp_cpu_offload" not in cfg  # the distributed recipes offload with fsdp_cpu_offload instead
-    if (single_device and optimizer == "torch.optim.AdamW" and not cfg.get("optimizer_offload")
-            and not cfg.get("optimizer_in_bwd") and cfg.get("dtype") != "fp16"):
-        advice.append("optimizer_offload=cpu")
-    if single_device and lora is not None and cfg.get("weight_offloading") is None and not cfg.get("compile"):
-        advice.append("weight_offloading={type: block_level, blocks_per_group: 1}")
-    loss = str((cfg.get("loss") or {}).get("_component_", ""))
-    if "Chunked" not in loss:
-        advice.append("loss._component_=mtune.modules.loss.ChunkedCrossEntropyLoss")
+        advice.append((30, "a smaller batch_size with a larger gradient_accumulation_steps"))
     if cfg.get("dtype") in ("fp32", "fp16"):
-        advice.append("dtype=bf16 (on GPUs that have it)")
+        advice.append((110, "dtype=bf16 (on GPUs that have it)"))
     if (cfg.get("tokenizer") or {}).get("max_seq_len"):
-        advice.append("a smaller tokenizer.max_seq_len")
-    return advice
+        advice.append((120, "a smaller tokenizer.max_seq_len"))
+    return [text for _, text in sorted(advice, key=lambda item: item[0])]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Building optimizers, including the low-memory ones and optimizer-in-backward.
 
-`build_optimizer(cfg.optimizer, model, optimizer_in_bwd=...)` reads the config node's `_component_` and keyword
-arguments. Supported components (AdamW state per parameter element: fp32 2 x 4 bytes):
+`build_optimizer(cfg.optimizer, model, memory)` reads the config node's `_component_` and keyword arguments, and
+the run's `MemoryConfig` for the techniques that act through the optimizer (``optimizer_in_bwd``,
+``optimizer_offload``). Supported components (AdamW state per parameter element: fp32 2 x 4 bytes):
 
 | `_component_`                        | state bytes / element | notes                                            |
 |--------------------------------------|-----------------------|--------------------------------------------------|
@@ -28,8 +29,9 @@ import torch
 from torch import nn
 
 from mtune.config.errors import ConfigError
-from mtune.config.rules import OPTIMIZER_OFFLOAD_OPTIMIZERS
-from mtune.training.memory.accounting import tensor_bytes
+from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.techniques.optimizer_offload import OPTIMIZER_OFFLOAD
+from mtune.training.memory.tensor_bytes import tensor_bytes
 from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer
 from mtune.training.memory.placement import Placement
 
@@ -77,9 +79,8 @@ def _component_kwargs(component: str, kwargs: dict, device: torch.device) -> dic
 def build_optimizer(
     optimizer_cfg: Mapping[str, Any],
     params_or_model: nn.Module | Iterable[nn.Parameter],
+    memory: MemoryConfig = MemoryConfig(),
     *,
-    optimizer_in_bwd: bool = False,
-    optimizer_offload: str | None = None,
     placement: Placement | None = None,
     target_device: torch.device | str | None = None,
     **overrides: Any,
@@ -89,15 +90,16 @@ def build_optimizer(
     Args:
         optimizer_cfg: mapping with `_component_` (a dotted path, see SUPPORTED_OPTIMIZERS) and its kwargs (lr, ...).
         params_or_model: a model (its parameters with requires_grad) or an iterable of parameters.
-        optimizer_in_bwd: return an `OptimizerInBackward` (one optimizer per parameter, stepped during backward).
-        optimizer_offload: ``"cpu"``: return a `CPUOffloadOptimizer` (states in host memory, stepped on the CPU;
-            `mtune.training.memory.optimizer_offload`) when ``placement`` has a host distinct from the compute
-            device; None: off.
+        memory: the run's memory keys; ``optimizer_in_bwd``: return an `OptimizerInBackward` (one optimizer per
+            parameter, stepped during backward); ``optimizer_offload="cpu"``: return a `CPUOffloadOptimizer` (states
+            in host memory, stepped on the CPU; `mtune.training.memory.optimizer_offload`) when ``placement`` has a
+            host distinct from the compute device.
         placement: the compute device and the host (default: the parameters' device and the CPU).
         target_device: the device whose defaults to use (fused AdamW on CUDA); default: the parameters' device.
             ``mtune plan`` builds a CUDA run's optimizer over fake CPU tensors.
         overrides: keyword arguments that replace the config's.
     """
+    optimizer_in_bwd, optimizer_offload = memory.optimizer_in_bwd, memory.optimizer_offload
     cfg = dict(optimizer_cfg)
     component = cfg.pop("_component_", None)
     if component is None:
@@ -112,11 +114,9 @@ def build_optimizer(
     device = torch.device(target_device) if target_device else named[0][1].device
     if optimizer_offload is not None:
         placement = placement or Placement(device)
-        if component not in OPTIMIZER_OFFLOAD_OPTIMIZERS:
-            raise ConfigError(f"optimizer_offload={optimizer_offload} supports optimizer._component_ "
-                              f"{' or '.join(OPTIMIZER_OFFLOAD_OPTIMIZERS)}, not {component}")
-        if optimizer_in_bwd:
-            raise ConfigError(f"optimizer_offload={optimizer_offload} cannot be combined with optimizer_in_bwd=true")
+        problems = OPTIMIZER_OFFLOAD.optimizer_problems(optimizer_offload, component, optimizer_in_bwd)
+        if problems:  # callers that skip the validator get its own words
+            raise ConfigError(problems[0])
         if placement.distinct:
             kwargs = _component_kwargs(component, cfg, placement.host)  # the step runs on the host
             log.info("optimizer_offload=%s: %s states in %s memory, stepped there", optimizer_offload, component,

@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mtune.config.errors import ConfigError
-from mtune.config.keys import WeightOffloading
+from mtune.training.memory.techniques.weight_offloading import WeightOffloading
 from mtune.training.memory.placement import Placement, storage_key
 
 __all__ = ["WeightOffloader", "apply_weight_offloading", "weight_offloader", "offloaded_weights_materialized"]

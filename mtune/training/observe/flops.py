@@ -40,6 +40,8 @@ from typing import Any
 from torch import nn
 
 from mtune.modules.lora import LoRALinear
+from mtune.training.memory.activation_checkpointing import checkpoint_policy
+from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
 
 __all__ = ["FlopsPerToken", "StepFlops", "flops_per_token", "utilization"]
 
@@ -140,14 +142,9 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: int, che
 
 def _checkpointed_layers(model: nn.Module, memory: Any | None) -> list[str | None]:
     """Each block's checkpointing policy (``block``, ``selective_op``) or None."""
-    n = len(model.layers)
     if memory is None:
-        return [getattr(block, "_mtune_checkpointed", None) for block in model.layers]
-    if not memory.enable_activation_checkpointing:
-        return [None] * n
-    policy = getattr(memory, "activation_checkpointing_policy", "block")
-    every = int(memory.activation_checkpointing_every_n_layers)
-    return [policy if i % every == 0 else None for i in range(n)]
+        return [checkpoint_policy(block) for block in model.layers]
+    return ACTIVATION_CHECKPOINTING.layer_policies(memory, len(model.layers))
 
 
 def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *,

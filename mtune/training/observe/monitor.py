@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from mtune.training.loop import StepResult, all_reduce
-from mtune.training.memory.accounting import peak_memory_stats
+from mtune.training.distributed import all_reduce
+from mtune.training.loop import StepResult
+from mtune.training.observe.memory_stats import peak_memory_stats
 from mtune.training.observe.flops import utilization
 from mtune.training.observe.metric_logging import METRICS_FILENAME, build_metric_logger
 from mtune.training.observe.peak_flops import PeakFlops

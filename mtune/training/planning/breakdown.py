@@ -1,7 +1,6 @@
-"""Memory figures for logging: the allocator's / the process's peak (:func:`peak_memory_stats`), and the live
-tensor bytes by category and location of each step (:class:`MemoryBreakdown`, over
-:class:`~mtune.training.memory.tracker.TensorTracker`): ``peak_tensor_gib`` / ``peak_host_tensor_gib`` in
-``metrics.jsonl`` and ``memory_breakdown.json`` / ``.png``.
+"""The live tensor bytes by category and location of each step of a real run (:class:`MemoryBreakdown`, over
+:class:`~mtune.training.planning.tracker.TensorTracker`): ``peak_tensor_gib`` / ``peak_host_tensor_gib`` in
+``metrics.jsonl`` (``plan_check``) and ``memory_breakdown.json`` / ``.png`` (``memory_breakdown``).
 """
 
 from __future__ import annotations
@@ -9,8 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
-import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,93 +16,14 @@ from typing import Any
 import torch
 
 from mtune.training.memory.placement import Placement
-from mtune.training.memory.tracker import CATEGORIES, LOCATIONS, StepMemory, TensorTracker
 from mtune.training.observe.plots import plot_memory_breakdown
+from mtune.training.planning.tracker import CATEGORIES, LOCATIONS, StepMemory, TensorTracker
 
-__all__ = ["peak_memory_stats", "MemoryBreakdown", "step_record", "tensor_bytes", "tensor_storage_bytes"]
+__all__ = ["MemoryBreakdown", "step_record"]
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-
-
-def peak_memory_stats(device: torch.device | str, reset: bool = True) -> dict[str, float]:
-    """Peak memory since the last reset, in GiB.
-
-    On CUDA: ``peak_memory_gib`` (allocator's allocated peak), ``peak_memory_active_gib``,
-    ``peak_memory_reserved_gib``; with ``reset=True`` the peaks restart, so each log interval reports its own.
-    Elsewhere: ``peak_memory_gib`` is the process's peak resident set size (``ru_maxrss``), which cannot be reset
-    and covers the whole process lifetime.
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        stats = torch.cuda.memory_stats(device)
-        result = {
-            "peak_memory_gib": stats.get("allocated_bytes.all.peak", 0) / GIB,
-            "peak_memory_active_gib": stats.get("active_bytes.all.peak", 0) / GIB,
-            "peak_memory_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GIB,
-        }
-        if reset:
-            torch.cuda.reset_peak_memory_stats(device)
-        return result
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_bytes = max_rss if sys.platform == "darwin" else max_rss * 1024  # Linux reports KiB, macOS bytes
-    return {"peak_memory_gib": rss_bytes / GIB}
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s elements; tensor subclasses (torchao's quantized states, NF4) count their inner parts, and
-    a DTensor (an FSDP2-sharded parameter, gradient or optimizer state) the local shard of this rank."""
-    if isinstance(t, torch.nn.Parameter):
-        t = t.data
-    if _is_wrapper(t):
-        return sum(tensor_bytes(part) for part in _inner_tensors(t))
-    return t.numel() * t.element_size()
-
-
-def _is_wrapper(t: torch.Tensor) -> bool:
-    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
-
-
-def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The tensors a wrapper subclass holds. ``__tensor_flatten__`` also names non-tensor parts (a DTensor's
-    ``device_mesh``), which hold no tensor bytes."""
-    names, _ = t.__tensor_flatten__()
-    for name in names:
-        part = getattr(t, name)
-        if isinstance(part, torch.Tensor):
-            yield part
-
-
-def _storages(tensor: torch.Tensor) -> Iterator[tuple[tuple, int]]:
-    """``(key, nbytes)`` of the storages behind ``tensor``. Wrapper subclasses (torchao's NF4Tensor, low-bit
-    optimizer states, DTensor) are opened up to their inner tensors, whose storages hold the real bytes: a
-    DTensor's local shard, which may itself be an NF4Tensor."""
-    if isinstance(tensor, torch.nn.Parameter):
-        tensor = tensor.data
-    if _is_wrapper(tensor):
-        for part in _inner_tensors(tensor):
-            yield from _storages(part)
-        return
-    if tensor.device.type == "meta":
-        return
-    storage = tensor.untyped_storage()
-    if storage.nbytes() > 0:
-        yield (tensor.device.type, tensor.device.index, storage.data_ptr()), storage.nbytes()
-
-
-def tensor_storage_bytes(tensors: Iterable[torch.Tensor], exclude: set | None = None) -> tuple[int, set]:
-    """Bytes of the distinct storages behind ``tensors`` (a storage shared by views counts once), skipping storage
-    keys in ``exclude``. Returns ``(bytes, keys)``."""
-    seen: set = set()
-    total = 0
-    for tensor in tensors:
-        for key, nbytes in _storages(tensor):
-            if key in seen or (exclude is not None and key in exclude):
-                continue
-            seen.add(key)
-            total += nbytes
-    return total, seen
 
 
 class MemoryBreakdown:

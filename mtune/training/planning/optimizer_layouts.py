@@ -70,8 +70,8 @@ class Bnb8bitAdamLayout(BnbAdamLayout):
 
 
 LAYOUT_STANDINS = {
-    "bitsandbytes.optim.AdamW8bit": "mtune.training.memory.optimizer_layouts.Bnb8bitAdamLayout",
-    "bitsandbytes.optim.PagedAdamW8bit": "mtune.training.memory.optimizer_layouts.Bnb8bitAdamLayout",
-    "bitsandbytes.optim.PagedAdamW": "mtune.training.memory.optimizer_layouts.BnbAdamLayout",
+    "bitsandbytes.optim.AdamW8bit": "mtune.training.planning.optimizer_layouts.Bnb8bitAdamLayout",
+    "bitsandbytes.optim.PagedAdamW8bit": "mtune.training.planning.optimizer_layouts.Bnb8bitAdamLayout",
+    "bitsandbytes.optim.PagedAdamW": "mtune.training.planning.optimizer_layouts.BnbAdamLayout",
 }
 """``_component_`` -> the stand-in the planner builds instead (same keyword arguments)."""

@@ -6,12 +6,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import KeyGroup, Node, RecipeSchema, instantiate
-from mtune.config.keys import MEMORY_KEYS, RUN_KEYS
-from mtune.config.rules import TRAINING_RULES
+from mtune.config.keys import RUN_KEYS
+from mtune.config.rules import RUN_RULES
+from mtune.training.memory.registry import MEMORY_KEYS, MEMORY_RULES
 
 SCHEMA = RecipeSchema(
     [RUN_KEYS, MEMORY_KEYS, KeyGroup("echo", [Node("component", "any _component_ to build", required=True)])],
-    rules=TRAINING_RULES,
+    rules=RUN_RULES + MEMORY_RULES,
 )
 
 

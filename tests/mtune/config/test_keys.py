@@ -4,13 +4,20 @@ from dataclasses import fields
 
 from omegaconf import OmegaConf
 
+from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune.config import Key, KeyGroup, Node
 from mtune.config import keys as declared
-from mtune.config.keys import MEMORY_KEYS, MemoryConfig, WeightOffloading
+from mtune.training.memory import registry
+from mtune.training.memory.registry import MEMORY_KEYS, MemoryConfig, WeightOffloading
+from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING_NODE
 
 
 def _groups() -> list[KeyGroup]:
-    groups = [v for v in vars(declared).values() if isinstance(v, KeyGroup)]
+    """Every group declared in mtune.config.keys and the registry, and those the recipes compose, with the groups
+    inside their nodes."""
+    groups = [v for module in (declared, registry) for v in vars(module).values() if isinstance(v, KeyGroup)]
+    generate = load_recipe_module(find_recipe("generate")).SCHEMA.groups
+    groups += [g for g in generate if all(g is not known for known in groups)]
     inner = [d.keys for g in groups for d in g.keys if isinstance(d, Node) and d.keys is not None]
     return groups + inner
 
@@ -20,7 +27,7 @@ def test_each_memory_key_is_declared_once():
     for key in MEMORY_KEYS.keys:
         assert [g for g, decl in declarations if decl.name == key.name and decl is not key] == [], key.name
     # weight_offloading is also read by generate: the same declaration object, not a copy
-    assert [g for g, decl in declarations if decl is declared.WEIGHT_OFFLOADING] == ["memory", "generate"]
+    assert [g for g, decl in declarations if decl is WEIGHT_OFFLOADING_NODE] == ["memory", "offloading"]
 
 
 def test_keys_shared_by_recipes_are_one_declaration():

@@ -5,7 +5,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from mtune.config.rules import MEMORY_RULES
+from mtune.training.memory.registry import MEMORY_RULES
 
 
 def problems(**cfg):

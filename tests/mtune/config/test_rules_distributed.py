@@ -3,7 +3,10 @@
 import pytest
 from omegaconf import OmegaConf
 
-from mtune.config.rules import DISTRIBUTED_RULES
+from mtune.config.rules import DISTRIBUTED_RUN_RULES
+from mtune.training.memory.registry import DISTRIBUTED_MEMORY_RULES
+
+DISTRIBUTED_RULES = DISTRIBUTED_RUN_RULES + DISTRIBUTED_MEMORY_RULES
 
 
 def problems(**cfg):
@@ -34,15 +37,18 @@ def test_backend_names():
 
 
 def test_adapter_start_is_refused_in_distributed_recipes():
-    from mtune.config.rules import check_distributed_adapter_start
+    from mtune.training.memory.registry import LORA
 
-    assert check_distributed_adapter_start(OmegaConf.create({"lora": {"adapter_dir": None}})) == []
-    assert "lora.adapter_dir is not supported by the distributed recipes" in check_distributed_adapter_start(
+    assert LORA.distributed_rules(OmegaConf.create({"lora": {"adapter_dir": None}})) == []
+    assert "lora.adapter_dir is not supported by the distributed recipes" in LORA.distributed_rules(
         OmegaConf.create({"lora": {"adapter_dir": "/tmp/a"}}))[0]
 
 
 def test_single_device_offloading_points_to_fsdp_cpu_offload():
-    from mtune.config.rules import check_distributed_offload
+    from mtune.training.memory.registry import OPTIMIZER_OFFLOAD, WEIGHT_OFFLOADING
+
+    def check_distributed_offload(cfg):
+        return OPTIMIZER_OFFLOAD.distributed_rules(cfg) + WEIGHT_OFFLOADING.distributed_rules(cfg)
 
     cfg = OmegaConf.create({"optimizer_offload": "cpu", "weight_offloading": {"type": "leaf_level"}})
     found = check_distributed_offload(cfg)

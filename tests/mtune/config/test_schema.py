@@ -4,16 +4,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from mtune.config import REQUIRED, Key, KeyGroup, Node, RecipeSchema, render_help, render_markdown, validate_config
-from mtune.config.keys import (
-    LORA_KEYS,
-    MEMORY_KEYS,
-    MODEL_NODES,
-    RUN_KEYS,
-    TRAINING_NODES,
-)
-from mtune.config.rules import TRAINING_RULES
+from mtune.config.keys import MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import RUN_RULES
+from mtune.training.memory.registry import LORA_KEYS, MEMORY_KEYS, MEMORY_RULES
 
-SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS], rules=TRAINING_RULES)
+SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS], rules=RUN_RULES + MEMORY_RULES)
 
 
 def good_config(**changes):

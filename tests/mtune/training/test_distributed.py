@@ -28,7 +28,7 @@ from mtune.training.checkpointing.dcp import (
 )
 from mtune.training.distributed import shard_model
 from mtune.training.loop import train_step
-from mtune.training.memory.accounting import tensor_bytes
+from mtune.training.memory.tensor_bytes import tensor_bytes
 from mtune.training.model_setup import (
     ModelSource, init_weights_sharded, reset_adapters_sharded, resolve_model_source, setup_model,
     setup_sharded_model,

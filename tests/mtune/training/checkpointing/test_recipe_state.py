@@ -145,8 +145,9 @@ def test_a_different_global_batch_is_refused_whatever_the_ranks():
 
 def test_every_declared_key_is_classified_for_resume():
     from mtune.config import keys
+    from mtune.training.memory import registry
 
-    groups = [keys.RUN_KEYS, keys.MEMORY_KEYS, keys.MODEL_NODES, keys.TRAINING_NODES, keys.LORA_KEYS,
+    groups = [keys.RUN_KEYS, registry.MEMORY_KEYS, keys.MODEL_NODES, keys.TRAINING_NODES, registry.LORA_KEYS,
               keys.DISTRIBUTED_KEYS]
     names = {decl.name for group in groups for decl in group.keys}
     classified = set(MUST_MATCH_ON_RESUME) | set(MAY_CHANGE_ON_RESUME)

@@ -6,7 +6,9 @@ import torch
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import train_step
-from mtune.training.memory.accounting import MemoryBreakdown, peak_memory_stats, tensor_storage_bytes
+from mtune.training.memory.tensor_bytes import tensor_storage_bytes
+from mtune.training.observe.memory_stats import peak_memory_stats
+from mtune.training.planning.breakdown import MemoryBreakdown
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
 from mtune.training.memory.activation_offloading import apply_activation_offloading
 from mtune.training.memory.placement import Placement
@@ -175,7 +177,7 @@ def test_dtensor_shape_propagation_is_not_counted(fake):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from mtune.training.memory.tracker import TensorTracker
+    from mtune.training.planning.tracker import TensorTracker
 
     def step_peak(sharded: bool) -> int:
         mode = FakeTensorMode() if fake else None

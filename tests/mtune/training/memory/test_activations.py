@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from mtune.config.keys import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing

@@ -16,7 +16,7 @@ from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer
 from mtune.training.memory.optimizers import build_optimizer
 from mtune.training.memory.placement import Placement
-from mtune.config.keys import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig
 
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 3e-3, "weight_decay": 0.01}
 gen = torch.Generator().manual_seed(3)
@@ -54,7 +54,7 @@ def test_offloaded_adamw_is_bit_identical_to_adamw(lora):
     plain = _model(lora)
     offloaded = copy.deepcopy(plain)
     placement = Placement("cpu", distinct=True)
-    optimizer = build_optimizer(ADAMW, offloaded, optimizer_offload="cpu", placement=placement)
+    optimizer = build_optimizer(ADAMW, offloaded, MemoryConfig(optimizer_offload="cpu"), placement=placement)
     assert isinstance(optimizer, CPUOffloadOptimizer)
     expected = _train(plain, build_optimizer(ADAMW, plain))  # foreach AdamW on both sides
     assert _train(offloaded, optimizer) == expected  # loss and gradient norm (clipping reads host gradients)
@@ -70,7 +70,7 @@ def test_offloaded_adamw_is_bit_identical_to_adamw(lora):
 def test_no_gradient_stays_on_the_compute_device_after_backward():
     model = _model()
     placement = Placement("cpu", distinct=True)
-    optimizer = build_optimizer(ADAMW, model, optimizer_offload="cpu", placement=placement)
+    optimizer = build_optimizer(ADAMW, model, MemoryConfig(optimizer_offload="cpu"), placement=placement)
     seen = []  # how many gradients the compute device holds each time one is complete
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda _: seen.append(sum(q.grad is not None for q in model.parameters())))
@@ -92,7 +92,7 @@ def test_resume_loads_the_plain_optimizers_state_and_refreshes_the_host_copies()
     _train(plain, plain_opt, steps=1)
     resumed = _model()
     resumed.load_state_dict(plain.state_dict())  # the checkpointer loads weights, then the optimizer state
-    optimizer = build_optimizer(ADAMW, resumed, optimizer_offload="cpu", placement=Placement("cpu", distinct=True))
+    optimizer = build_optimizer(ADAMW, resumed, MemoryConfig(optimizer_offload="cpu"), placement=Placement("cpu", distinct=True))
     optimizer.load_state_dict(copy.deepcopy(plain_opt.state_dict()))  # as read back from recipe_state.pt
     assert all(torch.equal(h, p) for h, p in zip(optimizer.host_params, resumed.parameters()))
     plain_next, resumed_next = _train(plain, plain_opt, steps=1), _train(resumed, optimizer, steps=1)
@@ -107,7 +107,7 @@ def test_stacks_with_checkpointing_and_activation_offloading():
     placement = Placement("cpu", distinct=True)
     ctx = apply_memory_techniques(offloaded, MemoryConfig(enable_activation_offloading=True), placement=placement)
     ctx.min_offload_bytes = 0
-    optimizer = build_optimizer(ADAMW, offloaded, optimizer_offload="cpu", placement=placement)
+    optimizer = build_optimizer(ADAMW, offloaded, MemoryConfig(optimizer_offload="cpu"), placement=placement)
     assert _train(offloaded, optimizer, context=ctx) == _train(plain, build_optimizer(ADAMW, plain))
     assert ctx.offloaded_bytes > 0
     _assert_same_parameters(plain, offloaded)
@@ -116,7 +116,7 @@ def test_stacks_with_checkpointing_and_activation_offloading():
 def test_without_a_distinct_host_the_optimizer_runs_unchanged(caplog):
     model = _model()
     with caplog.at_level("INFO", logger="mtune"):
-        optimizer = build_optimizer(ADAMW, model, optimizer_offload="cpu", placement=Placement("cpu"))
+        optimizer = build_optimizer(ADAMW, model, MemoryConfig(optimizer_offload="cpu"), placement=Placement("cpu"))
     assert type(optimizer) is torch.optim.AdamW and "nothing is moved" in caplog.text
 
 
@@ -125,7 +125,7 @@ def test_without_a_distinct_host_the_optimizer_runs_unchanged(caplog):
 def test_on_cuda_states_are_in_pinned_host_memory_and_the_step_matches_cpu_adamw():
     plain = _model().cuda()
     offloaded = copy.deepcopy(plain)
-    optimizer = build_optimizer(ADAMW, offloaded, optimizer_offload="cpu", placement=Placement("cuda"))
+    optimizer = build_optimizer(ADAMW, offloaded, MemoryConfig(optimizer_offload="cpu"), placement=Placement("cuda"))
     assert optimizer.stream is not None
     reference = build_optimizer(dict(ADAMW, foreach=True), plain)  # the same AdamW arithmetic, on the GPU
     cuda = [{k: v.cuda() for k, v in b.items()} for b in BATCHES]

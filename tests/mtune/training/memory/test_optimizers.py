@@ -8,6 +8,7 @@ from torch import nn
 
 from mtune.training.memory import optimizers as optim_mod
 from mtune.training.memory.optimizers import OptimizerInBackward, build_optimizer, optimizer_state_bytes
+from mtune.training.memory.registry import MemoryConfig
 
 LR = 1e-3
 gen = torch.Generator().manual_seed(8)
@@ -87,7 +88,7 @@ def test_optimizer_in_backward_equals_plain_step_with_one_gradient_alive(adamw):
     for p in params:  # registered first, so it runs before the optimizer's hook frees this gradient
         p.register_post_accumulate_grad_hook(lambda _: alive.append(sum(q.grad is not None for q in params)))
     opt = build_optimizer({"_component_": "torch.optim.AdamW", "lr": LR, "weight_decay": 0.01}, model,
-                          optimizer_in_bwd=True)
+                          MemoryConfig(optimizer_in_bwd=True))
     assert isinstance(opt, OptimizerInBackward)
     for _ in range(10):
         (model(X) - Y).square().mean().backward()
@@ -103,7 +104,7 @@ def test_optimizer_in_backward_equals_plain_step_with_one_gradient_alive(adamw):
     assert all(o.param_groups[0]["lr"] == LR * 0.5 for o in opt.optimizers.values())
     state = opt.state_dict()
     assert set(state) == {"0.weight", "2.weight"} and int(state["0.weight"]["state"][0]["step"]) == 10
-    fresh = build_optimizer({"_component_": "torch.optim.AdamW", "lr": LR}, _model(), optimizer_in_bwd=True)
+    fresh = build_optimizer({"_component_": "torch.optim.AdamW", "lr": LR}, _model(), MemoryConfig(optimizer_in_bwd=True))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.optimizers["0.weight"].state_dict()["state"][0]["exp_avg"],
                        state["0.weight"]["state"][0]["exp_avg"])

@@ -10,7 +10,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from mtune.config.errors import ConfigError
-from mtune.config.keys import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from mtune.config.keys import MemoryConfig, WeightOffloading
+from mtune.training.memory.registry import MemoryConfig, WeightOffloading
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.activation_checkpointing import is_checkpointed

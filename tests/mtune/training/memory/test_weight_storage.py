@@ -10,7 +10,7 @@ import torch
 
 import mtune
 from mtune.config.errors import ConfigError
-from mtune.config.keys import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig
 from mtune.data import instruct_dataset
 from mtune.data.collate import collate_padded
 from mtune.modules.fp8_linear import FrozenFp8Linear, has_fp8_storage, is_fp8_stored, stored_weight
@@ -179,7 +179,7 @@ def test_fp8_base_on_cuda_in_bf16(batch):
 def test_fp8_base_with_weight_offloading_and_selective_op_is_exact():
     # Weight offloading moves the fp8 codes (1 byte a value) and the blocks' frozen fp32 norms; the row scales (a
     # buffer) stay on the device.
-    from mtune.config.keys import WeightOffloading
+    from mtune.training.memory.registry import WeightOffloading
     from tests.mtune.training.memory.test_weight_offloading import _assert_identical, _loss_and_grads, _pair
 
     memory = MemoryConfig(weight_storage_dtype="float8_e4m3fn", enable_activation_checkpointing=True,

@@ -5,7 +5,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mtune.config.keys import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig
 from mtune.models import build_model
 from mtune.modules.lora import apply_lora
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss

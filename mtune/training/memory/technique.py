@@ -1,0 +1,134 @@
+"""What a memory technique is: one object that declares everything about itself.
+
+A technique (a subclass of :class:`MemoryTechnique`, one module under ``mtune/training/memory/techniques/``, one
+line in :mod:`mtune.training.memory.registry`) says
+
+- its config keys with defaults and help (``keys``: the schema, ``--help``, `MemoryConfig` and the docs read them);
+- its rules: incompatible flags and requirements, on one device (:meth:`rules`) and under FSDP2
+  (:meth:`distributed_rules`);
+- how it is applied to a built model (:meth:`apply`, called by
+  :func:`mtune.training.memory.apply.apply_memory_techniques` in the registry's order);
+- which of its keys a resumed run must keep (``must_match_on_resume``; the others may change);
+- its ``mtune plan --fit`` choices (:attr:`fit_knob`, :meth:`fit_choices`), whether a configuration of it changes the numbers a step
+  computes (:meth:`lossy`), the bytes it moves between device and host per token (:meth:`transfer_bytes_per_token`)
+  and its out-of-memory advice (:meth:`oom_advice`);
+- whether it runs under ``torch.compile`` (``supports_compile``).
+
+Pure Python, no torch at import: ``mtune validate`` reads the declarations. A technique's :meth:`apply` imports its
+implementation (a torch module) when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MemoryTechnique", "FitChoice", "ModelFacts", "get"]
+
+
+def get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg``'s value at a dotted path (``"lora.quantize_base"``); ``default`` where any part is absent or null."""
+    node = cfg
+    for part in dotted.split("."):
+        if node is None or not hasattr(node, "get") or part not in node:
+            return default
+        node = node[part]
+    return default if node is None else node
+
+
+class FitChoice(tuple):
+    """One option of a technique in the ``--fit`` search: the pair ``(level, overrides)`` (a higher level saves more
+    memory; level 0 leaves the technique off), and ``lossy``: when the option changes what a step computes compared
+    with the user's config, what is given up, in a few words (None: the same numbers)."""
+
+    def __new__(cls, level: int, overrides: dict, lossy: str | None = None) -> "FitChoice":
+        choice = super().__new__(cls, (level, overrides))
+        choice.lossy = lossy
+        return choice
+
+    @property
+    def level(self) -> int:
+        return self[0]
+
+    @property
+    def overrides(self) -> dict:
+        return self[1]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the cost model knows of a candidate: the model's shape and stored bytes, and the tokens of a
+    micro-batch and of an optimizer step."""
+
+    n_layers: int
+    dim: int
+    trainable_bytes: float
+    """Trainable parameters as stored (fp32 under ``dtype=fp16``: its weights are fp32)."""
+    frozen_bytes: float
+    """Frozen parameters as stored (NF4 about 0.53 byte a weight with its scales, fp8 one byte)."""
+    residual_bytes: int
+    """Bytes per element of the residual stream between blocks (what offloaded block inputs hold): the storage
+    dtype's, since under fp16 autocast the stream stays fp32."""
+    micro_batch_tokens: int
+    step_tokens: int
+
+
+class MemoryTechnique:
+    """The contract. Every method has a neutral default (no rule, no transfer, no advice, lossless, not searched),
+    so a technique overrides only what it has to say."""
+
+    name: str = ""
+    """The technique's name in logs and docs (its main key where it has one)."""
+    keys: tuple = ()
+    """Its top-level config keys (`mtune.config.schema.Key` / `Node`), in the order the docs list them."""
+    must_match_on_resume: tuple[str, ...] = ()
+    """Those of its keys a resumed run must keep (they change what a step computes); the rest may change."""
+    from_yaml: Mapping[str, Any] = {}
+    """``{key: convert}`` for keys whose YAML value becomes another type in `MemoryConfig` (a node its typed
+    dataclass, a list a tuple); the others are carried as they are."""
+    supports_compile: bool = True
+    """Whether it runs with ``compile=true`` (a rule refuses the pair otherwise)."""
+    fit_knob: str | None = None
+    """The name of its ``mtune plan --fit`` dimension (:meth:`fit_choices`), or None when the search leaves it as
+    configured."""
+
+    def enabled(self, memory: Any, lora: Any = None) -> bool:
+        """Whether the run's `MemoryConfig` (and `LoraConfig`, None for a full fine-tune) turn it on; :meth:`apply`
+        is called only then."""
+        return False
+
+    def apply(self, model: Any, memory: Any, *, lora: Any, placement: Any) -> Any:
+        """Transform ``model`` in place; return a context manager the step enters around forward and backward, or
+        None."""
+        return None
+
+    def fit_choices(self, cfg: Any, facts: ModelFacts) -> list[FitChoice]:
+        """The options ``--fit`` tries for the user's ``cfg`` (its model's ``facts``), level 0 first."""
+        return [FitChoice(0, {})]
+
+    def describe(self, memory: Any, lora: Any = None) -> str:
+        """The technique's setting, for the run's one log line of memory techniques."""
+        return "on" if self.enabled(memory, lora) else "off"
+
+    def rules(self, cfg: Any) -> list[str]:
+        """One-line problems of ``cfg`` (defaults filled in), each naming the keys and the fix."""
+        return []
+
+    def distributed_rules(self, cfg: Any) -> list[str]:
+        """Problems under the distributed (FSDP2) recipes, beyond :meth:`rules`."""
+        return []
+
+    def lossy(self, cfg: Any) -> str | None:
+        """What this technique, as ``cfg`` configures it, gives up in the numbers a step computes (None: nothing;
+        the same step as without it, up to floating-point round-off)."""
+        return None
+
+    def transfer_bytes_per_token(self, cfg: Any, facts: ModelFacts) -> float:
+        """Bytes moved between the device and the host per trained token, as ``cfg`` configures it."""
+        return 0.0
+
+    def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
+        """``(rank, flag)`` settings that would lower the peak and are not set in ``cfg`` yet; a lower rank is
+        more effective (`mtune.training.memory.oom` merges every technique's advice by rank)."""
+        return []

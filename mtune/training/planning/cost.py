@@ -1,0 +1,114 @@
+"""What a candidate config costs, for ``mtune plan --fit``: seconds per trained token on a reference GPU.
+
+:func:`step_cost` adds the FLOPs per token that the performance counter (:mod:`mtune.training.observe.flops`, the
+numerator of HFU) counts for the candidate's model (forward, backward, the recomputation of checkpointed blocks and
+of a checkpointed chunked loss), divided by :data:`REFERENCE_FLOPS`, and the bytes every technique moves between
+device and host per token (each technique's ``transfer_bytes_per_token``: offloaded activations, optimizer
+offload's gradients and parameters, weight offloading's frozen weights), divided by
+:data:`REFERENCE_HOST_BANDWIDTH`. Smaller micro-batches and 8-bit optimizers cost no FLOPs in this model.
+
+Bytes follow the storage dtype (`mtune.training.memory.precision.storage_dtype`): ``dtype=fp16`` stores fp32
+weights and keeps an fp32 residual stream under fp16 autocast, so its weights and offloaded block inputs count 4
+bytes an element, like fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from omegaconf import OmegaConf
+
+from mtune.models import build_model_from_args
+from mtune.modules.loss import ChunkedCrossEntropyLoss
+from mtune.modules.lora import freeze_base
+from mtune.training.memory.apply import apply_memory_techniques
+from mtune.training.memory.precision import storage_dtype
+from mtune.training.memory.registry import ACTIVATION_CHECKPOINTING, TECHNIQUES, LoraConfig, MemoryConfig
+from mtune.training.memory.technique import ModelFacts
+from mtune.training.model_setup import resolve_model_source
+from mtune.training.observe.flops import flops_per_token
+
+__all__ = ["step_cost", "model_flops_per_token", "transfer_bytes_per_token", "model_facts", "REFERENCE_FLOPS",
+           "REFERENCE_HOST_BANDWIDTH"]
+
+REFERENCE_FLOPS = 400e12
+"""Sustained bf16 matmul FLOP/s of the reference GPU (an H100 SXM reaches ~400 of its 989 dense TFLOP/s in
+training); only ratios between candidates matter."""
+REFERENCE_HOST_BANDWIDTH = 25e9
+"""Bytes/s between device and host (PCIe 4/5 x16 as measured by bandwidth tests, one direction)."""
+
+
+def _node_key(node) -> str | None:
+    return None if node is None else json.dumps(OmegaConf.to_container(node, resolve=True), sort_keys=True)
+
+
+_FLOPS_CACHE: dict = {}
+
+
+def model_flops_per_token(cfg) -> float:
+    """Training FLOPs per token of ``cfg``'s model, recomputation included: the performance counter
+    (:func:`mtune.training.observe.flops.flops_per_token`, the numerator of HFU) on the model built on the meta
+    device with the config's adapters, at ``tokenizer.max_seq_len``, with the blocks checkpointed as the config
+    says (``selective_op`` recomputes only the elementwise ops between matmuls: no counted FLOPs). Cached per
+    distinct model/adapter/checkpointing/loss combination (the other techniques cost no FLOPs)."""
+    memory, lora = MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
+    args = resolve_model_source(cfg.model).args
+    chunked = "Chunked" in str((cfg.get("loss") or {}).get("_component_", ""))
+    fp16 = cfg.get("dtype") == "fp16"
+    key = (_node_key(cfg.model), lora, tuple(ACTIVATION_CHECKPOINTING.layer_policies(memory, args.n_layers)),
+           chunked, fp16, int(cfg.tokenizer.max_seq_len))
+    if key not in _FLOPS_CACHE:
+        model = build_model_from_args(args)  # meta: no memory
+        apply_memory_techniques(model, lora=lora)  # the adapters; checkpointing is read from ``memory``
+        if lora is not None:
+            freeze_base(model)
+        recomputes = chunked and ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head, autocast=fp16)
+        _FLOPS_CACHE[key] = flops_per_token(model, int(cfg.tokenizer.max_seq_len), memory,
+                                            loss_recomputes_projection=recomputes).hardware
+    return _FLOPS_CACHE[key]
+
+
+_PARAMS_CACHE: dict = {}
+
+
+def _parameter_bytes(cfg) -> tuple[float, float]:
+    """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored (NF4 ~0.53 byte a weight with its scales,
+    fp8 one byte, the rest in the storage dtype), from the model built on the meta device."""
+    lora, storage = LoraConfig.from_config(cfg), MemoryConfig.from_config(cfg).weight_storage_dtype
+    key = (_node_key(cfg.model), lora, storage, cfg.get("dtype"))
+    if key not in _PARAMS_CACHE:
+        dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
+        model = build_model_from_args(resolve_model_source(cfg.model).args)  # meta: no memory
+        apply_memory_techniques(model, MemoryConfig(weight_storage_dtype=storage), lora=lora)
+        if lora is not None:
+            freeze_base(model)
+        nf4 = lora is not None and lora.quantize_base
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
+        frozen = 0.0
+        for p in model.parameters():
+            if not p.requires_grad:
+                per_weight = 0.53 if nf4 and p.dim() == 2 else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes
+                frozen += p.numel() * per_weight
+        _PARAMS_CACHE[key] = (float(trainable), frozen)
+    return _PARAMS_CACHE[key]
+
+
+def model_facts(cfg) -> ModelFacts:
+    """The shape, stored bytes and tokens per micro-batch and per step of ``cfg``'s model."""
+    args = resolve_model_source(cfg.model).args
+    trainable, frozen = _parameter_bytes(cfg)
+    micro_tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
+    return ModelFacts(n_layers=args.n_layers, dim=args.dim, trainable_bytes=trainable, frozen_bytes=frozen,
+                      residual_bytes=storage_dtype(str(cfg.get("dtype"))).itemsize,
+                      micro_batch_tokens=micro_tokens,
+                      step_tokens=micro_tokens * int(cfg.get("gradient_accumulation_steps") or 1))
+
+
+def transfer_bytes_per_token(cfg) -> float:
+    """Bytes moved between device and host per trained token: every technique's own count."""
+    facts = model_facts(cfg)
+    return sum(technique.transfer_bytes_per_token(cfg, facts) for technique in TECHNIQUES)
+
+
+def step_cost(cfg) -> float:
+    """Seconds per trained token on the reference GPU (see the module docstring)."""
+    return model_flops_per_token(cfg) / REFERENCE_FLOPS + transfer_bytes_per_token(cfg) / REFERENCE_HOST_BANDWIDTH

@@ -1,0 +1,123 @@
+"""What ``mtune plan`` predicts (:class:`MemoryPlan`: the peaks, each category's share, whether it fits, as a
+table, JSON and a chart), and the byte sizes it reads and prints (:func:`parse_bytes`, :func:`format_bytes`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mtune.config.errors import ConfigError
+from mtune.errors import MtuneError
+from mtune.training.observe.plots import plot_memory_plan
+from mtune.training.planning.tracker import CATEGORIES
+
+__all__ = ["MemoryPlan", "PlanError", "parse_bytes", "format_bytes", "CUDA_CONTEXT_BYTES", "CUDA_BLOCK_BYTES", "GIB"]
+
+GIB = 1024**3
+CUDA_BLOCK_BYTES = 512
+"""The caching allocator rounds every request up to a multiple of 512 bytes; ``max_memory_allocated`` counts that."""
+CUDA_CONTEXT_BYTES = 512 * 1024**2
+"""What a CUDA process takes on the GPU outside the caching allocator (the context, cuBLAS/cuDNN handles and their
+kernels): about 0.5 GiB with CUDA 12 on an H100/A100 (it varies a little with the driver and the libraries
+loaded). Added to the whole-GPU figure only; ``max_memory_allocated`` does not see it."""
+
+class PlanError(MtuneError, RuntimeError):
+    """The planner cannot plan this config (it names the key and what to do)."""
+
+
+@dataclass
+class MemoryPlan:
+    """A plan: the predicted peaks (bytes) and what makes them up. ``device`` / ``host``: each category's own peak;
+    ``at_peak``: what is live at the instant of each location's peak."""
+
+    target: str
+    world_size: int
+    device_peak_bytes: int
+    host_peak_bytes: int
+    device: dict[str, int]
+    host: dict[str, int]
+    at_peak: dict[str, dict[str, int]]
+    batch: dict[str, int]
+    parameters: dict[str, int]
+    predicts: str
+    cuda_context_bytes: int = 0
+    device_memory: int | None = None
+    host_memory: int | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_total_bytes(self) -> int:
+        """The device peak plus the CUDA context: what the GPU must hold."""
+        return self.device_peak_bytes + self.cuda_context_bytes
+
+    def fits(self) -> dict[str, int | None]:
+        """Spare bytes per location (negative: short by that much); None where no budget was given."""
+        return {
+            "device": None if self.device_memory is None else self.device_memory - self.device_total_bytes,
+            "host": None if self.host_memory is None else self.host_memory - self.host_peak_bytes,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["device_total_bytes"] = self.device_total_bytes
+        out["spare_bytes"] = self.fits()
+        out["unit"] = "bytes"
+        return out
+
+    def plot(self, out_png) -> Any:
+        """The stacked bar chart (PNG) of what is live at each location's peak; None without matplotlib."""
+        return plot_memory_plan(self.at_peak, out_png, CATEGORIES, title=f"mtune plan: {self.target}",
+                                context_bytes=self.cuda_context_bytes, budget_bytes=self.device_memory)
+
+    def table(self) -> str:
+        """The plan as text: the peaks, each category's peak and what is live at the peak, and whether it fits."""
+        lines = [f"target: {self.target}" + (f" x {self.world_size} ranks (per rank)" if self.world_size > 1 else "")
+                 + f"; batch {self.batch['batch_size']} x {self.batch['seq_len']} tokens"
+                 + (f", {self.batch['accumulation']} micro-batches per step" if self.batch["accumulation"] > 1 else ""),
+                 f"parameters: {self.parameters['total']:,} ({self.parameters['trainable']:,} trainable)",
+                 "",
+                 f"{'category':<18}{'device peak':>14}{'at device peak':>16}{'host peak':>14}"]
+        for category in CATEGORIES:
+            lines.append(f"{category:<18}{format_bytes(self.device[category]):>14}"
+                         f"{format_bytes(self.at_peak['device'][category]):>16}{format_bytes(self.host[category]):>14}")
+        lines.append(f"{'peak':<18}{format_bytes(self.device_peak_bytes):>14}{'':>16}"
+                     f"{format_bytes(self.host_peak_bytes):>14}")
+        lines.append("")
+        if self.cuda_context_bytes:
+            lines.append(f"predicted torch.cuda.max_memory_allocated(): {format_bytes(self.device_peak_bytes)}; "
+                         f"with the CUDA context (~{format_bytes(self.cuda_context_bytes)}): "
+                         f"{format_bytes(self.device_total_bytes)} on the GPU")
+        else:
+            lines.append(f"predicted peak of live tensors on {self.target}: {format_bytes(self.device_peak_bytes)} "
+                         f"(peak_tensor_gib in metrics.jsonl)")
+        lines.append(f"host (offloaded tensors): {format_bytes(self.host_peak_bytes)}")
+        for where, spare in self.fits().items():
+            if spare is None:
+                continue
+            budget = self.device_memory if where == "device" else self.host_memory
+            verdict = (f"fits in {format_bytes(budget)} with {format_bytes(spare)} to spare" if spare >= 0
+                       else f"does NOT fit in {format_bytes(budget)}: {format_bytes(-spare)} short")
+            lines.append(f"{where}: {verdict}")
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str, what: str = "memory") -> int:
+    """``24GiB``, ``80GB``, ``512MiB``, ``1.5TB``, or a number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"{what}={text!r}: write a size such as 24GiB, 80GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int | float) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 1024**2:.1f} MiB"
