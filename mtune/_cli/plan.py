@@ -4,7 +4,6 @@ the fastest config that fits). Light at import: torch loads only when a plan run
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from mtune._cli.catalog import find_config, find_recipe, load_recipe_module

@@ -70,7 +70,6 @@ RUN_RULES = (check_optimizer_values, check_eval_dataset)
 `mtune.training.memory.registry.MEMORY_RULES`); a recipe attaches both to its `RecipeSchema`."""
 
 
-# ------------------------------------------------------------------------------------------------ distributed
 _DISTRIBUTED_BACKENDS = ("nccl", "gloo")
 
 
@@ -86,7 +85,6 @@ DISTRIBUTED_RUN_RULES = RUN_RULES + (check_distributed_backend,)
 `mtune.training.memory.registry.DISTRIBUTED_MEMORY_RULES`."""
 
 
-# ------------------------------------------------------------------------------------------------ merge_lora
 def check_merge_base(cfg: Any) -> list[str]:
     """base_model_dir and model.checkpoint_dir name the same thing; one of them at most."""
     model = cfg.get("model") or {}
@@ -99,7 +97,6 @@ MERGE_RULES = (check_merge_base,)
 """The rules the merge_lora recipe attaches to its `RecipeSchema`."""
 
 
-# ------------------------------------------------------------------------------------------------ generate
 def check_generate_input(cfg: Any) -> list[str]:
     """Exactly one of prompt / messages; messages are {role, content} mappings."""
     prompt, messages = cfg.get("prompt"), cfg.get("messages")

@@ -7,7 +7,6 @@ one full tensor at a time) and shards the output at a size limit.
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -73,12 +72,6 @@ def load_hf_config(checkpoint_dir: str | os.PathLike) -> tuple[str, DecoderArgs]
             raise
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         raise CheckpointError(f"{Path(checkpoint_dir) / CONFIG_NAME}: {detail}") from None
-
-
-def checkpoint_dtype(config: dict) -> torch.dtype | None:
-    """The dtype a config declares (``dtype`` in transformers 5, ``torch_dtype`` before), or None."""
-    name = config.get("dtype") or config.get("torch_dtype")
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
 
 
 # ------------------------------------------------------------------------------------------------------ loading

@@ -24,7 +24,7 @@ from torch import nn
 
 from mtune.modules.lora import merge_adapter
 from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, open_safetensors, save_hf_checkpoint
-from mtune.training.checkpointing.peft import Adapter, AdapterLayer, adapter_from_model, read_adapter
+from mtune.training.checkpointing.peft import Adapter, adapter_from_model, read_adapter
 
 __all__ = ["merged_hf_weights", "save_merged_model"]
 

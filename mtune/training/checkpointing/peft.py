@@ -37,7 +37,6 @@ __all__ = [
     "AdapterError",
     "adapter_from_model",
     "check_adapter_matches",
-    "is_adapter_dir",
     "load_peft_adapter",
     "lora_layout",
     "read_adapter",
@@ -103,10 +102,6 @@ def lora_layout(model: nn.Module) -> dict[str, Any]:
         "dropout": dropout,
         "use_dora": first.use_dora,
     }
-
-
-def is_adapter_dir(path: str | os.PathLike) -> bool:
-    return (Path(path) / ADAPTER_CONFIG_NAME).is_file()
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:

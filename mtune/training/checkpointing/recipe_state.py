@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from mtune.errors import MtuneError, PathNotFoundError
-from mtune.training.memory.registry import TECHNIQUES
+from mtune.training.memory import registry
 from mtune.training.rng import get_rng_state, set_rng_state
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "ResumeError",
     "MUST_MATCH_ON_RESUME",
     "MAY_CHANGE_ON_RESUME",
+    "resume_classes",
 ]
 
 RECIPE_STATE_FILENAME = "recipe_state.pt"
@@ -77,12 +78,17 @@ _RUN_KEYS_THAT_MAY_CHANGE = (
 )
 
 
-_TECHNIQUE_KEYS = [key.name for technique in TECHNIQUES for key in technique.keys]
-_TECHNIQUES_MUST_MATCH = tuple(name for technique in TECHNIQUES for name in technique.must_match_on_resume)
-MUST_MATCH_ON_RESUME = _RUN_KEYS_THAT_MUST_MATCH + _TECHNIQUES_MUST_MATCH
-"""Keys a resumed run must keep."""
-MAY_CHANGE_ON_RESUME = _RUN_KEYS_THAT_MAY_CHANGE + tuple(k for k in _TECHNIQUE_KEYS if k not in _TECHNIQUES_MUST_MATCH)
-"""Keys a resumed run may change (techniques that do not change what a step computes among them)."""
+def resume_classes() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(must match, may change)``: the run's keys as listed above, and each memory technique's keys as the
+    technique classifies them (``must_match_on_resume``; its other keys do not change what a step computes)."""
+    must = tuple(name for technique in registry.TECHNIQUES for name in technique.must_match_on_resume)
+    declared = [key.name for technique in registry.TECHNIQUES for key in technique.keys]
+    return (_RUN_KEYS_THAT_MUST_MATCH + must,
+            _RUN_KEYS_THAT_MAY_CHANGE + tuple(name for name in declared if name not in must))
+
+
+MUST_MATCH_ON_RESUME, MAY_CHANGE_ON_RESUME = resume_classes()
+"""Keys a resumed run must keep, and keys it may change, as the registry was imported."""
 
 
 class _Stateful(Protocol):
@@ -183,8 +189,9 @@ def check_resume_compatible(saved_cfg: Mapping[str, Any], cfg: Mapping[str, Any]
     On another number of ranks ``batch_size`` may differ as long as ``batch_size x world_size`` (the global batch)
     does not; a different global batch is refused, whatever ``batch_size`` says.
     """
-    saved = {k: v for k, v in saved_cfg.items() if k not in MAY_CHANGE_ON_RESUME}
-    new = {k: v for k, v in cfg.items() if k not in MAY_CHANGE_ON_RESUME}
+    may_change = resume_classes()[1]
+    saved = {k: v for k, v in saved_cfg.items() if k not in may_change}
+    new = {k: v for k, v in cfg.items() if k not in may_change}
     differences: list[str] = []
     # The global batch (batch_size x ranks) must stay; the per-rank batch_size may change with the number of ranks.
     saved_batch, new_batch = saved.pop("batch_size", None), new.pop("batch_size", None)

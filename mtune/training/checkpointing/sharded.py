@@ -25,7 +25,7 @@ from mtune.modules.lora import has_nf4_weight
 from mtune.modules.nf4_linear import is_nf4, nf4_row_chunk, quantize_nf4
 from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
 
-__all__ = ["load_hf_checkpoint_sharded", "local_rows", "local_shape", "as_param_like", "assign_tensors"]
+__all__ = ["load_hf_checkpoint_sharded", "local_rows", "as_param_like", "assign_tensors"]
 
 
 def _row_slice(param: DTensor) -> tuple[int, int]:
@@ -46,13 +46,6 @@ def local_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return nf4_row_chunk(full, param.device_mesh.size(), param.device_mesh.get_local_rank())
     start, length = _row_slice(param)
     return full.narrow(0, start, length).clone()  # own memory: the full tensor is freed
-
-
-def local_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape of this rank's shard of ``param`` (its full shape when unsharded)."""
-    if not isinstance(param, DTensor):
-        return tuple(param.shape)
-    return (_row_slice(param)[1], *param.shape[1:])
 
 
 def as_param_like(local: torch.Tensor, current: torch.Tensor) -> nn.Parameter:

@@ -26,7 +26,8 @@ from torch import nn
 
 from mtune.training.memory.activation_offloading import OffloadActivations
 from mtune.training.memory.placement import Placement
-from mtune.training.memory.registry import TECHNIQUES, LoraConfig, MemoryConfig
+from mtune.training.memory import registry
+from mtune.training.memory.registry import LoraConfig, MemoryConfig
 
 __all__ = ["apply_memory_techniques"]
 
@@ -49,8 +50,8 @@ def apply_memory_techniques(
     lora = LoraConfig.from_node(lora)
     placement = placement or Placement.default()
     context = None
-    for technique in TECHNIQUES:
+    for technique in registry.TECHNIQUES:
         if technique.enabled(memory, lora):
             context = technique.apply(model, memory, lora=lora, placement=placement) or context
-    log.info("memory techniques: %s", ", ".join(f"{t.name}={t.describe(memory, lora)}" for t in TECHNIQUES if t.keys))
+    log.info("memory techniques: %s", ", ".join(f"{t.name}={t.describe(memory, lora)}" for t in registry.TECHNIQUES if t.keys))
     return context

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mtune.errors import MtuneError
-from mtune.training.memory.registry import TECHNIQUES
+from mtune.training.memory import registry
 
 __all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line"]
 
@@ -42,7 +42,7 @@ class OutOfMemory(MtuneError, RuntimeError):
 def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
     """Settings that would lower peak memory and are not set in ``cfg`` yet, most effective first: every
     technique's own advice (`MemoryTechnique.oom_advice`) and the run's (batch, dtype, sequence length), by rank."""
-    advice = [(rank, text) for technique in TECHNIQUES for rank, text in technique.oom_advice(cfg)]
+    advice = [(rank, text) for technique in registry.TECHNIQUES for rank, text in technique.oom_advice(cfg)]
     if int(cfg.get("batch_size") or 1) > 1:
         advice.append((30, "a smaller batch_size with a larger gradient_accumulation_steps"))
     if cfg.get("dtype") in ("fp32", "fp16"):

@@ -22,7 +22,8 @@ from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.modules.lora import freeze_base
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.precision import storage_dtype
-from mtune.training.memory.registry import ACTIVATION_CHECKPOINTING, TECHNIQUES, LoraConfig, MemoryConfig
+from mtune.training.memory import registry
+from mtune.training.memory.registry import ACTIVATION_CHECKPOINTING, LoraConfig
 from mtune.training.memory.technique import ModelFacts
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.observe.flops import flops_per_token
@@ -50,7 +51,7 @@ def model_flops_per_token(cfg) -> float:
     device with the config's adapters, at ``tokenizer.max_seq_len``, with the blocks checkpointed as the config
     says (``selective_op`` recomputes only the elementwise ops between matmuls: no counted FLOPs). Cached per
     distinct model/adapter/checkpointing/loss combination (the other techniques cost no FLOPs)."""
-    memory, lora = MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
+    memory, lora = registry.MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
     args = resolve_model_source(cfg.model).args
     chunked = "Chunked" in str((cfg.get("loss") or {}).get("_component_", ""))
     fp16 = cfg.get("dtype") == "fp16"
@@ -58,7 +59,7 @@ def model_flops_per_token(cfg) -> float:
            chunked, fp16, int(cfg.tokenizer.max_seq_len))
     if key not in _FLOPS_CACHE:
         model = build_model_from_args(args)  # meta: no memory
-        apply_memory_techniques(model, lora=lora)  # the adapters; checkpointing is read from ``memory``
+        apply_memory_techniques(model, registry.MemoryConfig(), lora=lora)  # adapters; checkpointing: ``memory``
         if lora is not None:
             freeze_base(model)
         recomputes = chunked and ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head, autocast=fp16)
@@ -73,12 +74,12 @@ _PARAMS_CACHE: dict = {}
 def _parameter_bytes(cfg) -> tuple[float, float]:
     """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored (NF4 ~0.53 byte a weight with its scales,
     fp8 one byte, the rest in the storage dtype), from the model built on the meta device."""
-    lora, storage = LoraConfig.from_config(cfg), MemoryConfig.from_config(cfg).weight_storage_dtype
+    lora, storage = LoraConfig.from_config(cfg), registry.MemoryConfig.from_config(cfg).weight_storage_dtype
     key = (_node_key(cfg.model), lora, storage, cfg.get("dtype"))
     if key not in _PARAMS_CACHE:
         dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
         model = build_model_from_args(resolve_model_source(cfg.model).args)  # meta: no memory
-        apply_memory_techniques(model, MemoryConfig(weight_storage_dtype=storage), lora=lora)
+        apply_memory_techniques(model, registry.MemoryConfig(weight_storage_dtype=storage), lora=lora)
         if lora is not None:
             freeze_base(model)
         nf4 = lora is not None and lora.quantize_base
@@ -106,7 +107,7 @@ def model_facts(cfg) -> ModelFacts:
 def transfer_bytes_per_token(cfg) -> float:
     """Bytes moved between device and host per trained token: every technique's own count."""
     facts = model_facts(cfg)
-    return sum(technique.transfer_bytes_per_token(cfg, facts) for technique in TECHNIQUES)
+    return sum(technique.transfer_bytes_per_token(cfg, facts) for technique in registry.TECHNIQUES)
 
 
 def step_cost(cfg) -> float:

@@ -25,13 +25,13 @@ from omegaconf import OmegaConf
 
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
-from mtune.training.memory.registry import TECHNIQUES
+from mtune.training.memory import registry
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning.cost import model_facts, step_cost
 from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
 from mtune.training.planning.plan import plan_memory
 
-__all__ = ["Knob", "KNOBS", "Candidate", "search", "fit_command", "write_config"]
+__all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "search", "fit_command", "write_config"]
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,15 @@ def _micro_batch(cfg) -> list[FitChoice]:
     return choices
 
 
-KNOBS: list[Knob] = [_technique_knob(t) for t in TECHNIQUES if t.fit_knob] + [Knob("micro_batch", _micro_batch)]
-"""The techniques searched, in registry order, and the micro-batch last (the search reads its level as
-``levels[-1]``). fp8 weight storage is a level of ``lora_method`` (with NF4) and activation offloading one of
-``activation_checkpointing``."""
+def registry_knobs() -> list[Knob]:
+    """The techniques searched, in registry order, and the micro-batch last (the search reads its level as
+    ``levels[-1]``). fp8 weight storage is a level of ``lora_method`` (with NF4) and activation offloading one of
+    ``activation_checkpointing``."""
+    return [_technique_knob(t) for t in registry.TECHNIQUES if t.fit_knob] + [Knob("micro_batch", _micro_batch)]
+
+
+KNOBS: list[Knob] = registry_knobs()
+"""`registry_knobs()` as the registry was imported."""
 
 
 @dataclass
@@ -101,7 +106,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
            world_size: int = 1) -> list[Candidate]:
     """Every candidate of ``knobs`` over ``cfg`` that ``schema``'s rules accept, cheapest first, each planned or
     pruned as the module docstring says. Returns them all (``fits`` None where never planned)."""
-    knobs = KNOBS if knobs is None else knobs
+    knobs = registry_knobs() if knobs is None else knobs
     options = [knob.choices(cfg) for knob in knobs]
     candidates = []
     for combo in itertools.product(*options):

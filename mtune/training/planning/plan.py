@@ -66,12 +66,11 @@ from mtune.training.planning.memory_plan import (
     CUDA_CONTEXT_BYTES,
     MemoryPlan,
     PlanError,
-    format_bytes,
 )
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.planning.tracker import TensorTracker
 
-__all__ = ["plan_memory", "plan_summary_line"]
+__all__ = ["plan_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +227,7 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
                             device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
     accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
     dtype_name = str(cfg.dtype)
+    peaks = None
     for step, micro_batches in enumerate((1, min(accumulation, 2))):
         with tracker:
             batches = _batch(cfg, vocab_size, micro_batches, small=step == 0)
@@ -240,10 +240,5 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
                                 clip_grad_norm=cfg.get("clip_grad_norm"))
             del batches
         interval = tracker.take_interval()
-        peaks = interval if step == 0 else peaks.merge(interval)
+        peaks = interval if peaks is None else peaks.merge(interval)
     return peaks
-
-
-def plan_summary_line(plan: MemoryPlan) -> str:
-    return (f"planned peak {format_bytes(plan.device_peak_bytes)} on {plan.target}, "
-            f"{format_bytes(plan.host_peak_bytes)} on the host")

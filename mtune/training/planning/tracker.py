@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map_only
 
 from mtune.training.memory.placement import Placement
 
-__all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory", "storages_of"]
+__all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory"]
 
 # DTensor runs each op once on fake tensors to infer its output's layout (under the planner's own FakeTensorMode
 # when one is active); what that allocates is not memory a step uses.
@@ -56,13 +56,6 @@ except ImportError:  # a torch build without distributed: no DTensor either
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 LOCATIONS = ("device", "host")
-
-
-def storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages holding ``t``'s bytes: a wrapper subclass (NF4, DTensor, quantized optimizer states) is opened
-    up to its inner tensors."""
-    for part in plain_parts(t):
-        yield part.untyped_storage()
 
 
 def plain_parts(t: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -1,0 +1,127 @@
+"""A technique is one module and one registry line: a dummy technique, added to the registry, is seen by the
+schema, `MemoryConfig`, the rules, the application order, resume, the ``--fit`` search, the cost model and the
+out-of-memory advice, with no other file touched. Copy this test for a new technique (docs/architecture.md)."""
+
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mtune.config import RecipeSchema
+from mtune.config.keys import MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import RUN_RULES
+from mtune.config.schema import Key
+from mtune.models import build_model_from_args, model_args
+from mtune.training.checkpointing.recipe_state import ResumeError, check_resume_compatible
+from mtune.training.memory import registry
+from mtune.training.memory.apply import apply_memory_techniques
+from mtune.training.memory.oom import memory_advice
+from mtune.training.memory.technique import FitChoice, MemoryTechnique
+from mtune.training.planning import cost, fit
+
+BYTES_PER_TOKEN = 1e6
+
+
+class Dummy(MemoryTechnique):
+    """Marks every block; refuses compile; moves a fixed number of bytes per token; must match on resume."""
+
+    name = "dummy_marking"
+    keys = (Key("dummy_marking", bool, False, "mark every block (a test technique)"),
+            Key("dummy_strength", int, 1, "how strongly", at_least=1))
+    must_match_on_resume = ("dummy_marking",)
+    supports_compile = False
+    fit_knob = "dummy"
+
+    def enabled(self, memory: Any, lora: Any = None) -> bool:
+        return memory.dummy_marking
+
+    def apply(self, model, memory, *, lora, placement):
+        for block in model.layers:
+            block.dummy_mark = memory.dummy_strength
+
+    def fit_choices(self, cfg, facts):
+        return [FitChoice(0, {"dummy_marking": False}), FitChoice(1, {"dummy_marking": True}, lossy="marks")]
+
+    def rules(self, cfg):
+        if cfg.get("dummy_marking") and cfg.get("compile"):
+            return ["dummy_marking=true cannot be combined with compile=true: set one of them false"]
+        return []
+
+    def lossy(self, cfg):
+        return "marks" if cfg.get("dummy_marking") else None
+
+    def transfer_bytes_per_token(self, cfg, facts):
+        return BYTES_PER_TOKEN if cfg.get("dummy_marking") else 0.0
+
+    def oom_advice(self, cfg):
+        return [] if cfg.get("dummy_marking") else [(15, "dummy_marking=true")]
+
+
+DUMMY = Dummy()
+TECHNIQUES = registry.TECHNIQUES[:4] + (DUMMY,) + registry.TECHNIQUES[4:]  # after activation checkpointing
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """The registry with the dummy's one line added, and what the registry derives from it."""
+    monkeypatch.setattr(registry, "TECHNIQUES", TECHNIQUES)
+    keys = registry.memory_keys(TECHNIQUES)
+    schema = RecipeSchema([RUN_KEYS, keys, MODEL_NODES, TRAINING_NODES], rules=RUN_RULES + registry.MEMORY_RULES)
+    memory_config = registry.make_memory_config(registry.technique_keys(TECHNIQUES))
+    monkeypatch.setattr(registry, "MemoryConfig", memory_config)
+    return schema, memory_config
+
+
+def _cfg(schema, **changes):
+    cfg = OmegaConf.create({"output_dir": "/nowhere", "model": {"family": "tiny", "size": "tiny"},
+                            "tokenizer": {"path": None, "max_seq_len": 32}, "optimizer": {
+                                "_component_": "torch.optim.AdamW", "lr": 1e-4},
+                            "dataset": {"_component_": "mtune.data.instruct_dataset"}, **changes})
+    return schema.fill_defaults(cfg)
+
+
+def test_schema_and_memory_config_read_the_declaration(registered):
+    schema, memory_config = registered
+    cfg = _cfg(schema, dummy_marking=True)
+    assert cfg.dummy_strength == 1  # the declared default, filled in
+    memory = memory_config.from_config(cfg)
+    assert memory.dummy_marking is True and memory.dummy_strength == 1
+    assert any("dummy_strength" in p for p in schema.check(_cfg(schema, dummy_strength=0)))  # the declared bound
+    assert any("did you mean 'dummy_marking'" in p for p in schema.check(_cfg(schema, dummy_markng=True)))
+
+
+def test_rules_resume_oom_advice_and_cost_see_it(registered):
+    schema, _ = registered
+    assert any("dummy_marking=true cannot be combined with compile=true" in p
+               for p in schema.check(_cfg(schema, dummy_marking=True, compile=True)))
+    saved = OmegaConf.to_container(_cfg(schema), resolve=True)
+    with pytest.raises(ResumeError, match="dummy_marking"):
+        check_resume_compatible(saved, dict(saved, dummy_marking=True))
+    check_resume_compatible(saved, dict(saved, dummy_strength=3))  # not in must_match_on_resume: may change
+    advice = memory_advice(_cfg(schema))
+    assert advice.index("dummy_marking=true") == advice.index("enable_activation_checkpointing=true") + 1  # by rank
+    assert "dummy_marking=true" not in memory_advice(_cfg(schema, dummy_marking=True))
+    on, off = _cfg(schema, dummy_marking=True), _cfg(schema)
+    assert cost.transfer_bytes_per_token(on) - cost.transfer_bytes_per_token(off) == pytest.approx(BYTES_PER_TOKEN)
+    assert cost.step_cost(on) > cost.step_cost(off)
+
+
+def test_it_is_applied_in_its_place_and_searched(registered):
+    schema, memory_config = registered
+    model = build_model_from_args(model_args("tiny", "tiny"), dtype=torch.float32)  # meta
+    memory = memory_config.from_config(_cfg(schema, dummy_marking=True, dummy_strength=3,
+                                            enable_activation_checkpointing=True))
+    apply_memory_techniques(model, memory)
+    assert [block.dummy_mark for block in model.layers] == [3] * len(model.layers)
+    names = [knob.name for knob in fit.registry_knobs()]
+    assert names.index("dummy") == names.index("activation_checkpointing") + 1  # searched in registry order
+    knobs = {knob.name: knob for knob in fit.registry_knobs()}
+    assert [c.lossy for c in knobs["dummy"].choices(_cfg(schema))] == [None, "marks"]
+    searched = [knobs["dummy"], knobs["micro_batch"]]
+    candidates = fit.search(_cfg(schema), schema, device_memory=1 << 40, knobs=searched, max_fits=0, max_plans=0)
+    assert {c.cfg.dummy_marking for c in candidates} == {True, False}
+    # its rule refuses it with compile: the search never proposes the pair
+    candidates = fit.search(_cfg(schema, compile=True), schema, device_memory=1 << 40, knobs=searched, max_fits=0,
+                            max_plans=0)
+    assert candidates and {c.cfg.dummy_marking for c in candidates} == {False}
