@@ -180,4 +180,8 @@ def run_recipe(recipe_path: Path, config_path: Path, overrides: list[str]) -> No
         from mtune.training.memory.oom import set_invocation
 
         set_invocation(recipe_path.stem, str(config_path), overrides)
-    module.main(cfg)
+    try:
+        module.main(cfg)
+    finally:
+        if "mtune.training.output_lock" in sys.modules:  # a training recipe locked its output_dir
+            sys.modules["mtune.training.output_lock"].release_output_locks()

@@ -57,6 +57,9 @@ RUN_KEYS = KeyGroup(
             "true: delete the run already in output_dir (checkpoints, metrics, plots) and start again; false: refuse "
             "such an output_dir unless resuming"),
         Key("eval_every_n_steps", int, None, "compute val_loss on dataset_val every N steps (null: never)", at_least=1),
+        Key("force_unlock", bool, False,
+            "true: take output_dir's lock although a run on another host holds it (only when that run is known to "
+            "be gone; a stale lock on this host is taken without it)"),
     ],
 )
 

@@ -82,6 +82,7 @@ MAY_CHANGE_ON_RESUME = (
     "fsdp_reshard_after_forward",
     "fsdp_cpu_offload",
     "overwrite_output_dir",
+    "force_unlock",  # how the run takes output_dir's lock
     "optimizer_offload",  # the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
     "weight_offloading",  # where frozen weights wait between uses; the values computed are the same
     "activation_checkpointing_policy",  # what checkpointed blocks keep; the numbers are the same
