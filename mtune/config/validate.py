@@ -10,7 +10,7 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from mtune.config.errors import ConfigError
-from mtune.config.instantiate import check_keywords, resolve_component
+from mtune.config.instantiate import boolean_problems, check_keywords, resolve_component
 from mtune.config.loading import COMPONENT
 from mtune.config.schema import RecipeSchema
 
@@ -21,10 +21,14 @@ _WRITTEN = {"output_dir", "log_dir"}
 
 @dataclass
 class ValidationReport:
-    """``errors`` make the config unusable; ``warnings`` (paths that do not exist yet) may be intended."""
+    """``errors`` make the config unusable; ``warnings`` (paths that do not exist yet) may be intended;
+    ``unchecked`` names the component arguments whose values cannot be type-checked (their parameter has no
+    annotation); ``notes`` say what only the run itself can check."""
 
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)  # component arguments whose parameter has no annotation
+    notes: list[str] = field(default_factory=list)  # what cannot be known before the run (printed by validate)
 
     @property
     def ok(self) -> bool:
@@ -52,6 +56,9 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> Vali
                 report.errors.append(str(err))
             else:
                 report.errors += check_keywords(target, [k for k in value if k != COMPONENT], key)
+                problems, unchecked = boolean_problems(target, _resolvable(value), key)
+                report.errors += problems
+                report.unchecked += unchecked
         if _looks_like_input_path(name) and value is not None:
             for path in value if isinstance(value, ListConfig) else [value]:
                 if isinstance(path, str) and not os.path.exists(os.path.expanduser(path)):
@@ -59,6 +66,19 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> Vali
     if schema is not None:
         report.errors += [p for p in schema.check(cfg) if p not in report.errors]
     return report
+
+
+def _resolvable(node: DictConfig) -> dict[str, Any]:
+    """The plain values of ``node``'s keys that resolve (those that do not are reported on their own)."""
+    values = {}
+    for name in node:
+        if name == COMPONENT:
+            continue
+        try:
+            values[name] = node[name]
+        except OmegaConfBaseException:
+            continue
+    return values
 
 
 def _walk(node: DictConfig | ListConfig, prefix: str) -> Iterator[tuple[str, Any, Any]]:

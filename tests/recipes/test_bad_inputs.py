@@ -27,6 +27,9 @@ CONFIG_ERRORS = [
     (["lora.alpha=0"], "lora.alpha: must be > 0, got 0"),
     (["device=cpux"], "device: 'cpux' is not valid"),
     (["lr_scheduler.num_warmup_steps=-2"], "lr_scheduler.num_warmup_steps: must be an integer >= 0, got -2"),
+    (["dataset.train_on_input=maybe"], "dataset.train_on_input: instruct_dataset takes true or false, got str 'maybe'"),
+    (["dataset.packed=1"], "dataset.packed: instruct_dataset takes true or false, got int 1"),
+    (["overwrite_output_dir=maybe"], "overwrite_output_dir: expected bool, got str 'maybe'"),
 ]
 
 
