@@ -26,6 +26,7 @@ from mtune.config.keys import GENERATE_KEYS, MODEL_NODES, MemoryConfig, WeightOf
 from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
+from mtune.training.checkpointing.manifest import check_before_loading
 from mtune.training.checkpointing.peft import load_peft_adapter, read_adapter_config
 from mtune.training.context import configure_logging, resolve_device
 from mtune.training.memory.precision import resolve_dtype
@@ -85,12 +86,14 @@ def main(cfg: DictConfig) -> str:
     configure_logging()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    source = resolve_model_source(cfg.model)
+    source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     adapter_dir = cfg.adapter_dir
     lora = _lora_from_adapter(adapter_dir) if adapter_dir else None
     memory = MemoryConfig(weight_offloading=WeightOffloading.from_node(cfg.weight_offloading))
     model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False)
     if adapter_dir:
+        if cfg.verify_checksums:
+            check_before_loading(adapter_dir)
         load_peft_adapter(model, adapter_dir)
         log.info("adapter: loaded %s", adapter_dir)
     model.eval()

@@ -32,6 +32,7 @@ from mtune.modules.fp8_linear import quantize_fp8_weight_
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
+from mtune.training.checkpointing.manifest import check_before_loading
 from mtune.training.checkpointing.sharded import (
     as_param_like,
     assign_tensors,
@@ -59,8 +60,10 @@ class ModelSource:
     checkpoint_dir: Path | None
 
 
-def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
-    """Read ``model.checkpoint_dir`` (its ``config.json``) or ``model.family`` + ``model.size``."""
+def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = False) -> ModelSource:
+    """Read ``model.checkpoint_dir`` (its ``config.json``) or ``model.family`` + ``model.size``. With
+    ``verify_checksums``, a ``checkpoint_dir`` inside an mtune checkpoint (``final/model``) must match the checksums
+    saved with it (see :func:`mtune.training.checkpointing.manifest.check_before_loading`)."""
     checkpoint_dir = model_cfg.get("checkpoint_dir")
     size = model_cfg.get("size")
     if checkpoint_dir and size:
@@ -73,6 +76,8 @@ def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
                 f"(mtune download <repo> --output-dir {checkpoint_dir})"
             )
         family, args = load_hf_config(path)
+        if verify_checksums:
+            check_before_loading(path)
         return ModelSource(family, args, path)
     if size:
         family = model_cfg.get("family")

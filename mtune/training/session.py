@@ -31,7 +31,7 @@ from mtune.errors import MtuneError
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
-from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
+from mtune.training.loop import NonFiniteLossError, StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.memory.accounting import MemoryBreakdown
 from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.optimizers import inner_optimizers
@@ -121,6 +121,7 @@ class TrainingSession:
         self.results: dict[str, Any] = {}
         self._stop = GracefulStop(rank=run.rank)
         self._resumed = False
+        self._resumed_from: tuple[Any, int] | None = None  # (checkpoint, step) when this run resumed
 
     @classmethod
     def from_config(cls, cfg, run: RunContext, *, model: nn.Module, tokenizer, optimizer, data,
@@ -142,6 +143,7 @@ class TrainingSession:
             base_checkpoint_dir=base_checkpoint_dir, lora=lora,
             save_adapter_weights_only=bool(lora is not None and cfg.save_adapter_weights_only),
             keep_last_n_checkpoints=cfg.keep_last_n_checkpoints,
+            verify_checksums=cfg.get("verify_checksums", True),
         )
         if dist.is_initialized():
             checkpointer = DistributedCheckpointer(rank=run.rank, world_size=run.world_size, **checkpointer_args)
@@ -168,6 +170,7 @@ class TrainingSession:
                                          lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
                                          dataloader=self.train_loader)
         self.step, self.epoch, self._resumed = state.step, self.train_loader.epoch, True
+        self._resumed_from = (path, state.step)
 
     def _setup_utilization(self):
         """FLOPs per step (``mfu``, ``hfu``) and the device's peak; says once when bf16 runs on a CPU that emulates
@@ -230,7 +233,23 @@ class TrainingSession:
                 if done >= self.plan.steps_per_epoch:
                     break
 
+    # A non-finite loss this few steps after resuming points at the checkpoint before the learning rate.
+    SUSPECT_CHECKPOINT_STEPS = 10
+
     def train_step(self, micro_batches: list[dict]) -> StepResult:
+        try:
+            return self._train_step(micro_batches)
+        except NonFiniteLossError as err:
+            if self._resumed_from is None or self.step - self._resumed_from[1] >= self.SUSPECT_CHECKPOINT_STEPS:
+                raise
+            path, resumed_at = self._resumed_from
+            raise NonFiniteLossError(
+                f"{str(err).split(';')[0]}, {self.step + 1 - resumed_at} step(s) after resuming from {path}: suspect "
+                "that checkpoint (damaged, or saved from a run that was already diverging) before the learning rate",
+                "resume from an earlier checkpoint (resume_from_checkpoint=<its directory>); with verify_checksums="
+                "true mtune checks a checkpoint's files against their checksums when resuming") from None
+
+    def _train_step(self, micro_batches: list[dict]) -> StepResult:
         self._step_flops_now = self.step_flops(micro_batches)
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from mtune.errors import MtuneError, PathNotFoundError
+from mtune.training.checkpointing.manifest import open_for_write
 from mtune.training.rng import get_rng_state, set_rng_state
 
 __all__ = [
@@ -83,6 +84,7 @@ MAY_CHANGE_ON_RESUME = (
     "fsdp_cpu_offload",
     "overwrite_output_dir",
     "force_unlock",  # how the run takes output_dir's lock
+    "verify_checksums",  # whether files are checked when loaded
     "optimizer_offload",  # the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
     "weight_offloading",  # where frozen weights wait between uses; the values computed are the same
     "activation_checkpointing_policy",  # what checkpointed blocks keep; the numbers are the same
@@ -126,7 +128,8 @@ def save_recipe_state(checkpoint_dir: str | os.PathLike, *, step: int, epoch: in
         "extra": dict(extra or {}),
     }
     path = Path(checkpoint_dir) / RECIPE_STATE_FILENAME
-    torch.save(state, path)
+    with open_for_write(path) as f:  # inside a checkpoint's temp dir: its crc32 is computed from the bytes written
+        torch.save(state, f)
     return path
 
 
