@@ -25,7 +25,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from mtune.config import instantiate
+from mtune.config import ConfigError, instantiate
+from mtune.config.validate import warmup_problem
 from mtune.data import build_dataloader
 from mtune.errors import MtuneError
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
@@ -137,6 +138,11 @@ class TrainingSession:
             activation_context: from ``setup_model`` (activation offloading), or None.
         """
         train_loader, val_loader, plan = data
+        warmup = (cfg.get("lr_scheduler") or {}).get("num_warmup_steps")
+        problem = warmup_problem(warmup, plan.total_steps, f"{plan.steps_per_epoch} steps per epoch x {plan.epochs} "
+                                 "epochs")
+        if problem:
+            raise ConfigError(problem)
         lora = cfg.get("lora")
         checkpointer_args = dict(
             output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),

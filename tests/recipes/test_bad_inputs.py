@@ -93,3 +93,23 @@ def test_a_damaged_checkpoint_is_named_instead_of_starting_over(capsys, tmp_path
                         "resume_from_checkpoint=true", "task_eval=null")
     assert code == 1 and "Traceback" not in err
     assert f"error: {tmp_path / 'step_2' / 'mtune_state.json'}: corrupt, not JSON" in err
+
+
+def test_warmup_longer_than_the_run_is_refused_before_the_first_step(capsys, tmp_path, tiny_checkpoint, tiny_data):
+    from tests._helpers.recipes import TRAIN_CONFIG, train_overrides
+
+    warmup = ["lr_scheduler._component_=mtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+              "lr_scheduler.num_warmup_steps=10000"]
+    # 48 samples, batch 4, 2 epochs: 24 steps, known only once the dataset is read
+    overrides = train_overrides(tmp_path, tiny_checkpoint, tiny_data, max_steps_per_epoch=None, epochs=2) + warmup
+    code, out, _ = _cli(capsys, "validate", str(TRAIN_CONFIG), *overrides, "recipe=lora_single_device")
+    assert code == 0 and "note: lr_scheduler.num_warmup_steps=10000: the run's total steps are known only once" in out
+    code, _, err = _cli(capsys, "run", "lora_single_device", "--config", str(TRAIN_CONFIG), *overrides)
+    assert code == 1 and "Traceback" not in err
+    assert ("error: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (12 steps per epoch x 2 epochs: "
+            "24 steps)") in err, err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    # bounded by the config alone: validate knows
+    code, out, _ = _cli(capsys, "validate", CONFIG, *warmup, "max_steps_per_epoch=100")
+    assert code == 1 and ("error: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (at most "
+                          "max_steps_per_epoch x epochs = 100 x 3: 300 steps)") in out
