@@ -113,3 +113,10 @@ def test_warmup_longer_than_the_run_is_refused_before_the_first_step(capsys, tmp
     code, out, _ = _cli(capsys, "validate", CONFIG, *warmup, "max_steps_per_epoch=100")
     assert code == 1 and ("error: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (at most "
                           "max_steps_per_epoch x epochs = 100 x 3: 300 steps)") in out
+
+
+def test_a_chat_turn_with_an_unknown_role_is_one_line(capsys):
+    code, out, err = _cli(capsys, "run", "generate", "--config", "tiny/generate", "~adapter_dir",
+                          "messages=[{role: bot, content: hi}]")
+    assert code == 1 and "Traceback" not in err and out == ""
+    assert err.splitlines()[-1] == "error: messages[0].role: 'bot' is not a chat role; use one of system, user, assistant"
