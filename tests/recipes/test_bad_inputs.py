@@ -120,3 +120,13 @@ def test_a_chat_turn_with_an_unknown_role_is_one_line(capsys):
                           "messages=[{role: bot, content: hi}]")
     assert code == 1 and "Traceback" not in err and out == ""
     assert err.splitlines()[-1] == "error: messages[0].role: 'bot' is not a chat role; use one of system, user, assistant"
+
+
+def test_a_config_for_another_recipe_says_so_first(capsys, tmp_path):
+    code, _, err = _cli(capsys, "run", "full_single_device", "--config", CONFIG, f"output_dir={tmp_path}")
+    assert code == 1 and "Traceback" not in err
+    first = err.splitlines()[0]
+    assert first.startswith("error: ") and first.endswith(
+        "lora_single_device.yaml is a config for the recipe lora_single_device, not full_single_device (2 of its keys "
+        "do not fit full_single_device, e.g. lora: unknown key)"), err
+    assert "hint: mtune run lora_single_device --config " in err
