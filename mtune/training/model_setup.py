@@ -148,10 +148,18 @@ def materialize_model(model: TransformerDecoder, source: ModelSource, *, device:
         offloader.offload()  # what loading did not move: random initialisation
     if not trainable:
         model.requires_grad_(False)  # adapters too (they stay on the device: weights are offloaded frozen on arrival)
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("model: %s", parameter_summary(model, source.family))
+
+
+def parameter_summary(model: nn.Module, family: str) -> str:
+    """``llama3, 2.6M base parameters + 0.26M adapter = 2.8M, 0.26M trainable (9.29%)`` (no adapter part for a
+    full fine-tune): the base model's size as a checkpoint or a README gives it, and what training adds."""
     total = sum(p.numel() for p in model.parameters())
-    log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6,
-             n_trainable / 1e6, 100 * n_trainable / max(total, 1))
+    adapter = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counts = (f"{(total - adapter) / 1e6:.1f}M base parameters + {adapter / 1e6:.2f}M adapter = {total / 1e6:.1f}M"
+              if adapter else f"{total / 1e6:.1f}M parameters")
+    return f"{family}, {counts}, {trainable / 1e6:.2f}M trainable ({100 * trainable / max(total, 1):.2f}%)"
 
 
 def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,

@@ -176,9 +176,13 @@ def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_dat
     assert measured <= budget < plain.device_peak_bytes
 
 
-def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_checkpoint, tiny_data):
+def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_checkpoint, tiny_data, capfd):
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {"plan_check": True, "memory_breakdown": False})
     out = run_recipe_in_process("lora_single_device", overrides)
+    err = capfd.readouterr().err
+    # the planner's fake model speaks not as this run: its setup lines are not repeated, no "random weights"
+    assert err.count("memory techniques:") == 1 and "random weights" not in err, err
+    assert "plan_check: mtune plan predicted " in err
     check = json.loads((out / "results.json").read_text())["plan_check"]
     assert check["measured_device_bytes"] > 0 and abs(check["device_error"]) < 0.05
     assert check["planned_host_bytes"] == check["measured_host_bytes"] == 0
@@ -290,3 +294,16 @@ def test_shipped_distributed_configs_plan_on_a_tiny_model_of_their_family(config
     assert two.device["parameters"] == pytest.approx(one.device["parameters"] / 2, rel=0.01)
     assert two.device["optimizer_state"] == pytest.approx(one.device["optimizer_state"] / 2, rel=0.01)
     assert two.device_peak_bytes < one.device_peak_bytes
+
+
+def test_the_plan_check_line_explains_a_gap_from_short_batches():
+    from mtune.training.session import plan_check_line
+
+    mib = 2**20
+    short = plan_check_line(84 * mib, 44 * mib, 0, 0, plan_tokens=64, longest_tokens=30)
+    assert short == ("plan_check: mtune plan predicted 84.0 MiB of device tensors, this run peaked at 44.0 MiB: the "
+                     "plan is for batches of 64 tokens (tokenizer.max_seq_len) and this run's longest was 30, so it "
+                     "held less; the plan is the bound for full-length batches")
+    assert plan_check_line(84 * mib, 100 * mib, 0, 0, 64, 64).endswith("(+19% above the plan: please report it with "
+                                                                       "the config)")
+    assert plan_check_line(84 * mib, 83 * mib, 0, 0, 64, 64).endswith("at 83.0 MiB (+1% planned vs measured)")
