@@ -307,3 +307,28 @@ def test_the_plan_check_line_explains_a_gap_from_short_batches():
     assert plan_check_line(84 * mib, 100 * mib, 0, 0, 64, 64).endswith("(+19% above the plan: please report it with "
                                                                        "the config)")
     assert plan_check_line(84 * mib, 83 * mib, 0, 0, 64, 64).endswith("at 83.0 MiB (+1% planned vs measured)")
+
+
+def test_plan_before_download_plans_the_named_size_and_says_so(capsys, tmp_path):
+    from mtune._cli.catalog import find_config
+    from mtune._cli.main import main
+    from mtune._cli.plan import plan_without_download
+    from mtune.config import load_config
+
+    # the README's plan line on a copy of a shipped config, before `mtune download`: family and size from the name
+    config = find_config("llama3_2/1B_lora_single_device")
+    cfg = load_config(config, [f"model.checkpoint_dir={tmp_path / 'Llama-3.2-1B-Instruct'}"])
+    said = plan_without_download(cfg, config)
+    assert (cfg.model.checkpoint_dir, cfg.model.family, cfg.model.size) == (None, "llama3_2", "1B")
+    assert said.startswith(f"{tmp_path / 'Llama-3.2-1B-Instruct'} has no config.json yet (not downloaded): planning "
+                           "llama3_2 1B from its named size, read from the name of model.checkpoint_dir")
+    cfg = load_config(config, [f"model.checkpoint_dir={tmp_path / 'elsewhere'}"])  # the header's repo id
+    assert "read from the repo id meta-llama/Llama-3.2-1B-Instruct in the config's header" in plan_without_download(
+        cfg, config)
+    # end to end, on a size that plans in a moment
+    code = main(["plan", "lora_single_device", "--config", "tiny/lora_single_device",
+                 f"model.checkpoint_dir={tmp_path / 'missing'}", "model.family=llama3_2", "model.size=tiny"])
+    out = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out.err, out.err
+    assert "planning llama3_2 tiny from its named size, read from model.family and model.size" in out.err
+    assert "peak" in out.out
