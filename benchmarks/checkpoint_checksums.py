@@ -1,6 +1,9 @@
 #!/usr/bin/env python
-"""`python benchmarks/checkpoint_checksums.py tiny tiny 5`: save time of a whole checkpoint (full fine-tune of a model: HF model + recipe_state.pt with AdamW states) with
-checksums against the same save with the manifest's hashing turned off; interleaved, best of N."""
+"""Checkpoint checksums' cost: the save time of a whole checkpoint (a full fine-tune's HF model and recipe_state.pt
+with AdamW states) with CRC-32 against the same save with the hashing turned off; interleaved, best of N.
+
+    python benchmarks/checkpoint_checksums.py FAMILY SIZE N      # e.g. tiny tiny 5
+"""
 import sys, time, tempfile, shutil, zlib
 from pathlib import Path
 import torch
