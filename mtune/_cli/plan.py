@@ -62,8 +62,8 @@ def plan_without_download(cfg, config_path: Path) -> str | None:
     checkpoint is there (or nothing names a size: then the planner's own error stands)."""
     from mtune.models import FAMILIES
 
-    model = cfg.model
-    checkpoint_dir = model.get("checkpoint_dir")
+    model = cfg.get("model")
+    checkpoint_dir = model.get("checkpoint_dir") if hasattr(model, "get") else None
     if not checkpoint_dir or (Path(checkpoint_dir) / "config.json").is_file():
         return None
     found, how = None, ""

@@ -38,8 +38,14 @@ from mtune.training.checkpointing.dcp import (
     save_distributed_state,
     save_gathered_hf_checkpoint,
 )
-from mtune.training.checkpointing.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
-from mtune.training.checkpointing.manifest import Manifest, has_checksums, recording, verify_checkpoint
+from mtune.training.checkpointing.hf import load_hf_checkpoint, save_hf_checkpoint
+from mtune.training.checkpointing.manifest import (
+    DamagedCheckpointError,
+    Manifest,
+    has_checksums,
+    recording,
+    verify_checkpoint,
+)
 from mtune.training.checkpointing.merge import merged_hf_weights, save_merged_model
 from mtune.training.checkpointing.peft import load_peft_adapter, save_peft_adapter
 from mtune.training.checkpointing.recipe_state import (
@@ -174,7 +180,7 @@ class Checkpointer:
         where = (f"resume_from_checkpoint={intact} (or resume_from_checkpoint={self.LATEST_INTACT}) resumes from the "
                  f"newest intact checkpoint before it" if intact is not None else
                  f"no earlier intact checkpoint in {self.output_dir}: start again in another output_dir")
-        raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}",
+        raise DamagedCheckpointError(f"checkpoint {path} is damaged: {problems[0]}",
                               f"{where}; verify_checksums=false loads it anyway")
 
     def _latest_intact(self) -> Path | None:
@@ -186,7 +192,7 @@ class Checkpointer:
             log.warning("resume_from_checkpoint=%s: skipping %s, which is damaged (%s)", self.LATEST_INTACT, path,
                         problems[0])
         if checkpoints:
-            raise CheckpointError(f"resume_from_checkpoint={self.LATEST_INTACT}: every checkpoint in "
+            raise DamagedCheckpointError(f"resume_from_checkpoint={self.LATEST_INTACT}: every checkpoint in "
                                   f"{self.output_dir} is damaged", "start again in another output_dir")
         log.info("resume_from_checkpoint=%s: no complete checkpoint in %s yet, starting fresh", self.LATEST_INTACT,
                  self.output_dir)

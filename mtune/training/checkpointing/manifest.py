@@ -31,10 +31,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECKSUMS_DIRNAME", "Manifest", "recording", "open_for_write", "renamed", "write_safetensors",
+from mtune.errors import MtuneError
+
+__all__ = ["CHECKSUMS_DIRNAME", "DamagedCheckpointError", "Manifest", "recording", "open_for_write", "renamed", "write_safetensors",
            "verify_checkpoint", "has_checksums", "checkpoint_root"]
 
 log = logging.getLogger(__name__)
+
+
+class DamagedCheckpointError(MtuneError, ValueError):
+    """A checkpoint's files no longer match the checksums saved with them; the message names the file."""
+
 
 CHECKSUMS_DIRNAME = "checksums"
 ALGORITHM = "crc32"
@@ -235,7 +242,5 @@ def check_before_loading(path: str | os.PathLike) -> None:
         return
     problems = verify_checkpoint(root, under=path)
     if problems:
-        from mtune.training.checkpointing.hf import CheckpointError
-
-        raise CheckpointError(f"{path}: checkpoint {root} is damaged: {problems[0]}",
+        raise DamagedCheckpointError(f"{path}: checkpoint {root} is damaged: {problems[0]}",
                               "load an earlier checkpoint, or set verify_checksums=false to load it anyway")

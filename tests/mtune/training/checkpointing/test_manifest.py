@@ -10,9 +10,9 @@ import torch
 
 from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
 from mtune.training.checkpointing.checkpointer import Checkpointer
-from mtune.training.checkpointing.hf import CheckpointError
 from mtune.training.checkpointing.manifest import (
     CHECKSUMS_DIRNAME,
+    DamagedCheckpointError,
     check_before_loading,
     verify_checkpoint,
     write_safetensors,
@@ -49,7 +49,7 @@ def test_checksums_are_the_crc32_of_every_file_and_are_published_with_it(tmp_pat
     assert verify_checkpoint(path) == [f"{path / 'adapter' / 'adapter_model.safetensors'}: checksum mismatch (its "
                                        "bytes changed since it was saved)"]
     assert verify_checkpoint(path, under=path / "model") == []  # only what is loaded is read
-    with pytest.raises(CheckpointError, match="adapter_model.safetensors: checksum mismatch"):
+    with pytest.raises(DamagedCheckpointError, match="adapter_model.safetensors: checksum mismatch"):
         check_before_loading(path / "adapter")
 
 
@@ -58,7 +58,7 @@ def test_resume_refuses_a_damaged_checkpoint_naming_the_file_and_the_intact_one(
     for step in (2, 4):
         checkpointer.writer.save(step=step, epoch=0, config={}, kind="lora", write_fn=_write)
     _damage(tmp_path / "step_4" / "adapter" / "adapter_model.safetensors")
-    with pytest.raises(CheckpointError) as info:
+    with pytest.raises(DamagedCheckpointError) as info:
         checkpointer.find(True)
     assert str(info.value) == (f"checkpoint {tmp_path / 'step_4'} is damaged: "
                                f"{tmp_path / 'step_4' / 'adapter' / 'adapter_model.safetensors'}: checksum mismatch "
