@@ -28,7 +28,7 @@ def main(cfg: DictConfig) -> None:
     # ---- setup: device and dtype, tokenizer, model with memory techniques, data, optimizer
     run = setup_run(cfg)
     memory = MemoryConfig.from_config(cfg)
-    source = resolve_model_source(cfg.model)
+    source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
                                             placement=run.placement)

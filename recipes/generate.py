@@ -27,6 +27,8 @@ from mtune.config.schema import KeyGroup
 from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
+from mtune.tokenizers.base import ROLES
+from mtune.training.checkpointing.manifest import check_before_loading
 from mtune.training.checkpointing.peft import load_peft_adapter, lora_node_from_adapter
 from mtune.training.context import configure_logging, resolve_device
 from mtune.training.memory.precision import resolve_dtype
@@ -40,10 +42,27 @@ SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS, KeyGroup("offloading", [WEIGH
 log = logging.getLogger("mtune")
 
 
+def chat_messages(messages: Iterable) -> list[Message]:
+    """The config's ``messages`` as `Message` objects; a turn that is not ``{role, content}`` with a known role and
+    text content is refused in one line naming it (``messages[1].role``)."""
+    chat = []
+    for i, turn in enumerate(messages):
+        if not hasattr(turn, "keys") or set(turn.keys()) != {"role", "content"}:
+            raise ConfigError(f"messages[{i}]: expected {{role: ..., content: ...}}, got {turn!r}")
+        if turn["role"] not in ROLES:
+            raise ConfigError(f"messages[{i}].role: {turn['role']!r} is not a chat role; use one of "
+                              f"{', '.join(ROLES)}")
+        if not isinstance(turn["content"], str):
+            raise ConfigError(f"messages[{i}].content: expected text, got {type(turn['content']).__name__} "
+                              f"{turn['content']!r} (quote it)")
+        chat.append(Message(role=turn["role"], content=turn["content"]))
+    return chat
+
+
 def prompt_tokens(tokenizer, prompt: str | None, messages: Iterable | None) -> list[int]:
     """Token ids of a plain-text prompt (BOS where the family has one, no EOS) or of a chat awaiting its reply."""
     if messages is not None:
-        chat = [Message(role=m["role"], content=m["content"]) for m in messages]
+        chat = chat_messages(messages)
         return tokenizer.tokenize_messages(chat, add_generation_prompt=True).tokens
     return tokenizer.encode(prompt, add_bos=True, add_eos=False)
 
@@ -81,14 +100,18 @@ def stream_text(tokenizer, steps: Iterable[torch.Tensor], out: TextIO | None = N
 
 def main(cfg: DictConfig) -> str:
     configure_logging()
+    if cfg.messages is not None:
+        chat_messages(cfg.messages)  # refuse a malformed chat before loading the model
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    source = resolve_model_source(cfg.model)
+    source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     adapter_dir = cfg.adapter_dir
     lora = lora_node_from_adapter(adapter_dir) if adapter_dir else None
     memory = MemoryConfig(weight_offloading=WeightOffloading.from_node(cfg.weight_offloading))
     model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False)
     if adapter_dir:
+        if cfg.verify_checksums:
+            check_before_loading(adapter_dir)
         load_peft_adapter(model, adapter_dir)
         log.info("adapter: loaded %s", adapter_dir)
     model.eval()

@@ -35,7 +35,7 @@ def main(cfg: DictConfig) -> None:
     rank, world_size, _ = init_distributed(cfg.distributed_backend)
     run = setup_run(cfg, rank=rank, world_size=world_size)
     memory = MemoryConfig.from_config(cfg)
-    source = resolve_model_source(cfg.model)
+    source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
     model, activation_context = setup_sharded_model(
         source, device=run.device, dtype=run.dtype, seed=run.seed, lora=cfg.lora, memory=memory,

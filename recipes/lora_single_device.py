@@ -21,6 +21,7 @@ SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_
 
 def main(cfg: DictConfig) -> None:
     from mtune.tokenizers import load_tokenizer
+    from mtune.training.checkpointing.manifest import check_before_loading
     from mtune.training.checkpointing.peft import load_peft_adapter
     from mtune.training.context import setup_run
     from mtune.training.memory.optimizers import build_optimizer
@@ -30,11 +31,13 @@ def main(cfg: DictConfig) -> None:
     # ---- setup: device and dtype, tokenizer, model with adapters and memory techniques, data, optimizer
     run = setup_run(cfg)
     memory = MemoryConfig.from_config(cfg)
-    source = resolve_model_source(cfg.model)
+    source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, lora=cfg.lora, memory=memory,
                                             placement=run.placement)
     if cfg.lora.adapter_dir:
+        if cfg.verify_checksums:
+            check_before_loading(cfg.lora.adapter_dir)
         load_peft_adapter(model, cfg.lora.adapter_dir)  # continue from an existing adapter
     data = setup_data(cfg, tokenizer)
     optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)

@@ -89,6 +89,10 @@ def validate_command(argv: list[str]) -> int:
     errors += report.errors
     for warning in report.warnings:
         print(f"warning: {warning}")
+    for key in report.unchecked:
+        print(f"note: {key}: not type-checked (its parameter has no annotation)")
+    for note in report.notes:
+        print(f"note: {note}")
     for problem in errors:
         print(f"error: {problem}")
     if errors:

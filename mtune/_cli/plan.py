@@ -4,6 +4,8 @@ the fastest config that fits). Light at import: torch loads only when a plan run
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
@@ -30,6 +32,55 @@ options:
   --png FILE             draw the plan as a stacked bar chart (default: beside --json, with .png)
   --nproc_per_node N     plan each rank of an N-process distributed run (FSDP2)
 """
+
+# Hugging Face repo names of the families' checkpoints -> (family, size); sizes must be in the family's table.
+_REPO_NAMES = [
+    (re.compile(r"Llama-2-(\d+)b", re.IGNORECASE), "llama2", "{}B"),
+    (re.compile(r"Llama-3\.1-(\d+)B", re.IGNORECASE), "llama3_1", "{}B"),
+    (re.compile(r"Llama-3\.2-(\d+)B", re.IGNORECASE), "llama3_2", "{}B"),
+    (re.compile(r"Qwen2\.5-(\d+(?:\.\d+)?)B", re.IGNORECASE), "qwen2_5", "{}B"),
+    (re.compile(r"Mistral-(\d+)B.*v0\.3", re.IGNORECASE), "mistral", "{}B-v0.3"),
+    (re.compile(r"Mistral-(\d+)B", re.IGNORECASE), "mistral", "{}B"),
+]
+
+
+def named_size(text: str) -> tuple[str, str] | None:
+    """``(family, size)`` of a model named like its Hugging Face repo (``meta-llama/Llama-3.2-1B-Instruct`` ->
+    ``("llama3_2", "1B")``), or None."""
+    for pattern, family, size in _REPO_NAMES:
+        match = pattern.search(text)
+        if match:
+            return family, size.format(match.group(1))
+    return None
+
+
+def plan_without_download(cfg, config_path: Path) -> str | None:
+    """Planning needs no weights: when ``model.checkpoint_dir`` has no ``config.json`` yet (not downloaded), plan
+    the model from its family and size instead, taken from ``model.family`` + ``model.size`` when the command line
+    gives them, else from the directory's name, else from the repo id of the ``mtune download`` line in the
+    config's header. Rewrites ``cfg.model`` accordingly and returns the line that says which, or None when the
+    checkpoint is there (or nothing names a size: then the planner's own error stands)."""
+    from mtune.models import FAMILIES
+
+    model = cfg.get("model")
+    checkpoint_dir = model.get("checkpoint_dir") if hasattr(model, "get") else None
+    if not checkpoint_dir or (Path(checkpoint_dir) / "config.json").is_file():
+        return None
+    found, how = None, ""
+    if model.get("family") and model.get("size"):
+        found, how = (str(model.family), str(model.size)), "model.family and model.size"
+    if found is None:
+        found, how = named_size(Path(checkpoint_dir).name), "the name of model.checkpoint_dir"
+    if found is None:
+        header = re.search(r"^#.*mtune download (\S+)", config_path.read_text(encoding="utf-8"), re.MULTILINE)
+        if header:
+            found, how = named_size(header.group(1)), f"the repo id {header.group(1)} in the config's header"
+    if found is None or found[0] not in FAMILIES or found[1] not in FAMILIES[found[0]][1]:
+        return None
+    model.checkpoint_dir, model.family, model.size = None, found[0], found[1]
+    return (f"{checkpoint_dir} has no config.json yet (not downloaded): planning {found[0]} {found[1]} from its "
+            f"named size, read from {how}; set model.family=... model.size=... to plan another")
+
 
 _VALUED = ("--device-memory", "--host-memory", "--json", "--png", "--nproc_per_node", "--output")
 
@@ -77,7 +128,10 @@ def plan_command(argv: list[str]) -> int:
     recipe_path = find_recipe(args.recipe)
     config_path = find_config(args.config)
     module = load_recipe_module(recipe_path)
-    cfg = load_and_check(module, config_path, args.overrides)
+    cfg = load_and_check(module, config_path, args.overrides, recipe_path.stem)
+    planned_from = plan_without_download(cfg, config_path)
+    if planned_from:
+        print(f"mtune plan: {planned_from}", file=sys.stderr)
 
     from mtune.training.planning.memory_plan import parse_bytes
     from mtune.training.planning.plan import plan_memory

@@ -132,7 +132,7 @@ def run_command(argv: list[str]) -> int:
             f"recipe '{args.recipe}' does not support distributed runs",
             "drop the launcher options, or pick a *_distributed recipe (see `mtune ls`)",
         )
-    load_and_check(module, config_path, args.overrides)  # fail here once rather than on every rank
+    load_and_check(module, config_path, args.overrides, recipe_path.stem)  # fail here once, not on every rank
     launcher = list(args.launcher)
     if not any(opt.split("=")[0] in _MULTI_NODE for opt in launcher if opt.startswith("-")):
         launcher.insert(0, "--standalone")  # one node: torchrun picks a free port, so parallel runs do not clash
@@ -153,15 +153,24 @@ def _print_recipe_help(recipe_path: Path) -> int:
     return 0
 
 
-def load_and_check(module, config_path: Path, overrides: list[str]):
+def load_and_check(module, config_path: Path, overrides: list[str], recipe: str | None = None):
     """The config with the overrides applied, checked against the recipe's SCHEMA (errors raised as one
-    ConfigError; warnings printed) and its defaults filled in."""
+    ConfigError; warnings printed) and its defaults filled in. A config whose ``recipe:`` names another recipe than
+    ``recipe`` is refused first, by that name, when it does not fit this recipe's keys (a warning when it does)."""
     from mtune.config import ConfigError, load_config, validate_config
 
     cfg = load_config(config_path, overrides, module.SCHEMA.text_keys)
     report = validate_config(cfg, module.SCHEMA)
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    named = cfg.get("recipe")
+    if recipe is not None and named is not None and str(named) != recipe:
+        if report.errors:
+            raise ConfigError(
+                f"{config_path} is a config for the recipe {named}, not {recipe} ({len(report.errors)} of its keys do "
+                f"not fit {recipe}, e.g. {report.errors[0]})",
+                f"mtune run {named} --config {config_path}; or `mtune ls` for {recipe}'s configs")
+        print(f"warning: {config_path} says recipe: {named}; running it with {recipe}", file=sys.stderr)
     if report.errors:
         for problem in report.errors[:-1]:
             print(f"error: {problem}", file=sys.stderr)
@@ -173,11 +182,15 @@ def load_and_check(module, config_path: Path, overrides: list[str]):
 def run_recipe(recipe_path: Path, config_path: Path, overrides: list[str]) -> None:
     """Load the recipe and config, check the config against the recipe's SCHEMA, then call ``main(cfg)``."""
     module = load_recipe_module(recipe_path)
-    cfg = load_and_check(module, config_path, overrides)
+    cfg = load_and_check(module, config_path, overrides, recipe_path.stem)
     if os.environ.get("RANK", "0") == "0" and os.environ.get("MTUNE_QUIET") != "1":
         print(f"mtune: running {recipe_path.stem} with {config_path}", file=sys.stderr)
     if hasattr(module, "SCHEMA") and "plan_check" in module.SCHEMA.keys:  # training recipes
         from mtune.training.memory.oom import set_invocation
 
         set_invocation(recipe_path.stem, str(config_path), overrides)
-    module.main(cfg)
+    try:
+        module.main(cfg)
+    finally:
+        if "mtune.training.output_lock" in sys.modules:  # a training recipe locked its output_dir
+            sys.modules["mtune.training.output_lock"].release_output_locks()

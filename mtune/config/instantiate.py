@@ -89,6 +89,54 @@ def check_keywords(target: Callable, keywords, key: str) -> list[str]:
     ]
 
 
+_BOOL_ANNOTATIONS = {"bool": False, "bool|None": True, "None|bool": True, "Optional[bool]": True,
+                     "typing.Optional[bool]": True}
+
+
+def _bool_parameter(param: inspect.Parameter) -> bool | None:
+    """Whether ``param`` takes a boolean: None when it does not, else whether it also takes None. Read from its
+    annotation (a type or, under ``from __future__ import annotations``, its text); an unannotated parameter whose
+    default is True or False is taken as boolean too."""
+    annotation = param.annotation
+    if annotation is param.empty:
+        return False if isinstance(param.default, bool) else None
+    if annotation is bool:
+        return False
+    if isinstance(annotation, str):
+        return _BOOL_ANNOTATIONS.get(annotation.replace(" ", ""))
+    args = set(getattr(annotation, "__args__", ()) or ())
+    if args == {bool, type(None)}:  # Optional[bool], bool | None
+        return True
+    return None
+
+
+def boolean_problems(target: Callable, values: dict[str, Any], key: str) -> tuple[list[str], list[str]]:
+    """``(problems, unchecked)`` for the keyword ``values`` a config passes to ``target``: a problem for each value
+    given to a boolean parameter (see :func:`_bool_parameter`) that is not true or false (YAML's ``yes``/``no``/
+    ``on``/``off`` spellings already load as booleans), and the dotted keys whose parameter has no annotation, so
+    that nothing can be checked about them. Values still holding an interpolation are skipped."""
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return [], []
+    label = getattr(target, "__name__", repr(target))
+    problems, unchecked = [], []
+    for name, value in values.items():
+        param = params.get(name)
+        if param is None:
+            continue
+        takes_bool = _bool_parameter(param)
+        if takes_bool is None:
+            if param.annotation is param.empty:
+                unchecked.append(f"{key}.{name}")
+            continue
+        if isinstance(value, bool) or (value is None and (takes_bool or param.default is None)):
+            continue
+        shown = f"{type(value).__name__} {value!r}" if value is not None else "null"
+        problems.append(f"{key}.{name}: {label} takes true or false, got {shown}")
+    return problems, unchecked
+
+
 def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     """Build the object a config node describes.
 
@@ -115,6 +163,7 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     }
     merged = {**config_kwargs, **kwargs}
     problems = check_keywords(target, [k for k in config_kwargs], key)
+    problems += boolean_problems(target, config_kwargs, key)[0]
     if problems:
         raise ConfigError(problems[0])
     names, var_kw, required = accepted_keywords(target)

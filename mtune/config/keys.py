@@ -44,11 +44,18 @@ RUN_KEYS = KeyGroup(
         Key("keep_last_n_checkpoints", int, None, "delete older step_<N>/ checkpoints beyond this many (null: keep all)",
             at_least=1),
         Key("resume_from_checkpoint", (bool, str), False,
-            "true: resume from the latest complete checkpoint in output_dir; or a checkpoint directory"),
+            "true: resume from the latest complete checkpoint in output_dir; latest_intact: from the newest one whose "
+            "files match their checksums; or a checkpoint directory"),
+        Key("verify_checksums", bool, True,
+            "check every file of a checkpoint against the checksums saved with it before resuming from it or loading "
+            "it (false: skip)"),
         Key("overwrite_output_dir", bool, False,
             "true: delete the run already in output_dir (checkpoints, metrics, plots) and start again; false: refuse "
             "such an output_dir unless resuming"),
         Key("eval_every_n_steps", int, None, "compute val_loss on dataset_val every N steps (null: never)", at_least=1),
+        Key("force_unlock", bool, False,
+            "true: take output_dir's lock although a run on another host holds it (only when that run is known to "
+            "be gone; a stale lock on this host is taken without it)"),
     ],
 )
 
@@ -153,6 +160,9 @@ GENERATE_KEYS = KeyGroup(
         Key("top_k", int, None, "sample among the k most likely tokens only (null: all)", at_least=1),
         Key("top_p", float, None, "sample from the smallest set of tokens whose probability reaches top_p (null: all)",
             above=0, at_most=1),
+        Key("verify_checksums", bool, True,
+            "check the files of an mtune checkpoint (model.checkpoint_dir, adapter_dir) against the checksums saved "
+            "with it before loading (false: skip)"),
     ],
 )
 """The generate recipe's own keys; it also reads ``weight_offloading`` (declared once, with the technique:

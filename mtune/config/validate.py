@@ -6,11 +6,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mtune.config.errors import ConfigError
-from mtune.config.instantiate import check_keywords, resolve_component
+from mtune.config.instantiate import boolean_problems, check_keywords, resolve_component
 from mtune.config.loading import COMPONENT
 from mtune.config.schema import RecipeSchema
 
@@ -21,10 +21,14 @@ _WRITTEN = {"output_dir", "log_dir"}
 
 @dataclass
 class ValidationReport:
-    """``errors`` make the config unusable; ``warnings`` (paths that do not exist yet) may be intended."""
+    """``errors`` make the config unusable; ``warnings`` (paths that do not exist yet) may be intended;
+    ``unchecked`` names the component arguments whose values cannot be type-checked (their parameter has no
+    annotation); ``notes`` say what only the run itself can check."""
 
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)  # component arguments whose parameter has no annotation
+    notes: list[str] = field(default_factory=list)  # what cannot be known before the run (printed by validate)
 
     @property
     def ok(self) -> bool:
@@ -52,13 +56,61 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> Vali
                 report.errors.append(str(err))
             else:
                 report.errors += check_keywords(target, [k for k in value if k != COMPONENT], key)
+                problems, unchecked = boolean_problems(target, _resolvable(value), key)
+                report.errors += problems
+                report.unchecked += unchecked
         if _looks_like_input_path(name) and value is not None:
             for path in value if isinstance(value, ListConfig) else [value]:
                 if isinstance(path, str) and not os.path.exists(os.path.expanduser(path)):
                     report.warnings.append(f"{key}: path does not exist: {path}")
     if schema is not None:
         report.errors += [p for p in schema.check(cfg) if p not in report.errors]
+        if not report.errors:
+            _check_warmup(cfg, report)
     return report
+
+
+def warmup_problem(warmup: Any, total_steps: int, how: str) -> str | None:
+    """The error when ``lr_scheduler.num_warmup_steps`` leaves no step at the full learning rate: ``warmup`` is at
+    least the run's ``total_steps`` (``how`` says where that total comes from)."""
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < total_steps:
+        return None
+    return (f"lr_scheduler.num_warmup_steps={warmup} is not shorter than the run ({how}: {total_steps} steps): the "
+            "learning rate would never reach optimizer.lr; lower num_warmup_steps (a few percent of the steps is "
+            "usual) or train longer")
+
+
+def _check_warmup(cfg: DictConfig, report: ValidationReport) -> None:
+    """Warmup against the run's length where the config alone bounds it (``max_steps_per_epoch`` x ``epochs``);
+    otherwise a note that only the run can tell (the steps per epoch depend on the dataset)."""
+    try:
+        warmup = OmegaConf.select(cfg, "lr_scheduler.num_warmup_steps", default=None)
+        per_epoch, epochs = cfg.get("max_steps_per_epoch"), cfg.get("epochs") or 1
+    except OmegaConfBaseException:
+        return
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup == 0 or not isinstance(epochs, int):
+        return
+    if isinstance(per_epoch, int):
+        problem = warmup_problem(warmup, per_epoch * epochs, f"at most max_steps_per_epoch x epochs = {per_epoch} x "
+                                 f"{epochs}")
+        if problem:
+            report.errors.append(problem)
+        return
+    report.notes.append(f"lr_scheduler.num_warmup_steps={warmup}: the run's total steps are known only once the "
+                        "dataset is read, so `mtune run` checks the warmup against them before the first step")
+
+
+def _resolvable(node: DictConfig) -> dict[str, Any]:
+    """The plain values of ``node``'s keys that resolve (those that do not are reported on their own)."""
+    values = {}
+    for name in node:
+        if name == COMPONENT:
+            continue
+        try:
+            values[name] = node[name]
+        except OmegaConfBaseException:
+            continue
+    return values
 
 
 def _walk(node: DictConfig | ListConfig, prefix: str) -> Iterator[tuple[str, Any, Any]]:

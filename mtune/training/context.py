@@ -17,6 +17,7 @@ from mtune.errors import OutputExistsError
 from mtune.training.checkpointing.checkpoint_dir import FINAL_NAME, TMP_PREFIX
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.precision import LossScaler, autocast, resolve_dtype, storage_dtype
+from mtune.training.output_lock import OutputDirLockedError, lock_output_dir
 from mtune.training.rng import set_seed
 
 __all__ = ["RunContext", "setup_run", "resolve_device", "configure_logging", "claim_output_dir", "run_outputs"]
@@ -132,9 +133,10 @@ def claim_output_dir(output_dir: Path, *, resuming: bool, overwrite: bool, is_ma
 
 def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
     """From a config with its defaults filled in (``device``, ``dtype``, ``seed``, ``output_dir``,
-    ``resume_from_checkpoint``, ``overwrite_output_dir``): configure logging, resolve device and dtype (one clear
-    error when the device cannot do it), seed every RNG, and claim ``output_dir`` (refused when it holds another
-    run; see :func:`claim_output_dir`)."""
+    ``resume_from_checkpoint``, ``overwrite_output_dir``, ``force_unlock``): configure logging, resolve device and
+    dtype (one clear error when the device cannot do it), seed every RNG, lock ``output_dir`` for this run (see
+    :mod:`mtune.training.output_lock`; refused while another run holds it) and claim it (refused when it holds
+    another run; see :func:`claim_output_dir`)."""
     configure_logging(rank)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(cfg.device, local_rank)
@@ -145,15 +147,29 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
     seed = cfg.seed
     set_seed(seed)
     output_dir = Path(cfg.output_dir)
+    _lock_output_dir(output_dir, force=bool(cfg.get("force_unlock")), rank=rank)
     claim_output_dir(output_dir, resuming=bool(cfg.resume_from_checkpoint), overwrite=cfg.overwrite_output_dir,
                      is_main=rank == 0)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # the main process has deleted an overwritten run before anyone writes
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"output_dir={output_dir}: cannot create it ({err.strerror})") from None
     run = RunContext(device=device, dtype_name=dtype_name, dtype=storage_dtype(dtype_name), output_dir=output_dir,
                      seed=seed, rank=rank, world_size=world_size)
     log.info("device %s, dtype %s, seed %d, output_dir %s", device, dtype_name, seed, output_dir)
     return run
+
+
+def _lock_output_dir(output_dir: Path, *, force: bool, rank: int) -> None:
+    """Global rank 0 takes the lock of ``output_dir`` (creating the directory); the other ranks wait for its verdict
+    and raise the same one-line error when it was refused."""
+    refused: list = [None]
+    if rank == 0:
+        try:
+            lock_output_dir(output_dir, force=force)
+        except OutputDirLockedError as err:
+            refused = [(str(err), err.hint)]
+        except OSError as err:
+            raise ConfigError(f"output_dir={output_dir}: cannot create it ({err.strerror})") from None
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise OutputDirLockedError(*refused[0])

@@ -31,6 +31,7 @@ from mtune.modules.fp8_linear import quantize_fp8_weight_
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
+from mtune.training.checkpointing.manifest import check_before_loading
 from mtune.training.checkpointing.sharded import (
     as_param_like,
     assign_tensors,
@@ -59,8 +60,10 @@ class ModelSource:
     checkpoint_dir: Path | None
 
 
-def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
-    """Read ``model.checkpoint_dir`` (its ``config.json``) or ``model.family`` + ``model.size``."""
+def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = False) -> ModelSource:
+    """Read ``model.checkpoint_dir`` (its ``config.json``) or ``model.family`` + ``model.size``. With
+    ``verify_checksums``, a ``checkpoint_dir`` inside an mtune checkpoint (``final/model``) must match the checksums
+    saved with it (see :func:`mtune.training.checkpointing.manifest.check_before_loading`)."""
     checkpoint_dir = model_cfg.get("checkpoint_dir")
     size = model_cfg.get("size")
     if checkpoint_dir and size:
@@ -73,6 +76,8 @@ def resolve_model_source(model_cfg: Mapping[str, Any]) -> ModelSource:
                 f"(mtune download <repo> --output-dir {checkpoint_dir})"
             )
         family, args = load_hf_config(path)
+        if verify_checksums:
+            check_before_loading(path)
         return ModelSource(family, args, path)
     if size:
         family = model_cfg.get("family")
@@ -143,10 +148,18 @@ def materialize_model(model: TransformerDecoder, source: ModelSource, *, device:
         offloader.offload()  # what loading did not move: random initialisation
     if not trainable:
         model.requires_grad_(False)  # adapters too (they stay on the device: weights are offloaded frozen on arrival)
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("model: %s", parameter_summary(model, source.family))
+
+
+def parameter_summary(model: nn.Module, family: str) -> str:
+    """``llama3, 2.6M base parameters + 0.26M adapter = 2.8M, 0.26M trainable (9.29%)`` (no adapter part for a
+    full fine-tune): the base model's size as a checkpoint or a README gives it, and what training adds."""
     total = sum(p.numel() for p in model.parameters())
-    log.info("model: %s, %.1fM parameters, %.2fM trainable (%.2f%%)", source.family, total / 1e6,
-             n_trainable / 1e6, 100 * n_trainable / max(total, 1))
+    adapter = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    counts = (f"{(total - adapter) / 1e6:.1f}M base parameters + {adapter / 1e6:.2f}M adapter = {total / 1e6:.1f}M"
+              if adapter else f"{total / 1e6:.1f}M parameters")
+    return f"{family}, {counts}, {trainable / 1e6:.2f}M trainable ({100 * trainable / max(total, 1):.2f}%)"
 
 
 def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,

@@ -25,13 +25,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from mtune.config import instantiate
+from mtune.config import ConfigError, instantiate
+from mtune.config.validate import warmup_problem
 from mtune.data import build_dataloader
 from mtune.errors import MtuneError
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
-from mtune.training.loop import StepResult, evaluate, micro_batch_groups, train_step
+from mtune.training.loop import NonFiniteLossError, StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.planning.breakdown import MemoryBreakdown
 from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.optimizers import inner_optimizers
@@ -92,6 +93,35 @@ def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
     return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not MemoryConfig.from_config(cfg).compile
 
 
+@contextlib.contextmanager
+def _quiet_logs():
+    """mtune's INFO lines off for the block (warnings still shown)."""
+    logger = logging.getLogger("mtune")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def plan_check_line(planned: int, measured: int, planned_host: int, measured_host: int, plan_tokens: int,
+                    longest_tokens: int | None) -> str:
+    """The end-of-run line comparing ``mtune plan``'s peak of live tensor bytes with the run's. The plan is for
+    batches padded to ``plan_tokens`` (the most the config allows); a run whose batches were all shorter measures
+    less, which the line says instead of showing the gap as an error."""
+    host = (f"; host planned {format_bytes(planned_host)}, measured {format_bytes(measured_host)}"
+            if planned_host or measured_host else "")
+    head = f"plan_check: mtune plan predicted {format_bytes(planned)} of device tensors, this run peaked at " \
+           f"{format_bytes(measured)}{host}"
+    if measured > planned * 1.05:
+        return head + f" ({measured / planned - 1:+.0%} above the plan: please report it with the config)"
+    if longest_tokens is not None and longest_tokens < plan_tokens and measured < planned * 0.95:
+        return head + (f": the plan is for batches of {plan_tokens} tokens (tokenizer.max_seq_len) and this run's "
+                       f"longest was {longest_tokens}, so it held less; the plan is the bound for full-length batches")
+    return head + f" ({planned / measured - 1:+.0%} planned vs measured)" if measured else head
+
+
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
@@ -123,6 +153,7 @@ class TrainingSession:
         self.results: dict[str, Any] = {}
         self._stop = GracefulStop(rank=run.rank)
         self._resumed = False
+        self._resumed_from: tuple[Any, int] | None = None  # (checkpoint, step) when this run resumed
 
     @classmethod
     def from_config(cls, cfg, run: RunContext, *, model: nn.Module, tokenizer, optimizer, data,
@@ -138,12 +169,18 @@ class TrainingSession:
             activation_context: from ``setup_model`` (activation offloading), or None.
         """
         train_loader, val_loader, plan = data
+        warmup = (cfg.get("lr_scheduler") or {}).get("num_warmup_steps")
+        problem = warmup_problem(warmup, plan.total_steps, f"{plan.steps_per_epoch} steps per epoch x {plan.epochs} "
+                                 "epochs")
+        if problem:
+            raise ConfigError(problem)
         lora = LORA.node(cfg)
         checkpointer_args = dict(
             output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
             base_checkpoint_dir=base_checkpoint_dir, lora=lora,
             save_adapter_weights_only=bool(lora is not None and cfg.save_adapter_weights_only),
             keep_last_n_checkpoints=cfg.keep_last_n_checkpoints,
+            verify_checksums=cfg.get("verify_checksums", True),
         )
         if dist.is_initialized():
             checkpointer = DistributedCheckpointer(rank=run.rank, world_size=run.world_size, **checkpointer_args)
@@ -170,6 +207,7 @@ class TrainingSession:
                                          lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
                                          dataloader=self.train_loader)
         self.step, self.epoch, self._resumed = state.step, self.train_loader.epoch, True
+        self._resumed_from = (path, state.step)
 
     def _setup_utilization(self):
         """FLOPs per step (``mfu``, ``hfu``) and the device's peak; says once when bf16 runs on a CPU that emulates
@@ -232,8 +270,26 @@ class TrainingSession:
                 if done >= self.plan.steps_per_epoch:
                     break
 
+    # A non-finite loss this few steps after resuming points at the checkpoint before the learning rate.
+    SUSPECT_CHECKPOINT_STEPS = 10
+
     def train_step(self, micro_batches: list[dict]) -> StepResult:
+        try:
+            return self._train_step(micro_batches)
+        except NonFiniteLossError as err:
+            if self._resumed_from is None or self.step - self._resumed_from[1] >= self.SUSPECT_CHECKPOINT_STEPS:
+                raise
+            path, resumed_at = self._resumed_from
+            raise NonFiniteLossError(
+                f"{str(err).split(';')[0]}, {self.step + 1 - resumed_at} step(s) after resuming from {path}: suspect "
+                "that checkpoint (damaged, or saved from a run that was already diverging) before the learning rate",
+                "resume from an earlier checkpoint (resume_from_checkpoint=<its directory>); with verify_checksums="
+                "true mtune checks a checkpoint's files against their checksums when resuming") from None
+
+    def _train_step(self, micro_batches: list[dict]) -> StepResult:
         self._step_flops_now = self.step_flops(micro_batches)
+        self._longest_batch = max([getattr(self, "_longest_batch", 0)]
+                                  + [int(b["tokens"].shape[-1]) for b in micro_batches])
         with oom_guard("forward/backward and optimizer step", self.cfg):
             with contextlib.ExitStack() as stack:
                 # The byte tracker sees every op of the whole step (it is a dispatch mode, not a saved-tensor hook,
@@ -320,7 +376,8 @@ class TrainingSession:
         if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
             return
         try:
-            plan = plan_memory(self.cfg, world_size=self.run.world_size)
+            with _quiet_logs():  # the planner builds a fake model: its setup lines are not this run's
+                plan = plan_memory(self.cfg, world_size=self.run.world_size)
         except MtuneError as err:
             self.monitor.write(f"plan_check: skipped ({err})")
             return
@@ -333,12 +390,10 @@ class TrainingSession:
                  "planned_for": plan.batch}
         error = plan.device_peak_bytes / measured.peak["device"] - 1 if measured.peak["device"] else 0.0
         check["device_error"] = error
+        check["longest_batch_tokens"] = getattr(self, "_longest_batch", None)
         self.results["plan_check"] = check
-        self.monitor.write(
-            f"plan_check: device planned {format_bytes(plan.device_peak_bytes)}, measured "
-            f"{format_bytes(measured.peak['device'])} ({error:+.1%}); host planned {format_bytes(plan.host_peak_bytes)}"
-            f", measured {format_bytes(measured.peak['host'])} (the plan assumes every batch at "
-            f"{plan.batch['seq_len']} tokens; shorter batches measure less)")
+        self.monitor.write(plan_check_line(plan.device_peak_bytes, measured.peak["device"], plan.host_peak_bytes,
+                                           measured.peak["host"], plan.batch["seq_len"], check["longest_batch_tokens"]))
 
     def _run_task_eval(self, when: str) -> None:
         what = f"task eval {when} training"

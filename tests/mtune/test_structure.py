@@ -119,7 +119,7 @@ LAYERS = [
     ["mtune.tokenizers", "mtune.modules"],
     ["mtune.data", "mtune.models"],
     ["mtune.training.memory", "mtune.training.distributed", "mtune.training.rng", "mtune.training.signals",
-     "mtune.training.lr_schedulers"],
+     "mtune.training.lr_schedulers", "mtune.training.output_lock"],
     ["mtune.training.loop", "mtune.training.checkpointing", "mtune.training.task_eval"],
     ["mtune.training.observe", "mtune.training.context", "mtune.training.model_setup"],
     ["mtune.training.planning"],

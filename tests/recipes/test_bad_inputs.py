@@ -27,6 +27,9 @@ CONFIG_ERRORS = [
     (["lora.alpha=0"], "lora.alpha: must be > 0, got 0"),
     (["device=cpux"], "device: 'cpux' is not valid"),
     (["lr_scheduler.num_warmup_steps=-2"], "lr_scheduler.num_warmup_steps: must be an integer >= 0, got -2"),
+    (["dataset.train_on_input=maybe"], "dataset.train_on_input: instruct_dataset takes true or false, got str 'maybe'"),
+    (["dataset.packed=1"], "dataset.packed: instruct_dataset takes true or false, got int 1"),
+    (["overwrite_output_dir=maybe"], "overwrite_output_dir: expected bool, got str 'maybe'"),
 ]
 
 
@@ -90,3 +93,40 @@ def test_a_damaged_checkpoint_is_named_instead_of_starting_over(capsys, tmp_path
                         "resume_from_checkpoint=true", "task_eval=null")
     assert code == 1 and "Traceback" not in err
     assert f"error: {tmp_path / 'step_2' / 'mtune_state.json'}: corrupt, not JSON" in err
+
+
+def test_warmup_longer_than_the_run_is_refused_before_the_first_step(capsys, tmp_path, tiny_checkpoint, tiny_data):
+    from tests._helpers.recipes import TRAIN_CONFIG, train_overrides
+
+    warmup = ["lr_scheduler._component_=mtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+              "lr_scheduler.num_warmup_steps=10000"]
+    # 48 samples, batch 4, 2 epochs: 24 steps, known only once the dataset is read
+    overrides = train_overrides(tmp_path, tiny_checkpoint, tiny_data, max_steps_per_epoch=None, epochs=2) + warmup
+    code, out, _ = _cli(capsys, "validate", str(TRAIN_CONFIG), *overrides, "recipe=lora_single_device")
+    assert code == 0 and "note: lr_scheduler.num_warmup_steps=10000: the run's total steps are known only once" in out
+    code, _, err = _cli(capsys, "run", "lora_single_device", "--config", str(TRAIN_CONFIG), *overrides)
+    assert code == 1 and "Traceback" not in err
+    assert ("error: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (12 steps per epoch x 2 epochs: "
+            "24 steps)") in err, err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    # bounded by the config alone: validate knows
+    code, out, _ = _cli(capsys, "validate", CONFIG, *warmup, "max_steps_per_epoch=100")
+    assert code == 1 and ("error: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (at most "
+                          "max_steps_per_epoch x epochs = 100 x 3: 300 steps)") in out
+
+
+def test_a_chat_turn_with_an_unknown_role_is_one_line(capsys):
+    code, out, err = _cli(capsys, "run", "generate", "--config", "tiny/generate", "~adapter_dir",
+                          "messages=[{role: bot, content: hi}]")
+    assert code == 1 and "Traceback" not in err and out == ""
+    assert err.splitlines()[-1] == "error: messages[0].role: 'bot' is not a chat role; use one of system, user, assistant"
+
+
+def test_a_config_for_another_recipe_says_so_first(capsys, tmp_path):
+    code, _, err = _cli(capsys, "run", "full_single_device", "--config", CONFIG, f"output_dir={tmp_path}")
+    assert code == 1 and "Traceback" not in err
+    first = err.splitlines()[0]
+    assert first.startswith("error: ") and first.endswith(
+        "lora_single_device.yaml is a config for the recipe lora_single_device, not full_single_device (2 of its keys "
+        "do not fit full_single_device, e.g. lora: unknown key)"), err
+    assert "hint: mtune run lora_single_device --config " in err

@@ -177,9 +177,13 @@ def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_dat
     assert measured <= budget < plain.device_peak_bytes
 
 
-def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_checkpoint, tiny_data):
+def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_checkpoint, tiny_data, capfd):
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {"plan_check": True, "memory_breakdown": False})
     out = run_recipe_in_process("lora_single_device", overrides)
+    err = capfd.readouterr().err
+    # the planner's fake model speaks not as this run: its setup lines are not repeated, no "random weights"
+    assert err.count("memory techniques:") == 1 and "random weights" not in err, err
+    assert "plan_check: mtune plan predicted " in err
     check = json.loads((out / "results.json").read_text())["plan_check"]
     assert check["measured_device_bytes"] > 0 and abs(check["device_error"]) < 0.05
     assert check["planned_host_bytes"] == check["measured_host_bytes"] == 0
@@ -293,3 +297,41 @@ def test_shipped_distributed_configs_plan_on_a_tiny_model_of_their_family(config
     assert two.device["parameters"] == pytest.approx(one.device["parameters"] / 2, rel=0.01)
     assert two.device["optimizer_state"] == pytest.approx(one.device["optimizer_state"] / 2, rel=0.01)
     assert two.device_peak_bytes < one.device_peak_bytes
+
+
+def test_the_plan_check_line_explains_a_gap_from_short_batches():
+    from mtune.training.session import plan_check_line
+
+    mib = 2**20
+    short = plan_check_line(84 * mib, 44 * mib, 0, 0, plan_tokens=64, longest_tokens=30)
+    assert short == ("plan_check: mtune plan predicted 84.0 MiB of device tensors, this run peaked at 44.0 MiB: the "
+                     "plan is for batches of 64 tokens (tokenizer.max_seq_len) and this run's longest was 30, so it "
+                     "held less; the plan is the bound for full-length batches")
+    assert plan_check_line(84 * mib, 100 * mib, 0, 0, 64, 64).endswith("(+19% above the plan: please report it with "
+                                                                       "the config)")
+    assert plan_check_line(84 * mib, 83 * mib, 0, 0, 64, 64).endswith("at 83.0 MiB (+1% planned vs measured)")
+
+
+def test_plan_before_download_plans_the_named_size_and_says_so(capsys, tmp_path):
+    from mtune._cli.catalog import find_config
+    from mtune._cli.main import main
+    from mtune._cli.plan import plan_without_download
+    from mtune.config import load_config
+
+    # the README's plan line on a copy of a shipped config, before `mtune download`: family and size from the name
+    config = find_config("llama3_2/1B_lora_single_device")
+    cfg = load_config(config, [f"model.checkpoint_dir={tmp_path / 'Llama-3.2-1B-Instruct'}"])
+    said = plan_without_download(cfg, config)
+    assert (cfg.model.checkpoint_dir, cfg.model.family, cfg.model.size) == (None, "llama3_2", "1B")
+    assert said.startswith(f"{tmp_path / 'Llama-3.2-1B-Instruct'} has no config.json yet (not downloaded): planning "
+                           "llama3_2 1B from its named size, read from the name of model.checkpoint_dir")
+    cfg = load_config(config, [f"model.checkpoint_dir={tmp_path / 'elsewhere'}"])  # the header's repo id
+    assert "read from the repo id meta-llama/Llama-3.2-1B-Instruct in the config's header" in plan_without_download(
+        cfg, config)
+    # end to end, on a size that plans in a moment
+    code = main(["plan", "lora_single_device", "--config", "tiny/lora_single_device",
+                 f"model.checkpoint_dir={tmp_path / 'missing'}", "model.family=llama3_2", "model.size=tiny"])
+    out = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out.err, out.err
+    assert "planning llama3_2 tiny from its named size, read from model.family and model.size" in out.err
+    assert "peak" in out.out

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from mtune.config.errors import ConfigError
+from mtune.training.checkpointing.manifest import renamed, write_safetensors
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -42,10 +43,8 @@ class ShardWriter:
         self.total_bytes += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         path = self.out_dir / f".shard-{len(self.shards):05d}.tmp"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
+        write_safetensors(self.pending, path, metadata={"format": "pt"})  # hashed as written, inside a checkpoint
         self.shards.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -56,11 +55,13 @@ class ShardWriter:
         if n == 1:
             final = self.out_dir / "model.safetensors"
             self.shards[0][0].rename(final)
+            renamed(self.shards[0][0], final)
             return [final]
         weight_map, paths = {}, []
         for i, (tmp, keys) in enumerate(self.shards, start=1):
             final = self.out_dir / f"model-{i:05d}-of-{n:05d}.safetensors"
             tmp.rename(final)
+            renamed(tmp, final)
             paths.append(final)
             weight_map.update((k, final.name) for k in keys)
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}

@@ -1,7 +1,8 @@
 """Checkpoint directories: ``${output_dir}/step_<N>/`` and ``${output_dir}/final/``, written atomically.
 
 A checkpoint is *complete* iff its directory has its final name and holds ``mtune_state.json``. The writer builds
-it in ``${output_dir}/.tmp_<name>_<pid>/``, fsyncs every file, writes ``mtune_state.json`` last, renames the
+it in ``${output_dir}/.tmp_<name>_<pid>/``, writes the checksums of its files (``checksums/``, see
+:mod:`mtune.training.checkpointing.manifest`), fsyncs every file, writes ``mtune_state.json`` last, renames the
 directory into place (atomic on POSIX file systems) and fsyncs ``output_dir``. A crash at any moment therefore leaves
 either the previous complete checkpoint or the new one, plus maybe a ``.tmp_*`` directory that
 :func:`find_latest_checkpoint` cleans up.
@@ -30,6 +31,7 @@ import mtune
 from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
 from mtune.training.checkpointing.hf import CheckpointError
+from mtune.training.checkpointing.manifest import Manifest, recording
 
 __all__ = [
     "CheckpointWriter",
@@ -232,8 +234,11 @@ class CheckpointWriter:
             shutil.rmtree(tmp)
         try:
             tmp.mkdir(parents=True)
-            yield tmp
+            manifest = Manifest(tmp, rank=0)
+            with recording(manifest):  # tensor files are hashed as they are written
+                yield tmp
             maybe_inject_fault("after_model_write", step)
+            manifest.finish()  # checksums/rank_0.json, before mtune_state.json and the rename that publishes
             self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final,
                               world_size=world_size)
             _fsync_tree(tmp)

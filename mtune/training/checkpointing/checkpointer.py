@@ -6,6 +6,7 @@ A checkpoint directory holds:
   ``save_adapter_weights_only``), loadable by ``transformers.AutoModelForCausalLM.from_pretrained``;
 - ``adapter/``: for LoRA / DoRA / QLoRA, the adapter in PEFT format (``peft.PeftModel.from_pretrained``);
 - ``recipe_state.pt``: optimizer, scheduler, loss scaler, step, epoch, data position and RNG states;
+- ``checksums/rank_<r>.json``: size and CRC-32 of every file, computed while writing (checked on resume);
 - ``mtune_state.json``: what produced it (written last: a directory without it is not a checkpoint).
 
 Writes go to a temporary directory renamed into place (see :class:`CheckpointWriter`), so a crash never leaves a
@@ -24,7 +25,13 @@ from torch import nn
 
 from mtune.modules.lora import merge_lora_weights
 from mtune.training.memory.weight_offloading import offloaded_weights_materialized
-from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter, find_latest_checkpoint, read_checkpoint_state
+from mtune.training.checkpointing.checkpoint_dir import (
+    FINAL_NAME,
+    CheckpointWriter,
+    find_latest_checkpoint,
+    list_checkpoints,
+    read_checkpoint_state,
+)
 from mtune.training.checkpointing.dcp import (
     DISTRIBUTED_STATE_DIRNAME,
     load_distributed_state,
@@ -32,6 +39,13 @@ from mtune.training.checkpointing.dcp import (
     save_gathered_hf_checkpoint,
 )
 from mtune.training.checkpointing.hf import load_hf_checkpoint, save_hf_checkpoint
+from mtune.training.checkpointing.manifest import (
+    DamagedCheckpointError,
+    Manifest,
+    has_checksums,
+    recording,
+    verify_checkpoint,
+)
 from mtune.training.checkpointing.merge import merged_hf_weights, save_merged_model
 from mtune.training.checkpointing.peft import load_peft_adapter, save_peft_adapter
 from mtune.training.checkpointing.recipe_state import (
@@ -61,12 +75,16 @@ class Checkpointer:
         lora: the config's ``lora`` node, or None for a full fine-tune.
         save_adapter_weights_only: LoRA: skip the merged model.
         keep_last_n_checkpoints: prune older ``step_<N>`` checkpoints once a new one is complete.
+        verify_checksums: check a checkpoint's files against its checksums before resuming from it.
     """
+
+    LATEST_INTACT = "latest_intact"
+    """``resume_from_checkpoint=latest_intact``: the newest checkpoint whose files all match their checksums."""
 
     def __init__(self, *, output_dir: str | Path, config: Mapping[str, Any], base_checkpoint_dir: Path | None,
                  lora: Mapping[str, Any] | None = None, save_adapter_weights_only: bool = False,
                  keep_last_n_checkpoints: int | None = None, max_shard_size: int | str = "5GB",
-                 world_size: int = 1):
+                 world_size: int = 1, verify_checksums: bool = True):
         self.output_dir = Path(output_dir)
         self.config = dict(config)
         self.base_checkpoint_dir = base_checkpoint_dir
@@ -74,6 +92,7 @@ class Checkpointer:
         self.save_adapter_weights_only = save_adapter_weights_only
         self.max_shard_size = max_shard_size
         self.world_size = world_size
+        self.verify_checksums = verify_checksums
         self.writer = CheckpointWriter(self.output_dir, keep_last_n_checkpoints=keep_last_n_checkpoints)
 
     @property
@@ -120,17 +139,64 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------------ resuming
     def find(self, resume_from: bool | str) -> Path | None:
-        """The checkpoint ``resume_from_checkpoint`` names: the latest complete one in ``output_dir`` for true, or
-        the given directory. None when true but there is none yet (the run starts fresh)."""
+        """The checkpoint ``resume_from_checkpoint`` names: the latest complete one in ``output_dir`` for true, the
+        newest intact one for ``latest_intact``, or the given directory. None when there is none yet (the run
+        starts fresh). With ``verify_checksums`` a checkpoint whose files do not match their checksums is refused
+        with one line naming the file and the newest intact checkpoint before it."""
+        if resume_from == self.LATEST_INTACT:
+            return self._latest_intact()
         if resume_from is True:
             path = find_latest_checkpoint(self.output_dir, strict=True)
             if path is None:
                 log.info("resume_from_checkpoint=true: no complete checkpoint in %s yet, starting fresh",
                          self.output_dir)
-            return path
-        path = Path(resume_from)
-        read_checkpoint_state(path)  # raises when the directory is not a complete checkpoint
+                return None
+        else:
+            path = Path(resume_from)
+            read_checkpoint_state(path)  # raises when the directory is not a complete checkpoint
+        self._check_intact(path)
         return path
+
+    def _newest_first(self) -> list[Path]:
+        """The complete checkpoints of ``output_dir``, newest first (``final`` before a ``step_<N>`` of its step)."""
+        found = [(step, 1, path) for step, path in list_checkpoints(self.output_dir)]
+        final = self.output_dir / FINAL_NAME
+        if (final / "mtune_state.json").is_file():
+            found.append((read_checkpoint_state(final)["step"], 2, final))
+        return [path for *_, path in sorted(found, reverse=True)]
+
+    def _check_intact(self, path: Path) -> None:
+        if not self.verify_checksums:
+            return
+        if not has_checksums(path):
+            log.info("%s has no checksums (saved by an older mtune): its files are not verified", path)
+            return
+        problems = verify_checkpoint(path)
+        if not problems:
+            return
+        step = read_checkpoint_state(path)["step"]
+        earlier = [p for p in self._newest_first() if p != path and read_checkpoint_state(p)["step"] <= step]
+        intact = next((p for p in earlier if not verify_checkpoint(p)), None)
+        where = (f"resume_from_checkpoint={intact} (or resume_from_checkpoint={self.LATEST_INTACT}) resumes from the "
+                 f"newest intact checkpoint before it" if intact is not None else
+                 f"no earlier intact checkpoint in {self.output_dir}: start again in another output_dir")
+        raise DamagedCheckpointError(f"checkpoint {path} is damaged: {problems[0]}",
+                              f"{where}; verify_checksums=false loads it anyway")
+
+    def _latest_intact(self) -> Path | None:
+        checkpoints = self._newest_first()
+        for path in checkpoints:
+            problems = verify_checkpoint(path) if self.verify_checksums else []
+            if not problems:
+                return path
+            log.warning("resume_from_checkpoint=%s: skipping %s, which is damaged (%s)", self.LATEST_INTACT, path,
+                        problems[0])
+        if checkpoints:
+            raise DamagedCheckpointError(f"resume_from_checkpoint={self.LATEST_INTACT}: every checkpoint in "
+                                  f"{self.output_dir} is damaged", "start again in another output_dir")
+        log.info("resume_from_checkpoint=%s: no complete checkpoint in %s yet, starting fresh", self.LATEST_INTACT,
+                 self.output_dir)
+        return None
 
     def resume(self, path: Path, *, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
                dataloader=None) -> RecipeState:
@@ -175,13 +241,18 @@ class DistributedCheckpointer(Checkpointer):
         if self.rank != 0:
             shared = [None]
             dist.broadcast_object_list(shared, src=0)
-            write_shared(Path(shared[0]))
+            manifest = Manifest(shared[0], rank=self.rank)  # this rank's own files: its DCP shards
+            with recording(manifest):
+                write_shared(Path(shared[0]))
+            manifest.finish()
+            dist.barrier()  # every rank's checksums are in the temp dir
             dist.barrier()  # rank 0 commits the directory
             return self.writer.checkpoint_path(step, final)
         with self.writer.open(step=step, epoch=epoch, config=self.config, kind=self.kind, final=final,
                               world_size=self.world_size) as tmp:
             dist.broadcast_object_list([str(tmp)], src=0)
             write_shared(tmp)
+            dist.barrier()  # the other ranks have written their checksums
         dist.barrier()
         path = self.writer.checkpoint_path(step, final)
         log.info("checkpoint: %s", path)

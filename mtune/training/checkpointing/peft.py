@@ -27,6 +27,7 @@ from torch import nn
 
 from mtune.errors import MtuneError
 from mtune.modules.lora import LoRALinear, adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
+from mtune.training.checkpointing.manifest import write_safetensors
 
 __all__ = [
     "lora_node_from_adapter",
@@ -178,8 +179,6 @@ def save_peft_adapter(
         base_model_name_or_path: recorded in ``adapter_config.json`` (the base checkpoint directory or hub id).
     The directory loads with ``peft.PeftModel.from_pretrained(base, out_dir)``.
     """
-    from safetensors.torch import save_file
-
     layout = lora_layout(model)
     lora_cfg = _plain(lora_cfg) or {}
     for key in ("rank", "alpha", "use_dora"):
@@ -191,7 +190,7 @@ def save_peft_adapter(
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return out  # the gathers above needed every rank; rank 0 writes
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    write_safetensors(tensors, out / ADAPTER_WEIGHTS_NAME, metadata={"format": "pt"})  # hashed as written
     config = adapter_config(layout["modules"], layout["rank"], layout["alpha"], dropout=dropout,
                             use_dora=layout["use_dora"],
                             base_model_name_or_path=None if base_model_name_or_path is None else str(base_model_name_or_path))

@@ -19,6 +19,7 @@ import torch
 
 from mtune.errors import MtuneError, PathNotFoundError
 from mtune.training.memory import registry
+from mtune.training.checkpointing.manifest import open_for_write
 from mtune.training.rng import get_rng_state, set_rng_state
 
 __all__ = [
@@ -75,6 +76,8 @@ _RUN_KEYS_THAT_MAY_CHANGE = (
     "fsdp_reshard_after_forward",
     "fsdp_cpu_offload",
     "overwrite_output_dir",
+    "force_unlock",  # how the run takes output_dir's lock
+    "verify_checksums",  # whether files are checked when loaded
 )
 
 
@@ -128,7 +131,8 @@ def save_recipe_state(checkpoint_dir: str | os.PathLike, *, step: int, epoch: in
         "extra": dict(extra or {}),
     }
     path = Path(checkpoint_dir) / RECIPE_STATE_FILENAME
-    torch.save(state, path)
+    with open_for_write(path) as f:  # inside a checkpoint's temp dir: its crc32 is computed from the bytes written
+        torch.save(state, f)
     return path
 
 

@@ -163,7 +163,8 @@ class TrainingProgress:
         return self._bar is not None
 
     def update(self, step: int, metrics: Mapping[str, Any] | None = None, epoch: int | None = None) -> None:
-        """Advance to optimizer step ``step`` (global, 1-based after the first step) and show ``metrics``."""
+        """Advance to optimizer step ``step`` (global, 1-based after the first step) and show ``metrics``; ``epoch`` is
+        0-based (as in ``metrics.jsonl``) and shown 1-based."""
         if not self._enabled:
             return
         advanced = int(step) - self._last_step
@@ -171,14 +172,14 @@ class TrainingProgress:
         shown = format_metrics(metrics or {})
         if self._bar is not None:
             if epoch is not None:
-                self._bar.set_description(f"train epoch {epoch}")
+                self._bar.set_description(f"train epoch {epoch + 1}")  # 0-based in metrics.jsonl, 1-based here
             if shown:
                 self._bar.set_postfix(shown, refresh=False)
             self._bar.update(max(advanced, 0))
         elif step % self.log_every_n_steps == 0 or step == self.total_steps:
             parts = [f"step {step}/{self.total_steps}"]
             if epoch is not None:
-                parts.append(f"epoch {epoch}")
+                parts.append(f"epoch {epoch + 1}")  # 0-based in metrics.jsonl, 1-based for people
             parts += [f"{label} {text}" for label, text in shown.items()]
             print(" | ".join(parts), file=self._stream, flush=True)
 

@@ -5,7 +5,7 @@ tensors, so a prediction and a measurement count exactly the same things at the 
 :class:`TensorTracker` is a ``TorchDispatchMode``: every op's output storages are registered when they appear and
 dropped when Python frees them (a weak reference per storage; views share one), so the running totals are the
 bytes of live tensor storages after every op, and the peak is the largest of them. Nothing the allocator adds
-(block rounding, caching, the CUDA context) is counted here; :mod:`mtune.training.plan` adds it for a CUDA
+(block rounding, caching, the CUDA context) is counted here; :mod:`mtune.training.planning.plan` adds it for a CUDA
 target.
 
 Categories (:data:`CATEGORIES`):

@@ -72,3 +72,26 @@ def test_var_kwargs_target_accepts_any_keyword():
     cfg = OmegaConf.create({"d": {"_component_": "argparse.Namespace", "anything": 1, "else_": [1]}})
     ns = instantiate(cfg.d)
     assert ns.anything == 1 and ns.else_ == [1]
+
+
+def _takes_flags(strict: bool = False, maybe: "bool | None" = None, loose=False, anything=None):
+    return strict, maybe, loose, anything
+
+
+def test_boolean_arguments_take_true_or_false_only_and_unannotated_ones_are_named():
+    from mtune.config.instantiate import boolean_problems
+    from mtune.config.validate import validate_config
+
+    target = f"{__name__}._takes_flags"
+    ok = OmegaConf.create({"c": {"_component_": target, "strict": True, "maybe": None, "loose": False, "anything": 1}})
+    assert instantiate(ok.c) == (True, None, False, 1)
+    report = validate_config(ok)
+    assert report.errors == [] and report.unchecked == ["c.anything"]  # no annotation, no boolean default
+    for name, value in [("strict", "maybe"), ("strict", 1), ("strict", None), ("maybe", "yes"), ("loose", "no")]:
+        bad = OmegaConf.create({"c": {"_component_": target, name: value}})
+        shown = "null" if value is None else f"{type(value).__name__} {value!r}"
+        message = f"c.{name}: _takes_flags takes true or false, got {shown}"
+        assert validate_config(bad).errors == [message]
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            instantiate(bad.c)
+    assert boolean_problems(_takes_flags, {"maybe": None, "strict": False}, "c") == ([], [])

@@ -82,7 +82,7 @@ def test_state_file_contents_and_keep_last_n(tmp_path):
     assert {k: state[k] for k in ("mtune_version", "step", "epoch", "kind", "final", "complete", "config",
                                   "files")} == {
         "mtune_version": mtune.__version__, "step": 40, "epoch": 2, "kind": "peft_adapter", "final": False,
-        "complete": True, "config": CONFIG, "files": ["adapter_model.safetensors"]}
+        "complete": True, "config": CONFIG, "files": ["adapter_model.safetensors", "checksums/rank_0.json"]}
     # final is never pruned and wins only with a higher step
     writer.save(step=40, epoch=2, config=CONFIG, kind="peft_adapter", write_fn=lambda d: None, final=True)
     assert find_latest_checkpoint(tmp_path) == tmp_path / "step_40"
@@ -96,7 +96,7 @@ def test_rewriting_a_step_replaces_it_and_errors_discard_the_temp_dir(tmp_path):
     writer = CheckpointWriter(tmp_path)
     writer.save(step=5, epoch=0, config={}, kind="hf_full", write_fn=lambda d: (d / "a").write_text("old"))
     writer.save(step=5, epoch=0, config={}, kind="hf_full", write_fn=lambda d: (d / "b").write_text("new"))
-    assert sorted(p.name for p in (tmp_path / "step_5").iterdir()) == ["b", "mtune_state.json"]
+    assert sorted(p.name for p in (tmp_path / "step_5").iterdir()) == ["b", "checksums", "mtune_state.json"]
     with pytest.raises(RuntimeError, match="disk full"):
         with writer.open(step=6, epoch=0, config={}, kind="hf_full"):
             raise RuntimeError("disk full")

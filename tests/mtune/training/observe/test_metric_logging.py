@@ -125,9 +125,9 @@ def test_progress_log_lines_when_not_a_tty():
     progress.close()
     lines = out.getvalue().splitlines()
     assert lines == [
-        "step 2/5 | epoch 0 | loss 0.5000 | lr 1.00e-04 | tok/s 1234 | peak_mem 0.50GiB",
-        "step 4/5 | epoch 0 | loss 0.2500 | lr 1.00e-04 | tok/s 1234 | peak_mem 0.50GiB",
-        "step 5/5 | epoch 0 | loss 0.2000 | lr 1.00e-04 | tok/s 1234 | peak_mem 0.50GiB",
+        "step 2/5 | epoch 1 | loss 0.5000 | lr 1.00e-04 | tok/s 1234 | peak_mem 0.50GiB",
+        "step 4/5 | epoch 1 | loss 0.2500 | lr 1.00e-04 | tok/s 1234 | peak_mem 0.50GiB",
+        "step 5/5 | epoch 1 | loss 0.2000 | lr 1.00e-04 | tok/s 1234 | peak_mem 0.50GiB",
     ]
 
 

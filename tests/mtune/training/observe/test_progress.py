@@ -70,7 +70,7 @@ def test_terminal_reporting_zero_size_gets_plain_lines(terminal_size):
     progress = TrainingProgress(total_steps=3, stream=out)
     assert not progress.has_bar
     _run(progress, 3)
-    assert out.getvalue().splitlines() == [f"step {i}/3 | epoch 0 | loss 0.5000 | lr 1.00e-04" for i in (1, 2, 3)]
+    assert out.getvalue().splitlines() == [f"step {i}/3 | epoch 1 | loss 0.5000 | lr 1.00e-04" for i in (1, 2, 3)]
 
 
 def test_not_a_terminal_gets_plain_lines_without_carriage_returns(terminal_size):
@@ -80,8 +80,8 @@ def test_not_a_terminal_gets_plain_lines_without_carriage_returns(terminal_size)
     assert not progress.has_bar
     _run(progress, 4)
     assert "\r" not in out.getvalue()
-    assert out.getvalue().splitlines() == ["step 2/4 | epoch 0 | loss 0.5000 | lr 1.00e-04",
-                                           "step 4/4 | epoch 0 | loss 0.5000 | lr 1.00e-04"]
+    assert out.getvalue().splitlines() == ["step 2/4 | epoch 1 | loss 0.5000 | lr 1.00e-04",
+                                           "step 4/4 | epoch 1 | loss 0.5000 | lr 1.00e-04"]
 
 
 def test_sized_terminal_gets_a_bar(terminal_size):

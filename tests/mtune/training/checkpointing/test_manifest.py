@@ -1,0 +1,71 @@
+"""Checkpoint checksums: computed while writing (they equal the CRC-32 of the bytes on disk), written before the
+checkpoint is published, and checked on resume: a damaged file is refused in one line naming it and the newest
+intact checkpoint, and resume_from_checkpoint=latest_intact resumes from that one."""
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
+from mtune.training.checkpointing.checkpointer import Checkpointer
+from mtune.training.checkpointing.manifest import (
+    CHECKSUMS_DIRNAME,
+    DamagedCheckpointError,
+    check_before_loading,
+    verify_checkpoint,
+    write_safetensors,
+)
+from mtune.training.checkpointing.recipe_state import save_recipe_state
+
+
+def _write(tmp):
+    (tmp / "adapter").mkdir()
+    write_safetensors({"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64)},
+                      tmp / "adapter" / "adapter_model.safetensors", metadata={"format": "pt"})
+    (tmp / "adapter" / "adapter_config.json").write_text('{"r": 8}\n')  # not hashed while written: hashed after
+    save_recipe_state(tmp, step=1, epoch=0, optimizer=None)
+
+
+def _damage(path, offset=200, data=b"\xff" * 4096):
+    raw = bytearray(path.read_bytes())
+    raw[offset:offset + len(data)] = data[: len(raw) - offset]
+    path.write_bytes(bytes(raw))
+
+
+def test_checksums_are_the_crc32_of_every_file_and_are_published_with_it(tmp_path):
+    writer = CheckpointWriter(tmp_path)
+    path = writer.save(step=1, epoch=0, config={}, kind="lora", write_fn=_write)
+    manifest = json.loads((path / CHECKSUMS_DIRNAME / "rank_0.json").read_text())
+    assert manifest["algorithm"] == "crc32"
+    assert sorted(manifest["files"]) == ["adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                                         "recipe_state.pt"]
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "crc32": zlib.crc32(data)}
+    assert verify_checkpoint(path) == []
+    _damage(path / "adapter" / "adapter_model.safetensors")
+    assert verify_checkpoint(path) == [f"{path / 'adapter' / 'adapter_model.safetensors'}: checksum mismatch (its "
+                                       "bytes changed since it was saved)"]
+    assert verify_checkpoint(path, under=path / "model") == []  # only what is loaded is read
+    with pytest.raises(DamagedCheckpointError, match="adapter_model.safetensors: checksum mismatch"):
+        check_before_loading(path / "adapter")
+
+
+def test_resume_refuses_a_damaged_checkpoint_naming_the_file_and_the_intact_one(tmp_path):
+    checkpointer = Checkpointer(output_dir=tmp_path, config={}, base_checkpoint_dir=None, lora={})
+    for step in (2, 4):
+        checkpointer.writer.save(step=step, epoch=0, config={}, kind="lora", write_fn=_write)
+    _damage(tmp_path / "step_4" / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(DamagedCheckpointError) as info:
+        checkpointer.find(True)
+    assert str(info.value) == (f"checkpoint {tmp_path / 'step_4'} is damaged: "
+                               f"{tmp_path / 'step_4' / 'adapter' / 'adapter_model.safetensors'}: checksum mismatch "
+                               "(its bytes changed since it was saved)")
+    assert info.value.hint.startswith(f"resume_from_checkpoint={tmp_path / 'step_2'} (or resume_from_checkpoint="
+                                      "latest_intact)")
+    assert checkpointer.find("latest_intact") == tmp_path / "step_2"
+    assert checkpointer.find(str(tmp_path / "step_2")) == tmp_path / "step_2"
+    checkpointer.verify_checksums = False
+    assert checkpointer.find(True) == tmp_path / "step_4"  # the flag skips the check
