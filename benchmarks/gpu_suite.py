@@ -471,7 +471,9 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
            "losses": run_of.get("mtune", {}).get("losses"), "torchtune_losses": run_of.get("torchtune", {}).get("losses"),
            "speedup": summary.get("speedup"), "peak_flops": result["meta"]["peak_flops"].get("bf16"),
            "attention_kernel": None, "planned_allocated_gib": None}
-    if not torchtune:
+    if torchtune:
+        row["torchtune"] = torchtune[2]
+    else:
         row["torchtune_skipped"] = ("torchtune 0.6.1 is not installed for this run: pass --torchtune-python or "
                                     "--torchtune-path (docs/benchmarks.md, 'GPU suite')")
     errors = {lib: summary[lib]["error"] for lib in ("mtune", "torchtune") if "error" in summary.get(lib, {})}
@@ -485,14 +487,14 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
     return row
 
 
-def torchtune_python(args) -> tuple[str, str | None] | None:
-    """``(python, extra PYTHONPATH)`` that imports torchtune 0.6.1, or None."""
+def torchtune_python(args) -> tuple[str, str | None, str] | None:
+    """``(python, extra PYTHONPATH, torchtune's version)`` of a python that imports torchtune, or None."""
     python = args.torchtune_python or sys.executable
     path = args.torchtune_path
     env = {**os.environ, "PYTHONPATH": path} if path else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = subprocess.run([python, "-c", "import torchtune, torchao; print(torchtune.__version__)"], env=env,
                            capture_output=True, text=True)
-    return (python, path) if probe.returncode == 0 else None
+    return (python, path, probe.stdout.strip()) if probe.returncode == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------ output
