@@ -47,6 +47,12 @@ SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_ke
              intermediate_size=1408, vocab_size=8192, tie_word_embeddings=False, rope_theta=500000.0,
              rms_norm_eps=1e-5, max_position_embeddings=2048)
 NUM_SPECIAL = 256
+SHAPES = {
+    "fixture": {},
+    # Llama 3.2 3B's blocks (gpu_suite's head-to-head); the fixture's vocabulary and an untied head, as above
+    "llama3_2_3B": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=8192),
+}
 LORA = dict(rank=8, alpha=16, mtune=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
             torchtune=["q_proj", "v_proj", "output_proj"])
 CASES = {
@@ -108,7 +114,7 @@ def mtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool,
     lora = ""
     if case["lora"]:
         lora = (f"lora:\n  modules: {LORA['mtune']}\n  rank: {LORA['rank']}\n  alpha: {LORA['alpha']}\n"
-                f"  quantize_base: {str(case['qlora']).lower()}\n")
+                f"  quantize_base: {str(case['qlora']).lower()}\nsave_adapter_weights_only: true\n")
     recipe = "lora_single_device" if case["lora"] else "full_single_device"
     return f"""recipe: {recipe}
 output_dir: {out}
@@ -259,6 +265,7 @@ def worker(lib: str, config: str, recipe: str, result: str) -> None:
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "threads": torch.get_num_threads(),
         "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
     }))
 
 
@@ -283,9 +290,11 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
         # mfu in mtune's own log against the peak this benchmark measured (not a cache taken under other load)
         env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_PEAK_FLOPS": str(args.peaks[dtype])}
     else:
-        python = str(args.venv / "bin" / "python")
+        python = args.torchtune_python or str(args.venv / "bin" / "python")
         recipe = "lora_finetune_single_device" if case["lora"] else "full_finetune_single_device"
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        if args.torchtune_path:  # e.g. the GPU machine's wheels: torchtune + torchao 0.11 before mtune's site
+            env["PYTHONPATH"] = args.torchtune_path
     result = out.with_suffix(".json")
     load = os.getloadavg()
     proc = subprocess.run([python, str(Path(__file__).resolve()), "--worker", lib, str(config), recipe, str(result)],
@@ -308,6 +317,7 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
             "step_times_s": steps, "median_step_s": step_s,
             "tokens_per_second": args.batch * args.seq / step_s, "max_rss_gib": raw["max_rss_bytes"] / 2**30,
             "cuda_max_allocated_gib": (raw["cuda_max_allocated_bytes"] or 0) / 2**30,
+            "cuda_max_reserved_gib": (raw.get("cuda_max_reserved_bytes") or 0) / 2**30,
             "losses": _losses(lib, out), "threads": raw["threads"], "wall_s": raw["end"] - raw["start"]}
 
 
@@ -501,7 +511,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the median (compile, first touch)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--shape", choices=list(SHAPES), default="fixture",
+                        help="the model's blocks (the fixture's vocabulary in every shape)")
+    parser.add_argument("--no-ceiling", action="store_true", help="skip timing the bare matmul/attention ceiling")
+    parser.add_argument("--torchtune-python", default=None, help="a python with torchtune 0.6.1 (instead of --venv)")
+    parser.add_argument("--torchtune-path", default=None, help="PYTHONPATH for torchtune's runs")
     args = parser.parse_args()
+    SHAPE.update(SHAPES[args.shape])
+    if args.shape != "fixture":
+        args.work = args.work / args.shape  # write_fixture reuses what it finds: one fixture per shape
     if args.worker:
         worker(*args.worker)
         return
@@ -534,12 +552,15 @@ def main() -> None:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **facts,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps,
             "warmup": args.warmup, "reps": args.reps, "device": args.device, "batch": args.batch, "seq": args.seq,
+            "shape": args.shape,
             "flops": {}, "ceiling": {}, "loadavg_start": os.getloadavg()}
     for name in args.cases:
         f = flops(CASES[name], args.seq)
         meta["flops"][name] = {"model": f.model, "hardware": f.hardware}
         for dtype in dtypes:
-            meta["ceiling"][f"{name}_{dtype}"] = ceiling(CASES[name], dtype, args.batch, args.seq, device=args.device)
+            if not args.no_ceiling:
+                meta["ceiling"][f"{name}_{dtype}"] = ceiling(CASES[name], dtype, args.batch, args.seq,
+                                                             device=args.device)
     results = []
     for rep in range(args.reps):
         for name in args.cases:

@@ -75,6 +75,8 @@ class MemoryBreakdown:
             self.records.append(step_record(len(self.records) + 1, memory))
             if len(self.records) == self.num_steps and self.write_file:
                 self.write()
+        if not self.track_all_steps and self.tracked_steps >= self.num_steps:
+            self.tracker.remove_hooks()  # its gradient hooks would cost a Python call per parameter every step
 
     def close(self) -> None:
         """Write the files now if the run ended before ``num_steps`` steps (nothing when none was tracked)."""

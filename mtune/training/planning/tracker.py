@@ -161,6 +161,14 @@ class TensorTracker(TorchDispatchMode):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in model.parameters() if p.requires_grad]
 
+    def remove_hooks(self) -> None:
+        """Stop watching gradients: remove the post-accumulate-grad hook :meth:`register_model` put on every
+        trainable parameter, which runs whether or not the mode is entered (a Python call per parameter per step).
+        For a tracker that will not be entered again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
     def register_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self.optimizers = list(optimizers)
         self._recategorize_optimizer_state()

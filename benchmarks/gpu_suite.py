@@ -1,0 +1,643 @@
+"""mtune on one lent GPU, measured against its own plan and against torchtune 0.6.1, in parts of at most 8 minutes.
+
+    python benchmarks/gpu_suite.py --list                                 # the cases, by part, with their state
+    python benchmarks/gpu_suite.py --part 1                               # on the GPU: appends to results/gpu_suite.json
+    python benchmarks/gpu_suite.py --part 1 --cases llama3_2_1B_lora_compiled
+    python benchmarks/gpu_suite.py --dry-run --out /tmp/gpu_suite.json    # on a CPU: every part, tiny shapes
+
+Every case is a row of :data:`CASES` (data, not code): a shipped config, the overrides that make it the case (random
+weights by ``model.family`` / ``model.size``, bf16, the batch and sequence length), and how it is measured:
+
+- ``run``: the recipes' own setup (``setup_run``, ``setup_model``, ``build_optimizer``, the config's loss) and step
+  (``train_step``, inside the byte tracker's ``track_step`` and the activation-offloading context, as
+  ``TrainingSession.train_step`` does) on random packed batches of ``batch_size`` x ``max_seq_len`` tokens, every
+  token trained. ``plan_check``'s tracker counts the first steps when the case is eager (as in a run); the timed
+  steps come after ``warmup`` steps, synchronised, and tokens/s = tokens per step / the median step time.
+- ``head_to_head``: ``benchmarks/torchtune_head_to_head.py`` (one harness, CPU and GPU) with the case's shape:
+  both libraries' own recipes, interleaved, in their own processes.
+- ``fit``: ``mtune plan --fit --device-memory SIZE`` picks the config, which then runs as ``run`` under
+  ``torch.cuda.set_per_process_memory_fraction(SIZE / the card's memory)``.
+- ``longest_context``: the planner finds the longest ``max_seq_len`` (of ``--context-lengths``) whose plan fits the
+  card; that runs as ``run``.
+
+A case whose config keys are not in its recipe's schema yet is a pending feature: it is skipped with that reason.
+
+Each row (see docs/benchmarks.md, "GPU suite"): case, part, kind, compile, gpu_name, versions, expandable_segments,
+tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the card by its name), planned_allocated_gib
+(``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, device_used_gib (``mem_get_info``:
+managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
+op and kernel names), and on head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only
+figures are null on a CPU. Rows are appended to ``--out`` and the markdown table beside it is rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_suite.json"
+GIB = 2**30
+PART_BUDGET_S = 8 * 60
+
+
+def mtune_api() -> SimpleNamespace:
+    """Every mtune name the suite uses, imported here and nowhere else (packages are being restructured: when a
+    name moves, this is the one place to update)."""
+    sys.path.insert(0, str(REPO))
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune._cli.main import main as cli_main
+    from mtune._cli.run import load_and_check
+    from mtune.config import instantiate
+    from mtune.config.keys import MemoryConfig
+    from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
+    from mtune.training.context import setup_run
+    from mtune.training.loop import train_step
+    from mtune.training.memory.accounting import MemoryBreakdown
+    from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
+    from mtune.training.model_setup import resolve_model_source, setup_model
+    from mtune.training.observe.flops import StepFlops
+    from mtune.training.observe.peak_flops import gpu_peak_flops, peak_flops
+    from mtune.training.plan import CUDA_CONTEXT_BYTES, plan_memory
+
+    return SimpleNamespace(**{k: v for k, v in locals().items()})
+
+
+# ------------------------------------------------------------------------------------------------ the cases
+@dataclass(frozen=True)
+class Case:
+    """One row of the suite. ``overrides`` are ``key=value`` config overrides on top of ``config``."""
+
+    name: str
+    part: int
+    config: str
+    recipe: str
+    what: str
+    overrides: tuple[str, ...] = ()
+    kind: str = "run"  # run | head_to_head | fit | longest_context
+    compile: bool = False
+    batch_size: int = 4
+    seq_len: int = 2048
+    steps: int = 8  # timed steps after warmup
+    warmup: int = 3  # compile, first touch, plan_check's tracked steps
+    needs: tuple[str, ...] = ()  # config keys the case sets that other work is adding: pending until they exist
+    pending: str = ""  # what the case waits for, said when it is skipped
+    device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
+    minutes: float = 1.0  # GPU minutes the case is expected to take (machine start excluded)
+
+
+def _model(family: str, size: str) -> tuple[str, ...]:
+    return ("model.checkpoint_dir=null", f"model.family={family}", f"model.size={size}")
+
+
+L1B, L3B, L8B = _model("llama3_2", "1B"), _model("llama3_2", "3B"), _model("llama3_1", "8B")
+LORA_RUN = ("gradient_accumulation_steps=1", "clip_grad_norm=null")
+
+CASES: list[Case] = [
+    # ---- parts 1 and 2: the issue's "part 1", the rows that matter most (two commands of <= 8 minutes: with the
+    # machine's start, <= 25 GPU minutes)
+    Case("llama3_2_1B_lora_compiled", 1, "llama3_2/1B_lora_single_device", "lora_single_device",
+         "1B LoRA, compiled, packed 2048 x 4", L1B + LORA_RUN, compile=True, minutes=1.5),
+    Case("llama3_1_8B_lora_compiled_packed4096", 1, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, compiled, packed 4096 x 2", L8B + LORA_RUN, compile=True, batch_size=2, seq_len=4096,
+         minutes=2.5),
+    Case("llama3_1_8B_qlora_compiled_packed4096", 1, "llama3_1/8B_qlora_single_device", "lora_single_device",
+         "8B QLoRA (NF4 base), compiled, packed 4096 x 2", L8B + LORA_RUN, compile=True, batch_size=2,
+         seq_len=4096, minutes=3.0),
+    Case("llama3_1_8B_full_low_memory", 2, "llama3_1/8B_full_single_device_low_memory", "full_single_device",
+         "8B full, low-memory flags (paged AdamW8bit in backward, checkpointing), packed 2048 x 2", L8B,
+         batch_size=2, minutes=2.0),
+    Case("llama3_2_3B_lora_head_to_head", 2, "llama3_2/3B_lora_single_device", "lora_single_device",
+         "3B-shaped LoRA, both libraries compiled, packed 2048 x 4", kind="head_to_head", compile=True, steps=9,
+         minutes=5.5),
+    # ---- part 3: eager twins of part 1, and the 3B full fine-tune
+    Case("llama3_2_1B_lora_eager", 3, "llama3_2/1B_lora_single_device", "lora_single_device",
+         "1B LoRA, eager, packed 2048 x 4", L1B + LORA_RUN, minutes=0.8),
+    Case("llama3_1_8B_lora_eager_packed4096", 3, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, eager, packed 4096 x 2", L8B + LORA_RUN, batch_size=2, seq_len=4096, minutes=1.5),
+    Case("llama3_1_8B_qlora_eager_packed4096", 3, "llama3_1/8B_qlora_single_device", "lora_single_device",
+         "8B QLoRA, eager, packed 4096 x 2", L8B + LORA_RUN, batch_size=2, seq_len=4096, minutes=2.0),
+    Case("llama3_2_3B_full_compiled", 3, "llama3_2/3B_full_single_device", "full_single_device",
+         "3B full, AdamW, compiled, packed 2048 x 2", L3B + ("gradient_accumulation_steps=1",), compile=True,
+         batch_size=2, minutes=2.0),
+    # ---- parts 4-6: the 8B full fine-tune in AdamW, the offloading techniques, fp8 storage
+    Case("llama3_1_8B_full_compiled", 4, "llama3_1/8B_full_single_device", "full_single_device",
+         "8B full, AdamW (bf16 states), compiled, packed 2048 x 1", L8B + ("gradient_accumulation_steps=1",),
+         compile=True, batch_size=1, minutes=2.5),
+    Case("llama3_1_8B_lora_activation_offloading", 4, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, checkpointing + activation offloading with streams, packed 4096 x 2",
+         L8B + LORA_RUN + ("enable_activation_offloading=true", "activation_offloading_use_streams=true"),
+         batch_size=2, seq_len=4096, minutes=1.5),
+    Case("llama3_1_8B_lora_weight_offloading_block", 4, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, block-level weight offloading with streams, packed 4096 x 2",
+         L8B + LORA_RUN + ("weight_offloading={type: block_level, blocks_per_group: 1, use_streams: true}",),
+         batch_size=2, seq_len=4096, minutes=2.0),
+    Case("llama3_1_8B_lora_weight_offloading_leaf", 5, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, leaf-level weight offloading with streams, packed 4096 x 2",
+         L8B + LORA_RUN + ("weight_offloading={type: leaf_level, blocks_per_group: 1, use_streams: true}",),
+         batch_size=2, seq_len=4096, steps=4, minutes=2.0),
+    Case("llama3_1_8B_full_optimizer_offload", 5, "llama3_1/8B_full_single_device", "full_single_device",
+         "8B full, AdamW states in host memory (optimizer_offload=cpu), checkpointing, packed 2048 x 1",
+         L8B + ("gradient_accumulation_steps=1", "optimizer_offload=cpu", "clip_grad_norm=null",
+                "enable_activation_checkpointing=true"), batch_size=1, steps=4, warmup=2, minutes=3.0),
+    Case("llama3_1_8B_full_paged_adamw8bit", 5, "llama3_1/8B_full_single_device", "full_single_device",
+         "8B full, PagedAdamW8bit (residency: mem_get_info), checkpointing, packed 2048 x 1",
+         L8B + ("gradient_accumulation_steps=1", "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit",
+                "enable_activation_checkpointing=true"), batch_size=1, minutes=2.0),
+    Case("llama3_1_8B_lora_fp8_storage", 6, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, frozen block linears stored in float8_e4m3fn, packed 4096 x 2",
+         L8B + LORA_RUN + ("weight_storage_dtype=float8_e4m3fn",), batch_size=2, seq_len=4096, minutes=2.0),
+    # --fit's 8B answers, held to the budget they were fitted for
+    Case("llama3_1_8B_lora_fit_24GiB", 6, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA as `mtune plan --fit --device-memory 24GiB` configures it, under a 24 GiB memory fraction",
+         L8B + LORA_RUN, kind="fit", device_memory_gib=24, minutes=2.5),
+    Case("llama3_1_8B_full_fit_40GiB", 6, "llama3_1/8B_full_single_device", "full_single_device",
+         "8B full as `mtune plan --fit --device-memory 40GiB` configures it, under a 40 GiB memory fraction",
+         L8B + ("gradient_accumulation_steps=1",), kind="fit", device_memory_gib=40, batch_size=2, minutes=3.5),
+    # ---- part 7: the longest context the planner says fits, and the packed kernel the long-context work adds
+    Case("llama3_1_8B_lora_longest_planned_context", 7, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, batch 1, checkpointing + activation offloading, the longest max_seq_len planned to fit",
+         L8B + LORA_RUN + ("enable_activation_offloading=true",), kind="longest_context", batch_size=1, steps=3,
+         warmup=2, minutes=4.0),
+    Case("llama3_1_8B_lora_packed4096_flex", 7, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, compiled, packed 4096 x 2, block-causal attention by FlexAttention",
+         L8B + LORA_RUN + ("attention_kernel=flex",), compile=True, batch_size=2, seq_len=4096,
+         needs=("attention_kernel",), pending="the long-context issue's packed attention kernel (key attention_kernel)",
+         minutes=2.5),
+]
+
+DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
+               device_memory_gib=0.05, head_to_head_seq=128)
+"""What --dry-run changes: tiny model (the tiny family: NF4-friendly shapes, vocabulary 512), 2 x 64 tokens, one
+warm-up and two timed steps; the fit budget and context lengths scaled to it."""
+
+
+def select(part: int | None, names: list[str] | None) -> list[Case]:
+    cases = [c for c in CASES if (part is None or c.part == part) and (not names or c.name in names)]
+    unknown = set(names or ()) - {c.name for c in CASES}
+    if unknown:
+        raise SystemExit(f"unknown case(s): {', '.join(sorted(unknown))}; --list shows them")
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """What a row was measured on: the card, the versions, the allocator setting."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    driver = None
+    if cuda:
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            driver = None
+    return {
+        "gpu_name": torch.cuda.get_device_name() if cuda else None,
+        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / GIB if cuda else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
+        "torchao": _version("torchao"), "bitsandbytes": _version("bitsandbytes"), "torchtune": _version("torchtune"),
+        "expandable_segments": "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower(),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def case_config(api, case: Case, *, device: str, dry_run: bool, seq_len: int | None = None, extra=(),
+                config_path: str | None = None):
+    """The case's config, checked against its recipe's schema with the defaults filled in, as `mtune run` loads
+    it. Returns ``(cfg, missing keys)``: keys the case needs that the recipe does not declare yet."""
+    module = api.load_recipe_module(api.find_recipe(case.recipe))
+    missing = [k for k in case.needs if k not in module.SCHEMA.keys]
+    if missing:
+        return None, missing
+    overrides = list(case.overrides)
+    if dry_run:
+        overrides = [o for o in overrides if not o.startswith(("model.family=", "model.size="))]
+        overrides += [f"model.family={DRY_RUN['family']}", f"model.size={DRY_RUN['size']}"]
+    seq = seq_len or (DRY_RUN["seq_len"] if dry_run else case.seq_len)
+    batch = DRY_RUN["batch_size"] if dry_run else case.batch_size
+    overrides += [f"device={device}", "dtype=bf16", f"compile={str(case.compile).lower()}",
+                  f"batch_size={batch}", f"tokenizer.max_seq_len={seq}", "dataset.packed=true",
+                  "tokenizer.path=null", "overwrite_output_dir=true", *extra]
+    if config_path is None and dry_run and "model.checkpoint_dir=null" not in overrides:
+        overrides.append("model.checkpoint_dir=null")
+    return api.load_and_check(module, api.find_config(config_path or case.config), overrides), []
+
+
+def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, generator) -> dict:
+    """A packed batch as the collator makes it: two documents per row (positions restart, document ids), every
+    token trained."""
+    import torch
+
+    half = seq_len // 2
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    labels = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    input_pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch_size, -1).contiguous()
+    document_ids = torch.cat([torch.zeros(half, dtype=torch.long), torch.ones(seq_len - half, dtype=torch.long)])
+    return {"tokens": tokens, "labels": labels, "input_pos": input_pos,
+            "document_ids": document_ids.expand(batch_size, -1).contiguous()}
+
+
+ATTENTION_KERNELS = (("flex_attention", "flex"), ("flash_attention_for_cpu", "flash_cpu"), ("flash", "flash"),
+                     ("efficient_attention", "mem_efficient"), ("cudnn_attention", "cudnn"),
+                     ("_scaled_dot_product_attention_math", "math"))
+"""Substrings of op and kernel names (the first that a name holds decides) and the kernel they mean."""
+
+
+def attention_kernel(names: set[str]) -> str | None:
+    """The attention kernel that ran, from the profiler's op and kernel names of one step (``a+b`` when both)."""
+    found = []
+    for name in sorted(names):
+        kind = next((kind for needle, kind in ATTENTION_KERNELS if needle in name.lower()), None)
+        if kind and kind not in found:
+            found.append(kind)
+    if not found and any("scaled_dot_product" in n for n in names):
+        found.append("math")  # SDPA ran and no fused kernel did: its composite (math) path
+    return "+".join(found) or None
+
+
+def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | None = None) -> dict:
+    """Set up as the recipes do, step, time, measure. Returns the row's measured fields."""
+    import torch
+
+    cuda = torch.cuda.is_available() and str(cfg.device).startswith("cuda")
+    row: dict = {}
+    plan_cfg = cfg.copy()
+    plan = api.plan_memory(plan_cfg)
+    row["planned_allocated_gib"] = plan.device_peak_bytes / GIB
+    row["planned_host_gib"] = plan.host_peak_bytes / GIB
+    row["plan_predicts"] = plan.predicts
+    cfg.output_dir = str(workdir / case.name)
+    if cuda:
+        if memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(memory_fraction)
+        torch.cuda.empty_cache()
+    run = api.setup_run(cfg)
+    memory = api.MemoryConfig.from_config(cfg)
+    source = api.resolve_model_source(cfg.model)
+    setup_start = time.perf_counter()
+    model, activation_context = api.setup_model(source, device=run.device, dtype=run.dtype, lora=cfg.get("lora"),
+                                                memory=memory, placement=run.placement)
+    optimizer = api.build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd,
+                                    optimizer_offload=memory.optimizer_offload, placement=run.placement)
+    loss_fn = api.instantiate(cfg.get("loss")) or api.CrossEntropyLoss()
+    row["setup_s"] = time.perf_counter() - setup_start
+    # plan_check's tracker over the first steps, exactly as TrainingSession sets it up (off under compile)
+    tracking = bool(cfg.get("plan_check")) and not cfg.get("compile")
+    breakdown = api.MemoryBreakdown(model, api.inner_optimizers(optimizer), run.output_dir, enabled=tracking,
+                                    write=False, placement=run.placement, track_all_steps=False)
+    recomputes = isinstance(loss_fn, api.ChunkedCrossEntropyLoss) and loss_fn.recomputes_projection(model.lm_head)
+    fpt = api.StepFlops(model, loss_recomputes_projection=recomputes).per_token(int(cfg.tokenizer.max_seq_len))
+    generator = torch.Generator().manual_seed(0)
+    batch = synthetic_batch(int(cfg.batch_size), int(cfg.tokenizer.max_seq_len), source.args.vocab_size, generator)
+    if cuda:
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(breakdown.track_step())
+            if activation_context is not None:
+                stack.enter_context(activation_context)
+            return api.train_step(model, [batch], loss_fn, optimizer, device=run.device, autocast=run.autocast,
+                                  clip_grad_norm=cfg.get("clip_grad_norm"))
+
+    times, losses = [], []
+    for i in range(case.warmup + case.steps):
+        sync()
+        start = time.perf_counter()
+        result = step()
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(result.loss)
+    timed = times[case.warmup:]
+    step_s = statistics.median(timed)
+    tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
+    row.update(first_step_s=times[0], step_times_s=times, step_s=step_s, tokens_per_step=tokens,
+               tokens_per_s=tokens / step_s, losses=losses, tracked_steps=breakdown.tracked_steps)
+    peak = api.peak_flops(run.device, run.dtype_name)
+    row["peak_flops"] = peak.flops if peak else None
+    row["peak_flops_source"] = peak.source if peak else None
+    row["model_flops_per_token"], row["hardware_flops_per_token"] = fpt.model, fpt.hardware
+    row["attention_flops_per_token"] = fpt.parts.get("attention", 0.0)
+    row["mfu"] = fpt.model * row["tokens_per_s"] / peak.flops if peak else None
+    row["hfu"] = fpt.hardware * row["tokens_per_s"] / peak.flops if peak else None
+    row["measured_tensor_gib"] = breakdown.overall.peak["device"] / GIB if breakdown.overall else None
+    if cuda:
+        row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        row["max_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        free, total = torch.cuda.mem_get_info()
+        row["device_used_gib"] = (total - free) / GIB  # the whole card: context and managed (paged) memory too
+        row["plan_error"] = row["planned_allocated_gib"] / row["max_allocated_gib"] - 1
+    else:
+        row.update(max_allocated_gib=None, max_reserved_gib=None, device_used_gib=None, plan_error=None)
+    if row["measured_tensor_gib"]:
+        row["plan_vs_tracker_error"] = row["planned_allocated_gib"] / row["measured_tensor_gib"] - 1
+    # one more step under the profiler, only to name the attention kernel (not timed)
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})
+    del model, optimizer, batch
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        if memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ the kinds
+def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args) -> dict:
+    """One case's row (without the environment fields)."""
+    import torch
+
+    row = {"case": case.name, "part": case.part, "kind": case.kind, "what": case.what, "compile": case.compile,
+           "dry_run": dry_run, "status": "ok"}
+    if case.kind == "head_to_head":
+        return {**row, **head_to_head(api, case, device=device, dry_run=dry_run, workdir=workdir, args=args)}
+    cfg, missing = case_config(api, case, device=device, dry_run=dry_run)
+    if missing:
+        return {**row, "status": "pending", "reason": f"waits for {case.pending}: the {case.recipe} recipe has no "
+                f"key {', '.join(missing)} yet"}
+    fraction = None
+    if case.kind == "fit":
+        budget = (DRY_RUN["device_memory_gib"] if dry_run else case.device_memory_gib) * GIB
+        fitted = workdir / f"{case.name}.yaml"
+        overrides = [o for o in case_config_overrides(case, device, dry_run)]
+        rc = api.cli_main(["plan", "--fit", "--device-memory", f"{int(budget)}", "--output", str(fitted),
+                           case.recipe, "--config", case.config, *overrides])
+        if rc or not fitted.exists():
+            return {**row, "status": "failed", "reason": f"mtune plan --fit found no config for {budget / GIB:.2f} GiB"}
+        cfg, _ = case_config(api, case, device=device, dry_run=dry_run, config_path=str(fitted))
+        row["fit_config"] = fitted.read_text()
+        row["device_memory_gib"] = budget / GIB
+        if torch.cuda.is_available() and device == "cuda":
+            fraction = min(1.0, budget / torch.cuda.get_device_properties(0).total_memory)
+        row["memory_fraction"] = fraction
+    if case.kind == "longest_context":
+        lengths = DRY_RUN["context_lengths"] if dry_run else args.context_lengths
+        budget = (DRY_RUN["device_memory_gib"] * GIB if dry_run or not torch.cuda.is_available()
+                  else torch.cuda.get_device_properties(0).total_memory - api.CUDA_CONTEXT_BYTES)
+        fits = []
+        for length in sorted(lengths):
+            planned, _ = case_config(api, case, device=device, dry_run=dry_run, seq_len=length)
+            plan = api.plan_memory(planned)
+            fits.append({"seq_len": length, "planned_gib": plan.device_peak_bytes / GIB})
+            if plan.device_peak_bytes > budget:
+                break
+        row["context_plans"] = fits
+        longest = [f["seq_len"] for f in fits if f["planned_gib"] * GIB <= budget]
+        if not longest:
+            return {**row, "status": "failed", "reason": f"no length of {sorted(lengths)} is planned to fit"}
+        cfg, _ = case_config(api, case, device=device, dry_run=dry_run, seq_len=longest[-1])
+    if dry_run:
+        case = replace(case, steps=DRY_RUN["steps"], warmup=DRY_RUN["warmup"])
+    row.update(batch_size=int(cfg.batch_size), seq_len=int(cfg.tokenizer.max_seq_len))
+    return {**row, **run_case(api, case, cfg, workdir=workdir, memory_fraction=fraction)}
+
+
+def case_config_overrides(case: Case, device: str, dry_run: bool) -> list[str]:
+    """The overrides `mtune plan --fit` gets: the case's own, with the dry run's model and shape."""
+    overrides = list(case.overrides)
+    if dry_run:
+        overrides = [o for o in overrides if not o.startswith(("model.family=", "model.size="))]
+        overrides += [f"model.family={DRY_RUN['family']}", f"model.size={DRY_RUN['size']}"]
+    seq = DRY_RUN["seq_len"] if dry_run else case.seq_len
+    batch = DRY_RUN["batch_size"] if dry_run else case.batch_size
+    return overrides + [f"device={device}", "dtype=bf16", f"batch_size={batch}", f"tokenizer.max_seq_len={seq}",
+                        "dataset.packed=true", "tokenizer.path=null"]
+
+
+def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args) -> dict:
+    """``benchmarks/torchtune_head_to_head.py`` for one LoRA case: both libraries, the case's shape, interleaved."""
+    out = workdir / f"{case.name}_h2h"
+    seq = DRY_RUN["head_to_head_seq"] if dry_run else case.seq_len
+    batch = DRY_RUN["batch_size"] if dry_run else case.batch_size
+    steps = (DRY_RUN["steps"] + DRY_RUN["warmup"]) if dry_run else case.warmup + case.steps
+    torchtune = torchtune_python(args)
+    libs = ["mtune"] + (["torchtune"] if torchtune else [])
+    command = [sys.executable, str(REPO / "benchmarks" / "torchtune_head_to_head.py"), "--device", device,
+               "--cases", "lora", "--dtypes", "bf16", "--compile", "on" if case.compile else "off", "--reps", "1",
+               "--steps", str(steps), "--warmup", str(DRY_RUN["warmup"] if dry_run else case.warmup),
+               "--batch", str(batch), "--seq", str(seq), "--out", str(out), "--work", str(workdir / "h2h_fixture"),
+               "--libs", *libs, "--no-ceiling"]
+    if not dry_run:
+        command += ["--shape", "llama3_2_3B"]
+    if torchtune:
+        command += ["--torchtune-python", torchtune[0]] + (["--torchtune-path", torchtune[1]] if torchtune[1] else [])
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=str(REPO))
+    (workdir / f"{case.name}_h2h.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        return {"status": "failed", "reason": (proc.stdout + proc.stderr)[-1500:]}
+    result = json.loads((out / "torchtune_head_to_head.json").read_text())
+    summary, runs = result["summary"][0], result["runs"]
+    mine = summary.get("mtune", {})
+    theirs = summary.get("torchtune", {})
+    run_of = {r["lib"]: r for r in runs if "error" not in r}
+    cuda = device == "cuda"
+    row = {"batch_size": batch, "seq_len": seq, "shape": "fixture (tiny)" if dry_run else "llama3_2_3B",
+           "tokens_per_s": mine.get("tokens_per_second"), "mfu": mine.get("mfu"), "hfu": mine.get("hfu"),
+           "max_allocated_gib": run_of.get("mtune", {}).get("cuda_max_allocated_gib") if cuda else None,
+           "max_reserved_gib": run_of.get("mtune", {}).get("cuda_max_reserved_gib") if cuda else None,
+           "torchtune_tokens_per_s": theirs.get("tokens_per_second"),
+           "torchtune_max_allocated_gib": run_of.get("torchtune", {}).get("cuda_max_allocated_gib") if cuda else None,
+           "losses": run_of.get("mtune", {}).get("losses"), "torchtune_losses": run_of.get("torchtune", {}).get("losses"),
+           "speedup": summary.get("speedup"), "peak_flops": result["meta"]["peak_flops"].get("bf16"),
+           "attention_kernel": None, "planned_allocated_gib": None}
+    if torchtune:
+        row["torchtune"] = torchtune[2]
+    else:
+        row["torchtune_skipped"] = ("torchtune 0.6.1 is not installed for this run: pass --torchtune-python or "
+                                    "--torchtune-path (docs/benchmarks.md, 'GPU suite')")
+    errors = {lib: summary[lib]["error"] for lib in ("mtune", "torchtune") if "error" in summary.get(lib, {})}
+    if errors:
+        row.update(status="failed", reason=json.dumps(errors)[-1500:])
+    config = sorted(Path(out).parent.glob("h2h_fixture/runs/mtune_lora_*.yaml"))
+    if config:  # plan the mtune run the harness made (its own fixture checkpoint: only config.json is read)
+        cfg, _ = case_config(api, replace(case, overrides=()), device=device, dry_run=False, seq_len=seq,
+                             config_path=str(config[-1]))
+        row["planned_allocated_gib"] = api.plan_memory(cfg).device_peak_bytes / GIB
+    return row
+
+
+def torchtune_python(args) -> tuple[str, str | None, str] | None:
+    """``(python, extra PYTHONPATH, torchtune's version)`` of a python that imports torchtune, or None."""
+    python = args.torchtune_python or sys.executable
+    path = args.torchtune_path
+    env = {**os.environ, "PYTHONPATH": path} if path else {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run([python, "-c", "import torchtune, torchao; print(torchtune.__version__)"], env=env,
+                           capture_output=True, text=True)
+    return (python, path, probe.stdout.strip()) if probe.returncode == 0 else None
+
+
+# ------------------------------------------------------------------------------------------------ output
+COLUMNS = [("case", "{}"), ("compile", "{}"), ("gpu_name", "{}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"),
+           ("hfu", "{:.1%}"), ("planned_allocated_gib", "{:.2f}"), ("max_allocated_gib", "{:.2f}"),
+           ("plan_error", "{:+.1%}"), ("max_reserved_gib", "{:.2f}"), ("attention_kernel", "{}"),
+           ("torchtune_tokens_per_s", "{:,.0f}"), ("torchtune_max_allocated_gib", "{:.2f}"), ("status", "{}")]
+
+
+def table(rows: list[dict]) -> str:
+    def cell(row, key, fmt):
+        value = row.get(key)
+        return "–" if value is None else fmt.format(value)
+
+    head = "| " + " | ".join(k for k, _ in COLUMNS) + " |"
+    rule = "|" + "|".join("---" if f == "{}" else "---:" for _, f in COLUMNS) + "|"
+    return "\n".join([head, rule] + ["| " + " | ".join(cell(r, k, f) for k, f in COLUMNS) + " |" for r in rows])
+
+
+def write_results(rows: list[dict], out: Path) -> None:
+    """Append ``rows`` to ``out`` (JSON: {"rows": [...]}) and rewrite the markdown table beside it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    existing = json.loads(out.read_text())["rows"] if out.exists() else []
+    everything = existing + rows
+    out.write_text(json.dumps({"rows": everything}, indent=1, default=str) + "\n")
+    out.with_suffix(".md").write_text(
+        "<!-- written by benchmarks/gpu_suite.py from " + out.name + " -->\n" + table(everything) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ main
+def run_cases(cases: list[Case], *, dry_run: bool, out: Path, args, in_process: bool) -> list[dict]:
+    """Measure ``cases`` (each in its own process unless ``in_process``), within the part's time budget."""
+    env = environment()
+    device = "cuda" if env["gpu_name"] and not dry_run else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    start = time.perf_counter()
+    rows = []
+    workdir = Path(args.work or tempfile.mkdtemp(prefix="mtune_gpu_suite_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        spent = time.perf_counter() - start
+        if not dry_run and spent + case.minutes * 60 > args.budget_s:
+            row = {"case": case.name, "part": case.part, "status": "skipped",
+                   "reason": f"the part's budget: {spent:.0f} s spent, ~{case.minutes * 60:.0f} s needed, "
+                             f"{args.budget_s:.0f} s allowed"}
+        elif in_process:
+            try:
+                row = measure(mtune_api(), case, device=device, dry_run=dry_run, workdir=workdir, args=args)
+            except Exception as err:  # one case's failure is a row, not the end of the part
+                if args.raise_errors:
+                    raise
+                row = {"case": case.name, "part": case.part, "status": "failed",
+                       "reason": f"{type(err).__name__}: {err}"[-1500:]}
+        else:
+            row = run_in_subprocess(case, dry_run=dry_run, workdir=workdir, args=args)
+        row = {**row, **{k: v for k, v in env.items() if k not in row}, "date": date,
+               "wall_s": time.perf_counter() - start - spent}
+        rows.append(row)
+        print(f"{case.name}: {row['status']}" + (f" ({row.get('reason', '')[:300]})" if row["status"] != "ok" else
+              f", {row.get('tokens_per_s') or 0:,.0f} tok/s, mfu {row.get('mfu') or 0:.1%}, "
+              f"planned {row.get('planned_allocated_gib') or 0:.2f} GiB, allocated {row.get('max_allocated_gib')}")
+              + f" [{row['wall_s']:.0f} s]", flush=True)
+    write_results(rows, out)
+    print(table(rows))
+    return rows
+
+
+def run_in_subprocess(case: Case, *, dry_run: bool, workdir: Path, args) -> dict:
+    """One case in a fresh process (a fresh CUDA context and allocator: no case inherits another's cache)."""
+    result = workdir / f"{case.name}.row.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--one-case", case.name, str(result),
+               "--work", str(workdir)] + (["--dry-run"] if dry_run else [])
+    for flag in ("torchtune_python", "torchtune_path"):
+        if getattr(args, flag):
+            command += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    command += ["--context-lengths", *map(str, args.context_lengths)]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    (workdir / f"{case.name}.log").write_text(proc.stdout + proc.stderr)
+    if result.exists():
+        return json.loads(result.read_text())
+    return {"case": case.name, "part": case.part, "status": "failed",
+            "reason": f"exit {proc.returncode}: " + (proc.stdout + proc.stderr)[-1500:]}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", type=int, help="run this part's cases (--list shows them)")
+    parser.add_argument("--cases", nargs="+", help="only these cases (of --part, or of every part)")
+    parser.add_argument("--dry-run", action="store_true", help="on a CPU: tiny shapes, a few steps, every part")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON the rows are appended to (default {DEFAULT_OUT.relative_to(REPO)}; a dry run "
+                             "must name one)")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--in-process", action="store_true", help="every case in this process (tests)")
+    parser.add_argument("--no-compile", action="store_true", help="run compiled cases eagerly (dry-run tests)")
+    parser.add_argument("--budget-s", type=float, default=PART_BUDGET_S, help="stop starting cases after this")
+    parser.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
+    parser.add_argument("--torchtune-python", default=None, help="a python that imports torchtune 0.6.1")
+    parser.add_argument("--torchtune-path", default=None,
+                        help="PYTHONPATH for torchtune's runs (e.g. /tmp/site_tt:/tmp/site on the GPU machine)")
+    parser.add_argument("--context-lengths", nargs="+", type=int, default=[8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--raise-errors", action="store_true", help="let a failing case raise (debugging)")
+    parser.add_argument("--one-case", nargs=2, metavar=("CASE", "RESULT"), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.list:
+        for case in CASES:
+            state = f"pending: {case.pending}" if case.pending else f"~{case.minutes:g} min"
+            print(f"part {case.part}  {case.name:<44} {case.kind:<16} {state}\n        {case.what}")
+        return []
+    if args.one_case:
+        name, result = args.one_case
+        case = select(None, [name])[0]
+        case = replace(case, compile=False) if args.no_compile else case
+        env = environment()
+        device = "cuda" if env["gpu_name"] and not args.dry_run else "cpu"
+        try:
+            row = measure(mtune_api(), case, device=device, dry_run=args.dry_run, workdir=Path(args.work), args=args)
+        except Exception as err:
+            import traceback
+
+            traceback.print_exc()
+            row = {"case": case.name, "part": case.part, "status": "failed",
+                   "reason": f"{type(err).__name__}: {err}"[-1500:]}
+        Path(result).write_text(json.dumps(row, default=str))
+        return [row]
+    if args.dry_run and args.out is None:
+        raise SystemExit("--dry-run writes only where --out says (never into benchmarks/results)")
+    if not args.dry_run and args.part is None and not args.cases:
+        raise SystemExit("name a --part (or --cases); --list shows them")
+    cases = select(None if args.dry_run and args.part is None else args.part, args.cases)
+    if args.no_compile:
+        cases = [replace(c, compile=False) for c in cases]
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA GPU here: run with --dry-run --out FILE on a CPU")
+    return run_cases(cases, dry_run=args.dry_run, out=args.out or DEFAULT_OUT, args=args, in_process=args.in_process)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""benchmarks/gpu_suite.py's dry run on a CPU: the rows a GPU run would write, their schema, the plan against the
+tracker, and the markdown table beside the JSON."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+suite = _suite()
+
+ROW_KEYS = {"case", "part", "kind", "compile", "status", "gpu_name", "torch", "cuda", "driver", "torchao",
+            "bitsandbytes", "expandable_segments", "tokens_per_s", "mfu", "hfu", "planned_allocated_gib",
+            "max_allocated_gib", "max_reserved_gib", "attention_kernel", "date"}
+# one case per machinery: LoRA, QLoRA (NF4), the low-memory full fine-tune (paged bitsandbytes AdamW8bit in
+# backward), activation offloading, and a pending case; compile is left to the CLI dry run (minutes on 2 cores)
+CASES = ["llama3_1_8B_full_low_memory", "llama3_2_1B_lora_eager", "llama3_1_8B_qlora_eager_packed4096",
+         "llama3_1_8B_lora_activation_offloading", "llama3_1_8B_lora_packed4096_flex"]  # in the suite's order
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_suite")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MTUNE_PEAK_FLOPS", "1e11")  # mfu against a given peak: no bf16 matmul peak measured on the CPU
+    out = tmp / "gpu_suite.json"
+    rows = suite.main(["--dry-run", "--in-process", "--no-compile", "--raise-errors", "--out", str(out),
+                       "--work", str(tmp / "work"), "--cases", *CASES])
+    patch.undo()
+    return out, rows
+
+
+def test_every_case_is_data_with_a_known_kind_and_parts_fit_their_budget():
+    names = [c.name for c in suite.CASES]
+    assert len(names) == len(set(names))
+    assert {c.kind for c in suite.CASES} <= {"run", "head_to_head", "fit", "longest_context"}
+    for part in {c.part for c in suite.CASES}:
+        minutes = sum(c.minutes for c in suite.CASES if c.part == part and not c.pending)
+        assert minutes <= 8, (part, minutes)
+    first = {c.name for c in suite.CASES if c.part in (1, 2)}  # the issue's part 1
+    assert {"llama3_2_1B_lora_compiled", "llama3_1_8B_lora_compiled_packed4096",
+            "llama3_1_8B_qlora_compiled_packed4096", "llama3_1_8B_full_low_memory",
+            "llama3_2_3B_lora_head_to_head"} == first
+
+
+def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
+    out, rows = dry_run
+    assert [r["case"] for r in rows] == CASES
+    written = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in written] == CASES
+    for row in rows[:-1]:
+        assert row["status"] == "ok", row
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert row["dry_run"] and row["gpu_name"] is None
+        assert row["max_allocated_gib"] is None and row["max_reserved_gib"] is None
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= row["hfu"]
+        assert row["batch_size"] == 2 and row["seq_len"] == 64
+        assert row["attention_kernel"]  # named from the profiler (the CPU's SDPA kernel)
+        assert len(row["losses"]) == row["tracked_steps"] == 3  # plan_check's 3 steps, then untracked ones
+    assert rows[0]["hfu"] > rows[0]["mfu"]  # checkpointing as shipped: recomputation counted in hfu only
+    pending = rows[-1]
+    assert pending["status"] == "pending" and "attention_kernel" in pending["reason"]
+
+
+def test_plan_agrees_with_the_tracker_on_cpu(dry_run):
+    _, rows = dry_run
+    for row in rows[:-1]:
+        # the planner runs the same steps on fake tensors: on the CPU it predicts the tracker's live-byte peak
+        assert row["plan_predicts"].startswith("peak_tensor_gib")
+        assert abs(row["plan_vs_tracker_error"]) < 0.02, (row["case"], row["plan_vs_tracker_error"])
+
+
+def test_markdown_table_is_rewritten_from_all_rows(dry_run, tmp_path):
+    out, rows = dry_run
+    copy = tmp_path / "gpu_suite.json"
+    copy.write_text(out.read_text())
+    suite.write_results(rows[:1], copy)  # appends
+    assert len(json.loads(copy.read_text())["rows"]) == len(rows) + 1
+    lines = copy.with_suffix(".md").read_text().splitlines()
+    assert lines[1].startswith("| case | compile | gpu_name | tokens_per_s |")
+    assert len(lines) == 3 + len(rows) + 1
+    assert "| llama3_1_8B_lora_packed4096_flex |" in lines[-2] and lines[-2].endswith("| pending |")
+
+
+def test_attention_kernel_names():
+    assert suite.attention_kernel({"aten::_scaled_dot_product_flash_attention"}) == "flash"
+    assert suite.attention_kernel({"aten::_scaled_dot_product_efficient_attention",
+                                   "fmha_cutlassF_bf16_aligned_64x64_rf_sm80"}) == "mem_efficient"
+    assert suite.attention_kernel({"aten::_scaled_dot_product_flash_attention_for_cpu"}) == "flash_cpu"
+    assert suite.attention_kernel({"triton_tem_fused_flex_attention_0"}) == "flex"
+    assert suite.attention_kernel({"aten::scaled_dot_product_attention", "aten::bmm"}) == "math"
+    assert suite.attention_kernel({"aten::mm"}) is None
+
+
+def test_a_dry_run_must_name_its_output():
+    with pytest.raises(SystemExit, match="--out"):
+        suite.main(["--dry-run"])
