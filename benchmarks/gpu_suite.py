@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,16 +62,17 @@ def mtune_api() -> SimpleNamespace:
     from mtune._cli.main import main as cli_main
     from mtune._cli.run import load_and_check
     from mtune.config import instantiate
-    from mtune.config.keys import MemoryConfig
     from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
     from mtune.training.context import setup_run
     from mtune.training.loop import train_step
-    from mtune.training.memory.accounting import MemoryBreakdown
     from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
+    from mtune.training.memory.registry import MemoryConfig
     from mtune.training.model_setup import resolve_model_source, setup_model
     from mtune.training.observe.flops import StepFlops
     from mtune.training.observe.peak_flops import gpu_peak_flops, peak_flops
-    from mtune.training.plan import CUDA_CONTEXT_BYTES, plan_memory
+    from mtune.training.planning.breakdown import MemoryBreakdown
+    from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
+    from mtune.training.planning.plan import plan_memory
 
     return SimpleNamespace(**{k: v for k, v in locals().items()})
 
@@ -299,8 +300,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     setup_start = time.perf_counter()
     model, activation_context = api.setup_model(source, device=run.device, dtype=run.dtype, lora=cfg.get("lora"),
                                                 memory=memory, placement=run.placement)
-    optimizer = api.build_optimizer(cfg.optimizer, model, optimizer_in_bwd=memory.optimizer_in_bwd,
-                                    optimizer_offload=memory.optimizer_offload, placement=run.placement)
+    optimizer = api.build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     loss_fn = api.instantiate(cfg.get("loss")) or api.CrossEntropyLoss()
     row["setup_s"] = time.perf_counter() - setup_start
     # plan_check's tracker over the first steps, exactly as TrainingSession sets it up (off under compile)

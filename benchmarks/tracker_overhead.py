@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from mtune.config.keys import MemoryConfig  # noqa: E402
+from mtune.training.memory.registry import MemoryConfig  # noqa: E402
 from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
-from mtune.training.memory.accounting import MemoryBreakdown  # noqa: E402
+from mtune.training.planning.breakdown import MemoryBreakdown  # noqa: E402
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers  # noqa: E402
-from mtune.training.memory.tracker import TensorTracker  # noqa: E402
+from mtune.training.planning.tracker import TensorTracker  # noqa: E402
 from mtune.training.model_setup import ModelSource, setup_model  # noqa: E402
 
 LORA = dict(modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], rank=8, alpha=16,

@@ -2,13 +2,13 @@
 
 import torch
 
-from mtune.config.keys import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig
 from mtune.models import model_args
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import train_step
-from mtune.training.memory.accounting import MemoryBreakdown
+from mtune.training.planning.breakdown import MemoryBreakdown
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
-from mtune.training.memory.tracker import TensorTracker
+from mtune.training.planning.tracker import TensorTracker
 from mtune.training.model_setup import ModelSource, setup_model
 
 LORA = dict(modules=["q_proj", "v_proj"], rank=4, alpha=8, dropout=0.0, use_dora=False, quantize_base=False)
