@@ -17,9 +17,11 @@ Kernels, chosen per call by :func:`segment_kernel`:
   than the window runs its first ``W`` queries causally, then chunks of ``W`` queries against the ``2W - 1`` keys
   they can see, under one band mask shared by every chunk (O(W²) once, not per chunk). Reading the boundaries is
   data-dependent Python, so it is kept out of ``torch.compile`` graphs (a graph break per block).
-- ``sdpa_causal`` for fake tensors (``mtune plan`` runs the model under ``FakeTensorMode``, whose tensors have no
-  values to split on): one causal SDPA per row. It allocates what the per-segment kernel does (outputs that sum to
-  ``[b, h, s, d]``, the log-sum-exps, the ``[b, s, h * d]`` output), so plans stay true; only FLOPs differ.
+
+Fake tensors (``mtune plan`` runs the model under ``FakeTensorMode``) have no values to split on: there
+:func:`document_boundaries` gives one segment per row and the same kernel runs on those, which allocates what any
+split of the rows does (per-segment outputs and log-sum-exps that add up to one row's, the same concatenations in
+forward and backward, the one shared band mask), so plans stay true; only the FLOPs differ.
 
 The dense mask stays as a fallback: ``TransformerDecoder.attention_kernel = "dense_mask"``.
 """
@@ -58,8 +60,6 @@ def segment_kernel(q: torch.Tensor, window: int | None = None) -> str:
     if (_VARLEN is not None and q.device.type == "cuda" and q.dtype in _HALF
             and (window is None or "window_size" in _VARLEN[1])):
         return "varlen_flash"
-    if is_fake(q):
-        return "sdpa_causal"
     return "sdpa_per_segment"
 
 
@@ -87,9 +87,6 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     b, h, s, d = q.shape
     if kernel == "varlen_flash":
         return _varlen(q, k, v, cu_seqlens, window).view(b, s, h * d)
-    if kernel == "sdpa_causal":
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h)
-        return out.transpose(1, 2).reshape(b, s, h * d)
     return _per_segment(q, k, v, cu_seqlens, window)
 
 
@@ -124,21 +121,25 @@ def _band_mask(window: int, like: torch.Tensor) -> torch.Tensor:
 def _per_segment(q, k, v, cu_seqlens, window):
     b, h, s, d = q.shape
     gqa = k.shape[1] != h
-    bounds = cu_seqlens.tolist()
+    bounds = list(range(0, b * s + 1, s)) if is_fake(cu_seqlens) else cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    # One split per tensor into documents [L, heads, d] (a view when the rows are laid out [b, s, heads, d], as the
+    # projections leave them): its backward writes every document's gradient into one tensor, where slicing the
+    # batch per document would build a batch-sized gradient per document.
+    docs = [t.transpose(1, 2).reshape(b * s, t.shape[1], d).split(lengths) for t in (q, k, v)]
     band = None
     pieces = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        row, a = divmod(start, s)
-        e = end - row * s
-        q_row, k_row, v_row = q[row:row + 1], k[row:row + 1], v[row:row + 1]
-        head = e if window is None else min(e, a + window)  # the first `window` queries: plain causal
-        pieces.append(F.scaled_dot_product_attention(q_row[:, :, a:head], k_row[:, :, a:head], v_row[:, :, a:head],
+    for q_doc, k_doc, v_doc in zip(*docs):
+        q_doc, k_doc, v_doc = (t.transpose(0, 1)[None] for t in (q_doc, k_doc, v_doc))  # [1, heads, L, d]
+        n = q_doc.shape[2]
+        head = n if window is None else min(n, window)  # the first `window` queries: plain causal
+        pieces.append(F.scaled_dot_product_attention(q_doc[:, :, :head], k_doc[:, :, :head], v_doc[:, :, :head],
                                                      is_causal=True, enable_gqa=gqa))
-        for c in range(head, e, window or 1):  # later queries of a long document: chunks of `window`
+        for c in range(head, n, window or 1):  # later queries of a long document: chunks of `window`
             if band is None:
                 band = _band_mask(window, q)
-            ce, k0 = min(c + window, e), c - window + 1
-            pieces.append(F.scaled_dot_product_attention(q_row[:, :, c:ce], k_row[:, :, k0:ce], v_row[:, :, k0:ce],
+            ce, k0 = min(c + window, n), c - window + 1
+            pieces.append(F.scaled_dot_product_attention(q_doc[:, :, c:ce], k_doc[:, :, k0:ce], v_doc[:, :, k0:ce],
                                                          attn_mask=band[:ce - c, :ce - k0], enable_gqa=gqa))
     out = torch.cat([p.transpose(1, 2) for p in pieces], dim=1)  # [1, b * s, h, d]
     return out.view(b, s, h * d)

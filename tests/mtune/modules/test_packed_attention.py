@@ -103,15 +103,13 @@ def test_no_tensor_of_s_squared_elements(family):
     assert largest["segments"] <= s * 512
 
 
-def test_fake_tensors_run_one_causal_call_per_row_with_the_same_shapes():
+def test_fake_tensors_run_one_segment_per_row():
     model = build_model("mistral", "tiny", device="cpu")
     tokens, input_pos, ids = packed_batch(ROWS, pad_to=32)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_ids = mode.from_tensor(ids)
         cu = document_boundaries(fake_ids, 3, 32)
         assert cu.shape == (4,)  # row boundaries: the values of document_ids are unknown
-        q = torch.empty(3, 4, 32, 64)
-        assert segment_kernel(q, window=8) == "sdpa_causal"
         out = model(mode.from_tensor(tokens), input_pos=mode.from_tensor(input_pos), document_ids=fake_ids)
         out.sum().backward()
     assert out.shape == (3, 32, 512)
