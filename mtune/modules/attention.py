@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtune.modules.kv_cache import KVCache
+from mtune.modules.packed_attention import segment_attention
 from mtune.modules.rotary import apply_rotary
 
 
@@ -18,13 +19,17 @@ class Attention(nn.Module):
         dim: model width.
         n_heads, n_kv_heads, head_dim: head layout; ``q_proj`` is ``[n_heads * head_dim, dim]``.
         qkv_bias: give ``q_proj``, ``k_proj``, ``v_proj`` a bias (Qwen2).
+        sliding_window: each token attends to at most this many tokens, itself included (Mistral); applied here
+            when the layout comes as segment boundaries (``cu_seqlens``), else it is in the mask.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.sliding_window = sliding_window
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
@@ -38,6 +43,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
         cache_pos: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``[b, s, dim]`` to itself.
 
@@ -45,6 +51,9 @@ class Attention(nn.Module):
             cos, sin: rotary tables ``[b, s, head_dim]``.
             mask: boolean ``[b, 1, s, kv_len]`` (True = may attend), or ``None`` for plain causal attention.
             cache_pos: LongTensor ``[s]``: cache slots of these tokens when a KV cache is set up.
+            cu_seqlens: int32 ``[n + 1]``, segment starts in the flattened ``b * s`` tokens (packed documents,
+                rows): causal attention within each segment and the sliding window, without a mask
+                (:mod:`mtune.modules.packed_attention`). Exclusive with ``mask`` and the KV cache.
         """
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
@@ -53,6 +62,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
+        if cu_seqlens is not None:
+            return self.o_proj(segment_attention(q, k, v, cu_seqlens, self.sliding_window))
         gqa = self.n_kv_heads != self.n_heads
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

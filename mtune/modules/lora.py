@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mtune.config.errors import ConfigError
@@ -134,7 +135,9 @@ class LoRALinear(nn.Linear):
         """The frozen base weight as a plain tensor in its original dtype (NF4 or fp8 storage dequantized)."""
         return dequantize(stored_weight(self))
 
-    def _base_linear(self, x: torch.Tensor) -> torch.Tensor:
+    def _base_linear(self, x: torch.Tensor, frozen: tuple | None = None) -> torch.Tensor:
+        if frozen is not None:
+            return F.linear(x, frozen[0])
         if is_fp8_stored(self):
             return fp8_linear(x, self.weight, self.weight_scale)
         return linear_maybe_nf4(x, self.weight)
@@ -143,8 +146,12 @@ class LoRALinear(nn.Linear):
         delta = self.lora_b.weight @ self.lora_a.weight
         return torch.linalg.norm(weight + self.scaling * delta.detach().to(weight.dtype), dim=1).detach()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = self._base_linear(x)
+    def forward(self, x: torch.Tensor, frozen: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                ) -> torch.Tensor:
+        """``frozen``: the base ``(weight, bias)`` to use instead of the stored ones, already dequantized (the tiled
+        MLP dequantizes once per pass, not once per tile)."""
+        bias = self.bias if frozen is None else frozen[1]
+        base = self._base_linear(x, frozen)
         x_drop = self.dropout(x)
         if self.magnitude is None:
             # base + s * A(x) B^T in one addmm (alpha=s): no [tokens, out] temporaries for the scaled update and the
@@ -153,14 +160,16 @@ class LoRALinear(nn.Linear):
             hidden = self.lora_a(x_drop)
             out = torch.addmm(base.view(-1, self.out_features), hidden.view(-1, self.rank), self.lora_b.weight.t(),
                               alpha=self.scaling).view(base.shape)
-            return out if self.bias is None else out + self.bias
+            return out if bias is None else out + bias
         # DoRA
         lora = self.lora_b(self.lora_a(x_drop)) * self.scaling
-        scale = self.magnitude / self._weight_norm(self.base_weight().to(x.dtype))
+        weight = self.base_weight() if frozen is None else frozen[0]
+        scale = self.magnitude / self._weight_norm(weight.to(x.dtype))
         # With active dropout PEFT rescales the base output of the dropped input (x_drop), not x.
-        base_drop = base if isinstance(self.dropout, nn.Identity) or not self.training else self._base_linear(x_drop)
+        base_drop = (base if isinstance(self.dropout, nn.Identity) or not self.training
+                     else self._base_linear(x_drop, frozen))
         out = base + (scale - 1) * base_drop + scale * lora
-        return out if self.bias is None else out + self.bias
+        return out if bias is None else out + bias
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:

@@ -1,0 +1,190 @@
+"""Tiled MLP: the SwiGLU MLP runs over tiles of the sequence, its intermediates one tile at a time.
+
+An MLP of width ``d`` and hidden width ``h`` keeps about four ``[tokens, h]`` tensors for backward (the gate and up
+projections, the SiLU, their product), ``h`` being ~3.5x ``d``: at long context they outgrow every other activation
+of a block. :func:`apply_tiled_mlp` replaces each ``FeedForward``'s forward (on the instance, so parameter names and
+checkpoint keys do not change) by an autograd function that
+
+- in forward, runs ``down(silu(gate(t)) * up(t))`` tile by tile (``tiles`` row ranges of the flattened
+  ``[b * s, d]`` input) into one output, without autograd, and saves only the input ``x`` for backward;
+- in backward, recomputes each tile with autograd and backpropagates it at once, adding up the gradients of the
+  trainable weights (LoRA's A and B, DoRA's magnitude, or the full weights) and writing the tile's input gradient.
+
+Memory: the MLP's intermediates exist for one tile at a time (``[tokens / tiles, h]``) in forward and backward,
+instead of for the whole sequence between forward and backward. Cost: one extra MLP forward per token (the
+recompute), i.e. +2 x 3 x d x h FLOPs per token per block, as activation checkpointing of the MLP alone would cost.
+With block activation checkpointing the block's recompute calls the tiled forward again: one more MLP forward.
+
+Frozen weights are read once per pass (forward, backward), not once per tile: each projection's forward pre-hooks
+(weight offloading brings its group in with them) run once, then its base weight is dequantized once (NF4, fp8) and
+every tile uses that copy, so QLoRA dequantizes each weight twice per step (forward, backward) as without tiling,
+and weight offloading copies each group in once per pass. The price is the three dequantized weights living
+together for the MLP's pass. A frozen plain weight of a module that has forward pre-hooks is copied too
+(``leaf_level`` offloading may send it away while the next projection comes in); otherwise it is used in place.
+
+Composes with LoRA/DoRA (incl. dropout: the RNG state is replayed), QLoRA, fp8 storage, activation checkpointing
+(``block``; under ``selective_op`` the policy keeps the tiles' matmul outputs, so tiling saves nothing there) and
+activation offloading (the saved input is what it moves). Under ``torch.compile`` the tiled MLP runs eagerly (a graph
+break per block). Forward hooks other than pre-hooks do not run on the projections.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtune.modules.feed_forward import FeedForward
+from mtune.modules.fp8_linear import dequantize_fp8, is_fp8_stored
+from mtune.modules.lora import LoRALinear
+from mtune.modules.nf4_linear import dequantize
+
+__all__ = ["apply_tiled_mlp", "mlp_tiles"]
+
+_ATTRIBUTE = "_mtune_mlp_tiles"
+
+
+def apply_tiled_mlp(model: nn.Module, tiles: int) -> nn.Module:
+    """Run every ``FeedForward`` of ``model`` over ``tiles`` sequence tiles (see the module docstring). In place;
+    returns the model. ``tiles=1`` restores the plain forward. Apply after LoRA / NF4 / fp8 storage and weight
+    offloading, before activation checkpointing and compile (any order works; that one reads best)."""
+    if tiles < 1:
+        raise ValueError(f"mlp tiles must be >= 1, got {tiles}")
+    for module in model.modules():
+        if not isinstance(module, FeedForward):
+            continue
+        if tiles == 1:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop(_ATTRIBUTE, None)
+        else:
+            module.forward = functools.partial(_tiled_forward, module, tiles)
+            setattr(module, _ATTRIBUTE, tiles)
+    return model
+
+
+def mlp_tiles(module: nn.Module) -> int:
+    """The tile count of a ``FeedForward`` (1 when untiled)."""
+    return getattr(module, _ATTRIBUTE, 1)
+
+
+# ------------------------------------------------------------------------------------------------ projections
+def _run_forward_pre_hooks(module: nn.Module, x: torch.Tensor) -> None:
+    for hook_id, hook in module._forward_pre_hooks.items():
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, (x,), {})
+        else:
+            hook(module, (x,))
+
+
+def _frozen_dense(module: nn.Module, tensor: torch.Tensor | None, dtype: torch.dtype, hooked: bool):
+    if tensor is None or tensor.requires_grad:
+        return tensor
+    if tensor is module.weight and is_fp8_stored(module):
+        return dequantize_fp8(tensor, module.weight_scale, dtype)
+    dense = dequantize(tensor)
+    return dense.clone() if hooked and dense is tensor else dense
+
+
+def _projection(module: nn.Module, x: torch.Tensor):
+    """``t -> module(t)`` with the module's frozen weights read (and dequantized) now, once, and its pre-hooks run
+    once (so offloaded weights are in)."""
+    hooked = bool(module._forward_pre_hooks)
+    _run_forward_pre_hooks(module, x)
+    if isinstance(module, LoRALinear):
+        frozen = tuple(_frozen_dense(module, t, x.dtype, hooked) for t in (module.weight, module.bias))
+        return functools.partial(module.forward, frozen=frozen)
+    if isinstance(module, nn.Linear):  # plain, FrozenNF4Linear, FrozenFp8Linear
+        weight, bias = (_frozen_dense(module, t, x.dtype, hooked) for t in (module.weight, module.bias))
+        return functools.partial(F.linear, weight=weight, bias=bias)
+    return module.forward  # unknown projection: called per tile as it is
+
+
+def _projections(mlp: FeedForward, x: torch.Tensor):
+    return tuple(_projection(m, x) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def _swiglu(projections, x: torch.Tensor) -> torch.Tensor:
+    gate, up, down = projections
+    return down(F.silu(gate(x)) * up(x))
+
+
+# ------------------------------------------------------------------------------------------- the function
+def _has_active_dropout(mlp: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in mlp.modules())
+
+
+class _TiledMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mlp: FeedForward, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        bounds = _tile_bounds(flat.shape[0], tiles)
+        ctx.mlp, ctx.bounds, ctx.shape = mlp, bounds, x.shape
+        ctx.device_type = x.device.type
+        ctx.autocast = (torch.is_autocast_enabled(ctx.device_type), torch.get_autocast_dtype(ctx.device_type))
+        ctx.rng = _rng_state(x) if _has_active_dropout(mlp) else None
+        ctx.save_for_backward(x)
+        projections = _projections(mlp, x)
+        out = None
+        for start, end in bounds:
+            y = _swiglu(projections, flat[start:end])
+            if out is None:
+                out = y.new_empty(flat.shape[0], y.shape[-1])
+            out[start:end] = y
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        params = [p for p in ctx.mlp.parameters() if p.requires_grad]
+        need_x = ctx.needs_input_grad[2]
+        flat, grad_flat = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = torch.empty_like(flat) if need_x else None
+        grads: list[torch.Tensor | None] = [None] * len(params)
+        enabled, dtype = ctx.autocast
+        with torch.random.fork_rng(devices=_rng_devices(x), enabled=ctx.rng is not None), \
+                torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
+            if ctx.rng is not None:
+                _set_rng_state(x, ctx.rng)
+            projections = _projections(ctx.mlp, x)
+            for start, end in ctx.bounds:
+                tile = flat[start:end].detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    y = _swiglu(projections, tile)
+                inputs = ([tile] if need_x else []) + params
+                tile_grads = torch.autograd.grad(y, inputs, grad_flat[start:end], allow_unused=True)
+                if need_x:
+                    grad_x[start:end] = tile_grads[0]
+                    tile_grads = tile_grads[1:]
+                for i, g in enumerate(tile_grads):
+                    if g is not None:
+                        grads[i] = g if grads[i] is None else grads[i].add_(g)
+        grad_x = grad_x.view(ctx.shape) if need_x else None
+        return (None, None, grad_x, *grads)
+
+
+def _tile_bounds(tokens: int, tiles: int) -> list[tuple[int, int]]:
+    tiles = max(1, min(tiles, tokens))
+    edges = [tokens * i // tiles for i in range(tiles + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _rng_devices(x: torch.Tensor) -> list:
+    return [x.device] if x.device.type == "cuda" else []
+
+
+def _rng_state(x: torch.Tensor):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None)
+
+
+def _set_rng_state(x: torch.Tensor, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], x.device)
+
+
+@torch.compiler.disable  # backward runs autograd itself: kept out of compiled graphs
+def _tiled_forward(mlp: FeedForward, tiles: int, x: torch.Tensor) -> torch.Tensor:
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    return _TiledMLP.apply(mlp, tiles, x, *params)

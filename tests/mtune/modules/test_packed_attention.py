@@ -1,0 +1,176 @@
+"""Packed attention by segment boundaries against the dense-mask path (the oracle): logits and every gradient."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mtune.models import build_model
+from mtune.modules.packed_attention import document_boundaries, segment_attention, segment_kernel
+
+
+def packed_batch(lengths_per_row, vocab=512, pad_to=None, seed=0):
+    """Rows of documents with the given lengths (the last row padded to ``pad_to`` as the collator does)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = pad_to or sum(lengths_per_row[0])
+    tokens, pos, ids = [], [], []
+    for lengths in lengths_per_row:
+        lengths = list(lengths) + ([s - sum(lengths)] if sum(lengths) < s else [])  # padding: its own document
+        tokens.append(torch.randint(0, vocab, (s,), generator=gen))
+        pos.append(torch.cat([torch.arange(n) for n in lengths]))
+        ids.append(torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]))
+    return torch.stack(tokens), torch.stack(pos), torch.stack(ids)
+
+
+def logits_and_grads(model, kernel, tokens, input_pos, document_ids):
+    model.attention_kernel = kernel
+    model.zero_grad()
+    logits = model(tokens, input_pos=input_pos, document_ids=document_ids)
+    (logits.float().square().mean() + logits[:, :, 0].sum()).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_round_off(actual, expected, name="", scale=1e-5):
+    """fp32 round-off: every element within ``scale`` times the tensor's largest magnitude (seen: 2e-7 to 7e-7)."""
+    error = (actual - expected).abs().max().item()
+    assert error <= scale * expected.abs().max().item(), f"{name}: max error {error}"
+
+
+def assert_same(model, tokens, input_pos=None, document_ids=None):
+    ref, ref_grads = logits_and_grads(model, "dense_mask", tokens, input_pos, document_ids)
+    out, grads = logits_and_grads(model, "segments", tokens, input_pos, document_ids)
+    assert_round_off(out, ref, "logits")
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_round_off(grad, ref_grads[name], name)
+
+
+# Row 0: mixed lengths (11 and 13 exceed the mistral tiny window of 8, 1 is a one-token document); row 1: one
+# document fills the row exactly; row 2: documents then padding.
+ROWS = [(5, 11, 1, 13, 2), (32,), (7, 9)]
+
+
+@pytest.mark.parametrize("family", ["llama3_1", "qwen2_5", "mistral"])
+def test_segments_equal_dense_mask(family):
+    torch.manual_seed(0)
+    model = build_model(family, "tiny", device="cpu")
+    for p in model.parameters():  # norms and biases off their ones / zeros, so their gradients are checked too
+        p.data.add_(torch.randn_like(p), alpha=0.05)
+    assert_same(model, *packed_batch(ROWS, pad_to=32))
+
+
+def test_sliding_window_without_packing_equal_dense_mask():
+    model = build_model("mistral", "tiny", device="cpu")
+    tokens = torch.randint(0, 512, (2, 30), generator=torch.Generator().manual_seed(3))
+    assert_same(model, tokens)  # one segment per row, 30 > the window of 8
+
+
+def test_auto_uses_the_dense_mask_only_for_short_rows():
+    from mtune.modules.transformer import DENSE_MASK_UP_TO
+
+    model = build_model("llama3_1", "tiny", device="cpu")
+    assert model.attention_kernel == "auto"
+    for s, dense in [(DENSE_MASK_UP_TO, True), (DENSE_MASK_UP_TO + 1, False)]:
+        _, input_pos, ids = packed_batch([(s // 2, s - s // 2)])
+        mask, _, cu_seqlens = model._attention_layout(input_pos, ids, caching=False)
+        assert (mask is not None, cu_seqlens is None) == (dense, dense)
+
+
+def test_document_boundaries():
+    _, _, ids = packed_batch(ROWS, pad_to=32)
+    assert document_boundaries(ids, 3, 32).tolist() == [0, 5, 16, 17, 30, 32, 64, 71, 80, 96]
+    assert document_boundaries(None, 2, 5, torch.device("cpu")).tolist() == [0, 5, 10]
+    assert document_boundaries(ids, 3, 32).dtype == torch.int32
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest element count of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama3_1", "mistral"])
+def test_no_tensor_of_s_squared_elements(family):
+    s = 768  # s² = 590K elements; the largest activations are [s, 512] (logits, MLP) = 393K
+    model = build_model(family, "tiny", device="cpu")
+    tokens, input_pos, ids = packed_batch([(200, 24, 500)], pad_to=s)
+    kernels = ("dense_mask", "segments") if family == "llama3_1" else ("segments",)  # the oracle sees s² once
+    largest = {}
+    for kernel in kernels:
+        model.attention_kernel = kernel
+        with LargestTensor() as seen:
+            model(tokens, input_pos=input_pos, document_ids=ids).sum().backward()
+        largest[kernel] = seen.largest
+    assert largest.get("dense_mask", s * s) >= s * s
+    assert largest["segments"] <= s * 512
+
+
+def test_fake_tensors_run_one_segment_per_row():
+    model = build_model("mistral", "tiny", device="cpu")
+    model.attention_kernel = "segments"
+    tokens, input_pos, ids = packed_batch(ROWS, pad_to=32)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_ids = mode.from_tensor(ids)
+        cu = document_boundaries(fake_ids, 3, 32)
+        assert cu.shape == (4,)  # row boundaries: the values of document_ids are unknown
+        out = model(mode.from_tensor(tokens), input_pos=mode.from_tensor(input_pos), document_ids=fake_ids)
+        out.sum().backward()
+    assert out.shape == (3, 32, 512)
+
+
+def test_segment_attention_alone_matches_per_document_sdpa():
+    # One row, three documents, GQA: each document's slice of the output is causal SDPA over that document alone.
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 20, 16, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 6, 7, 20], dtype=torch.int32)
+    out = segment_attention(q, k, v, cu).view(1, 20, 4, 16).transpose(1, 2)
+    for a, e in [(0, 6), (6, 7), (7, 20)]:
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e],
+                                                               is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out[:, :, a:e], ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_varlen_flash_equals_dense_mask_on_cuda():
+    model = build_model("mistral", "tiny", device="cuda").to(torch.bfloat16)
+    tokens, input_pos, ids = (t.cuda() for t in packed_batch(ROWS, pad_to=32))
+    assert segment_kernel(torch.empty(1, device="cuda", dtype=torch.bfloat16), window=8) == "varlen_flash"
+    ref, ref_grads = logits_and_grads(model, "dense_mask", tokens, input_pos, ids)
+    out, grads = logits_and_grads(model, "segments", tokens, input_pos, ids)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.float(), ref_grads[name].float(), rtol=5e-2, atol=5e-2, msg=name)
+
+
+@pytest.mark.slow
+def test_one_optimizer_step_at_64k_tokens():
+    """A real 65,536-token packed row (documents of 20 to 2,000 tokens) through forward, backward and AdamW: the
+    long-context step runs at all on a CPU, in bounded memory (no s² tensor: the dense mask alone would be 4 GiB)."""
+    from mtune.modules.lora import apply_lora
+    from mtune.modules.tiled_mlp import apply_tiled_mlp
+
+    torch.manual_seed(0)
+    model = apply_tiled_mlp(apply_lora(build_model("llama3_1", "tiny", device="cpu"),
+                                       ["q_proj", "k_proj", "v_proj", "o_proj"], rank=8, alpha=16), 8)
+    gen = torch.Generator().manual_seed(5)
+    lengths, s = [], 65536
+    while sum(lengths) < s:
+        lengths.append(min(int(torch.randint(20, 2000, (1,), generator=gen)), s - sum(lengths)))
+    tokens, input_pos, ids = packed_batch([lengths], pad_to=s)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with LargestTensor() as seen:
+        logits = model(tokens, input_pos=input_pos, document_ids=ids)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:])
+        loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss) and seen.largest <= s * 512  # the logits; nothing of s² = 4.3e9 elements

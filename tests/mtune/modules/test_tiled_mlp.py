@@ -1,0 +1,160 @@
+"""Tiled MLP against the untiled one (the oracle): logits, every gradient, hook and dequantization counts."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mtune.models import build_model
+from mtune.modules.feed_forward import FeedForward
+from mtune.modules.lora import apply_lora
+from mtune.modules.nf4_linear import _nf4_api
+from mtune.modules.tiled_mlp import apply_tiled_mlp, mlp_tiles
+
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def tiny(method):
+    torch.manual_seed(0)
+    model = build_model("llama3_1", "tiny", device="cpu")
+    if method != "full":
+        apply_lora(model, ["q_proj", "v_proj", *MLP], rank=8, alpha=16, use_dora=method == "dora",
+                   quantize_base=method == "qlora")
+        with torch.no_grad():  # B off zero, so A's gradient is not zero
+            for name, param in model.named_parameters():
+                if name.endswith("lora_b.weight"):
+                    param.normal_(0, 0.05)
+    return model
+
+
+def step(model, tokens):
+    model.zero_grad()
+    logits = model(tokens)
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_round_off(actual, expected, name, scale=1e-5):
+    error = (actual - expected).abs().max().item()
+    assert error <= scale * expected.abs().max().item(), f"{name}: max error {error}"
+
+
+def assert_tiling_changes_nothing(model, tokens, tiles=3):
+    ref, ref_grads = step(model, tokens)
+    apply_tiled_mlp(model, tiles)
+    out, grads = step(model, tokens)
+    assert_round_off(out, ref, "logits")  # not bitwise: matmul blocking depends on the tile's row count
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        assert_round_off(grad, ref_grads[name], name)
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora", "dora"])
+def test_gradients_equal_untiled(method):
+    assert_tiling_changes_nothing(tiny(method), torch.randint(0, 512, (2, 37)))
+
+
+def test_with_activation_checkpointing():
+    from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+
+    model = apply_activation_checkpointing(tiny("lora"))
+    assert_tiling_changes_nothing(model, torch.randint(0, 512, (1, 40)), tiles=4)
+
+
+def test_tiles_one_restores_the_plain_forward():
+    model = apply_tiled_mlp(tiny("lora"), 4)
+    mlp = model.layers[0].mlp
+    assert mlp_tiles(mlp) == 4 and "forward" in vars(mlp)
+    apply_tiled_mlp(model, 1)
+    assert mlp_tiles(mlp) == 1 and "forward" not in vars(mlp)
+
+
+class CountNF4Dequantize:
+    """Counts NF4 dequantizations (``get_original_weight``) while active."""
+
+    def __enter__(self):
+        self.cls = _nf4_api().NF4Tensor
+        self.original = self.cls.get_original_weight
+        self.calls = 0
+
+        def counting(weight):
+            self.calls += 1
+            return self.original(weight)
+
+        self.cls.get_original_weight = counting
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.get_original_weight = self.original
+
+
+def test_qlora_dequantizes_and_runs_hooks_once_per_pass_not_per_tile():
+    model = tiny("qlora")
+    tokens = torch.randint(0, 512, (1, 64))
+    hooks = {"calls": 0}
+    for layer in model.layers:
+        for name in MLP:
+            getattr(layer.mlp, name).register_forward_pre_hook(lambda m, args: hooks.update(calls=hooks["calls"] + 1))
+    counts = {}
+    for tiles in (1, 8):
+        apply_tiled_mlp(model, tiles)
+        hooks["calls"] = 0
+        with CountNF4Dequantize() as dequantized:
+            step(model, tokens)
+        counts[tiles] = (hooks["calls"], dequantized.calls)
+    n = len(model.layers) * 3  # MLP projections
+    # untiled: hooks once (forward); NF4 linear dequantizes in forward and backward, plus the other NF4 linears
+    # (k_proj, o_proj) that are not part of the MLP.
+    mlp_dequantized = 2 * n
+    assert counts[1][0] == n
+    assert counts[8] == (2 * n, counts[1][1])  # hooks: forward + backward; the same dequantizations as untiled
+    assert counts[1][1] >= mlp_dequantized
+
+
+def test_weight_offloading_leaf_level_moves_each_weight_once_per_pass():
+    from mtune.config.keys import WeightOffloading
+    from mtune.training.memory.placement import Placement
+    from mtune.training.memory.weight_offloading import apply_weight_offloading
+
+    tokens = torch.randint(0, 512, (1, 48))
+    ref, ref_grads = step(tiny("lora"), tokens)
+    copied = {}
+    for tiles in (1, 6):
+        model = tiny("lora")
+        apply_tiled_mlp(model, tiles)
+        offloader = apply_weight_offloading(model, WeightOffloading(type="leaf_level", blocks_per_group=1,
+                                                                    use_streams=False),
+                                            Placement("cpu", distinct=True))
+        offloader.offload()
+        out, grads = step(model, tokens)
+        assert_round_off(out, ref, "logits")
+        for name, grad in grads.items():
+            assert_round_off(grad, ref_grads[name], name)
+        copied[tiles] = offloader.copies_to_compute
+    assert copied[6] == copied[1]  # each group comes in once per pass, as untiled (not once per tile)
+
+
+class LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_intermediates_exist_one_tile_at_a_time():
+    mlp = FeedForward(64, 256)
+    x = torch.randn(2, 100, 64, requires_grad=True)
+    largest = {}
+    for tiles in (1, 8):
+        apply_tiled_mlp(nn.Sequential(mlp), tiles)
+        with LargestTensor() as seen:
+            mlp(x).sum().backward()
+        largest[tiles] = seen.largest
+    assert largest[1] == 200 * 256  # [tokens, hidden]
+    assert largest[8] == max(200 * 64, 25 * 256, 256 * 64)  # the input / output, a tile's hidden, a weight
