@@ -1,8 +1,9 @@
 """Anonymous memory while loading a sharded ~1 GB Hugging Face checkpoint into a model built on meta.
 
-Writes the checkpoint with the test helper (transformers' ``save_pretrained``), then loads it in fresh processes:
-mtune's streamed loader (model on meta, one tensor at a time), and for contrast a naive load (a materialised
-model, every shard read with ``safetensors.torch.load_file`` into one state dict, then ``load_state_dict``). RssAnon is sampled from /proc/self/status every millisecond during the load.
+Writes the checkpoint with mtune (``save_hf_checkpoint`` of a randomly initialised model), then loads it in fresh
+processes: mtune's streamed loader (model on meta, one tensor at a time), and for contrast a naive load (a
+materialised model, every shard read with ``safetensors.torch.load_file`` into one state dict, then
+``load_state_dict``). RssAnon is sampled from /proc/self/status every millisecond during the load.
 
     python benchmarks/checkpoint_load_memory.py [--out benchmarks/checkpoint_load_memory.json] [--keep DIR]
 """
@@ -19,8 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # ~266M parameters, fp32: 1.06 GB in shards of at most 200 MB (the embedding alone is 262 MB, so it gets its own).
-SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=3, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=64)
+SHAPE = dict(vocab_size=32000, dim=2048, intermediate_dim=5632, n_layers=3, n_heads=32, n_kv_heads=8, head_dim=64)
 MiB = 2**20
 
 
@@ -33,9 +33,14 @@ def rss(field: str = "RssAnon") -> int:
 
 
 def write_checkpoint(root: str) -> None:
-    from tests._helpers.models import write_tiny_hf_model
+    import torch
 
-    write_tiny_hf_model(root, "llama2", sharded=True, shard_size="200MB", **SHAPE)
+    from mtune.models import build_model
+    from mtune.training.checkpointing.hf import save_hf_checkpoint
+
+    torch.manual_seed(0)
+    save_hf_checkpoint(build_model("llama2", "tiny", device="cpu", **SHAPE), Path(root) / "llama2",
+                       max_shard_size="200MB")
 
 
 def measure(method: str, ckpt: str, queue) -> None:

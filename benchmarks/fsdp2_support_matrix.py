@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp2_support_matrix.py
 
-Each check builds the tiny model from a Hugging Face directory written with transformers, shards it with
+Each check builds the tiny model from a Hugging Face directory mtune wrote (random weights), shards it with
 `shard_model`, runs one `train_step` on half of a global batch per rank and compares the gathered parameters with a
 single-process step on the whole batch (rank 0 computes the reference). Prints one line per combination; the
 results are recorded in docs/distributed.md.
@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mtune.models import build_model  # noqa: E402
 from mtune.training.memory.registry import MemoryConfig  # noqa: E402
 from mtune.modules.loss import CrossEntropyLoss  # noqa: E402
 from mtune.modules.nf4_linear import dequantize  # noqa: E402
 from mtune.modules.lora import is_adapter_param  # noqa: E402
+from mtune.training.checkpointing.hf import save_hf_checkpoint  # noqa: E402
 from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded  # noqa: E402
 from mtune.training.distributed import init_distributed, shard_model  # noqa: E402
 from mtune.training.checkpointing.dcp import gathered_state_dict_items  # noqa: E402
@@ -99,8 +101,8 @@ def main():
     dist.broadcast_object_list(holder)
     ckpt = Path(holder[0]) / "llama3_1"
     if dist.get_rank() == 0:
-        from tests._helpers.models import write_tiny_hf_model
-        write_tiny_hf_model(holder[0], "llama3_1")
+        torch.manual_seed(0)
+        save_hf_checkpoint(build_model("llama3_1", "tiny", device="cpu"), ckpt)
     dist.barrier()
     only = sys.argv[1:]
     checks = {

@@ -9,13 +9,14 @@ seeded fixture, and runs each configuration in both libraries, alternating which
     python benchmarks/torchtune_head_to_head.py --cases lora qlora --reps 2 --steps 6 --compile off
     python benchmarks/torchtune_head_to_head.py --device cuda                # bf16 on a GPU; peaks from mtune's table
 
-Fixture (``--work``, default /tmp/mtune-h2h): a Llama-3-architecture model in Hugging Face format (dim 512,
-8 layers, 8 heads / 2 KV heads, head dim 64, intermediate 1408, vocabulary 8192 with Llama 3's 256 special tokens
-at its top, untied: 30.9M parameters, 26.7M of them in matmuls), random weights from seed 0; a byte-level BPE
-tokenizer trained on the fixture's text and written as a tiktoken file plus tokenizer.json (both libraries read
-those); 1200 instruction rows. Each run: fp32 on CPU (bf16 too when the CPU has native bf16), batch 4 x 512 packed
-tokens, AdamW (lr 1e-4, no weight decay), cosine schedule with 2 warm-up steps, chunked cross-entropy (8 chunks),
-seed 0, ``--steps`` optimizer steps, checkpoint saved at the end as each library does.
+Fixture (``--work``, default /tmp/mtune-h2h): a Llama-3-architecture model in Hugging Face format (dim 512, 8
+layers, 8 heads / 2 KV heads, head dim 64, intermediate 1408, vocabulary 8192 with Llama 3's 256 special tokens at
+its top, untied: 30.9M parameters, 26.7M of them in matmuls) written by mtune, random weights from seed 0 (mtune's
+initialisation); a byte-level BPE tokenizer trained on the fixture's text and written as a tiktoken file plus
+tokenizer.json (both libraries read those); 1200 instruction rows. Each run: fp32 on CPU (bf16 too when the CPU has
+native bf16), batch 4 x 512 packed tokens, AdamW (lr 1e-4, no weight decay), cosine schedule with 2 warm-up steps,
+chunked cross-entropy (8 chunks), seed 0, ``--steps`` optimizer steps, checkpoint saved at the end as each library
+does.
 
 Measured per run, in the run's own process: the wall time between consecutive optimizer steps (a global
 ``register_optimizer_step_post_hook``, the same for both libraries), from which tokens/s = batch x seq_len /
@@ -69,6 +70,30 @@ def _words(rng: random.Random, n: int) -> list[str]:
     return ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(n)]
 
 
+def mtune_model(device=None):
+    """The fixture's model in mtune (on meta without ``device``; else with random weights from torch's RNG)."""
+    sys.path.insert(0, str(REPO))
+    from mtune.models import build_model
+
+    return build_model("llama3_2", "tiny", device=device, dim=SHAPE["hidden_size"], n_layers=SHAPE["num_hidden_layers"],
+                       n_heads=SHAPE["num_attention_heads"], n_kv_heads=SHAPE["num_key_value_heads"],
+                       head_dim=SHAPE["head_dim"], intermediate_dim=SHAPE["intermediate_size"],
+                       vocab_size=SHAPE["vocab_size"], tie_embeddings=SHAPE["tie_word_embeddings"],
+                       rope_theta=SHAPE["rope_theta"], norm_eps=SHAPE["rms_norm_eps"],
+                       max_seq_len=SHAPE["max_position_embeddings"])
+
+
+def llama3_2_special_token_names() -> list[str]:
+    """Llama 3.2's 256 special tokens in id order (torchtune 0.6.1's tokenizer asks for its ``<|step_id|>``): mtune's
+    generated names, which are Llama 3.1's, but for +5 and the reserved tokens after it, numbered from 2 at +11."""
+    sys.path.insert(0, str(REPO))
+    from mtune.tokenizers.llama3 import special_tokens
+
+    names = sorted(special_tokens(0), key=special_tokens(0).get)
+    return names[:5] + ["<|step_id|>"] + names[6:11] + [f"<|reserved_special_token_{k}|>"
+                                                         for k in range(2, 2 + len(names) - 11)]
+
+
 def write_fixture(work: Path) -> dict:
     """Tokenizer, model and data under ``work`` (reused when present). Returns their paths."""
     model_dir, data = work / "model", work / "train.jsonl"
@@ -77,10 +102,11 @@ def write_fixture(work: Path) -> dict:
     if (model_dir / "model.safetensors").exists() and data.exists():
         return paths
     sys.path.insert(0, str(REPO))
+    import torch
+
     from mtune.tokenizers.bpe_to_tiktoken import train_byte_level_bpe, write_tiktoken_file
-    from tests._helpers.models import write_tiny_hf_model
-    from tests._helpers.tokenizers import LLAMA3_PATTERN, llama3_special_token_names
-    from mtune.tokenizers.llama3 import CHAT_TEMPLATE
+    from mtune.tokenizers.llama3 import CHAT_TEMPLATE, PATTERN
+    from mtune.training.checkpointing.hf import save_hf_checkpoint
 
     rng = random.Random(0)
     vocab = _words(rng, 6000)
@@ -93,13 +119,12 @@ def write_fixture(work: Path) -> dict:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = SHAPE["vocab_size"] - NUM_SPECIAL
     corpus = [r["instruction"] + "\n" + r["output"] for r in rows] + [" ".join(vocab)]
-    spec = json.loads(train_byte_level_bpe(corpus, base, LLAMA3_PATTERN))
-    write_tiny_hf_model(work, "llama3_2", seed=0, bos_token_id=base, eos_token_id=base + 9,
-                        **{k: v for k, v in SHAPE.items()})
-    (work / "llama3_2").rename(model_dir)
+    spec = json.loads(train_byte_level_bpe(corpus, base, PATTERN))
+    torch.manual_seed(0)
+    save_hf_checkpoint(mtune_model(device="cpu"), model_dir, max_shard_size="1000GB")  # torchtune reads one file
     write_tiktoken_file(spec, paths["tiktoken"])
     # torchtune 0.6.1's Llama3Tokenizer requires "<|image|>" (Llama 3.2 Vision's): it takes the last reserved slot.
-    names = llama3_special_token_names("3.2")[:-1] + ["<|image|>"]
+    names = llama3_2_special_token_names()[:-1] + ["<|image|>"]
     spec["added_tokens"] = [{"id": base + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
                              "normalized": False, "special": True} for i, t in enumerate(names)]
     paths["tokenizer_json"].write_text(json.dumps(spec))
@@ -324,14 +349,10 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
 # ------------------------------------------------------------------------------------------------ ceiling
 def _meta_model(case: dict):
     sys.path.insert(0, str(REPO))
-    from mtune.models import build_model
     from mtune.modules.lora import apply_lora
     from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
 
-    model = build_model("llama3_2", "tiny", dim=SHAPE["hidden_size"], n_layers=SHAPE["num_hidden_layers"],
-                        n_heads=SHAPE["num_attention_heads"], n_kv_heads=SHAPE["num_key_value_heads"],
-                        head_dim=SHAPE["head_dim"], intermediate_dim=SHAPE["intermediate_size"],
-                        vocab_size=SHAPE["vocab_size"], tie_embeddings=False)
+    model = mtune_model()
     if case["lora"]:
         apply_lora(model, LORA["mtune"], rank=LORA["rank"], alpha=LORA["alpha"], quantize_base=case["qlora"])
     if case["ac"]:

@@ -26,10 +26,11 @@ SUPPORTS_DISTRIBUTED = True
 def main(cfg: DictConfig) -> None:
     from mtune.tokenizers import load_tokenizer
     from mtune.training.context import setup_run
+    from mtune.training.data_setup import setup_data
     from mtune.training.distributed import destroy_distributed, init_distributed
     from mtune.training.memory.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_sharded_model
-    from mtune.training.session import TrainingSession, setup_data
+    from mtune.training.session import TrainingSession
 
     # ---- setup: process group, device and dtype, tokenizer, sharded model with adapters, data, optimizer
     rank, world_size, _ = init_distributed(cfg.distributed_backend)

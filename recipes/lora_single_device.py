@@ -24,9 +24,10 @@ def main(cfg: DictConfig) -> None:
     from mtune.training.checkpointing.manifest import check_before_loading
     from mtune.training.checkpointing.peft import load_peft_adapter
     from mtune.training.context import setup_run
+    from mtune.training.data_setup import setup_data
     from mtune.training.memory.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_model
-    from mtune.training.session import TrainingSession, setup_data
+    from mtune.training.session import TrainingSession
 
     # ---- setup: device and dtype, tokenizer, model with adapters and memory techniques, data, optimizer
     run = setup_run(cfg)

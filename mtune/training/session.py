@@ -16,8 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,101 +24,24 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from mtune.config import ConfigError, instantiate
-from mtune.config.validate import warmup_problem
-from mtune.data import build_dataloader
-from mtune.errors import MtuneError
+from mtune.config import instantiate
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
+from mtune.training.data_setup import StepPlan
 from mtune.training.loop import NonFiniteLossError, StepResult, evaluate, micro_batch_groups, train_step
-from mtune.training.planning.breakdown import MemoryBreakdown
+from mtune.training.measured_memory import memory_breakdown, plan_check
 from mtune.training.memory.oom import oom_guard
-from mtune.training.memory.optimizers import inner_optimizers
-from mtune.training.memory.registry import LORA, MemoryConfig
+from mtune.training.memory.registry import LORA
 from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
-from mtune.training.observe.peak_flops import cpu_bf16_warning, peak_flops
+from mtune.training.observe.peak_flops import run_peak_flops
 from mtune.training.observe.profiler import build_profiler
-from mtune.training.planning.memory_plan import format_bytes
-from mtune.training.planning.plan import plan_memory
 from mtune.training.signals import GracefulStop
 
-__all__ = ["StepPlan", "TrainingSession", "setup_data", "tracks_tensor_bytes"]
+__all__ = ["TrainingSession"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """How many optimizer steps a run makes. A step is one optimizer step over ``gradient_accumulation_steps``
-    micro-batches of ``batch_size`` samples on each of ``world_size`` ranks."""
-
-    steps_per_epoch: int
-    epochs: int
-    samples_per_step: int
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps_per_epoch * self.epochs
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], batches_per_epoch: int, world_size: int = 1) -> "StepPlan":
-        accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
-        steps = batches_per_epoch // accumulation
-        if steps == 0:
-            raise ValueError(f"an epoch has {batches_per_epoch} batches per rank, fewer than "
-                             f"gradient_accumulation_steps={accumulation}: lower it or batch_size, or add data")
-        if cfg.get("max_steps_per_epoch"):
-            steps = min(steps, int(cfg["max_steps_per_epoch"]))
-        return cls(steps, int(cfg.get("epochs") or 1), int(cfg["batch_size"]) * world_size * accumulation)
-
-
-def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
-    """``(train_loader, val_loader or None, plan)`` from the config's ``dataset`` / ``dataset_val`` nodes."""
-    train_loader = build_dataloader(instantiate(cfg.dataset, tokenizer=tokenizer), cfg.batch_size, seed=cfg.seed,
-                                    rank=rank, world_size=world_size)
-    val_loader = None
-    if cfg.get("dataset_val") is not None:
-        val_loader = build_dataloader(instantiate(cfg.dataset_val, tokenizer=tokenizer), cfg.batch_size,
-                                      seed=cfg.seed, shuffle=False, rank=rank, world_size=world_size,
-                                      drop_last=False)
-    return train_loader, val_loader, StepPlan.from_config(cfg, len(train_loader), world_size)
-
-
-def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
-    """Whether a run tracks live tensor bytes: with ``memory_breakdown`` or ``plan_check``, and not with
-    ``compile`` (a dispatch mode over compiled blocks would run them eagerly, changing what is measured)."""
-    return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not MemoryConfig.from_config(cfg).compile
-
-
-@contextlib.contextmanager
-def _quiet_logs():
-    """mtune's INFO lines off for the block (warnings still shown)."""
-    logger = logging.getLogger("mtune")
-    level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def plan_check_line(planned: int, measured: int, planned_host: int, measured_host: int, plan_tokens: int,
-                    longest_tokens: int | None) -> str:
-    """The end-of-run line comparing ``mtune plan``'s peak of live tensor bytes with the run's. The plan is for
-    batches padded to ``plan_tokens`` (the most the config allows); a run whose batches were all shorter measures
-    less, which the line says instead of showing the gap as an error."""
-    host = (f"; host planned {format_bytes(planned_host)}, measured {format_bytes(measured_host)}"
-            if planned_host or measured_host else "")
-    head = f"plan_check: mtune plan predicted {format_bytes(planned)} of device tensors, this run peaked at " \
-           f"{format_bytes(measured)}{host}"
-    if measured > planned * 1.05:
-        return head + f" ({measured / planned - 1:+.0%} above the plan: please report it with the config)"
-    if longest_tokens is not None and longest_tokens < plan_tokens and measured < planned * 0.95:
-        return head + (f": the plan is for batches of {plan_tokens} tokens (tokenizer.max_seq_len) and this run's "
-                       f"longest was {longest_tokens}, so it held less; the plan is the bound for full-length batches")
-    return head + f" ({planned / measured - 1:+.0%} planned vs measured)" if measured else head
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
@@ -169,11 +91,7 @@ class TrainingSession:
             activation_context: from ``setup_model`` (activation offloading), or None.
         """
         train_loader, val_loader, plan = data
-        warmup = (cfg.get("lr_scheduler") or {}).get("num_warmup_steps")
-        problem = warmup_problem(warmup, plan.total_steps, f"{plan.steps_per_epoch} steps per epoch x {plan.epochs} "
-                                 "epochs")
-        if problem:
-            raise ConfigError(problem)
+        plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"))
         lora = LORA.node(cfg)
         checkpointer_args = dict(
             output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
@@ -210,23 +128,12 @@ class TrainingSession:
         self._resumed_from = (path, state.step)
 
     def _setup_utilization(self):
-        """FLOPs per step (``mfu``, ``hfu``) and the device's peak; says once when bf16 runs on a CPU that emulates
-        it. Returns the peak, or None when it is unknown (then no mfu is logged)."""
+        """FLOPs per step (``mfu``, ``hfu``) and the device's peak (:func:`run_peak_flops`), or None when unknown."""
         recomputes = isinstance(self.loss_fn, ChunkedCrossEntropyLoss) and self.loss_fn.recomputes_projection(
             self.model.lm_head, autocast=self.run.dtype_name == "fp16")
         self.step_flops = StepFlops(self.model, loss_recomputes_projection=recomputes)
         self._step_flops_now: tuple[float, float] | None = None
-        warning = cpu_bf16_warning(self.run.device, self.run.dtype_name)
-        if warning and self.run.is_main:
-            log.warning(warning)
-        peak = peak_flops(self.run.device, self.run.dtype_name)
-        if self.run.is_main:
-            if peak is None:
-                log.info("mfu/hfu: no peak FLOP/s known for %s in %s: set MTUNE_PEAK_FLOPS (FLOP/s) to log them",
-                         self.run.device, self.run.dtype_name)
-            else:
-                log.info("mfu/hfu against %s in %s: %s", self.run.device, self.run.dtype_name, peak)
-        return peak
+        return run_peak_flops(self.run.device, self.run.dtype_name, announce=self.run.is_main)
 
     def _start(self) -> None:
         self.monitor = TrainingMonitor(
@@ -235,13 +142,7 @@ class TrainingSession:
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
             peak=self._setup_utilization(),
         )
-        # Live tensor bytes (peak_tensor_gib, memory_breakdown.json, plan_check) cost a Python call per op:
-        # tracked only when memory_breakdown or plan_check asks, and for plan_check alone only over the first
-        # steps (see docs/plan.md for the measured overhead).
-        self.breakdown = MemoryBreakdown(self.model, inner_optimizers(self.optimizer), self.run.output_dir,
-                                         enabled=tracks_tensor_bytes(self.cfg), rank=self.run.rank,
-                                         write=bool(self.cfg.get("memory_breakdown")), placement=self.run.placement,
-                                         track_all_steps=bool(self.cfg.get("memory_breakdown")))
+        self.breakdown = memory_breakdown(self.cfg, self.run, self.model, self.optimizer)
         self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
@@ -370,30 +271,15 @@ class TrainingSession:
         return self.results
 
     def _plan_check(self) -> None:
-        """With ``plan_check``: plan this config (``mtune plan``, fake tensors) and log the prediction beside the
-        measured peak of live tensor bytes, device and host; also into ``results.json`` under ``plan_check``."""
+        """With ``plan_check``: the plan beside the measured peak of live tensor bytes (:func:`plan_check`), also
+        into ``results.json`` under ``plan_check``."""
         measured = self.breakdown.overall
         if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
             return
-        try:
-            with _quiet_logs():  # the planner builds a fake model: its setup lines are not this run's
-                plan = plan_memory(self.cfg, world_size=self.run.world_size)
-        except MtuneError as err:
-            self.monitor.write(f"plan_check: skipped ({err})")
-            return
-        except Exception as err:  # a diagnostic after the run is saved: a planner failure must not fail the run
-            log.warning("plan_check: the planner failed (%s: %s); the run itself is complete and saved. Please "
-                        "report it with the config", type(err).__name__, err)
-            return
-        check = {"planned_device_bytes": plan.device_peak_bytes, "measured_device_bytes": measured.peak["device"],
-                 "planned_host_bytes": plan.host_peak_bytes, "measured_host_bytes": measured.peak["host"],
-                 "planned_for": plan.batch}
-        error = plan.device_peak_bytes / measured.peak["device"] - 1 if measured.peak["device"] else 0.0
-        check["device_error"] = error
-        check["longest_batch_tokens"] = getattr(self, "_longest_batch", None)
-        self.results["plan_check"] = check
-        self.monitor.write(plan_check_line(plan.device_peak_bytes, measured.peak["device"], plan.host_peak_bytes,
-                                           measured.peak["host"], plan.batch["seq_len"], check["longest_batch_tokens"]))
+        check = plan_check(self.cfg, measured, world_size=self.run.world_size,
+                           longest_batch_tokens=getattr(self, "_longest_batch", None), write=self.monitor.write)
+        if check is not None:
+            self.results["plan_check"] = check
 
     def _run_task_eval(self, when: str) -> None:
         what = f"task eval {when} training"

@@ -119,10 +119,10 @@ LAYERS = [
     ["mtune.tokenizers", "mtune.modules"],
     ["mtune.data", "mtune.models"],
     ["mtune.training.memory", "mtune.training.distributed", "mtune.training.rng", "mtune.training.signals",
-     "mtune.training.lr_schedulers", "mtune.training.output_lock"],
+     "mtune.training.lr_schedulers", "mtune.training.output_lock", "mtune.training.data_setup"],
     ["mtune.training.loop", "mtune.training.checkpointing", "mtune.training.task_eval"],
     ["mtune.training.observe", "mtune.training.context", "mtune.training.model_setup"],
-    ["mtune.training.planning"],
+    ["mtune.training.planning", "mtune.training.measured_memory"],
     ["mtune.training.session"],
     ["mtune._cli", "mtune.__main__"],
 ]

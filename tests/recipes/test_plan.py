@@ -192,12 +192,12 @@ def test_plan_check_logs_the_prediction_beside_the_measured_peak(tmp_path, tiny_
 
 def test_a_planner_failure_in_plan_check_warns_and_keeps_the_run(tmp_path, tiny_checkpoint, tiny_data, monkeypatch,
                                                                  capfd):
-    from mtune.training import session
+    from mtune.training import measured_memory
 
     def broken(*args, **kwargs):
         raise RuntimeError("an op the fake tensors do not support")
 
-    monkeypatch.setattr(session, "plan_memory", broken)
+    monkeypatch.setattr(measured_memory, "plan_memory", broken)
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {"plan_check": True, "max_steps_per_epoch": 1})
     out = run_recipe_in_process("lora_single_device", overrides)
     assert (out / "final" / "mtune_state.json").exists() and "plan_check" not in json.loads(
@@ -300,7 +300,7 @@ def test_shipped_distributed_configs_plan_on_a_tiny_model_of_their_family(config
 
 
 def test_the_plan_check_line_explains_a_gap_from_short_batches():
-    from mtune.training.session import plan_check_line
+    from mtune.training.measured_memory import plan_check_line
 
     mib = 2**20
     short = plan_check_line(84 * mib, 44 * mib, 0, 0, plan_tokens=64, longest_tokens=30)

@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from mtune.modules.lora import merge_lora_weights
+from mtune.modules.lora_state import merge_lora_weights
 from mtune.training.memory.weight_offloading import offloaded_weights_materialized
 from mtune.training.checkpointing.checkpoint_dir import (
     FINAL_NAME,

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from mtune.errors import PathNotFoundError
-from mtune.modules.lora import is_adapter_param, peft_key
+from mtune.modules.lora import is_adapter_param
+from mtune.modules.lora_state import peft_key
 from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import save_hf_checkpoint
 from mtune.training.memory.optimizers import inner_optimizers

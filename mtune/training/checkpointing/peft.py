@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from mtune.errors import MtuneError
-from mtune.modules.lora import LoRALinear, adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
+from mtune.modules.lora import LoRALinear
+from mtune.modules.lora_state import adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
 from mtune.training.checkpointing.manifest import write_safetensors
 
 __all__ = [

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["PeakFlops", "GPU_PEAK_TFLOPS", "peak_flops", "gpu_peak_flops", "measure_cpu_matmul_flops",
-           "cpu_peak_flops", "cpu_step_matmul_flops", "cpu_model_name", "cpu_has_native_bf16", "cpu_bf16_warning", "peak_cache_path"]
+           "cpu_peak_flops", "cpu_step_matmul_flops", "cpu_model_name", "cpu_has_native_bf16", "cpu_bf16_warning", "peak_cache_path",
+           "run_peak_flops"]
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +241,20 @@ def cpu_bf16_warning(device: torch.device | str, dtype_name: str, cache: Path | 
         return head + "bf16 is emulated; " + measured + "."
     return (head + measured + f", so this run computes about {fp32 / bf16:.0f}x slower than with dtype=fp32. Set "
             "dtype=fp32 unless the memory that bf16 halves (weights, gradients, activations) is what you lack.")
+
+
+def run_peak_flops(device: torch.device | str, dtype_name: str, *, announce: bool = True) -> PeakFlops | None:
+    """A run's :func:`peak_flops` (None when unknown: then no mfu is logged). With ``announce`` (rank 0) it says
+    which peak mfu/hfu are measured against, or how to give one, and warns first when bf16 runs on a CPU that
+    emulates it (:func:`cpu_bf16_warning`)."""
+    warning = cpu_bf16_warning(device, dtype_name)
+    if warning and announce:
+        log.warning(warning)
+    peak = peak_flops(device, dtype_name)
+    if announce:
+        if peak is None:
+            log.info("mfu/hfu: no peak FLOP/s known for %s in %s: set MTUNE_PEAK_FLOPS (FLOP/s) to log them",
+                     device, dtype_name)
+        else:
+            log.info("mfu/hfu against %s in %s: %s", device, dtype_name, peak)
+    return peak

@@ -9,15 +9,13 @@ import torch
 from safetensors.torch import save_file
 
 from mtune.models import build_model
-from mtune.modules.lora import (
-    LoRALinear,
+from mtune.modules.lora import LoRALinear, apply_lora, reset_lora_parameters
+from mtune.modules.lora_state import (
     adapter_config,
-    apply_lora,
     load_peft_adapter_state_dict,
     lora_state_dict,
     merge_lora_weights,
     peft_adapter_state_dict,
-    reset_lora_parameters,
 )
 from tests._helpers.models import tiny_hf_model
 

@@ -5,7 +5,8 @@ import copy
 import torch
 
 from mtune.models import build_model
-from mtune.modules.lora import LoRALinear, apply_lora, lora_state_dict
+from mtune.modules.lora import LoRALinear, apply_lora
+from mtune.modules.lora_state import lora_state_dict
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4
 
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(5))

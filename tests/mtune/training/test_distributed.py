@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.modules.lora import is_adapter_param, peft_adapter_state_dict
+from mtune.modules.lora import is_adapter_param
+from mtune.modules.lora_state import peft_adapter_state_dict
 from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import hf_key
 from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mtune.modules.lora import LoRALinear, lora_state_dict
+from mtune.modules.lora import LoRALinear
+from mtune.modules.lora_state import lora_state_dict
 from mtune.training.checkpointing.hf import save_hf_checkpoint
 from mtune.training.checkpointing.merge import merged_hf_weights, save_merged_model
 from mtune.training.checkpointing.peft import AdapterError, load_peft_adapter, save_peft_adapter

@@ -14,7 +14,8 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.data import instruct_dataset
 from mtune.data.collate import collate_padded
 from mtune.modules.fp8_linear import FrozenFp8Linear, has_fp8_storage, is_fp8_stored, stored_weight
-from mtune.modules.lora import LoRALinear, lora_state_dict, merge_lora_weights
+from mtune.modules.lora import LoRALinear
+from mtune.modules.lora_state import lora_state_dict, merge_lora_weights
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.tokenizers import load_tokenizer
 from mtune.training import model_setup

@@ -1,0 +1,113 @@
+"""A LoRA model's state as others read it: the adapter alone in mtune's names (:func:`lora_state_dict`) or in
+PEFT's (:func:`peft_adapter_state_dict`, :func:`peft_key`; :func:`adapter_config` is the ``adapter_config.json``
+that goes with it), loaded back from PEFT's names (:func:`load_peft_adapter_state_dict`), and the whole model with
+every adapter folded into its base weight (:func:`merge_lora_weights`). The model is one :func:`apply_lora
+<mtune.modules.lora.apply_lora>` transformed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from mtune.modules.fp8_linear import is_fp8_stored, stored_weight
+from mtune.modules.lora import ADAPTER_PARAM_NAMES, LoRALinear
+from mtune.modules.nf4_linear import dequantize
+
+__all__ = [
+    "lora_state_dict",
+    "peft_key",
+    "peft_adapter_state_dict",
+    "load_peft_adapter_state_dict",
+    "adapter_config",
+    "merge_lora_weights",
+]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter parameters only, with mtune's names (e.g. `layers.0.self_attn.q_proj.lora_a.weight`)."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith(ADAPTER_PARAM_NAMES)}
+
+
+_TO_PEFT = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+
+
+def peft_key(key: str) -> str:
+    """mtune's adapter key -> PEFT's (``layers.0.self_attn.q_proj.lora_a.weight`` ->
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)."""
+    module, _, _ = key.rpartition(".lora_") if ".lora_" in key else key.rpartition(".magnitude")
+    suffix = key[len(module) + 1 :]
+    prefix = "base_model.model." if module.startswith("lm_head") else "base_model.model.model."
+    return f"{prefix}{module}.{_TO_PEFT[suffix]}"
+
+
+def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter with PEFT's key names, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
+    ready for `adapter_model.safetensors`."""
+    return {peft_key(k): v for k, v in lora_state_dict(model).items()}
+
+
+def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Loads a PEFT-named adapter state dict into a model that `apply_lora` has already transformed.
+
+    Full base-layer copies that PEFT adds when lm_head is targeted (`...lm_head.base_layer.weight`) are ignored:
+    the base weights come from the base model."""
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith(".base_layer.weight")}
+    by_peft_name = {peft_key(k): k for k in lora_state_dict(model)}
+    missing = set(by_peft_name) - set(state_dict)
+    unexpected = set(state_dict) - set(by_peft_name)
+    if missing or unexpected:
+        raise ValueError(
+            f"adapter does not match the model's LoRA layout: missing {sorted(missing)[:3]}, unexpected "
+            f"{sorted(unexpected)[:3]}: check lora.modules / lora.use_dora against the adapter's adapter_config.json"
+        )
+    model.load_state_dict({by_peft_name[k]: v for k, v in state_dict.items()}, strict=False)
+
+
+def adapter_config(
+    modules: Iterable[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    use_dora: bool = False,
+    base_model_name_or_path: str | None = None,
+) -> dict:
+    """The `adapter_config.json` contents PEFT needs to load `peft_adapter_state_dict`."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(set(modules)),
+        "use_dora": use_dora,
+        "use_rslora": False,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+@torch.no_grad()
+def merge_lora_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every adapter folded into its base weight: plain tensors in the base dtype,
+    no adapter keys, NF4 and fp8 weights dequantized (so the base is the stored, rounded one: exports from a base
+    checkpoint merge into the original instead, `mtune.training.checkpointing.merge`). The model is not modified."""
+    merged = {}
+    modules = dict(model.named_modules())
+    for key, value in model.state_dict().items():
+        if key.endswith(ADAPTER_PARAM_NAMES):
+            continue
+        module = modules.get(key.rpartition(".")[0])
+        if key.endswith(".weight") and isinstance(module, LoRALinear):
+            merged[key] = module.merged_weight()
+        elif key.endswith(".weight") and is_fp8_stored(module):
+            merged[key] = stored_weight(module).detach()
+        else:
+            merged[key] = dequantize(value).detach()
+    return merged
+

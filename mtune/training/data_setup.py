@@ -1,0 +1,58 @@
+"""A run's data: the training and held-out loaders from the config, and the step plan they make (how many optimizer
+steps per epoch, how many epochs, how many samples per step)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mtune.config import ConfigError, instantiate
+from mtune.config.validate import warmup_problem
+from mtune.data import build_dataloader
+
+__all__ = ["StepPlan", "setup_data"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How many optimizer steps a run makes. A step is one optimizer step over ``gradient_accumulation_steps``
+    micro-batches of ``batch_size`` samples on each of ``world_size`` ranks."""
+
+    steps_per_epoch: int
+    epochs: int
+    samples_per_step: int
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], batches_per_epoch: int, world_size: int = 1) -> "StepPlan":
+        accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
+        steps = batches_per_epoch // accumulation
+        if steps == 0:
+            raise ValueError(f"an epoch has {batches_per_epoch} batches per rank, fewer than "
+                             f"gradient_accumulation_steps={accumulation}: lower it or batch_size, or add data")
+        if cfg.get("max_steps_per_epoch"):
+            steps = min(steps, int(cfg["max_steps_per_epoch"]))
+        return cls(steps, int(cfg.get("epochs") or 1), int(cfg["batch_size"]) * world_size * accumulation)
+
+    def check_warmup(self, warmup: Any) -> None:
+        """Raises when the LR schedule's ``num_warmup_steps`` does not fit in this plan's steps."""
+        problem = warmup_problem(warmup, self.total_steps, f"{self.steps_per_epoch} steps per epoch x {self.epochs} "
+                                 "epochs")
+        if problem:
+            raise ConfigError(problem)
+
+
+def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
+    """``(train_loader, val_loader or None, plan)`` from the config's ``dataset`` / ``dataset_val`` nodes."""
+    train_loader = build_dataloader(instantiate(cfg.dataset, tokenizer=tokenizer), cfg.batch_size, seed=cfg.seed,
+                                    rank=rank, world_size=world_size)
+    val_loader = None
+    if cfg.get("dataset_val") is not None:
+        val_loader = build_dataloader(instantiate(cfg.dataset_val, tokenizer=tokenizer), cfg.batch_size,
+                                      seed=cfg.seed, shuffle=False, rank=rank, world_size=world_size,
+                                      drop_last=False)
+    return train_loader, val_loader, StepPlan.from_config(cfg, len(train_loader), world_size)

@@ -1,0 +1,96 @@
+"""What a run measures of its own memory: live tensor bytes by category, device and host (``memory_breakdown``:
+``peak_tensor_gib``, ``memory_breakdown.json``), and with ``plan_check`` at the end of the run, ``mtune plan``'s
+prediction for its config (fake tensors) beside the peak it measured."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtune.errors import MtuneError
+from mtune.training.context import RunContext
+from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.memory.registry import MemoryConfig
+from mtune.training.planning.breakdown import MemoryBreakdown
+from mtune.training.planning.memory_plan import format_bytes
+from mtune.training.planning.plan import plan_memory
+from mtune.training.planning.tracker import StepMemory
+
+__all__ = ["memory_breakdown", "plan_check", "plan_check_line", "tracks_tensor_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
+    """Whether a run tracks live tensor bytes: with ``memory_breakdown`` or ``plan_check``, and not with
+    ``compile`` (a dispatch mode over compiled blocks would run them eagerly, changing what is measured)."""
+    return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not MemoryConfig.from_config(cfg).compile
+
+
+def memory_breakdown(cfg, run: RunContext, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryBreakdown:
+    """The run's tracker of live tensor bytes. They cost a Python call per op: tracked only when
+    ``memory_breakdown`` or ``plan_check`` asks, and for ``plan_check`` alone only over the first steps (see
+    docs/plan.md for the measured overhead)."""
+    return MemoryBreakdown(model, inner_optimizers(optimizer), run.output_dir, enabled=tracks_tensor_bytes(cfg),
+                           rank=run.rank, write=bool(cfg.get("memory_breakdown")), placement=run.placement,
+                           track_all_steps=bool(cfg.get("memory_breakdown")))
+
+
+@contextlib.contextmanager
+def _quiet_logs():
+    """mtune's INFO lines off for the block (warnings still shown)."""
+    logger = logging.getLogger("mtune")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def plan_check_line(planned: int, measured: int, planned_host: int, measured_host: int, plan_tokens: int,
+                    longest_tokens: int | None) -> str:
+    """The end-of-run line comparing ``mtune plan``'s peak of live tensor bytes with the run's. The plan is for
+    batches padded to ``plan_tokens`` (the most the config allows); a run whose batches were all shorter measures
+    less, which the line says instead of showing the gap as an error."""
+    host = (f"; host planned {format_bytes(planned_host)}, measured {format_bytes(measured_host)}"
+            if planned_host or measured_host else "")
+    head = f"plan_check: mtune plan predicted {format_bytes(planned)} of device tensors, this run peaked at " \
+           f"{format_bytes(measured)}{host}"
+    if measured > planned * 1.05:
+        return head + f" ({measured / planned - 1:+.0%} above the plan: please report it with the config)"
+    if longest_tokens is not None and longest_tokens < plan_tokens and measured < planned * 0.95:
+        return head + (f": the plan is for batches of {plan_tokens} tokens (tokenizer.max_seq_len) and this run's "
+                       f"longest was {longest_tokens}, so it held less; the plan is the bound for full-length batches")
+    return head + f" ({planned / measured - 1:+.0%} planned vs measured)" if measured else head
+
+
+def plan_check(cfg, measured: StepMemory, *, world_size: int, longest_batch_tokens: int | None,
+               write: Callable[[str], None]) -> dict[str, Any] | None:
+    """Plans ``cfg`` for ``world_size`` ranks and writes the line comparing the plan with ``measured`` (the run's
+    peaks). Returns what ``results.json`` keeps under ``plan_check``, or None when the planner could not plan (the
+    run itself is complete: a planner failure is a warning, never the run's failure)."""
+    try:
+        with _quiet_logs():  # the planner builds a fake model: its setup lines are not this run's
+            plan = plan_memory(cfg, world_size=world_size)
+    except MtuneError as err:
+        write(f"plan_check: skipped ({err})")
+        return None
+    except Exception as err:  # a diagnostic after the run is saved: a planner failure must not fail the run
+        log.warning("plan_check: the planner failed (%s: %s); the run itself is complete and saved. Please "
+                    "report it with the config", type(err).__name__, err)
+        return None
+    check = {"planned_device_bytes": plan.device_peak_bytes, "measured_device_bytes": measured.peak["device"],
+             "planned_host_bytes": plan.host_peak_bytes, "measured_host_bytes": measured.peak["host"],
+             "planned_for": plan.batch}
+    error = plan.device_peak_bytes / measured.peak["device"] - 1 if measured.peak["device"] else 0.0
+    check["device_error"] = error
+    check["longest_batch_tokens"] = longest_batch_tokens
+    write(plan_check_line(plan.device_peak_bytes, measured.peak["device"], plan.host_peak_bytes,
+                          measured.peak["host"], plan.batch["seq_len"], longest_batch_tokens))
+    return check
