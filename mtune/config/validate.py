@@ -93,8 +93,8 @@ def _check_warmup(cfg: DictConfig, report: ValidationReport) -> None:
     if isinstance(per_epoch, int):
         problem = warmup_problem(warmup, per_epoch * epochs, f"at most max_steps_per_epoch x epochs = {per_epoch} x "
                                  f"{epochs}")
-        if problem:
-            report.errors.append(problem)
+        if problem:  # max_steps_per_epoch cuts the run short on purpose (a smoke run): `mtune run` warns then
+            report.warnings.append(problem + " (max_steps_per_epoch cuts the run short: it would run all in warmup)")
         return
     report.notes.append(f"lr_scheduler.num_warmup_steps={warmup}: the run's total steps are known only once the "
                         "dataset is read, so `mtune run` checks the warmup against them before the first step")

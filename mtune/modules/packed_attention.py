@@ -39,26 +39,33 @@ __all__ = ["document_boundaries", "segment_attention", "segment_kernel", "varlen
 _HALF = (torch.float16, torch.bfloat16)
 
 
+_VARLEN: list = []  # [(varlen_attn, its parameter names) or None] once looked up
+
+
 def _varlen_api() -> tuple[object, set[str]] | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
-
-
-_VARLEN = _varlen_api()
+    """``varlen_attn`` and its parameter names, or None; imported on first use on CUDA only (the module loads
+    torch._dynamo, ~85 MiB and a second of start-up that CPU runs never need)."""
+    if not _VARLEN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _VARLEN.append(None)
+        else:
+            _VARLEN.append((varlen_attn, set(inspect.signature(varlen_attn).parameters)))
+    return _VARLEN[0]
 
 
 def varlen_available() -> bool:
     """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (2.10 and later) and CUDA."""
-    return _VARLEN is not None and torch.cuda.is_available()
+    return torch.cuda.is_available() and _varlen_api() is not None
 
 
 def segment_kernel(q: torch.Tensor, window: int | None = None) -> str:
     """The kernel :func:`segment_attention` runs for queries like ``q`` (see the module docstring)."""
-    if (_VARLEN is not None and q.device.type == "cuda" and q.dtype in _HALF
-            and (window is None or "window_size" in _VARLEN[1])):
+    if q.device.type != "cuda" or q.dtype not in _HALF:
+        return "sdpa_per_segment"
+    api = _varlen_api()
+    if api is not None and (window is None or "window_size" in api[1]):
         return "varlen_flash"
     return "sdpa_per_segment"
 
@@ -91,7 +98,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 
 def _varlen(q, k, v, cu_seqlens, window):
-    varlen_attn, params = _VARLEN
+    varlen_attn, params = _varlen_api()
     b, h, s, d = q.shape
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
     kwargs = {}
@@ -117,7 +124,10 @@ def _band_mask(window: int, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
 
 
-@torch.compiler.disable  # reads the boundaries' values: data-dependent Python, kept out of compiled graphs
+# Reads the boundaries' values (data-dependent Python), so it is kept out of compiled graphs. torch's lazy form of
+# torch.compiler.disable: it imports torch._dynamo (~85 MiB, a second of start-up) on the first call, not when this
+# module loads, so runs that never pack nor compile never load it.
+@torch._disable_dynamo
 def _per_segment(q, k, v, cu_seqlens, window):
     b, h, s, d = q.shape
     gqa = k.shape[1] != h

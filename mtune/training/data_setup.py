@@ -3,6 +3,7 @@ steps per epoch, how many epochs, how many samples per step)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ from mtune.data import build_dataloader
 
 __all__ = ["StepPlan", "setup_data"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -22,6 +25,8 @@ class StepPlan:
     steps_per_epoch: int
     epochs: int
     samples_per_step: int
+    cut_short: bool = False
+    """``max_steps_per_epoch`` stops each epoch before its data runs out (a deliberately short run)."""
 
     @property
     def total_steps(self) -> int:
@@ -34,15 +39,19 @@ class StepPlan:
         if steps == 0:
             raise ValueError(f"an epoch has {batches_per_epoch} batches per rank, fewer than "
                              f"gradient_accumulation_steps={accumulation}: lower it or batch_size, or add data")
-        if cfg.get("max_steps_per_epoch"):
-            steps = min(steps, int(cfg["max_steps_per_epoch"]))
-        return cls(steps, int(cfg.get("epochs") or 1), int(cfg["batch_size"]) * world_size * accumulation)
+        cut_short = bool(cfg.get("max_steps_per_epoch")) and int(cfg["max_steps_per_epoch"]) < steps
+        if cut_short:
+            steps = int(cfg["max_steps_per_epoch"])
+        return cls(steps, int(cfg.get("epochs") or 1), int(cfg["batch_size"]) * world_size * accumulation, cut_short)
 
     def check_warmup(self, warmup: Any) -> None:
-        """Raises when the LR schedule's ``num_warmup_steps`` does not fit in this plan's steps."""
+        """When the LR schedule's ``num_warmup_steps`` does not fit in this plan's steps: raises, or only warns when
+        ``max_steps_per_epoch`` cut the run short on purpose (a smoke run of a real config)."""
         problem = warmup_problem(warmup, self.total_steps, f"{self.steps_per_epoch} steps per epoch x {self.epochs} "
                                  "epochs")
-        if problem:
+        if problem and self.cut_short:
+            log.warning("%s (max_steps_per_epoch cut this run short: it runs, all of it in warmup)", problem)
+        elif problem:
             raise ConfigError(problem)
 
 

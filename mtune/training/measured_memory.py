@@ -4,7 +4,6 @@ prediction for its config (fake tensors) beside the peak it measured."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,18 +40,6 @@ def memory_breakdown(cfg, run: RunContext, model: nn.Module, optimizer: torch.op
                            track_all_steps=bool(cfg.get("memory_breakdown")))
 
 
-@contextlib.contextmanager
-def _quiet_logs():
-    """mtune's INFO lines off for the block (warnings still shown)."""
-    logger = logging.getLogger("mtune")
-    level = logger.level
-    logger.setLevel(max(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def plan_check_line(planned: int, measured: int, planned_host: int, measured_host: int, plan_tokens: int,
                     longest_tokens: int | None) -> str:
     """The end-of-run line comparing ``mtune plan``'s peak of live tensor bytes with the run's. The plan is for
@@ -76,8 +63,7 @@ def plan_check(cfg, measured: StepMemory, *, world_size: int, longest_batch_toke
     peaks). Returns what ``results.json`` keeps under ``plan_check``, or None when the planner could not plan (the
     run itself is complete: a planner failure is a warning, never the run's failure)."""
     try:
-        with _quiet_logs():  # the planner builds a fake model: its setup lines are not this run's
-            plan = plan_memory(cfg, world_size=world_size)
+        plan = plan_memory(cfg, world_size=world_size)  # quiet: its fake model's setup lines are not this run's
     except MtuneError as err:
         write(f"plan_check: skipped ({err})")
         return None

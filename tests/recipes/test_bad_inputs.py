@@ -109,10 +109,25 @@ def test_warmup_longer_than_the_run_is_refused_before_the_first_step(capsys, tmp
     assert ("error: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (12 steps per epoch x 2 epochs: "
             "24 steps)") in err, err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
-    # bounded by the config alone: validate knows
+    # cut short on purpose by max_steps_per_epoch (a smoke run of a real config): validate and run warn, not refuse
     code, out, _ = _cli(capsys, "validate", CONFIG, *warmup, "max_steps_per_epoch=100")
-    assert code == 1 and ("error: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (at most "
+    assert code == 0 and ("warning: lr_scheduler.num_warmup_steps=10000 is not shorter than the run (at most "
                           "max_steps_per_epoch x epochs = 100 x 3: 300 steps)") in out
+
+
+def test_a_run_cut_short_by_max_steps_per_epoch_warns_about_its_warmup(caplog):
+    from mtune.config import ConfigError
+    from mtune.training.data_setup import StepPlan
+
+    cfg = {"batch_size": 4, "epochs": 1, "max_steps_per_epoch": 3}
+    short = StepPlan.from_config(cfg, batches_per_epoch=100)
+    assert short.cut_short and short.total_steps == 3
+    with caplog.at_level("WARNING", logger="mtune"):
+        short.check_warmup(10)
+    assert "num_warmup_steps=10 is not shorter than the run" in caplog.text and "cut this run short" in caplog.text
+    whole = StepPlan.from_config(dict(cfg, max_steps_per_epoch=None), batches_per_epoch=5)
+    with pytest.raises(ConfigError, match="num_warmup_steps=10 is not shorter than the run"):
+        whole.check_warmup(10)
 
 
 def test_a_chat_turn_with_an_unknown_role_is_one_line(capsys):

@@ -153,12 +153,15 @@ def _fake_process_group(world_size: int):
 
 @contextlib.contextmanager
 def _quiet_setup():
-    """Setup's own log lines are about a run, not a plan."""
-    logging.getLogger("mtune").disabled = True
+    """Setup's own INFO lines are about a run, not a plan (warnings still show). A level, not ``disabled``: the
+    setup logs through the mtune logger's children, which inherit its level but not its ``disabled``."""
+    logger = logging.getLogger("mtune")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
     try:
         yield
     finally:
-        logging.getLogger("mtune").disabled = False
+        logger.setLevel(level)
 
 
 def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | None = None,
