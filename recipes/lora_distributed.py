@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from mtune.config import RecipeSchema
 from mtune.config.keys import DISTRIBUTED_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
 from mtune.config.rules import DISTRIBUTED_RUN_RULES
-from mtune.training.memory.registry import DISTRIBUTED_MEMORY_RULES, LORA_KEYS, MEMORY_KEYS, MemoryConfig
+from mtune.training.memory.registry import DISTRIBUTED_MEMORY_RULES, LORA_KEYS, MEMORY_KEYS, LoraConfig, MemoryConfig
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS, DISTRIBUTED_KEYS],
                       rules=DISTRIBUTED_RUN_RULES + DISTRIBUTED_MEMORY_RULES)
@@ -35,11 +35,11 @@ def main(cfg: DictConfig) -> None:
     # ---- setup: process group, device and dtype, tokenizer, sharded model with adapters, data, optimizer
     rank, world_size, _ = init_distributed(cfg.distributed_backend)
     run = setup_run(cfg, rank=rank, world_size=world_size)
-    memory = MemoryConfig.from_config(cfg)
+    memory, lora = MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
     model, activation_context = setup_sharded_model(
-        source, device=run.device, dtype=run.dtype, seed=run.seed, lora=cfg.lora, memory=memory,
+        source, device=run.device, dtype=run.dtype, seed=run.seed, lora=lora, memory=memory,
         fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward, fsdp_cpu_offload=cfg.fsdp_cpu_offload)
     data = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
     optimizer = build_optimizer(cfg.optimizer, model, memory)

@@ -41,7 +41,7 @@ from mtune.training.checkpointing.sharded import (
 from mtune.training.distributed import shard_model
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
-from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.registry import LoraConfig, MemoryConfig
 from mtune.training.memory.weight_offloading import offloaded_weights_materialized, weight_offloader
 
 __all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_model", "setup_sharded_model",
@@ -100,7 +100,7 @@ def setup_model(
     *,
     device: torch.device,
     dtype: torch.dtype,
-    lora: Mapping[str, Any] | None = None,
+    lora: LoraConfig | Mapping[str, Any] | None = None,
     memory: MemoryConfig = MemoryConfig(),
     materialize: bool = True,
     placement: Placement | None = None,
@@ -126,7 +126,7 @@ def setup_model(
 
 
 def materialize_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
-                      lora: Mapping[str, Any] | None = None, trainable: bool = True) -> None:
+                      lora: LoraConfig | Mapping[str, Any] | None = None, trainable: bool = True) -> None:
     """The second half of :func:`setup_model`: weights for the meta model (loaded, or random without a
     checkpoint; frozen weights go to host memory as they arrive when ``weight_offloading`` hooked the model), then
     fresh adapters and a frozen base. ``mtune plan`` runs this under ``FakeTensorMode`` with
@@ -197,7 +197,7 @@ def setup_sharded_model(
     device: torch.device,
     dtype: torch.dtype,
     seed: int,
-    lora: Mapping[str, Any] | None = None,
+    lora: LoraConfig | Mapping[str, Any] | None = None,
     memory: MemoryConfig = MemoryConfig(),
     fsdp_reshard_after_forward: bool,
     fsdp_cpu_offload: bool,
@@ -215,7 +215,7 @@ def setup_sharded_model(
 
 
 def build_sharded_model(source: ModelSource, *, device: torch.device, dtype: torch.dtype,
-                        lora: Mapping[str, Any] | None = None, memory: MemoryConfig = MemoryConfig(),
+                        lora: LoraConfig | Mapping[str, Any] | None = None, memory: MemoryConfig = MemoryConfig(),
                         fsdp_reshard_after_forward: bool, fsdp_cpu_offload: bool, placement: Placement | None = None):
     """The first half of :func:`setup_sharded_model`: the model on the meta device with its memory techniques
     (offloading between ``device`` and the host, or ``placement``), every block and the root sharded (FSDP2
@@ -227,7 +227,7 @@ def build_sharded_model(source: ModelSource, *, device: torch.device, dtype: tor
 
 
 def materialize_sharded_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device | str,
-                              dtype: torch.dtype, seed: int, lora: Mapping[str, Any] | None = None) -> None:
+                              dtype: torch.dtype, seed: int, lora: LoraConfig | Mapping[str, Any] | None = None) -> None:
     """The second half of :func:`setup_sharded_model`: each rank's rows of the checkpoint (or of random weights,
     without ``source.checkpoint_dir``), then fresh adapters. ``mtune plan`` runs this under ``FakeTensorMode``."""
     # Every rank draws the same full tensors from the same RNG stream, then keeps its rows; the draws are those of

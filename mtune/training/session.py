@@ -32,7 +32,7 @@ from mtune.training.data_setup import StepPlan
 from mtune.training.loop import NonFiniteLossError, StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.measured_memory import memory_breakdown, plan_check
 from mtune.training.memory.oom import oom_guard
-from mtune.training.memory.registry import LORA
+from mtune.training.memory.registry import LoraConfig
 from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.peak_flops import run_peak_flops
@@ -92,7 +92,7 @@ class TrainingSession:
         """
         train_loader, val_loader, plan = data
         plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"))
-        lora = LORA.node(cfg)
+        lora = LoraConfig.from_config(cfg)
         checkpointer_args = dict(
             output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
             base_checkpoint_dir=base_checkpoint_dir, lora=lora,

@@ -72,7 +72,7 @@ class Checkpointer:
         base_checkpoint_dir: the Hugging Face checkpoint the run started from (None for random weights); its
             config, tokenizer and generation files are copied into saved models, and a LoRA merge reads the base
             weights from it in their original precision.
-        lora: the config's ``lora`` node, or None for a full fine-tune.
+        lora: the run's `LoraConfig` (or the config's ``lora`` node), or None for a full fine-tune.
         save_adapter_weights_only: LoRA: skip the merged model.
         keep_last_n_checkpoints: prune older ``step_<N>`` checkpoints once a new one is complete.
         verify_checksums: check a checkpoint's files against its checksums before resuming from it.
@@ -82,13 +82,13 @@ class Checkpointer:
     """``resume_from_checkpoint=latest_intact``: the newest checkpoint whose files all match their checksums."""
 
     def __init__(self, *, output_dir: str | Path, config: Mapping[str, Any], base_checkpoint_dir: Path | None,
-                 lora: Mapping[str, Any] | None = None, save_adapter_weights_only: bool = False,
+                 lora: Any = None, save_adapter_weights_only: bool = False,
                  keep_last_n_checkpoints: int | None = None, max_shard_size: int | str = "5GB",
                  world_size: int = 1, verify_checksums: bool = True):
         self.output_dir = Path(output_dir)
         self.config = dict(config)
         self.base_checkpoint_dir = base_checkpoint_dir
-        self.lora = dict(lora) if lora is not None else None
+        self.lora = lora  # the config's lora node or LoraConfig; the PEFT writer reads it
         self.save_adapter_weights_only = save_adapter_weights_only
         self.max_shard_size = max_shard_size
         self.world_size = world_size

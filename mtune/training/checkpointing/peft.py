@@ -15,6 +15,7 @@ Key names are PEFT's: ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -74,7 +75,9 @@ class Adapter:
 
 
 def _plain(value: Any) -> Any:
-    # OmegaConf nodes -> plain containers, so configs and dicts are read the same way.
+    # OmegaConf nodes and typed configs (LoraConfig) -> plain containers, so all are read the same way.
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     if type(value).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
 

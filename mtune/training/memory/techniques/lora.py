@@ -110,10 +110,6 @@ class Lora(MemoryTechnique):
         apply_lora(model, modules=list(lora.modules), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                    use_dora=lora.use_dora, quantize_base=lora.quantize_base)
 
-    def node(self, cfg: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        """The config's ``lora`` node as written (None for a full fine-tune)."""
-        return cfg.get("lora")
-
     def describe(self, memory: Any, lora: LoraConfig | None = None) -> str:
         return lora.method if lora is not None else "off"
 
