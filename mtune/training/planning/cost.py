@@ -43,7 +43,7 @@ MICRO_BATCH_OVERHEAD_S = 0.02
 """Seconds each micro-batch costs beyond its FLOPs: kernel launches, Python and the small-matmul inefficiency of a
 forward and backward (the GPU's lower efficiency at small micro-batches, as one constant). Stated, not yet measured
 on a GPU: about 32 blocks x ~40 kernels x ~15 us of an 8B model's forward and backward."""
-HOST_ADAMW_SECONDS_PER_PARAM = 2.6e-9
+HOST_ADAMW_SECONDS_PER_PARAM = 1.2e-9
 """Seconds per parameter of torch's fused AdamW step on the host CPU (``optimizer_offload: cpu``), bf16 parameters:
 measured by ``benchmarks/host_adamw.py`` on this project's 2-core x86_64 machine (docs/plan.md)."""
 
