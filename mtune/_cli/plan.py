@@ -13,7 +13,8 @@ from mtune._cli.errors import UsageError
 from mtune._cli.run import load_and_check, parse_run_args
 
 USAGE = """\
-usage: mtune plan [--device-memory SIZE] [--host-memory SIZE] [--fit] [--json FILE] [--png FILE]
+usage: mtune plan [--device-memory SIZE] [--host-memory SIZE] [--fit [--lossless-only | --allow-lossy]]
+                  [--json FILE] [--png FILE]
                   [--nproc_per_node N] RECIPE --config CONFIG [key=value ...]
 
 Predict the peak memory of RECIPE with CONFIG (after the overrides) without running it: the recipe's own setup
@@ -23,10 +24,13 @@ training steps; no weight file is read and no real memory is used. The target is
 
 options:
   --device-memory SIZE   the device's memory (24GiB, 80GB, ...): say whether the plan fits and by how much
-  --host-memory SIZE     the host memory offloaded tensors may use
-  --fit                  search the memory flags for the configs that fit --device-memory, fastest first by the
-                         cost model (docs/plan.md), and write the best as a ready-to-run YAML (--output, default
-                         ./mtune_fit.yaml)
+  --host-memory SIZE     the host memory offloaded tensors may use (--fit: default this machine's available)
+  --fit                  search the memory flags for the fastest config that fits --device-memory (less an
+                         allocator margin of max(1 GiB, 5%)) and the host: lossless first (the same numbers),
+                         lossy ones only when nothing lossless fits; write it as a ready-to-run YAML (--output,
+                         default ./mtune_fit.yaml). docs/plan.md: the cost model and the order
+  --lossless-only        --fit: refuse rather than give up numerics (8-bit states, fp8/NF4 bases, clipping)
+  --allow-lossy          --fit: lossy choices compete on speed with the lossless ones
   --output FILE          where --fit writes the best config
   --json FILE            also write the plan as JSON (device_peak_bytes, host_peak_bytes, device/host categories)
   --png FILE             draw the plan as a stacked bar chart (default: beside --json, with .png)
@@ -95,8 +99,8 @@ def parse_plan_args(argv: list[str]) -> tuple[dict, list[str]]:
         name, eq, value = argv[i].partition("=")
         if name in ("-h", "--help"):
             options["help"] = True
-        elif name == "--fit":
-            options["fit"] = True
+        elif name in ("--fit", "--lossless-only", "--allow-lossy"):
+            options[name.lstrip("-").replace("-", "_")] = True
         elif name in _VALUED:
             if not eq:
                 if i + 1 >= len(argv):
@@ -142,12 +146,18 @@ def plan_command(argv: list[str]) -> int:
     if not (world_size.isdigit() and int(world_size) > 0):
         raise UsageError(f"--nproc_per_node {world_size}: expected a positive number of ranks to plan for")
     world_size = int(world_size)
+    if (options.get("lossless_only") or options.get("allow_lossy")) and not options["fit"]:
+        raise UsageError("--lossless-only and --allow-lossy choose what --fit may give up: add --fit")
+    if options.get("lossless_only") and options.get("allow_lossy"):
+        raise UsageError("--lossless-only and --allow-lossy contradict each other: give one")
     if options["fit"]:
         from mtune.training.planning.fit import fit_command
 
         return fit_command(cfg, recipe=args.recipe, config_path=config_path, overrides=args.overrides,
                            schema=module.SCHEMA, device_memory=device_memory, host_memory=host_memory, world_size=world_size,
-                           output=Path(options.get("output") or "mtune_fit.yaml"))
+                           output=Path(options.get("output") or "mtune_fit.yaml"),
+                           lossy="never" if options.get("lossless_only") else
+                           "compete" if options.get("allow_lossy") else "fallback")
     plan = plan_memory(cfg, device_memory=device_memory, host_memory=host_memory, world_size=world_size)
     print(f"mtune plan: {args.recipe} with {config_path} ({plan.seconds:.1f} s)")
     print(plan.table())

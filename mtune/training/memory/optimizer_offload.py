@@ -141,15 +141,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._backward_done()  # no-op after a backward; makes a step without one safe
         if self._copied_back is not None:
             self._copied_back.synchronize()  # the last copies still read the host values we are about to change
-        self.optimizer.step()
-        self._mark_states()
+        with self.placement.host_allocation():  # the step's states and temporaries are host memory
+            self.optimizer.step()
+        self.mark_states()
         for param, host in zip(self.params, self.host_params):
             param.copy_(host, non_blocking=self.placement.pinned)
         self._copied_back = torch.cuda.Event() if self.placement.pinned and self.placement.streams else None
         if self._copied_back is not None:
             self._copied_back.record()
 
-    def _mark_states(self) -> None:
+    def mark_states(self) -> None:
         """Tell the placement that the states the optimizer created (next to the host copies) are host memory:
         they are on the host device already, but where both are ``cpu`` only a mark tells them apart."""
         for state in self.state.values():
@@ -176,7 +177,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
-        self._mark_states()
+        self.mark_states()
         for param, host in zip(self.params, self.host_params):
             host.copy_(param)
 

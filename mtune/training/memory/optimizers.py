@@ -121,7 +121,12 @@ def build_optimizer(
             kwargs = _component_kwargs(component, cfg, placement.host)  # the step runs on the host
             log.info("optimizer_offload=%s: %s states in %s memory, stepped there", optimizer_offload, component,
                      placement.host)
-            return CPUOffloadOptimizer(named, _resolve(component), placement, **kwargs)
+            offloaded = CPUOffloadOptimizer(named, _resolve(component), placement, **kwargs)
+            if type(offloaded.optimizer) is torch.optim.AdamW:
+                with placement.host_allocation():  # the states live on the host from the start, beside the copies
+                    allocate_adamw_state(offloaded.optimizer)
+                offloaded.mark_states()
+            return offloaded
         log.info("optimizer_offload=%s: the model already computes in host memory (%s): the optimizer runs "
                  "unchanged, nothing is moved", optimizer_offload, placement.compute)
     kwargs = _component_kwargs(component, cfg, device)

@@ -17,7 +17,9 @@ Transfers between distinct devices use pinned host memory and side streams only 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -92,6 +94,17 @@ class Placement:
         finally:
             self._allocating_host -= 1
         return self.mark_host(host)
+
+    @contextlib.contextmanager
+    def host_allocation(self) -> Iterator[None]:
+        """Every storage created inside is a host one (a byte tracker counts it there): for work that runs on the
+        host, such as an optimizer step in host memory and the states it creates. Mark what it keeps with
+        :meth:`mark_host` before leaving."""
+        self._allocating_host += 1
+        try:
+            yield
+        finally:
+            self._allocating_host -= 1
 
     @property
     def allocating_host(self) -> bool:

@@ -40,11 +40,17 @@ def get(cfg: Any, dotted: str, default: Any = None) -> Any:
 class FitChoice(tuple):
     """One option of a technique in the ``--fit`` search: the pair ``(level, overrides)`` (a higher level saves more
     memory; level 0 leaves the technique off), and ``lossy``: when the option changes what a step computes compared
-    with the user's config, what is given up, in a few words (None: the same numbers)."""
+    with the user's config, what is given up, in a few words (None: the same numbers). ``quality_cost`` ranks what
+    is given up (``--fit`` tries the cheapest loss of quality first): 1 gradient clipping dropped, 2 8-bit
+    optimizer states, 3 fp8 base weights, 5 NF4 base weights (their measured drifts: docs/plan.md).
 
-    def __new__(cls, level: int, overrides: dict, lossy: str | None = None) -> "FitChoice":
+    An override whose value is a mapping replaces that node whole (``{"loss": {...}}``): no key of the component
+    it replaces survives."""
+
+    def __new__(cls, level: int, overrides: dict, lossy: str | None = None, quality_cost: int = 0) -> "FitChoice":
         choice = super().__new__(cls, (level, overrides))
         choice.lossy = lossy
+        choice.quality_cost = quality_cost if lossy else 0
         return choice
 
     @property
@@ -72,6 +78,14 @@ class ModelFacts:
     dtype's, since under fp16 autocast the stream stays fp32."""
     micro_batch_tokens: int
     step_tokens: int
+    cuda: bool = False
+    """Whether the run computes on a CUDA device (paged optimizer states exist only there)."""
+    trainable_numel: int = 0
+    """Trainable parameter elements (optimizer states and the host optimizer step scale with them)."""
+
+    @property
+    def micro_batches(self) -> int:
+        return max(1, self.step_tokens // max(1, self.micro_batch_tokens))
 
 
 class MemoryTechnique:
@@ -92,6 +106,10 @@ class MemoryTechnique:
     fit_knob: str | None = None
     """The name of its ``mtune plan --fit`` dimension (:meth:`fit_choices`), or None when the search leaves it as
     configured."""
+    fit_saves_floor_only: bool = False
+    """Whether all its choices save is in the floor ``--fit`` computes before planning (weights, optimizer states,
+    gradients), none in activations: then a choice whose floor saving is negligible for the budget is not searched
+    (an optimizer offload for LoRA's few adapter states)."""
 
     def enabled(self, memory: Any, lora: Any = None) -> bool:
         """Whether the run's `MemoryConfig` (and `LoraConfig`, None for a full fine-tune) turn it on; :meth:`apply`
@@ -127,6 +145,24 @@ class MemoryTechnique:
     def transfer_bytes_per_token(self, cfg: Any, facts: ModelFacts) -> float:
         """Bytes moved between the device and the host per trained token, as ``cfg`` configures it."""
         return 0.0
+
+    def state_home(self, cfg: Any) -> str | None:
+        """Where this technique, as ``cfg`` configures it, keeps the optimizer states: ``"host"`` (stepped there),
+        ``"managed"`` (CUDA managed memory: paged by the driver, outside the caching allocator), or None (it says
+        nothing: the device)."""
+        return None
+
+    def frozen_weights_home(self, cfg: Any) -> str | None:
+        """``"host"`` when this technique keeps the frozen weights in host memory between uses, else None."""
+        return None
+
+    def state_bytes_per_element(self, cfg: Any, facts: ModelFacts) -> float | None:
+        """Optimizer-state bytes per trainable element, where this technique decides them (None: not its say)."""
+        return None
+
+    def host_step_elements(self, cfg: Any, facts: ModelFacts) -> int:
+        """Trainable elements whose optimizer step runs on the host CPU each step (the cost model prices them)."""
+        return 0
 
     def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
         """``(rank, flag)`` settings that would lower the peak and are not set in ``cfg`` yet; a lower rank is

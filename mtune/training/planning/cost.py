@@ -15,6 +15,8 @@ bytes an element, like fp32.
 from __future__ import annotations
 
 import json
+
+import torch
 from omegaconf import OmegaConf
 
 from mtune.models import build_model_from_args
@@ -28,14 +30,22 @@ from mtune.training.memory.technique import ModelFacts
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.observe.flops import flops_per_token
 
-__all__ = ["step_cost", "model_flops_per_token", "transfer_bytes_per_token", "model_facts", "REFERENCE_FLOPS",
-           "REFERENCE_HOST_BANDWIDTH"]
+__all__ = ["step_cost", "model_flops_per_token", "transfer_bytes_per_token", "model_facts", "device_floor",
+           "REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH", "MICRO_BATCH_OVERHEAD_S", "HOST_ADAMW_SECONDS_PER_PARAM",
+           "is_cuda_target"]
 
 REFERENCE_FLOPS = 400e12
 """Sustained bf16 matmul FLOP/s of the reference GPU (an H100 SXM reaches ~400 of its 989 dense TFLOP/s in
 training); only ratios between candidates matter."""
 REFERENCE_HOST_BANDWIDTH = 25e9
 """Bytes/s between device and host (PCIe 4/5 x16 as measured by bandwidth tests, one direction)."""
+MICRO_BATCH_OVERHEAD_S = 0.02
+"""Seconds each micro-batch costs beyond its FLOPs: kernel launches, Python and the small-matmul inefficiency of a
+forward and backward (the GPU's lower efficiency at small micro-batches, as one constant). Stated, not yet measured
+on a GPU: about 32 blocks x ~40 kernels x ~15 us of an 8B model's forward and backward."""
+HOST_ADAMW_SECONDS_PER_PARAM = 1.2e-9
+"""Seconds per parameter of torch's fused AdamW step on the host CPU (``optimizer_offload: cpu``), bf16 parameters:
+measured by ``benchmarks/host_adamw.py`` on this project's 2-core x86_64 machine (docs/plan.md)."""
 
 
 def _node_key(node) -> str | None:
@@ -93,15 +103,54 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
     return _PARAMS_CACHE[key]
 
 
+def is_cuda_target(cfg) -> bool:
+    """Whether ``cfg`` computes on a CUDA device (``auto``: whether this machine has one)."""
+    device = str(cfg.get("device") or "auto")
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 def model_facts(cfg) -> ModelFacts:
     """The shape, stored bytes and tokens per micro-batch and per step of ``cfg``'s model."""
     args = resolve_model_source(cfg.model).args
     trainable, frozen = _parameter_bytes(cfg)
     micro_tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
+    numel = int(trainable / storage_dtype(str(cfg.get("dtype"))).itemsize)
     return ModelFacts(n_layers=args.n_layers, dim=args.dim, trainable_bytes=trainable, frozen_bytes=frozen,
                       residual_bytes=storage_dtype(str(cfg.get("dtype"))).itemsize,
                       micro_batch_tokens=micro_tokens,
-                      step_tokens=micro_tokens * int(cfg.get("gradient_accumulation_steps") or 1))
+                      step_tokens=micro_tokens * int(cfg.get("gradient_accumulation_steps") or 1),
+                      cuda=is_cuda_target(cfg), trainable_numel=numel)
+
+
+def _ask(method: str, cfg, *args):
+    """The first answer (not None) of the registry's techniques."""
+    return next((a for t in registry.TECHNIQUES if (a := getattr(t, method)(cfg, *args)) is not None), None)
+
+
+def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes that ``cfg`` must hold whatever its activations, as ``({what: device bytes}, {what: host bytes})``:
+    the weights (the frozen ones on the host when offloaded), the optimizer states where they live (device, host, or
+    managed memory: neither budget's floor), and the full set of gradients where nothing frees them during backward
+    (optimizer-in-backward and optimizer offload do). Sharded over ``world_size`` ranks (FSDP2). ``--fit`` refuses a
+    candidate whose floor exceeds a budget without planning it."""
+    facts = model_facts(cfg)
+    dtype = str(cfg.get("dtype"))
+    device: dict[str, float] = {}
+    host: dict[str, float] = {}
+    device[f"{dtype} trainable weights" if LoraConfig.from_config(cfg) is None else "adapters"] = facts.trainable_bytes
+    if facts.frozen_bytes:
+        (host if _ask("frozen_weights_home", cfg) == "host" else device)["frozen weights"] = facts.frozen_bytes
+    state_bytes = (_ask("state_bytes_per_element", cfg, facts) or 0.0) * facts.trainable_numel
+    home = _ask("state_home", cfg)
+    name = f"optimizer states ({str((cfg.get('optimizer') or {}).get('_component_', '')).rsplit('.', 1)[-1]})"
+    if home == "host":
+        host[name] = state_bytes
+        host["host copies and gradients"] = 2 * facts.trainable_bytes
+    elif home is None:
+        device[name] = state_bytes
+    if home != "host" and not registry.OPTIMIZER_IN_BACKWARD.enabled(registry.MemoryConfig.from_config(cfg)):
+        device["gradients"] = facts.trainable_bytes
+    return ({k: v / world_size for k, v in device.items()}, {k: v / world_size for k, v in host.items()})
 
 
 def transfer_bytes_per_token(cfg) -> float:
@@ -110,6 +159,15 @@ def transfer_bytes_per_token(cfg) -> float:
     return sum(technique.transfer_bytes_per_token(cfg, facts) for technique in registry.TECHNIQUES)
 
 
-def step_cost(cfg) -> float:
-    """Seconds per trained token on the reference GPU (see the module docstring)."""
-    return model_flops_per_token(cfg) / REFERENCE_FLOPS + transfer_bytes_per_token(cfg) / REFERENCE_HOST_BANDWIDTH
+def step_cost(cfg, paged_bytes: float = 0.0) -> float:
+    """Seconds per trained token on the reference GPU (see the module docstring): compute, and the transfers
+    (overlapped with compute on CUDA, where they run on side streams: the larger of the two counts), plus what
+    overlaps nothing: each micro-batch's fixed overhead, the host optimizer step of optimizer offload, and the
+    traffic of ``paged_bytes`` of managed optimizer state the device cannot keep resident (about twice a step)."""
+    facts = model_facts(cfg)
+    compute = model_flops_per_token(cfg) / REFERENCE_FLOPS
+    transfers = transfer_bytes_per_token(cfg) / REFERENCE_HOST_BANDWIDTH
+    moved = max(compute, transfers) if facts.cuda else compute + transfers
+    host_step = sum(t.host_step_elements(cfg, facts) for t in registry.TECHNIQUES) * HOST_ADAMW_SECONDS_PER_PARAM
+    paging = 2.0 * paged_bytes / REFERENCE_HOST_BANDWIDTH
+    return moved + MICRO_BATCH_OVERHEAD_S / facts.micro_batch_tokens + (host_step + paging) / facts.step_tokens

@@ -1,14 +1,29 @@
-"""``mtune plan --fit``: search the memory techniques' choices for the configs that fit a device, order them by
-one cost model, and write the best as a ready-to-run YAML.
+"""``mtune plan --fit``: search the memory techniques' choices for the configs that fit a device and its host, order
+them lossless first and by one cost model, and write the best as a ready-to-run YAML.
 
 The search space is :data:`KNOBS`: one per technique that declares a ``fit_knob``
-(`mtune.training.memory.registry.TECHNIQUES`, in registry order), then the micro-batch. Each knob lists its choices
-for the user's config (a level: higher saves more). Every candidate (one choice per knob) that the recipe's rules
-accept is ordered by :func:`~mtune.training.planning.cost.step_cost`; candidates are then planned for real
-(:func:`~mtune.training.planning.plan.plan_memory`, fake tensors) in that order. Pruning: when a candidate does not
-fit, every candidate that saves no more on any knob (each level <= its) cannot fit either and is never planned.
-The search stops after ``max_fits`` fitting candidates (the cheapest ones) or ``max_plans`` plans. Among equal
-costs the larger micro-batch and the fewer techniques win.
+(`mtune.training.memory.registry.TECHNIQUES`, in registry order), then the micro-batch (the config's samples per
+optimizer step, split into micro-batches of every power-of-two size: every candidate keeps them). Each knob lists
+its choices for the user's config (a level: higher saves more; a choice whose value is a node replaces that node
+whole). Every candidate (one choice per knob) that the recipe's rules accept is ordered by
+:func:`~mtune.training.planning.cost.step_cost`; ties go to the larger micro-batch, then the fewer techniques.
+
+Order: lossless candidates (the same numbers as the user's config) first. Only when none fits are lossy ones
+considered, the cheapest loss of quality first (each `FitChoice` ranks what it gives up), unless ``lossy="compete"``
+(``--allow-lossy``: every candidate competes on speed) or ``lossy="never"`` (``--lossless-only``: refuse instead).
+
+Per candidate, cheapest first:
+
+1. the floor (:func:`~mtune.training.planning.cost.device_floor`: weights, optimizer states, gradients where
+   nothing frees them) against each budget: over budget is rejected at once, with its reason, without planning;
+2. dominance: a candidate that saves no more than one that did not fit on any knob is never planned;
+3. the plan: :class:`Estimator` (one or two blocks planned and extrapolated per layer, micro-batch variants derived
+   from the per-token slope of two planned micro-batches of the same structure, each shortcut checked against a
+   whole plan by the tests; cached per variant). A candidate fits when its device total plus the allocator margin
+   (:func:`allocator_margin`) is within the device budget and its host peak within the host budget.
+
+The search stops after ``max_fits`` fitting candidates of the phase (or ``max_plans`` plans); the answer is the
+fitting candidate of lowest cost, re-priced with its plan (paged optimizer state the device cannot keep resident).
 """
 
 from __future__ import annotations
@@ -16,48 +31,82 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
+from mtune.errors import MtuneError
 from mtune.training.memory import registry
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
-from mtune.training.planning.cost import model_facts, step_cost
-from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
+from mtune.training.planning.cost import device_floor, model_facts, step_cost
+from mtune.training.planning.memory_plan import GIB, MemoryPlan, format_bytes
 from mtune.training.planning.plan import plan_memory
 
-__all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "search", "fit_command", "write_config"]
+__all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "Estimator", "search", "fit_command", "write_config",
+           "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
+
+LOSSY_POLICIES = ("fallback", "never", "compete")
+"""``fallback`` (default): lossy candidates only when nothing lossless fits; ``never`` (``--lossless-only``);
+``compete`` (``--allow-lossy``): lossy candidates compete on speed."""
+
+
+class FitError(MtuneError, ValueError):
+    """``--fit`` was asked something it cannot answer (it names the option to change)."""
+
+
+def allocator_margin(device_memory: int) -> int:
+    """Headroom a fit leaves for the caching allocator's reserved-but-free blocks: max(1 GiB, 5% of the budget)
+    (stated, until the GPU suite measures reserved minus allocated)."""
+    return int(max(GIB, 0.05 * device_memory))
+
+
+def available_host_memory() -> int:
+    """This machine's available memory (``MemAvailable``), the default host budget."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
 class Knob:
-    """One dimension of the search: ``choices(cfg)`` lists ``(level, overrides)`` pairs (`FitChoice`) for the
-    user's config; a higher level saves more."""
+    """One dimension of the search: ``choices(cfg)`` lists `FitChoice` ``(level, overrides)`` pairs for the user's
+    config; a higher level saves more."""
 
     name: str
     choices: Callable[[Any], list[FitChoice]]
+    floor_only: bool = False
+    """What its choices save is all in the floor (`MemoryTechnique.fit_saves_floor_only`)."""
 
 
 def _technique_knob(technique: MemoryTechnique) -> Knob:
-    return Knob(technique.fit_knob, lambda cfg: technique.fit_choices(cfg, model_facts(cfg)))
+    return Knob(technique.fit_knob, lambda cfg: technique.fit_choices(cfg, model_facts(cfg)),
+                technique.fit_saves_floor_only)
 
 
 def _micro_batch(cfg) -> list[FitChoice]:
-    """``batch_size`` halved down to 1, with ``gradient_accumulation_steps`` raised to keep the samples per step."""
-    batch, accumulation = int(cfg.batch_size), int(cfg.get("gradient_accumulation_steps") or 1)
-    choices, level = [], 0
+    """The config's samples per step (``batch_size`` x ``gradient_accumulation_steps``) as micro-batches of every
+    power-of-two split: all of them in one micro-batch first, halved down to 1 (or an odd size)."""
+    samples = int(cfg.batch_size) * int(cfg.get("gradient_accumulation_steps") or 1)
+    choices, batch, level = [], samples, 0
     while batch >= 1:
-        choices.append(FitChoice(level, {"batch_size": batch, "gradient_accumulation_steps": accumulation}))
+        choices.append(FitChoice(level, {"batch_size": batch, "gradient_accumulation_steps": samples // batch}))
         if batch % 2:
             break
-        batch, accumulation, level = batch // 2, accumulation * 2, level + 1
+        batch, level = batch // 2, level + 1
     return choices
 
 
@@ -77,11 +126,32 @@ class Candidate:
     overrides: dict
     levels: tuple[int, ...]
     cost: float
-    cfg: Any = None
+    base: Any = None
+    """The user's config; :attr:`cfg` is it with :attr:`overrides`, made when first asked for."""
     plan: MemoryPlan | None = None
     fits: bool | None = None
     pruned: bool = False
-    changes: dict = field(default_factory=dict)
+    lossy: tuple[str, ...] = ()
+    quality_cost: int = 0
+    reason: str | None = None
+    """Why it was rejected without a plan (its floor over a budget), one line."""
+    micro_batch: int = 0
+    _cfg: Any = None
+
+    @property
+    def cfg(self):
+        if self._cfg is None:
+            self._cfg = _apply(self.base, self.overrides)
+        return self._cfg
+
+    @property
+    def changes(self) -> dict:
+        """The keys the candidate changes in the user's config, with their new values."""
+        return _changes(self.base, self.cfg, sorted(self.overrides))
+
+    @property
+    def techniques(self) -> int:
+        return sum(1 for level in self.levels[:-1] if level)
 
 
 def _apply(cfg, overrides: dict):
@@ -96,65 +166,240 @@ def _changes(base, cfg, keys: Iterable[str]) -> dict:
     for key in keys:
         before = OmegaConf.select(base, key, default=None)
         after = OmegaConf.select(cfg, key, default=None)
+        if isinstance(before, DictConfig):
+            before = OmegaConf.to_container(before, resolve=True)
+        if isinstance(after, DictConfig):
+            after = OmegaConf.to_container(after, resolve=True)
         if before != after:
             changed[key] = after
     return changed
 
 
-def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, knobs: list[Knob] | None = None,
-           max_fits: int = 5, max_plans: int = 40, progress: Callable[[str], None] | None = None,
-           world_size: int = 1) -> list[Candidate]:
-    """Every candidate of ``knobs`` over ``cfg`` that ``schema``'s rules accept, cheapest first, each planned or
-    pruned as the module docstring says. Returns them all (``fits`` None where never planned)."""
+# ------------------------------------------------------------------------------------------------- estimating
+_LAYERS = (2, 4)
+"""The block counts planned to extrapolate a deeper model per layer (two, so that every-2nd-block checkpointing and
+the prefetch of weight offloading are in their steady state in both)."""
+
+
+def _lerp(a, b, t: float):
+    """``a + (b - a) * t``, recursively over the plan's dicts, never below 0."""
+    if isinstance(a, dict):
+        return {k: _lerp(a[k], b[k], t) for k in a}
+    return max(0, int(round(a + (b - a) * t)))
+
+
+def _combine(p: MemoryPlan, q: MemoryPlan, t: float, **changes) -> MemoryPlan:
+    fields_ = ("device_peak_bytes", "host_peak_bytes", "device", "host", "at_peak", "parameters", "managed_bytes")
+    return replace(p, **{name: _lerp(getattr(p, name), getattr(q, name), t) for name in fields_}, **changes)
+
+
+def _structure_key(cfg) -> str:
+    node = OmegaConf.to_container(cfg, resolve=True)
+    node.pop("batch_size", None)
+    node.pop("gradient_accumulation_steps", None)
+    return repr(sorted(node.items(), key=lambda kv: kv[0]))
+
+
+class Estimator:
+    """Plans candidates fast: a model of more than four blocks is planned with two and with four blocks and
+    extrapolated per layer (every figure is linear in the block count: weights, states, gradients and saved
+    activations per block); once two micro-batch sizes of one structure are planned in the same regime (one
+    micro-batch per step, or several), the others are derived from the per-sample slope between them. ``exact``
+    plans every candidate whole. Plans are cached per variant."""
+
+    def __init__(self, *, device_memory: int | None, host_memory: int | None, world_size: int = 1,
+                 exact: bool = False):
+        self.device_memory, self.host_memory, self.world_size, self.exact = (device_memory, host_memory,
+                                                                            world_size, exact)
+        self.planned = 0  # plans run (each small-model plan counts)
+        self.derived = 0  # plans derived from others without running
+        self._cache: dict[tuple, MemoryPlan] = {}
+        self._points: dict[tuple, dict[int, MemoryPlan]] = {}
+
+    def _plan(self, cfg, n_layers: int | None = None) -> MemoryPlan:
+        self.planned += 1
+        return plan_memory(cfg, device_memory=self.device_memory, host_memory=self.host_memory,
+                           world_size=self.world_size, n_layers=n_layers)
+
+    def whole(self, cfg) -> MemoryPlan:
+        """One plan of ``cfg`` as configured (no shortcut)."""
+        return self._plan(cfg)
+
+    def layered(self, cfg, n_layers: int | None = None) -> MemoryPlan:
+        """``cfg`` planned with two and four blocks and extrapolated to its own block count (or ``n_layers``)."""
+        n_layers = model_facts(cfg).n_layers if n_layers is None else n_layers
+        offloaded = any(t.frozen_weights_home(cfg) == "host" for t in registry.TECHNIQUES)
+        if self.exact or n_layers <= _LAYERS[-1] or offloaded:
+            # weight offloading's device peak is not linear in the block count between 2, 4 and more blocks (the
+            # tests measured 14.5 MB extrapolated against 21.7 MB planned at 8): planned whole
+            return self._plan(cfg, n_layers if n_layers != model_facts(cfg).n_layers else None)
+        small, large = (self._plan(cfg, n) for n in _LAYERS)
+        t = (n_layers - _LAYERS[0]) / (_LAYERS[1] - _LAYERS[0])
+        return _combine(small, large, t, estimated=f"planned with {_LAYERS[0]} and {_LAYERS[1]} blocks, "
+                                                  f"extrapolated to {n_layers}", seconds=small.seconds + large.seconds)
+
+    def estimate(self, cfg) -> MemoryPlan:
+        structure = _structure_key(cfg)
+        batch, accumulation = int(cfg.batch_size), int(cfg.get("gradient_accumulation_steps") or 1)
+        key = (structure, batch, accumulation)
+        if key in self._cache:
+            return self._cache[key]
+        regime = (structure, accumulation > 1)
+        points = self._points.setdefault(regime, {})
+        if len(points) >= 2 and not self.exact:
+            (b1, p1), (b2, p2) = sorted(points.items(), key=lambda kv: (abs(kv[0] - batch), kv[0]))[:2]
+            plan = _combine(p1, p2, (batch - b1) / (b2 - b1), seconds=0.0,
+                            batch={**p1.batch, "batch_size": batch, "accumulation": accumulation},
+                            estimated=(p1.estimated + "; " if p1.estimated else "")
+                            + f"micro-batch {batch} derived from {b1} and {b2} per sample")
+            self.derived += 1
+        else:
+            plan = self.layered(cfg)
+            points[batch] = plan
+        self._cache[key] = plan
+        return plan
+
+
+# ---------------------------------------------------------------------------------------------------- search
+def _floor_reason(cfg, device_budget: int, host_budget: int | None, context: int, world_size: int) -> str | None:
+    device, host = device_floor(cfg, world_size)
+    need = sum(device.values()) + context
+    if need > device_budget:
+        parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in device.items() if v)
+        alone = " alone" if len([v for v in device.values() if v]) == 1 else ""
+        return f"{parts}{alone}{' + context' if context else ''} = {format_bytes(need)} > {format_bytes(device_budget)}"
+    if host_budget is not None and sum(host.values()) > host_budget:
+        parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in host.items() if v)
+        return f"host: {parts} = {format_bytes(sum(host.values()))} > {format_bytes(host_budget)}"
+    return None
+
+
+NEGLIGIBLE_SAVING = 0.02
+"""A floor-only choice that saves less than this share of the device budget on the device floor is not searched:
+it would only add a technique (an optimizer offload for LoRA's few adapter states)."""
+
+
+def _worth_searching(cfg, knob: Knob, options: list[FitChoice], device_memory: int | None,
+                     world_size: int) -> list[FitChoice]:
+    """``options`` less the floor-only choices whose saving on ``cfg``'s device floor is negligible."""
+    if not knob.floor_only or device_memory is None or len(options) < 2:
+        return options
+
+    def floor(choice: FitChoice) -> float:
+        return sum(device_floor(_apply(cfg, choice.overrides), world_size)[0].values())
+
+    plain = floor(options[0])
+    return [options[0]] + [c for c in options[1:] if plain - floor(c) >= NEGLIGIBLE_SAVING * device_memory]
+
+
+def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory: int | None = None,
+                  world_size: int = 1) -> list[Candidate]:
+    """Every combination of the knobs' choices over ``cfg`` that ``schema``'s rules accept, unordered, less the
+    floor-only choices that save a negligible share of ``device_memory``. The last knob is the micro-batch: it is
+    set in place on one copy per combination of the others."""
     knobs = registry_knobs() if knobs is None else knobs
-    options = [knob.choices(cfg) for knob in knobs]
-    candidates = []
-    for combo in itertools.product(*options):
+    options = [_worth_searching(cfg, knob, knob.choices(cfg), device_memory, world_size) for knob in knobs]
+    out = []
+    for combo in itertools.product(*options[:-1]):
         overrides: dict = {}
-        for _, choice in combo:
-            overrides.update(choice)
+        for choice in combo:
+            overrides.update(choice.overrides)
         variant = _apply(cfg, overrides)
-        if schema is not None and any(rule(variant) for rule in schema.rules):
-            continue
-        keys = sorted({k for _, choice in combo for k in choice})
-        candidates.append(Candidate(overrides, tuple(level for level, _ in combo), step_cost(variant), variant,
-                                    changes=_changes(cfg, variant, keys)))
-    # cheapest first; among equals the larger micro-batch (lower level), then the fewer techniques
-    candidates.sort(key=lambda c: (round(c.cost, 15), c.levels[-1], sum(c.levels)))
+        for last in options[-1]:
+            for key, value in last.overrides.items():
+                OmegaConf.update(variant, key, value, merge=False, force_add=True)
+            if schema is not None and any(rule(variant) for rule in schema.rules):
+                continue
+            chosen = (*combo, last)
+            lossy = tuple(c.lossy for c in chosen if getattr(c, "lossy", None))
+            out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen), step_cost(variant),
+                                 base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
+                                 quality_cost=sum(getattr(c, "quality_cost", 0) for c in chosen)))
+    return out
+
+
+def _speed_key(c: Candidate):
+    return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques)
+
+
+def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, knobs: list[Knob] | None = None,
+           max_fits: int = 10, max_plans: int = 40, progress: Callable[[str], None] | None = None,
+           world_size: int = 1, lossy: str = "fallback", margin: int | None = None,
+           estimator: Estimator | None = None) -> list[Candidate]:
+    """Every candidate of ``knobs`` over ``cfg`` that ``schema``'s rules accept, in the order searched, each
+    rejected by its floor, pruned, planned or left (``fits`` None), as the module docstring says."""
+    if lossy not in LOSSY_POLICIES:
+        raise FitError(f"lossy={lossy!r}: one of {LOSSY_POLICIES}")
+    margin = allocator_margin(device_memory) if margin is None else margin
+    estimator = estimator or Estimator(device_memory=device_memory, host_memory=host_memory, world_size=world_size)
+    candidates = candidates_of(cfg, schema, knobs, device_memory=device_memory, world_size=world_size)
+    lossless = sorted((c for c in candidates if not c.lossy), key=_speed_key)
+    lossy_ones = [c for c in candidates if c.lossy]
+    if lossy == "compete":
+        phases = [sorted(candidates, key=_speed_key)]
+    elif lossy == "never":
+        phases = [lossless]
+    else:
+        phases = [lossless, sorted(lossy_ones, key=lambda c: (c.quality_cost, *_speed_key(c)))]
+    context = 512 * 1024**2 if model_facts(cfg).cuda else 0
+    device_budget = device_memory - margin
     failed: list[tuple[int, ...]] = []
-    state = {"fits": 0, "plans": 0}
+    ordered: list[Candidate] = []
 
     def dominated(levels) -> bool:
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
-    def plan(candidate: Candidate) -> None:
-        candidate.plan = plan_memory(candidate.cfg, device_memory=device_memory, host_memory=host_memory,
-                                     world_size=world_size)
-        state["plans"] += 1
-        spare = candidate.plan.fits()
-        candidate.fits = spare["device"] >= 0 and (spare["host"] is None or spare["host"] >= 0)
+    def consider(candidate: Candidate) -> None:
+        reason = _floor_reason(candidate.cfg, device_budget, host_memory, context, world_size)
+        if reason is not None:
+            candidate.reason, candidate.pruned, candidate.fits = reason, True, False
+            failed.append(candidate.levels)
+            return
+        if dominated(candidate.levels):
+            candidate.pruned, candidate.fits = True, False
+            return
+        candidate.plan = plan = estimator.estimate(candidate.cfg)
+        plan.device_memory, plan.host_memory = device_memory, host_memory
+        spare = plan.fits()
+        candidate.fits = spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
         if progress is not None:
-            progress(f"  plan {state['plans']}: {_describe(candidate.changes)}: "
-                     f"{format_bytes(candidate.plan.device_total_bytes)} {'fits' if candidate.fits else 'does not fit'}")
-        if not candidate.fits:
+            progress(f"  plan {estimator.planned:>2}: {_describe(candidate.changes)}: "
+                     f"{format_bytes(plan.device_total_bytes)} {'fits' if candidate.fits else 'does not fit'}")
+        if candidate.fits:
+            candidate.cost = step_cost(candidate.cfg, plan.paged_bytes())
+        else:
             failed.append(candidate.levels)
 
-    # Candidates of equal cost and micro-batch form a tier: its most-saving member is planned first, and when that
-    # does not fit, every member it dominates is pruned at once.
-    for _, tier in itertools.groupby(candidates, key=lambda c: (round(c.cost, 15), c.levels[-1])):
-        tier = list(tier)
-        top = max(tier, key=lambda c: sum(c.levels))
-        for candidate in [top] + [c for c in tier if c is not top]:
-            if state["fits"] >= max_fits or state["plans"] >= max_plans:
-                return candidates
-            if candidate.plan is not None:
-                continue
-            if dominated(candidate.levels):
-                candidate.pruned, candidate.fits = True, False
-                continue
-            plan(candidate)
-        state["fits"] += sum(1 for c in tier if c.fits)
-    return candidates
+    for number, phase in enumerate(phases):
+        fits, best_cost = 0, None
+        # Candidates of equal cost and micro-batch form a tier: its most-saving member is considered first, and when
+        # it does not fit, every member it dominates is pruned without a plan. A candidate's cost before planning is
+        # a lower bound of its cost after (planning can only add paging traffic), so the search of a phase ends
+        # when the next candidate cannot beat the best fit found.
+        for _, tier in itertools.groupby(phase, key=lambda c: (_speed_key(c)[0], c.levels[-1])):
+            tier = list(tier)
+            ordered.extend(tier)
+            top = max(tier, key=lambda c: sum(c.levels))
+            for candidate in [top] + [c for c in tier if c is not top]:
+                if fits >= max_fits or estimator.planned >= max_plans or candidate.fits is not None:
+                    continue
+                if best_cost is not None and candidate.cost >= best_cost:
+                    continue
+                consider(candidate)
+                if candidate.fits:
+                    fits += 1
+                    best_cost = candidate.cost if best_cost is None else min(best_cost, candidate.cost)
+        if fits and lossy != "compete":
+            ordered += [c for p in phases[number + 1:] for c in p]
+            break
+    return ordered
+
+
+def best_of(candidates: list[Candidate]) -> Candidate | None:
+    """The fitting candidate of lowest cost (lossless before lossy unless they competed: the search stopped at the
+    first phase with a fit)."""
+    fitting = [c for c in candidates if c.fits]
+    return min(fitting, key=_speed_key) if fitting else None
 
 
 def _describe(changes: dict) -> str:
@@ -166,44 +411,84 @@ def _yaml(value) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, Mapping):
+        component = value.get("_component_")
+        if component:
+            return str(component).rsplit(".", 1)[-1]
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
+def _rejections(candidates: list[Candidate]) -> list[str]:
+    """One line per distinct reason a family of candidates was rejected without a plan."""
+    seen: dict[str, int] = {}
+    for c in candidates:
+        if c.reason:
+            seen[c.reason] = seen.get(c.reason, 0) + 1
+    return [f"  {reason} ({n} candidate{'s' if n > 1 else ''})" for reason, n in seen.items()]
+
+
 def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], schema, device_memory: int | None,
-                host_memory: int | None, world_size: int, output: Path) -> int:
-    """``mtune plan --fit``: print the fitting configs cheapest first and write the best to ``output``."""
+                host_memory: int | None, world_size: int, output: Path, lossy: str = "fallback") -> int:
+    """``mtune plan --fit``: the fastest config that fits, its planned figures, what was given up, why the rest
+    was rejected; the best written to ``output``."""
     if device_memory is None:
         raise ConfigError("--fit needs --device-memory SIZE (the memory of the device to fit, e.g. 24GiB)")
-    print(f"mtune plan --fit: {recipe} with {config_path} into {format_bytes(device_memory)}")
+    start = time.process_time()
+    host_stated = "" if host_memory is not None else " (this machine's available memory; --host-memory to change)"
+    host_memory = available_host_memory() if host_memory is None else host_memory
+    margin = allocator_margin(device_memory)
+    print(f"mtune plan --fit: {recipe} with {config_path} into {format_bytes(device_memory)} "
+          f"(allocator margin {format_bytes(margin)}: max(1 GiB, 5%)), host {format_bytes(host_memory)}{host_stated}"
+          + (f", {world_size} ranks" if world_size > 1 else ""))
+    estimator = Estimator(device_memory=device_memory, host_memory=host_memory, world_size=world_size)
     candidates = search(cfg, schema, device_memory=device_memory, host_memory=host_memory, progress=print,
-                        world_size=world_size)
-    fitting = [c for c in candidates if c.fits]
-    planned = sum(1 for c in candidates if c.plan is not None)
-    pruned = sum(1 for c in candidates if c.pruned)
-    print(f"{len(candidates)} candidates, {planned} planned, {pruned} pruned without planning")
-    if not fitting:
-        print(f"nothing fits in {format_bytes(device_memory)}: a smaller model, a shorter tokenizer.max_seq_len or "
-              "a larger device")
+                        world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
+    best = best_of(candidates)
+    rejected = _rejections(candidates)
+    seconds = time.process_time() - start
+    print(f"{len(candidates)} candidates: {estimator.planned} plans run, {estimator.derived} derived, "
+          f"{sum(1 for c in candidates if c.reason)} rejected by their floor, "
+          f"{sum(1 for c in candidates if c.pruned and not c.reason)} pruned; {seconds:.0f} CPU-s")
+    if rejected:
+        print("rejected without planning:")
+        print("\n".join(rejected))
+    if best is None:
+        what = "nothing lossless fits" if lossy == "never" else "nothing fits"
+        print(f"{what} in {format_bytes(device_memory)} (host {format_bytes(host_memory)}): "
+              + ("--allow-lossy or without --lossless-only, lossy choices could; " if lossy == "never" else "")
+              + "a smaller model, a shorter tokenizer.max_seq_len, a LoRA recipe, or a larger device")
         return 1
-    base = fitting[0].cost
-    print(f"\n{'#':>2} {'cost':>6} {'device':>11} {'host':>10}  changes")
-    for i, c in enumerate(fitting, 1):
-        print(f"{i:>2} {c.cost / base:>5.2f}x {format_bytes(c.plan.device_total_bytes):>11} "
-              f"{format_bytes(c.plan.host_peak_bytes):>10}  {_describe(c.changes)}")
-    best = fitting[0]
+    plan = best.plan
+    print(f"\nanswer: {_describe(best.changes)}")
+    print(f"  device {format_bytes(plan.device_total_bytes)} of {format_bytes(device_memory)} (allocator peak "
+          f"{format_bytes(plan.device_peak_bytes)} + context; margin {format_bytes(margin)} kept), host "
+          f"{format_bytes(plan.host_peak_bytes)} of {format_bytes(host_memory)}"
+          + (f", managed {format_bytes(plan.managed_bytes)} ({format_bytes(plan.paged_bytes())} paged)"
+             if plan.managed_bytes else ""))
+    if plan.estimated:
+        print(f"  ({plan.estimated}; `mtune plan` on the written config gives the whole plan)")
+    samples = int(best.cfg.batch_size) * int(best.cfg.get("gradient_accumulation_steps") or 1)
+    print(f"  micro-batch {best.cfg.batch_size} x {best.cfg.get('gradient_accumulation_steps') or 1} "
+          f"accumulation = {samples} samples per step, as configured")
+    if best.lossy:
+        print(f"  lossy: nothing lossless fits in {format_bytes(device_memory)}; gives up "
+              + ", ".join(best.lossy) if lossy != "compete" else f"  lossy (--allow-lossy): gives up "
+              + ", ".join(best.lossy))
+    else:
+        print("  lossless: the same numbers as the config")
     write_config(config_path, overrides, best.changes, output)
-    print(f"\nbest written to {output}; run it with:\n  mtune run {recipe} --config {output}")
-    if "clip_grad_norm" in best.changes:
-        print("note: optimizer_in_bwd steps each weight during backward, so gradient clipping is off in it")
+    print(f"written to {output}; run it with:\n  mtune run {recipe} --config {output}")
     return 0
 
 
 def write_config(config_path: Path, overrides: list[str], changes: dict, output: Path) -> Path:
-    """The user's config with their overrides and the fit's changes, interpolations kept, as YAML."""
+    """The user's config with their overrides and the fit's changes (a node replaced whole), interpolations kept,
+    as YAML."""
     cfg = load_config(config_path, overrides)
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-    header = (f"# Written by `mtune plan --fit` from {config_path}; changed: {_describe(changes)}\n")
+    header = f"# Written by `mtune plan --fit` from {config_path}; changed: {_describe(changes)}\n"
     output = Path(output)
     output.write_text(header + OmegaConf.to_yaml(cfg))
     return output

@@ -46,6 +46,22 @@ class MemoryPlan:
     host_memory: int | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    managed_bytes: int = 0
+    """Optimizer states in CUDA managed memory (paged optimizers): outside the caching allocator, so not in
+    ``device_peak_bytes``; counted in ``host_peak_bytes`` (where the driver pages them under pressure)."""
+    estimated: str = ""
+    """How the figures were obtained when not by one whole plan (``--fit``'s extrapolation), else empty."""
+
+    def managed_resident_bytes(self) -> int:
+        """Managed bytes that stay on the device: as many as fit beside the allocator's peak and the context in
+        ``device_memory`` (all of them when no budget is given)."""
+        if self.device_memory is None:
+            return self.managed_bytes
+        return max(0, min(self.managed_bytes, self.device_memory - self.device_total_bytes))
+
+    def paged_bytes(self) -> int:
+        """Managed bytes the driver must page between host and device: each of them crosses about twice a step."""
+        return self.managed_bytes - self.managed_resident_bytes()
 
     @property
     def device_total_bytes(self) -> int:
@@ -56,13 +72,16 @@ class MemoryPlan:
         """Spare bytes per location (negative: short by that much); None where no budget was given."""
         return {
             "device": None if self.device_memory is None else self.device_memory - self.device_total_bytes,
-            "host": None if self.host_memory is None else self.host_memory - self.host_peak_bytes,
+            "host": None if self.host_memory is None else (self.host_memory - self.host_peak_bytes
+                                                           + self.managed_resident_bytes()),
         }
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["device_total_bytes"] = self.device_total_bytes
         out["spare_bytes"] = self.fits()
+        out["allocator_bytes"] = self.device_peak_bytes
+        out["managed_resident_bytes"] = self.managed_resident_bytes()
         out["unit"] = "bytes"
         return out
 
@@ -93,6 +112,13 @@ class MemoryPlan:
             lines.append(f"predicted peak of live tensors on {self.target}: {format_bytes(self.device_peak_bytes)} "
                          f"(peak_tensor_gib in metrics.jsonl)")
         lines.append(f"host (offloaded tensors): {format_bytes(self.host_peak_bytes)}")
+        if self.managed_bytes:
+            resident = self.managed_resident_bytes()
+            lines.append(f"managed memory (paged optimizer states, outside the allocator): "
+                         f"{format_bytes(self.managed_bytes)}; "
+                         + ("resident on the device beside the allocator's peak" if resident == self.managed_bytes
+                            else f"{format_bytes(resident)} resident, {format_bytes(self.paged_bytes())} paged to the "
+                                 "host (about twice that crosses PCIe each step)"))
         for where, spare in self.fits().items():
             if spare is None:
                 continue

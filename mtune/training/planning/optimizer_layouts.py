@@ -11,8 +11,10 @@ bitsandbytes (0.4x-0.50) Adam-family optimizers, per parameter ``p``:
   Smaller parameters get 32-bit states.
 - 32-bit (``PagedAdamW``, and the small parameters above): ``state1`` and ``state2`` fp32 of ``p``'s shape.
 
-The paged variants keep their states in CUDA unified memory, which the driver may page out to the host under
-pressure; the planner counts them on the device (what they take while the GPU has room).
+The paged variants keep their states in CUDA managed (unified) memory, which the caching allocator never sees
+and the driver pages between the GPU and the host. For a CUDA target the planner sets :attr:`managed` to the run's
+placement: the stand-in then creates its states as host storages (counted under ``host``), and the plan reports
+them as managed bytes beside the allocator's peak (`mtune.training.planning.memory_plan.MemoryPlan.managed_bytes`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class BnbAdamLayout(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, **kwargs))
         self.min_8bit_size = min_8bit_size
         self._qmaps: dict[int, torch.Tensor] = {}
+        self.managed = None  # a Placement: states live in managed memory, outside the device's allocator
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -44,7 +47,14 @@ class BnbAdamLayout(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    self._init_state(p, state)
+                    if self.managed is None:
+                        self._init_state(p, state)
+                    else:
+                        with self.managed.host_allocation():
+                            self._init_state(p, state)
+                        for value in state.values():
+                            if isinstance(value, torch.Tensor):
+                                self.managed.mark_host(value)
                 state["step"] += 1
         return None
 

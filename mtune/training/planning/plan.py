@@ -52,7 +52,7 @@ from mtune.training.loop import step_on_tensors
 from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.precision import autocast, storage_dtype
-from mtune.training.memory.registry import LoraConfig, MemoryConfig
+from mtune.training.memory.registry import TECHNIQUES, LoraConfig, MemoryConfig
 from mtune.training.model_setup import (
     ModelSource,
     build_sharded_model,
@@ -85,9 +85,10 @@ def _target(device: str) -> torch.device:
     return torch.device(torch.device(device).type)
 
 
-def _model_source(cfg):
+def _model_source(cfg, n_layers: int | None = None):
     source = resolve_model_source(cfg.model)  # reads config.json only
-    return ModelSource(source.family, source.args, None)  # random init under fake tensors: no weight file is read
+    args = source.args if n_layers is None else replace(source.args, n_layers=n_layers)
+    return ModelSource(source.family, args, None)  # random init under fake tensors: no weight file is read
 
 
 def _optimizer_node(cfg) -> dict:
@@ -130,13 +131,17 @@ def _planned_memory(cfg, cuda: bool) -> tuple[MemoryConfig, list[str]]:
     if memory.compile:
         memory = replace(memory, compile=False)
         notes.append("compile=true is planned eagerly: compiled blocks may hold fewer intermediates")
-    if str(cfg.optimizer.get("_component_", "")).startswith("bitsandbytes.optim.Paged") and cuda:
-        notes.append("paged optimizer states are counted on the GPU; under memory pressure the driver pages them "
-                     "to the host")
+    if _managed_states(cfg) and not cuda:
+        notes.append("paged optimizer states: without CUDA they are ordinary memory, counted on the device")
     if "fsdp_reshard_after_forward" in cfg and cfg.get("fsdp_cpu_offload"):
         notes.append("fsdp_cpu_offload: the shards, gradients and optimizer state FSDP2 keeps on the CPU are counted "
                      "on the device (not modelled yet)")
     return memory, notes
+
+
+def _managed_states(cfg) -> bool:
+    """Whether a technique keeps ``cfg``'s optimizer states in CUDA managed memory (paged optimizers)."""
+    return any(technique.state_home(cfg) == "managed" for technique in TECHNIQUES)
 
 
 @contextlib.contextmanager
@@ -165,9 +170,10 @@ def _quiet_setup():
 
 
 def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | None = None,
-                fake: bool = True, world_size: int = 1) -> MemoryPlan:
+                fake: bool = True, world_size: int = 1, n_layers: int | None = None) -> MemoryPlan:
     """Plan ``cfg`` (a training config with its recipe's defaults filled in). With ``fake=False`` the same
-    steps run on real tensors (tests compare the two)."""
+    steps run on real tensors (tests compare the two). ``n_layers`` plans the model with that many blocks instead
+    of its own (``--fit`` extrapolates per layer from two such plans)."""
     sharded = "fsdp_reshard_after_forward" in cfg  # a distributed recipe's config
     if world_size != 1 and not sharded:
         raise PlanError(f"--nproc_per_node {world_size}: recipe {cfg.get('recipe')} runs on one device; plan a "
@@ -182,7 +188,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     placement = Placement("cpu", "cpu", distinct=target.type != "cpu")
     memory, notes = _planned_memory(cfg, cuda)
     dtype = storage_dtype(str(cfg.dtype))
-    source = _model_source(cfg)
+    source = _model_source(cfg, n_layers)
     lora = LoraConfig.from_config(cfg)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
     group = _fake_process_group(world_size) if sharded and not dist.is_initialized() else contextlib.nullcontext()
@@ -203,9 +209,14 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             else:
                 materialize_model(model, source, device=cpu, dtype=dtype, lora=lora)
             optimizer = build_optimizer(_optimizer_node(cfg), model, memory, placement=placement, target_device=target)
+            managed = cuda and _managed_states(cfg)
+            if managed:  # paged states: CUDA managed memory, outside the allocator (counted apart, on the host)
+                for inner in inner_optimizers(optimizer):
+                    inner.managed = placement
             peaks = _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size,
                                source.args.vocab_size)
     params = list(model.parameters())
+    managed_bytes = peaks.category_peak["host"]["optimizer_state"] if managed else 0
     accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
     return MemoryPlan(
         target=str(target), world_size=world_size,
@@ -218,7 +229,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
         predicts="torch.cuda.max_memory_allocated()" if cuda else "peak_tensor_gib (live tensor bytes)",
         cuda_context_bytes=CUDA_CONTEXT_BYTES if cuda else 0,
         device_memory=device_memory, host_memory=host_memory,
-        seconds=time.perf_counter() - start, notes=notes,
+        seconds=time.perf_counter() - start, notes=notes, managed_bytes=managed_bytes,
     )
 
 

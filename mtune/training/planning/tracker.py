@@ -144,6 +144,7 @@ class TensorTracker(TorchDispatchMode):
         self._propagating = 0
         if model is not None:
             self.register_model(model)
+        self._recategorize_optimizer_state()  # states allocated up front (on the host, when offloaded)
         for t in self.placement.host_tensors():  # moved to the host before tracking began: offloaded weights
             self.track(t, "parameters", recategorize=False)
 

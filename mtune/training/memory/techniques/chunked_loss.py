@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts
+from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get
 
 __all__ = ["ChunkedLoss", "CHUNKED_LOSS"]
 
@@ -17,8 +17,12 @@ class ChunkedLoss(MemoryTechnique):
     fit_knob = "loss"
 
     def fit_choices(self, cfg: Any, facts: ModelFacts) -> list[FitChoice]:
-        return [FitChoice(0, {"loss._component_": "mtune.modules.loss.CrossEntropyLoss"}),
-                FitChoice(1, {"loss._component_": "mtune.modules.loss.ChunkedCrossEntropyLoss"})]
+        """The plain loss, or the chunked one (keeping the user's ``num_chunks``): each choice replaces the loss node
+        whole, so no key of one loss reaches the other (``CrossEntropyLoss`` takes no ``num_chunks``)."""
+        chunks = get(cfg, "loss.num_chunks", 8)
+        return [FitChoice(0, {"loss": {"_component_": "mtune.modules.loss.CrossEntropyLoss"}}),
+                FitChoice(1, {"loss": {"_component_": "mtune.modules.loss.ChunkedCrossEntropyLoss",
+                                       "num_chunks": int(chunks)}})]
 
     def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
         loss = str((cfg.get("loss") or {}).get("_component_", ""))

@@ -19,22 +19,18 @@ class OptimizerInBackward(MemoryTechnique):
                 "step each parameter's optimizer during backward and free its gradient"),)
     must_match_on_resume = ("optimizer_in_bwd",)  # changes the layout of the optimizer state
     fit_knob = "optimizer_in_bwd"
+    fit_saves_floor_only = True
 
     def enabled(self, memory: Any, lora: Any = None) -> bool:
         return memory.optimizer_in_bwd
 
     def fit_choices(self, cfg: Any, facts: ModelFacts) -> list[FitChoice]:
-        """Off, or on with clipping off and one micro-batch per step (what it cannot do). Lossy where the user's
-        config clips gradients or accumulates micro-batches: those change."""
-        given_up = []
-        if cfg.get("clip_grad_norm") is not None:
-            given_up.append("gradient clipping")
-        if int(cfg.get("gradient_accumulation_steps") or 1) > 1:
-            given_up.append("gradient accumulation")
-        lossy = "optimizer_in_bwd drops " + " and ".join(given_up) if given_up else None
+        """Off, or on with clipping off (what it cannot do). Lossy where the user's config clips gradients. It also
+        needs one micro-batch per step: the search keeps the samples per step by pairing it only with the
+        micro-batch that holds them all (the rules refuse accumulation with it)."""
+        lossy = "optimizer_in_bwd drops gradient clipping" if cfg.get("clip_grad_norm") is not None else None
         return [FitChoice(0, {"optimizer_in_bwd": False}),
-                FitChoice(1, {"optimizer_in_bwd": True, "clip_grad_norm": None, "gradient_accumulation_steps": 1},
-                          lossy=lossy)]
+                FitChoice(1, {"optimizer_in_bwd": True, "clip_grad_norm": None}, lossy=lossy, quality_cost=1)]
 
     def rules(self, cfg: Any) -> list[str]:
         """optimizer_in_bwd steps each parameter during backward, so nothing may need all gradients first."""

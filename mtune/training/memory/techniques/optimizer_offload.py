@@ -26,6 +26,7 @@ class OptimizerOffload(MemoryTechnique):
                 choices=OPTIMIZER_OFFLOAD_TARGETS),)
     # may change on resume: the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
     fit_knob = "optimizer_offload"
+    fit_saves_floor_only = True
 
     def enabled(self, memory: Any, lora: Any = None) -> bool:
         return memory.optimizer_offload is not None
@@ -68,6 +69,13 @@ class OptimizerOffload(MemoryTechnique):
             return []
         return ["optimizer_offload is a single-device technique: the distributed recipes offload parameters, "
                 "gradients and optimizer states with fsdp_cpu_offload=true; set optimizer_offload=null"]
+
+    def state_home(self, cfg: Any) -> str | None:
+        return "host" if get(cfg, "optimizer_offload") else None
+
+    def host_step_elements(self, cfg: Any, facts: ModelFacts) -> int:
+        """Every trainable element is stepped by the host's AdamW."""
+        return facts.trainable_numel if get(cfg, "optimizer_offload") else 0
 
     def transfer_bytes_per_token(self, cfg: Any, facts: ModelFacts) -> float:
         """Each micro-batch's gradients go out; the updated parameters come back once per step."""

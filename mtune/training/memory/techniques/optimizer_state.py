@@ -14,6 +14,14 @@ from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFac
 __all__ = ["OptimizerState", "OPTIMIZER_STATE"]
 
 
+_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+"""The keyword arguments every AdamW ``--fit`` offers takes (torch's, bitsandbytes' 32-bit and 8-bit)."""
+
+
+def _paged(component: str) -> bool:
+    return component.startswith("bitsandbytes.optim.Paged")
+
+
 def _low_bit(component: str) -> bool:
     return any(mark in component.lower() for mark in ("8bit", "4bit", "fp8"))
 
@@ -21,14 +29,42 @@ def _low_bit(component: str) -> bool:
 class OptimizerState(MemoryTechnique):
     name = "optimizer_state"
     fit_knob = "optimizer"
+    fit_saves_floor_only = True
 
     def fit_choices(self, cfg: Any, facts: ModelFacts) -> list[FitChoice]:
-        """AdamW with fp32 states, then bitsandbytes' 8-bit AdamW when bitsandbytes is installed."""
-        choices = [FitChoice(0, {"optimizer._component_": "torch.optim.AdamW"})]
+        """torch AdamW; with bitsandbytes installed, on a CUDA target, PagedAdamW (32-bit states in managed memory:
+        the same numbers) and PagedAdamW8bit; elsewhere AdamW8bit. Each replaces the optimizer node whole, keeping
+        only the keys every AdamW takes (``lr``, ``betas``, ``eps``, ``weight_decay``). 8-bit states are lossy
+        unless the user's config already keeps low-bit states."""
+        node = get(cfg, "optimizer", {}) or {}
+        kept = {key: node[key] for key in _ADAMW_KEYS if key in node and node[key] is not None}
+        already_low_bit = self.lossy(cfg) is not None
+        lossy = None if already_low_bit else "8-bit optimizer states"
+
+        def choice(level: int, component: str, lossy: str | None = None) -> FitChoice:
+            return FitChoice(level, {"optimizer": {"_component_": component, **kept}}, lossy=lossy, quality_cost=2)
+
+        choices = [choice(0, "torch.optim.AdamW")]
         if importlib.util.find_spec("bitsandbytes") is None:
             return choices
-        return choices + [FitChoice(1, {"optimizer._component_": "bitsandbytes.optim.AdamW8bit"},
-                                    lossy="8-bit optimizer states")]
+        if facts.cuda:
+            return choices + [choice(1, "bitsandbytes.optim.PagedAdamW"),
+                              choice(2, "bitsandbytes.optim.PagedAdamW8bit", lossy)]
+        return choices + [choice(2, "bitsandbytes.optim.AdamW8bit", lossy)]
+
+    def state_home(self, cfg: Any) -> str | None:
+        """bitsandbytes' paged optimizers allocate their states in CUDA managed memory."""
+        return "managed" if _paged(str(get(cfg, "optimizer._component_", ""))) else None
+
+    def state_bytes_per_element(self, cfg: Any, facts: ModelFacts) -> float | None:
+        """AdamW's two moments: in the parameter's dtype for torch's AdamW, fp32 for bitsandbytes' 32-bit states,
+        ~2 bytes (one per moment, plus a scale per 256) for 8-bit ones."""
+        component = str(get(cfg, "optimizer._component_", ""))
+        if _low_bit(component):
+            return 2.0 + 8.0 / 256
+        if component.startswith("bitsandbytes."):
+            return 8.0
+        return 2.0 * facts.trainable_bytes / max(1, facts.trainable_numel)
 
     def distributed_rules(self, cfg: Any) -> list[str]:
         """Optimizers that cannot step FSDP2's sharded (DTensor) parameters."""

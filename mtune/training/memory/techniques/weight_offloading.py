@@ -62,6 +62,7 @@ class WeightOffloadingTechnique(MemoryTechnique):
     from_yaml = {"weight_offloading": WeightOffloading.from_node}
     supports_compile = False  # compiled blocks would capture weights that are freed between uses
     fit_knob = "weight_offloading"
+    fit_saves_floor_only = True
 
     def enabled(self, memory: Any, lora: Any = None) -> bool:
         return memory.weight_offloading is not None
@@ -103,6 +104,9 @@ class WeightOffloadingTechnique(MemoryTechnique):
             return []
         return ["weight_offloading is a single-device technique: the distributed recipes offload parameters, "
                 "gradients and optimizer states with fsdp_cpu_offload=true; set weight_offloading=null"]
+
+    def frozen_weights_home(self, cfg: Any) -> str | None:
+        return "host" if get(cfg, "weight_offloading") else None
 
     def transfer_bytes_per_token(self, cfg: Any, facts: ModelFacts) -> float:
         """Every frozen weight comes in for forward and again for backward, a third time for leaf_level's

@@ -29,6 +29,7 @@ class WeightStorage(MemoryTechnique):
     must_match_on_resume = ("weight_storage_dtype", "weight_storage_skip_patterns")  # every later step computes
     # with the fp8-rounded weights
     fit_knob = "lora_method"  # fp8 is a level of the frozen base's storage, beside NF4 (lora.quantize_base)
+    fit_saves_floor_only = True
 
     def enabled(self, memory: Any, lora: Any = None) -> bool:
         return memory.weight_storage_dtype is not None
@@ -46,10 +47,13 @@ class WeightStorage(MemoryTechnique):
         (0.27x, ~20%; ``lora.quantize_base``). Only with a frozen base (a lora node)."""
         if cfg.get("lora") is None:
             return [FitChoice(0, {})]
+        # lossy relative to the user's own base: nothing is given up by a base at least as precise as theirs
+        theirs = 2 if get(cfg, "lora.quantize_base", False) else 1 if get(cfg, "weight_storage_dtype") else 0
         return [FitChoice(0, {"lora.quantize_base": False, "weight_storage_dtype": None}),
                 FitChoice(1, {"lora.quantize_base": False, "weight_storage_dtype": "float8_e4m3fn"},
-                          lossy="fp8 base weights"),
-                FitChoice(2, {"lora.quantize_base": True, "weight_storage_dtype": None}, lossy="NF4 base weights")]
+                          lossy="fp8 base weights" if theirs < 1 else None, quality_cost=3),
+                FitChoice(2, {"lora.quantize_base": True, "weight_storage_dtype": None},
+                          lossy="NF4 base weights" if theirs < 2 else None, quality_cost=5)]
 
     def rules(self, cfg: Any) -> list[str]:
         """fp8 storage is for frozen weights: it needs adapters to train (a full fine-tune updates every weight, and

@@ -1,0 +1,68 @@
+"""``mtune plan --fit`` answers for shipped configs at a range of device budgets, each in its own process, with the
+CPU-seconds it took: ``python benchmarks/fit_answers.py [--host-memory 128GiB] FAMILY/SIZE ...`` (default
+``llama3_1/8B``). Prints a table and writes ``benchmarks/results/fit_answers.json``; docs/plan.md shows it."""
+
+import json
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUDGETS = ("80GiB", "48GiB", "24GiB", "16GiB", "12GiB", "8GiB", "6GiB")
+METHODS = {"full": "full_single_device", "lora": "lora_single_device", "qlora": "lora_single_device"}
+
+
+def fit(model: str, method: str, budget: str, host: str) -> dict:
+    family, size = model.split("/")
+    config = f"{family}/{size}_{method}_single_device"
+    out = Path("/tmp") / f"mtune_fit_{family}_{size}_{method}_{budget}.yaml"
+    cmd = [sys.executable, "-m", "mtune", "plan", "--fit", "--device-memory", budget, "--host-memory", host,
+           "--output", str(out), METHODS[method], "--config", config, "model.checkpoint_dir=null",
+           f"model.family={family}", f"model.size={size}", "tokenizer.path=null", "device=cuda"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    text = proc.stdout
+    answer = re.search(r"^answer: (.*)$", text, re.M)
+    device = re.search(r"^  device (\S+ \S+) of", text, re.M)
+    host_used = re.search(r"host (\S+ \S+) of", text)
+    lossy = re.search(r"^  lossy.*gives up (.*)$", text, re.M)
+    nothing = re.search(r"^nothing.*$", text, re.M)
+    return {"model": model, "method": method, "budget": budget, "host_memory": host,
+            "answer": answer.group(1) if answer else None, "device": device.group(1) if device else None,
+            "host": host_used.group(1) if host_used and answer else None,
+            "gives_up": lossy.group(1) if lossy else None, "nothing_fits": nothing.group(0) if nothing else None,
+            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
+            "wall_s": round(time.perf_counter() - start, 1), "rc": proc.returncode,
+            "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1) else None}
+
+
+def main(argv: list[str]) -> None:
+    host = "128GiB"
+    if argv[:1] == ["--host-memory"]:
+        host, argv = argv[1], argv[2:]
+    models = argv or ["llama3_1/8B"]
+    rows = []
+    for model in models:
+        for method in METHODS:
+            for budget in BUDGETS:
+                row = fit(model, method, budget, host)
+                rows.append(row)
+                print(f"{model:<12} {method:<6} {budget:>6} {row['cpu_s']:>6.1f} CPU-s  "
+                      f"{row['device'] or '-':>10}  {row['answer'] or row['nothing_fits'] or row['error']}"
+                      + (f"  [lossy: {row['gives_up']}]" if row["gives_up"] else ""), flush=True)
+    out = REPO / "benchmarks" / "results" / "fit_answers.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+                               "load_average_end": os.getloadavg(), "rows": rows}, indent=1) + "\n")
+    print(f"json: {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

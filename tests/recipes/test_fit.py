@@ -1,0 +1,136 @@
+"""``mtune plan --fit`` on tiny models: it runs on every shipped flag set (single-device and distributed) and every
+YAML it writes validates; a lossy choice is made only when the lossless candidates measured over budget, and the
+chosen config really runs under the budget; optimizer offload and paged optimizers put their states where they
+live; each shortcut of the fast search (per-layer extrapolation, micro-batch derivation) against a whole plan; a
+budget below the floor is refused without a plan."""
+
+import json
+
+import pytest
+
+from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+from mtune._cli.run import load_and_check
+from mtune.training.planning.fit import KNOBS, Estimator, best_of, search, write_config
+from mtune.training.planning.plan import plan_memory
+from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
+from tests.recipes.test_plan_shipped_flag_sets import CONFIGS, REPO
+
+PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
+
+
+def _shipped(config: str):
+    family = config.split("/")[0]
+    text = (REPO / "recipes" / "configs" / f"{config}.yaml").read_text()
+    recipe = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("recipe:"))
+    overrides = ["device=cuda", "tokenizer.path=null", "tokenizer.max_seq_len=64"]
+    if family != "tiny":
+        overrides += ["model.checkpoint_dir=null", f"model.family={family}", "model.size=tiny"]
+    module = load_recipe_module(find_recipe(recipe))
+    return module, overrides, load_and_check(module, find_config(config), overrides)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fit_runs_on_every_shipped_flag_set_and_writes_valid_yaml(config, tmp_path):
+    module, overrides, cfg = _shipped(config)
+    world_size = 2 if "distributed" in str(cfg.recipe) else 1
+    candidates = search(cfg, module.SCHEMA, device_memory=1 << 30, world_size=world_size, max_plans=2,
+                        margin=0, lossy="compete")
+    assert candidates and any(c.plan is not None for c in candidates)
+    assert all(c.cfg.batch_size * c.cfg.gradient_accumulation_steps
+               == cfg.batch_size * cfg.gradient_accumulation_steps for c in candidates)  # samples per step kept
+    for i, candidate in enumerate([c for c in candidates if c.plan is not None] + candidates[:3]):
+        path = write_config(find_config(config), overrides, candidate.changes, tmp_path / f"fit{i}.yaml")
+        load_and_check(module, path, [])  # raises on any problem the validator finds
+
+
+def _tiny(tmp_path, checkpoint, data, changes):
+    return train_overrides(tmp_path, checkpoint, data, **{**PACKED, **changes})
+
+
+def test_lossy_only_when_lossless_measured_over_budget_and_the_answer_runs_under_it(tmp_path, tiny_checkpoint,
+                                                                                     tiny_data):
+    pytest.importorskip("bitsandbytes")
+    recipe = "full_single_device"
+    module = load_recipe_module(find_recipe(recipe))
+    overrides = _tiny(tmp_path, tiny_checkpoint, tiny_data, {}) + ["~lora"]
+    cfg = load_and_check(module, TRAIN_CONFIG, overrides)
+    knobs = [k for k in KNOBS if k.name in ("optimizer", "micro_batch")]
+    smallest_lossless = plan_memory(load_and_check(module, TRAIN_CONFIG, overrides + [
+        f"batch_size=1", f"gradient_accumulation_steps={cfg.batch_size * cfg.gradient_accumulation_steps}"]))
+    eight_bit = plan_memory(load_and_check(module, TRAIN_CONFIG, overrides + [
+        "optimizer._component_=bitsandbytes.optim.AdamW8bit"]))
+    assert eight_bit.device_peak_bytes < smallest_lossless.device_peak_bytes
+    budget = (eight_bit.device_peak_bytes + smallest_lossless.device_peak_bytes) // 2
+    candidates = search(cfg, module.SCHEMA, device_memory=budget, knobs=knobs, margin=0)
+    best = best_of(candidates)
+    assert best is not None and best.lossy == ("8-bit optimizer states",)
+    lossless = [c for c in candidates if not c.lossy]
+    assert lossless and all(c.fits is False for c in lossless)  # every one planned over budget, or pruned by one
+    assert any(c.plan is not None and c.plan.device_total_bytes > budget for c in lossless)
+    path = write_config(TRAIN_CONFIG, overrides, best.changes, tmp_path / "fit.yaml")
+    out = run_recipe_in_process(recipe, [f"output_dir={tmp_path / 'fit_run'}"], config=path)
+    measured = json.loads((out / "memory_breakdown.json").read_text())["device_peak_bytes"]
+    assert measured <= budget  # the tracker's peak of the real run
+    # --lossless-only refuses instead
+    assert best_of(search(cfg, module.SCHEMA, device_memory=budget, knobs=knobs, margin=0, lossy="never")) is None
+
+
+def test_optimizer_offload_keeps_no_state_on_the_device_at_steps_0_and_1(tmp_path, tiny_checkpoint, tiny_data):
+    module = load_recipe_module(find_recipe("full_single_device"))
+    cfg = load_and_check(module, TRAIN_CONFIG, _tiny(tmp_path, tiny_checkpoint, tiny_data, {
+        "device": "cuda", "optimizer_offload": "cpu"}) + ["~lora"])
+    for plan in (plan_memory(cfg), plan_memory(cfg, fake=False)):  # fake tensors, and real ones on a CPU "host"
+        # category peaks over both steps: the states were created on the host before step 0 and stepped there
+        assert plan.device["optimizer_state"] == 0 and plan.at_peak["device"]["optimizer_state"] == 0
+        assert plan.host["optimizer_state"] >= 2 * plan.parameters["trainable"] * 4  # two fp32 moments
+        assert plan.device["temporaries"] < plan.host["optimizer_state"]  # nor the host step's temporaries
+
+
+def test_paged_states_are_managed_memory_outside_the_allocator(tmp_path, tiny_checkpoint, tiny_data):
+    pytest.importorskip("bitsandbytes")
+    module = load_recipe_module(find_recipe("full_single_device"))
+    base = _tiny(tmp_path, tiny_checkpoint, tiny_data, {"device": "cuda"}) + ["~lora"]
+    paged = plan_memory(load_and_check(module, TRAIN_CONFIG, base + [
+        "optimizer._component_=bitsandbytes.optim.PagedAdamW"]), device_memory=1 << 30)
+    plain = plan_memory(load_and_check(module, TRAIN_CONFIG, base))
+    assert paged.device["optimizer_state"] == 0 and plain.device["optimizer_state"] > 0
+    # the same states (the device's figure rounds each to the allocator's 512-byte blocks)
+    assert paged.managed_bytes == pytest.approx(plain.device["optimizer_state"], rel=0.01)
+    assert paged.managed_resident_bytes() == paged.managed_bytes and paged.paged_bytes() == 0
+    assert paged.device_peak_bytes < plain.device_peak_bytes
+
+
+@pytest.mark.parametrize("changes", [
+    {"enable_activation_checkpointing": True, "activation_checkpointing_every_n_layers": 2},
+    {"enable_activation_checkpointing": True, "enable_activation_offloading": True,
+     "activation_offloading_use_streams": False},
+    {"lora.quantize_base": True},
+])
+def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_data, changes):
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    overrides = _tiny(tmp_path, tiny_checkpoint, tiny_data, {"device": "cuda", **changes})
+    cfg = load_and_check(module, TRAIN_CONFIG, overrides)
+    estimator = Estimator(device_memory=None, host_memory=None)
+    layered, whole = estimator.layered(cfg, n_layers=8), plan_memory(cfg, n_layers=8)
+    for name in ("device_peak_bytes", "host_peak_bytes"):  # 2 and 4 blocks extrapolated to 8
+        assert getattr(layered, name) == pytest.approx(getattr(whole, name), rel=0.02), name
+    # micro-batches 4 and 2 planned (several per step), micro-batch 1 derived from them per sample
+    samples = {"batch_size": 4, "gradient_accumulation_steps": 2}
+    for batch in (4, 2):
+        estimator.estimate(load_and_check(module, TRAIN_CONFIG, overrides + [
+            f"batch_size={batch}", f"gradient_accumulation_steps={8 // batch}"]))
+    one = load_and_check(module, TRAIN_CONFIG, overrides + ["batch_size=1", "gradient_accumulation_steps=8"])
+    derived = estimator.estimate(one)
+    assert estimator.derived == 1 and "derived" in derived.estimated and samples
+    assert derived.device_peak_bytes == pytest.approx(plan_memory(one).device_peak_bytes, rel=0.03)
+
+
+def test_a_budget_below_the_floor_is_refused_without_a_plan(capsys):
+    from mtune._cli.main import main
+
+    code = main(["plan", "--fit", "--device-memory", "8GiB", "--host-memory", "64GiB", "full_single_device",
+                 "--config", "llama3_1/8B_full_single_device", "model.checkpoint_dir=null", "model.family=llama3_1",
+                 "model.size=8B", "tokenizer.path=null", "device=cuda", "--output", "/dev/null"])
+    out = capsys.readouterr().out
+    assert code == 1 and " 0 plans run" in out, out
+    assert "bf16 trainable weights 14.96 GiB alone" in out and "nothing fits in 8.00 GiB" in out
