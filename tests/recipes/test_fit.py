@@ -10,7 +10,9 @@ import pytest
 
 from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
-from mtune.training.planning.fit import KNOBS, Estimator, best_of, search, write_config
+from mtune.training.planning.estimate import Estimator
+from mtune.training.planning.candidates import KNOBS
+from mtune.training.planning.fit import best_of, search, write_config
 from mtune.training.planning.plan import plan_memory
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
 from tests.recipes.test_plan_shipped_flag_sets import CONFIGS, REPO
@@ -56,7 +58,7 @@ def test_lossy_only_when_lossless_measured_over_budget_and_the_answer_runs_under
     cfg = load_and_check(module, TRAIN_CONFIG, overrides)
     knobs = [k for k in KNOBS if k.name in ("optimizer", "micro_batch")]
     smallest_lossless = plan_memory(load_and_check(module, TRAIN_CONFIG, overrides + [
-        f"batch_size=1", f"gradient_accumulation_steps={cfg.batch_size * cfg.gradient_accumulation_steps}"]))
+        "batch_size=1", f"gradient_accumulation_steps={cfg.batch_size * cfg.gradient_accumulation_steps}"]))
     eight_bit = plan_memory(load_and_check(module, TRAIN_CONFIG, overrides + [
         "optimizer._component_=bitsandbytes.optim.AdamW8bit"]))
     assert eight_bit.device_peak_bytes < smallest_lossless.device_peak_bytes

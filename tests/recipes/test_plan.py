@@ -153,7 +153,8 @@ def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, 
 def test_fit_picks_a_config_that_really_fits(tmp_path, tiny_checkpoint, tiny_data):
     from omegaconf import OmegaConf
 
-    from mtune.training.planning.fit import KNOBS, best_of, search, write_config
+    from mtune.training.planning.candidates import KNOBS
+    from mtune.training.planning.fit import best_of, search, write_config
 
     recipe = "lora_single_device"
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, {})
@@ -226,7 +227,7 @@ def test_per_rank_plan_matches_a_two_rank_run(tmp_path, tiny_checkpoint, tiny_da
 
 def test_fit_searches_fp8_storage_and_selective_op(tmp_path, tiny_checkpoint, tiny_data):
     from mtune.training.planning.cost import step_cost
-    from mtune.training.planning.fit import KNOBS
+    from mtune.training.planning.candidates import KNOBS
 
     knobs = {k.name: k for k in KNOBS}
     lora = _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {}))
@@ -247,7 +248,8 @@ def test_fit_searches_fp8_storage_and_selective_op(tmp_path, tiny_checkpoint, ti
 
 def test_fit_searches_the_offloading_techniques_and_charges_their_transfers(tmp_path, tiny_checkpoint, tiny_data):
     from mtune.training.planning.cost import step_cost, transfer_bytes_per_token
-    from mtune.training.planning.fit import KNOBS, search
+    from mtune.training.planning.candidates import KNOBS
+    from mtune.training.planning.fit import search
 
     knobs = {k.name: k for k in KNOBS}
     lora = _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {}))

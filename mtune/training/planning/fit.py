@@ -1,7 +1,7 @@
 """``mtune plan --fit``: search the memory techniques' choices for the configs that fit a device and its host, order
 them lossless first and by one cost model, and write the best as a ready-to-run YAML.
 
-The search space is :data:`KNOBS`: one per technique that declares a ``fit_knob``
+The search space is `mtune.training.planning.candidates.KNOBS`: one per technique that declares a ``fit_knob``
 (`mtune.training.memory.registry.TECHNIQUES`, in registry order), then the micro-batch (the config's samples per
 optimizer step, split into micro-batches of every power-of-two size: every candidate keeps them). Each knob lists
 its choices for the user's config (a level: higher saves more; a choice whose value is a node replaces that node
@@ -28,28 +28,24 @@ fitting candidate of lowest cost, re-priced with its plan (paged optimizer state
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
 from mtune.errors import MtuneError
-from mtune.training.memory import registry
-from mtune.training.memory.technique import FitChoice, MemoryTechnique
-from mtune.training.planning.cost import device_floor, model_facts, step_cost
-from mtune.training.planning.memory_plan import GIB, MemoryPlan, format_bytes
-from mtune.training.planning.plan import plan_memory
+from mtune.training.planning.cost import model_facts, step_cost
+from mtune.training.planning.candidates import Candidate, Knob, candidates_of, floor_reason
+from mtune.training.planning.estimate import Estimator
+from mtune.training.planning.memory_plan import GIB, format_bytes
 
-__all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "Estimator", "search", "fit_command", "write_config",
+__all__ = ["search", "fit_command", "write_config",
            "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
@@ -79,243 +75,6 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One dimension of the search: ``choices(cfg)`` lists `FitChoice` ``(level, overrides)`` pairs for the user's
-    config; a higher level saves more."""
-
-    name: str
-    choices: Callable[[Any], list[FitChoice]]
-    floor_only: bool = False
-    """What its choices save is all in the floor (`MemoryTechnique.fit_saves_floor_only`)."""
-
-
-def _technique_knob(technique: MemoryTechnique) -> Knob:
-    return Knob(technique.fit_knob, lambda cfg: technique.fit_choices(cfg, model_facts(cfg)),
-                technique.fit_saves_floor_only)
-
-
-def _micro_batch(cfg) -> list[FitChoice]:
-    """The config's samples per step (``batch_size`` x ``gradient_accumulation_steps``) as micro-batches of every
-    power-of-two split: all of them in one micro-batch first, halved down to 1 (or an odd size)."""
-    samples = int(cfg.batch_size) * int(cfg.get("gradient_accumulation_steps") or 1)
-    choices, batch, level = [], samples, 0
-    while batch >= 1:
-        choices.append(FitChoice(level, {"batch_size": batch, "gradient_accumulation_steps": samples // batch}))
-        if batch % 2:
-            break
-        batch, level = batch // 2, level + 1
-    return choices
-
-
-def registry_knobs() -> list[Knob]:
-    """The techniques searched, in registry order, and the micro-batch last (the search reads its level as
-    ``levels[-1]``). fp8 weight storage is a level of ``lora_method`` (with NF4) and activation offloading one of
-    ``activation_checkpointing``."""
-    return [_technique_knob(t) for t in registry.TECHNIQUES if t.fit_knob] + [Knob("micro_batch", _micro_batch)]
-
-
-KNOBS: list[Knob] = registry_knobs()
-"""`registry_knobs()` as the registry was imported."""
-
-
-@dataclass
-class Candidate:
-    overrides: dict
-    levels: tuple[int, ...]
-    cost: float
-    base: Any = None
-    """The user's config; :attr:`cfg` is it with :attr:`overrides`, made when first asked for."""
-    plan: MemoryPlan | None = None
-    fits: bool | None = None
-    pruned: bool = False
-    lossy: tuple[str, ...] = ()
-    quality_cost: int = 0
-    reason: str | None = None
-    """Why it was rejected without a plan (its floor over a budget), one line."""
-    micro_batch: int = 0
-    _cfg: Any = None
-
-    @property
-    def cfg(self):
-        if self._cfg is None:
-            self._cfg = _apply(self.base, self.overrides)
-        return self._cfg
-
-    @property
-    def changes(self) -> dict:
-        """The keys the candidate changes in the user's config, with their new values."""
-        return _changes(self.base, self.cfg, sorted(self.overrides))
-
-    @property
-    def techniques(self) -> int:
-        return sum(1 for level in self.levels[:-1] if level)
-
-
-def _apply(cfg, overrides: dict):
-    out = copy.deepcopy(cfg)
-    for key, value in overrides.items():
-        OmegaConf.update(out, key, value, merge=False, force_add=True)
-    return out
-
-
-def _changes(base, cfg, keys: Iterable[str]) -> dict:
-    changed = {}
-    for key in keys:
-        before = OmegaConf.select(base, key, default=None)
-        after = OmegaConf.select(cfg, key, default=None)
-        if isinstance(before, DictConfig):
-            before = OmegaConf.to_container(before, resolve=True)
-        if isinstance(after, DictConfig):
-            after = OmegaConf.to_container(after, resolve=True)
-        if before != after:
-            changed[key] = after
-    return changed
-
-
-# ------------------------------------------------------------------------------------------------- estimating
-_LAYERS = (2, 4)
-"""The block counts planned to extrapolate a deeper model per layer (two, so that every-2nd-block checkpointing and
-the prefetch of weight offloading are in their steady state in both)."""
-
-
-def _lerp(a, b, t: float):
-    """``a + (b - a) * t``, recursively over the plan's dicts, never below 0."""
-    if isinstance(a, dict):
-        return {k: _lerp(a[k], b[k], t) for k in a}
-    return max(0, int(round(a + (b - a) * t)))
-
-
-def _combine(p: MemoryPlan, q: MemoryPlan, t: float, **changes) -> MemoryPlan:
-    fields_ = ("device_peak_bytes", "host_peak_bytes", "device", "host", "at_peak", "parameters", "managed_bytes")
-    return replace(p, **{name: _lerp(getattr(p, name), getattr(q, name), t) for name in fields_}, **changes)
-
-
-def _structure_key(cfg) -> str:
-    node = OmegaConf.to_container(cfg, resolve=True)
-    node.pop("batch_size", None)
-    node.pop("gradient_accumulation_steps", None)
-    return repr(sorted(node.items(), key=lambda kv: kv[0]))
-
-
-class Estimator:
-    """Plans candidates fast: a model of more than four blocks is planned with two and with four blocks and
-    extrapolated per layer (every figure is linear in the block count: weights, states, gradients and saved
-    activations per block); once two micro-batch sizes of one structure are planned in the same regime (one
-    micro-batch per step, or several), the others are derived from the per-sample slope between them. ``exact``
-    plans every candidate whole. Plans are cached per variant."""
-
-    def __init__(self, *, device_memory: int | None, host_memory: int | None, world_size: int = 1,
-                 exact: bool = False):
-        self.device_memory, self.host_memory, self.world_size, self.exact = (device_memory, host_memory,
-                                                                            world_size, exact)
-        self.planned = 0  # plans run (each small-model plan counts)
-        self.derived = 0  # plans derived from others without running
-        self._cache: dict[tuple, MemoryPlan] = {}
-        self._points: dict[tuple, dict[int, MemoryPlan]] = {}
-
-    def _plan(self, cfg, n_layers: int | None = None) -> MemoryPlan:
-        self.planned += 1
-        return plan_memory(cfg, device_memory=self.device_memory, host_memory=self.host_memory,
-                           world_size=self.world_size, n_layers=n_layers)
-
-    def whole(self, cfg) -> MemoryPlan:
-        """One plan of ``cfg`` as configured (no shortcut)."""
-        return self._plan(cfg)
-
-    def layered(self, cfg, n_layers: int | None = None) -> MemoryPlan:
-        """``cfg`` planned with two and four blocks and extrapolated to its own block count (or ``n_layers``)."""
-        n_layers = model_facts(cfg).n_layers if n_layers is None else n_layers
-        offloaded = any(t.frozen_weights_home(cfg) == "host" for t in registry.TECHNIQUES)
-        if self.exact or n_layers <= _LAYERS[-1] or offloaded:
-            # weight offloading's device peak is not linear in the block count between 2, 4 and more blocks (the
-            # tests measured 14.5 MB extrapolated against 21.7 MB planned at 8): planned whole
-            return self._plan(cfg, n_layers if n_layers != model_facts(cfg).n_layers else None)
-        small, large = (self._plan(cfg, n) for n in _LAYERS)
-        t = (n_layers - _LAYERS[0]) / (_LAYERS[1] - _LAYERS[0])
-        return _combine(small, large, t, estimated=f"planned with {_LAYERS[0]} and {_LAYERS[1]} blocks, "
-                                                  f"extrapolated to {n_layers}", seconds=small.seconds + large.seconds)
-
-    def estimate(self, cfg) -> MemoryPlan:
-        structure = _structure_key(cfg)
-        batch, accumulation = int(cfg.batch_size), int(cfg.get("gradient_accumulation_steps") or 1)
-        key = (structure, batch, accumulation)
-        if key in self._cache:
-            return self._cache[key]
-        regime = (structure, accumulation > 1)
-        points = self._points.setdefault(regime, {})
-        if len(points) >= 2 and not self.exact:
-            (b1, p1), (b2, p2) = sorted(points.items(), key=lambda kv: (abs(kv[0] - batch), kv[0]))[:2]
-            plan = _combine(p1, p2, (batch - b1) / (b2 - b1), seconds=0.0,
-                            batch={**p1.batch, "batch_size": batch, "accumulation": accumulation},
-                            estimated=(p1.estimated + "; " if p1.estimated else "")
-                            + f"micro-batch {batch} derived from {b1} and {b2} per sample")
-            self.derived += 1
-        else:
-            plan = self.layered(cfg)
-            points[batch] = plan
-        self._cache[key] = plan
-        return plan
-
-
-# ---------------------------------------------------------------------------------------------------- search
-def _floor_reason(cfg, device_budget: int, host_budget: int | None, context: int, world_size: int) -> str | None:
-    device, host = device_floor(cfg, world_size)
-    need = sum(device.values()) + context
-    if need > device_budget:
-        parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in device.items() if v)
-        alone = " alone" if len([v for v in device.values() if v]) == 1 else ""
-        return f"{parts}{alone}{' + context' if context else ''} = {format_bytes(need)} > {format_bytes(device_budget)}"
-    if host_budget is not None and sum(host.values()) > host_budget:
-        parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in host.items() if v)
-        return f"host: {parts} = {format_bytes(sum(host.values()))} > {format_bytes(host_budget)}"
-    return None
-
-
-NEGLIGIBLE_SAVING = 0.02
-"""A floor-only choice that saves less than this share of the device budget on the device floor is not searched:
-it would only add a technique (an optimizer offload for LoRA's few adapter states)."""
-
-
-def _worth_searching(cfg, knob: Knob, options: list[FitChoice], device_memory: int | None,
-                     world_size: int) -> list[FitChoice]:
-    """``options`` less the floor-only choices whose saving on ``cfg``'s device floor is negligible."""
-    if not knob.floor_only or device_memory is None or len(options) < 2:
-        return options
-
-    def floor(choice: FitChoice) -> float:
-        return sum(device_floor(_apply(cfg, choice.overrides), world_size)[0].values())
-
-    plain = floor(options[0])
-    return [options[0]] + [c for c in options[1:] if plain - floor(c) >= NEGLIGIBLE_SAVING * device_memory]
-
-
-def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory: int | None = None,
-                  world_size: int = 1) -> list[Candidate]:
-    """Every combination of the knobs' choices over ``cfg`` that ``schema``'s rules accept, unordered, less the
-    floor-only choices that save a negligible share of ``device_memory``. The last knob is the micro-batch: it is
-    set in place on one copy per combination of the others."""
-    knobs = registry_knobs() if knobs is None else knobs
-    options = [_worth_searching(cfg, knob, knob.choices(cfg), device_memory, world_size) for knob in knobs]
-    out = []
-    for combo in itertools.product(*options[:-1]):
-        overrides: dict = {}
-        for choice in combo:
-            overrides.update(choice.overrides)
-        variant = _apply(cfg, overrides)
-        for last in options[-1]:
-            for key, value in last.overrides.items():
-                OmegaConf.update(variant, key, value, merge=False, force_add=True)
-            if schema is not None and any(rule(variant) for rule in schema.rules):
-                continue
-            chosen = (*combo, last)
-            lossy = tuple(c.lossy for c in chosen if getattr(c, "lossy", None))
-            out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen), step_cost(variant),
-                                 base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
-                                 quality_cost=sum(getattr(c, "quality_cost", 0) for c in chosen)))
-    return out
 
 
 def _speed_key(c: Candidate):
@@ -350,7 +109,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
     def consider(candidate: Candidate) -> None:
-        reason = _floor_reason(candidate.cfg, device_budget, host_memory, context, world_size)
+        reason = floor_reason(candidate.cfg, device_budget, host_memory, context, world_size)
         if reason is not None:
             candidate.reason, candidate.pruned, candidate.fits = reason, True, False
             failed.append(candidate.levels)
@@ -473,7 +232,7 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
           f"accumulation = {samples} samples per step, as configured")
     if best.lossy:
         print(f"  lossy: nothing lossless fits in {format_bytes(device_memory)}; gives up "
-              + ", ".join(best.lossy) if lossy != "compete" else f"  lossy (--allow-lossy): gives up "
+              + ", ".join(best.lossy) if lossy != "compete" else "  lossy (--allow-lossy): gives up "
               + ", ".join(best.lossy))
     else:
         print("  lossless: the same numbers as the config")

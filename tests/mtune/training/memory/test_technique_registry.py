@@ -19,6 +19,7 @@ from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.oom import memory_advice
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning import cost, fit
+from mtune.training.planning.candidates import registry_knobs
 
 BYTES_PER_TOKEN = 1e6
 
@@ -114,9 +115,9 @@ def test_it_is_applied_in_its_place_and_searched(registered):
                                             enable_activation_checkpointing=True))
     apply_memory_techniques(model, memory)
     assert [block.dummy_mark for block in model.layers] == [3] * len(model.layers)
-    names = [knob.name for knob in fit.registry_knobs()]
+    names = [knob.name for knob in registry_knobs()]
     assert names.index("dummy") == names.index("activation_checkpointing") + 1  # searched in registry order
-    knobs = {knob.name: knob for knob in fit.registry_knobs()}
+    knobs = {knob.name: knob for knob in registry_knobs()}
     assert [c.lossy for c in knobs["dummy"].choices(_cfg(schema))] == [None, "marks"]
     searched = [knobs["dummy"], knobs["micro_batch"]]
     candidates = fit.search(_cfg(schema), schema, device_memory=1 << 40, knobs=searched, max_fits=0, max_plans=0)

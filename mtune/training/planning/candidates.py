@@ -1,0 +1,172 @@
+"""The ``--fit`` search space: one :class:`Knob` per technique that declares a ``fit_knob`` (registry order), then
+the micro-batch; :func:`candidates_of` combines their choices into every :class:`Candidate` the recipe's rules
+accept; :func:`floor_reason` says why a candidate's floor (weights, states, gradients that nothing frees) is over a
+budget before anything is planned."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from mtune.training.memory import registry
+from mtune.training.memory.technique import FitChoice, MemoryTechnique
+from mtune.training.planning.cost import device_floor, model_facts, step_cost
+from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
+
+__all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "candidates_of", "floor_reason", "NEGLIGIBLE_SAVING"]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One dimension of the search: ``choices(cfg)`` lists `FitChoice` ``(level, overrides)`` pairs for the user's
+    config; a higher level saves more."""
+
+    name: str
+    choices: Callable[[Any], list[FitChoice]]
+    floor_only: bool = False
+    """What its choices save is all in the floor (`MemoryTechnique.fit_saves_floor_only`)."""
+
+
+def _technique_knob(technique: MemoryTechnique) -> Knob:
+    return Knob(technique.fit_knob, lambda cfg: technique.fit_choices(cfg, model_facts(cfg)),
+                technique.fit_saves_floor_only)
+
+
+def _micro_batch(cfg) -> list[FitChoice]:
+    """The config's samples per step (``batch_size`` x ``gradient_accumulation_steps``) as micro-batches of every
+    power-of-two split: all of them in one micro-batch first, halved down to 1 (or an odd size)."""
+    samples = int(cfg.batch_size) * int(cfg.get("gradient_accumulation_steps") or 1)
+    choices, batch, level = [], samples, 0
+    while batch >= 1:
+        choices.append(FitChoice(level, {"batch_size": batch, "gradient_accumulation_steps": samples // batch}))
+        if batch % 2:
+            break
+        batch, level = batch // 2, level + 1
+    return choices
+
+
+def registry_knobs() -> list[Knob]:
+    """The techniques searched, in registry order, and the micro-batch last (the search reads its level as
+    ``levels[-1]``). fp8 weight storage is a level of ``lora_method`` (with NF4) and activation offloading one of
+    ``activation_checkpointing``."""
+    return [_technique_knob(t) for t in registry.TECHNIQUES if t.fit_knob] + [Knob("micro_batch", _micro_batch)]
+
+
+KNOBS: list[Knob] = registry_knobs()
+"""`registry_knobs()` as the registry was imported."""
+
+
+@dataclass
+class Candidate:
+    overrides: dict
+    levels: tuple[int, ...]
+    cost: float
+    base: Any = None
+    """The user's config; :attr:`cfg` is it with :attr:`overrides`, made when first asked for."""
+    plan: MemoryPlan | None = None
+    fits: bool | None = None
+    pruned: bool = False
+    lossy: tuple[str, ...] = ()
+    quality_cost: int = 0
+    reason: str | None = None
+    """Why it was rejected without a plan (its floor over a budget), one line."""
+    micro_batch: int = 0
+    _cfg: Any = None
+
+    @property
+    def cfg(self):
+        if self._cfg is None:
+            self._cfg = _apply(self.base, self.overrides)
+        return self._cfg
+
+    @property
+    def changes(self) -> dict:
+        """The keys the candidate changes in the user's config, with their new values."""
+        return _changes(self.base, self.cfg, sorted(self.overrides))
+
+    @property
+    def techniques(self) -> int:
+        return sum(1 for level in self.levels[:-1] if level)
+
+
+def _apply(cfg, overrides: dict):
+    out = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        OmegaConf.update(out, key, value, merge=False, force_add=True)
+    return out
+
+
+def _changes(base, cfg, keys: Iterable[str]) -> dict:
+    changed = {}
+    for key in keys:
+        before = OmegaConf.select(base, key, default=None)
+        after = OmegaConf.select(cfg, key, default=None)
+        if isinstance(before, DictConfig):
+            before = OmegaConf.to_container(before, resolve=True)
+        if isinstance(after, DictConfig):
+            after = OmegaConf.to_container(after, resolve=True)
+        if before != after:
+            changed[key] = after
+    return changed
+
+
+def floor_reason(cfg, device_budget: int, host_budget: int | None, context: int, world_size: int) -> str | None:
+    device, host = device_floor(cfg, world_size)
+    need = sum(device.values()) + context
+    if need > device_budget:
+        parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in device.items() if v)
+        alone = " alone" if len([v for v in device.values() if v]) == 1 else ""
+        return f"{parts}{alone}{' + context' if context else ''} = {format_bytes(need)} > {format_bytes(device_budget)}"
+    if host_budget is not None and sum(host.values()) > host_budget:
+        parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in host.items() if v)
+        return f"host: {parts} = {format_bytes(sum(host.values()))} > {format_bytes(host_budget)}"
+    return None
+
+
+NEGLIGIBLE_SAVING = 0.02
+"""A floor-only choice that saves less than this share of the device budget on the device floor is not searched:
+it would only add a technique (an optimizer offload for LoRA's few adapter states)."""
+
+
+def _worth_searching(cfg, knob: Knob, options: list[FitChoice], device_memory: int | None,
+                     world_size: int) -> list[FitChoice]:
+    """``options`` less the floor-only choices whose saving on ``cfg``'s device floor is negligible."""
+    if not knob.floor_only or device_memory is None or len(options) < 2:
+        return options
+
+    def floor(choice: FitChoice) -> float:
+        return sum(device_floor(_apply(cfg, choice.overrides), world_size)[0].values())
+
+    plain = floor(options[0])
+    return [options[0]] + [c for c in options[1:] if plain - floor(c) >= NEGLIGIBLE_SAVING * device_memory]
+
+
+def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory: int | None = None,
+                  world_size: int = 1) -> list[Candidate]:
+    """Every combination of the knobs' choices over ``cfg`` that ``schema``'s rules accept, unordered, less the
+    floor-only choices that save a negligible share of ``device_memory``. The last knob is the micro-batch: it is
+    set in place on one copy per combination of the others."""
+    knobs = registry_knobs() if knobs is None else knobs
+    options = [_worth_searching(cfg, knob, knob.choices(cfg), device_memory, world_size) for knob in knobs]
+    out = []
+    for combo in itertools.product(*options[:-1]):
+        overrides: dict = {}
+        for choice in combo:
+            overrides.update(choice.overrides)
+        variant = _apply(cfg, overrides)
+        for last in options[-1]:
+            for key, value in last.overrides.items():
+                OmegaConf.update(variant, key, value, merge=False, force_add=True)
+            if schema is not None and any(rule(variant) for rule in schema.rules):
+                continue
+            chosen = (*combo, last)
+            lossy = tuple(c.lossy for c in chosen if getattr(c, "lossy", None))
+            out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen), step_cost(variant),
+                                 base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
+                                 quality_cost=sum(getattr(c, "quality_cost", 0) for c in chosen)))
+    return out
