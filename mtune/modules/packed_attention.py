@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["document_boundaries", "segment_attention", "segment_kernel", "varlen_available"]
+__all__ = ["document_boundaries", "segment_attention", "segment_kernel", "kernel_for", "varlen_available"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -57,7 +57,13 @@ def varlen_available() -> bool:
 
 def segment_kernel(q: torch.Tensor, window: int | None = None) -> str:
     """The kernel :func:`segment_attention` runs for queries like ``q`` (see the module docstring)."""
-    if (_VARLEN is not None and q.device.type == "cuda" and q.dtype in _HALF
+    return kernel_for(q.device, q.dtype, window)
+
+
+def kernel_for(device: torch.device | str, dtype: torch.dtype, window: int | None = None) -> str:
+    """The kernel :func:`segment_attention` runs for queries of ``dtype`` on ``device``: ``varlen_flash`` or
+    ``sdpa_per_segment``."""
+    if (_VARLEN is not None and torch.device(device).type == "cuda" and dtype in _HALF
             and (window is None or "window_size" in _VARLEN[1])):
         return "varlen_flash"
     return "sdpa_per_segment"

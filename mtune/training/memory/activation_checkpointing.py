@@ -21,6 +21,7 @@ checkpoint keys) do not change.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from torch import nn
@@ -35,11 +36,19 @@ __all__ = ["apply_activation_checkpointing", "checkpoint_policy", "is_checkpoint
 def saved_ops() -> frozenset:
     """The aten ops whose outputs ``selective_op`` keeps: matrix multiplies (what linears lower to, with or without
     bias, batched or not) and every fused attention kernel this build of torch has (CPU, CUDA flash, efficient,
-    cuDNN, math)."""
+    cuDNN, math, and ``torch.ops.torch_attn._varlen_attn``, the varlen flash kernel of packed rows)."""
     names = ["mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"]
-    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
+    ops = {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+    try:  # packed rows on CUDA (torch 2.10+): importing the module registers its op
+        importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        pass
+    varlen = getattr(getattr(torch.ops, "torch_attn", None), "_varlen_attn", None)
+    if varlen is not None:
+        ops.add(varlen.default)
+    return frozenset(ops)
 
 
 def selective_op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
