@@ -13,7 +13,7 @@ from mtune._cli.errors import UsageError
 from mtune._cli.run import load_and_check, parse_run_args
 
 USAGE = """\
-usage: mtune plan [--device-memory SIZE] [--host-memory SIZE] [--fit] [--json FILE] [--png FILE]
+usage: mtune plan [--device-memory SIZE] [--host-memory SIZE] [--fit] [--from-data] [--json FILE] [--png FILE]
                   [--nproc_per_node N] RECIPE --config CONFIG [key=value ...]
 
 Predict the peak memory of RECIPE with CONFIG (after the overrides) without running it: the recipe's own setup
@@ -28,6 +28,8 @@ options:
                          cost model (docs/plan.md), and write the best as a ready-to-run YAML (--output, default
                          ./mtune_fit.yaml)
   --output FILE          where --fit writes the best config
+  --from-data            read the config's dataset (tokenized as a run would), print its row lengths (min, median,
+                         p95, max) and plan the longest batch it makes instead of rows of tokenizer.max_seq_len
   --json FILE            also write the plan as JSON (device_peak_bytes, host_peak_bytes, device/host categories)
   --png FILE             draw the plan as a stacked bar chart (default: beside --json, with .png)
   --nproc_per_node N     plan each rank of an N-process distributed run (FSDP2)
@@ -97,6 +99,8 @@ def parse_plan_args(argv: list[str]) -> tuple[dict, list[str]]:
             options["help"] = True
         elif name == "--fit":
             options["fit"] = True
+        elif name == "--from-data":
+            options["from_data"] = True
         elif name in _VALUED:
             if not eq:
                 if i + 1 >= len(argv):
@@ -148,7 +152,15 @@ def plan_command(argv: list[str]) -> int:
         return fit_command(cfg, recipe=args.recipe, config_path=config_path, overrides=args.overrides,
                            schema=module.SCHEMA, device_memory=device_memory, host_memory=host_memory, world_size=world_size,
                            output=Path(options.get("output") or "mtune_fit.yaml"))
-    plan = plan_memory(cfg, device_memory=device_memory, host_memory=host_memory, world_size=world_size)
+    seq_len = None
+    if options.get("from_data"):
+        from mtune.training.planning.data_lengths import data_lengths
+
+        lengths = data_lengths(cfg)
+        print(lengths.line())
+        seq_len = lengths.longest_batch
+    plan = plan_memory(cfg, device_memory=device_memory, host_memory=host_memory, world_size=world_size,
+                       seq_len=seq_len)
     print(f"mtune plan: {args.recipe} with {config_path} ({plan.seconds:.1f} s)")
     print(plan.table())
     if "json" in options:
