@@ -173,11 +173,10 @@ CASES: list[Case] = [
          "8B LoRA, batch 1, checkpointing + activation offloading, the longest max_seq_len planned to fit",
          L8B + LORA_RUN + ("enable_activation_offloading=true",), kind="longest_context", batch_size=1, steps=3,
          warmup=2, minutes=4.0),
-    Case("llama3_1_8B_lora_packed4096_flex", 7, "llama3_1/8B_lora_single_device", "lora_single_device",
-         "8B LoRA, compiled, packed 4096 x 2, block-causal attention by FlexAttention",
-         L8B + LORA_RUN + ("attention_kernel=flex",), compile=True, batch_size=2, seq_len=4096,
-         needs=("attention_kernel",), pending="the long-context issue's packed attention kernel (key attention_kernel)",
-         minutes=2.5),
+    Case("llama3_1_8B_lora_packed4096_segments", 7, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, compiled, packed 4096 x 2, attention per document from its boundaries (varlen flash on CUDA)",
+         L8B + LORA_RUN + ("attention_kernel=segments",), compile=True, batch_size=2, seq_len=4096,
+         needs=("attention_kernel",), minutes=2.5),
 ]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),

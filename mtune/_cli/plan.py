@@ -14,7 +14,7 @@ from mtune._cli.run import load_and_check, parse_run_args
 
 USAGE = """\
 usage: mtune plan [--device-memory SIZE] [--host-memory SIZE] [--fit [--lossless-only | --allow-lossy]]
-                  [--json FILE] [--png FILE]
+                  [--from-data] [--json FILE] [--png FILE]
                   [--nproc_per_node N] RECIPE --config CONFIG [key=value ...]
 
 Predict the peak memory of RECIPE with CONFIG (after the overrides) without running it: the recipe's own setup
@@ -32,6 +32,8 @@ options:
   --lossless-only        --fit: refuse rather than give up numerics (8-bit states, fp8/NF4 bases, clipping)
   --allow-lossy          --fit: lossy choices compete on speed with the lossless ones
   --output FILE          where --fit writes the best config
+  --from-data            read the config's dataset (tokenized as a run would), print its row lengths (min, median,
+                         p95, max) and plan the longest batch it makes instead of rows of tokenizer.max_seq_len
   --json FILE            also write the plan as JSON (device_peak_bytes, host_peak_bytes, device/host categories)
   --png FILE             draw the plan as a stacked bar chart (default: beside --json, with .png)
   --nproc_per_node N     plan each rank of an N-process distributed run (FSDP2)
@@ -99,7 +101,7 @@ def parse_plan_args(argv: list[str]) -> tuple[dict, list[str]]:
         name, eq, value = argv[i].partition("=")
         if name in ("-h", "--help"):
             options["help"] = True
-        elif name in ("--fit", "--lossless-only", "--allow-lossy"):
+        elif name in ("--fit", "--lossless-only", "--allow-lossy", "--from-data"):
             options[name.lstrip("-").replace("-", "_")] = True
         elif name in _VALUED:
             if not eq:
@@ -150,6 +152,9 @@ def plan_command(argv: list[str]) -> int:
         raise UsageError("--lossless-only and --allow-lossy choose what --fit may give up: add --fit")
     if options.get("lossless_only") and options.get("allow_lossy"):
         raise UsageError("--lossless-only and --allow-lossy contradict each other: give one")
+    if options["fit"] and options.get("from_data"):
+        raise UsageError("--from-data with --fit: --fit searches at tokenizer.max_seq_len; run --from-data alone to "
+                         "see the longest batch, then --fit with tokenizer.max_seq_len=N")
     if options["fit"]:
         from mtune.training.planning.fit import fit_command
 
@@ -158,7 +163,15 @@ def plan_command(argv: list[str]) -> int:
                            output=Path(options.get("output") or "mtune_fit.yaml"),
                            lossy="never" if options.get("lossless_only") else
                            "compete" if options.get("allow_lossy") else "fallback")
-    plan = plan_memory(cfg, device_memory=device_memory, host_memory=host_memory, world_size=world_size)
+    seq_len = None
+    if options.get("from_data"):
+        from mtune.training.planning.data_lengths import data_lengths
+
+        lengths = data_lengths(cfg)
+        print(lengths.line())
+        seq_len = lengths.longest_batch
+    plan = plan_memory(cfg, device_memory=device_memory, host_memory=host_memory, world_size=world_size,
+                       seq_len=seq_len)
     print(f"mtune plan: {args.recipe} with {config_path} ({plan.seconds:.1f} s)")
     print(plan.table())
     if "json" in options:

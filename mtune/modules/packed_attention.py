@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["document_boundaries", "segment_attention", "segment_kernel", "varlen_available"]
+__all__ = ["document_boundaries", "segment_attention", "segment_kernel", "kernel_for", "varlen_available"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -62,7 +62,13 @@ def varlen_available() -> bool:
 
 def segment_kernel(q: torch.Tensor, window: int | None = None) -> str:
     """The kernel :func:`segment_attention` runs for queries like ``q`` (see the module docstring)."""
-    if q.device.type != "cuda" or q.dtype not in _HALF:
+    return kernel_for(q.device, q.dtype, window)
+
+
+def kernel_for(device: torch.device | str, dtype: torch.dtype, window: int | None = None) -> str:
+    """The kernel :func:`segment_attention` runs for queries of ``dtype`` on ``device``: ``varlen_flash`` or
+    ``sdpa_per_segment``."""
+    if torch.device(device).type != "cuda" or dtype not in _HALF:
         return "sdpa_per_segment"
     api = _varlen_api()
     if api is not None and (window is None or "window_size" in api[1]):

@@ -10,6 +10,9 @@ checkpoint keys do not change) by an autograd function that
 - in backward, recomputes each tile with autograd and backpropagates it at once, adding up the gradients of the
   trainable weights (LoRA's A and B, DoRA's magnitude, or the full weights) and writing the tile's input gradient.
 
+``tiles="auto"`` picks the count per call: a tile of at most ``dim`` tokens (:func:`tile_count`), and no tiling at
+all (the plain forward, nothing recomputed) when the micro-batch has at most ``dim`` tokens.
+
 Memory: the MLP's intermediates exist for one tile at a time (``[tokens / tiles, h]``) in forward and backward,
 instead of for the whole sequence between forward and backward. Cost: one extra MLP forward per token (the
 recompute), i.e. +2 x 3 x d x h FLOPs per token per block, as activation checkpointing of the MLP alone would cost.
@@ -41,17 +44,28 @@ from mtune.modules.fp8_linear import dequantize_fp8, is_fp8_stored
 from mtune.modules.lora import LoRALinear
 from mtune.modules.nf4_linear import dequantize
 
-__all__ = ["apply_tiled_mlp", "mlp_tiles"]
+__all__ = ["apply_tiled_mlp", "mlp_tiles", "tile_count"]
 
 _ATTRIBUTE = "_mtune_mlp_tiles"
 
 
-def apply_tiled_mlp(model: nn.Module, tiles: int) -> nn.Module:
-    """Run every ``FeedForward`` of ``model`` over ``tiles`` sequence tiles (see the module docstring). In place;
+def tile_count(setting: "int | str", tokens: int, dim: int) -> int:
+    """The tiles an MLP of width ``dim`` runs ``tokens`` tokens (a micro-batch's ``b * s``) over, for the setting
+    ``mlp_tiles``: an int as it is (at most one tile per token), or ``"auto"``: ``ceil(tokens / dim)``, so a tile
+    has at most ``dim`` tokens and its ``[tile, hidden]`` intermediates are about the size of one MLP weight
+    (ALST's choice); 1 (untiled) whenever the micro-batch has at most ``dim`` tokens."""
+    if setting == "auto":
+        return max(1, -(-tokens // dim))
+    return max(1, min(int(setting), tokens))
+
+
+def apply_tiled_mlp(model: nn.Module, tiles: "int | str") -> nn.Module:
+    """Run every ``FeedForward`` of ``model`` over ``tiles`` sequence tiles (see the module docstring), or with
+    ``tiles="auto"`` over :func:`tile_count`'s tiles for each call's tokens (untiled when that is 1). In place;
     returns the model. ``tiles=1`` restores the plain forward. Apply after LoRA / NF4 / fp8 storage and weight
     offloading, before activation checkpointing and compile (any order works; that one reads best)."""
-    if tiles < 1:
-        raise ValueError(f"mlp tiles must be >= 1, got {tiles}")
+    if tiles != "auto" and (not isinstance(tiles, int) or tiles < 1):
+        raise ValueError(f"mlp tiles must be an int >= 1 or 'auto', got {tiles!r}")
     for module in model.modules():
         if not isinstance(module, FeedForward):
             continue
@@ -64,9 +78,13 @@ def apply_tiled_mlp(model: nn.Module, tiles: int) -> nn.Module:
     return model
 
 
-def mlp_tiles(module: nn.Module) -> int:
-    """The tile count of a ``FeedForward`` (1 when untiled)."""
-    return getattr(module, _ATTRIBUTE, 1)
+def mlp_tiles(module: nn.Module, tokens: int | None = None) -> "int | str":
+    """The tile setting of a ``FeedForward`` (1 when untiled; ``"auto"`` as set), or with ``tokens`` the tiles a
+    call over that many tokens runs."""
+    setting = getattr(module, _ATTRIBUTE, 1)
+    if tokens is None:
+        return setting
+    return tile_count(setting, tokens, module.gate_proj.in_features)
 
 
 # ------------------------------------------------------------------------------------------------ projections
@@ -184,7 +202,11 @@ def _set_rng_state(x: torch.Tensor, state) -> None:
         torch.cuda.set_rng_state(state[1], x.device)
 
 
-@torch.compiler.disable  # backward runs autograd itself: kept out of compiled graphs
-def _tiled_forward(mlp: FeedForward, tiles: int, x: torch.Tensor) -> torch.Tensor:
+# backward runs autograd itself: kept out of compiled graphs (the lazy form, see packed_attention.segment_attention)
+@torch._disable_dynamo
+def _tiled_forward(mlp: FeedForward, tiles: "int | str", x: torch.Tensor) -> torch.Tensor:
+    tiles = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
+    if tiles == 1:  # "auto" on a short micro-batch: the plain forward, nothing recomputed
+        return FeedForward.forward(mlp, x)
     params = [p for p in mlp.parameters() if p.requires_grad]
     return _TiledMLP.apply(mlp, tiles, x, *params)

@@ -15,7 +15,7 @@ from torch import nn
 from mtune.modules.attention import Attention
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
-from mtune.modules.packed_attention import document_boundaries
+from mtune.modules.packed_attention import document_boundaries, kernel_for
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import RotaryEmbedding
 
@@ -112,6 +112,9 @@ class TransformerDecoder(nn.Module):
         attention_kernel: one of :data:`ATTENTION_KERNELS`, for packed batches and rows longer than the sliding
             window: ``auto`` (default), ``segments`` or the ``dense_mask`` fallback. All give the same numbers
             (round-off).
+        attention_kernels_run: the attention kernels the forwards so far ran (``sdpa_causal``, ``dense_mask``,
+            ``sdpa_per_segment``, ``varlen_flash``; decoding with a cache: ``kv_cache_mask``), for a run's log and
+            results.
     """
 
     def __init__(self, args: DecoderArgs) -> None:
@@ -124,6 +127,7 @@ class TransformerDecoder(nn.Module):
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
         self._next_pos = 0  # decoding position while caches are enabled
         self.attention_kernel = "auto"
+        self.attention_kernels_run: set[str] = set()
         self.tie_weights()
 
     # ---------------------------------------------------------------- weights
@@ -228,8 +232,13 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"attention_kernel={self.attention_kernel!r}: use one of {ATTENTION_KERNELS}")
         segments = self.attention_kernel == "segments" or (self.attention_kernel == "auto" and s > DENSE_MASK_UP_TO)
         if not caching and segments and (document_ids is not None or (window is not None and s > window)):
-            return None, None, document_boundaries(document_ids, b, s, input_pos.device)
+            device = input_pos.device
+            dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                     else self.embed_tokens.weight.dtype)
+            self.attention_kernels_run.add(kernel_for(device, dtype, window))
+            return None, None, document_boundaries(document_ids, b, s, device)
         mask, cache_pos = self._mask(input_pos, document_ids, caching)
+        self.attention_kernels_run.add("kv_cache_mask" if caching else "sdpa_causal" if mask is None else "dense_mask")
         return mask, cache_pos, None
 
     def _mask(self, input_pos, document_ids, caching) -> tuple[torch.Tensor | None, torch.Tensor | None]:

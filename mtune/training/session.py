@@ -258,7 +258,8 @@ class TrainingSession:
             self._stop.__exit__(None, None, None)
             self.profiler.__exit__(None, None, None)
             self.monitor.close()
-        self.results.update(step=self.step, skipped_steps=self.monitor.skipped_steps)
+        self.results.update(step=self.step, skipped_steps=self.monitor.skipped_steps,
+                            attention_kernel="+".join(sorted(getattr(self.model, "attention_kernels_run", ()))) or None)
         throughput = self.monitor.summary()
         if throughput:
             self.results["throughput"] = {**throughput, **({"peak_flops": self.monitor.peak.flops,

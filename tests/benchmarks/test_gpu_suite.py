@@ -25,9 +25,10 @@ ROW_KEYS = {"case", "part", "kind", "compile", "status", "gpu_name", "torch", "c
             "bitsandbytes", "expandable_segments", "tokens_per_s", "mfu", "hfu", "planned_allocated_gib",
             "max_allocated_gib", "max_reserved_gib", "attention_kernel", "date"}
 # one case per machinery: LoRA, QLoRA (NF4), the low-memory full fine-tune (paged bitsandbytes AdamW8bit in
-# backward), activation offloading, and a pending case; compile is left to the CLI dry run (minutes on 2 cores)
+# backward), activation offloading, packed rows by the segments kernel; compile is left to the CLI dry run (minutes
+# on 2 cores)
 CASES = ["llama3_1_8B_full_low_memory", "llama3_2_1B_lora_eager", "llama3_1_8B_qlora_eager_packed4096",
-         "llama3_1_8B_lora_activation_offloading", "llama3_1_8B_lora_packed4096_flex"]  # in the suite's order
+         "llama3_1_8B_lora_activation_offloading", "llama3_1_8B_lora_packed4096_segments"]  # in the suite's order
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
     assert [r["case"] for r in rows] == CASES
     written = json.loads(out.read_text())["rows"]
     assert [r["case"] for r in written] == CASES
-    for row in rows[:-1]:
+    for row in rows:
         assert row["status"] == "ok", row
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert row["dry_run"] and row["gpu_name"] is None
@@ -70,13 +71,20 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert row["attention_kernel"]  # named from the profiler (the CPU's SDPA kernel)
         assert len(row["losses"]) == row["tracked_steps"] == 3  # plan_check's 3 steps, then untracked ones
     assert rows[0]["hfu"] > rows[0]["mfu"]  # checkpointing as shipped: recomputation counted in hfu only
-    pending = rows[-1]
-    assert pending["status"] == "pending" and "attention_kernel" in pending["reason"]
+    assert rows[-1]["attention_kernel"]  # packed 64-token rows under attention_kernel=segments
+
+
+def test_a_case_needing_an_undeclared_key_is_pending():
+    from dataclasses import replace
+
+    case = replace(suite.CASES[-1], needs=("a_key_no_recipe_declares",))
+    assert suite.case_config(suite.mtune_api(), case, device="cpu", dry_run=True) == (None,
+                                                                                    ["a_key_no_recipe_declares"])
 
 
 def test_plan_agrees_with_the_tracker_on_cpu(dry_run):
     _, rows = dry_run
-    for row in rows[:-1]:
+    for row in rows:
         # the planner runs the same steps on fake tensors: on the CPU it predicts the tracker's live-byte peak
         assert row["plan_predicts"].startswith("peak_tensor_gib")
         assert abs(row["plan_vs_tracker_error"]) < 0.02, (row["case"], row["plan_vs_tracker_error"])
@@ -91,7 +99,7 @@ def test_markdown_table_is_rewritten_from_all_rows(dry_run, tmp_path):
     lines = copy.with_suffix(".md").read_text().splitlines()
     assert lines[1].startswith("| case | compile | gpu_name | tokens_per_s |")
     assert len(lines) == 3 + len(rows) + 1
-    assert "| llama3_1_8B_lora_packed4096_flex |" in lines[-2] and lines[-2].endswith("| pending |")
+    assert "| llama3_1_8B_lora_packed4096_segments |" in lines[-2] and lines[-2].endswith("| ok |")
 
 
 def test_attention_kernel_names():

@@ -21,6 +21,7 @@ checkpoint keys) do not change.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from torch import nn
@@ -32,23 +33,29 @@ from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION
 __all__ = ["apply_activation_checkpointing", "checkpoint_policy", "is_checkpointed", "selective_op_policy", "saved_ops"]
 
 
+@functools.cache  # looked up on the first checkpointed forward: the varlen module imports torch._dynamo
 def saved_ops() -> frozenset:
     """The aten ops whose outputs ``selective_op`` keeps: matrix multiplies (what linears lower to, with or without
     bias, batched or not) and every fused attention kernel this build of torch has (CPU, CUDA flash, efficient,
-    cuDNN, math)."""
+    cuDNN, math, and ``torch.ops.torch_attn._varlen_attn``, the varlen flash kernel of packed rows)."""
     names = ["mm", "addmm", "bmm", "baddbmm", "linear", "_scaled_dot_product_flash_attention_for_cpu",
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"]
-    return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
+    ops = {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+    try:  # packed rows on CUDA (torch 2.10+): importing the module registers its op
+        importlib.import_module("torch.nn.attention.varlen")
+    except ImportError:
+        pass
+    varlen = getattr(getattr(torch.ops, "torch_attn", None), "_varlen_attn", None)
+    if varlen is not None:
+        ops.add(varlen.default)
+    return frozenset(ops)
 
 
 def selective_op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     """Keep the output of a matmul or attention op; recompute anything else (the same answer in the forward pass
     and in the recompute, as `create_selective_checkpoint_contexts` requires)."""
-    return CheckpointPolicy.MUST_SAVE if func in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SAVED_OPS = saved_ops()
+    return CheckpointPolicy.MUST_SAVE if func in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():

@@ -4,9 +4,11 @@
 1. LoRA / DoRA adapters and NF4 base weights, then fp8 storage of the frozen block linears;
 2. weight offloading (hooks on the modules holding frozen weights; the weights themselves leave as they are loaded,
    `mtune.training.model_setup.setup_model`);
-3. activation checkpointing of blocks, then activation offloading (the context the step enters around forward and
+3. the tiled MLP (reading the frozen weights once per pass, after they are quantized and hooked) and the attention
+   kernel packed rows use;
+4. activation checkpointing of blocks, then activation offloading (the context the step enters around forward and
    backward);
-4. torch.compile per block.
+5. torch.compile per block.
 
 FSDP2 sharding comes after, in `mtune.training.model_setup.setup_sharded_model`; ``optimizer_in_bwd``,
 ``optimizer_offload`` and low-bit optimizer states act through the optimizer

@@ -16,24 +16,29 @@ from mtune.config.schema import KeyGroup, Node
 from mtune.training.memory.technique import MemoryTechnique
 from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from mtune.training.memory.techniques.activation_offloading import ACTIVATION_OFFLOADING
+from mtune.training.memory.techniques.attention_kernel import ATTENTION_KERNEL
 from mtune.training.memory.techniques.chunked_loss import CHUNKED_LOSS
 from mtune.training.memory.techniques.compile import COMPILE
 from mtune.training.memory.techniques.lora import LORA, LORA_KEYS, LoraConfig
 from mtune.training.memory.techniques.optimizer_in_backward import OPTIMIZER_IN_BACKWARD
 from mtune.training.memory.techniques.optimizer_offload import OPTIMIZER_OFFLOAD
 from mtune.training.memory.techniques.optimizer_state import OPTIMIZER_STATE
+from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
 from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING, WeightOffloading
 from mtune.training.memory.techniques.weight_storage import WEIGHT_STORAGE
 
 __all__ = ["TECHNIQUES", "MEMORY_KEYS", "MemoryConfig", "LORA_KEYS", "LoraConfig", "WeightOffloading",
            "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys", "technique_keys", "make_memory_config",
            "LORA", "WEIGHT_STORAGE", "WEIGHT_OFFLOADING", "ACTIVATION_CHECKPOINTING", "ACTIVATION_OFFLOADING", "COMPILE",
-           "OPTIMIZER_STATE", "OPTIMIZER_IN_BACKWARD", "CHUNKED_LOSS", "OPTIMIZER_OFFLOAD"]
+           "OPTIMIZER_STATE", "OPTIMIZER_IN_BACKWARD", "CHUNKED_LOSS", "OPTIMIZER_OFFLOAD", "TILED_MLP",
+           "ATTENTION_KERNEL"]
 
 TECHNIQUES: tuple[MemoryTechnique, ...] = (
     LORA,                      # adapters and NF4 bases: decide which modules exist and what is frozen
     WEIGHT_STORAGE,            # fp8 storage of the frozen block linears (needs to know what LoRA froze)
     WEIGHT_OFFLOADING,         # hooks on the modules holding frozen weights (after what is frozen is decided)
+    TILED_MLP,                 # the MLP over tiles, reading (and dequantizing) the frozen weights once per pass
+    ATTENTION_KERNEL,          # how packed rows reach attention: segment boundaries or a dense mask
     ACTIVATION_CHECKPOINTING,  # wraps each block's forward, adapters included
     ACTIVATION_OFFLOADING,     # the context entered around forward and backward; moves what checkpointing keeps
     COMPILE,                   # per block, last: compiles the checkpointed block as a unit

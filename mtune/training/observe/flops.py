@@ -4,8 +4,13 @@ Counted per sequence position of a ``[batch, seq_len]`` batch (a multiply-add is
 softmax and the embedding lookup are left out, as in every published MFU figure):
 
 - **forward**: ``2 * in * out`` for every linear layer (the output projection included), plus attention's two
-  matmuls, ``QK^T`` and ``PV``: ``4 * seq_len * n_heads * head_dim`` per layer, counted over the full row (a causal
-  or block-causal mask does not halve it: the kernels compute the masked half too).
+  matmuls, ``QK^T`` and ``PV``: ``4 * seq_len * n_heads * head_dim`` per token and layer, counted over the full row
+  (a causal or block-causal mask does not halve it: the dense-mask kernels compute the masked half too). Packed rows
+  under the ``segments`` kernel (`mtune.modules.packed_attention`: ``attention_kernel=segments``, or ``auto`` above
+  256 tokens a row) compute each document against itself only: there the row length is replaced by the
+  token-weighted mean document length, ``sum(L_i²) / sum(L_i)`` over the micro-batch's documents (the padding tail
+  of a pack counted as one document), i.e. ``4 * L_i² * n_heads * head_dim`` per document and layer: the same
+  full-square convention, per document. Sliding windows are not taken off (the full row, or document, is counted).
 - **backward**: for each linear, the input gradient (``2 * in * out``) when something below it trains, and the
   weight gradient (``2 * in * out``) when its weight trains; frozen base weights (LoRA, NF4) cost one, not two. A LoRA
   adapter (``A: in -> r``, ``B: r -> out``) adds its forward ``2r(in + out)``, its weight gradients ``2r(in + out)``,
@@ -16,7 +21,10 @@ softmax and the embedding lookup are left out, as in every published MFU figure)
 - **recompute**: forward work done again in backward: each block that activation checkpointing wraps runs its
   forward again (up to the last tensor backward needs: all but ``down_proj``'s matmul, as
   ``torch.utils.checkpoint`` stops early; ``selective_op`` keeps every matmul and attention output, so its blocks
-  recompute nothing counted), and the chunked cross-entropy loss's output projection when it runs twice
+  recompute nothing counted); the tiled MLP (``mlp_tiles``, when a micro-batch runs over more than one tile) runs
+  each block's MLP forward once more in backward (``gate``, ``up`` and ``down``, adapters included), and a block
+  checkpointed under ``block`` then recomputes its MLP whole (``down_proj`` included: the tiled MLP's forward is one
+  op to the checkpoint); and the chunked cross-entropy loss's output projection when it runs twice
   (``ChunkedCrossEntropyLoss.recomputes_projection``: a LoRA/NF4/hooked head, or fp16 autocast; a plain head's
   gradients are computed with its forward, so its loss recomputes nothing).
 
@@ -40,10 +48,14 @@ from typing import Any
 from torch import nn
 
 from mtune.modules.lora import LoRALinear
+from mtune.modules.packed_attention import document_boundaries
+from mtune.modules.tiled_mlp import mlp_tiles
+from mtune.modules.transformer import DENSE_MASK_UP_TO
 from mtune.training.memory.activation_checkpointing import checkpoint_policy
 from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
+from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
 
-__all__ = ["FlopsPerToken", "StepFlops", "flops_per_token", "utilization"]
+__all__ = ["FlopsPerToken", "StepFlops", "flops_per_token", "mean_document_length", "utilization"]
 
 
 @dataclass(frozen=True)
@@ -114,13 +126,15 @@ def _trains(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: int, checkpointed: str | None) -> bool:
+def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, checkpointed: str | None,
+           tiled: bool = False) -> bool:
     """Adds one transformer block; returns whether the residual stream after it needs a gradient.
 
     A checkpointed block's recomputation stops once every tensor backward needs is back (torch.utils.checkpoint's
     early stop): the last matmul, ``down_proj``'s (its adapter's ``B`` under LoRA), feeds only the residual add,
     which saves nothing, so it is not run again. Under ``selective_op`` the block keeps every matmul and attention
-    output, so what it recomputes is elementwise only: no counted FLOPs."""
+    output, so what it recomputes is elementwise only: no counted FLOPs. ``tiled``: the MLP runs over tiles, its
+    forward once more in backward (and whole in a ``block`` recompute)."""
     start = tally.forward
     attn, mlp = block.self_attn, block.mlp
     x = stream_grad or _trains(block.input_layernorm)
@@ -132,11 +146,14 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: int, che
     tally.add("attention", core, 2.0 * core * attn_grad)
     h = _linear(tally, attn.o_proj, attn_grad, "linear") or stream_grad
     x = h or _trains(block.post_attention_layernorm)
+    mlp_start = tally.forward
     gate = _linear(tally, mlp.gate_proj, x, "linear")
     up = _linear(tally, mlp.up_proj, x, "linear")
     down = _linear(tally, mlp.down_proj, gate or up, "linear")
     if checkpointed == "block":
-        tally.recompute += tally.forward - start - tally.last
+        tally.recompute += tally.forward - start - (0.0 if tiled else tally.last)
+    if tiled:
+        tally.recompute += tally.forward - mlp_start
     return h or down
 
 
@@ -147,8 +164,16 @@ def _checkpointed_layers(model: nn.Module, memory: Any | None) -> list[str | Non
     return ACTIVATION_CHECKPOINTING.layer_policies(memory, len(model.layers))
 
 
+def _tiled_layers(model: nn.Module, memory: Any | None, tokens: int) -> list[bool]:
+    """Whether each block's MLP runs a micro-batch of ``tokens`` tokens over more than one tile."""
+    if memory is None:
+        return [mlp_tiles(block.mlp, tokens) > 1 for block in model.layers]
+    return [TILED_MLP.tiles(memory, tokens, model.args.dim) > 1] * len(model.layers)
+
+
 def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *,
-                    loss_recomputes_projection: bool = False) -> FlopsPerToken:
+                    loss_recomputes_projection: bool = False, tokens: int | None = None,
+                    attention_len: float | None = None) -> FlopsPerToken:
     """FLOPs per token of one training step (forward, backward, recomputation) of ``model`` at ``seq_len``.
 
     Args:
@@ -161,13 +186,18 @@ def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *
             ``apply_activation_checkpointing`` marks them).
         loss_recomputes_projection: the loss runs the output projection's forward twice (a checkpointed chunked
             loss: ``ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head)``).
+        tokens: the micro-batch's tokens (``batch_size * seq_len``), which decide ``mlp_tiles=auto``'s tile count;
+            default one row, ``seq_len``.
+        attention_len: the keys each query is counted against (see the module docstring); default ``seq_len``.
     """
     if seq_len < 1:
         raise ValueError(f"flops_per_token: seq_len must be >= 1, got {seq_len}")
+    attention_len = seq_len if attention_len is None else attention_len
     tally = _Tally()
     stream = bool(model.embed_tokens.weight.requires_grad)
-    for block, checkpointed in zip(model.layers, _checkpointed_layers(model, memory)):
-        stream = _block(tally, block, stream, seq_len, checkpointed)
+    layers = zip(model.layers, _checkpointed_layers(model, memory), _tiled_layers(model, memory, tokens or seq_len))
+    for block, checkpointed, tiled in layers:
+        stream = _block(tally, block, stream, attention_len, checkpointed, tiled)
     before = tally.forward
     _linear(tally, model.lm_head, stream or _trains(model.norm), "output")
     if loss_recomputes_projection:
@@ -184,30 +214,52 @@ def utilization(flops_per_token: float, tokens_per_second: float, peak_flops: fl
     return flops_per_token * tokens_per_second / peak_flops
 
 
+def mean_document_length(document_ids) -> float:
+    """``sum(L_i²) / sum(L_i)`` over the documents of a packed batch's ``document_ids`` ``[b, s]`` (each run of
+    equal ids in a row one document): the keys a query is counted against under the segments kernel."""
+    b, s = document_ids.shape
+    lengths = document_boundaries(document_ids, b, s).diff().double()
+    return float((lengths * lengths).sum()) / (b * s)
+
+
 class StepFlops:
     """Model and hardware FLOPs of one rank's training step, from its micro-batches: each batch's tokens before
-    padding times the FLOPs per token at its padded length (attention grows with it). Counts are memoised per
-    length; checkpointing is read from the model's blocks, so build it after ``setup_model``.
+    padding times the FLOPs per token at its padded length (attention grows with it; packed rows under the segments
+    kernel: with their documents' lengths, see the module docstring). Counts are memoised per shape; checkpointing,
+    MLP tiles and the attention kernel are read from the model, so build it after ``setup_model``.
 
     ``step_flops(micro_batches) -> (model_flops, hardware_flops)``.
     """
 
     def __init__(self, model: nn.Module, *, loss_recomputes_projection: bool = False, memory: Any | None = None):
         self.model, self.loss_recomputes_projection, self.memory = model, loss_recomputes_projection, memory
-        self._per_length: dict[int, FlopsPerToken] = {}
+        self._per_shape: dict[tuple, FlopsPerToken] = {}
 
-    def per_token(self, seq_len: int) -> FlopsPerToken:
-        if seq_len not in self._per_length:
-            self._per_length[seq_len] = flops_per_token(
-                self.model, seq_len, self.memory, loss_recomputes_projection=self.loss_recomputes_projection)
-        return self._per_length[seq_len]
+    def per_token(self, seq_len: int, tokens: int | None = None, attention_len: float | None = None) -> FlopsPerToken:
+        key = (seq_len, tokens or seq_len, attention_len)
+        if key not in self._per_shape:
+            self._per_shape[key] = flops_per_token(
+                self.model, seq_len, self.memory, loss_recomputes_projection=self.loss_recomputes_projection,
+                tokens=tokens, attention_len=attention_len)
+        return self._per_shape[key]
+
+    def _segments(self, seq_len: int) -> bool:
+        kernel = getattr(self.model, "attention_kernel", "dense_mask")
+        return kernel == "segments" or (kernel == "auto" and seq_len > DENSE_MASK_UP_TO)
 
     def __call__(self, micro_batches: list[dict]) -> tuple[float, float]:
         model_flops = hardware_flops = 0.0
         for batch in micro_batches:
             tokens = batch["tokens"]
             n = int(batch.get("num_tokens", tokens.numel()))
-            fpt = self.per_token(int(tokens.shape[-1]))
-            model_flops += fpt.model * n
-            hardware_flops += fpt.hardware * n
+            s = int(tokens.shape[-1])
+            fpt = self.per_token(s, tokens.numel())
+            model_hw = (fpt.model, fpt.hardware)
+            if batch.get("document_ids") is not None and self._segments(s):
+                # FLOPs are affine in the attention length: interpolate between 0 and the row's s
+                empty = self.per_token(s, tokens.numel(), 0.0)
+                share = mean_document_length(batch["document_ids"]) / s
+                model_hw = tuple(e + share * (f - e) for e, f in zip((empty.model, empty.hardware), model_hw))
+            model_flops += model_hw[0] * n
+            hardware_flops += model_hw[1] * n
         return model_flops, hardware_flops

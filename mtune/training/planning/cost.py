@@ -59,14 +59,16 @@ def model_flops_per_token(cfg) -> float:
     """Training FLOPs per token of ``cfg``'s model, recomputation included: the performance counter
     (:func:`mtune.training.observe.flops.flops_per_token`, the numerator of HFU) on the model built on the meta
     device with the config's adapters, at ``tokenizer.max_seq_len``, with the blocks checkpointed as the config
-    says (``selective_op`` recomputes only the elementwise ops between matmuls: no counted FLOPs). Cached per
-    distinct model/adapter/checkpointing/loss combination (the other techniques cost no FLOPs)."""
+    says (``selective_op`` recomputes only the elementwise ops between matmuls: no counted FLOPs) and the MLP
+    tiled as ``mlp_tiles`` says for the micro-batch's tokens. Cached per distinct model/adapter/checkpointing/
+    tiling/loss combination (the other techniques cost no FLOPs)."""
     memory, lora = registry.MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
     args = resolve_model_source(cfg.model).args
     chunked = "Chunked" in str((cfg.get("loss") or {}).get("_component_", ""))
     fp16 = cfg.get("dtype") == "fp16"
+    tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
     key = (_node_key(cfg.model), lora, tuple(ACTIVATION_CHECKPOINTING.layer_policies(memory, args.n_layers)),
-           chunked, fp16, int(cfg.tokenizer.max_seq_len))
+           chunked, fp16, int(cfg.tokenizer.max_seq_len), memory.mlp_tiles, tokens)
     if key not in _FLOPS_CACHE:
         model = build_model_from_args(args)  # meta: no memory
         apply_memory_techniques(model, registry.MemoryConfig(), lora=lora)  # adapters; checkpointing: ``memory``
@@ -74,7 +76,7 @@ def model_flops_per_token(cfg) -> float:
             freeze_base(model)
         recomputes = chunked and ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head, autocast=fp16)
         _FLOPS_CACHE[key] = flops_per_token(model, int(cfg.tokenizer.max_seq_len), memory,
-                                            loss_recomputes_projection=recomputes).hardware
+                                            loss_recomputes_projection=recomputes, tokens=tokens).hardware
     return _FLOPS_CACHE[key]
 
 

@@ -102,8 +102,8 @@ def _optimizer_node(cfg) -> dict:
     return node
 
 
-def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False) -> list[dict]:
-    seq_len = cfg.tokenizer.get("max_seq_len")
+def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_len: int | None = None) -> list[dict]:
+    seq_len = seq_len or cfg.tokenizer.get("max_seq_len")
     if not seq_len:
         raise ConfigError("tokenizer.max_seq_len is null: the planner needs the longest sample length; set "
                           "tokenizer.max_seq_len=N")
@@ -170,10 +170,13 @@ def _quiet_setup():
 
 
 def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | None = None,
-                fake: bool = True, world_size: int = 1, n_layers: int | None = None) -> MemoryPlan:
+                fake: bool = True, world_size: int = 1, n_layers: int | None = None,
+                seq_len: int | None = None) -> MemoryPlan:
     """Plan ``cfg`` (a training config with its recipe's defaults filled in). With ``fake=False`` the same
     steps run on real tensors (tests compare the two). ``n_layers`` plans the model with that many blocks instead
-    of its own (``--fit`` extrapolates per layer from two such plans)."""
+    of its own (``--fit`` extrapolates per layer from two such plans). ``seq_len``: plan rows of this many tokens
+    instead of ``tokenizer.max_seq_len`` (``mtune plan --from-data``: the longest batch the data makes,
+    `mtune.training.planning.data_lengths`)."""
     sharded = "fsdp_reshard_after_forward" in cfg  # a distributed recipe's config
     if world_size != 1 and not sharded:
         raise PlanError(f"--nproc_per_node {world_size}: recipe {cfg.get('recipe')} runs on one device; plan a "
@@ -214,7 +217,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                 for inner in inner_optimizers(optimizer):
                     inner.managed = placement
             peaks = _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size,
-                               source.args.vocab_size)
+                               source.args.vocab_size, seq_len)
     params = list(model.parameters())
     managed_bytes = peaks.category_peak["host"]["optimizer_state"] if managed else 0
     accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
@@ -222,7 +225,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
         target=str(target), world_size=world_size,
         device_peak_bytes=peaks.peak["device"], host_peak_bytes=peaks.peak["host"],
         device=peaks.category_peak["device"], host=peaks.category_peak["host"], at_peak=peaks.at_peak,
-        batch={"batch_size": int(cfg.batch_size), "seq_len": int(cfg.tokenizer.max_seq_len),
+        batch={"batch_size": int(cfg.batch_size), "seq_len": int(seq_len or cfg.tokenizer.max_seq_len),
                "accumulation": accumulation},
         parameters={"total": sum(p.numel() for p in params),
                     "trainable": sum(p.numel() for p in params if p.requires_grad)},
@@ -233,7 +236,8 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     )
 
 
-def _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size, vocab_size):
+def _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size, vocab_size,
+               seq_len=None):
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
     tracker; returns the larger of the two steps' peaks."""
     loss_fn = instantiate(cfg.get("loss")) or CrossEntropyLoss()
@@ -244,7 +248,7 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
     peaks = None
     for step, micro_batches in enumerate((1, min(accumulation, 2))):
         with tracker:
-            batches = _batch(cfg, vocab_size, micro_batches, small=step == 0)
+            batches = _batch(cfg, vocab_size, micro_batches, small=step == 0, seq_len=seq_len)
             with activation_context if activation_context is not None else contextlib.nullcontext():
                 step_on_tensors(model, batches, loss_fn, optimizer,
                                 denominator=torch.tensor(float(micro_batches * batches[0]["tokens"].numel()))

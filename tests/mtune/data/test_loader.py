@@ -4,7 +4,7 @@ mixtures."""
 import pytest
 import torch
 
-from mtune.data import (IGNORE_INDEX, DataError, build_dataloader, collate_padded, instruct_dataset,
+from mtune.data import (IGNORE_INDEX, DataError, build_dataloader, collate_padded,
                         mixture_dataset, text_completion_dataset)
 from tests._helpers.data import ALPACA_ROWS, write_rows
 
@@ -71,7 +71,8 @@ def test_two_ranks_share_each_global_batch_and_resume(dataset):
     for k, (b0, b1) in enumerate(zip(*full)):
         assert b0 + b1 == [dataset[i] for i in order[4 * k: 4 * k + 4]]
     ranks = [rank_loader(r) for r in range(2)]
-    first = [take(r, 3) for r in ranks]
+    for r in ranks:
+        take(r, 3)
     states = [r.state_dict() for r in ranks]
     assert states[0] == states[1] == {"epoch": 0, "consumed": 12, "num_samples": len(dataset), "seed": 3,
                                       "shuffle": 1}

@@ -60,7 +60,8 @@ class Dummy(MemoryTechnique):
 
 
 DUMMY = Dummy()
-TECHNIQUES = registry.TECHNIQUES[:4] + (DUMMY,) + registry.TECHNIQUES[4:]  # after activation checkpointing
+_AFTER_CHECKPOINTING = registry.TECHNIQUES.index(registry.ACTIVATION_CHECKPOINTING) + 1
+TECHNIQUES = registry.TECHNIQUES[:_AFTER_CHECKPOINTING] + (DUMMY,) + registry.TECHNIQUES[_AFTER_CHECKPOINTING:]
 
 
 @pytest.fixture
