@@ -169,14 +169,34 @@ def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torc
     full-precision model never exists at once), or initialise randomly when there is no checkpoint. Adapter
     parameters are left uninitialised."""
     if source.checkpoint_dir is None:
-        model.to_empty(device=device)
-        model.init_weights()
+        _random_weights(model, device, after_tensor)
         log.info("model: random weights (no checkpoint_dir)")
         return
     load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
                        not_in_checkpoint=is_adapter_param, after_tensor=after_tensor)
     _materialize_meta_tensors(model, device)
     log.info("model: loaded %s", source.checkpoint_dir)
+
+
+@torch.no_grad()
+def _random_weights(model: TransformerDecoder, device: torch.device, after_tensor) -> None:
+    """`TransformerDecoder.init_weights`'s values (the same draws in the same order), one module at a time: each
+    module is allocated when its first parameter is drawn and handed to ``after_tensor`` after its last, so an
+    offloaded or NF4 base never exists whole on the device, as when a checkpoint streams in. Tied embeddings are
+    tied after all are drawn (``after_tensor`` skips them: the final offload moves them)."""
+    fills = list(model.initializers())
+    owner = [name.rpartition(".")[0] for name, _ in fills]
+    last = {module: i for i, module in enumerate(owner)}
+    tied = {"embed_tokens", "lm_head"} if model.args.tie_embeddings else set()
+    for i, (name, fill) in enumerate(fills):
+        module = model.get_submodule(owner[i])
+        if any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]):
+            module.to_empty(device=device, recurse=False)
+        fill(module.get_parameter(name.rpartition(".")[2]))
+        if last[owner[i]] == i and owner[i] not in tied:
+            after_tensor(module)
+    _materialize_meta_tensors(model, device)  # buffers of modules without parameters
+    model.tie_weights()
 
 
 def _materialize_meta_tensors(model: nn.Module, device: torch.device) -> None:

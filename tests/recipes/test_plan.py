@@ -84,6 +84,7 @@ def test_offloaded_plan_matches_real_tensors(tmp_path, tiny_checkpoint, tiny_dat
 @pytest.mark.parametrize("recipe, changes", [
     ("full_single_device", {"~lora": None, "optimizer_offload": "cpu"}),
     ("lora_single_device", {"weight_offloading": "{type: block_level, blocks_per_group: 1}"}),
+    ("lora_single_device", {"weight_offloading": "{type: leaf_level, blocks_per_group: 1, use_streams: true}"}),
 ])
 def test_offloaded_weights_and_optimizer_states_count_on_the_host(tmp_path, tiny_checkpoint, tiny_data, recipe,
                                                                   changes):
@@ -94,6 +95,10 @@ def test_offloaded_weights_and_optimizer_states_count_on_the_host(tmp_path, tiny
     assert planned.host[category] > 0
     if category == "optimizer_state":  # the states never sit on the device
         assert planned.at_peak["device"][category] == 0
+    else:  # on fake tensors as on real ones (a fake parameter's .data once re-grew every emptied weight)
+        assert planned.device["parameters"] == pytest.approx(real.device["parameters"], rel=0.05)
+    if "leaf_level" in str(changes):  # one module at a time (two with prefetch): never the whole base
+        assert planned.device["parameters"] < planned.host["parameters"] / 4
     assert planned.device_peak_bytes == pytest.approx(real.device_peak_bytes, rel=0.05)
     assert planned.host_peak_bytes == pytest.approx(real.host_peak_bytes, rel=0.05)
 

@@ -8,17 +8,25 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["tensor_bytes", "tensor_storage_bytes", "storages"]
+__all__ = ["tensor_bytes", "tensor_storage_bytes", "storages", "plain_parts"]
+
+
+def plain_parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes: ``t`` itself, or a wrapper subclass's (NF4, DTensor, low-bit
+    optimizer states) inner tensors, recursively. Never through ``.data``: under fake tensors, ``param.data`` makes a
+    new tensor that re-grows the shared storage to its full size, undoing what weight offloading emptied (a wrapper
+    parameter is the subclass itself, so it needs no ``.data`` either)."""
+    if _is_wrapper(t):
+        for part in _inner_tensors(t):
+            yield from plain_parts(part)
+        return
+    yield t
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s elements; tensor subclasses (torchao's quantized states, NF4) count their inner parts, and
     a DTensor (an FSDP2-sharded parameter, gradient or optimizer state) the local shard of this rank."""
-    if isinstance(t, torch.nn.Parameter):
-        t = t.data
-    if _is_wrapper(t):
-        return sum(tensor_bytes(part) for part in _inner_tensors(t))
-    return t.numel() * t.element_size()
+    return sum(part.numel() * part.element_size() for part in plain_parts(t))
 
 
 def _is_wrapper(t: torch.Tensor) -> bool:
@@ -39,17 +47,12 @@ def storages(tensor: torch.Tensor) -> Iterator[tuple[tuple, int]]:
     """``(key, nbytes)`` of the storages behind ``tensor``. Wrapper subclasses (torchao's NF4Tensor, low-bit
     optimizer states, DTensor) are opened up to their inner tensors, whose storages hold the real bytes: a
     DTensor's local shard, which may itself be an NF4Tensor."""
-    if isinstance(tensor, torch.nn.Parameter):
-        tensor = tensor.data
-    if _is_wrapper(tensor):
-        for part in _inner_tensors(tensor):
-            yield from storages(part)
-        return
-    if tensor.device.type == "meta":
-        return
-    storage = tensor.untyped_storage()
-    if storage.nbytes() > 0:
-        yield (tensor.device.type, tensor.device.index, storage.data_ptr()), storage.nbytes()
+    for part in plain_parts(tensor):
+        if part.device.type == "meta":
+            continue
+        storage = part.untyped_storage()
+        if storage.nbytes() > 0:
+            yield (part.device.type, part.device.index, storage.data_ptr()), storage.nbytes()
 
 
 def tensor_storage_bytes(tensors: Iterable[torch.Tensor], exclude: set | None = None) -> tuple[int, set]:

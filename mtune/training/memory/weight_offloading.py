@@ -48,23 +48,13 @@ from torch.utils._pytree import tree_flatten
 from mtune.config.errors import ConfigError
 from mtune.training.memory.techniques.weight_offloading import WeightOffloading
 from mtune.training.memory.placement import Placement, storage_key
+from mtune.training.memory.tensor_bytes import plain_parts
 
 __all__ = ["WeightOffloader", "apply_weight_offloading", "weight_offloader", "offloaded_weights_materialized"]
 
 log = logging.getLogger(__name__)
 
 _ATTRIBUTE = "_mtune_weight_offloader"
-
-
-def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The plain tensors holding ``t``'s bytes: itself, or a wrapper subclass's (NF4) inner tensors."""
-    t = t.data if isinstance(t, nn.Parameter) else t
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            yield from _plain_tensors(getattr(t, name))
-        return
-    yield t
 
 
 def _frozen_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -150,7 +140,7 @@ class WeightOffloader:
         if g is None:
             return
         for param in _frozen_parameters(module):
-            for t in _plain_tensors(param):
+            for t in plain_parts(param):
                 key = storage_key(t)
                 if t.is_meta or key in self._slot_keys:
                     continue

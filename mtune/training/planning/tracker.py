@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +39,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from mtune.training.memory.placement import Placement
+from mtune.training.memory.tensor_bytes import plain_parts
 
 __all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory"]
 
@@ -56,20 +57,6 @@ except ImportError:  # a torch build without distributed: no DTensor either
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 LOCATIONS = ("device", "host")
-
-
-def plain_parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The plain tensors behind ``t`` (itself, or a wrapper subclass's inner tensors, recursively)."""
-    if isinstance(t, nn.Parameter):
-        t = t.data
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            part = getattr(t, name)
-            if isinstance(part, torch.Tensor):
-                yield from plain_parts(part)
-        return
-    yield t
 
 
 def _zero() -> dict[str, dict[str, int]]:

@@ -1,10 +1,15 @@
 """Model setup streams a checkpoint into a meta-device model: the full-precision model is never allocated whole, and
 QLoRA's frozen weights are NF4 as soon as they arrive."""
 
+from dataclasses import replace
+
+import pytest
 import torch
 from torch import nn
 
+from mtune.modules.lora import reset_lora_parameters
 from mtune.modules.nf4_linear import is_nf4
+from mtune.training import model_setup
 from mtune.training.model_setup import resolve_model_source, setup_model
 from tests._helpers.recipes import write_tiny_checkpoint
 
@@ -56,3 +61,42 @@ def test_the_parameter_line_gives_the_base_size_and_the_adapter_apart():
     model.base.requires_grad_(True)
     del model.lora_a
     assert parameter_summary(model, "llama3") == "llama3, 2.6M parameters, 2.60M trainable (100.00%)"
+
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_weights_arrive_one_module_at_a_time_with_init_weights_values(tied, monkeypatch):
+    # without a checkpoint (random weights: the planner, benchmarks, the GPU suite) the frozen base must not exist
+    # whole on the device either: weight offloading and NF4 take each module as it is drawn
+    source = resolve_model_source({"family": "llama3_1", "size": "tiny"})
+    source = replace(source, args=replace(source.args, tie_embeddings=tied))
+    lora = {"modules": ["q_proj", "v_proj", "gate_proj"], "rank": 4, "alpha": 8, "quantize_base": True}
+    to_empty = nn.Module.to_empty
+
+    def one_module(self, *, device, recurse=True):
+        assert not recurse, "to_empty(recurse=True) would allocate every weight at once"
+        return to_empty(self, device=device, recurse=recurse)
+
+    arrived = []
+    quantize = model_setup._quantize_when_loaded
+    monkeypatch.setattr(nn.Module, "to_empty", one_module)
+    monkeypatch.setattr(model_setup, "_quantize_when_loaded",
+                        lambda module: (quantize(module), arrived.append(is_nf4(getattr(module, "weight", None)))))
+    torch.manual_seed(0)
+    model, _ = setup_model(source, device=torch.device("cpu"), dtype=torch.float32, lora=lora)
+    monkeypatch.undo()
+    nf4 = sum(1 for m in model.modules() if is_nf4(getattr(m, "weight", None)))
+    assert nf4 == 7 * source.args.n_layers and sum(arrived) == nf4  # each NF4 base quantized as it arrived
+    torch.manual_seed(0)
+    reference, _ = setup_model(source, device=torch.device("cpu"), dtype=torch.float32, lora=lora,
+                               materialize=False)
+    reference.to_empty(device="cpu")
+    reference.init_weights()  # the whole-model initialisation: the same draws in the same order
+    reset_lora_parameters(reference)
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        want = expected[name]
+        if is_nf4(param):
+            param, want = param.get_original_weight(), want.get_original_weight()
+        assert torch.equal(param, want), name
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied

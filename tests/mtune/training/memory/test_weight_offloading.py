@@ -16,7 +16,8 @@ from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.activation_checkpointing import is_checkpointed
 from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.placement import Placement
-from mtune.training.memory.weight_offloading import _in_backward, _plain_tensors, weight_offloader
+from mtune.training.memory.tensor_bytes import plain_parts
+from mtune.training.memory.weight_offloading import _in_backward, weight_offloader
 from tests._helpers.training import assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)
@@ -50,7 +51,7 @@ _assert_identical = assert_identical
 def _materialised(units) -> int:
     """How many of ``units`` (blocks, or leaf modules) hold any offloaded weight in device memory right now."""
     return sum(any(t.untyped_storage().nbytes() > 0 for p in unit.parameters() if not p.requires_grad
-                   for t in _plain_tensors(p)) for unit in units)
+                   for t in plain_parts(p)) for unit in units)
 
 
 def _instrument(model, offloader):
@@ -69,7 +70,7 @@ def _instrument(model, offloader):
     for module in (m for group in offloader.groups for m in group):
         def check(module, args):
             assert all(t.untyped_storage().nbytes() > 0 for p in module.parameters(recurse=False)
-                       for t in _plain_tensors(p))
+                       for t in plain_parts(p))
             if _in_backward():
                 recomputed.append(module)
         module.register_forward_pre_hook(check)  # after the offloader's own pre-hook
