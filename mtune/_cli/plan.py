@@ -13,7 +13,8 @@ from mtune._cli.errors import UsageError
 from mtune._cli.run import load_and_check, parse_run_args
 
 USAGE = """\
-usage: mtune plan [--device-memory SIZE] [--host-memory SIZE] [--fit [--lossless-only | --allow-lossy]]
+usage: mtune plan [--device-memory SIZE] [--host-memory SIZE]
+                  [--fit [--maximize seq_len] [--lossless-only | --allow-lossy] [--output FILE]]
                   [--from-data] [--json FILE] [--png FILE]
                   [--nproc_per_node N] RECIPE --config CONFIG [key=value ...]
 
@@ -29,6 +30,9 @@ options:
                          allocator margin of max(1 GiB, 5%)) and the host: lossless first (the same numbers),
                          lossy ones only when nothing lossless fits; write it as a ready-to-run YAML (--output,
                          default ./mtune_fit.yaml). docs/plan.md: the cost model and the order
+  --maximize seq_len     --fit: the longest tokenizer.max_seq_len that fits instead (packed rows, one row per
+                         micro-batch), with the fastest techniques that fit it; prints the curve (context ->
+                         planned peak) and what limits it; stops at the model's trained context
   --lossless-only        --fit: refuse rather than give up numerics (8-bit states, fp8/NF4 bases, clipping)
   --allow-lossy          --fit: lossy choices compete on speed with the lossless ones
   --output FILE          where --fit writes the best config
@@ -88,7 +92,7 @@ def plan_without_download(cfg, config_path: Path) -> str | None:
             f"named size, read from {how}; set model.family=... model.size=... to plan another")
 
 
-_VALUED = ("--device-memory", "--host-memory", "--json", "--png", "--nproc_per_node", "--output")
+_VALUED = ("--device-memory", "--host-memory", "--json", "--png", "--nproc_per_node", "--output", "--maximize")
 
 
 def parse_plan_args(argv: list[str]) -> tuple[dict, list[str]]:
@@ -152,9 +156,20 @@ def plan_command(argv: list[str]) -> int:
         raise UsageError("--lossless-only and --allow-lossy choose what --fit may give up: add --fit")
     if options.get("lossless_only") and options.get("allow_lossy"):
         raise UsageError("--lossless-only and --allow-lossy contradict each other: give one")
+    if "maximize" in options and not options["fit"]:
+        raise UsageError(f"--maximize {options['maximize']} chooses what --fit maximizes: add --fit")
     if options["fit"] and options.get("from_data"):
         raise UsageError("--from-data with --fit: --fit searches at tokenizer.max_seq_len; run --from-data alone to "
                          "see the longest batch, then --fit with tokenizer.max_seq_len=N")
+    if options["fit"] and "maximize" in options:
+        from mtune.training.planning.longest import longest_command
+
+        return longest_command(cfg, recipe=args.recipe, config_path=config_path, overrides=args.overrides,
+                               schema=module.SCHEMA, maximize=options["maximize"], device_memory=device_memory,
+                               host_memory=host_memory, world_size=world_size,
+                               output=Path(options.get("output") or "mtune_fit.yaml"),
+                               lossy="never" if options.get("lossless_only") else
+                               "compete" if options.get("allow_lossy") else "fallback")
     if options["fit"]:
         from mtune.training.planning.fit import fit_command
 

@@ -125,6 +125,12 @@ class MemoryTechnique:
         """The options ``--fit`` tries for the user's ``cfg`` (its model's ``facts``), level 0 first."""
         return [FitChoice(0, {})]
 
+    def for_any_length(self, cfg: Any) -> dict:
+        """Overrides that make this technique's setting in ``cfg`` hold at every row length (``--fit --maximize
+        seq_len`` plans one config at many lengths): e.g. a tile count written for one length as ``auto``, the
+        dense mask as segments. Empty: the setting holds already."""
+        return {}
+
     def describe(self, memory: Any, lora: Any = None) -> str:
         """The technique's setting, for the run's one log line of memory techniques."""
         return "on" if self.enabled(memory, lora) else "off"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,9 @@ from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning.cost import device_floor, model_facts, step_cost
 from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
 
-__all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "candidates_of", "floor_reason", "NEGLIGIBLE_SAVING"]
+__all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "candidates_of", "floor_reason", "describe",
+           "with_overrides", "changed_keys",
+           "NEGLIGIBLE_SAVING"]
 
 
 @dataclass(frozen=True)
@@ -81,27 +83,29 @@ class Candidate:
     @property
     def cfg(self):
         if self._cfg is None:
-            self._cfg = _apply(self.base, self.overrides)
+            self._cfg = with_overrides(self.base, self.overrides)
         return self._cfg
 
     @property
     def changes(self) -> dict:
         """The keys the candidate changes in the user's config, with their new values."""
-        return _changes(self.base, self.cfg, sorted(self.overrides))
+        return changed_keys(self.base, self.cfg, sorted(self.overrides))
 
     @property
     def techniques(self) -> int:
         return sum(1 for level in self.levels[:-1] if level)
 
 
-def _apply(cfg, overrides: dict):
+def with_overrides(cfg, overrides: dict):
+    """A copy of ``cfg`` with ``overrides`` (dotted keys; a node value replaces the node whole)."""
     out = copy.deepcopy(cfg)
     for key, value in overrides.items():
         OmegaConf.update(out, key, value, merge=False, force_add=True)
     return out
 
 
-def _changes(base, cfg, keys: Iterable[str]) -> dict:
+def changed_keys(base, cfg, keys: Iterable[str]) -> dict:
+    """Those of ``keys`` whose value in ``cfg`` differs from ``base``, with their values in ``cfg``."""
     changed = {}
     for key in keys:
         before = OmegaConf.select(base, key, default=None)
@@ -140,7 +144,7 @@ def _worth_searching(cfg, knob: Knob, options: list[FitChoice], device_memory: i
         return options
 
     def floor(choice: FitChoice) -> float:
-        return sum(device_floor(_apply(cfg, choice.overrides), world_size)[0].values())
+        return sum(device_floor(with_overrides(cfg, choice.overrides), world_size)[0].values())
 
     plain = floor(options[0])
     return [options[0]] + [c for c in options[1:] if plain - floor(c) >= NEGLIGIBLE_SAVING * device_memory]
@@ -158,7 +162,7 @@ def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory
         overrides: dict = {}
         for choice in combo:
             overrides.update(choice.overrides)
-        variant = _apply(cfg, overrides)
+        variant = with_overrides(cfg, overrides)
         for last in options[-1]:
             for key, value in last.overrides.items():
                 OmegaConf.update(variant, key, value, merge=False, force_add=True)
@@ -170,3 +174,21 @@ def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory
                                  base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
                                  quality_cost=sum(getattr(c, "quality_cost", 0) for c in chosen)))
     return out
+
+
+def describe(changes: dict) -> str:
+    """``changes`` as ``key=value ...`` (a component node by its class name), or ``(as configured)``."""
+    return " ".join(f"{k}={_yaml(v)}" for k, v in changes.items()) or "(as configured)"
+
+
+def _yaml(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Mapping):
+        component = value.get("_component_")
+        if component:
+            return str(component).rsplit(".", 1)[-1]
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    return str(value)

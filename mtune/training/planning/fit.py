@@ -32,7 +32,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -41,11 +41,11 @@ from mtune.config import load_config
 from mtune.config.errors import ConfigError
 from mtune.errors import MtuneError
 from mtune.training.planning.cost import model_facts, step_cost
-from mtune.training.planning.candidates import Candidate, Knob, candidates_of, floor_reason
+from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.memory_plan import GIB, format_bytes
 
-__all__ = ["search", "fit_command", "write_config",
+__all__ = ["search", "best_of", "fit_command", "fit_header", "write_config", "FitError",
            "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         spare = plan.fits()
         candidate.fits = spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
         if progress is not None:
-            progress(f"  plan {estimator.planned:>2}: {_describe(candidate.changes)}: "
+            progress(f"  plan {estimator.planned:>2}: {describe(candidate.changes)}: "
                      f"{format_bytes(plan.device_total_bytes)} {'fits' if candidate.fits else 'does not fit'}")
         if candidate.fits:
             candidate.cost = step_cost(candidate.cfg, plan.paged_bytes())
@@ -161,23 +161,6 @@ def best_of(candidates: list[Candidate]) -> Candidate | None:
     return min(fitting, key=_speed_key) if fitting else None
 
 
-def _describe(changes: dict) -> str:
-    return " ".join(f"{k}={_yaml(v)}" for k, v in changes.items()) or "(as configured)"
-
-
-def _yaml(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, Mapping):
-        component = value.get("_component_")
-        if component:
-            return str(component).rsplit(".", 1)[-1]
-        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
 def _rejections(candidates: list[Candidate]) -> list[str]:
     """One line per distinct reason a family of candidates was rejected without a plan."""
     seen: dict[str, int] = {}
@@ -187,19 +170,27 @@ def _rejections(candidates: list[Candidate]) -> list[str]:
     return [f"  {reason} ({n} candidate{'s' if n > 1 else ''})" for reason, n in seen.items()]
 
 
+def fit_header(recipe: str, config_path: Path, device_memory: int | None, host_memory: int | None,
+               world_size: int, asked: str = "") -> tuple[int, int]:
+    """Print what ``--fit`` is asked (budgets, margin, where the host budget came from); the host budget and the
+    allocator margin."""
+    if device_memory is None:
+        raise ConfigError("--fit needs --device-memory SIZE (the memory of the device to fit, e.g. 24GiB)")
+    host_stated = "" if host_memory is not None else " (this machine's available memory; --host-memory to change)"
+    host_memory = available_host_memory() if host_memory is None else host_memory
+    margin = allocator_margin(device_memory)
+    print(f"mtune plan --fit{asked}: {recipe} with {config_path} into {format_bytes(device_memory)} "
+          f"(allocator margin {format_bytes(margin)}: max(1 GiB, 5%)), host {format_bytes(host_memory)}{host_stated}"
+          + (f", {world_size} ranks" if world_size > 1 else ""))
+    return host_memory, margin
+
+
 def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], schema, device_memory: int | None,
                 host_memory: int | None, world_size: int, output: Path, lossy: str = "fallback") -> int:
     """``mtune plan --fit``: the fastest config that fits, its planned figures, what was given up, why the rest
     was rejected; the best written to ``output``."""
-    if device_memory is None:
-        raise ConfigError("--fit needs --device-memory SIZE (the memory of the device to fit, e.g. 24GiB)")
     start = time.process_time()
-    host_stated = "" if host_memory is not None else " (this machine's available memory; --host-memory to change)"
-    host_memory = available_host_memory() if host_memory is None else host_memory
-    margin = allocator_margin(device_memory)
-    print(f"mtune plan --fit: {recipe} with {config_path} into {format_bytes(device_memory)} "
-          f"(allocator margin {format_bytes(margin)}: max(1 GiB, 5%)), host {format_bytes(host_memory)}{host_stated}"
-          + (f", {world_size} ranks" if world_size > 1 else ""))
+    host_memory, margin = fit_header(recipe, config_path, device_memory, host_memory, world_size)
     estimator = Estimator(device_memory=device_memory, host_memory=host_memory, world_size=world_size)
     candidates = search(cfg, schema, device_memory=device_memory, host_memory=host_memory, progress=print,
                         world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
@@ -219,7 +210,7 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
               + "a smaller model, a shorter tokenizer.max_seq_len, a LoRA recipe, or a larger device")
         return 1
     plan = best.plan
-    print(f"\nanswer: {_describe(best.changes)}")
+    print(f"\nanswer: {describe(best.changes)}")
     print(f"  device {format_bytes(plan.device_total_bytes)} of {format_bytes(device_memory)} (allocator peak "
           f"{format_bytes(plan.device_peak_bytes)} + context; margin {format_bytes(margin)} kept), host "
           f"{format_bytes(plan.host_peak_bytes)} of {format_bytes(host_memory)}"
@@ -247,7 +238,7 @@ def write_config(config_path: Path, overrides: list[str], changes: dict, output:
     cfg = load_config(config_path, overrides)
     for key, value in changes.items():
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-    header = f"# Written by `mtune plan --fit` from {config_path}; changed: {_describe(changes)}\n"
+    header = f"# Written by `mtune plan --fit` from {config_path}; changed: {describe(changes)}\n"
     output = Path(output)
     output.write_text(header + OmegaConf.to_yaml(cfg))
     return output

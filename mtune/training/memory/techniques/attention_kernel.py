@@ -52,6 +52,10 @@ class AttentionKernel(MemoryTechnique):
     def describe(self, memory: Any, lora: Any = None) -> str:
         return memory.attention_kernel
 
+    def for_any_length(self, cfg: Any) -> dict:
+        """The dense mask grows as s²: long rows take the segments kernel (the same numbers)."""
+        return {"attention_kernel": "segments"} if cfg.get("attention_kernel") == "dense_mask" else {}
+
     def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
         """The dense mask of packed rows costs s² bytes a row (1 GiB at 32K tokens)."""
         packed = bool((cfg.get("dataset") or {}).get("packed"))

@@ -62,6 +62,11 @@ class TiledMLP(MemoryTechnique):
             choices.append(FitChoice(1, {"mlp_tiles": tiles}))
         return choices
 
+    def for_any_length(self, cfg: Any) -> dict:
+        """A tile count is written for one row length (``--fit`` writes ``auto``'s count out); ``auto`` keeps
+        tiles of at most the model's width at every length."""
+        return {"mlp_tiles": "auto"} if get(cfg, "mlp_tiles", 1) not in (1, "auto") else {}
+
     def rules(self, cfg: Any) -> list[str]:
         """A count or ``auto``; not with ``selective_op`` checkpointing, whose policy keeps every matmul output,
         the tiles' included (the MLP's intermediates stay whole, and the tiling only costs its recompute)."""

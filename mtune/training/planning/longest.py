@@ -1,0 +1,282 @@
+"""``mtune plan --fit --maximize seq_len``: the longest context (``tokenizer.max_seq_len``) that fits a device and
+its host, with the fastest memory techniques that make it fit.
+
+The question is asked of packed rows (``dataset.packed: true``, documents side by side without padding, attention
+per document), one row per micro-batch, the config's samples per optimizer step kept as accumulation. A plan's
+peak grows linearly in the row length once the attention kernel keeps no ``s x s`` tensor (the segments kernel, or
+``auto`` above 256 tokens; tests/recipes/test_plan_long_context.py checks it from 4K to 32K), so:
+
+1. the candidates are `mtune.training.planning.candidates.candidates_of` the registry's knobs at micro-batch 1,
+   lossless first (as ``--fit``: lossy ones only when no lossless candidate fits even :data:`SHORTEST` tokens);
+2. only the candidates that no other candidate out-saves on every knob (the maxima of the search space; the recipe's
+   rules exclude some combinations, so there may be several) can reach the longest context: each is planned at
+   two lengths and the line through the two peaks solved for the budget (device, and host where its peak grows
+   too), rounded down to :data:`STEP` tokens, then planned there and stepped down until it fits;
+3. the longest of them, capped at the model's trained context (``max_position_embeddings``: Llama 3.1 131,072), is
+   the answer's length; at that length the ordinary ``--fit`` search finds the fastest candidate that fits;
+4. the curve (the answer's planned device total at every power of two up to the length) and the category that
+   grew most along it (what limits the length) are printed, and the config is written as ``--fit`` writes it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtune.training.memory import registry
+from mtune.training.memory.technique import FitChoice
+from mtune.training.model_setup import resolve_model_source
+from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
+                                                registry_knobs, with_overrides)
+from mtune.training.planning.estimate import Estimator
+from mtune.training.planning.fit import FitError, best_of, fit_header, search, write_config
+from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
+
+__all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE", "STEP",
+           "SHORTEST"]
+
+MAXIMIZE = ("seq_len",)
+"""What ``--maximize`` can maximize."""
+
+STEP = 1024
+"""The answer's length is a multiple of this many tokens."""
+
+SHORTEST = 1024
+"""A candidate that does not fit rows of this many tokens is not a long-context answer."""
+
+_PROBES = (8192, 32768)
+"""The two row lengths each maximal candidate is planned at first (the line through them is solved)."""
+
+
+@dataclass
+class LongestContext:
+    """The answer: ``seq_len`` tokens per row with ``candidate``'s techniques (``None`` when nothing fits
+    :data:`SHORTEST` tokens). ``capped``: stopped at the model's trained context, not by a budget."""
+
+    seq_len: int
+    candidate: Candidate | None
+    trained_context: int
+    capped: bool = False
+    curve: list[tuple[int, MemoryPlan]] = field(default_factory=list)
+    limiting: str = ""
+    reach: list[tuple[Candidate, int]] = field(default_factory=list)
+    """Each maximal candidate (every saving the rules allow together) with the longest length it fits."""
+
+
+def trained_context(cfg) -> int:
+    """The model's trained context: its ``max_position_embeddings`` (a checkpoint's config.json; rope scaling there
+    raises it), else the family's own."""
+    return int(resolve_model_source(cfg.model).args.max_seq_len)
+
+
+def long_context_base(cfg) -> tuple[object, dict]:
+    """``cfg`` asked about long rows: packed, one row per micro-batch (the samples per step kept as accumulation),
+    the dense mask replaced by the segments kernel. Returns the config and the overrides that made it."""
+    samples = int(cfg.batch_size) * int(cfg.get("gradient_accumulation_steps") or 1)
+    overrides = {"dataset.packed": True, "batch_size": 1, "gradient_accumulation_steps": samples,
+                 **_for_any_length(cfg)}
+    return with_overrides(cfg, overrides), overrides
+
+
+def _for_any_length(cfg) -> dict:
+    """Every technique's `MemoryTechnique.for_any_length` overrides for ``cfg``."""
+    return {k: v for t in registry.TECHNIQUES for k, v in t.for_any_length(cfg).items()}
+
+
+def _one_row_knobs() -> list[Knob]:
+    """The registry's knobs with the micro-batch held at the base's one row."""
+    return registry_knobs()[:-1] + [Knob("micro_batch", lambda cfg: [FitChoice(0, {})])]
+
+
+def _maxima(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates no other candidate out-saves on every knob (levels: higher saves more)."""
+
+    def below(a, b) -> bool:
+        return a != b and all(x <= y for x, y in zip(a, b))
+
+    return [c for c in candidates if not any(below(c.levels, d.levels) for d in candidates)]
+
+
+def _at(cfg, seq_len: int):
+    return with_overrides(cfg, {"tokenizer.max_seq_len": int(seq_len)})
+
+
+def _any_length(cfg):
+    """``cfg`` with settings written for one length made to hold at every length planned."""
+    overrides = _for_any_length(cfg)
+    return with_overrides(cfg, overrides) if overrides else cfg
+
+
+class _Fitter:
+    """Plans a candidate at a length and says whether it fits, as ``--fit`` judges it (device total plus the
+    allocator margin within the device budget, host peak within the host budget)."""
+
+    def __init__(self, estimator: Estimator, device_memory: int, host_memory: int | None, margin: int):
+        self.estimator, self.device_memory, self.host_memory, self.margin = (estimator, device_memory, host_memory,
+                                                                             margin)
+
+    def plan(self, cfg, seq_len: int) -> MemoryPlan:
+        plan = self.estimator.estimate(_at(cfg, seq_len))
+        plan.device_memory, plan.host_memory = self.device_memory, self.host_memory
+        return plan
+
+    def fits(self, plan: MemoryPlan) -> bool:
+        spare = plan.fits()
+        return spare["device"] - self.margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
+
+    def spare(self, plan: MemoryPlan) -> list[int]:
+        """Bytes left per budget (device less the margin; host where there is one)."""
+        spare = plan.fits()
+        return [spare["device"] - self.margin] + ([spare["host"]] if spare["host"] is not None else [])
+
+    def longest(self, cfg, limit: int, say: Callable[[str], None]) -> int:
+        """The longest multiple of :data:`STEP` up to ``limit`` (or ``limit`` itself) at which ``cfg`` fits; 0
+        when not even :data:`SHORTEST`."""
+        short, long_ = (min(p, limit) for p in _PROBES)
+        guess = limit
+        if long_ > short:
+            p, q = self.plan(cfg, short), self.plan(cfg, long_)
+            for s_p, s_q in zip(self.spare(p), self.spare(q)):
+                slope = (s_q - s_p) / (long_ - short)  # spare bytes per token (negative: the peak grows)
+                if slope < 0:
+                    guess = min(guess, int(short + s_p / -slope))
+            say(f"  {format_bytes(p.device_total_bytes)} at {short:,}, {format_bytes(q.device_total_bytes)} at "
+                f"{long_:,} tokens: the line reaches {guess:,}")
+        return self._edge(cfg, max(SHORTEST, guess), limit)
+
+    def _edge(self, cfg, guess: int, limit: int) -> int:
+        """The longest length that fits, from the line's ``guess``: planned there, then walked up or down by 3%
+        (or :data:`STEP`) to the first length on the other side, then bisected to :data:`STEP` tokens (what is
+        not linear in the peak moves the edge a few steps at most)."""
+
+        def at(length: int) -> int:
+            return limit if length >= limit else max(SHORTEST, length // STEP * STEP)
+
+        def fits(length: int) -> bool:
+            return self.fits(self.plan(cfg, length))
+
+        def stride(length: int) -> int:
+            return max(STEP, int(length * 0.03) // STEP * STEP)
+
+        length = at(guess)
+        if fits(length):
+            lo, hi = length, None
+            while lo < limit:
+                nxt = at(lo + stride(lo))
+                if not fits(nxt):
+                    hi = nxt
+                    break
+                lo = nxt
+            if hi is None:
+                return lo
+        else:
+            hi = length
+            while True:
+                if hi <= SHORTEST:
+                    return 0
+                lo = at(hi - stride(hi))
+                if fits(lo):
+                    break
+                hi = lo
+        while hi - lo > STEP:  # lo fits, hi does not
+            mid = at((lo + hi) // 2)
+            if mid in (lo, hi):
+                break
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+
+def _limiting(curve: list[tuple[int, MemoryPlan]]) -> str:
+    """The device category that grew most along the curve: what the length is spent on."""
+    if len(curve) < 2:
+        return ""
+    (s0, first), (s1, last) = curve[0], curve[-1]
+    growth = {k: v - first.at_peak["device"].get(k, 0) for k, v in last.at_peak["device"].items()}
+    name, grew = max(growth.items(), key=lambda kv: kv[1])
+    return (f"{name} (+{format_bytes(grew)} from {s0:,} to {s1:,} tokens; {format_bytes(last.at_peak['device'][name])}"
+            f" of the device peak {format_bytes(last.device_peak_bytes)})")
+
+
+def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None, margin: int,
+                    estimator: Estimator, lossy: str = "fallback", world_size: int = 1,
+                    progress: Callable[[str], None] = lambda line: None) -> LongestContext:
+    """The longest context that fits (the module docstring's steps)."""
+    trained = trained_context(cfg)
+    if trained < SHORTEST:
+        raise FitError(f"the model's trained context is {trained:,} tokens (max_position_embeddings), shorter than "
+                       f"the {SHORTEST:,} a long-context answer starts at: plan tokenizer.max_seq_len={trained} "
+                       "without --maximize")
+    base, _ = long_context_base(cfg)
+    fitter = _Fitter(estimator, device_memory, host_memory, margin)
+    knobs = _one_row_knobs()
+    # the choices at a long row (tiling the MLP is offered only where a row is wider than the model)
+    probe = _at(base, min(_PROBES[-1], trained))
+    candidates = candidates_of(probe, schema, knobs, device_memory=device_memory, world_size=world_size)
+    lossless = [c for c in candidates if not c.lossy]
+    phases = {"never": [lossless], "compete": [candidates]}.get(lossy, [lossless, [c for c in candidates if c.lossy]])
+    best_len, reach = 0, []
+    for phase in phases:
+        for candidate in sorted(_maxima(phase), key=lambda c: c.cost):
+            progress(f"longest context with {describe(candidate.changes)}:")
+            length = fitter.longest(_any_length(candidate.cfg), trained, progress)
+            reach.append((candidate, length))
+            progress(f"  fits {length:,} tokens" if length else f"  does not fit {SHORTEST:,} tokens")
+            best_len = max(best_len, length)
+        if best_len:
+            break
+    if not best_len:
+        return LongestContext(0, None, trained, reach=reach)
+    at_length = _at(base, best_len)
+    found = search(at_length, schema, device_memory=device_memory, host_memory=host_memory, knobs=knobs,
+                   world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
+    answer = best_of(found)
+    lengths = [2 ** k for k in range(12, int(math.log2(best_len)) + 1) if 2 ** k < best_len] + [best_len]
+    curve = [(s, fitter.plan(answer.cfg, s)) for s in lengths]
+    return LongestContext(best_len, answer, trained, capped=best_len == trained, curve=curve,
+                          limiting=_limiting(curve), reach=reach)
+
+
+def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], schema, maximize: str,
+                    device_memory: int | None, host_memory: int | None, world_size: int, output: Path,
+                    lossy: str = "fallback") -> int:
+    """``mtune plan --fit --maximize seq_len``: print the search, the curve, the answer and what limits it; write
+    the answer's config to ``output``. The exit status: 1 when nothing fits :data:`SHORTEST` tokens."""
+    if maximize not in MAXIMIZE:
+        raise FitError(f"--maximize {maximize}: one of {', '.join(MAXIMIZE)}")
+    start = time.process_time()
+    host_memory, margin = fit_header(recipe, config_path, device_memory, host_memory, world_size,
+                                     asked=f" --maximize {maximize}")
+    estimator = Estimator(device_memory=device_memory, host_memory=host_memory, world_size=world_size)
+    result = longest_context(cfg, schema, device_memory=device_memory, host_memory=host_memory, margin=margin,
+                             estimator=estimator, lossy=lossy, world_size=world_size, progress=print)
+    seconds = time.process_time() - start
+    if result.candidate is None:
+        print(f"nothing fits {SHORTEST:,}-token packed rows in {format_bytes(device_memory)} "
+              f"(host {format_bytes(host_memory)}) with any technique; {seconds:.0f} CPU-s")
+        return 1
+    answer = result.candidate
+    _, base_overrides = long_context_base(cfg)
+    changes = changed_keys(cfg, answer.cfg, sorted({*base_overrides, *answer.overrides, "tokenizer.max_seq_len"}))
+    print("\ncontext -> planned device total (allocator peak + context) with the answer's techniques:")
+    for seq_len, plan in result.curve:
+        print(f"  {seq_len:>9,} tokens  {format_bytes(plan.device_total_bytes):>10}   host "
+              f"{format_bytes(plan.host_peak_bytes)}")
+    plan = result.curve[-1][1]
+    print(f"\nanswer: {result.seq_len:,} tokens per row ({estimator.planned} plans, {seconds:.0f} CPU-s)")
+    print(f"  with {describe(changes)}")
+    print(f"  device {format_bytes(plan.device_total_bytes)} of {format_bytes(device_memory)} (margin "
+          f"{format_bytes(margin)} kept), host {format_bytes(plan.host_peak_bytes)} of {format_bytes(host_memory)}")
+    if result.capped:
+        print(f"  stopped at the model's trained context, {result.trained_context:,} tokens "
+              "(max_position_embeddings; a checkpoint whose config.json sets rope scaling and a larger "
+              "max_position_embeddings raises it)")
+    elif result.limiting:
+        print(f"  limited by {result.limiting}")
+    print("  lossy: gives up " + ", ".join(answer.lossy) if answer.lossy else "  lossless: the same numbers as "
+          "the config at this length")
+    write_config(config_path, overrides, changes, output)
+    print(f"written to {output}; run it with:\n  mtune run {recipe} --config {output}")
+    return 0

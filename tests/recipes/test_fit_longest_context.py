@@ -1,0 +1,82 @@
+"""``mtune plan --fit --maximize seq_len`` on the tiny LoRA config: the length it answers fits and one step more
+does not (both checked with whole plans, not the search's line), the written YAML validates and asks for what was
+planned, the model's trained context stops the search, and the CLI refuses what it cannot answer."""
+
+import pytest
+
+from mtune._cli.catalog import find_recipe, load_recipe_module
+from mtune._cli.errors import UsageError
+from mtune._cli.plan import plan_command
+from mtune._cli.run import load_and_check
+from mtune.training.planning.candidates import with_overrides
+from mtune.training.planning.estimate import Estimator
+from mtune.training.planning.fit import FitError
+from mtune.training.planning.longest import STEP, longest_command, longest_context
+from mtune.training.planning.plan import plan_memory
+from tests._helpers.recipes import TRAIN_CONFIG, train_overrides, write_tiny_checkpoint
+
+BUDGET = 160 * 1024**2
+"""Device bytes of the question (no margin: the tests ask with margin 0): the tiny LoRA config reaches ~8K tokens."""
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    """The tiny Llama 3.1-shaped model, trained (by its config) to 16K tokens."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("long"), max_position_embeddings=16384)
+
+
+def _config(tmp_path, checkpoint, data, **changes):
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    overrides = train_overrides(tmp_path, checkpoint, data, **changes)
+    return module, overrides, load_and_check(module, TRAIN_CONFIG, overrides)
+
+
+def _fits(cfg, budget) -> bool:
+    return plan_memory(cfg).device_total_bytes <= budget
+
+
+def test_the_answer_fits_and_one_step_longer_does_not(tmp_path, long_checkpoint, tiny_data):
+    module, _, cfg = _config(tmp_path, long_checkpoint, tiny_data)
+    result = longest_context(cfg, module.SCHEMA, device_memory=BUDGET, host_memory=None, margin=0,
+                             estimator=Estimator(device_memory=BUDGET, host_memory=None))
+    answer = result.candidate.cfg
+    assert 4096 <= result.seq_len < 16384 and not result.capped, result.reach
+    assert answer.tokenizer.max_seq_len == result.seq_len and answer.dataset.packed and answer.batch_size == 1
+    assert answer.gradient_accumulation_steps == cfg.batch_size * cfg.gradient_accumulation_steps  # samples kept
+    assert _fits(answer, BUDGET)
+    # no maximal candidate (every saving the rules allow together) fits one step more than it reached
+    assert max(length for _, length in result.reach) == result.seq_len
+    for candidate, length in result.reach:
+        assert not _fits(with_overrides(candidate.cfg, {"tokenizer.max_seq_len": length + STEP,
+                                                        "mlp_tiles": "auto"}), BUDGET)
+    assert result.limiting.split()[0] in ("activations", "temporaries")  # what grows with the row, not weights
+    peaks = [plan.device_total_bytes for _, plan in result.curve]
+    assert peaks == sorted(peaks) and [s for s, _ in result.curve][-1] == result.seq_len
+
+
+def test_the_trained_context_stops_it_and_the_yaml_asks_for_it(tmp_path, long_checkpoint, tiny_data, capsys):
+    module, overrides, cfg = _config(tmp_path, long_checkpoint, tiny_data, **{"tokenizer.max_seq_len": 64})
+    output = tmp_path / "longest.yaml"
+    # a budget a 16K row fits easily: the answer is the model's trained context, said so
+    assert longest_command(cfg, recipe="lora_single_device", config_path=TRAIN_CONFIG, overrides=overrides,
+                           schema=module.SCHEMA, maximize="seq_len", device_memory=8 * 1024**3,
+                           host_memory=8 * 1024**3, world_size=1, output=output) == 0
+    out = capsys.readouterr().out
+    assert "answer: 16,384 tokens per row" in out and "trained context, 16,384 tokens" in out
+    written = load_and_check(module, output, [])  # validates
+    assert written.tokenizer.max_seq_len == 16384 and written.dataset.packed and written.batch_size == 1
+
+
+def test_what_it_cannot_answer_is_refused(tmp_path, tiny_checkpoint, tiny_data):
+    module, overrides, cfg = _config(tmp_path, tiny_checkpoint, tiny_data)
+    with pytest.raises(FitError, match="--maximize throughput: one of seq_len"):
+        longest_command(cfg, recipe="lora_single_device", config_path=TRAIN_CONFIG, overrides=overrides,
+                        schema=module.SCHEMA, maximize="throughput", device_memory=BUDGET, host_memory=None,
+                        world_size=1, output=tmp_path / "x.yaml")
+    with pytest.raises(UsageError, match="add --fit"):
+        plan_command(["--maximize", "seq_len", "lora_single_device", "--config", str(TRAIN_CONFIG), *overrides])
+    # the tiny model's trained context (512 tokens) is shorter than any long-context answer
+    with pytest.raises(FitError, match="trained context is 512 tokens"):
+        longest_command(cfg, recipe="lora_single_device", config_path=TRAIN_CONFIG, overrides=overrides,
+                        schema=module.SCHEMA, maximize="seq_len", device_memory=BUDGET, host_memory=None,
+                        world_size=1, output=tmp_path / "y.yaml")
