@@ -59,9 +59,10 @@ LOCATIONS = ("device", "host")
 
 
 def plain_parts(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The plain tensors behind ``t`` (itself, or a wrapper subclass's inner tensors, recursively)."""
-    if isinstance(t, nn.Parameter):
-        t = t.data
+    """The plain tensors behind ``t`` (itself, or a wrapper subclass's inner tensors, recursively). A parameter is
+    read as it is, never through ``.data``: on a fake tensor any new view (``.data`` is one) silently re-grows a
+    storage that was resized to nothing (an offloaded weight) to its full size, so counting it through a view would
+    count every offloaded weight on the device."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         for name in names:
