@@ -107,6 +107,9 @@ def test_paged_states_are_managed_memory_outside_the_allocator(tmp_path, tiny_ch
     {"enable_activation_checkpointing": True, "enable_activation_offloading": True,
      "activation_offloading_use_streams": False},
     {"lora.quantize_base": True},
+    # weight offloading with every block checkpointed: two groups on the device (one prefetched) at any depth
+    {"weight_offloading": "{type: block_level, blocks_per_group: 1, use_streams: true}",
+     "enable_activation_checkpointing": True},
 ])
 def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_data, changes):
     module = load_recipe_module(find_recipe("lora_single_device"))
@@ -114,6 +117,7 @@ def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_da
     cfg = load_and_check(module, TRAIN_CONFIG, overrides)
     estimator = Estimator(device_memory=None, host_memory=None)
     layered, whole = estimator.layered(cfg, n_layers=8), plan_memory(cfg, n_layers=8)
+    assert "planned with 2 and 4 blocks, extrapolated to 8" in layered.estimated
     for name in ("device_peak_bytes", "host_peak_bytes"):  # 2 and 4 blocks extrapolated to 8
         assert getattr(layered, name) == pytest.approx(getattr(whole, name), rel=0.02), name
     # micro-batches 4 and 2 planned (several per step), micro-batch 1 derived from them per sample
