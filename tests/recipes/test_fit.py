@@ -120,6 +120,11 @@ def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_da
     assert "planned with 2 and 4 blocks, extrapolated to 8" in layered.estimated
     for name in ("device_peak_bytes", "host_peak_bytes"):  # 2 and 4 blocks extrapolated to 8
         assert getattr(layered, name) == pytest.approx(getattr(whole, name), rel=0.02), name
+    # a 2-block plan over the budget stands for the 8 blocks as a lower bound, without the 4-block plan
+    planned = estimator.planned
+    bound = estimator.layered(cfg, n_layers=8, over=lambda plan: True)
+    assert bound.lower_bound and estimator.planned == planned + 1
+    assert bound.device_peak_bytes <= whole.device_peak_bytes and bound.host_peak_bytes <= whole.host_peak_bytes
     # micro-batches 4 and 2 planned (several per step), micro-batch 1 derived from them per sample
     samples = {"batch_size": 4, "gradient_accumulation_steps": 2}
     for batch in (4, 2):

@@ -5,6 +5,7 @@ ones, each variant cached. Every shortcut is checked against a whole plan by ``t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 from omegaconf import OmegaConf
@@ -71,19 +72,28 @@ class Estimator:
         """One plan of ``cfg`` as configured (no shortcut)."""
         return self._plan(cfg)
 
-    def layered(self, cfg, n_layers: int | None = None) -> MemoryPlan:
+    def layered(self, cfg, n_layers: int | None = None, over: Callable[[MemoryPlan], bool] | None = None
+                ) -> MemoryPlan:
         """``cfg`` planned with two and four blocks (`planned_layers`) and extrapolated to its own block count (or
-        ``n_layers``); planned whole where that is no more blocks than the larger shortened plan."""
+        ``n_layers``); planned whole where that is no more blocks than the larger shortened plan. When ``over``
+        says the smaller plan is over the budget already, that plan is returned as a lower bound (``lower_bound``:
+        no figure shrinks as blocks are added), without the larger one."""
         n_layers = model_facts(cfg).n_layers if n_layers is None else n_layers
         layers = planned_layers(cfg)
         if self.exact or n_layers <= layers[-1]:
             return self._plan(cfg, n_layers if n_layers != model_facts(cfg).n_layers else None)
-        small, large = (self._plan(cfg, n) for n in layers)
+        small = self._plan(cfg, layers[0])
+        if over is not None and over(small):
+            return replace(small, lower_bound=True, estimated=f"planned with {layers[0]} blocks only: over the "
+                                                              f"budget already, so {n_layers} blocks are")
+        large = self._plan(cfg, layers[1])
         t = (n_layers - layers[0]) / (layers[1] - layers[0])
         return _combine(small, large, t, estimated=f"planned with {layers[0]} and {layers[1]} blocks, "
                                                   f"extrapolated to {n_layers}", seconds=small.seconds + large.seconds)
 
-    def estimate(self, cfg) -> MemoryPlan:
+    def estimate(self, cfg, over: Callable[[MemoryPlan], bool] | None = None) -> MemoryPlan:
+        """``cfg``'s plan by the cheapest shortcut (see the class docstring); ``over`` as :meth:`layered` takes it
+        (a lower bound is never used to derive another micro-batch)."""
         structure = _structure_key(cfg)
         batch, accumulation = int(cfg.batch_size), int(cfg.get("gradient_accumulation_steps") or 1)
         key = (structure, batch, accumulation)
@@ -99,7 +109,8 @@ class Estimator:
                             + f"micro-batch {batch} derived from {b1} and {b2} per sample")
             self.derived += 1
         else:
-            plan = self.layered(cfg)
-            points[batch] = plan
+            plan = self.layered(cfg, over=over)
+            if not plan.lower_bound:
+                points[batch] = plan
         self._cache[key] = plan
         return plan

@@ -17,9 +17,10 @@ Per candidate, cheapest first:
 1. the floor (:func:`~mtune.training.planning.cost.device_floor`: weights, optimizer states, gradients where
    nothing frees them) against each budget: over budget is rejected at once, with its reason, without planning;
 2. dominance: a candidate that saves no more than one that did not fit on any knob is never planned;
-3. the plan: :class:`Estimator` (one or two blocks planned and extrapolated per layer, micro-batch variants derived
-   from the per-token slope of two planned micro-batches of the same structure, each shortcut checked against a
-   whole plan by the tests; cached per variant). A candidate fits when its device total plus the allocator margin
+3. the plan: :class:`Estimator` (two and four blocks planned and extrapolated per layer, the four-block plan skipped
+   when the two-block one is over a budget already, micro-batch variants derived from the per-token slope of two
+   planned micro-batches of the same structure, each shortcut checked against a whole plan by the tests; cached
+   per variant). A candidate fits when its device total plus the allocator margin
    (:func:`allocator_margin`) is within the device budget and its host peak within the host budget.
 
 The search stops after ``max_fits`` fitting candidates of the phase (or ``max_plans`` plans); the answer is the
@@ -105,6 +106,11 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     failed: list[tuple[int, ...]] = []
     ordered: list[Candidate] = []
 
+    def within_budget(plan) -> bool:
+        plan.device_memory, plan.host_memory = device_memory, host_memory
+        spare = plan.fits()
+        return spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
+
     def dominated(levels) -> bool:
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
@@ -117,13 +123,12 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         if dominated(candidate.levels):
             candidate.pruned, candidate.fits = True, False
             return
-        candidate.plan = plan = estimator.estimate(candidate.cfg)
-        plan.device_memory, plan.host_memory = device_memory, host_memory
-        spare = plan.fits()
-        candidate.fits = spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
+        candidate.plan = plan = estimator.estimate(candidate.cfg, over=lambda p: not within_budget(p))
+        candidate.fits = within_budget(plan)
         if progress is not None:
             progress(f"  plan {estimator.planned:>2}: {_describe(candidate.changes)}: "
-                     f"{format_bytes(plan.device_total_bytes)} {'fits' if candidate.fits else 'does not fit'}")
+                     f"{'at least ' if plan.lower_bound else ''}{format_bytes(plan.device_total_bytes)} "
+                     f"{'fits' if candidate.fits else 'does not fit'}")
         if candidate.fits:
             candidate.cost = step_cost(candidate.cfg, plan.paged_bytes())
         else:
