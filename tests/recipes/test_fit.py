@@ -136,6 +136,24 @@ def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_da
     assert derived.device_peak_bytes == pytest.approx(plan_memory(one).device_peak_bytes, rel=0.03)
 
 
+def test_a_tie_goes_to_the_fewer_techniques_even_when_the_most_saving_one_fits(tmp_path, tiny_checkpoint, tiny_data,
+                                                                               monkeypatch):
+    from mtune.training.planning import candidates as candidates_module, fit as fit_module
+
+    for module_ in (candidates_module, fit_module):  # every candidate costs the same: one tier per micro-batch
+        monkeypatch.setattr(module_, "step_cost", lambda cfg, paged_bytes=0.0: 1e-6)
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    cfg = load_and_check(module, TRAIN_CONFIG, _tiny(tmp_path, tiny_checkpoint, tiny_data, {}))
+    knobs = [k for k in KNOBS if k.name in ("weight_offloading", "micro_batch")]
+    # 64 MiB: every candidate fits, and offloading the ~6 MB of frozen weights is worth searching (over 2%)
+    candidates = search(cfg, module.SCHEMA, device_memory=64 << 20, knobs=knobs, margin=0)
+    best = best_of(candidates)
+    # leaf-level offloading (the tier's most-saving member) is planned first and fits; the answer is still none
+    assert best.changes.get("weight_offloading") is None and best.micro_batch == 4
+    planned = {(c.changes.get("weight_offloading") or {}).get("type"): c.fits for c in candidates if c.plan}
+    assert planned == {"leaf_level": True, None: True}
+
+
 def test_a_budget_below_the_floor_is_refused_without_a_plan(capsys):
     from mtune._cli.main import main
 

@@ -6,7 +6,8 @@ The search space is `mtune.training.planning.candidates.KNOBS`: one per techniqu
 optimizer step, split into micro-batches of every power-of-two size: every candidate keeps them). Each knob lists
 its choices for the user's config (a level: higher saves more; a choice whose value is a node replaces that node
 whole). Every candidate (one choice per knob) that the recipe's rules accept is ordered by
-:func:`~mtune.training.planning.cost.step_cost`; ties go to the larger micro-batch, then the fewer techniques.
+:func:`~mtune.training.planning.cost.step_cost`; ties go to the larger micro-batch, then the fewer techniques, then
+the lower levels.
 
 Order: lossless candidates (the same numbers as the user's config) first. Only when none fits are lossy ones
 considered, the cheapest loss of quality first (each `FitChoice` ranks what it gives up), unless ``lossy="compete"``
@@ -79,7 +80,8 @@ def available_host_memory() -> int:
 
 
 def _speed_key(c: Candidate):
-    return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques)
+    """Cost to 3 significant digits; ties to the larger micro-batch, the fewer techniques, the lower levels."""
+    return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques, sum(c.levels[:-1]))
 
 
 def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, knobs: list[Knob] | None = None,
@@ -135,11 +137,12 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
             failed.append(candidate.levels)
 
     for number, phase in enumerate(phases):
-        fits, best_cost = 0, None
+        fits, best = 0, None
         # Candidates of equal cost and micro-batch form a tier: its most-saving member is considered first, and when
-        # it does not fit, every member it dominates is pruned without a plan. A candidate's cost before planning is
-        # a lower bound of its cost after (planning can only add paging traffic), so the search of a phase ends
-        # when the next candidate cannot beat the best fit found.
+        # it does not fit, every member it dominates is pruned without a plan; when it fits, the tier's members that
+        # rank before it (fewer techniques: the ties rule) are still considered, the first of them first. A
+        # candidate's cost before planning is a lower bound of its cost after (planning can only add paging
+        # traffic), so the search of a phase ends when the next candidate cannot beat the best fit found.
         for _, tier in itertools.groupby(phase, key=lambda c: (_speed_key(c)[0], c.levels[-1])):
             tier = list(tier)
             ordered.extend(tier)
@@ -147,12 +150,12 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
             for candidate in [top] + [c for c in tier if c is not top]:
                 if fits >= max_fits or estimator.planned >= max_plans or candidate.fits is not None:
                     continue
-                if best_cost is not None and candidate.cost >= best_cost:
+                if best is not None and _speed_key(candidate) >= _speed_key(best):
                     continue
                 consider(candidate)
                 if candidate.fits:
                     fits += 1
-                    best_cost = candidate.cost if best_cost is None else min(best_cost, candidate.cost)
+                    best = candidate if best is None or _speed_key(candidate) < _speed_key(best) else best
         if fits and lossy != "compete":
             ordered += [c for p in phases[number + 1:] for c in p]
             break
