@@ -148,10 +148,11 @@ def test_a_tie_goes_to_the_fewer_techniques_even_when_the_most_saving_one_fits(t
     # 64 MiB: every candidate fits, and offloading the ~6 MB of frozen weights is worth searching (over 2%)
     candidates = search(cfg, module.SCHEMA, device_memory=64 << 20, knobs=knobs, margin=0)
     best = best_of(candidates)
-    # leaf-level offloading (the tier's most-saving member) is planned first and fits; the answer is still none
+    # the tier is searched from its most-saving member down (leaf-level, block-level, none): each fits, and the
+    # answer is the one with the fewest techniques
     assert best.changes.get("weight_offloading") is None and best.micro_batch == 4
     planned = {(c.changes.get("weight_offloading") or {}).get("type"): c.fits for c in candidates if c.plan}
-    assert planned == {"leaf_level": True, None: True}
+    assert planned == {"leaf_level": True, "block_level": True, None: True}
 
 
 def test_a_budget_below_the_floor_is_refused_without_a_plan(capsys):

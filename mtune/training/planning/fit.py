@@ -138,16 +138,15 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
 
     for number, phase in enumerate(phases):
         fits, best = 0, None
-        # Candidates of equal cost and micro-batch form a tier: its most-saving member is considered first, and when
-        # it does not fit, every member it dominates is pruned without a plan; when it fits, the tier's members that
-        # rank before it (fewer techniques: the ties rule) are still considered, the first of them first. A
+        # Candidates of equal cost and micro-batch form a tier, considered from the most saving (highest levels)
+        # down: a member that does not fit prunes every member it dominates without a plan; one that fits leaves
+        # only the members that rank before it (fewer techniques, lower levels: the ties rule) to consider. A
         # candidate's cost before planning is a lower bound of its cost after (planning can only add paging
         # traffic), so the search of a phase ends when the next candidate cannot beat the best fit found.
         for _, tier in itertools.groupby(phase, key=lambda c: (_speed_key(c)[0], c.levels[-1])):
             tier = list(tier)
             ordered.extend(tier)
-            top = max(tier, key=lambda c: sum(c.levels))
-            for candidate in [top] + [c for c in tier if c is not top]:
+            for candidate in sorted(tier, key=lambda c: -sum(c.levels)):
                 if fits >= max_fits or estimator.planned >= max_plans or candidate.fits is not None:
                     continue
                 if best is not None and _speed_key(candidate) >= _speed_key(best):
