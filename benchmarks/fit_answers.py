@@ -49,6 +49,9 @@ def main(argv: list[str]) -> None:
         host, argv = argv[1], argv[2:]
     models = argv or ["llama3_1/8B"]
     rows = []
+    out = REPO / "benchmarks" / "results" / "fit_answers.json"
+    out.parent.mkdir(exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout
     for model in models:
         for method in METHODS:
             for budget in BUDGETS:
@@ -57,10 +60,9 @@ def main(argv: list[str]) -> None:
                 print(f"{model:<12} {method:<6} {budget:>6} {row['cpu_s']:>6.1f} CPU-s  "
                       f"{row['device'] or '-':>10}  {row['answer'] or row['nothing_fits'] or row['error']}"
                       + (f"  [lossy: {row['gives_up']}]" if row["gives_up"] else ""), flush=True)
-    out = REPO / "benchmarks" / "results" / "fit_answers.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
-                               "load_average_end": os.getloadavg(), "rows": rows}, indent=1) + "\n")
+                out.write_text(json.dumps({  # after every row: a long run that stops keeps what it measured
+                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+                    "commit": commit.strip(), "load_average_end": os.getloadavg(), "rows": rows}, indent=1) + "\n")
     print(f"json: {out}")
 
 

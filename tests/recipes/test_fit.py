@@ -107,6 +107,9 @@ def test_paged_states_are_managed_memory_outside_the_allocator(tmp_path, tiny_ch
     {"enable_activation_checkpointing": True, "enable_activation_offloading": True,
      "activation_offloading_use_streams": False},
     {"lora.quantize_base": True},
+    # weight offloading with every block checkpointed: two groups on the device (one prefetched) at any depth
+    {"weight_offloading": "{type: block_level, blocks_per_group: 1, use_streams: true}",
+     "enable_activation_checkpointing": True},
 ])
 def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_data, changes):
     module = load_recipe_module(find_recipe("lora_single_device"))
@@ -114,8 +117,14 @@ def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_da
     cfg = load_and_check(module, TRAIN_CONFIG, overrides)
     estimator = Estimator(device_memory=None, host_memory=None)
     layered, whole = estimator.layered(cfg, n_layers=8), plan_memory(cfg, n_layers=8)
+    assert "planned with 2 and 4 blocks, extrapolated to 8" in layered.estimated
     for name in ("device_peak_bytes", "host_peak_bytes"):  # 2 and 4 blocks extrapolated to 8
         assert getattr(layered, name) == pytest.approx(getattr(whole, name), rel=0.02), name
+    # a 2-block plan over the budget stands for the 8 blocks as a lower bound, without the 4-block plan
+    planned = estimator.planned
+    bound = estimator.layered(cfg, n_layers=8, over=lambda plan: True)
+    assert bound.lower_bound and estimator.planned == planned + 1
+    assert bound.device_peak_bytes <= whole.device_peak_bytes and bound.host_peak_bytes <= whole.host_peak_bytes
     # micro-batches 4 and 2 planned (several per step), micro-batch 1 derived from them per sample
     samples = {"batch_size": 4, "gradient_accumulation_steps": 2}
     for batch in (4, 2):
@@ -125,6 +134,25 @@ def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_da
     derived = estimator.estimate(one)
     assert estimator.derived == 1 and "derived" in derived.estimated and samples
     assert derived.device_peak_bytes == pytest.approx(plan_memory(one).device_peak_bytes, rel=0.03)
+
+
+def test_a_tie_goes_to_the_fewer_techniques_even_when_the_most_saving_one_fits(tmp_path, tiny_checkpoint, tiny_data,
+                                                                               monkeypatch):
+    from mtune.training.planning import candidates as candidates_module, fit as fit_module
+
+    for module_ in (candidates_module, fit_module):  # every candidate costs the same: one tier per micro-batch
+        monkeypatch.setattr(module_, "step_cost", lambda cfg, paged_bytes=0.0: 1e-6)
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    cfg = load_and_check(module, TRAIN_CONFIG, _tiny(tmp_path, tiny_checkpoint, tiny_data, {}))
+    knobs = [k for k in KNOBS if k.name in ("weight_offloading", "micro_batch")]
+    # 64 MiB: every candidate fits, and offloading the ~6 MB of frozen weights is worth searching (over 2%)
+    candidates = search(cfg, module.SCHEMA, device_memory=64 << 20, knobs=knobs, margin=0)
+    best = best_of(candidates)
+    # the tier is searched from its most-saving member down (leaf-level, block-level, none): each fits, and the
+    # answer is the one with the fewest techniques
+    assert best.changes.get("weight_offloading") is None and best.micro_batch == 4
+    planned = {(c.changes.get("weight_offloading") or {}).get("type"): c.fits for c in candidates if c.plan}
+    assert planned == {"leaf_level": True, "block_level": True, None: True}
 
 
 def test_a_budget_below_the_floor_is_refused_without_a_plan(capsys):

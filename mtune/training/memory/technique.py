@@ -162,6 +162,12 @@ class MemoryTechnique:
         """``"host"`` when this technique keeps the frozen weights in host memory between uses, else None."""
         return None
 
+    def planning_blocks(self, cfg: Any) -> int:
+        """The fewest consecutive transformer blocks over which this technique, as ``cfg`` configures it, repeats
+        its per-block memory in its steady state (every Nth block checkpointed: N; weight offloading's groups, two
+        of them with prefetch). ``--fit`` plans shortened models of multiples of it and extrapolates per layer."""
+        return 1
+
     def state_bytes_per_element(self, cfg: Any, facts: ModelFacts) -> float | None:
         """Optimizer-state bytes per trainable element, where this technique decides them (None: not its say)."""
         return None

@@ -1,9 +1,11 @@
-"""Fast plans for the ``--fit`` search (:class:`Estimator`): a deep model planned with two and four blocks and
-extrapolated per layer, micro-batch sizes derived from two planned ones, each variant cached. Every shortcut is
-checked against a whole plan by ``tests/recipes/test_fit.py``."""
+"""Fast plans for the ``--fit`` search (:class:`Estimator`): a deep model planned with two and four blocks (more
+where a technique repeats over more blocks) and extrapolated per layer, micro-batch sizes derived from two planned
+ones, each variant cached. Every shortcut is checked against a whole plan by ``tests/recipes/test_fit.py``."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import replace
 
 from omegaconf import OmegaConf
@@ -13,11 +15,16 @@ from mtune.training.planning.cost import model_facts
 from mtune.training.planning.memory_plan import MemoryPlan
 from mtune.training.planning.plan import plan_memory
 
-__all__ = ["Estimator"]
+__all__ = ["Estimator", "planned_layers"]
 
-_LAYERS = (2, 4)
-"""The block counts planned to extrapolate a deeper model per layer (two, so that every-2nd-block checkpointing and
-the prefetch of weight offloading are in their steady state in both)."""
+
+def planned_layers(cfg) -> tuple[int, int]:
+    """The two block counts planned to extrapolate ``cfg``'s model per layer: a unit of blocks and twice it. The
+    unit is a multiple of two and of every technique's `planning_blocks` (every 2nd block checkpointed, weight
+    offloading's group and the one it prefetches), so that both plans hold whole repetitions in their steady state
+    and every figure grows by the same bytes per unit: two and four blocks for the choices ``--fit`` searches."""
+    unit = math.lcm(2, *(t.planning_blocks(cfg) for t in registry.TECHNIQUES))
+    return unit, 2 * unit
 
 
 def _lerp(a, b, t: float):
@@ -40,11 +47,12 @@ def _structure_key(cfg) -> str:
 
 
 class Estimator:
-    """Plans candidates fast: a model of more than four blocks is planned with two and with four blocks and
-    extrapolated per layer (every figure is linear in the block count: weights, states, gradients and saved
-    activations per block); once two micro-batch sizes of one structure are planned in the same regime (one
-    micro-batch per step, or several), the others are derived from the per-sample slope between them. ``exact``
-    plans every candidate whole. Plans are cached per variant."""
+    """Plans candidates fast: a model deeper than `planned_layers` (two and four blocks for the choices ``--fit``
+    searches) is planned at those two depths and extrapolated per layer (every figure is linear in the block count:
+    weights, states, gradients and saved activations per block, weight offloading's resident groups constant);
+    once two micro-batch sizes of one structure are planned in the same regime (one micro-batch per step, or
+    several), the others are derived from the per-sample slope between them. ``exact`` plans every candidate whole.
+    Plans are cached per variant."""
 
     def __init__(self, *, device_memory: int | None, host_memory: int | None, world_size: int = 1,
                  exact: bool = False):
@@ -64,20 +72,28 @@ class Estimator:
         """One plan of ``cfg`` as configured (no shortcut)."""
         return self._plan(cfg)
 
-    def layered(self, cfg, n_layers: int | None = None) -> MemoryPlan:
-        """``cfg`` planned with two and four blocks and extrapolated to its own block count (or ``n_layers``)."""
+    def layered(self, cfg, n_layers: int | None = None, over: Callable[[MemoryPlan], bool] | None = None
+                ) -> MemoryPlan:
+        """``cfg`` planned with two and four blocks (`planned_layers`) and extrapolated to its own block count (or
+        ``n_layers``); planned whole where that is no more blocks than the larger shortened plan. When ``over``
+        says the smaller plan is over the budget already, that plan is returned as a lower bound (``lower_bound``:
+        no figure shrinks as blocks are added), without the larger one."""
         n_layers = model_facts(cfg).n_layers if n_layers is None else n_layers
-        offloaded = any(t.frozen_weights_home(cfg) == "host" for t in registry.TECHNIQUES)
-        if self.exact or n_layers <= _LAYERS[-1] or offloaded:
-            # weight offloading's device peak is not linear in the block count between 2, 4 and more blocks (the
-            # tests measured 14.5 MB extrapolated against 21.7 MB planned at 8): planned whole
+        layers = planned_layers(cfg)
+        if self.exact or n_layers <= layers[-1]:
             return self._plan(cfg, n_layers if n_layers != model_facts(cfg).n_layers else None)
-        small, large = (self._plan(cfg, n) for n in _LAYERS)
-        t = (n_layers - _LAYERS[0]) / (_LAYERS[1] - _LAYERS[0])
-        return _combine(small, large, t, estimated=f"planned with {_LAYERS[0]} and {_LAYERS[1]} blocks, "
+        small = self._plan(cfg, layers[0])
+        if over is not None and over(small):
+            return replace(small, lower_bound=True, estimated=f"planned with {layers[0]} blocks only: over the "
+                                                              f"budget already, so {n_layers} blocks are")
+        large = self._plan(cfg, layers[1])
+        t = (n_layers - layers[0]) / (layers[1] - layers[0])
+        return _combine(small, large, t, estimated=f"planned with {layers[0]} and {layers[1]} blocks, "
                                                   f"extrapolated to {n_layers}", seconds=small.seconds + large.seconds)
 
-    def estimate(self, cfg) -> MemoryPlan:
+    def estimate(self, cfg, over: Callable[[MemoryPlan], bool] | None = None) -> MemoryPlan:
+        """``cfg``'s plan by the cheapest shortcut (see the class docstring); ``over`` as :meth:`layered` takes it
+        (a lower bound is never used to derive another micro-batch)."""
         structure = _structure_key(cfg)
         batch, accumulation = int(cfg.batch_size), int(cfg.get("gradient_accumulation_steps") or 1)
         key = (structure, batch, accumulation)
@@ -93,7 +109,8 @@ class Estimator:
                             + f"micro-batch {batch} derived from {b1} and {b2} per sample")
             self.derived += 1
         else:
-            plan = self.layered(cfg)
-            points[batch] = plan
+            plan = self.layered(cfg, over=over)
+            if not plan.lower_bound:
+                points[batch] = plan
         self._cache[key] = plan
         return plan

@@ -6,7 +6,8 @@ The search space is `mtune.training.planning.candidates.KNOBS`: one per techniqu
 optimizer step, split into micro-batches of every power-of-two size: every candidate keeps them). Each knob lists
 its choices for the user's config (a level: higher saves more; a choice whose value is a node replaces that node
 whole). Every candidate (one choice per knob) that the recipe's rules accept is ordered by
-:func:`~mtune.training.planning.cost.step_cost`; ties go to the larger micro-batch, then the fewer techniques.
+:func:`~mtune.training.planning.cost.step_cost`; ties go to the larger micro-batch, then the fewer techniques, then
+the lower levels.
 
 Order: lossless candidates (the same numbers as the user's config) first. Only when none fits are lossy ones
 considered, the cheapest loss of quality first (each `FitChoice` ranks what it gives up), unless ``lossy="compete"``
@@ -17,9 +18,10 @@ Per candidate, cheapest first:
 1. the floor (:func:`~mtune.training.planning.cost.device_floor`: weights, optimizer states, gradients where
    nothing frees them) against each budget: over budget is rejected at once, with its reason, without planning;
 2. dominance: a candidate that saves no more than one that did not fit on any knob is never planned;
-3. the plan: :class:`Estimator` (one or two blocks planned and extrapolated per layer, micro-batch variants derived
-   from the per-token slope of two planned micro-batches of the same structure, each shortcut checked against a
-   whole plan by the tests; cached per variant). A candidate fits when its device total plus the allocator margin
+3. the plan: :class:`Estimator` (two and four blocks planned and extrapolated per layer, the four-block plan skipped
+   when the two-block one is over a budget already, micro-batch variants derived from the per-token slope of two
+   planned micro-batches of the same structure, each shortcut checked against a whole plan by the tests; cached
+   per variant). A candidate fits when its device total plus the allocator margin
    (:func:`allocator_margin`) is within the device budget and its host peak within the host budget.
 
 The search stops after ``max_fits`` fitting candidates of the phase (or ``max_plans`` plans); the answer is the
@@ -78,7 +80,8 @@ def available_host_memory() -> int:
 
 
 def _speed_key(c: Candidate):
-    return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques)
+    """Cost to 3 significant digits; ties to the larger micro-batch, the fewer techniques, the lower levels."""
+    return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques, sum(c.levels[:-1]))
 
 
 def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, knobs: list[Knob] | None = None,
@@ -105,6 +108,11 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     failed: list[tuple[int, ...]] = []
     ordered: list[Candidate] = []
 
+    def within_budget(plan) -> bool:
+        plan.device_memory, plan.host_memory = device_memory, host_memory
+        spare = plan.fits()
+        return spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
+
     def dominated(levels) -> bool:
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
@@ -117,37 +125,36 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         if dominated(candidate.levels):
             candidate.pruned, candidate.fits = True, False
             return
-        candidate.plan = plan = estimator.estimate(candidate.cfg)
-        plan.device_memory, plan.host_memory = device_memory, host_memory
-        spare = plan.fits()
-        candidate.fits = spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
+        candidate.plan = plan = estimator.estimate(candidate.cfg, over=lambda p: not within_budget(p))
+        candidate.fits = within_budget(plan)
         if progress is not None:
             progress(f"  plan {estimator.planned:>2}: {describe(candidate.changes)}: "
-                     f"{format_bytes(plan.device_total_bytes)} {'fits' if candidate.fits else 'does not fit'}")
+                     f"{'at least ' if plan.lower_bound else ''}{format_bytes(plan.device_total_bytes)} "
+                     f"{'fits' if candidate.fits else 'does not fit'}")
         if candidate.fits:
             candidate.cost = step_cost(candidate.cfg, plan.paged_bytes())
         else:
             failed.append(candidate.levels)
 
     for number, phase in enumerate(phases):
-        fits, best_cost = 0, None
-        # Candidates of equal cost and micro-batch form a tier: its most-saving member is considered first, and when
-        # it does not fit, every member it dominates is pruned without a plan. A candidate's cost before planning is
-        # a lower bound of its cost after (planning can only add paging traffic), so the search of a phase ends
-        # when the next candidate cannot beat the best fit found.
+        fits, best = 0, None
+        # Candidates of equal cost and micro-batch form a tier, considered from the most saving (highest levels)
+        # down: a member that does not fit prunes every member it dominates without a plan; one that fits leaves
+        # only the members that rank before it (fewer techniques, lower levels: the ties rule) to consider. A
+        # candidate's cost before planning is a lower bound of its cost after (planning can only add paging
+        # traffic), so the search of a phase ends when the next candidate cannot beat the best fit found.
         for _, tier in itertools.groupby(phase, key=lambda c: (_speed_key(c)[0], c.levels[-1])):
             tier = list(tier)
             ordered.extend(tier)
-            top = max(tier, key=lambda c: sum(c.levels))
-            for candidate in [top] + [c for c in tier if c is not top]:
+            for candidate in sorted(tier, key=lambda c: -sum(c.levels)):
                 if fits >= max_fits or estimator.planned >= max_plans or candidate.fits is not None:
                     continue
-                if best_cost is not None and candidate.cost >= best_cost:
+                if best is not None and _speed_key(candidate) >= _speed_key(best):
                     continue
                 consider(candidate)
                 if candidate.fits:
                     fits += 1
-                    best_cost = candidate.cost if best_cost is None else min(best_cost, candidate.cost)
+                    best = candidate if best is None or _speed_key(candidate) < _speed_key(best) else best
         if fits and lossy != "compete":
             ordered += [c for p in phases[number + 1:] for c in p]
             break

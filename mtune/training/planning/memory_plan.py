@@ -51,6 +51,8 @@ class MemoryPlan:
     ``device_peak_bytes``; counted in ``host_peak_bytes`` (where the driver pages them under pressure)."""
     estimated: str = ""
     """How the figures were obtained when not by one whole plan (``--fit``'s extrapolation), else empty."""
+    lower_bound: bool = False
+    """The figures are a lower bound (``--fit``: a shortened model already over the budget), not an estimate."""
 
     def managed_resident_bytes(self) -> int:
         """Managed bytes that stay on the device: as many as fit beside the allocator's peak and the context in

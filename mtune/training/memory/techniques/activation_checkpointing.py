@@ -42,6 +42,12 @@ class ActivationCheckpointing(MemoryTechnique):
         return (f"{memory.activation_checkpointing_policy}, every {memory.activation_checkpointing_every_n_layers} "
                 "layer(s)")
 
+    def planning_blocks(self, cfg: Any) -> int:
+        """Every Nth block checkpointed repeats every N blocks."""
+        if not get(cfg, "enable_activation_checkpointing", False):
+            return 1
+        return int(get(cfg, "activation_checkpointing_every_n_layers", 1))
+
     def layer_policies(self, memory: Any, n_layers: int) -> list[str | None]:
         """Each block's policy (``block``, ``selective_op``) or None, as :meth:`apply` would checkpoint
         ``n_layers`` blocks under ``memory`` (the FLOPs counter reads recomputation from this)."""

@@ -108,6 +108,14 @@ class WeightOffloadingTechnique(MemoryTechnique):
     def frozen_weights_home(self, cfg: Any) -> str | None:
         return "host" if get(cfg, "weight_offloading") else None
 
+    def planning_blocks(self, cfg: Any) -> int:
+        """block_level: a group of ``blocks_per_group`` blocks, and the next one beside it when prefetching; a
+        leaf_level group is one module, inside a block."""
+        offloading = get(cfg, "weight_offloading")
+        if not offloading or get(offloading, "type", "block_level") != "block_level":
+            return 1
+        return int(get(offloading, "blocks_per_group", 1)) * (2 if get(offloading, "use_streams", True) else 1)
+
     def transfer_bytes_per_token(self, cfg: Any, facts: ModelFacts) -> float:
         """Every frozen weight comes in for forward and again for backward, a third time for leaf_level's
         recomputation under checkpointing."""

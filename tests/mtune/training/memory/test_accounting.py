@@ -1,3 +1,4 @@
+import contextlib
 import json
 
 import pytest
@@ -82,6 +83,23 @@ def test_nf4_weights_count_their_packed_bytes():
     assert tensor_storage_bytes([weight])[0] == 32768 // 2 + 512 + 2 * 4 + 4 + 16 * 4 == 16972
     breakdown = MemoryBreakdown(torch.nn.ParameterList([weight]), [], "unused", write=False)
     assert breakdown.tracker.current()["device"]["parameters"] == 16972
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_an_offloaded_parameter_counts_nothing_on_the_device(fake):
+    """weight_offloading empties a frozen weight's storage while its group is away. On a fake tensor a new view
+    (``.data`` is one) silently re-grows such a storage, so the tracker must read a parameter without making one:
+    through ``.data`` it counted every offloaded weight of a planned model on the device at the first step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mtune.training.planning.tracker import TensorTracker
+
+    mode = FakeTensorMode() if fake else None
+    with mode if fake else contextlib.nullcontext():
+        away, here = (torch.nn.Parameter(torch.empty(64, 64), requires_grad=False) for _ in range(2))
+    away.untyped_storage().resize_(0)
+    tracker = TensorTracker(model=torch.nn.ParameterList([away, here]), fake_mode=mode)
+    assert tracker.current()["device"]["parameters"] == here.numel() * 4
 
 
 def test_disabled_or_other_rank_writes_nothing(tmp_path):
