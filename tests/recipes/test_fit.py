@@ -12,7 +12,7 @@ from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.candidates import KNOBS
-from mtune.training.planning.fit import best_of, search, write_config
+from mtune.training.planning.fit import best_of, numerics_line, search, write_config
 from mtune.training.planning.plan import plan_memory
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
 from tests.recipes.test_plan_shipped_flag_sets import CONFIGS, REPO
@@ -164,3 +164,13 @@ def test_a_budget_below_the_floor_is_refused_without_a_plan(capsys):
     out = capsys.readouterr().out
     assert code == 1 and " 0 plans run" in out, out
     assert "bf16 trainable weights 14.96 GiB alone" in out and "nothing fits in 8.00 GiB" in out
+
+
+def test_an_answer_that_drops_the_configs_quantized_base_says_so(tmp_path, tiny_checkpoint, tiny_data):
+    # a QLoRA config whose bf16 base fits: not "the same numbers as the config", but nothing given up either
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    overrides = _tiny(tmp_path, tiny_checkpoint, tiny_data, {"lora.quantize_base": True})
+    qlora = load_and_check(module, TRAIN_CONFIG, overrides)
+    lora = load_and_check(module, TRAIN_CONFIG, overrides + ["lora.quantize_base=false"])
+    assert numerics_line(qlora, lora).startswith("more precise than the config: no NF4 base weights")
+    assert numerics_line(qlora, qlora) == numerics_line(lora, lora) == "lossless: the same numbers as the config"

@@ -42,12 +42,13 @@ from omegaconf import OmegaConf
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
 from mtune.errors import MtuneError
+from mtune.training.memory import registry
 from mtune.training.planning.cost import model_facts, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.memory_plan import GIB, format_bytes
 
-__all__ = ["search", "best_of", "fit_command", "fit_header", "write_config", "FitError",
+__all__ = ["search", "best_of", "fit_command", "fit_header", "numerics_line", "write_config", "FitError",
            "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
@@ -233,10 +234,21 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
               + ", ".join(best.lossy) if lossy != "compete" else "  lossy (--allow-lossy): gives up "
               + ", ".join(best.lossy))
     else:
-        print("  lossless: the same numbers as the config")
+        print("  " + numerics_line(cfg, best.cfg))
     write_config(config_path, overrides, best.changes, output)
     print(f"written to {output}; run it with:\n  mtune run {recipe} --config {output}")
     return 0
+
+
+def numerics_line(cfg, answer_cfg) -> str:
+    """Whether a lossless answer computes the config's own numbers, or more precise ones: a technique that is
+    lossy in ``cfg`` (an NF4 or fp8 base) and not in ``answer_cfg`` was dropped because its memory is not needed."""
+    dropped = [what for t in registry.TECHNIQUES
+               if (what := t.lossy(cfg)) is not None and t.lossy(answer_cfg) is None]
+    if dropped:
+        return (f"more precise than the config: no {', '.join(dropped)} (it fits without: not the same numbers, "
+                "nothing given up)")
+    return "lossless: the same numbers as the config"
 
 
 def write_config(config_path: Path, overrides: list[str], changes: dict, output: Path) -> Path:
