@@ -17,17 +17,25 @@ BUDGETS = ("80GiB", "48GiB", "24GiB", "16GiB", "12GiB", "8GiB", "6GiB")
 METHODS = {"full": "full_single_device", "lora": "lora_single_device", "qlora": "lora_single_device"}
 
 
-def fit(model: str, method: str, budget: str, host: str) -> dict:
-    family, size = model.split("/")
-    config = f"{family}/{size}_{method}_single_device"
-    out = Path("/tmp") / f"mtune_fit_{family}_{size}_{method}_{budget}.yaml"
-    cmd = [sys.executable, "-m", "mtune", "plan", "--fit", "--device-memory", budget, "--host-memory", host,
-           "--output", str(out), METHODS[method], "--config", config, "model.checkpoint_dir=null",
+def run_plan(options: list[str], recipe: str, config: str, family: str, size: str):
+    """``mtune plan OPTIONS RECIPE --config CONFIG`` on random weights of ``family``/``size`` for a CUDA target, in
+    its own process: ``(completed process, CPU-seconds, wall seconds)``."""
+    cmd = [sys.executable, "-m", "mtune", "plan", *options, recipe, "--config", config, "model.checkpoint_dir=null",
            f"model.family={family}", f"model.size={size}", "tokenizer.path=null", "device=cuda"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return proc, round(cpu_s, 1), round(time.perf_counter() - start, 1)
+
+
+def fit(model: str, method: str, budget: str, host: str) -> dict:
+    family, size = model.split("/")
+    config = f"{family}/{size}_{method}_single_device"
+    out = Path("/tmp") / f"mtune_fit_{family}_{size}_{method}_{budget}.yaml"
+    proc, cpu_s, wall_s = run_plan(["--fit", "--device-memory", budget, "--host-memory", host, "--output", str(out)],
+                                   METHODS[method], config, family, size)
     text = proc.stdout
     answer = re.search(r"^answer: (.*)$", text, re.M)
     device = re.search(r"^  device (\S+ \S+) of", text, re.M)
@@ -38,8 +46,7 @@ def fit(model: str, method: str, budget: str, host: str) -> dict:
             "answer": answer.group(1) if answer else None, "device": device.group(1) if device else None,
             "host": host_used.group(1) if host_used and answer else None,
             "gives_up": lossy.group(1) if lossy else None, "nothing_fits": nothing.group(0) if nothing else None,
-            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-            "wall_s": round(time.perf_counter() - start, 1), "rc": proc.returncode,
+            "cpu_s": cpu_s, "wall_s": wall_s, "rc": proc.returncode,
             "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1) else None}
 
 

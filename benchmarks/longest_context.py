@@ -10,11 +10,11 @@ import json
 import os
 import platform
 import re
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fit_answers import run_plan  # benchmarks/, the script's own folder
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"full": "full_single_device", "lora": "lora_single_device", "qlora": "lora_single_device"}
@@ -23,14 +23,8 @@ RECIPES = {"full": "full_single_device", "lora": "lora_single_device", "qlora": 
 def longest(family: str, size: str, method: str, budget: str, host: str) -> dict:
     config = f"{family}/{size}_{method}_single_device"
     out = Path("/tmp") / f"mtune_longest_{family}_{size}_{method}_{budget}.yaml"
-    cmd = [sys.executable, "-m", "mtune", "plan", "--fit", "--maximize", "seq_len", "--device-memory", budget,
-           "--host-memory", host, "--output", str(out), RECIPES[method], "--config", config,
-           "model.checkpoint_dir=null", f"model.family={family}", f"model.size={size}", "tokenizer.path=null",
-           "device=cuda"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc, cpu_s, wall_s = run_plan(["--fit", "--maximize", "seq_len", "--device-memory", budget, "--host-memory",
+                                    host, "--output", str(out)], RECIPES[method], config, family, size)
     text = proc.stdout
     tokens = re.search(r"^answer: ([\d,]+) tokens per row", text, re.M)
     techniques = re.search(r"^  with (.*)$", text, re.M)
@@ -42,13 +36,15 @@ def longest(family: str, size: str, method: str, budget: str, host: str) -> dict
             "techniques": techniques.group(1) if techniques else None,
             "device": device.group(1) if device else None, "host": host_used.group(1) if host_used else None,
             "limit": limit.group(1) if limit else None,
-            "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-            "wall_s": round(time.perf_counter() - start, 1), "rc": proc.returncode,
+            "cpu_s": cpu_s, "wall_s": wall_s, "rc": proc.returncode,
             "output": text.strip().splitlines()[-12:] if proc.returncode else None,
             "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1) else None}
 
 
 def main(argv: list[str]) -> None:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return
     host, budgets = "128GiB", ["80GiB", "48GiB", "24GiB"]
     while argv[:1] in (["--host-memory"], ["--budgets"]):
         if argv[0] == "--host-memory":
