@@ -46,9 +46,9 @@ from mtune.training.memory import registry
 from mtune.training.planning.cost import model_facts, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.memory_plan import GIB, format_bytes
+from mtune.training.planning.memory_plan import GIB, MemoryPlan, format_bytes
 
-__all__ = ["search", "best_of", "fit_command", "fit_header", "numerics_line", "write_config", "FitError",
+__all__ = ["search", "best_of", "fit_command", "fit_header", "fits_budgets", "numerics_line", "write_config", "FitError",
            "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,14 @@ def allocator_margin(device_memory: int) -> int:
     """Headroom a fit leaves for the caching allocator's reserved-but-free blocks: max(1 GiB, 5% of the budget)
     (stated, until the GPU suite measures reserved minus allocated)."""
     return int(max(GIB, 0.05 * device_memory))
+
+
+def fits_budgets(plan: MemoryPlan, device_memory: int, host_memory: int | None, margin: int) -> bool:
+    """Whether ``plan`` fits as ``--fit`` judges it: the device total plus ``margin`` within ``device_memory``, the
+    host peak within ``host_memory`` (None: unbounded). Records the budgets on the plan."""
+    plan.device_memory, plan.host_memory = device_memory, host_memory
+    spare = plan.fits()
+    return spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
 
 
 def available_host_memory() -> int:
@@ -110,9 +118,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     ordered: list[Candidate] = []
 
     def within_budget(plan) -> bool:
-        plan.device_memory, plan.host_memory = device_memory, host_memory
-        spare = plan.fits()
-        return spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
+        return fits_budgets(plan, device_memory, host_memory, margin)
 
     def dominated(levels) -> bool:
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)

@@ -32,7 +32,8 @@ from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
                                                 registry_knobs, with_overrides)
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.fit import FitError, best_of, fit_header, numerics_line, search, write_config
+from mtune.training.planning.fit import (FitError, best_of, fit_header, fits_budgets, numerics_line, search,
+                                         write_config)
 from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
 
 __all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE", "STEP",
@@ -124,8 +125,7 @@ class _Fitter:
         return plan
 
     def fits(self, plan: MemoryPlan) -> bool:
-        spare = plan.fits()
-        return spare["device"] - self.margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
+        return fits_budgets(plan, self.device_memory, self.host_memory, self.margin)
 
     def spare(self, plan: MemoryPlan) -> list[int]:
         """Bytes left per budget (device less the margin; host where there is one)."""
