@@ -3,6 +3,7 @@
 import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtune.modules.loss import CrossEntropyLoss
 
@@ -34,3 +35,19 @@ def assert_close(a, b, tol=1e-5):
     for k, g in grads_a.items():
         if g is not None:
             assert (g - grads_b[k]).abs().max().item() <= tol, k
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest element count of any tensor an op returns while the mode is entered (``largest``): the long-
+    context tests check that no step makes a tensor of s² elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

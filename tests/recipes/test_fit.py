@@ -15,25 +15,14 @@ from mtune.training.planning.candidates import KNOBS
 from mtune.training.planning.fit import best_of, numerics_line, search, write_config
 from mtune.training.planning.plan import plan_memory
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
-from tests.recipes.test_plan_shipped_flag_sets import CONFIGS, REPO
+from tests.recipes.test_plan_shipped_flag_sets import CONFIGS, shipped_on_tiny
 
 PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
 
 
-def _shipped(config: str):
-    family = config.split("/")[0]
-    text = (REPO / "recipes" / "configs" / f"{config}.yaml").read_text()
-    recipe = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("recipe:"))
-    overrides = ["device=cuda", "tokenizer.path=null", "tokenizer.max_seq_len=64"]
-    if family != "tiny":
-        overrides += ["model.checkpoint_dir=null", f"model.family={family}", "model.size=tiny"]
-    module = load_recipe_module(find_recipe(recipe))
-    return module, overrides, load_and_check(module, find_config(config), overrides)
-
-
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fit_runs_on_every_shipped_flag_set_and_writes_valid_yaml(config, tmp_path):
-    module, overrides, cfg = _shipped(config)
+    module, overrides, cfg = shipped_on_tiny(config)
     world_size = 2 if "distributed" in str(cfg.recipe) else 1
     candidates = search(cfg, module.SCHEMA, device_memory=1 << 30, world_size=world_size, max_plans=2,
                         margin=0, lossy="compete")

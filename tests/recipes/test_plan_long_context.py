@@ -5,7 +5,6 @@ fallback kernel) does not; and no tensor of a step at 32K tokens has O(s²) elem
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
@@ -14,6 +13,7 @@ from mtune.training.memory.apply import apply_memory_techniques
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.plan import plan_memory
 from tests._helpers.recipes import TRAIN_CONFIG, train_overrides
+from tests._helpers.training import LargestTensor
 
 LENGTHS = (4096, 8192, 16384, 32768)
 TOLERANCE = 0.02
@@ -42,18 +42,6 @@ def test_the_dense_mask_does_not(tmp_path, tiny_checkpoint, tiny_data):
     steps = _peaks(tmp_path, tiny_checkpoint, tiny_data, LENGTHS[:3], attention_kernel="dense_mask")
     assert steps[1] > 2 * (1 + TOLERANCE) * steps[0], steps
 
-
-class LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("family, changes", [("llama3_1", {}),

@@ -39,15 +39,22 @@ def _flag_sets() -> list[str]:
 CONFIGS = _flag_sets()
 
 
-def _plan(config: str) -> dict:
+def shipped_on_tiny(config: str):
+    """``(recipe module, overrides, cfg)``: the shipped ``config`` on its family's tiny model (random weights, a
+    CUDA target, rows of 64 tokens)."""
     family = config.split("/")[0]
     text = (REPO / "recipes" / "configs" / f"{config}.yaml").read_text()
     recipe = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("recipe:"))
     overrides = ["device=cuda", "tokenizer.path=null", "tokenizer.max_seq_len=64"]
     if family != "tiny":
         overrides += ["model.checkpoint_dir=null", f"model.family={family}", "model.size=tiny"]
-    cfg = load_and_check(load_recipe_module(find_recipe(recipe)), find_config(config), overrides)
-    world_size = 2 if "distributed" in recipe else 1
+    module = load_recipe_module(find_recipe(recipe))
+    return module, overrides, load_and_check(module, find_config(config), overrides)
+
+
+def _plan(config: str) -> dict:
+    _, _, cfg = shipped_on_tiny(config)
+    world_size = 2 if "distributed" in str(cfg.recipe) else 1
     plan = plan_memory(cfg, world_size=world_size)
     return {"device_peak_bytes": plan.device_peak_bytes, "host_peak_bytes": plan.host_peak_bytes,
             "device": plan.device, "host": plan.host}

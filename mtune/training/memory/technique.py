@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemoryTechnique", "FitChoice", "ModelFacts", "get"]
+__all__ = ["MemoryTechnique", "FitChoice", "ModelFacts", "get", "single_device_only"]
 
 
 def get(cfg: Any, dotted: str, default: Any = None) -> Any:
@@ -35,6 +35,15 @@ def get(cfg: Any, dotted: str, default: Any = None) -> Any:
             return default
         node = node[part]
     return default if node is None else node
+
+
+def single_device_only(cfg: Any, key: str) -> list[str]:
+    """The distributed recipes' refusal of a single-device offload technique set at ``key`` (FSDP2 offloads with
+    its own ``fsdp_cpu_offload``)."""
+    if get(cfg, key) is None:
+        return []
+    return [f"{key} is a single-device technique: the distributed recipes offload parameters, gradients and "
+            f"optimizer states with fsdp_cpu_offload=true; set {key}=null"]
 
 
 class FitChoice(tuple):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtune.models import build_model
 from mtune.modules.packed_attention import document_boundaries, segment_attention, segment_kernel
+from tests._helpers.training import LargestTensor
 
 
 def packed_batch(lengths_per_row, vocab=512, pad_to=None, seed=0):
@@ -82,20 +82,6 @@ def test_document_boundaries():
     assert document_boundaries(None, 2, 5, torch.device("cpu")).tolist() == [0, 5, 10]
     assert document_boundaries(ids, 3, 32).dtype == torch.int32
 
-
-class LargestTensor(TorchDispatchMode):
-    """The largest element count of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("family", ["llama3_1", "mistral"])

@@ -3,13 +3,13 @@
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtune.models import build_model
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.lora import apply_lora
 from mtune.modules.nf4_linear import _nf4_api
 from mtune.modules.tiled_mlp import apply_tiled_mlp, mlp_tiles
+from tests._helpers.training import LargestTensor
 
 MLP = ["gate_proj", "up_proj", "down_proj"]
 
@@ -133,18 +133,6 @@ def test_weight_offloading_leaf_level_moves_each_weight_once_per_pass():
         copied[tiles] = offloader.copies_to_compute
     assert copied[6] == copied[1]  # each group comes in once per pass, as untiled (not once per tile)
 
-
-class LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def test_intermediates_exist_one_tile_at_a_time():

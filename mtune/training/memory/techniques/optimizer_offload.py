@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtune.config.schema import Key
-from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get
+from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get, single_device_only
 
 __all__ = ["OptimizerOffload", "OPTIMIZER_OFFLOAD", "OPTIMIZER_OFFLOAD_OPTIMIZERS", "OPTIMIZER_OFFLOAD_TARGETS"]
 
@@ -65,10 +65,7 @@ class OptimizerOffload(MemoryTechnique):
         return problems
 
     def distributed_rules(self, cfg: Any) -> list[str]:
-        if get(cfg, "optimizer_offload") is None:
-            return []
-        return ["optimizer_offload is a single-device technique: the distributed recipes offload parameters, "
-                "gradients and optimizer states with fsdp_cpu_offload=true; set optimizer_offload=null"]
+        return single_device_only(cfg, "optimizer_offload")
 
     def state_home(self, cfg: Any) -> str | None:
         return "host" if get(cfg, "optimizer_offload") else None

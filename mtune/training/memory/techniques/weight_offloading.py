@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mtune.config.schema import Key, KeyGroup, Node
-from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get
+from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get, single_device_only
 
 __all__ = ["WeightOffloadingTechnique", "WEIGHT_OFFLOADING", "WEIGHT_OFFLOADING_NODE", "WeightOffloading",
            "WEIGHT_OFFLOADING_TYPES"]
@@ -100,10 +100,7 @@ class WeightOffloadingTechnique(MemoryTechnique):
         return problems
 
     def distributed_rules(self, cfg: Any) -> list[str]:
-        if get(cfg, "weight_offloading") is None:
-            return []
-        return ["weight_offloading is a single-device technique: the distributed recipes offload parameters, "
-                "gradients and optimizer states with fsdp_cpu_offload=true; set weight_offloading=null"]
+        return single_device_only(cfg, "weight_offloading")
 
     def frozen_weights_home(self, cfg: Any) -> str | None:
         return "host" if get(cfg, "weight_offloading") else None
