@@ -7,6 +7,7 @@ seeded fixture, and runs each configuration in both libraries, alternating which
     python benchmarks/torchtune_head_to_head.py --setup-venv               # once: /work/venvs/torchtune061 by default
     python benchmarks/torchtune_head_to_head.py                            # every case, 3 runs each, 12 steps
     python benchmarks/torchtune_head_to_head.py --cases lora qlora --reps 2 --steps 6 --compile off
+    python benchmarks/torchtune_head_to_head.py --libs mtune mtune:dense_mask torchtune   # + the dense-mask packed path
     python benchmarks/torchtune_head_to_head.py --device cuda                # bf16 on a GPU; peaks from mtune's table
 
 Fixture (``--work``, default /tmp/mtune-h2h): a Llama-3-architecture model in Hugging Face format (dim 512, 8
@@ -135,7 +136,8 @@ def write_fixture(work: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ configs
-def mtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args) -> str:
+def mtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args,
+                 kernel: str = "auto") -> str:
     lora = ""
     if case["lora"]:
         lora = (f"lora:\n  modules: {LORA['mtune']}\n  rank: {LORA['rank']}\n  alpha: {LORA['alpha']}\n"
@@ -163,6 +165,7 @@ gradient_accumulation_steps: 1
 epochs: 1
 max_steps_per_epoch: {steps}
 clip_grad_norm: null
+attention_kernel: {kernel}
 optimizer:
   _component_: torch.optim.AdamW
   lr: 1e-4
@@ -179,7 +182,8 @@ log_every_n_steps: 1
 """
 
 
-def torchtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args) -> str:
+def torchtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args,
+                     kernel: str = "") -> str:
     dims = (f"  vocab_size: {SHAPE['vocab_size']}\n  num_layers: {SHAPE['num_hidden_layers']}\n"
             f"  num_heads: {SHAPE['num_attention_heads']}\n  num_kv_heads: {SHAPE['num_key_value_heads']}\n"
             f"  embed_dim: {SHAPE['hidden_size']}\n  max_seq_len: {SHAPE['max_position_embeddings']}\n"
@@ -304,12 +308,14 @@ def _losses(lib: str, out: Path) -> list[float]:
 
 def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, args, rep: int) -> dict:
     case = CASES[case_name]
-    tag = f"{lib}_{case_name}_{dtype}_{'compile' if compile_ else 'eager'}_{rep}"
+    tag = f"{lib.replace(':', '-')}_{case_name}_{dtype}_{'compile' if compile_ else 'eager'}_{rep}"
     out = args.work / "runs" / tag
     out.mkdir(parents=True, exist_ok=True)
     config = out.with_suffix(".yaml")
+    lib, _, kernel = lib.partition(":")  # "mtune:dense_mask": mtune with that attention_kernel
     make = mtune_config if lib == "mtune" else torchtune_config
-    config.write_text(make(paths, case, out, args.steps, compile_, dtype, args))
+    config.write_text(make(paths, case, out, args.steps, compile_, dtype, args, kernel or "auto"))
+    lib_name = f"{lib}:{kernel}" if kernel else lib
     if lib == "mtune":
         python, recipe = sys.executable, "lora_single_device" if case["lora"] else "full_single_device"
         # mfu in mtune's own log against the peak this benchmark measured (not a cache taken under other load)
@@ -326,10 +332,10 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
                           env=env, cwd=str(args.work), capture_output=True, text=True)
     (out.with_suffix(".log")).write_text(proc.stdout + proc.stderr)
     if proc.returncode:
-        return {"lib": lib, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep, "error":
+        return {"lib": lib_name, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep, "error":
                 (proc.stdout + proc.stderr)[-2000:], "loadavg": load}
     if not result.exists():
-        return {"lib": lib, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep,
+        return {"lib": lib_name, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep,
                 "error": "no result written: " + (proc.stdout + proc.stderr)[-1800:], "loadavg": load}
     raw = json.loads(result.read_text())
     # The run's own optimizer steps only: mtune's end-of-run plan check steps the planner's copy of the optimizer on
@@ -338,7 +344,7 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
     steps = [b - a for a, b in zip(stamps, stamps[1:])]  # step k+1's time, k >= 1
     timed = steps[max(args.warmup - 1, 0):]
     step_s = statistics.median(timed)
-    return {"lib": lib, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep, "loadavg": load,
+    return {"lib": lib_name, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep, "loadavg": load,
             "step_times_s": steps, "median_step_s": step_s,
             "tokens_per_second": args.batch * args.seq / step_s, "max_rss_gib": raw["max_rss_bytes"] / 2**30,
             "cuda_max_allocated_gib": (raw["cuda_max_allocated_bytes"] or 0) / 2**30,
@@ -483,6 +489,20 @@ def summarize(results: list[dict], meta: dict) -> tuple[list[dict], str]:
             f"{cell(row, 'torchtune', 'mfu', '{:.1%}')} | {cell(row, 'mtune', 'of_ceiling', '{:.0%}')} | "
             f"{cell(row, 'mtune', 'max_rss_gib', '{:.2f}')} | {cell(row, 'torchtune', 'max_rss_gib', '{:.2f}')} | "
             f"{row.get('rss_ratio', 0):.2f} | {loss} |")
+    variants = sorted({lib for row in rows for lib in row if lib.startswith("mtune:")})
+    if variants:  # mtune with another attention_kernel, run in the same interleaving: the default against it
+        lines += ["", "| case | dtype | compile | mtune tok/s | " + " | ".join(
+            f"{v} tok/s | mtune ÷ {v} | {v} RSS GiB" for v in variants) + " |",
+                  "|---|---|---|---:|" + "---:|---:|---:|" * len(variants)]
+        for row in rows:
+            cells = []
+            for v in variants:
+                mine, theirs = row.get("mtune", {}).get("tokens_per_second"), row.get(v, {}).get("tokens_per_second")
+                ratio = f"{mine / theirs:.2f}" if mine and theirs else "–"
+                cells.append(f"{cell(row, v, 'tokens_per_second', '{:.0f}')} | {ratio} | "
+                             f"{cell(row, v, 'max_rss_gib', '{:.2f}')}")
+            lines.append(f"| {row['case']} | {row['dtype']} | {'on' if row['compile'] else 'off'} | "
+                         f"{cell(row, 'mtune', 'tokens_per_second', '{:.0f}')} | " + " | ".join(cells) + " |")
     return rows, "\n".join(lines)
 
 
@@ -525,7 +545,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--compile", choices=["off", "on", "both"], default="both")
     parser.add_argument("--dtypes", nargs="+", default=None, help="default fp32, plus bf16 on a CPU with native bf16")
-    parser.add_argument("--libs", nargs="+", default=["mtune", "torchtune"])
+    parser.add_argument("--libs", nargs="+", default=["mtune", "torchtune"],
+                        help="mtune, torchtune, or mtune:KERNEL (mtune with attention_kernel=KERNEL, e.g. "
+                             "mtune:dense_mask, the packed path before segments; reported in a second table)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--batch", type=int, default=4)

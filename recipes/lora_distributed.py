@@ -16,9 +16,17 @@ from omegaconf import DictConfig
 from mtune.config import RecipeSchema
 from mtune.config.keys import DISTRIBUTED_KEYS, MODEL_NODES, RUN_KEYS, TRAINING_NODES
 from mtune.config.rules import DISTRIBUTED_RUN_RULES
-from mtune.training.memory.registry import DISTRIBUTED_MEMORY_RULES, LORA_KEYS, MEMORY_KEYS, LoraConfig, MemoryConfig
+from mtune.training.memory.registry import (
+    DISTRIBUTED_MEMORY_KEYS,
+    DISTRIBUTED_MEMORY_RULES,
+    LORA_KEYS,
+    MEMORY_KEYS,
+    LoraConfig,
+    MemoryConfig,
+)
 
-SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS, DISTRIBUTED_KEYS],
+SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS, DISTRIBUTED_KEYS,
+                       DISTRIBUTED_MEMORY_KEYS],
                       rules=DISTRIBUTED_RUN_RULES + DISTRIBUTED_MEMORY_RULES)
 SUPPORTS_DISTRIBUTED = True
 

@@ -119,9 +119,7 @@ DISTRIBUTED_KEYS = KeyGroup(
         Key("fsdp_reshard_after_forward", bool, True,
             "true: free gathered weights after each block's forward (ZeRO-3-like, least memory); false: keep them "
             "until backward (ZeRO-2-like, less communication)"),
-        Key("fsdp_cpu_offload", bool, False,
-            "keep parameters, gradients and optimizer state in CPU memory; the optimizer steps on the CPU"),
-    ],
+    ],  # fsdp_cpu_offload: a memory technique's (registry.DISTRIBUTED_MEMORY_KEYS)
 )
 
 

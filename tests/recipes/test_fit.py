@@ -77,6 +77,36 @@ def test_optimizer_offload_keeps_no_state_on_the_device_at_steps_0_and_1(tmp_pat
         assert plan.device["temporaries"] < plan.host["optimizer_state"]  # nor the host step's temporaries
 
 
+def test_fsdp_cpu_offload_keeps_shards_gradients_and_states_on_the_host_and_fit_offers_it():
+    """FSDP2's CPU offload planned where it lives: rank 0's parameter shards, gradients and optimizer states move
+    from the device (the plan without it, which the two-rank runs in test_plan check) to the host, byte for byte
+    up to the allocator's rounding; the cost model charges its copies and host step; --fit at 2 ranks takes it
+    exactly when the budget lies between the two plans."""
+    from mtune.training.planning.cost import device_floor, step_cost
+
+    module, overrides, cfg = shipped_on_tiny("llama3_1/8B_full_distributed")
+    on_device = plan_memory(cfg, world_size=2)
+    offloaded_cfg = load_and_check(module, find_config("llama3_1/8B_full_distributed"),
+                                   overrides + ["fsdp_cpu_offload=true"])
+    offloaded = plan_memory(offloaded_cfg, world_size=2)
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert on_device.device[category] > 0 and offloaded.device[category] == 0, category
+        assert offloaded.host[category] == pytest.approx(on_device.device[category], rel=0.01), category
+    moved = sum(on_device.device[c] for c in ("parameters", "gradients", "optimizer_state"))
+    assert offloaded.device_peak_bytes <= on_device.device_peak_bytes - 0.9 * moved
+    device, host = device_floor(offloaded_cfg, 2)
+    assert not device and sum(host.values()) > 0  # nothing of the floor stays on the device
+    assert step_cost(offloaded_cfg, world_size=2) > step_cost(cfg, world_size=2)  # the same FLOPs plus copies
+
+    knobs = [k for k in KNOBS if k.name in ("fsdp_cpu_offload", "micro_batch")]
+    budget = (offloaded.device_total_bytes + on_device.device_total_bytes) // 2  # with the CUDA context
+    best = best_of(search(cfg, module.SCHEMA, device_memory=budget, world_size=2, knobs=knobs, margin=0))
+    assert best is not None and best.changes.get("fsdp_cpu_offload") is True
+    roomy = best_of(search(cfg, module.SCHEMA, device_memory=2 * on_device.device_total_bytes, world_size=2,
+                           knobs=knobs, margin=0))
+    assert roomy is not None and not roomy.changes.get("fsdp_cpu_offload")  # cheaper without the copies
+
+
 def test_paged_states_are_managed_memory_outside_the_allocator(tmp_path, tiny_checkpoint, tiny_data):
     pytest.importorskip("bitsandbytes")
     module = load_recipe_module(find_recipe("full_single_device"))
@@ -130,7 +160,7 @@ def test_a_tie_goes_to_the_fewer_techniques_even_when_the_most_saving_one_fits(t
     from mtune.training.planning import candidates as candidates_module, fit as fit_module
 
     for module_ in (candidates_module, fit_module):  # every candidate costs the same: one tier per micro-batch
-        monkeypatch.setattr(module_, "step_cost", lambda cfg, paged_bytes=0.0: 1e-6)
+        monkeypatch.setattr(module_, "step_cost", lambda cfg, paged_bytes=0.0, world_size=1: 1e-6)
     module = load_recipe_module(find_recipe("lora_single_device"))
     cfg = load_and_check(module, TRAIN_CONFIG, _tiny(tmp_path, tiny_checkpoint, tiny_data, {}))
     knobs = [k for k in KNOBS if k.name in ("weight_offloading", "micro_batch")]

@@ -19,6 +19,7 @@ from mtune.training.memory.techniques.activation_offloading import ACTIVATION_OF
 from mtune.training.memory.techniques.attention_kernel import ATTENTION_KERNEL
 from mtune.training.memory.techniques.chunked_loss import CHUNKED_LOSS
 from mtune.training.memory.techniques.compile import COMPILE
+from mtune.training.memory.techniques.fsdp_cpu_offload import FSDP_CPU_OFFLOAD
 from mtune.training.memory.techniques.lora import LORA, LORA_KEYS, LoraConfig
 from mtune.training.memory.techniques.optimizer_in_backward import OPTIMIZER_IN_BACKWARD
 from mtune.training.memory.techniques.optimizer_offload import OPTIMIZER_OFFLOAD
@@ -27,7 +28,7 @@ from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
 from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING, WeightOffloading
 from mtune.training.memory.techniques.weight_storage import WEIGHT_STORAGE
 
-__all__ = ["TECHNIQUES", "MEMORY_KEYS", "MemoryConfig", "LORA_KEYS", "LoraConfig", "WeightOffloading",
+__all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "FSDP_CPU_OFFLOAD", "MemoryConfig", "LORA_KEYS", "LoraConfig", "WeightOffloading",
            "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys", "technique_keys", "make_memory_config",
            "LORA", "WEIGHT_STORAGE", "WEIGHT_OFFLOADING", "ACTIVATION_CHECKPOINTING", "ACTIVATION_OFFLOADING", "COMPILE",
            "OPTIMIZER_STATE", "OPTIMIZER_IN_BACKWARD", "CHUNKED_LOSS", "OPTIMIZER_OFFLOAD", "TILED_MLP",
@@ -46,6 +47,7 @@ TECHNIQUES: tuple[MemoryTechnique, ...] = (
     OPTIMIZER_IN_BACKWARD,
     CHUNKED_LOSS,
     OPTIMIZER_OFFLOAD,
+    FSDP_CPU_OFFLOAD,          # distributed recipes: set on FSDP2's sharding (mtune.training.distributed), not applied here
 )
 """The memory techniques in the order `mtune.training.memory.apply.apply_memory_techniques` applies them (FSDP2
 sharding comes after, in `mtune.training.model_setup`)."""
@@ -63,6 +65,11 @@ def memory_keys(techniques=TECHNIQUES) -> KeyGroup:
 
 MEMORY_KEYS = memory_keys()
 """The memory keys every training recipe reads (``SCHEMA``'s group "memory")."""
+
+DISTRIBUTED_MEMORY_KEYS = KeyGroup(
+    "distributed memory", help="memory techniques of FSDP2 runs (the distributed recipes only)",
+    keys=[key for technique in TECHNIQUES for key in technique.distributed_keys])
+"""The memory keys only the distributed recipes read, beside `MEMORY_KEYS`."""
 
 
 def _from_config(cls, cfg: Mapping[str, Any]):

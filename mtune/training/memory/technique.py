@@ -3,7 +3,8 @@
 A technique (a subclass of :class:`MemoryTechnique`, one module under ``mtune/training/memory/techniques/``, one
 line in :mod:`mtune.training.memory.registry`) says
 
-- its config keys with defaults and help (``keys``: the schema, ``--help``, `MemoryConfig` and the docs read them);
+- its config keys with defaults and help (``keys``: the schema, ``--help``, `MemoryConfig` and the docs read them;
+  ``distributed_keys``: those only the distributed recipes read);
 - its rules: incompatible flags and requirements, on one device (:meth:`rules`) and under FSDP2
   (:meth:`distributed_rules`);
 - how it is applied to a built model (:meth:`apply`, called by
@@ -91,6 +92,8 @@ class ModelFacts:
     """Whether the run computes on a CUDA device (paged optimizer states exist only there)."""
     trainable_numel: int = 0
     """Trainable parameter elements (optimizer states and the host optimizer step scale with them)."""
+    world_size: int = 1
+    """Ranks the model is sharded over (FSDP2); the bytes above are the whole model's."""
 
     @property
     def micro_batches(self) -> int:
@@ -105,6 +108,8 @@ class MemoryTechnique:
     """The technique's name in logs and docs (its main key where it has one)."""
     keys: tuple = ()
     """Its top-level config keys (`mtune.config.schema.Key` / `Node`), in the order the docs list them."""
+    distributed_keys: tuple = ()
+    """Keys only the distributed recipes read (`mtune.training.memory.registry.DISTRIBUTED_MEMORY_KEYS`)."""
     must_match_on_resume: tuple[str, ...] = ()
     """Those of its keys a resumed run must keep (they change what a step computes); the rest may change."""
     from_yaml: Mapping[str, Any] = {}
@@ -169,6 +174,11 @@ class MemoryTechnique:
 
     def frozen_weights_home(self, cfg: Any) -> str | None:
         """``"host"`` when this technique keeps the frozen weights in host memory between uses, else None."""
+        return None
+
+    def trainable_weights_home(self, cfg: Any) -> str | None:
+        """``"host"`` when this technique keeps the trainable weights in host memory between uses (the device
+        holds them only while a block computes), else None."""
         return None
 
     def planning_blocks(self, cfg: Any) -> int:

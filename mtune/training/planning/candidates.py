@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from mtune.training.memory import registry
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning.cost import device_floor, model_facts, step_cost
-from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan, format_bytes
 
 __all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "candidates_of", "floor_reason", "describe",
            "with_overrides", "changed_keys",
@@ -123,9 +123,11 @@ def floor_reason(cfg, device_budget: int, host_budget: int | None, context: int,
     device, host = device_floor(cfg, world_size)
     need = sum(device.values()) + context
     if need > device_budget:
-        parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in device.items() if v)
-        alone = " alone" if len([v for v in device.values() if v]) == 1 else ""
-        return f"{parts}{alone}{' + context' if context else ''} = {format_bytes(need)} > {format_bytes(device_budget)}"
+        parts = [f"{name} {format_bytes(v)}" for name, v in device.items() if v]
+        if len(parts) == 1:
+            parts[0] += " alone"
+        parts += ["context"] if context else []
+        return f"{' + '.join(parts)} = {format_bytes(need)} > {format_bytes(device_budget)}"
     if host_budget is not None and sum(host.values()) > host_budget:
         parts = " + ".join(f"{name} {format_bytes(v)}" for name, v in host.items() if v)
         return f"host: {parts} = {format_bytes(sum(host.values()))} > {format_bytes(host_budget)}"
@@ -133,8 +135,8 @@ def floor_reason(cfg, device_budget: int, host_budget: int | None, context: int,
 
 
 NEGLIGIBLE_SAVING = 0.02
-"""A floor-only choice that saves less than this share of the device budget on the device floor is not searched:
-it would only add a technique (an optimizer offload for LoRA's few adapter states)."""
+"""A floor-only choice that saves less than this share of the device budget (less the CUDA context) on the device
+floor is not searched: it would only add a technique (an optimizer offload for LoRA's few adapter states)."""
 
 
 def _worth_searching(cfg, knob: Knob, options: list[FitChoice], device_memory: int | None,
@@ -147,7 +149,8 @@ def _worth_searching(cfg, knob: Knob, options: list[FitChoice], device_memory: i
         return sum(device_floor(with_overrides(cfg, choice.overrides), world_size)[0].values())
 
     plain = floor(options[0])
-    return [options[0]] + [c for c in options[1:] if plain - floor(c) >= NEGLIGIBLE_SAVING * device_memory]
+    for_tensors = device_memory - (CUDA_CONTEXT_BYTES if model_facts(cfg).cuda else 0)
+    return [options[0]] + [c for c in options[1:] if plain - floor(c) >= NEGLIGIBLE_SAVING * for_tensors]
 
 
 def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory: int | None = None,
@@ -170,7 +173,8 @@ def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory
                 continue
             chosen = (*combo, last)
             lossy = tuple(c.lossy for c in chosen if getattr(c, "lossy", None))
-            out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen), step_cost(variant),
+            out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen),
+                                 step_cost(variant, world_size=world_size),
                                  base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
                                  quality_cost=sum(getattr(c, "quality_cost", 0) for c in chosen)))
     return out

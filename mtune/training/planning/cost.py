@@ -123,8 +123,9 @@ def is_cuda_target(cfg) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
-def model_facts(cfg) -> ModelFacts:
-    """The shape, stored bytes and tokens per micro-batch and per step of ``cfg``'s model."""
+def model_facts(cfg, world_size: int = 1) -> ModelFacts:
+    """The shape, stored bytes and tokens per micro-batch and per step (of one rank) of ``cfg``'s model, sharded
+    over ``world_size`` ranks."""
     args = resolve_model_source(cfg.model).args
     trainable, frozen = _parameter_bytes(cfg)
     micro_tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
@@ -133,7 +134,7 @@ def model_facts(cfg) -> ModelFacts:
                       residual_bytes=storage_dtype(str(cfg.get("dtype"))).itemsize,
                       micro_batch_tokens=micro_tokens,
                       step_tokens=micro_tokens * int(cfg.get("gradient_accumulation_steps") or 1),
-                      cuda=is_cuda_target(cfg), trainable_numel=numel)
+                      cuda=is_cuda_target(cfg), trainable_numel=numel, world_size=world_size)
 
 
 def _ask(method: str, cfg, *args):
@@ -143,15 +144,17 @@ def _ask(method: str, cfg, *args):
 
 def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, float]]:
     """Bytes that ``cfg`` must hold whatever its activations, as ``({what: device bytes}, {what: host bytes})``:
-    the weights (the frozen ones on the host when offloaded), the optimizer states where they live (device, host, or
-    managed memory: neither budget's floor), and the full set of gradients where nothing frees them during backward
-    (optimizer-in-backward and optimizer offload do). Sharded over ``world_size`` ranks (FSDP2). ``--fit`` refuses a
+    the weights (the frozen ones on the host when offloaded, all of them under fsdp_cpu_offload), the optimizer
+    states where they live (device, host, or managed memory: neither budget's floor), and the full set of gradients
+    where nothing frees them during backward (optimizer-in-backward and optimizer offload do). Sharded over ``world_size`` ranks (FSDP2). ``--fit`` refuses a
     candidate whose floor exceeds a budget without planning it."""
-    facts = model_facts(cfg)
+    facts = model_facts(cfg, world_size)
     dtype = str(cfg.get("dtype"))
     device: dict[str, float] = {}
     host: dict[str, float] = {}
-    device[f"{dtype} trainable weights" if LoraConfig.from_config(cfg) is None else "adapters"] = facts.trainable_bytes
+    trainable = f"{dtype} trainable weights" if LoraConfig.from_config(cfg) is None else "adapters"
+    weights_on_host = _ask("trainable_weights_home", cfg) == "host"
+    (host if weights_on_host else device)[trainable] = facts.trainable_bytes
     if facts.frozen_bytes:
         (host if _ask("frozen_weights_home", cfg) == "host" else device)["frozen weights"] = facts.frozen_bytes
     state_bytes = (_ask("state_bytes_per_element", cfg, facts) or 0.0) * facts.trainable_numel
@@ -159,7 +162,10 @@ def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, 
     name = f"optimizer states ({str((cfg.get('optimizer') or {}).get('_component_', '')).rsplit('.', 1)[-1]})"
     if home == "host":
         host[name] = state_bytes
-        host["host copies and gradients"] = 2 * facts.trainable_bytes
+        if weights_on_host:  # the weights stepped there are the ones counted above
+            host["gradients"] = facts.trainable_bytes
+        else:
+            host["host copies and gradients"] = 2 * facts.trainable_bytes
     elif home is None:
         device[name] = state_bytes
     if home != "host" and not registry.OPTIMIZER_IN_BACKWARD.enabled(registry.MemoryConfig.from_config(cfg)):
@@ -167,20 +173,22 @@ def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, 
     return ({k: v / world_size for k, v in device.items()}, {k: v / world_size for k, v in host.items()})
 
 
-def transfer_bytes_per_token(cfg) -> float:
-    """Bytes moved between device and host per trained token: every technique's own count."""
-    facts = model_facts(cfg)
+def transfer_bytes_per_token(cfg, world_size: int = 1) -> float:
+    """Bytes moved between device and host per trained token (of one rank): every technique's own count."""
+    facts = model_facts(cfg, world_size)
     return sum(technique.transfer_bytes_per_token(cfg, facts) for technique in registry.TECHNIQUES)
 
 
-def step_cost(cfg, paged_bytes: float = 0.0) -> float:
+def step_cost(cfg, paged_bytes: float = 0.0, world_size: int = 1) -> float:
     """Seconds per trained token on the reference GPU (see the module docstring): compute, and the transfers
     (overlapped with compute on CUDA, where they run on side streams: the larger of the two counts), plus what
     overlaps nothing: each micro-batch's fixed overhead, the host optimizer step of optimizer offload, and the
-    traffic of ``paged_bytes`` of managed optimizer state the device cannot keep resident (about twice a step)."""
-    facts = model_facts(cfg)
+    traffic of ``paged_bytes`` of managed optimizer state the device cannot keep resident (about twice a step).
+    Under FSDP2 over ``world_size`` ranks: one rank's tokens, transfers and host step (communication is not
+    priced: it is the same for every candidate of one world size, but for fsdp_cpu_offload's host copies)."""
+    facts = model_facts(cfg, world_size)
     compute = model_flops_per_token(cfg) / REFERENCE_FLOPS
-    transfers = transfer_bytes_per_token(cfg) / REFERENCE_HOST_BANDWIDTH
+    transfers = transfer_bytes_per_token(cfg, world_size) / REFERENCE_HOST_BANDWIDTH
     moved = max(compute, transfers) if facts.cuda else compute + transfers
     host_step = sum(t.host_step_elements(cfg, facts) for t in registry.TECHNIQUES) * HOST_ADAMW_SECONDS_PER_PARAM
     paging = 2.0 * paged_bytes / REFERENCE_HOST_BANDWIDTH

@@ -46,7 +46,7 @@ from mtune.training.memory import registry
 from mtune.training.planning.cost import model_facts, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.memory_plan import GIB, MemoryPlan, format_bytes
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, GIB, MemoryPlan, format_bytes
 
 __all__ = ["search", "best_of", "fit_command", "fit_header", "fits_budgets", "numerics_line", "write_config", "FitError",
            "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
@@ -112,7 +112,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         phases = [lossless]
     else:
         phases = [lossless, sorted(lossy_ones, key=lambda c: (c.quality_cost, *_speed_key(c)))]
-    context = 512 * 1024**2 if model_facts(cfg).cuda else 0
+    context = CUDA_CONTEXT_BYTES if model_facts(cfg).cuda else 0
     device_budget = device_memory - margin
     failed: list[tuple[int, ...]] = []
     ordered: list[Candidate] = []
@@ -139,7 +139,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
                      f"{'at least ' if plan.lower_bound else ''}{format_bytes(plan.device_total_bytes)} "
                      f"{'fits' if candidate.fits else 'does not fit'}")
         if candidate.fits:
-            candidate.cost = step_cost(candidate.cfg, plan.paged_bytes())
+            candidate.cost = step_cost(candidate.cfg, plan.paged_bytes(), world_size)
         else:
             failed.append(candidate.levels)
 

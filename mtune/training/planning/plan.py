@@ -6,7 +6,7 @@ recipe's own setup functions (:func:`~mtune.training.model_setup.setup_model` on
 :func:`~mtune.training.model_setup.materialize_model` / ``materialize_sharded_model`` and
 :func:`~mtune.training.memory.optimizers.build_optimizer` under ``FakeTensorMode``; no step of theirs is
 re-implemented here, and what planning needs differently is a switch of theirs: ``materialize=False``, no
-checkpoint, a fake process group, ``fsdp_cpu_offload`` off), then runs two optimizer steps of the training loop's own tensor work
+checkpoint, a fake process group), then runs two optimizer steps of the training loop's own tensor work
 (:func:`~mtune.training.loop.step_on_tensors`) on fake tensors while the run's byte tracker
 (:class:`~mtune.training.planning.tracker.TensorTracker`) counts live bytes by category on the device and on the
 host. No weight file is read (only the checkpoint's ``config.json``) and no tensor memory is allocated, so an 8B
@@ -28,7 +28,8 @@ config plans on a laptop.
   process group of that size (no communication), the recipe's own FSDP2 sharding
   (:func:`~mtune.training.distributed.shard_model`) and sharded initialisation, then the same two steps: the
   per-rank shards, FSDP2's all-gather and reduce-scatter buffers and resharding after forward are all live tensors
-  the tracker sees.
+  the tracker sees. With ``fsdp_cpu_offload`` the shards, their gradients and the optimizer step are laid out on
+  the host as FSDP2 keeps them on a GPU machine (:func:`_fsdp_offload_on_host`).
 - Optimizers that cannot step on fake tensors (bitsandbytes) are replaced by stand-ins that create the documented
   state layout (:mod:`mtune.training.planning.optimizer_layouts`).
 """
@@ -53,6 +54,7 @@ from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
 from mtune.training.memory.placement import Placement
 from mtune.training.memory.precision import autocast, storage_dtype
 from mtune.training.memory.registry import TECHNIQUES, LoraConfig, MemoryConfig
+from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.model_setup import (
     ModelSource,
     build_sharded_model,
@@ -124,7 +126,7 @@ def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_le
     return batches
 
 
-def _planned_memory(cfg, cuda: bool) -> tuple[MemoryConfig, list[str]]:
+def _planned_memory(cfg, cuda: bool, target_distinct: bool) -> tuple[MemoryConfig, list[str]]:
     """The run's memory keys as planned, and notes on what the plan does not model."""
     memory = MemoryConfig.from_config(cfg)
     notes = []
@@ -133,10 +135,44 @@ def _planned_memory(cfg, cuda: bool) -> tuple[MemoryConfig, list[str]]:
         notes.append("compile=true is planned eagerly: compiled blocks may hold fewer intermediates")
     if _managed_states(cfg) and not cuda:
         notes.append("paged optimizer states: without CUDA they are ordinary memory, counted on the device")
-    if "fsdp_reshard_after_forward" in cfg and cfg.get("fsdp_cpu_offload"):
-        notes.append("fsdp_cpu_offload: the shards, gradients and optimizer state FSDP2 keeps on the CPU are counted "
-                     "on the device (not modelled yet)")
+    if "fsdp_reshard_after_forward" in cfg and cfg.get("fsdp_cpu_offload") and target_distinct:
+        notes.append("fsdp_cpu_offload: the device copy of one block's shards that FSDP2 makes before gathering "
+                     "them (the block's parameters / ranks, for a moment) is not counted")
     return memory, notes
+
+
+def _fsdp_offload_on_host(model, optimizer, placement: Placement) -> None:
+    """``fsdp_cpu_offload`` laid out as on a GPU: FSDP2 keeps each rank's parameter shards, their gradients and the
+    optimizer's states and step on the host, copies shards to the device to gather them and each reduce-scattered
+    gradient back to the host. The planner's device and host are both the CPU, where FSDP2's ``.to`` copies return
+    the tensor itself, so this makes the host side explicit: the shards are marked host, each new gradient is
+    copied to the host as FSDP2 copies it (before the tracker's own hook counts it: registered first), and the
+    optimizer allocates under the placement's host allocation."""
+    def gradient_to_host(param):
+        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        if not placement.on_host(local):  # accumulation adds into the host gradient FSDP2 already made
+            param.grad._local_tensor = placement.to_host(local)
+
+    for param in model.parameters():
+        for part in plain_parts(param):
+            placement.mark_host(part)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(gradient_to_host)
+    stepping = contextlib.ExitStack()
+
+    def states_on_host(opt, *_):
+        stepping.close()
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    for part in plain_parts(value):
+                        placement.mark_host(part)
+
+    for inner in inner_optimizers(optimizer):
+        states_on_host(inner)  # allocated up front (AdamW), beside the shards
+        inner.register_step_pre_hook(lambda *_: stepping.enter_context(placement.host_allocation()))
+        inner.register_step_post_hook(states_on_host)
 
 
 def _managed_states(cfg) -> bool:
@@ -189,7 +225,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     cuda = target.type == "cuda"
     cpu = torch.device("cpu")
     placement = Placement("cpu", "cpu", distinct=target.type != "cpu")
-    memory, notes = _planned_memory(cfg, cuda)
+    memory, notes = _planned_memory(cfg, cuda, placement.distinct)
     dtype = storage_dtype(str(cfg.dtype))
     source = _model_source(cfg, n_layers)
     lora = LoraConfig.from_config(cfg)
@@ -199,7 +235,8 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
         if sharded:  # the run's own setup, split where the weights come in: they are made under fake tensors
             model, activation_context = build_sharded_model(
                 source, device=cpu, dtype=dtype, lora=lora, memory=memory, placement=placement,
-                fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward, fsdp_cpu_offload=False)
+                fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                fsdp_cpu_offload=bool(cfg.fsdp_cpu_offload))
         else:
             model, activation_context = setup_model(source, device=cpu, dtype=dtype, lora=lora, memory=memory,
                                                     materialize=False, placement=placement)
@@ -212,6 +249,8 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             else:
                 materialize_model(model, source, device=cpu, dtype=dtype, lora=lora)
             optimizer = build_optimizer(_optimizer_node(cfg), model, memory, placement=placement, target_device=target)
+            if sharded and cfg.fsdp_cpu_offload and placement.distinct:
+                _fsdp_offload_on_host(model, optimizer, placement)
             managed = cuda and _managed_states(cfg)
             if managed:  # paged states: CUDA managed memory, outside the allocator (counted apart, on the host)
                 for inner in inner_optimizers(optimizer):
