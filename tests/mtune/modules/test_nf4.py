@@ -2,6 +2,8 @@
 
 import copy
 
+import pytest
+
 import torch
 
 from mtune.models import build_model
@@ -80,3 +82,24 @@ def test_compiled_nf4_and_plain_linears_trace_without_graph_breaks():
         torch._dynamo.reset()
         explained = torch._dynamo.explain(lambda x, w: linear_maybe_nf4(x, w) * 2)(x, weight)
         assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("shape, dtype", [((128, 256), torch.bfloat16), ((512, 1024), torch.float32)])
+def test_a_fake_weight_gets_the_layout_torchao_quantizes_a_real_one_to(shape, dtype):
+    # the planner quantizes fake weights by building the layout directly: every inner tensor as to_nf4 makes it
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mtune.modules.nf4_linear import quantize_nf4
+    from mtune.training.memory.tensor_bytes import tensor_bytes
+
+    real = quantize_nf4(torch.randn(*shape, dtype=dtype))
+    with FakeTensorMode():
+        fake = quantize_nf4(torch.empty(*shape, dtype=dtype))
+    names, _ = real.__tensor_flatten__()
+    assert names == fake.__tensor_flatten__()[0]
+    for name in names:
+        a, b = getattr(real, name), getattr(fake, name)
+        assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), name
+    for attr in ("block_size", "n_blocks", "scaler_block_size", "shape", "dtype", "requires_grad"):
+        assert getattr(real, attr) == getattr(fake, attr), attr
+    assert tensor_bytes(real) == tensor_bytes(fake)
