@@ -107,6 +107,16 @@ def test_fsdp_cpu_offload_keeps_shards_gradients_and_states_on_the_host_and_fit_
     assert roomy is not None and not roomy.changes.get("fsdp_cpu_offload")  # cheaper without the copies
 
 
+def test_ranks_on_one_machine_share_its_host_memory(capsys):
+    from pathlib import Path
+
+    from mtune.training.planning.fit import fit_header
+
+    host, _ = fit_header("lora_distributed", Path("x.yaml"), 24 << 30, 64 << 30, world_size=8)
+    assert host == 8 << 30  # --nproc_per_node 8: each rank plans against an eighth of the machine's memory
+    assert "8 ranks on this machine (8.00 GiB of host memory each)" in capsys.readouterr().out
+
+
 def test_paged_states_are_managed_memory_outside_the_allocator(tmp_path, tiny_checkpoint, tiny_data):
     pytest.importorskip("bitsandbytes")
     module = load_recipe_module(find_recipe("full_single_device"))

@@ -186,17 +186,20 @@ def _rejections(candidates: list[Candidate]) -> list[str]:
 
 def fit_header(recipe: str, config_path: Path, device_memory: int | None, host_memory: int | None,
                world_size: int, asked: str = "") -> tuple[int, int]:
-    """Print what ``--fit`` is asked (budgets, margin, where the host budget came from); the host budget and the
-    allocator margin."""
+    """Print what ``--fit`` is asked (budgets, margin, where the host budget came from); a rank's host budget and
+    the allocator margin. The ``world_size`` ranks of ``--nproc_per_node`` run on this one machine, so they share
+    its host memory: each is planned against its share."""
     if device_memory is None:
         raise ConfigError("--fit needs --device-memory SIZE (the memory of the device to fit, e.g. 24GiB)")
     host_stated = "" if host_memory is not None else " (this machine's available memory; --host-memory to change)"
     host_memory = available_host_memory() if host_memory is None else host_memory
     margin = allocator_margin(device_memory)
+    ranks = (f", {world_size} ranks on this machine ({format_bytes(host_memory // world_size)} of host memory each)"
+             if world_size > 1 else "")
     print(f"mtune plan --fit{asked}: {recipe} with {config_path} into {format_bytes(device_memory)} "
           f"(allocator margin {format_bytes(margin)}: max(1 GiB, 5%)), host {format_bytes(host_memory)}{host_stated}"
-          + (f", {world_size} ranks" if world_size > 1 else ""))
-    return host_memory, margin
+          + ranks)
+    return host_memory // world_size, margin
 
 
 def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], schema, device_memory: int | None,
