@@ -189,7 +189,7 @@ def test_no_technique_key_is_read_as_a_raw_string_outside_the_techniques():
     # technique's own methods; only the techniques read them from a config by name (their interactions included).
     from mtune.training.memory.registry import TECHNIQUES
 
-    keys = {key.name for technique in TECHNIQUES for key in technique.keys}
+    keys = {key.name for technique in TECHNIQUES for key in technique.keys + technique.distributed_keys}
     problems = [f"{name}:{line} reads {key!r}"
                 for name, tree in _modules().items() if not _within(name, TECHNIQUES_PACKAGE)
                 for key, line in _reads(tree) if key in keys]

@@ -126,7 +126,7 @@ def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_le
     return batches
 
 
-def _planned_memory(cfg, cuda: bool, target_distinct: bool) -> tuple[MemoryConfig, list[str]]:
+def _planned_memory(cfg, cuda: bool, fsdp_offload: bool) -> tuple[MemoryConfig, list[str]]:
     """The run's memory keys as planned, and notes on what the plan does not model."""
     memory = MemoryConfig.from_config(cfg)
     notes = []
@@ -135,7 +135,7 @@ def _planned_memory(cfg, cuda: bool, target_distinct: bool) -> tuple[MemoryConfi
         notes.append("compile=true is planned eagerly: compiled blocks may hold fewer intermediates")
     if _managed_states(cfg) and not cuda:
         notes.append("paged optimizer states: without CUDA they are ordinary memory, counted on the device")
-    if "fsdp_reshard_after_forward" in cfg and cfg.get("fsdp_cpu_offload") and target_distinct:
+    if fsdp_offload:
         notes.append("fsdp_cpu_offload: the device copy of one block's shards that FSDP2 makes before gathering "
                      "them (the block's parameters / ranks, for a moment) is not counted")
     return memory, notes
@@ -151,7 +151,7 @@ def _fsdp_offload_on_host(model, optimizer, placement: Placement) -> None:
     def gradient_to_host(param):
         local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
         if not placement.on_host(local):  # accumulation adds into the host gradient FSDP2 already made
-            param.grad._local_tensor = placement.to_host(local)
+            param.grad._local_tensor = placement.to_host(local)  # in place of the shard, as FSDP2 swaps it
 
     for param in model.parameters():
         for part in plain_parts(param):
@@ -225,7 +225,8 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     cuda = target.type == "cuda"
     cpu = torch.device("cpu")
     placement = Placement("cpu", "cpu", distinct=target.type != "cpu")
-    memory, notes = _planned_memory(cfg, cuda, placement.distinct)
+    fsdp_offload = sharded and bool(cfg.fsdp_cpu_offload) and placement.distinct  # host and device apart
+    memory, notes = _planned_memory(cfg, cuda, fsdp_offload)
     dtype = storage_dtype(str(cfg.dtype))
     source = _model_source(cfg, n_layers)
     lora = LoraConfig.from_config(cfg)
@@ -249,7 +250,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             else:
                 materialize_model(model, source, device=cpu, dtype=dtype, lora=lora)
             optimizer = build_optimizer(_optimizer_node(cfg), model, memory, placement=placement, target_device=target)
-            if sharded and cfg.fsdp_cpu_offload and placement.distinct:
+            if fsdp_offload:
                 _fsdp_offload_on_host(model, optimizer, placement)
             managed = cuda and _managed_states(cfg)
             if managed:  # paged states: CUDA managed memory, outside the allocator (counted apart, on the host)
