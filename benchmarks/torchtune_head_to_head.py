@@ -312,10 +312,10 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
     out = args.work / "runs" / tag
     out.mkdir(parents=True, exist_ok=True)
     config = out.with_suffix(".yaml")
+    lib_name = lib
     lib, _, kernel = lib.partition(":")  # "mtune:dense_mask": mtune with that attention_kernel
     make = mtune_config if lib == "mtune" else torchtune_config
     config.write_text(make(paths, case, out, args.steps, compile_, dtype, args, kernel or "auto"))
-    lib_name = f"{lib}:{kernel}" if kernel else lib
     if lib == "mtune":
         python, recipe = sys.executable, "lora_single_device" if case["lora"] else "full_single_device"
         # mfu in mtune's own log against the peak this benchmark measured (not a cache taken under other load)

@@ -28,11 +28,11 @@ from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
 from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING, WeightOffloading
 from mtune.training.memory.techniques.weight_storage import WEIGHT_STORAGE
 
-__all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "FSDP_CPU_OFFLOAD", "MemoryConfig", "LORA_KEYS", "LoraConfig", "WeightOffloading",
-           "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys", "technique_keys", "make_memory_config",
-           "LORA", "WEIGHT_STORAGE", "WEIGHT_OFFLOADING", "ACTIVATION_CHECKPOINTING", "ACTIVATION_OFFLOADING", "COMPILE",
-           "OPTIMIZER_STATE", "OPTIMIZER_IN_BACKWARD", "CHUNKED_LOSS", "OPTIMIZER_OFFLOAD", "TILED_MLP",
-           "ATTENTION_KERNEL"]
+__all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "MemoryConfig", "LORA_KEYS", "LoraConfig",
+           "WeightOffloading", "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys", "technique_keys",
+           "make_memory_config", "LORA", "WEIGHT_STORAGE", "WEIGHT_OFFLOADING", "ACTIVATION_CHECKPOINTING",
+           "ACTIVATION_OFFLOADING", "COMPILE", "OPTIMIZER_STATE", "OPTIMIZER_IN_BACKWARD", "CHUNKED_LOSS",
+           "OPTIMIZER_OFFLOAD", "FSDP_CPU_OFFLOAD", "TILED_MLP", "ATTENTION_KERNEL"]
 
 TECHNIQUES: tuple[MemoryTechnique, ...] = (
     LORA,                      # adapters and NF4 bases: decide which modules exist and what is frozen
@@ -47,7 +47,7 @@ TECHNIQUES: tuple[MemoryTechnique, ...] = (
     OPTIMIZER_IN_BACKWARD,
     CHUNKED_LOSS,
     OPTIMIZER_OFFLOAD,
-    FSDP_CPU_OFFLOAD,          # distributed recipes: set on FSDP2's sharding (mtune.training.distributed), not applied here
+    FSDP_CPU_OFFLOAD,          # distributed recipes: set on FSDP2's sharding (training.distributed), not here
 )
 """The memory techniques in the order `mtune.training.memory.apply.apply_memory_techniques` applies them (FSDP2
 sharding comes after, in `mtune.training.model_setup`)."""

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemoryTechnique", "FitChoice", "ModelFacts", "get", "single_device_only"]
+__all__ = ["MemoryTechnique", "FitChoice", "ModelFacts", "get", "is_distributed", "single_device_only"]
 
 
 def get(cfg: Any, dotted: str, default: Any = None) -> Any:
@@ -36,6 +36,11 @@ def get(cfg: Any, dotted: str, default: Any = None) -> Any:
             return default
         node = node[part]
     return default if node is None else node
+
+
+def is_distributed(cfg: Any) -> bool:
+    """Whether ``cfg`` is a distributed recipe's config: only those declare ``fsdp_cpu_offload``."""
+    return cfg is not None and "fsdp_cpu_offload" in cfg
 
 
 def single_device_only(cfg: Any, key: str) -> list[str]:

@@ -146,8 +146,8 @@ def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, 
     """Bytes that ``cfg`` must hold whatever its activations, as ``({what: device bytes}, {what: host bytes})``:
     the weights (the frozen ones on the host when offloaded, all of them under fsdp_cpu_offload), the optimizer
     states where they live (device, host, or managed memory: neither budget's floor), and the full set of gradients
-    where nothing frees them during backward (optimizer-in-backward and optimizer offload do). Sharded over ``world_size`` ranks (FSDP2). ``--fit`` refuses a
-    candidate whose floor exceeds a budget without planning it."""
+    where nothing frees them during backward (optimizer-in-backward and optimizer offload do). Sharded over
+    ``world_size`` ranks (FSDP2). ``--fit`` refuses a candidate whose floor exceeds a budget without planning it."""
     facts = model_facts(cfg, world_size)
     dtype = str(cfg.get("dtype"))
     device: dict[str, float] = {}

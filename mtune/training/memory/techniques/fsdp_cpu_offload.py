@@ -11,14 +11,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtune.config.schema import Key
-from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get
+from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get, is_distributed
 
 __all__ = ["FsdpCpuOffload", "FSDP_CPU_OFFLOAD"]
 
 
-def _distributed(cfg: Any) -> bool:
-    """Whether ``cfg`` is a distributed recipe's (only those declare this key)."""
-    return cfg is not None and "fsdp_cpu_offload" in cfg
+def _host_if_on(cfg: Any) -> str | None:
+    return "host" if get(cfg, "fsdp_cpu_offload") else None
 
 
 class FsdpCpuOffload(MemoryTechnique):
@@ -33,18 +32,18 @@ class FsdpCpuOffload(MemoryTechnique):
     def fit_choices(self, cfg: Any, facts: ModelFacts) -> list[FitChoice]:
         """Off, or every shard on the host (distributed recipes; on one device optimizer and weight offloading
         play this part)."""
-        if not _distributed(cfg):
+        if not is_distributed(cfg):
             return [FitChoice(0, {})]
         return [FitChoice(0, {"fsdp_cpu_offload": False}), FitChoice(1, {"fsdp_cpu_offload": True})]
 
     def state_home(self, cfg: Any) -> str | None:
-        return "host" if get(cfg, "fsdp_cpu_offload") else None
+        return _host_if_on(cfg)
 
     def frozen_weights_home(self, cfg: Any) -> str | None:
-        return "host" if get(cfg, "fsdp_cpu_offload") else None
+        return _host_if_on(cfg)
 
     def trainable_weights_home(self, cfg: Any) -> str | None:
-        return "host" if get(cfg, "fsdp_cpu_offload") else None
+        return _host_if_on(cfg)
 
     def host_step_elements(self, cfg: Any, facts: ModelFacts) -> int:
         """Each rank steps its shard of the trainable elements on its CPU."""
@@ -60,7 +59,7 @@ class FsdpCpuOffload(MemoryTechnique):
         return (visits * shards + facts.trainable_bytes / facts.world_size) / facts.micro_batch_tokens
 
     def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
-        if _distributed(cfg) and not cfg.get("fsdp_cpu_offload"):
+        if is_distributed(cfg) and not cfg.get("fsdp_cpu_offload"):
             return [(85, "fsdp_cpu_offload=true")]
         return []
 

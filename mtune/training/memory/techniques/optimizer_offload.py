@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtune.config.schema import Key
-from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get, single_device_only
+from mtune.training.memory.technique import (FitChoice, MemoryTechnique, ModelFacts, get, is_distributed,
+                                             single_device_only)
 
 __all__ = ["OptimizerOffload", "OPTIMIZER_OFFLOAD", "OPTIMIZER_OFFLOAD_OPTIMIZERS", "OPTIMIZER_OFFLOAD_TARGETS"]
 
@@ -81,7 +82,7 @@ class OptimizerOffload(MemoryTechnique):
         return facts.trainable_bytes / facts.micro_batch_tokens + facts.trainable_bytes / facts.step_tokens
 
     def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
-        single_device = "fsdp_cpu_offload" not in cfg  # the distributed recipes offload with fsdp_cpu_offload
+        single_device = not is_distributed(cfg)  # the distributed recipes offload with fsdp_cpu_offload
         optimizer = str((cfg.get("optimizer") or {}).get("_component_", ""))
         if (single_device and optimizer == "torch.optim.AdamW" and not cfg.get("optimizer_offload")
                 and not cfg.get("optimizer_in_bwd") and cfg.get("dtype") != "fp16"):

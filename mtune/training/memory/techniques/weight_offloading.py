@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mtune.config.schema import Key, KeyGroup, Node
-from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, get, single_device_only
+from mtune.training.memory.technique import (FitChoice, MemoryTechnique, ModelFacts, get, is_distributed,
+                                             single_device_only)
 
 __all__ = ["WeightOffloadingTechnique", "WEIGHT_OFFLOADING", "WEIGHT_OFFLOADING_NODE", "WeightOffloading",
            "WEIGHT_OFFLOADING_TYPES"]
@@ -123,7 +124,7 @@ class WeightOffloadingTechnique(MemoryTechnique):
         return visits * facts.frozen_bytes / facts.micro_batch_tokens
 
     def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
-        single_device = "fsdp_cpu_offload" not in cfg  # the distributed recipes offload with fsdp_cpu_offload
+        single_device = not is_distributed(cfg)  # the distributed recipes offload with fsdp_cpu_offload
         if single_device and cfg.get("lora") is not None and cfg.get("weight_offloading") is None \
                 and not cfg.get("compile"):
             return [(90, "weight_offloading={type: block_level, blocks_per_group: 1}")]
