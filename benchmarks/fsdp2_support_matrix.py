@@ -31,7 +31,7 @@ from mtune.training.distributed import init_distributed, shard_model  # noqa: E4
 from mtune.training.checkpointing.dcp import gathered_state_dict_items  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.model_setup import reset_adapters_sharded, resolve_model_source, setup_model  # noqa: E402
-from mtune.training.memory.optimizers import build_optimizer  # noqa: E402
+from mtune.training.optimizers import build_optimizer  # noqa: E402
 
 LORA = dict(modules=["q_proj", "v_proj", "o_proj"], rank=8, alpha=16)
 

@@ -65,7 +65,7 @@ def mtune_api() -> SimpleNamespace:
     from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
     from mtune.training.context import setup_run
     from mtune.training.loop import train_step
-    from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
+    from mtune.training.optimizers import build_optimizer, inner_optimizers
     from mtune.training.memory.registry import MemoryConfig
     from mtune.training.model_setup import resolve_model_source, setup_model
     from mtune.training.observe.flops import StepFlops

@@ -45,19 +45,19 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
-import mtune.training.memory.activation_checkpointing as checkpointing  # noqa: E402
-import mtune.training.memory.activation_offloading as offloading  # noqa: E402
+import mtune.training.memory.techniques.activation_checkpointing.checkpoint as checkpointing  # noqa: E402
+import mtune.training.memory.techniques.activation_offloading.offload as offloading  # noqa: E402
 from mtune.training.memory.registry import MemoryConfig, WeightOffloading  # noqa: E402
 from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.memory.tensor_bytes import tensor_storage_bytes
 from mtune.training.planning.breakdown import MemoryBreakdown  # noqa: E402
-from mtune.training.memory.optimizers import build_optimizer, inner_optimizers  # noqa: E402
-from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer  # noqa: E402
-from mtune.training.memory.placement import Placement, storage_key  # noqa: E402
-from mtune.training.memory.precision import DTYPES  # noqa: E402
-from mtune.training.memory.weight_offloading import weight_offloader  # noqa: E402
+from mtune.training.optimizers import build_optimizer, inner_optimizers  # noqa: E402
+from mtune.training.memory.techniques.optimizer_offload.cpu_optimizer import CPUOffloadOptimizer  # noqa: E402
+from mtune.training.placement import Placement, storage_key  # noqa: E402
+from mtune.training.precision import DTYPES  # noqa: E402
+from mtune.training.memory.techniques.weight_offloading.offloader import weight_offloader  # noqa: E402
 from mtune.training.model_setup import ModelSource, setup_model  # noqa: E402
 
 MODEL = dict(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, intermediate_dim=1408,

@@ -356,7 +356,7 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
 def _meta_model(case: dict):
     sys.path.insert(0, str(REPO))
     from mtune.modules.lora import apply_lora
-    from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+    from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
 
     model = mtune_model()
     if case["lora"]:

@@ -28,7 +28,7 @@ from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
 from mtune.training.planning.breakdown import MemoryBreakdown  # noqa: E402
-from mtune.training.memory.optimizers import build_optimizer, inner_optimizers  # noqa: E402
+from mtune.training.optimizers import build_optimizer, inner_optimizers  # noqa: E402
 from mtune.training.planning.tracker import TensorTracker  # noqa: E402
 from mtune.training.model_setup import ModelSource, setup_model  # noqa: E402
 

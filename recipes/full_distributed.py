@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> None:
     from mtune.training.context import setup_run
     from mtune.training.data_setup import setup_data
     from mtune.training.distributed import destroy_distributed, init_distributed
-    from mtune.training.memory.optimizers import build_optimizer
+    from mtune.training.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_sharded_model
     from mtune.training.session import TrainingSession
 

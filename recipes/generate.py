@@ -31,7 +31,7 @@ from mtune.tokenizers.base import ROLES
 from mtune.training.checkpointing.manifest import check_before_loading
 from mtune.training.checkpointing.peft import load_peft_adapter, lora_node_from_adapter
 from mtune.training.context import configure_logging, resolve_device
-from mtune.training.memory.precision import resolve_dtype
+from mtune.training.precision import resolve_dtype
 from mtune.training.memory.registry import MemoryConfig, WeightOffloading
 from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING_NODE
 from mtune.training.model_setup import resolve_model_source, setup_model

@@ -25,7 +25,7 @@ def main(cfg: DictConfig) -> None:
     from mtune.training.checkpointing.peft import load_peft_adapter
     from mtune.training.context import setup_run
     from mtune.training.data_setup import setup_data
-    from mtune.training.memory.optimizers import build_optimizer
+    from mtune.training.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_model
     from mtune.training.session import TrainingSession
 

@@ -25,7 +25,7 @@ from mtune.errors import OutputExistsError, PathNotFoundError
 from mtune.training.checkpointing.merge import save_merged_model
 from mtune.training.checkpointing.peft import read_adapter_config
 from mtune.training.context import configure_logging
-from mtune.training.memory.precision import DTYPES
+from mtune.training.precision import DTYPES
 
 SCHEMA = RecipeSchema([MERGE_KEYS], rules=MERGE_RULES)
 

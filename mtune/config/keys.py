@@ -11,10 +11,14 @@ from __future__ import annotations
 from mtune.config.schema import REQUIRED, Key, KeyGroup, Node
 
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
-"""The values of every ``dtype`` key; `mtune.training.memory.precision.DTYPES` maps them to torch dtypes."""
+"""The values of every ``dtype`` key; `mtune.training.precision.DTYPES` maps them to torch dtypes."""
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """The linears ``lora.modules`` may name (Hugging Face's module names)."""
+
+ATTENTION_KERNELS = ("auto", "segments", "dense_mask")
+"""The values of ``attention_kernel`` (the technique's key) and of `TransformerDecoder.attention_kernel`: declared
+here, torch-free, so that both read the one tuple."""
 
 # Keys several groups share, declared once.
 RECIPE_KEY = Key("recipe", str, None, "the recipe this config is for (read by `mtune ls` and `mtune validate`)")
@@ -165,3 +169,9 @@ GENERATE_KEYS = KeyGroup(
 )
 """The generate recipe's own keys; it also reads ``weight_offloading`` (declared once, with the technique:
 `mtune.training.memory.techniques.weight_offloading`)."""
+
+
+def run_kind(cfg) -> str:
+    """``distributed`` for a distributed recipe's config (it holds `DISTRIBUTED_KEYS`, filled in by the recipe's
+    schema), else ``single_device``: the one way mtune tells the two apart."""
+    return "distributed" if cfg is not None and "fsdp_reshard_after_forward" in cfg else "single_device"

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from mtune.config.keys import ATTENTION_KERNELS
 from mtune.modules.attention import Attention
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
@@ -61,14 +62,12 @@ class DecoderArgs:
             self.head_dim = self.dim // self.n_heads
 
 
-ATTENTION_KERNELS = ("auto", "segments", "dense_mask")
+DENSE_MASK_UP_TO = 256
 """How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
 ``cu_seqlens``, O(s) memory: :mod:`mtune.modules.packed_attention`), ``dense_mask`` (a boolean ``[b, 1, s, s]``
 mask, s² bytes per row: the fallback), or ``auto``: the dense mask for rows of at most :data:`DENSE_MASK_UP_TO`
 tokens (at most 64 KiB a row, and one SDPA call instead of one per document: 16 rows of 64 tokens step 16% faster on
 CPU), segments beyond."""
-
-DENSE_MASK_UP_TO = 256
 
 
 class TransformerBlock(nn.Module):

@@ -69,7 +69,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
-    cpu_offload: bool = False,
+    **options,
 ) -> nn.Module:
     """``fully_shard`` each block of ``model.layers``, then the root (embeddings, final norm, lm_head). In place.
 
@@ -78,23 +78,17 @@ def shard_model(
     ``model.lm_head`` after the forward has returned (``ChunkedCrossEntropyLoss``), which must see whole weights.
 
     Gradients are reduce-scattered in ``reduce_dtype`` (fp32 by default, so bf16 gradients are summed without
-    rounding); ``param_dtype`` None computes in the storage dtype. ``cpu_offload`` keeps the parameter shards,
-    gradients and optimizer step on the CPU (pinned memory only when there is an accelerator). Works on a meta
+    rounding); ``param_dtype`` None computes in the storage dtype. ``options`` are further ``fully_shard``
+    arguments, as the memory techniques give them (`mtune.training.memory.phases.sharding_options`: CPU offload's
+    ``offload_policy``). Works on a meta
     model: shard first, then load with
     :func:`mtune.training.checkpointing.sharded.load_hf_checkpoint_sharded`.
     """
-    if dist.is_initialized() and dist.get_world_size() == 1 and any(has_nf4_weight(m) for m in model.modules()):
-        # FSDP2's one-rank shortcut unshards a parameter from its first all-gather input only; an NF4 weight has
-        # three (scalers, factors, codes), so its forward fails.
-        raise ConfigError("lora.quantize_base=true under FSDP2 needs at least 2 processes (torch's FSDP2 cannot "
-                          "unshard NF4 weights in a group of one): run lora_single_device on one device, or "
-                          "launch with --nproc_per_node 2 or more")
     kwargs: dict = {
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        **options,
     }
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})

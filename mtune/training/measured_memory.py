@@ -13,7 +13,7 @@ from torch import nn
 
 from mtune.errors import MtuneError
 from mtune.training.context import RunContext
-from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.optimizers import inner_optimizers
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.breakdown import MemoryBreakdown
 from mtune.training.planning.memory_plan import format_bytes

@@ -2,7 +2,7 @@
 second copy of the model in memory.
 
 Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
-:func:`mtune.training.memory.apply.apply_memory_techniques`) -> stream the base weights from the Hugging Face
+:func:`mtune.training.memory.phases.apply_memory_techniques`) -> stream the base weights from the Hugging Face
 checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 or fp8-stored weight as it arrives), or
 initialise randomly -> initialise adapters (the recipe may then load a saved PEFT adapter). The FSDP2 path
 (:func:`setup_sharded_model`) shards between the memory techniques and the weights, and each rank loads or draws
@@ -11,7 +11,6 @@ only its rows.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,31 +20,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch.distributed.tensor import DTensor
-
 from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
-from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
-from mtune.modules.fp8_linear import quantize_fp8_weight_
-from mtune.modules.nf4_linear import is_nf4, quantize_nf4
+from mtune.modules.lora import has_nf4_weight, is_adapter_param
+from mtune.modules.nf4_linear import quantize_nf4
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
 from mtune.training.checkpointing.manifest import check_before_loading
-from mtune.training.checkpointing.sharded import (
-    as_param_like,
-    assign_tensors,
-    load_hf_checkpoint_sharded,
-    local_rows,
-)
+from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
 from mtune.training.distributed import shard_model
-from mtune.training.memory.apply import apply_memory_techniques
-from mtune.training.memory.placement import Placement
+from mtune.training.memory import phases
 from mtune.training.memory.registry import LoraConfig, MemoryConfig
-from mtune.training.memory.weight_offloading import offloaded_weights_materialized, weight_offloader
+from mtune.training.placement import Placement
+from mtune.training.shards import as_param_like, assign_tensors, local_rows
 
 __all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_model", "setup_sharded_model",
-           "build_sharded_model", "materialize_sharded_model", "init_weights_sharded", "reset_adapters_sharded"]
+           "build_sharded_model", "materialize_sharded_model", "init_weights_sharded"]
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +78,9 @@ def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = 
     raise ConfigError("model: set checkpoint_dir (a Hugging Face model directory) or family + size")
 
 
-def _quantize_when_loaded(module: nn.Module) -> None:
-    # Quantize each frozen base weight as soon as its tensor arrives (NF4 for QLoRA, or fp8 storage): the whole model
-    # never exists in bf16.
-    if has_nf4_weight(module) and not is_nf4(module.weight) and not module.weight.is_meta:
-        module.weight = quantize_nf4(module.weight)
-    quantize_fp8_weight_(module)
+def _with_lora(memory: MemoryConfig, lora: LoraConfig | Mapping[str, Any] | None) -> MemoryConfig:
+    """``memory`` with the ``lora`` node given beside it (callers that hold the two apart)."""
+    return memory if lora is None else memory.replace(lora=lora)
 
 
 def setup_model(
@@ -106,46 +94,43 @@ def setup_model(
     placement: Placement | None = None,
     trainable: bool = True,
 ):
-    """Build, transform and load the model. Returns ``(model, activation_context)``: the activation-offloading
-    context to enter around forward and backward, or None.
+    """Build, transform and load the model. Returns ``(model, activation_context)``: the context to enter around
+    forward and backward (activation offloading), or None.
 
-    ``lora`` is the config's ``lora`` node (None for a full fine-tune); ``memory`` the run's memory keys
-    (``MemoryConfig.from_config(cfg)``; the default applies none). With ``materialize=False`` the model stays on
-    the meta device (planning, or FSDP sharding before the weights are loaded). ``placement`` is where offloaded
-    tensors go (default: ``device`` and the CPU). ``trainable=False`` freezes every weight first (generation), so
-    ``weight_offloading`` may move all of them.
+    ``memory`` is the run's memory settings (``MemoryConfig.from_config(cfg)``, the ``lora`` node included; the
+    default applies none); ``lora`` a ``lora`` node given beside it (None: ``memory``'s). With
+    ``materialize=False`` the model stays on the meta device (planning, or FSDP sharding before the weights are
+    loaded). ``placement`` is where offloaded tensors go (default: ``device`` and the CPU). ``trainable=False``
+    freezes every weight first (generation), so ``weight_offloading`` may move all of them.
     """
+    memory = _with_lora(memory, lora)
+    placement = placement or Placement(device)
     model = build_model_from_args(source.args, dtype=dtype)  # on the meta device
     if not trainable:
         model.requires_grad_(False)
-    offload = apply_memory_techniques(model, memory, lora=lora, placement=placement or Placement(device))
+    step_context = phases.prepare_model(model, memory, placement)
     if not materialize:
-        return model, offload
-    materialize_model(model, source, device=device, dtype=dtype, lora=lora, trainable=trainable)
-    return model, offload
+        return model, step_context
+    materialize_model(model, source, device=device, dtype=dtype, memory=memory, placement=placement,
+                      trainable=trainable)
+    return model, step_context
 
 
 def materialize_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
-                      lora: LoraConfig | Mapping[str, Any] | None = None, trainable: bool = True) -> None:
+                      lora: LoraConfig | Mapping[str, Any] | None = None, memory: MemoryConfig = MemoryConfig(),
+                      placement: Placement | None = None, trainable: bool = True) -> None:
     """The second half of :func:`setup_model`: weights for the meta model (loaded, or random without a
-    checkpoint; frozen weights go to host memory as they arrive when ``weight_offloading`` hooked the model), then
-    fresh adapters and a frozen base. ``mtune plan`` runs this under ``FakeTensorMode`` with
-    ``source.checkpoint_dir=None``, so it reads no weight file and allocates nothing."""
-    offloader = weight_offloader(model)
+    checkpoint), each module handed to the techniques as its weights arrive (NF4 / fp8 storage, offloading to the
+    host), then what follows once all are in (fresh adapters and a frozen base). ``mtune plan`` runs this under
+    ``FakeTensorMode`` with ``source.checkpoint_dir=None``, so it reads no weight file and allocates nothing."""
+    memory = _with_lora(memory, lora)
+    placement = placement or Placement(device)
 
     def after_tensor(module: nn.Module) -> None:
-        _quantize_when_loaded(module)
-        if offloader is not None:
-            offloader.offload_module(module)  # frozen weights leave the device as soon as they arrive
+        phases.on_weights(model, module, memory, placement)
 
     load_weights(model, source, device=device, dtype=dtype, after_tensor=after_tensor)
-    if lora is not None:
-        dora = any(isinstance(m, LoRALinear) and m.magnitude is not None for m in model.modules())
-        with offloaded_weights_materialized(model) if dora else contextlib.nullcontext():
-            reset_lora_parameters(model)  # adapters start at zero update; NF4 bases are already quantized
-        freeze_base(model)
-    if offloader is not None:
-        offloader.offload()  # what loading did not move: random initialisation
+    phases.after_weights(model, memory)
     if not trainable:
         model.requires_grad_(False)  # adapters too (they stay on the device: weights are offloaded frozen on arrival)
     log.info("model: %s", parameter_summary(model, source.family))
@@ -163,7 +148,7 @@ def parameter_summary(model: nn.Module, family: str) -> str:
 
 
 def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
-                 after_tensor=_quantize_when_loaded) -> None:
+                 after_tensor=lambda module: None) -> None:
     """Give a meta-device model its weights on ``device``: stream the base checkpoint in one tensor at a time (each
     placed straight from the file, then ``after_tensor(module)``: NF4 weights quantized on arrival, so the
     full-precision model never exists at once), or initialise randomly when there is no checkpoint. Adapter
@@ -220,38 +205,42 @@ def setup_sharded_model(
     lora: LoraConfig | Mapping[str, Any] | None = None,
     memory: MemoryConfig = MemoryConfig(),
     fsdp_reshard_after_forward: bool,
-    fsdp_cpu_offload: bool,
 ):
     """:func:`setup_model` for FSDP2: build on meta, apply the memory techniques, shard every block and the root
     (:func:`build_sharded_model`), then load each rank's rows of the checkpoint (or random weights) and initialise
     the adapters (:func:`materialize_sharded_model`). No rank holds the full model; see
-    :mod:`mtune.training.distributed`. ``fsdp_reshard_after_forward`` and ``fsdp_cpu_offload`` are the config's keys
-    of those names. Returns ``(model, activation_context)``."""
-    model, offload = build_sharded_model(source, device=device, dtype=dtype, lora=lora, memory=memory,
-                                         fsdp_reshard_after_forward=fsdp_reshard_after_forward,
-                                         fsdp_cpu_offload=fsdp_cpu_offload)
-    materialize_sharded_model(model, source, device=device, dtype=dtype, seed=seed, lora=lora)
+    :mod:`mtune.training.distributed`. ``fsdp_reshard_after_forward`` is the config's key of that name; the
+    techniques give FSDP2 their options (CPU offload). Returns ``(model, activation_context)``."""
+    memory = _with_lora(memory, lora)
+    model, offload = build_sharded_model(source, device=device, dtype=dtype, memory=memory,
+                                         fsdp_reshard_after_forward=fsdp_reshard_after_forward)
+    materialize_sharded_model(model, source, device=device, dtype=dtype, seed=seed, memory=memory)
     return model, offload
 
 
 def build_sharded_model(source: ModelSource, *, device: torch.device, dtype: torch.dtype,
                         lora: LoraConfig | Mapping[str, Any] | None = None, memory: MemoryConfig = MemoryConfig(),
-                        fsdp_reshard_after_forward: bool, fsdp_cpu_offload: bool, placement: Placement | None = None):
+                        fsdp_reshard_after_forward: bool, placement: Placement | None = None):
     """The first half of :func:`setup_sharded_model`: the model on the meta device with its memory techniques
     (offloading between ``device`` and the host, or ``placement``), every block and the root sharded (FSDP2
     ``fully_shard``). Returns ``(model, activation_context)``."""
-    model, offload = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, materialize=False,
+    memory = _with_lora(memory, lora)
+    placement = placement or Placement(device)
+    model, offload = setup_model(source, device=device, dtype=dtype, memory=memory, materialize=False,
                                  placement=placement)
-    shard_model(model, reshard_after_forward=fsdp_reshard_after_forward, cpu_offload=fsdp_cpu_offload)
+    shard_model(model, reshard_after_forward=fsdp_reshard_after_forward,
+                **phases.sharding_options(memory, placement))
     return model, offload
 
 
 def materialize_sharded_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device | str,
-                              dtype: torch.dtype, seed: int, lora: LoraConfig | Mapping[str, Any] | None = None) -> None:
+                              dtype: torch.dtype, seed: int, lora: LoraConfig | Mapping[str, Any] | None = None,
+                              memory: MemoryConfig = MemoryConfig()) -> None:
     """The second half of :func:`setup_sharded_model`: each rank's rows of the checkpoint (or of random weights,
     without ``source.checkpoint_dir``), then fresh adapters. ``mtune plan`` runs this under ``FakeTensorMode``."""
     # Every rank draws the same full tensors from the same RNG stream, then keeps its rows; the draws are those of
     # setup_model on one device (base weights, then adapters), so the values do not depend on the ranks.
+    memory = _with_lora(memory, lora)
     torch.manual_seed(seed)
     if source.checkpoint_dir is not None:
         load_hf_checkpoint_sharded(model, source.checkpoint_dir, dtype=dtype, device=device,
@@ -259,8 +248,7 @@ def materialize_sharded_model(model: TransformerDecoder, source: ModelSource, *,
         log.info("model: loaded %s, sharded", source.checkpoint_dir)
     else:
         init_weights_sharded(model, device)
-    if lora is not None:
-        reset_adapters_sharded(model)
+    phases.after_weights(model, memory, sharded=True)
 
 
 @torch.no_grad()
@@ -269,7 +257,7 @@ def init_weights_sharded(model: TransformerDecoder, device: torch.device | str) 
     full tensor is filled on every rank from the same RNG state (call ``torch.manual_seed`` first) and each rank
     keeps its rows, so the values equal :meth:`~TransformerDecoder.init_weights` on one device whatever the number
     of ranks. NF4 weights are quantized whole before they are split. Adapters are drawn (as on one device) but left
-    for :func:`reset_adapters_sharded`."""
+    for the adapters' own initialisation (`mtune.training.memory.phases.after_weights`)."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens: it is kept once
     tensors = {}
     for name, fill in model.initializers():
@@ -280,30 +268,7 @@ def init_weights_sharded(model: TransformerDecoder, device: torch.device | str) 
             continue
         module_name, _, leaf = name.rpartition(".")
         if leaf == "weight" and has_nf4_weight(model.get_submodule(module_name)):
-            full = quantize_nf4(full).data
+            full = quantize_nf4(full).data  # NF4 scales span the whole weight: quantize before splitting
         tensors[name] = as_param_like(local_rows(full, param), param)
     assign_tensors(model, tensors)
     return model
-
-
-@torch.no_grad()
-def reset_adapters_sharded(model: nn.Module) -> None:
-    """Initialise every LoRA / DoRA adapter of a sharded model as :meth:`LoRALinear.reset_adapter` does on one
-    device (its :meth:`~LoRALinear.adapter_initializers` fill full tensors in module order, each rank keeps its
-    rows; DoRA magnitudes are the row norms of the rank's own rows of the base weight), whatever the number of
-    ranks. Call after the base weights are loaded, with the same RNG state on every rank; freezes the base."""
-    tensors = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, LoRALinear):
-            continue
-        local_weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
-        for leaf, fill in module.adapter_initializers():
-            param = module.get_parameter(leaf)
-            full = torch.empty(param.shape, dtype=param.dtype, device=local_weight.device)
-            fill(full)
-            tensors[f"{name}.{leaf}"] = as_param_like(local_rows(full, param), param)
-        if module.magnitude is not None:
-            norms = module.row_norms(local_weight).to(module.magnitude.dtype)
-            tensors[f"{name}.magnitude"] = as_param_like(norms, module.magnitude)
-    assign_tensors(model, tensors)
-    freeze_base(model)

@@ -22,7 +22,7 @@ WEIGHT_OFFLOADING = "{type: block_level, blocks_per_group: 1, use_streams: true}
 @pytest.fixture
 def distinct_placement(monkeypatch):
     from mtune.training import context, model_setup
-    from mtune.training.memory.placement import Placement
+    from mtune.training.placement import Placement
 
     def distinct(device, *args, **kwargs):
         return Placement(device, distinct=True)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mtune.modules.lora_state import merge_lora_weights
-from mtune.training.memory.weight_offloading import offloaded_weights_materialized
+from mtune.training.memory.techniques.weight_offloading.offloader import offloaded_weights_materialized
 from mtune.training.checkpointing.checkpoint_dir import (
     FINAL_NAME,
     CheckpointWriter,

@@ -30,7 +30,7 @@ from mtune.modules.lora import is_adapter_param
 from mtune.modules.lora_state import peft_key
 from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import save_hf_checkpoint
-from mtune.training.memory.optimizers import inner_optimizers
+from mtune.training.optimizers import inner_optimizers
 
 __all__ = [
     "save_distributed_state",
@@ -63,7 +63,7 @@ def save_distributed_state(
     """Save the (sharded) model parameters and optimizer state; every rank must call it and writes its shards.
 
     ``adapter_only`` (LoRA/QLoRA/DoRA) skips frozen parameters. ``optimizer`` may be an
-    :class:`~mtune.training.memory.optimizers.OptimizerInBackward` (its per-parameter optimizers are saved) or None.
+    :class:`~mtune.training.optimizers.OptimizerInBackward` (its per-parameter optimizers are saved) or None.
     """
     path = Path(checkpoint_dir)
     optimizers = inner_optimizers(optimizer)

@@ -1,80 +1,170 @@
-"""What a memory technique is: one object that declares everything about itself.
+"""What a memory technique is: one object that declares everything about itself, and the phases of a run it acts in.
 
-A technique (a subclass of :class:`MemoryTechnique`, one module under ``mtune/training/memory/techniques/``, one
-line in :mod:`mtune.training.memory.registry`) says
+A technique (a subclass of :class:`MemoryTechnique`, one package under ``mtune/training/memory/techniques/``, one
+line in :mod:`mtune.training.memory.registry`) has
 
-- its config keys with defaults and help (``keys``: the schema, ``--help``, `MemoryConfig` and the docs read them;
-  ``distributed_keys``: those only the distributed recipes read);
-- its rules: incompatible flags and requirements, on one device (:meth:`rules`) and under FSDP2
-  (:meth:`distributed_rules`);
-- how it is applied to a built model (:meth:`apply`, called by
-  :func:`mtune.training.memory.apply.apply_memory_techniques` in the registry's order);
-- which of its keys a resumed run must keep (``must_match_on_resume``; the others may change);
-- its ``mtune plan --fit`` choices (:attr:`fit_knob`, :meth:`fit_choices`), whether a configuration of it changes the numbers a step
-  computes (:meth:`lossy`), the bytes it moves between device and host per token (:meth:`transfer_bytes_per_token`)
-  and its out-of-memory advice (:meth:`oom_advice`);
-- whether it runs under ``torch.compile`` (``supports_compile``).
+- **typed settings**: a frozen dataclass (``Settings``) whose fields are its config keys, declared with
+  :func:`setting` (default, help, bounds); the schema, ``--help`` and the docs read the keys from it, and every hook
+  receives the settings made once from the filled-in config, beside the run's `MemoryConfig` (the run's kind, the
+  run keys techniques read, the other techniques' settings). No hook reads a raw config, none restates a default;
+- **declarations**: its rules (:meth:`rules`), what a resumed run must keep (``must_match_on_resume``), one planner
+  value (:meth:`footprint`: where its tensors live, what it moves and steps on the host, whether it changes the
+  numbers), its ``--fit`` choices (:meth:`fit_choices`), settings that hold at any row length
+  (:meth:`for_any_length`) and its out-of-memory advice (:meth:`oom_advice`, in the named tiers of `ADVICE_TIERS`);
+- **run phases**, optional hooks that `mtune.training.memory.phases` calls in the registry's order: on the meta
+  model (:meth:`on_model`), on each module whose weights arrived (:meth:`on_weights`) and once all are in
+  (:meth:`after_weights`), on FSDP2's sharding options
+  (:meth:`sharding_options`), around the optimizer (:meth:`wrap_optimizer`), around forward and backward
+  (:meth:`step_context`), before the weights are saved (:meth:`before_save`), and what the FLOPs counter reads
+  (:meth:`recompute`).
 
-Pure Python, no torch at import: ``mtune validate`` reads the declarations. A technique's :meth:`apply` imports its
-implementation (a torch module) when it runs.
+Pure Python, no torch at import: ``mtune validate`` reads the declarations. A phase imports its technique's
+implementation (a torch module beside the declaration, in the same package) when it runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MemoryTechnique", "FitChoice", "ModelFacts", "get", "is_distributed", "single_device_only"]
+from mtune.config.schema import Key, KeyGroup, Node
+
+__all__ = ["MemoryTechnique", "Settings", "NoSettings", "setting", "FitChoice", "ModelFacts", "Footprint",
+           "Recompute", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "RUN_KINDS"]
+
+RUN_KINDS = ("single_device", "distributed")
+"""What `MemoryConfig.kind` says: the recipe runs on one device, or sharded with FSDP2."""
+
+ADVICE_TIERS = (
+    "dense_mask",             # a packed row's s² mask: the largest activation at long context
+    "activation_checkpointing",
+    "mlp_tiles",
+    "activation_offloading",
+    "micro_batch",            # the run's: a smaller batch_size with more accumulation
+    "lora",                   # train adapters instead of every weight
+    "qlora",
+    "low_bit_states",
+    "optimizer_in_bwd",
+    "optimizer_offload",
+    "fsdp_cpu_offload",
+    "weight_offloading",
+    "chunked_loss",
+    "dtype",                  # the run's: bf16 weights
+    "seq_len",                # the run's: shorter rows
+)
+"""Out-of-memory advice, most effective first: each piece of advice names its tier; within a tier, registry order.
+The run's own advice (batch, dtype, sequence length) has tiers here too (`mtune.training.memory.oom`)."""
+
+QUALITY_TIERS = ("clipping_dropped", "low_bit_states", "fp8_base", "nf4_base")
+"""What a lossy ``--fit`` choice gives up, least first (``--fit`` tries the cheapest loss of quality first; the
+measured drifts: docs/plan.md)."""
 
 
-def get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    """``cfg``'s value at a dotted path (``"lora.quantize_base"``); ``default`` where any part is absent or null."""
-    node = cfg
-    for part in dotted.split("."):
-        if node is None or not hasattr(node, "get") or part not in node:
-            return default
-        node = node[part]
-    return default if node is None else node
+def advice(tier: str, text: str) -> tuple[int, str]:
+    """One piece of out-of-memory advice in ``tier`` (a name of `ADVICE_TIERS`), sortable with the others."""
+    return ADVICE_TIERS.index(tier), text
 
 
-def is_distributed(cfg: Any) -> bool:
-    """Whether ``cfg`` is a distributed recipe's config: only those declare ``fsdp_cpu_offload``."""
-    return cfg is not None and "fsdp_cpu_offload" in cfg
+# ---- typed settings ---------------------------------------------------------------------------------------------
+
+def setting(default: Any, help: str, *, node: KeyGroup | None = None, convert=None, **checks: Any) -> Any:
+    """A field of a technique's ``Settings``: one config key of the same name with its ``default`` (the only place
+    it is written), its ``help`` and its bounds (``choices=``, ``at_least=``, ``pattern=``, as `Key` takes them).
+    ``node``: the key is a mapping with these inner keys (a `Node`), ``convert`` turns its YAML value into the
+    field's type (None stays None)."""
+    metadata = {"help": help, "node": node, "convert": convert, "checks": checks}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-def single_device_only(cfg: Any, key: str) -> list[str]:
-    """The distributed recipes' refusal of a single-device offload technique set at ``key`` (FSDP2 offloads with
-    its own ``fsdp_cpu_offload``)."""
-    if get(cfg, key) is None:
-        return []
-    return [f"{key} is a single-device technique: the distributed recipes offload parameters, gradients and "
-            f"optimizer states with fsdp_cpu_offload=true; set {key}=null"]
+def _key_type(hint: Any) -> Any:
+    """The YAML type(s) a `Key` accepts for a field annotated ``hint`` (None is accepted through a None default)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = tuple(_key_type(arg) for arg in typing.get_args(hint) if arg is not type(None))
+        return kinds[0] if len(kinds) == 1 else kinds
+    if typing.get_origin(hint) in (tuple, list) or hint in (tuple, list):
+        return list
+    return hint
 
 
-class FitChoice(tuple):
-    """One option of a technique in the ``--fit`` search: the pair ``(level, overrides)`` (a higher level saves more
-    memory; level 0 leaves the technique off), and ``lossy``: when the option changes what a step computes compared
-    with the user's config, what is given up, in a few words (None: the same numbers). ``quality_cost`` ranks what
-    is given up (``--fit`` tries the cheapest loss of quality first): 1 gradient clipping dropped, 2 8-bit
-    optimizer states, 3 fp8 base weights, 5 NF4 base weights (their measured drifts: docs/plan.md).
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
-    An override whose value is a mapping replaces that node whole (``{"loss": {...}}``): no key of the component
-    it replaces survives."""
 
-    def __new__(cls, level: int, overrides: dict, lossy: str | None = None, quality_cost: int = 0) -> "FitChoice":
-        choice = super().__new__(cls, (level, overrides))
-        choice.lossy = lossy
-        choice.quality_cost = quality_cost if lossy else 0
-        return choice
+@dataclass(frozen=True)
+class Settings:
+    """Base of every technique's typed settings: one field per config key, declared with :func:`setting`."""
+
+    @classmethod
+    def keys(cls) -> list[Key | Node]:
+        """The config keys these fields declare, in field order."""
+        hints = _hints(cls)
+        declared = []
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if meta.get("node") is not None:
+                declared.append(Node(f.name, meta["help"], keys=meta["node"], **meta["checks"]))
+            else:
+                declared.append(Key(f.name, _key_type(hints[f.name]), default, meta["help"], **meta["checks"]))
+        return declared
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "Settings":
+        """The settings from a mapping of key -> YAML value (a filled-in config); left-out keys take their declared
+        defaults. Lists become tuples where the field is one, nodes their typed form (``convert``)."""
+        hints = _hints(cls)
+        given = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            value = values[f.name]
+            if value is not None and f.metadata.get("convert") is not None:
+                value = f.metadata["convert"](value)
+            elif isinstance(value, (list, tuple)) and typing.get_origin(hints[f.name]) is tuple:
+                value = tuple(value)
+            given[f.name] = value
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class NoSettings(Settings):
+    """A technique without keys of its own (its setting is another node's, e.g. the optimizer's component)."""
+
+
+# ---- what the planner knows ---------------------------------------------------------------------------------------
+
+class FitChoice:
+    """One option of a technique in the ``--fit`` search: ``level`` (higher saves more memory; 0 leaves the technique
+    off), ``overrides`` (config keys -> values; a mapping value replaces that node whole, so no key of the component
+    it replaces survives), and, when the option changes what a step computes compared with the user's config,
+    ``lossy`` (what is given up, in a few words) and ``quality`` (its tier in `QUALITY_TIERS`)."""
+
+    __slots__ = ("level", "overrides", "lossy", "quality")
+
+    def __init__(self, level: int, overrides: dict, lossy: str | None = None, quality: str | None = None):
+        if lossy and quality not in QUALITY_TIERS:
+            raise ValueError(f"a lossy FitChoice names its quality tier, one of {QUALITY_TIERS}: got {quality!r}")
+        self.level, self.overrides, self.lossy = level, overrides, lossy
+        self.quality = quality if lossy else None
 
     @property
-    def level(self) -> int:
-        return self[0]
+    def quality_cost(self) -> int:
+        """The rank of what it gives up (0: nothing; then `QUALITY_TIERS` in order from 1)."""
+        return 0 if self.quality is None else QUALITY_TIERS.index(self.quality) + 1
 
-    @property
-    def overrides(self) -> dict:
-        return self[1]
+    def __iter__(self):  # unpacks as (level, overrides)
+        return iter((self.level, self.overrides))
+
+    def __repr__(self) -> str:
+        return f"FitChoice({self.level}, {self.overrides}" + (f", lossy={self.lossy!r})" if self.lossy else ")")
 
 
 @dataclass(frozen=True)
@@ -105,102 +195,126 @@ class ModelFacts:
         return max(1, self.step_tokens // max(1, self.micro_batch_tokens))
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What one technique, as configured, does to a run's memory and time: the one value the planner reads (the
+    cost model folds every technique's; at most one technique names each home, the rules see to it)."""
+
+    frozen_weights_home: str | None = None
+    """``"host"`` when the frozen weights wait in host memory between uses; None: the technique says nothing."""
+    trainable_weights_home: str | None = None
+    """``"host"`` when the trainable weights live in host memory (the device holds them only while a block runs)."""
+    states_home: str | None = None
+    """Where the optimizer states live: ``"host"`` (stepped there), ``"managed"`` (CUDA managed memory, paged by the
+    driver, outside the caching allocator), or None."""
+    state_bytes_per_element: float | None = None
+    """Optimizer-state bytes per trainable element, where this technique decides them."""
+    frees_gradients: bool = False
+    """Whether the full set of gradients never exists on the device (stepped or moved as backward makes them)."""
+    transfer_bytes_per_token: float = 0.0
+    """Bytes moved between the device and the host per trained token (of one rank)."""
+    host_step_elements: int = 0
+    """Trainable elements whose optimizer step runs on the host CPU each step."""
+    repeat_blocks: int = 1
+    """The fewest consecutive blocks over which its per-block memory repeats (every Nth block checkpointed: N);
+    ``--fit`` plans shortened models of multiples of it and extrapolates per layer."""
+    lossy: str | None = None
+    """What it gives up in the numbers a step computes, in a few words (None: the same step up to round-off)."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Forward work a technique makes backward do again, per block, as the FLOPs counter reads it: each block's
+    checkpointing policy (``block``, ``selective_op`` or None) and whether its MLP runs over tiles."""
+
+    checkpoint: tuple[str | None, ...] | None = None
+    mlp_tiled: tuple[bool, ...] | None = None
+
+
+# ---- the contract -----------------------------------------------------------------------------------------------
+
 class MemoryTechnique:
-    """The contract. Every method has a neutral default (no rule, no transfer, no advice, lossless, not searched),
-    so a technique overrides only what it has to say."""
+    """The contract. Every member has a neutral default (no keys, no rule, nothing moved, lossless, not searched,
+    no phase), so a technique overrides only what it has to say. ``s`` is the technique's own settings
+    (``memory[self]``); ``memory`` the run's `MemoryConfig`."""
 
     name: str = ""
-    """The technique's name in logs and docs (its main key where it has one)."""
-    keys: tuple = ()
-    """Its top-level config keys (`mtune.config.schema.Key` / `Node`), in the order the docs list them."""
+    """Its name in logs and docs (its main key where it has one)."""
+    Settings: type[Settings] = NoSettings
+    """Its typed settings: the keys the training recipes read."""
     distributed_keys: tuple = ()
-    """Keys only the distributed recipes read (`mtune.training.memory.registry.DISTRIBUTED_MEMORY_KEYS`)."""
+    """Keys only the distributed recipes read (`mtune.training.memory.registry.DISTRIBUTED_MEMORY_KEYS`); their
+    fields are in ``Settings`` too."""
     must_match_on_resume: tuple[str, ...] = ()
     """Those of its keys a resumed run must keep (they change what a step computes); the rest may change."""
-    from_yaml: Mapping[str, Any] = {}
-    """``{key: convert}`` for keys whose YAML value becomes another type in `MemoryConfig` (a node its typed
-    dataclass, a list a tuple); the others are carried as they are."""
-    supports_compile: bool = True
-    """Whether it runs with ``compile=true`` (a rule refuses the pair otherwise)."""
     fit_knob: str | None = None
-    """The name of its ``mtune plan --fit`` dimension (:meth:`fit_choices`), or None when the search leaves it as
-    configured."""
+    """The name of its ``mtune plan --fit`` dimension (:meth:`fit_choices`); None: left as configured."""
     fit_saves_floor_only: bool = False
-    """Whether all its choices save is in the floor ``--fit`` computes before planning (weights, optimizer states,
-    gradients), none in activations: then a choice whose floor saving is negligible for the budget is not searched
-    (an optimizer offload for LoRA's few adapter states)."""
+    """Whether all its choices save is in the floor ``--fit`` computes before planning (weights, states,
+    gradients), none in activations: a choice whose floor saving is negligible for the budget is not searched."""
 
-    def enabled(self, memory: Any, lora: Any = None) -> bool:
-        """Whether the run's `MemoryConfig` (and `LoraConfig`, None for a full fine-tune) turn it on; :meth:`apply`
-        is called only then."""
+    # -- declarations
+    def enabled(self, s: Any, memory: Any) -> bool:
+        """Whether it acts in this run (its phases are called only then)."""
         return False
 
-    def apply(self, model: Any, memory: Any, *, lora: Any, placement: Any) -> Any:
-        """Transform ``model`` in place; return a context manager the step enters around forward and backward, or
+    def describe(self, s: Any, memory: Any) -> str:
+        """Its setting, for the run's one log line of memory techniques."""
+        return "on" if self.enabled(s, memory) else "off"
+
+    def rules(self, s: Any, memory: Any) -> list[str]:
+        """One-line problems of these settings in this run (``memory.kind`` says single device or distributed), each
+        naming the keys and the fix."""
+        return []
+
+    def footprint(self, s: Any, memory: Any, facts: ModelFacts) -> Footprint:
+        """What it does to memory and time for a model of these ``facts``."""
+        return Footprint()
+
+    def fit_choices(self, s: Any, memory: Any, facts: ModelFacts) -> list[FitChoice]:
+        """The options ``--fit`` tries for the user's settings, level 0 first."""
+        return [FitChoice(0, {})]
+
+    def for_any_length(self, s: Any, memory: Any) -> dict:
+        """Overrides that make its setting hold at every row length (``--maximize seq_len`` plans one config at many
+        lengths): e.g. a tile count written for one length as ``auto``. Empty: the setting holds already."""
+        return {}
+
+    def oom_advice(self, s: Any, memory: Any) -> list[tuple[int, str]]:
+        """Settings that would lower the peak and are not set yet, as :func:`advice` pairs."""
+        return []
+
+    # -- run phases (`mtune.training.memory.phases` calls them in registry order, for enabled techniques only)
+    def on_model(self, model: Any, s: Any, memory: Any, placement: Any) -> None:
+        """Transform the model built on the meta device, in place (adapters, hooks, wrappers, compile)."""
+
+    def on_weights(self, model: Any, module: Any, s: Any, placement: Any) -> None:
+        """``module``'s weights just arrived (loaded or drawn, before the next module's): store or move them."""
+
+    def after_weights(self, model: Any, s: Any, sharded: bool, materialized: Any) -> None:
+        """Every weight is in (each rank its rows when ``sharded``); ``materialized()`` is a context with every
+        weight on the device in its full form."""
+
+    def sharding_options(self, s: Any, memory: Any, placement: Any) -> dict:
+        """Keyword arguments for FSDP2's ``fully_shard`` (distributed recipes)."""
+        return {}
+
+    def wrap_optimizer(self, spec: Any, named_params: list, s: Any, memory: Any, placement: Any) -> Any:
+        """An optimizer over ``named_params`` (``(name, parameter)`` pairs) that steps elsewhere or elsewhen, built
+        from the config's ``spec`` (`mtune.training.optimizers.OptimizerSpec`: ``cls``, ``kwargs_for(device)``,
+        ``allocate(optimizer)``); None: the plain optimizer."""
+        return None
+
+    def step_context(self, model: Any, s: Any, placement: Any) -> Any:
+        """A context manager the step enters around forward and backward, or None."""
+        return None
+
+    def before_save(self, model: Any, s: Any) -> Any:
+        """A context manager inside which every weight is on the device in its full form (saving, merging), or
         None."""
         return None
 
-    def fit_choices(self, cfg: Any, facts: ModelFacts) -> list[FitChoice]:
-        """The options ``--fit`` tries for the user's ``cfg`` (its model's ``facts``), level 0 first."""
-        return [FitChoice(0, {})]
-
-    def for_any_length(self, cfg: Any) -> dict:
-        """Overrides that make this technique's setting in ``cfg`` hold at every row length (``--fit --maximize
-        seq_len`` plans one config at many lengths): e.g. a tile count written for one length as ``auto``, the
-        dense mask as segments. Empty: the setting holds already."""
-        return {}
-
-    def describe(self, memory: Any, lora: Any = None) -> str:
-        """The technique's setting, for the run's one log line of memory techniques."""
-        return "on" if self.enabled(memory, lora) else "off"
-
-    def rules(self, cfg: Any) -> list[str]:
-        """One-line problems of ``cfg`` (defaults filled in), each naming the keys and the fix."""
-        return []
-
-    def distributed_rules(self, cfg: Any) -> list[str]:
-        """Problems under the distributed (FSDP2) recipes, beyond :meth:`rules`."""
-        return []
-
-    def lossy(self, cfg: Any) -> str | None:
-        """What this technique, as ``cfg`` configures it, gives up in the numbers a step computes (None: nothing;
-        the same step as without it, up to floating-point round-off)."""
-        return None
-
-    def transfer_bytes_per_token(self, cfg: Any, facts: ModelFacts) -> float:
-        """Bytes moved between the device and the host per trained token, as ``cfg`` configures it."""
-        return 0.0
-
-    def state_home(self, cfg: Any) -> str | None:
-        """Where this technique, as ``cfg`` configures it, keeps the optimizer states: ``"host"`` (stepped there),
-        ``"managed"`` (CUDA managed memory: paged by the driver, outside the caching allocator), or None (it says
-        nothing: the device)."""
-        return None
-
-    def frozen_weights_home(self, cfg: Any) -> str | None:
-        """``"host"`` when this technique keeps the frozen weights in host memory between uses, else None."""
-        return None
-
-    def trainable_weights_home(self, cfg: Any) -> str | None:
-        """``"host"`` when this technique keeps the trainable weights in host memory between uses (the device
-        holds them only while a block computes), else None."""
-        return None
-
-    def planning_blocks(self, cfg: Any) -> int:
-        """The fewest consecutive transformer blocks over which this technique, as ``cfg`` configures it, repeats
-        its per-block memory in its steady state (every Nth block checkpointed: N; weight offloading's groups, two
-        of them with prefetch). ``--fit`` plans shortened models of multiples of it and extrapolates per layer."""
-        return 1
-
-    def state_bytes_per_element(self, cfg: Any, facts: ModelFacts) -> float | None:
-        """Optimizer-state bytes per trainable element, where this technique decides them (None: not its say)."""
-        return None
-
-    def host_step_elements(self, cfg: Any, facts: ModelFacts) -> int:
-        """Trainable elements whose optimizer step runs on the host CPU each step (the cost model prices them)."""
-        return 0
-
-    def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
-        """``(rank, flag)`` settings that would lower the peak and are not set in ``cfg`` yet; a lower rank is
-        more effective (`mtune.training.memory.oom` merges every technique's advice by rank)."""
-        return []
+    def recompute(self, s: Any, n_layers: int, tokens: int, dim: int) -> Recompute:
+        """The forward work backward repeats for a model of ``n_layers`` blocks of width ``dim`` at ``tokens``
+        tokens a micro-batch (the FLOPs counter)."""
+        return Recompute()

@@ -51,7 +51,7 @@ from mtune.modules.lora import LoRALinear
 from mtune.modules.packed_attention import document_boundaries
 from mtune.modules.tiled_mlp import mlp_tiles
 from mtune.modules.transformer import DENSE_MASK_UP_TO
-from mtune.training.memory.activation_checkpointing import checkpoint_policy
+from mtune.training.memory.techniques.activation_checkpointing.checkpoint import checkpoint_policy
 from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
 

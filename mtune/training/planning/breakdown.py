@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mtune.training.memory.placement import Placement
+from mtune.training.placement import Placement
 from mtune.training.observe.plots import plot_memory_breakdown
 from mtune.training.planning.tracker import CATEGORIES, LOCATIONS, StepMemory, TensorTracker
 

@@ -7,7 +7,7 @@ device and host per token (each technique's ``transfer_bytes_per_token``: offloa
 offload's gradients and parameters, weight offloading's frozen weights), divided by
 :data:`REFERENCE_HOST_BANDWIDTH`. Smaller micro-batches and 8-bit optimizers cost no FLOPs in this model.
 
-Bytes follow the storage dtype (`mtune.training.memory.precision.storage_dtype`): ``dtype=fp16`` stores fp32
+Bytes follow the storage dtype (`mtune.training.precision.storage_dtype`): ``dtype=fp16`` stores fp32
 weights and keeps an fp32 residual stream under fp16 autocast, so its weights and offloaded block inputs count 4
 bytes an element, like fp32.
 """
@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from mtune.models import build_model_from_args
 from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.modules.lora import freeze_base
-from mtune.training.memory.apply import apply_memory_techniques
-from mtune.training.memory.precision import storage_dtype
+from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.precision import storage_dtype
 from mtune.training.memory import registry
 from mtune.training.memory.registry import ACTIVATION_CHECKPOINTING, LoraConfig
 from mtune.training.memory.technique import ModelFacts

@@ -4,7 +4,7 @@
 recipe's own setup functions (:func:`~mtune.training.model_setup.setup_model` on the meta device, or
 :func:`~mtune.training.model_setup.build_sharded_model` for a distributed recipe, then
 :func:`~mtune.training.model_setup.materialize_model` / ``materialize_sharded_model`` and
-:func:`~mtune.training.memory.optimizers.build_optimizer` under ``FakeTensorMode``; no step of theirs is
+:func:`~mtune.training.optimizers.build_optimizer` under ``FakeTensorMode``; no step of theirs is
 re-implemented here, and what planning needs differently is a switch of theirs: ``materialize=False``, no
 checkpoint, a fake process group), then runs two optimizer steps of the training loop's own tensor work
 (:func:`~mtune.training.loop.step_on_tensors`) on fake tensors while the run's byte tracker
@@ -20,7 +20,7 @@ config plans on a laptop.
   runs ``min(gradient_accumulation_steps, 2)`` full micro-batches: the second has the first's gradients alive, as
   every later one does, so the peak of any number of micro-batches is seen. The plan is the larger of the two.
 - The compute device is modelled by fake CPU tensors; for a CUDA target the host is a distinct
-  :class:`~mtune.training.memory.placement.Placement` host, so offloaded tensors count there, and every device
+  :class:`~mtune.training.placement.Placement` host, so offloaded tensors count there, and every device
   storage is rounded up to the caching allocator's 512-byte blocks: the device peak predicts
   ``torch.cuda.max_memory_allocated()``. :data:`CUDA_CONTEXT_BYTES` is added for the whole-GPU figure
   (``nvidia-smi``).
@@ -50,9 +50,9 @@ from mtune.config import instantiate
 from mtune.config.errors import ConfigError
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import step_on_tensors
-from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
-from mtune.training.memory.placement import Placement
-from mtune.training.memory.precision import autocast, storage_dtype
+from mtune.training.optimizers import build_optimizer, inner_optimizers
+from mtune.training.placement import Placement
+from mtune.training.precision import autocast, storage_dtype
 from mtune.training.memory.registry import TECHNIQUES, LoraConfig, MemoryConfig
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.model_setup import (

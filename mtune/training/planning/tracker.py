@@ -20,7 +20,7 @@ Categories (:data:`CATEGORIES`):
 - ``temporaries``: storages created during backward (activation checkpointing's recomputation included) or the
   optimizer step that are none of the above.
 
-Where a storage lives is decided by the run's :class:`~mtune.training.memory.placement.Placement`: storages it
+Where a storage lives is decided by the run's :class:`~mtune.training.placement.Placement`: storages it
 allocates on the host (offloaded activations, weights, optimizer states) count under ``host``, all others on the
 compute device under ``device``. Without distinct devices (a CPU-only run) nothing moves, so everything counts
 under ``device``.
@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from mtune.training.memory.placement import Placement
+from mtune.training.placement import Placement
 from mtune.training.memory.tensor_bytes import plain_parts
 
 __all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory"]

@@ -55,7 +55,7 @@ def test_gradients_equal_untiled(method):
 
 
 def test_with_activation_checkpointing():
-    from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+    from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
 
     model = apply_activation_checkpointing(tiny("lora"))
     assert_tiling_changes_nothing(model, torch.randint(0, 512, (1, 40)), tiles=4)
@@ -113,8 +113,8 @@ def test_qlora_dequantizes_and_runs_hooks_once_per_pass_not_per_tile():
 
 def test_weight_offloading_leaf_level_moves_each_weight_once_per_pass():
     from mtune.training.memory.registry import WeightOffloading
-    from mtune.training.memory.placement import Placement
-    from mtune.training.memory.weight_offloading import apply_weight_offloading
+    from mtune.training.placement import Placement
+    from mtune.training.memory.techniques.weight_offloading.offloader import apply_weight_offloading
 
     tokens = torch.randint(0, 512, (1, 48))
     ref, ref_grads = step(tiny("lora"), tokens)

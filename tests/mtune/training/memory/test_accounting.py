@@ -10,9 +10,9 @@ from mtune.training.loop import train_step
 from mtune.training.memory.tensor_bytes import tensor_storage_bytes
 from mtune.training.observe.memory_stats import peak_memory_stats
 from mtune.training.planning.breakdown import MemoryBreakdown
-from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
-from mtune.training.memory.activation_offloading import apply_activation_offloading
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
+from mtune.training.memory.techniques.activation_offloading.offload import apply_activation_offloading
+from mtune.training.placement import Placement
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,10 +10,10 @@ import torch
 from mtune.training.memory.registry import MemoryConfig
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
-from mtune.training.memory.activation_offloading import OffloadActivations, apply_activation_offloading
-from mtune.training.memory.apply import apply_memory_techniques
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
+from mtune.training.memory.techniques.activation_offloading.offload import OffloadActivations, apply_activation_offloading
+from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.placement import Placement
 from tests._helpers.training import assert_close, assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)

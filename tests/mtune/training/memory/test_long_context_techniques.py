@@ -15,7 +15,7 @@ from mtune.modules.tiled_mlp import mlp_tiles, tile_count
 from mtune.modules.transformer import ATTENTION_KERNELS
 from mtune.training.checkpointing.recipe_state import check_resume_compatible
 from mtune.training.memory import registry
-from mtune.training.memory.apply import apply_memory_techniques
+from mtune.training.memory.phases import apply_memory_techniques
 from mtune.training.memory.oom import memory_advice
 from mtune.training.memory.registry import TILED_MLP, MemoryConfig
 from mtune.training.memory.technique import ModelFacts

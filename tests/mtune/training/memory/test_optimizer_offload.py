@@ -12,10 +12,10 @@ import torch
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import train_step
-from mtune.training.memory.apply import apply_memory_techniques
-from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer
-from mtune.training.memory.optimizers import build_optimizer
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.memory.techniques.optimizer_offload.cpu_optimizer import CPUOffloadOptimizer
+from mtune.training.optimizers import build_optimizer
+from mtune.training.placement import Placement
 from mtune.training.memory.registry import MemoryConfig
 
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 3e-3, "weight_decay": 0.01}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mtune.training.memory import optimizers as optim_mod
-from mtune.training.memory.optimizers import OptimizerInBackward, build_optimizer, optimizer_state_bytes
+from mtune.training.optimizers import OptimizerInBackward, build_optimizer, optimizer_state_bytes
 from mtune.training.memory.registry import MemoryConfig
 
 LR = 1e-3
@@ -73,7 +73,7 @@ def test_adamw4bit_state_and_falling_loss(adamw):
 def test_paged_optimizer_runs_unpaged_on_cpu_and_says_so(adamw, caplog, monkeypatch):
     monkeypatch.setattr(optim_mod, "_warned_paging", False)
     reference, _, _ = adamw
-    with caplog.at_level(logging.WARNING, logger="mtune.training.memory.optimizers"):
+    with caplog.at_level(logging.WARNING, logger="mtune.training.optimizers"):
         model, _, _ = _train("bitsandbytes.optim.PagedAdamW")
         _train("bitsandbytes.optim.PagedAdamW8bit", steps=1)
     assert sum("paging needs CUDA" in r.message for r in caplog.records) == 1  # once per process

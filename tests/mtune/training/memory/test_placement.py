@@ -1,7 +1,7 @@
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mtune.training.memory.placement import Placement
+from mtune.training.placement import Placement
 
 
 def test_a_cpu_only_placement_moves_nothing():

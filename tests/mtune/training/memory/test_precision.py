@@ -5,7 +5,7 @@ import torch
 
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.training.memory.precision import LossScaler, autocast, resolve_dtype, storage_dtype
+from mtune.training.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 
 gen = torch.Generator().manual_seed(9)
 TOKENS = torch.randint(0, 512, (2, 32), generator=gen)

@@ -13,10 +13,10 @@ from mtune.config.errors import ConfigError
 from mtune.training.memory.registry import MemoryConfig
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
-from mtune.training.memory.activation_offloading import OffloadActivations
-from mtune.training.memory.apply import apply_memory_techniques
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
+from mtune.training.memory.techniques.activation_offloading.offload import OffloadActivations
+from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.placement import Placement
 from tests._helpers.training import assert_close, assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)
@@ -114,7 +114,7 @@ def test_compile_per_block_with_selective_op_matches_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_selective_op_on_cuda_keeps_the_attention_kernel_output_and_is_exact(monkeypatch):
     # CUDA runs other attention kernels than the CPU (flash / efficient / cuDNN): the policy must know the one used.
-    import mtune.training.memory.activation_checkpointing as checkpointing
+    import mtune.training.memory.techniques.activation_checkpointing.checkpoint as checkpointing
 
     kept = []
     policy = checkpointing.selective_op_policy

@@ -15,7 +15,7 @@ from mtune.config.schema import Key
 from mtune.models import build_model_from_args, model_args
 from mtune.training.checkpointing.recipe_state import ResumeError, check_resume_compatible
 from mtune.training.memory import registry
-from mtune.training.memory.apply import apply_memory_techniques
+from mtune.training.memory.phases import apply_memory_techniques
 from mtune.training.memory.oom import memory_advice
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning import cost, fit

@@ -7,7 +7,7 @@ from mtune.models import model_args
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import train_step
 from mtune.training.planning.breakdown import MemoryBreakdown
-from mtune.training.memory.optimizers import build_optimizer, inner_optimizers
+from mtune.training.optimizers import build_optimizer, inner_optimizers
 from mtune.training.planning.tracker import TensorTracker
 from mtune.training.model_setup import ModelSource, setup_model
 

@@ -13,11 +13,11 @@ import torch
 from mtune.training.memory.registry import MemoryConfig, WeightOffloading
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.training.memory.activation_checkpointing import is_checkpointed
-from mtune.training.memory.apply import apply_memory_techniques
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.techniques.activation_checkpointing.checkpoint import is_checkpointed
+from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.placement import Placement
 from mtune.training.memory.tensor_bytes import plain_parts
-from mtune.training.memory.weight_offloading import _in_backward, weight_offloader
+from mtune.training.memory.techniques.weight_offloading.offloader import _in_backward, weight_offloader
 from tests._helpers.training import assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)

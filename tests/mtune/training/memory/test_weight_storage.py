@@ -19,9 +19,9 @@ from mtune.modules.lora_state import lora_state_dict, merge_lora_weights
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.tokenizers import load_tokenizer
 from mtune.training import model_setup
-from mtune.training.memory.activation_offloading import OffloadActivations
-from mtune.training.memory.apply import apply_memory_techniques
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.techniques.activation_offloading.offload import OffloadActivations
+from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.placement import Placement
 from mtune.training.model_setup import resolve_model_source, setup_model
 from tests._helpers.training import assert_close, loss_and_grads
 

@@ -9,7 +9,7 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.models import build_model
 from mtune.modules.lora import apply_lora
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
-from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
 from mtune.training.observe.flops import flops_per_token, utilization
 
 TINY = dict(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_dim=256, vocab_size=512,

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import flop_registry
 from mtune.models import build_model
 from mtune.modules.lora import apply_lora
 from mtune.modules.tiled_mlp import apply_tiled_mlp
-from mtune.training.memory.activation_checkpointing import apply_activation_checkpointing
+from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
 from mtune.training.observe.flops import StepFlops, mean_document_length
 
 TINY = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_dim=256, vocab_size=512,

@@ -46,8 +46,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mtune.config.errors import ConfigError
-from mtune.training.memory.techniques.weight_offloading import WeightOffloading
-from mtune.training.memory.placement import Placement, storage_key
+from mtune.training.placement import Placement, storage_key
 from mtune.training.memory.tensor_bytes import plain_parts
 
 __all__ = ["WeightOffloader", "apply_weight_offloading", "weight_offloader", "offloaded_weights_materialized"]
@@ -87,7 +86,7 @@ class WeightOffloader:
         copies_to_compute: bytes copied host -> compute device so far (logs and tests).
     """
 
-    def __init__(self, model: nn.Module, config: WeightOffloading, placement: Placement):
+    def __init__(self, model: nn.Module, config: "WeightOffloading", placement: Placement):
         self.config = config
         self.placement = placement
         self.prefetch = config.use_streams
@@ -104,7 +103,7 @@ class WeightOffloader:
             module.register_forward_hook(self._make_post_forward(g))
 
     @staticmethod
-    def _partition(model: nn.Module, config: WeightOffloading) -> list[list[nn.Module]]:
+    def _partition(model: nn.Module, config: "WeightOffloading") -> list[list[nn.Module]]:
         if config.type == "block_level":
             blocks = list(model.layers)
             groups = []
@@ -253,7 +252,7 @@ class WeightOffloader:
         return post_forward
 
 
-def apply_weight_offloading(model: nn.Module, config: WeightOffloading, placement: Placement | None = None
+def apply_weight_offloading(model: nn.Module, config: "WeightOffloading", placement: Placement | None = None
                             ) -> WeightOffloader | None:
     """Install weight offloading on ``model`` (after LoRA / NF4, which decide what is frozen; a meta-device model
     is fine: the weights move when they are loaded). Returns the offloader (also found by

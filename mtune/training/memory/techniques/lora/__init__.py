@@ -1,20 +1,19 @@
 """LoRA / DoRA adapters, and QLoRA's NF4 base weights (the ``lora`` node): the base is frozen and only low-rank
 adapters train, so gradients and optimizer states shrink to the adapters'. The implementation:
-`mtune.modules.lora` (``apply_lora``)."""
+`mtune.modules.lora` (``apply_lora``) and, for NF4 bases on arrival and under FSDP2, `nf4_base` beside this
+declaration."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from mtune.config.keys import LORA_TARGETS
 from mtune.config.schema import Key, KeyGroup, Node
-from mtune.training.memory.technique import MemoryTechnique, get
+from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFacts, Settings, advice, setting
 
-__all__ = ["Lora", "LORA", "LORA_KEYS", "LoraConfig"]
+__all__ = ["Lora", "LORA", "LORA_KEYS", "LoraConfig", "LoraSettings"]
 
 _LORA_NODE = Node(
     "lora",
@@ -82,76 +81,83 @@ class LoraConfig:
         return ("dora" if self.use_dora else "lora") + ("+nf4" if self.quantize_base else "")
 
 
-def _ties_embeddings(cfg: Any) -> bool | None:
-    explicit = get(cfg, "model.tie_embeddings")
-    if explicit is not None:
-        return bool(explicit)
-    checkpoint_dir = get(cfg, "model.checkpoint_dir")
-    if checkpoint_dir is None:
-        return None
-    config_file = Path(str(checkpoint_dir)) / "config.json"
-    if not config_file.is_file():
-        return None  # another rule reports a missing checkpoint
-    # Llama, Qwen2 and Mistral configs all default to untied when the field is absent.
-    return bool(json.loads(config_file.read_text()).get("tie_word_embeddings", False))
+@dataclass(frozen=True)
+class LoraSettings(Settings):
+    lora: LoraConfig | None = setting(None, "adapter settings; module names are Hugging Face's", node=_LORA_NODE.keys,
+                                      convert=LoraConfig.from_node, required=True)
 
 
 class Lora(MemoryTechnique):
+    """LoRA is the recipe's method, declared and applied as a technique with the same phases: adapters on the meta
+    model, NF4 bases quantized as their weights arrive, fresh adapters once the base is in, PEFT-compatible state."""
+
     name = "lora"
-    keys = (_LORA_NODE,)
+    Settings = LoraSettings
     must_match_on_resume = ("lora",)  # modules, rank, alpha, dropout, DoRA, NF4: the trainable parameters
 
-    def enabled(self, memory: Any, lora: LoraConfig | None = None) -> bool:
-        return lora is not None
+    def enabled(self, s: LoraSettings, memory: Any) -> bool:
+        return s.lora is not None
 
-    def apply(self, model: Any, memory: Any, *, lora: LoraConfig, placement: Any) -> None:
-        from mtune.modules.lora import apply_lora
+    def describe(self, s: LoraSettings, memory: Any) -> str:
+        return s.lora.method if s.lora is not None else "off"
 
-        apply_lora(model, modules=list(lora.modules), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                   use_dora=lora.use_dora, quantize_base=lora.quantize_base)
-
-    def describe(self, memory: Any, lora: LoraConfig | None = None) -> str:
-        return lora.method if lora is not None else "off"
-
-    def rules(self, cfg: Any) -> list[str]:
+    def rules(self, s: LoraSettings, memory: Any) -> list[str]:
         """The lora node's values; QLoRA needs adapters (a full fine-tune cannot train NF4 weights); a tied
         lm_head shares its weight with embed_tokens, so an adapter (or NF4) on one would change the other."""
+        lora = s.lora
+        if lora is None:
+            return []
         problems = []
-        if get(cfg, "quantize_base") is not None or get(cfg, "model.quantize_base") is not None:
-            problems.append("quantize_base belongs in the lora node: use lora.quantize_base=true (QLoRA); a full "
-                            "fine-tune cannot train NF4 weights")
-        if get(cfg, "lora") is None:
-            return problems
-        if not get(cfg, "lora.modules"):
-            if get(cfg, "lora.quantize_base", False):
+        if not lora.modules:
+            if lora.quantize_base:
                 problems.append("lora.quantize_base=true without lora.modules: NF4 base weights are frozen, so a full "
                                 "fine-tune cannot use them: set lora.modules (QLoRA) or remove lora.quantize_base")
             else:
                 problems.append("lora.modules is empty: list the layers to adapt, e.g. lora.modules=[q_proj,v_proj]")
-        unknown = sorted(set(get(cfg, "lora.modules", [])) - set(LORA_TARGETS))
+        unknown = sorted(set(lora.modules) - set(LORA_TARGETS))
         if unknown:
             problems.append(f"lora.modules has unknown names {unknown}: choose from {list(LORA_TARGETS)}")
-        if "lm_head" in (get(cfg, "lora.modules") or []) and _ties_embeddings(cfg):
+        if "lm_head" in lora.modules and memory.run.ties_embeddings():
             problems.append("lora.modules contains lm_head but the model ties lm_head to embed_tokens "
                             "(tie_word_embeddings): remove lm_head from lora.modules")
+        if memory.distributed and lora.adapter_dir is not None:
+            problems.append("lora.adapter_dir is not supported by the distributed recipes yet: start from the adapter "
+                            "with lora_single_device, or resume a distributed run with resume_from_checkpoint")
         return problems
 
-    def distributed_rules(self, cfg: Any) -> list[str]:
-        if get(cfg, "lora.adapter_dir") is not None:
-            return ["lora.adapter_dir is not supported by the distributed recipes yet: start from the adapter with "
-                    "lora_single_device, or resume a distributed run with resume_from_checkpoint"]
+    def footprint(self, s: LoraSettings, memory: Any, facts: ModelFacts) -> Footprint:
+        return Footprint(lossy="NF4 base weights" if s.lora is not None and s.lora.quantize_base else None)
+
+    def oom_advice(self, s: LoraSettings, memory: Any) -> list[tuple[int, str]]:
+        if s.lora is None:
+            return [advice("lora", "a LoRA recipe (lora_single_device) instead of a full fine-tune")]
+        if not s.lora.quantize_base:
+            return [advice("qlora", "lora.quantize_base=true (QLoRA)")]
         return []
 
-    def lossy(self, cfg: Any) -> str | None:
-        return "NF4 base weights" if get(cfg, "lora.quantize_base", False) else None
+    def on_model(self, model: Any, s: LoraSettings, memory: Any, placement: Any) -> None:
+        from mtune.modules.lora import apply_lora
 
-    def oom_advice(self, cfg: Mapping[str, Any]) -> list[tuple[int, str]]:
-        lora = cfg.get("lora")
-        if lora is None:
-            return [(40, "a LoRA recipe (lora_single_device) instead of a full fine-tune")]
-        if not lora.get("quantize_base"):
-            return [(50, "lora.quantize_base=true (QLoRA)")]
-        return []
+        lora = s.lora
+        apply_lora(model, modules=list(lora.modules), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                   use_dora=lora.use_dora, quantize_base=lora.quantize_base)
+
+    def on_weights(self, model: Any, module: Any, s: LoraSettings, placement: Any) -> None:
+        from mtune.training.memory.techniques.lora.adapters import quantize_on_arrival
+
+        quantize_on_arrival(module)
+
+    def after_weights(self, model: Any, s: LoraSettings, sharded: bool, materialized: Any) -> None:
+        """Fresh adapters (zero update) over the loaded base, then the base frozen."""
+        from mtune.training.memory.techniques.lora.adapters import reset_adapters
+
+        reset_adapters(model, sharded=sharded, materialized=materialized)
+
+    def sharding_options(self, s: LoraSettings, memory: Any, placement: Any) -> dict:
+        from mtune.training.memory.techniques.lora.adapters import check_shardable
+
+        check_shardable(s.lora)
+        return {}
 
 
 LORA = Lora()

@@ -5,7 +5,7 @@ forward *and* the loss (`mtune.training.session.TrainingSession.train_step`). Wh
 autograd saves is copied to host memory (pinned, so the copy is asynchronous) and copied back when backward needs
 it. With `use_streams=True` both copies run on a side CUDA stream, so they overlap with compute; the allocator is
 told (`record_stream`) which stream still uses each buffer. Where the host is and whether a move copies anything
-is the run's `Placement` (`mtune.training.memory.placement`).
+is the run's `Placement` (`mtune.training.placement`).
 
 Not offloaded: parameters and other tensors that share a parameter's storage (they stay in memory anyway), tensor
 subclasses such as NF4 weights, tensors smaller than `min_offload_bytes` (the copy would cost more than it frees),
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from mtune.training.memory.placement import Placement, storage_key
+from mtune.training.placement import Placement, storage_key
 
 __all__ = ["OffloadActivations", "NoOffload", "apply_activation_offloading"]
 

@@ -28,7 +28,6 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from mtune.config.errors import ConfigError
-from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING_POLICIES
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_policy", "is_checkpointed", "selective_op_policy", "saved_ops"]
 
@@ -85,10 +84,10 @@ def apply_activation_checkpointing(model: nn.Module, every_n_layers: int = 1, po
     nest (the first policy stays)."""
     if every_n_layers < 1:
         raise ConfigError(f"activation_checkpointing_every_n_layers must be >= 1, got {every_n_layers}")
-    if policy not in ACTIVATION_CHECKPOINTING_POLICIES:
-        raise ConfigError(f"activation_checkpointing_policy must be one of {', '.join(ACTIVATION_CHECKPOINTING_POLICIES)}"
-                          f", got {policy!r}")
-    wrapper = _selective_forward if policy == "selective_op" else _checkpointed_forward
+    wrappers = {"block": _checkpointed_forward, "selective_op": _selective_forward}
+    if policy not in wrappers:
+        raise ConfigError(f"activation_checkpointing_policy must be one of {', '.join(wrappers)}, got {policy!r}")
+    wrapper = wrappers[policy]
     for i, block in enumerate(model.layers):
         if i % every_n_layers == 0 and not is_checkpointed(block):
             block.forward = functools.partial(wrapper, block.forward)

@@ -32,8 +32,8 @@ from mtune.config.errors import ConfigError
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.techniques.optimizer_offload import OPTIMIZER_OFFLOAD
 from mtune.training.memory.tensor_bytes import tensor_bytes
-from mtune.training.memory.optimizer_offload import CPUOffloadOptimizer
-from mtune.training.memory.placement import Placement
+from mtune.training.memory.techniques.optimizer_offload.cpu_optimizer import CPUOffloadOptimizer
+from mtune.training.placement import Placement
 
 __all__ = ["build_optimizer", "OptimizerInBackward", "inner_optimizers", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
 
@@ -92,7 +92,7 @@ def build_optimizer(
         params_or_model: a model (its parameters with requires_grad) or an iterable of parameters.
         memory: the run's memory keys; ``optimizer_in_bwd``: return an `OptimizerInBackward` (one optimizer per
             parameter, stepped during backward); ``optimizer_offload="cpu"``: return a `CPUOffloadOptimizer` (states
-            in host memory, stepped on the CPU; `mtune.training.memory.optimizer_offload`) when ``placement`` has a
+            in host memory, stepped on the CPU; `mtune.training.memory.techniques.optimizer_offload.cpu_optimizer`) when ``placement`` has a
             host distinct from the compute device.
         placement: the compute device and the host (default: the parameters' device and the CPU).
         target_device: the device whose defaults to use (fused AdamW on CUDA); default: the parameters' device.
@@ -158,56 +158,6 @@ def allocate_adamw_state(optimizer: torch.optim.AdamW) -> None:
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad"):
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-class OptimizerInBackward(torch.optim.Optimizer):
-    """Steps each parameter as soon as its gradient is accumulated during backward, then frees that gradient.
-
-    One inner optimizer per parameter, stepped in a `register_post_accumulate_grad_hook`; so at most one parameter's
-    gradient is alive at a time and no full set of gradients ever exists. `step()` and `zero_grad()` are no-ops.
-    `param_groups` are the inner optimizers' own groups, so a torch LR scheduler built on this object sets the lr
-    of every inner optimizer. Incompatible with gradient accumulation, gradient clipping and fp16 loss scaling
-    (each needs all gradients before the step); the validator rejects those combinations.
-    """
-
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], optimizer_cls: Callable, **kwargs: Any):
-        named_params = list(named_params)
-        self.optimizers = {name: optimizer_cls([p], **kwargs) for name, p in named_params}
-        super().__init__([p for _, p in named_params], dict(lr=kwargs.get("lr", 0.0)))
-        self.param_groups = [opt.param_groups[0] for opt in self.optimizers.values()]
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(self.optimizers[name])) for name, p in named_params
-        ]
-
-    @staticmethod
-    def _make_hook(optimizer: torch.optim.Optimizer) -> Callable:
-        def hook(param: torch.Tensor) -> None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return hook
-
-    def step(self, closure=None) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        missing = set(self.optimizers) - set(state_dict)
-        if missing:
-            raise ValueError(f"optimizer state lacks parameters {sorted(missing)[:3]}: the checkpoint was saved "
-                             "for another model or without optimizer_in_bwd")
-        for name, opt in self.optimizers.items():
-            opt.load_state_dict(state_dict[name])
-        self.param_groups = [opt.param_groups[0] for opt in self.optimizers.values()]
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
 
 
 def inner_optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:

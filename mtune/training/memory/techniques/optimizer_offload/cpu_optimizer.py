@@ -18,7 +18,7 @@ stream. On a machine without an accelerator there is nothing to offload: :func:`
 the plain optimizer and says so once. ``Placement("cpu", distinct=True)`` runs the real copies on CPU (tests).
 
 torchao's ``CPUOffloadOptimizer`` does the same on CUDA/XPU but refuses to run elsewhere; this one runs wherever a
-:class:`~mtune.training.memory.placement.Placement` can copy, so the flag is tested on CPU.
+:class:`~mtune.training.placement.Placement` can copy, so the flag is tested on CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtune.training.memory.placement import Placement
+from mtune.training.placement import Placement
 
 __all__ = ["CPUOffloadOptimizer"]
 
@@ -184,3 +184,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
+
+
+def offloaded_optimizer(spec: Any, named_params: list, target: str, placement: Placement) -> CPUOffloadOptimizer | None:
+    """The config's optimizer (``spec``: `mtune.training.optimizers.OptimizerSpec`) stepped in host memory, its
+    AdamW states allocated there from the start; None when the model already computes in host memory (nothing
+    would move: the plain optimizer runs)."""
+    if not placement.distinct:
+        log.info("optimizer_offload=%s: the model already computes in host memory (%s): the optimizer runs "
+                 "unchanged, nothing is moved", target, placement.compute)
+        return None
+    kwargs = spec.kwargs_for(placement.host)  # the step runs on the host
+    log.info("optimizer_offload=%s: %s states in %s memory, stepped there", target, spec.component, placement.host)
+    offloaded = CPUOffloadOptimizer(named_params, spec.cls, placement, **kwargs)
+    if type(offloaded.optimizer) is torch.optim.AdamW:
+        with placement.host_allocation():  # the states live on the host from the start, beside the copies
+            spec.allocate(offloaded.optimizer)
+        offloaded.mark_states()
+    return offloaded

@@ -1,0 +1,125 @@
+"""The one orchestrator of the memory techniques' run phases: each function below calls one phase of every
+technique the run enables, in the registry's order (`mtune.training.memory.registry.TECHNIQUES`, where each line
+says why it stands where it does). The rest of mtune reaches the techniques only through these functions and the
+registry; none of them names a technique.
+
+The phases, in the order a run meets them:
+
+1. :func:`prepare_model` — on the meta model: adapters and NF4 bases, fp8 storage, weight-offloading hooks, the
+   tiled MLP and attention kernel, activation checkpointing, compile; then the step contexts (activation
+   offloading) the step enters around forward and backward;
+2. :func:`sharding_options` — FSDP2's ``fully_shard`` options (distributed recipes: CPU offload);
+3. :func:`on_weights` — as each module's weights arrive (loaded or drawn): NF4 / fp8 storage, offloading;
+   :func:`after_weights` once all are in (fresh adapters, what loading did not move);
+4. :func:`wrap_optimizer` — the optimizer built over the trainable parameters, or one that steps elsewhere or
+   elsewhen (in backward, on the host);
+5. :func:`materialized` — before saving or merging: every weight on the device in its full form;
+6. :func:`recompute` — what the FLOPs counter reads (checkpointed blocks, tiled MLPs).
+
+No global state: every phase acts on the given model (a meta-device model works).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from mtune.training.memory import registry
+from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.technique import Footprint, ModelFacts, Recompute
+
+__all__ = ["prepare_model", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
+           "recompute", "footprints", "lossy", "describe"]
+
+log = logging.getLogger(__name__)
+
+
+def _enabled(memory: MemoryConfig):
+    for technique in registry.TECHNIQUES:
+        settings = memory[technique]
+        if technique.enabled(settings, memory):
+            yield technique, settings
+
+
+def describe(memory: MemoryConfig) -> str:
+    """``lora=lora, weight_storage_dtype=None, ...``: every technique with keys, as the run's log line says."""
+    return ", ".join(f"{t.name}={t.describe(memory[t], memory)}" for t in registry.TECHNIQUES
+                     if t.Settings.keys())
+
+
+def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
+    """Transform the meta ``model`` in place, technique by technique. Returns the context the step enters around
+    forward and backward (None when no technique needs one)."""
+    for technique, settings in _enabled(memory):
+        technique.on_model(model, settings, memory, placement)
+    log.info("memory techniques: %s", describe(memory))
+    contexts = [c for t, s in _enabled(memory) if (c := t.step_context(model, s, placement)) is not None]
+    if len(contexts) > 1:
+        raise NotImplementedError(f"{len(contexts)} step contexts: one technique at a time moves saved activations")
+    return contexts[0] if contexts else None
+
+
+def sharding_options(memory: MemoryConfig, placement: Any) -> dict:
+    """Keyword arguments for FSDP2's ``fully_shard``, from every technique that has some."""
+    options: dict = {}
+    for technique, settings in _enabled(memory):
+        options.update(technique.sharding_options(settings, memory, placement))
+    return options
+
+
+def on_weights(model: Any, module: Any, memory: MemoryConfig, placement: Any) -> None:
+    """``module``'s weights just arrived on the device: store or move them as the techniques say."""
+    for technique, settings in _enabled(memory):
+        technique.on_weights(model, module, settings, placement)
+
+
+def after_weights(model: Any, memory: MemoryConfig, *, sharded: bool = False) -> None:
+    """Every weight is in (loaded, or drawn at random; each rank its rows when ``sharded``)."""
+    for technique, settings in _enabled(memory):
+        technique.after_weights(model, settings, sharded, lambda: materialized(model, memory))
+
+
+def wrap_optimizer(spec: Any, named_params: list, memory: MemoryConfig, placement: Any) -> Any:
+    """The optimizer of the first technique that builds one (in backward, on the host), or None: the plain one."""
+    for technique, settings in _enabled(memory):
+        optimizer = technique.wrap_optimizer(spec, named_params, settings, memory, placement)
+        if optimizer is not None:
+            return optimizer
+    return None
+
+
+@contextlib.contextmanager
+def materialized(model: Any, memory: MemoryConfig) -> Iterator[None]:
+    """Every weight of ``model`` on the compute device in its full form while inside (saving, merging)."""
+    with contextlib.ExitStack() as stack:
+        for technique, settings in _enabled(memory):
+            context = technique.before_save(model, settings)
+            if context is not None:
+                stack.enter_context(context)
+        yield
+
+
+def recompute(memory: MemoryConfig, n_layers: int, tokens: int, dim: int) -> Recompute:
+    """What backward repeats of the forward, per block, folded over the techniques (the FLOPs counter)."""
+    checkpoint, tiled = (None,) * n_layers, (False,) * n_layers
+    for technique in registry.TECHNIQUES:
+        answer = technique.recompute(memory[technique], n_layers, tokens, dim)
+        checkpoint = answer.checkpoint if answer.checkpoint is not None else checkpoint
+        tiled = answer.mlp_tiled if answer.mlp_tiled is not None else tiled
+    return Recompute(checkpoint=checkpoint, mlp_tiled=tiled)
+
+
+def footprints(memory: MemoryConfig, facts: ModelFacts) -> list[Footprint]:
+    """Every technique's footprint for a model of these ``facts``, in registry order."""
+    return [technique.footprint(memory[technique], memory, facts) for technique in registry.TECHNIQUES]
+
+
+_NO_MODEL = ModelFacts(n_layers=1, dim=1, trainable_bytes=0.0, frozen_bytes=0.0, residual_bytes=1,
+                       micro_batch_tokens=1, step_tokens=1)
+
+
+def lossy(memory: MemoryConfig) -> list[str]:
+    """What the configured techniques give up in the numbers a step computes (empty: the same step)."""
+    return [f.lossy for f in footprints(memory, _NO_MODEL) if f.lossy]
