@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
     model, activation_context = setup_sharded_model(
         source, device=run.device, dtype=run.dtype, seed=run.seed, memory=memory,
-        fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward, fsdp_cpu_offload=cfg.fsdp_cpu_offload)
+        fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward)
     data = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
     optimizer = build_optimizer(cfg.optimizer, model, memory)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,

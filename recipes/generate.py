@@ -23,7 +23,6 @@ from omegaconf import DictConfig, OmegaConf
 from mtune.config import RecipeSchema
 from mtune.config.errors import ConfigError
 from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
-from mtune.config.schema import KeyGroup
 from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream
 from mtune.tokenizers import Message, load_tokenizer
@@ -32,11 +31,10 @@ from mtune.training.checkpointing.manifest import check_before_loading
 from mtune.training.checkpointing.peft import load_peft_adapter, lora_node_from_adapter
 from mtune.training.context import configure_logging, resolve_device
 from mtune.training.precision import resolve_dtype
-from mtune.training.memory.registry import MemoryConfig, WeightOffloading
-from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING_NODE
+from mtune.training.memory.registry import GENERATION_MEMORY_KEYS, MemoryConfig
 from mtune.training.model_setup import resolve_model_source, setup_model
 
-SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS, KeyGroup("offloading", [WEIGHT_OFFLOADING_NODE])],
+SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS, GENERATION_MEMORY_KEYS],
                       rules=GENERATE_RULES)
 
 log = logging.getLogger("mtune")
@@ -107,7 +105,7 @@ def main(cfg: DictConfig) -> str:
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     adapter_dir = cfg.adapter_dir
     lora = lora_node_from_adapter(adapter_dir) if adapter_dir else None
-    memory = MemoryConfig(weight_offloading=WeightOffloading.from_node(cfg.weight_offloading))
+    memory = MemoryConfig(**{key.name: cfg[key.name] for key in GENERATION_MEMORY_KEYS.keys})
     model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False)
     if adapter_dir:
         if cfg.verify_checksums:

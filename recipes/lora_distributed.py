@@ -21,7 +21,6 @@ from mtune.training.memory.registry import (
     DISTRIBUTED_MEMORY_RULES,
     LORA_KEYS,
     MEMORY_KEYS,
-    LoraConfig,
     MemoryConfig,
 )
 
@@ -43,12 +42,12 @@ def main(cfg: DictConfig) -> None:
     # ---- setup: process group, device and dtype, tokenizer, sharded model with adapters, data, optimizer
     rank, world_size, _ = init_distributed(cfg.distributed_backend)
     run = setup_run(cfg, rank=rank, world_size=world_size)
-    memory, lora = MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
+    memory = MemoryConfig.from_config(cfg)  # the lora node included
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
     model, activation_context = setup_sharded_model(
-        source, device=run.device, dtype=run.dtype, seed=run.seed, lora=lora, memory=memory,
-        fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward, fsdp_cpu_offload=cfg.fsdp_cpu_offload)
+        source, device=run.device, dtype=run.dtype, seed=run.seed, memory=memory,
+        fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward)
     data = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
     optimizer = build_optimizer(cfg.optimizer, model, memory)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from mtune.config import RecipeSchema
 from mtune.config.keys import MODEL_NODES, RUN_KEYS, TRAINING_NODES
 from mtune.config.rules import RUN_RULES
-from mtune.training.memory.registry import LORA_KEYS, MEMORY_KEYS, MEMORY_RULES, LoraConfig, MemoryConfig
+from mtune.training.memory.registry import LORA_KEYS, MEMORY_KEYS, MEMORY_RULES, MemoryConfig
 
 SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_KEYS], rules=RUN_RULES + MEMORY_RULES)
 
@@ -31,15 +31,15 @@ def main(cfg: DictConfig) -> None:
 
     # ---- setup: device and dtype, tokenizer, model with adapters and memory techniques, data, optimizer
     run = setup_run(cfg)
-    memory, lora = MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
+    memory = MemoryConfig.from_config(cfg)  # the lora node included
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
     tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
-    model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, lora=lora, memory=memory,
+    model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
                                             placement=run.placement)
-    if lora.adapter_dir:
+    if memory.lora.adapter_dir:
         if cfg.verify_checksums:
-            check_before_loading(lora.adapter_dir)
-        load_peft_adapter(model, lora.adapter_dir)  # continue from an existing adapter
+            check_before_loading(memory.lora.adapter_dir)
+        load_peft_adapter(model, memory.lora.adapter_dir)  # continue from an existing adapter
     data = setup_data(cfg, tokenizer)
     optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,

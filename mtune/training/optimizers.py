@@ -1,8 +1,8 @@
-"""Building optimizers, including the low-memory ones and optimizer-in-backward.
+"""Building the config's optimizer, the low-memory ones included.
 
-`build_optimizer(cfg.optimizer, model, memory)` reads the config node's `_component_` and keyword arguments, and
-the run's `MemoryConfig` for the techniques that act through the optimizer (``optimizer_in_bwd``,
-``optimizer_offload``). Supported components (AdamW state per parameter element: fp32 2 x 4 bytes):
+`build_optimizer(cfg.optimizer, model, memory)` reads the config node's `_component_` and keyword arguments; a
+technique of the run's `MemoryConfig` that steps elsewhere or elsewhen (optimizer-in-backward, optimizer offload)
+builds it instead, from the same `OptimizerSpec`. Supported components (AdamW state per parameter element: fp32 2 x 4 bytes):
 
 | `_component_`                        | state bytes / element | notes                                            |
 |--------------------------------------|-----------------------|--------------------------------------------------|
@@ -14,8 +14,8 @@ the run's `MemoryConfig` for the techniques that act through the optimizer (``op
 | torchao.optim.AdamW4bit              | ~1                    | drifts more from AdamW (~36% in 10 steps)         |
 | torchao.optim.AdamWFp8               | ~2                    | float8 states                                    |
 
-``optimizer_offload: cpu`` (`CPUOffloadOptimizer`) supports torch.optim.AdamW (its foreach / fused CPU step); the
-validator refuses the others with it.
+Optimizer offload supports torch.optim.AdamW (its foreach / fused CPU step); the validator refuses the others
+with it.
 """
 
 from __future__ import annotations
@@ -23,19 +23,20 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from mtune.config.errors import ConfigError
+from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
-from mtune.training.memory.techniques.optimizer_offload import OPTIMIZER_OFFLOAD
 from mtune.training.memory.tensor_bytes import tensor_bytes
-from mtune.training.memory.techniques.optimizer_offload.cpu_optimizer import CPUOffloadOptimizer
 from mtune.training.placement import Placement
 
-__all__ = ["build_optimizer", "OptimizerInBackward", "inner_optimizers", "optimizer_state_bytes", "SUPPORTED_OPTIMIZERS"]
+__all__ = ["build_optimizer", "OptimizerSpec", "inner_optimizers", "optimizer_state_bytes", "allocate_adamw_state",
+           "SUPPORTED_OPTIMIZERS"]
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +62,39 @@ def _resolve(component: str) -> Callable:
         ) from None
 
 
-def _component_kwargs(component: str, kwargs: dict, device: torch.device) -> dict:
-    global _warned_paging
-    kwargs = dict(kwargs)
-    if component == "torch.optim.AdamW" and "fused" not in kwargs and "foreach" not in kwargs:
-        # fused: one kernel per parameter. On CPU it steps a full fine-tune's parameters ~4x faster than foreach
-        # (whose ~12 multi-tensor ops each allocate a copy of every state: fresh pages every step) and a LoRA
-        # adapter's far more (benchmarks/step_speedups.py).
-        kwargs["fused" if device.type in ("cuda", "cpu") else "foreach"] = True
-    if ".Paged" in component and device.type != "cuda" and not _warned_paging:
-        _warned_paging = True
-        log.warning("optimizer %s: paging needs CUDA unified memory; on %s its states stay in ordinary memory "
-                    "(it runs as the unpaged optimizer)", component, device.type)
-    return kwargs
+@dataclass
+class OptimizerSpec:
+    """The config's optimizer, not built yet: what a technique that steps elsewhere or elsewhen builds from.
+    ``component`` is the dotted path, ``cls`` the class it names, ``kwargs`` the node's other keys, ``device`` the
+    device whose defaults apply (fused AdamW on CUDA and CPU)."""
+
+    component: str
+    cls: Callable
+    kwargs: dict
+    device: torch.device
+
+    def kwargs_for(self, device: torch.device) -> dict:
+        """The keyword arguments for an optimizer stepping on ``device``: torch's AdamW fused unless the config
+        says otherwise."""
+        global _warned_paging
+        kwargs = dict(self.kwargs)
+        if self.component == "torch.optim.AdamW" and "fused" not in kwargs and "foreach" not in kwargs:
+            # fused: one kernel per parameter. On CPU it steps a full fine-tune's parameters ~4x faster than foreach
+            # (whose ~12 multi-tensor ops each allocate a copy of every state: fresh pages every step) and a LoRA
+            # adapter's far more (benchmarks/step_speedups.py).
+            kwargs["fused" if device.type in ("cuda", "cpu") else "foreach"] = True
+        if ".Paged" in self.component and device.type != "cuda" and not _warned_paging:
+            _warned_paging = True
+            log.warning("optimizer %s: paging needs CUDA unified memory; on %s its states stay in ordinary memory "
+                        "(it runs as the unpaged optimizer)", self.component, device.type)
+        return kwargs
+
+    @staticmethod
+    def allocate(optimizer: torch.optim.Optimizer) -> None:
+        """Create the optimizer's states now where that is known to be exact (torch's AdamW:
+        :func:`allocate_adamw_state`)."""
+        if type(optimizer) is torch.optim.AdamW:
+            allocate_adamw_state(optimizer)
 
 
 def build_optimizer(
@@ -90,16 +111,13 @@ def build_optimizer(
     Args:
         optimizer_cfg: mapping with `_component_` (a dotted path, see SUPPORTED_OPTIMIZERS) and its kwargs (lr, ...).
         params_or_model: a model (its parameters with requires_grad) or an iterable of parameters.
-        memory: the run's memory keys; ``optimizer_in_bwd``: return an `OptimizerInBackward` (one optimizer per
-            parameter, stepped during backward); ``optimizer_offload="cpu"``: return a `CPUOffloadOptimizer` (states
-            in host memory, stepped on the CPU; `mtune.training.memory.techniques.optimizer_offload.cpu_optimizer`) when ``placement`` has a
-            host distinct from the compute device.
+        memory: the run's memory settings: a technique that steps elsewhere or elsewhen (in backward, on the host)
+            builds the optimizer instead (`mtune.training.memory.phases.wrap_optimizer`).
         placement: the compute device and the host (default: the parameters' device and the CPU).
         target_device: the device whose defaults to use (fused AdamW on CUDA); default: the parameters' device.
             ``mtune plan`` builds a CUDA run's optimizer over fake CPU tensors.
         overrides: keyword arguments that replace the config's.
     """
-    optimizer_in_bwd, optimizer_offload = memory.optimizer_in_bwd, memory.optimizer_offload
     cfg = dict(optimizer_cfg)
     component = cfg.pop("_component_", None)
     if component is None:
@@ -112,30 +130,12 @@ def build_optimizer(
     if not named:
         raise ConfigError("the model has no trainable parameters: check lora.modules or the frozen layers")
     device = torch.device(target_device) if target_device else named[0][1].device
-    if optimizer_offload is not None:
-        placement = placement or Placement(device)
-        problems = OPTIMIZER_OFFLOAD.optimizer_problems(optimizer_offload, component, optimizer_in_bwd)
-        if problems:  # callers that skip the validator get its own words
-            raise ConfigError(problems[0])
-        if placement.distinct:
-            kwargs = _component_kwargs(component, cfg, placement.host)  # the step runs on the host
-            log.info("optimizer_offload=%s: %s states in %s memory, stepped there", optimizer_offload, component,
-                     placement.host)
-            offloaded = CPUOffloadOptimizer(named, _resolve(component), placement, **kwargs)
-            if type(offloaded.optimizer) is torch.optim.AdamW:
-                with placement.host_allocation():  # the states live on the host from the start, beside the copies
-                    allocate_adamw_state(offloaded.optimizer)
-                offloaded.mark_states()
-            return offloaded
-        log.info("optimizer_offload=%s: the model already computes in host memory (%s): the optimizer runs "
-                 "unchanged, nothing is moved", optimizer_offload, placement.compute)
-    kwargs = _component_kwargs(component, cfg, device)
-    cls = _resolve(component)
-    if optimizer_in_bwd:
-        return OptimizerInBackward(named, cls, **kwargs)
-    optimizer = cls([p for _, p in named], **kwargs)
-    if type(optimizer) is torch.optim.AdamW:
-        allocate_adamw_state(optimizer)
+    spec = OptimizerSpec(component, _resolve(component), cfg, device)
+    wrapped = phases.wrap_optimizer(spec, named, memory, placement or Placement(device))
+    if wrapped is not None:
+        return wrapped
+    optimizer = spec.cls([p for _, p in named], **spec.kwargs_for(device))
+    spec.allocate(optimizer)
     return optimizer
 
 
@@ -161,13 +161,13 @@ def allocate_adamw_state(optimizer: torch.optim.AdamW) -> None:
 
 
 def inner_optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
-    """The optimizers that hold state: an `OptimizerInBackward`'s per-parameter ones, else ``[optimizer]``
+    """The optimizers that hold state: a wrapper's (its ``inner_optimizers()``: optimizer-in-backward's
+    per-parameter ones), else ``[optimizer]``
     (``[]`` for None). Code that reads or saves optimizer state goes through this, not through the wrapper."""
     if optimizer is None:
         return []
-    if isinstance(optimizer, OptimizerInBackward):
-        return list(optimizer.optimizers.values())
-    return [optimizer]
+    inner = getattr(optimizer, "inner_optimizers", None)  # a wrapper that steps elsewhen holds several
+    return list(inner()) if callable(inner) else [optimizer]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

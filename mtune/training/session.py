@@ -32,7 +32,7 @@ from mtune.training.data_setup import StepPlan
 from mtune.training.loop import NonFiniteLossError, StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.measured_memory import memory_breakdown, plan_check
 from mtune.training.memory.oom import oom_guard
-from mtune.training.memory.registry import LoraConfig
+from mtune.training.memory.registry import LoraConfig, MemoryConfig
 from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.peak_flops import run_peak_flops
@@ -98,7 +98,7 @@ class TrainingSession:
             base_checkpoint_dir=base_checkpoint_dir, lora=lora,
             save_adapter_weights_only=bool(lora is not None and cfg.save_adapter_weights_only),
             keep_last_n_checkpoints=cfg.keep_last_n_checkpoints,
-            verify_checksums=cfg.get("verify_checksums", True),
+            verify_checksums=cfg.get("verify_checksums", True), memory=MemoryConfig.from_config(cfg),
         )
         if dist.is_initialized():
             checkpointer = DistributedCheckpointer(rank=run.rank, world_size=run.world_size, **checkpointer_args)
@@ -131,7 +131,8 @@ class TrainingSession:
         """FLOPs per step (``mfu``, ``hfu``) and the device's peak (:func:`run_peak_flops`), or None when unknown."""
         recomputes = isinstance(self.loss_fn, ChunkedCrossEntropyLoss) and self.loss_fn.recomputes_projection(
             self.model.lm_head, autocast=self.run.dtype_name == "fp16")
-        self.step_flops = StepFlops(self.model, loss_recomputes_projection=recomputes)
+        self.step_flops = StepFlops(self.model, loss_recomputes_projection=recomputes,
+                                    memory=MemoryConfig.from_config(self.cfg))
         self._step_flops_now: tuple[float, float] | None = None
         return run_peak_flops(self.run.device, self.run.dtype_name, announce=self.run.is_main)
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mtune.modules.lora_state import merge_lora_weights
-from mtune.training.memory.techniques.weight_offloading.offloader import offloaded_weights_materialized
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.checkpointing.checkpoint_dir import (
     FINAL_NAME,
     CheckpointWriter,
@@ -76,6 +77,8 @@ class Checkpointer:
         save_adapter_weights_only: LoRA: skip the merged model.
         keep_last_n_checkpoints: prune older ``step_<N>`` checkpoints once a new one is complete.
         verify_checksums: check a checkpoint's files against its checksums before resuming from it.
+        memory: the run's memory settings: a merge without a base checkpoint reads the model's own weights, which
+            its techniques bring back whole first (`mtune.training.memory.phases.materialized`).
     """
 
     LATEST_INTACT = "latest_intact"
@@ -84,8 +87,9 @@ class Checkpointer:
     def __init__(self, *, output_dir: str | Path, config: Mapping[str, Any], base_checkpoint_dir: Path | None,
                  lora: Any = None, save_adapter_weights_only: bool = False,
                  keep_last_n_checkpoints: int | None = None, max_shard_size: int | str = "5GB",
-                 world_size: int = 1, verify_checksums: bool = True):
+                 world_size: int = 1, verify_checksums: bool = True, memory: MemoryConfig = MemoryConfig()):
         self.output_dir = Path(output_dir)
+        self.memory = memory
         self.config = dict(config)
         self.base_checkpoint_dir = base_checkpoint_dir
         self.lora = lora  # the config's lora node or LoraConfig; the PEFT writer reads it
@@ -130,7 +134,7 @@ class Checkpointer:
         if source is not None:
             weights = merged_hf_weights(source, model)
         else:  # no base checkpoint (random weights): merge the model's own, offloaded ones brought back for it
-            with offloaded_weights_materialized(model):
+            with phases.materialized(model, self.memory):
                 # Copied out inside the context: unmerged frozen weights are the offloaded tensors themselves, whose
                 # device storage is freed again when it ends.
                 weights = {k: v.detach().to("cpu", copy=True) for k, v in merge_lora_weights(model).items()}

@@ -84,7 +84,7 @@ def resume_classes() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(must match, may change)``: the run's keys as listed above, and each memory technique's keys as the
     technique classifies them (``must_match_on_resume``; its other keys do not change what a step computes)."""
     must = tuple(name for technique in registry.TECHNIQUES for name in technique.must_match_on_resume)
-    declared = [key.name for technique in registry.TECHNIQUES for key in technique.keys + technique.distributed_keys]
+    declared = [key.name for technique in registry.TECHNIQUES for key in technique.Settings.keys()]
     return (_RUN_KEYS_THAT_MUST_MATCH + must,
             _RUN_KEYS_THAT_MAY_CHANGE + tuple(name for name in declared if name not in must))
 

@@ -13,6 +13,7 @@ import torch
 
 from mtune.errors import MtuneError
 from mtune.training.memory import registry
+from mtune.training.memory.technique import advice as tier_advice
 
 __all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line"]
 
@@ -41,14 +42,16 @@ class OutOfMemory(MtuneError, RuntimeError):
 
 def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
     """Settings that would lower peak memory and are not set in ``cfg`` yet, most effective first: every
-    technique's own advice (`MemoryTechnique.oom_advice`) and the run's (batch, dtype, sequence length), by rank."""
-    advice = [(rank, text) for technique in registry.TECHNIQUES for rank, text in technique.oom_advice(cfg)]
-    if int(cfg.get("batch_size") or 1) > 1:
-        advice.append((30, "a smaller batch_size with a larger gradient_accumulation_steps"))
-    if cfg.get("dtype") in ("fp32", "fp16"):
-        advice.append((110, "dtype=bf16 (on GPUs that have it)"))
-    if (cfg.get("tokenizer") or {}).get("max_seq_len"):
-        advice.append((120, "a smaller tokenizer.max_seq_len"))
+    technique's own advice (`MemoryTechnique.oom_advice`) and the run's (batch, dtype, sequence length), in the
+    order of `ADVICE_TIERS`."""
+    memory = registry.MemoryConfig.from_config(cfg)
+    advice = [item for t in registry.TECHNIQUES for item in t.oom_advice(memory[t], memory)]
+    if memory.run.batch_size > 1:
+        advice.append(tier_advice("micro_batch", "a smaller batch_size with a larger gradient_accumulation_steps"))
+    if memory.run.dtype in ("fp32", "fp16"):
+        advice.append(tier_advice("dtype", "dtype=bf16 (on GPUs that have it)"))
+    if memory.run.max_seq_len:
+        advice.append(tier_advice("seq_len", "a smaller tokenizer.max_seq_len"))
     return [text for _, text in sorted(advice, key=lambda item: item[0])]
 
 

@@ -28,10 +28,11 @@ from typing import Any
 
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
-from mtune.training.memory.technique import Footprint, ModelFacts, Recompute
+from mtune.config.errors import ConfigError
+from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFacts, Recompute
 
-__all__ = ["prepare_model", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
-           "recompute", "footprints", "lossy", "describe"]
+__all__ = ["prepare_model", "on_model", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
+           "recompute", "footprints", "lossy", "dropped_losses", "repeat_blocks", "frozen_bytes_per_weight", "describe"]
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +51,21 @@ def describe(memory: MemoryConfig) -> str:
 
 
 def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
-    """Transform the meta ``model`` in place, technique by technique. Returns the context the step enters around
-    forward and backward (None when no technique needs one)."""
-    for technique, settings in _enabled(memory):
-        technique.on_model(model, settings, memory, placement)
+    """Transform the meta ``model`` in place, technique by technique (:func:`on_model`), and log the run's
+    techniques. Returns the context the step enters around forward and backward (None when no technique needs
+    one)."""
+    on_model(model, memory, placement)
     log.info("memory techniques: %s", describe(memory))
     contexts = [c for t, s in _enabled(memory) if (c := t.step_context(model, s, placement)) is not None]
     if len(contexts) > 1:
         raise NotImplementedError(f"{len(contexts)} step contexts: one technique at a time moves saved activations")
     return contexts[0] if contexts else None
+
+
+def on_model(model: Any, memory: MemoryConfig, placement: Any = None) -> None:
+    """The model phase alone, on a meta ``model`` (the planner's cost model reads the result)."""
+    for technique, settings in _enabled(memory):
+        technique.on_model(model, settings, memory, placement)
 
 
 def sharding_options(memory: MemoryConfig, placement: Any) -> dict:
@@ -82,7 +89,11 @@ def after_weights(model: Any, memory: MemoryConfig, *, sharded: bool = False) ->
 
 
 def wrap_optimizer(spec: Any, named_params: list, memory: MemoryConfig, placement: Any) -> Any:
-    """The optimizer of the first technique that builds one (in backward, on the host), or None: the plain one."""
+    """The optimizer of the technique that builds one (in backward, on the host), or None: the plain one. At most
+    one technique may take over the step (the rules say so too, for callers that skip the validator)."""
+    takers = [t.name for t, _ in _enabled(memory) if type(t).wrap_optimizer is not MemoryTechnique.wrap_optimizer]
+    if len(takers) > 1:
+        raise ConfigError(f"{' and '.join(takers)} both take over the optimizer step: keep one of them")
     for technique, settings in _enabled(memory):
         optimizer = technique.wrap_optimizer(spec, named_params, settings, memory, placement)
         if optimizer is not None:
@@ -111,15 +122,34 @@ def recompute(memory: MemoryConfig, n_layers: int, tokens: int, dim: int) -> Rec
     return Recompute(checkpoint=checkpoint, mlp_tiled=tiled)
 
 
-def footprints(memory: MemoryConfig, facts: ModelFacts) -> list[Footprint]:
-    """Every technique's footprint for a model of these ``facts``, in registry order."""
-    return [technique.footprint(memory[technique], memory, facts) for technique in registry.TECHNIQUES]
-
-
 _NO_MODEL = ModelFacts(n_layers=1, dim=1, trainable_bytes=0.0, frozen_bytes=0.0, residual_bytes=1,
                        micro_batch_tokens=1, step_tokens=1)
 
 
+def footprints(memory: MemoryConfig, facts: ModelFacts | None = None) -> list[Footprint]:
+    """Every technique's footprint for a model of these ``facts``, in registry order. Without ``facts``, only the
+    fields that do not depend on the model mean anything (homes, lossy, repeat blocks)."""
+    facts = _NO_MODEL if facts is None else facts
+    return [technique.footprint(memory[technique], memory, facts) for technique in registry.TECHNIQUES]
+
+
 def lossy(memory: MemoryConfig) -> list[str]:
     """What the configured techniques give up in the numbers a step computes (empty: the same step)."""
-    return [f.lossy for f in footprints(memory, _NO_MODEL) if f.lossy]
+    return [f.lossy for f in footprints(memory) if f.lossy]
+
+
+def dropped_losses(memory: MemoryConfig, other: MemoryConfig) -> list[str]:
+    """What ``memory``'s techniques give up that ``other``'s no longer do (a lossy base ``--fit`` found unneeded)."""
+    return [mine.lossy for mine, theirs in zip(footprints(memory), footprints(other))
+            if mine.lossy and not theirs.lossy]
+
+
+def repeat_blocks(memory: MemoryConfig) -> list[int]:
+    """Each technique's `Footprint.repeat_blocks`: how many consecutive blocks its per-block memory repeats over."""
+    return [f.repeat_blocks for f in footprints(memory)]
+
+
+def frozen_bytes_per_weight(memory: MemoryConfig) -> float | None:
+    """Bytes a frozen 2-D weight takes as a technique stores it once loaded (None: its dtype's)."""
+    return next((f.frozen_bytes_per_weight for f in footprints(memory)
+                 if f.frozen_bytes_per_weight is not None), None)

@@ -31,7 +31,7 @@ from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
 from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING
 from mtune.training.memory.techniques.weight_storage import WEIGHT_STORAGE
 
-__all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "LORA_KEYS", "LoraConfig", "MemoryConfig",
+__all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "GENERATION_MEMORY_KEYS", "LORA_KEYS", "LoraConfig", "MemoryConfig",
            "RunKeys", "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys"]
 
 TECHNIQUES: tuple[MemoryTechnique, ...] = (
@@ -66,6 +66,11 @@ def memory_keys(techniques=TECHNIQUES) -> KeyGroup:
 
 MEMORY_KEYS = memory_keys()
 """The memory keys every training recipe reads (``SCHEMA``'s group "memory")."""
+
+GENERATION_MEMORY_KEYS = KeyGroup(
+    "offloading", help="memory techniques of generation (the generate recipe)",
+    keys=[key for key in WEIGHT_OFFLOADING.Settings.keys()])
+"""The memory keys the generate recipe reads: frozen-weight offloading (every weight is frozen there)."""
 
 DISTRIBUTED_MEMORY_KEYS = KeyGroup(
     "distributed memory", help="memory techniques of FSDP2 runs (the distributed recipes only)",

@@ -60,9 +60,9 @@ ADVICE_TIERS = (
 """Out-of-memory advice, most effective first: each piece of advice names its tier; within a tier, registry order.
 The run's own advice (batch, dtype, sequence length) has tiers here too (`mtune.training.memory.oom`)."""
 
-QUALITY_TIERS = ("clipping_dropped", "low_bit_states", "fp8_base", "nf4_base")
-"""What a lossy ``--fit`` choice gives up, least first (``--fit`` tries the cheapest loss of quality first; the
-measured drifts: docs/plan.md)."""
+QUALITY_TIERS = {"clipping_dropped": 1, "low_bit_states": 2, "fp8_base": 3, "nf4_base": 5}
+"""What a lossy ``--fit`` choice gives up, and its rank: ``--fit`` tries the smallest sum of ranks over a candidate's
+choices first (NF4 outranks fp8 with clipping dropped; the measured drifts: docs/plan.md)."""
 
 
 def advice(tier: str, text: str) -> tuple[int, str]:
@@ -145,20 +145,20 @@ class FitChoice:
     """One option of a technique in the ``--fit`` search: ``level`` (higher saves more memory; 0 leaves the technique
     off), ``overrides`` (config keys -> values; a mapping value replaces that node whole, so no key of the component
     it replaces survives), and, when the option changes what a step computes compared with the user's config,
-    ``lossy`` (what is given up, in a few words) and ``quality`` (its tier in `QUALITY_TIERS`)."""
+    ``lossy`` (what is given up, in a few words). ``quality`` names its tier in `QUALITY_TIERS`, what it gives up
+    against full precision (ranked even where the user's config gives it up already, so ``lossy`` is None)."""
 
     __slots__ = ("level", "overrides", "lossy", "quality")
 
     def __init__(self, level: int, overrides: dict, lossy: str | None = None, quality: str | None = None):
-        if lossy and quality not in QUALITY_TIERS:
-            raise ValueError(f"a lossy FitChoice names its quality tier, one of {QUALITY_TIERS}: got {quality!r}")
-        self.level, self.overrides, self.lossy = level, overrides, lossy
-        self.quality = quality if lossy else None
+        if (lossy or quality is not None) and quality not in QUALITY_TIERS:
+            raise ValueError(f"a lossy FitChoice names its quality tier, one of {list(QUALITY_TIERS)}: got {quality!r}")
+        self.level, self.overrides, self.lossy, self.quality = level, overrides, lossy, quality
 
     @property
     def quality_cost(self) -> int:
-        """The rank of what it gives up (0: nothing; then `QUALITY_TIERS` in order from 1)."""
-        return 0 if self.quality is None else QUALITY_TIERS.index(self.quality) + 1
+        """The rank of its tier (0: none)."""
+        return QUALITY_TIERS.get(self.quality, 0)
 
     def __iter__(self):  # unpacks as (level, overrides)
         return iter((self.level, self.overrides))
@@ -220,6 +220,8 @@ class Footprint:
     ``--fit`` plans shortened models of multiples of it and extrapolates per layer."""
     lossy: str | None = None
     """What it gives up in the numbers a step computes, in a few words (None: the same step up to round-off)."""
+    frozen_bytes_per_weight: float | None = None
+    """Bytes a frozen 2-D weight takes once stored (NF4: about 0.53 with its scales); None: its dtype's."""
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,9 @@ from torch import nn
 
 from mtune.modules.lora import LoRALinear
 from mtune.modules.packed_attention import document_boundaries
-from mtune.modules.tiled_mlp import mlp_tiles
 from mtune.modules.transformer import DENSE_MASK_UP_TO
-from mtune.training.memory.techniques.activation_checkpointing.checkpoint import checkpoint_policy
-from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
-from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
 
 __all__ = ["FlopsPerToken", "StepFlops", "flops_per_token", "mean_document_length", "utilization"]
 
@@ -157,20 +155,6 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, c
     return h or down
 
 
-def _checkpointed_layers(model: nn.Module, memory: Any | None) -> list[str | None]:
-    """Each block's checkpointing policy (``block``, ``selective_op``) or None."""
-    if memory is None:
-        return [checkpoint_policy(block) for block in model.layers]
-    return ACTIVATION_CHECKPOINTING.layer_policies(memory, len(model.layers))
-
-
-def _tiled_layers(model: nn.Module, memory: Any | None, tokens: int) -> list[bool]:
-    """Whether each block's MLP runs a micro-batch of ``tokens`` tokens over more than one tile."""
-    if memory is None:
-        return [mlp_tiles(block.mlp, tokens) > 1 for block in model.layers]
-    return [TILED_MLP.tiles(memory, tokens, model.args.dim) > 1] * len(model.layers)
-
-
 def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *,
                     loss_recomputes_projection: bool = False, tokens: int | None = None,
                     attention_len: float | None = None) -> FlopsPerToken:
@@ -181,9 +165,8 @@ def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *
             applied and ``requires_grad`` set, so frozen weights and adapters are seen.
         seq_len: the padded length of the sequences (attention's row length), e.g. ``tokenizer.max_seq_len`` for
             packed data.
-        memory: the run's ``MemoryConfig`` (``enable_activation_checkpointing``,
-            ``activation_checkpointing_every_n_layers``). None: read checkpointing from the model's blocks (as
-            ``apply_activation_checkpointing`` marks them).
+        memory: the run's ``MemoryConfig``: what its techniques make backward recompute (checkpointed blocks,
+            tiled MLPs). None: nothing recomputed.
         loss_recomputes_projection: the loss runs the output projection's forward twice (a checkpointed chunked
             loss: ``ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head)``).
         tokens: the micro-batch's tokens (``batch_size * seq_len``), which decide ``mlp_tiles=auto``'s tile count;
@@ -195,8 +178,8 @@ def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *
     attention_len = seq_len if attention_len is None else attention_len
     tally = _Tally()
     stream = bool(model.embed_tokens.weight.requires_grad)
-    layers = zip(model.layers, _checkpointed_layers(model, memory), _tiled_layers(model, memory, tokens or seq_len))
-    for block, checkpointed, tiled in layers:
+    recompute = phases.recompute(memory or MemoryConfig(), len(model.layers), tokens or seq_len, model.args.dim)
+    for block, checkpointed, tiled in zip(model.layers, recompute.checkpoint, recompute.mlp_tiled):
         stream = _block(tally, block, stream, attention_len, checkpointed, tiled)
     before = tally.forward
     _linear(tally, model.lm_head, stream or _trains(model.norm), "output")
@@ -225,8 +208,9 @@ def mean_document_length(document_ids) -> float:
 class StepFlops:
     """Model and hardware FLOPs of one rank's training step, from its micro-batches: each batch's tokens before
     padding times the FLOPs per token at its padded length (attention grows with it; packed rows under the segments
-    kernel: with their documents' lengths, see the module docstring). Counts are memoised per shape; checkpointing,
-    MLP tiles and the attention kernel are read from the model, so build it after ``setup_model``.
+    kernel: with their documents' lengths, see the module docstring). Counts are memoised per shape; checkpointing
+    and MLP tiles are read from ``memory`` (the run's `MemoryConfig`; None: nothing recomputed), the attention
+    kernel from the model, so build it after ``setup_model``.
 
     ``step_flops(micro_batches) -> (model_flops, hardware_flops)``.
     """

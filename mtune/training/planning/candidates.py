@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.training.memory import registry
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning.cost import device_floor, model_facts, step_cost
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan, format_bytes
@@ -35,8 +36,11 @@ class Knob:
 
 
 def _technique_knob(technique: MemoryTechnique) -> Knob:
-    return Knob(technique.fit_knob, lambda cfg: technique.fit_choices(cfg, model_facts(cfg)),
-                technique.fit_saves_floor_only)
+    def choices(cfg) -> list[FitChoice]:
+        memory = MemoryConfig.from_config(cfg)
+        return technique.fit_choices(memory[technique], memory, model_facts(cfg))
+
+    return Knob(technique.fit_knob, choices, technique.fit_saves_floor_only)
 
 
 def _micro_batch(cfg) -> list[FitChoice]:
@@ -172,11 +176,11 @@ def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory
             if schema is not None and any(rule(variant) for rule in schema.rules):
                 continue
             chosen = (*combo, last)
-            lossy = tuple(c.lossy for c in chosen if getattr(c, "lossy", None))
+            lossy = tuple(c.lossy for c in chosen if c.lossy)
             out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen),
                                  step_cost(variant, world_size=world_size),
                                  base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
-                                 quality_cost=sum(getattr(c, "quality_cost", 0) for c in chosen)))
+                                 quality_cost=sum(c.quality_cost for c in chosen)))
     return out
 
 

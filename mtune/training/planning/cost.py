@@ -21,12 +21,10 @@ from omegaconf import OmegaConf
 
 from mtune.models import build_model_from_args
 from mtune.modules.loss import ChunkedCrossEntropyLoss
-from mtune.modules.lora import freeze_base
-from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.technique import Footprint, ModelFacts
 from mtune.training.precision import storage_dtype
-from mtune.training.memory import registry
-from mtune.training.memory.registry import ACTIVATION_CHECKPOINTING, LoraConfig
-from mtune.training.memory.technique import ModelFacts
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.observe.flops import flops_per_token
 
@@ -59,13 +57,11 @@ def _meta_model(cfg, weight_storage_dtype=None):
     """``cfg``'s model on the meta device (no memory) with its adapters and frozen base, and frozen linears stored
     as ``weight_storage_dtype``; built once per model, adapters and storage (0.1-0.3 CPU-s for an 8B model) and
     shared by the FLOPs and bytes below, which only read it."""
-    lora = LoraConfig.from_config(cfg)
+    lora = MemoryConfig.from_config(cfg).lora
     key = (_node_key(cfg.model), lora, weight_storage_dtype)
     if key not in _META_MODELS:
         model = build_model_from_args(resolve_model_source(cfg.model).args)
-        apply_memory_techniques(model, registry.MemoryConfig(weight_storage_dtype=weight_storage_dtype), lora=lora)
-        if lora is not None:
-            freeze_base(model)
+        phases.on_model(model, MemoryConfig(weight_storage_dtype=weight_storage_dtype, lora=lora))
         _META_MODELS[key] = model
     return _META_MODELS[key]
 
@@ -80,13 +76,13 @@ def model_flops_per_token(cfg) -> float:
     says (``selective_op`` recomputes only the elementwise ops between matmuls: no counted FLOPs) and the MLP
     tiled as ``mlp_tiles`` says for the micro-batch's tokens. Cached per distinct model/adapter/checkpointing/
     tiling/loss combination (the other techniques cost no FLOPs)."""
-    memory, lora = registry.MemoryConfig.from_config(cfg), LoraConfig.from_config(cfg)
+    memory = MemoryConfig.from_config(cfg)
     args = resolve_model_source(cfg.model).args
-    chunked = "Chunked" in str((cfg.get("loss") or {}).get("_component_", ""))
-    fp16 = cfg.get("dtype") == "fp16"
-    tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
-    key = (_node_key(cfg.model), lora, tuple(ACTIVATION_CHECKPOINTING.layer_policies(memory, args.n_layers)),
-           chunked, fp16, int(cfg.tokenizer.max_seq_len), memory.mlp_tiles, tokens)
+    chunked = "Chunked" in memory.run.loss_component
+    fp16 = memory.run.dtype == "fp16"
+    tokens = memory.run.micro_batch_tokens
+    key = (_node_key(cfg.model), memory.lora, phases.recompute(memory, args.n_layers, tokens, args.dim),
+           chunked, fp16, int(cfg.tokenizer.max_seq_len))
     if key not in _FLOPS_CACHE:
         model = _meta_model(cfg)  # adapters; checkpointing and tiles are read from ``memory``
         recomputes = chunked and ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head, autocast=fp16)
@@ -101,17 +97,19 @@ _PARAMS_CACHE: dict = {}
 def _parameter_bytes(cfg) -> tuple[float, float]:
     """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored (NF4 ~0.53 byte a weight with its scales,
     fp8 one byte, the rest in the storage dtype), from the model built on the meta device."""
-    lora, storage = LoraConfig.from_config(cfg), registry.MemoryConfig.from_config(cfg).weight_storage_dtype
-    key = (_node_key(cfg.model), lora, storage, cfg.get("dtype"))
+    memory = MemoryConfig.from_config(cfg)
+    storage = memory.weight_storage_dtype
+    key = (_node_key(cfg.model), memory.lora, storage, cfg.get("dtype"))
     if key not in _PARAMS_CACHE:
         dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
         model = _meta_model(cfg, storage)
-        nf4 = lora is not None and lora.quantize_base
+        stored_2d = phases.frozen_bytes_per_weight(memory)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
         frozen = 0.0
         for p in model.parameters():
             if not p.requires_grad:
-                per_weight = 0.53 if nf4 and p.dim() == 2 else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes
+                per_weight = (stored_2d if stored_2d is not None and p.dim() == 2
+                              else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes)
                 frozen += p.numel() * per_weight
         _PARAMS_CACHE[key] = (float(trainable), frozen)
     return _PARAMS_CACHE[key]
@@ -137,29 +135,30 @@ def model_facts(cfg, world_size: int = 1) -> ModelFacts:
                       cuda=is_cuda_target(cfg), trainable_numel=numel, world_size=world_size)
 
 
-def _ask(method: str, cfg, *args):
-    """The first answer (not None) of the registry's techniques."""
-    return next((a for t in registry.TECHNIQUES if (a := getattr(t, method)(cfg, *args)) is not None), None)
+def _first(footprints: list[Footprint], field: str):
+    """The first technique's answer (not None) for ``field``: the rules let at most one technique name it."""
+    return next((value for f in footprints if (value := getattr(f, field)) is not None), None)
 
 
 def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, float]]:
     """Bytes that ``cfg`` must hold whatever its activations, as ``({what: device bytes}, {what: host bytes})``:
-    the weights (the frozen ones on the host when offloaded, all of them under fsdp_cpu_offload), the optimizer
-    states where they live (device, host, or managed memory: neither budget's floor), and the full set of gradients
-    where nothing frees them during backward (optimizer-in-backward and optimizer offload do). Sharded over
-    ``world_size`` ranks (FSDP2). ``--fit`` refuses a candidate whose floor exceeds a budget without planning it."""
+    the weights (where the techniques' footprints keep them), the optimizer states where they live (device, host,
+    or managed memory: neither budget's floor), and the full set of gradients unless a technique frees them during
+    backward. Sharded over ``world_size`` ranks (FSDP2). ``--fit`` refuses a candidate whose floor exceeds a budget
+    without planning it."""
     facts = model_facts(cfg, world_size)
-    dtype = str(cfg.get("dtype"))
+    memory = MemoryConfig.from_config(cfg)
+    footprints = phases.footprints(memory, facts)
     device: dict[str, float] = {}
     host: dict[str, float] = {}
-    trainable = f"{dtype} trainable weights" if LoraConfig.from_config(cfg) is None else "adapters"
-    weights_on_host = _ask("trainable_weights_home", cfg) == "host"
+    trainable = f"{memory.run.dtype} trainable weights" if memory.lora is None else "adapters"
+    weights_on_host = _first(footprints, "trainable_weights_home") == "host"
     (host if weights_on_host else device)[trainable] = facts.trainable_bytes
     if facts.frozen_bytes:
-        (host if _ask("frozen_weights_home", cfg) == "host" else device)["frozen weights"] = facts.frozen_bytes
-    state_bytes = (_ask("state_bytes_per_element", cfg, facts) or 0.0) * facts.trainable_numel
-    home = _ask("state_home", cfg)
-    name = f"optimizer states ({str((cfg.get('optimizer') or {}).get('_component_', '')).rsplit('.', 1)[-1]})"
+        (host if _first(footprints, "frozen_weights_home") == "host" else device)["frozen weights"] = facts.frozen_bytes
+    state_bytes = (_first(footprints, "state_bytes_per_element") or 0.0) * facts.trainable_numel
+    home = _first(footprints, "states_home")
+    name = f"optimizer states ({memory.run.optimizer_component.rsplit('.', 1)[-1]})"
     if home == "host":
         host[name] = state_bytes
         if weights_on_host:  # the weights stepped there are the ones counted above
@@ -168,15 +167,15 @@ def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, 
             host["host copies and gradients"] = 2 * facts.trainable_bytes
     elif home is None:
         device[name] = state_bytes
-    if home != "host" and not registry.OPTIMIZER_IN_BACKWARD.enabled(registry.MemoryConfig.from_config(cfg)):
+    if home != "host" and not any(f.frees_gradients for f in footprints):
         device["gradients"] = facts.trainable_bytes
     return ({k: v / world_size for k, v in device.items()}, {k: v / world_size for k, v in host.items()})
 
 
 def transfer_bytes_per_token(cfg, world_size: int = 1) -> float:
     """Bytes moved between device and host per trained token (of one rank): every technique's own count."""
-    facts = model_facts(cfg, world_size)
-    return sum(technique.transfer_bytes_per_token(cfg, facts) for technique in registry.TECHNIQUES)
+    footprints = phases.footprints(MemoryConfig.from_config(cfg), model_facts(cfg, world_size))
+    return sum(f.transfer_bytes_per_token for f in footprints)
 
 
 def step_cost(cfg, paged_bytes: float = 0.0, world_size: int = 1) -> float:
@@ -187,9 +186,10 @@ def step_cost(cfg, paged_bytes: float = 0.0, world_size: int = 1) -> float:
     Under FSDP2 over ``world_size`` ranks: one rank's tokens, transfers and host step (communication is not
     priced: it is the same for every candidate of one world size, but for fsdp_cpu_offload's host copies)."""
     facts = model_facts(cfg, world_size)
+    footprints = phases.footprints(MemoryConfig.from_config(cfg), facts)
     compute = model_flops_per_token(cfg) / REFERENCE_FLOPS
-    transfers = transfer_bytes_per_token(cfg, world_size) / REFERENCE_HOST_BANDWIDTH
+    transfers = sum(f.transfer_bytes_per_token for f in footprints) / REFERENCE_HOST_BANDWIDTH
     moved = max(compute, transfers) if facts.cuda else compute + transfers
-    host_step = sum(t.host_step_elements(cfg, facts) for t in registry.TECHNIQUES) * HOST_ADAMW_SECONDS_PER_PARAM
+    host_step = sum(f.host_step_elements for f in footprints) * HOST_ADAMW_SECONDS_PER_PARAM
     paging = 2.0 * paged_bytes / REFERENCE_HOST_BANDWIDTH
     return moved + MICRO_BATCH_OVERHEAD_S / facts.micro_batch_tokens + (host_step + paging) / facts.step_tokens

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 from omegaconf import OmegaConf
 
-from mtune.training.memory import registry
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts
 from mtune.training.planning.memory_plan import MemoryPlan
 from mtune.training.planning.plan import plan_memory
@@ -20,10 +21,10 @@ __all__ = ["Estimator", "planned_layers"]
 
 def planned_layers(cfg) -> tuple[int, int]:
     """The two block counts planned to extrapolate ``cfg``'s model per layer: a unit of blocks and twice it. The
-    unit is a multiple of two and of every technique's `planning_blocks` (every 2nd block checkpointed, weight
+    unit is a multiple of two and of every technique's `Footprint.repeat_blocks` (every 2nd block checkpointed, weight
     offloading's group and the one it prefetches), so that both plans hold whole repetitions in their steady state
     and every figure grows by the same bytes per unit: two and four blocks for the choices ``--fit`` searches."""
-    unit = math.lcm(2, *(t.planning_blocks(cfg) for t in registry.TECHNIQUES))
+    unit = math.lcm(2, *phases.repeat_blocks(MemoryConfig.from_config(cfg)))
     return unit, 2 * unit
 
 

@@ -42,7 +42,8 @@ from omegaconf import OmegaConf
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
 from mtune.errors import MtuneError
-from mtune.training.memory import registry
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
@@ -252,8 +253,7 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
 def numerics_line(cfg, answer_cfg) -> str:
     """Whether a lossless answer computes the config's own numbers, or more precise ones: a technique that is
     lossy in ``cfg`` (an NF4 or fp8 base) and not in ``answer_cfg`` was dropped because its memory is not needed."""
-    dropped = [what for t in registry.TECHNIQUES
-               if (what := t.lossy(cfg)) is not None and t.lossy(answer_cfg) is None]
+    dropped = phases.dropped_losses(MemoryConfig.from_config(cfg), MemoryConfig.from_config(answer_cfg))
     if dropped:
         return (f"more precise than the config: no {', '.join(dropped)} (it fits without: not the same numbers, "
                 "nothing given up)")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtune.training.memory import registry
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
@@ -84,7 +85,8 @@ def long_context_base(cfg) -> tuple[object, dict]:
 
 def _for_any_length(cfg) -> dict:
     """Every technique's `MemoryTechnique.for_any_length` overrides for ``cfg``."""
-    return {k: v for t in registry.TECHNIQUES for k, v in t.for_any_length(cfg).items()}
+    memory = MemoryConfig.from_config(cfg)
+    return {k: v for t in registry.TECHNIQUES for k, v in t.for_any_length(memory[t], memory).items()}
 
 
 def _one_row_knobs() -> list[Knob]:

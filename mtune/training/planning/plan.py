@@ -53,7 +53,8 @@ from mtune.training.loop import step_on_tensors
 from mtune.training.optimizers import build_optimizer, inner_optimizers
 from mtune.training.placement import Placement
 from mtune.training.precision import autocast, storage_dtype
-from mtune.training.memory.registry import TECHNIQUES, LoraConfig, MemoryConfig
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.model_setup import (
     ModelSource,
@@ -126,14 +127,13 @@ def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_le
     return batches
 
 
-def _planned_memory(cfg, cuda: bool, fsdp_offload: bool) -> tuple[MemoryConfig, list[str]]:
+def _planned_memory(memory: MemoryConfig, cuda: bool, fsdp_offload: bool) -> tuple[MemoryConfig, list[str]]:
     """The run's memory keys as planned, and notes on what the plan does not model."""
-    memory = MemoryConfig.from_config(cfg)
     notes = []
     if memory.compile:
-        memory = replace(memory, compile=False)
+        memory = memory.replace(compile=False)
         notes.append("compile=true is planned eagerly: compiled blocks may hold fewer intermediates")
-    if _managed_states(cfg) and not cuda:
+    if _managed_states(memory) and not cuda:
         notes.append("paged optimizer states: without CUDA they are ordinary memory, counted on the device")
     if fsdp_offload:
         notes.append("fsdp_cpu_offload: the device copy of one block's shards that FSDP2 makes before gathering "
@@ -175,9 +175,9 @@ def _fsdp_offload_on_host(model, optimizer, placement: Placement) -> None:
         inner.register_step_post_hook(states_on_host)
 
 
-def _managed_states(cfg) -> bool:
-    """Whether a technique keeps ``cfg``'s optimizer states in CUDA managed memory (paged optimizers)."""
-    return any(technique.state_home(cfg) == "managed" for technique in TECHNIQUES)
+def _managed_states(memory: MemoryConfig) -> bool:
+    """Whether a technique keeps the optimizer states in CUDA managed memory (paged optimizers)."""
+    return any(f.states_home == "managed" for f in phases.footprints(memory))
 
 
 @contextlib.contextmanager
@@ -225,34 +225,35 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     cuda = target.type == "cuda"
     cpu = torch.device("cpu")
     placement = Placement("cpu", "cpu", distinct=target.type != "cpu")
-    fsdp_offload = sharded and bool(cfg.fsdp_cpu_offload) and placement.distinct  # host and device apart
-    memory, notes = _planned_memory(cfg, cuda, fsdp_offload)
+    memory = MemoryConfig.from_config(cfg)
+    # FSDP2 keeps the shards on the host (fsdp_cpu_offload), with host and device apart
+    fsdp_offload = sharded and placement.distinct and any(
+        f.trainable_weights_home == "host" for f in phases.footprints(memory))
+    memory, notes = _planned_memory(memory, cuda, fsdp_offload)
     dtype = storage_dtype(str(cfg.dtype))
     source = _model_source(cfg, n_layers)
-    lora = LoraConfig.from_config(cfg)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
     group = _fake_process_group(world_size) if sharded and not dist.is_initialized() else contextlib.nullcontext()
     with _quiet_setup(), group:
         if sharded:  # the run's own setup, split where the weights come in: they are made under fake tensors
             model, activation_context = build_sharded_model(
-                source, device=cpu, dtype=dtype, lora=lora, memory=memory, placement=placement,
-                fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward,
-                fsdp_cpu_offload=bool(cfg.fsdp_cpu_offload))
+                source, device=cpu, dtype=dtype, memory=memory, placement=placement,
+                fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward)
         else:
-            model, activation_context = setup_model(source, device=cpu, dtype=dtype, lora=lora, memory=memory,
+            model, activation_context = setup_model(source, device=cpu, dtype=dtype, memory=memory,
                                                     materialize=False, placement=placement)
         with mode if mode is not None else contextlib.nullcontext(), warnings.catch_warnings():
             # torchao's NF4 all-gather compares storage pointers, which fake tensors lack: harmless here
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             if sharded:
                 materialize_sharded_model(model, source, device=cpu, dtype=dtype, seed=int(cfg.get("seed") or 0),
-                                          lora=lora)
+                                          memory=memory)
             else:
-                materialize_model(model, source, device=cpu, dtype=dtype, lora=lora)
+                materialize_model(model, source, device=cpu, dtype=dtype, memory=memory, placement=placement)
             optimizer = build_optimizer(_optimizer_node(cfg), model, memory, placement=placement, target_device=target)
             if fsdp_offload:
                 _fsdp_offload_on_host(model, optimizer, placement)
-            managed = cuda and _managed_states(cfg)
+            managed = cuda and _managed_states(memory)
             if managed:  # paged states: CUDA managed memory, outside the allocator (counted apart, on the host)
                 for inner in inner_optimizers(optimizer):
                     inner.managed = placement

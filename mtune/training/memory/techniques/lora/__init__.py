@@ -126,7 +126,10 @@ class Lora(MemoryTechnique):
         return problems
 
     def footprint(self, s: LoraSettings, memory: Any, facts: ModelFacts) -> Footprint:
-        return Footprint(lossy="NF4 base weights" if s.lora is not None and s.lora.quantize_base else None)
+        if s.lora is None or not s.lora.quantize_base:
+            return Footprint()
+        # 4 bits a weight, plus its fp32 absmax per block of 64 and the scales' own quantization
+        return Footprint(lossy="NF4 base weights", frozen_bytes_per_weight=0.53)
 
     def oom_advice(self, s: LoraSettings, memory: Any) -> list[tuple[int, str]]:
         if s.lora is None:
