@@ -51,3 +51,16 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+def apply_memory_techniques(model, memory=None, lora=None, placement=None):
+    """The model phase of ``memory``'s techniques on ``model`` (`mtune.training.memory.phases.prepare_model`), with a
+    ``lora`` node given beside it and the machine's default placement; returns the step context or None."""
+    from mtune.training.memory import phases
+    from mtune.training.memory.registry import MemoryConfig
+    from mtune.training.placement import Placement
+
+    memory = memory if memory is not None else MemoryConfig()
+    if lora is not None:
+        memory = memory.replace(lora=lora)
+    return phases.prepare_model(model, memory, placement or Placement.default())

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
 from mtune.models import build_model
-from mtune.training.memory.phases import apply_memory_techniques
+from tests._helpers.training import apply_memory_techniques
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.plan import plan_memory
 from tests._helpers.recipes import TRAIN_CONFIG, train_overrides

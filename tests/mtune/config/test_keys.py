@@ -8,7 +8,8 @@ from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune.config import Key, KeyGroup, Node
 from mtune.config import keys as declared
 from mtune.training.memory import registry
-from mtune.training.memory.registry import MEMORY_KEYS, MemoryConfig, WeightOffloading
+from mtune.training.memory.registry import MEMORY_KEYS, MemoryConfig
+from mtune.training.memory.techniques.weight_offloading import WeightOffloading
 from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING_NODE
 
 

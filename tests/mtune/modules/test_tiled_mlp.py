@@ -112,7 +112,7 @@ def test_qlora_dequantizes_and_runs_hooks_once_per_pass_not_per_tile():
 
 
 def test_weight_offloading_leaf_level_moves_each_weight_once_per_pass():
-    from mtune.training.memory.registry import WeightOffloading
+    from mtune.training.memory.techniques.weight_offloading import WeightOffloading
     from mtune.training.placement import Placement
     from mtune.training.memory.techniques.weight_offloading.offloader import apply_weight_offloading
 

@@ -12,14 +12,12 @@ from mtune.config.rules import RUN_RULES
 from mtune.models import build_model
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.tiled_mlp import mlp_tiles, tile_count
-from mtune.modules.transformer import ATTENTION_KERNELS
 from mtune.training.checkpointing.recipe_state import check_resume_compatible
-from mtune.training.memory import registry
-from mtune.training.memory.phases import apply_memory_techniques
+from mtune.training.memory import phases, registry
+from tests._helpers.training import apply_memory_techniques
 from mtune.training.memory.oom import memory_advice
 from mtune.training.memory.registry import TILED_MLP, MemoryConfig
 from mtune.training.memory.technique import ModelFacts
-from mtune.training.memory.techniques.attention_kernel import ATTENTION_KERNEL_CHOICES
 
 SCHEMA = RecipeSchema([RUN_KEYS, registry.MEMORY_KEYS, MODEL_NODES, TRAINING_NODES],
                       rules=RUN_RULES + registry.MEMORY_RULES)
@@ -49,12 +47,17 @@ def test_mlp_tiles_key_rules_and_resume():
     assert SCHEMA.check(_cfg(**selective)) == [] and SCHEMA.check(_cfg(mlp_tiles=2, compile=True)) == []
     saved = OmegaConf.to_container(_cfg(), resolve=True)
     check_resume_compatible(saved, dict(saved, mlp_tiles=8, attention_kernel="dense_mask"))  # lossless: may change
-    assert TILED_MLP.lossy(_cfg(mlp_tiles=8)) is None and TILED_MLP.supports_compile
+    assert phases.lossy(MemoryConfig.from_config(_cfg(mlp_tiles=8))) == []
+
+
+def _tiled_mlp_choices(cfg, facts):
+    memory = MemoryConfig.from_config(cfg)
+    return TILED_MLP.fit_choices(memory[TILED_MLP], memory, facts)
 
 
 def test_mlp_tiles_fit_choices_and_oom_advice():
-    assert [c.overrides for c in TILED_MLP.fit_choices(_cfg(), _facts(256))] == [{"mlp_tiles": 1}]  # 1 tile: none
-    choices = TILED_MLP.fit_choices(_cfg(), _facts(65536, dim=4096))
+    assert [c.overrides for c in _tiled_mlp_choices(_cfg(), _facts(256))] == [{"mlp_tiles": 1}]  # 1 tile: none
+    choices = _tiled_mlp_choices(_cfg(), _facts(65536, dim=4096))
     assert [(c.level, c.overrides, c.lossy) for c in choices] == [(0, {"mlp_tiles": 1}, None),
                                                                   (1, {"mlp_tiles": 16}, None)]
     long = {"tokenizer": {"path": None, "max_seq_len": 16384}, "batch_size": 1}
@@ -69,7 +72,7 @@ def test_mlp_tiles_fit_choices_and_oom_advice():
 def test_tile_count():
     assert [tile_count("auto", n, 256) for n in (1, 256, 257, 600, 65536)] == [1, 1, 2, 3, 256]
     assert [tile_count(4, n, 256) for n in (2, 600)] == [2, 4]
-    assert TILED_MLP.tiles(MemoryConfig(mlp_tiles="auto"), 600, 256) == 3
+    assert MemoryConfig(mlp_tiles="auto")[TILED_MLP].tiles(600, 256) == 3
 
 
 def _step(model, tokens):
@@ -123,7 +126,6 @@ def test_auto_leaves_a_short_micro_batch_untiled():
 
 
 def test_attention_kernel_key_reaches_the_model_and_the_log(caplog):
-    assert ATTENTION_KERNEL_CHOICES == ATTENTION_KERNELS
     assert _cfg().attention_kernel == "auto"
     assert any("attention_kernel" in p for p in SCHEMA.check(_cfg(attention_kernel="flex")))
     model = build_model("mistral", "tiny", device="cpu")

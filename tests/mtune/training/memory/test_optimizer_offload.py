@@ -12,7 +12,7 @@ import torch
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import train_step
-from mtune.training.memory.phases import apply_memory_techniques
+from tests._helpers.training import apply_memory_techniques
 from mtune.training.memory.techniques.optimizer_offload.cpu_optimizer import CPUOffloadOptimizer
 from mtune.training.optimizers import build_optimizer
 from mtune.training.placement import Placement

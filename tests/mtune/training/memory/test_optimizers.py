@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from mtune.training.memory import optimizers as optim_mod
-from mtune.training.optimizers import OptimizerInBackward, build_optimizer, optimizer_state_bytes
+from mtune.training import optimizers as optim_mod
+from mtune.training.memory.techniques.optimizer_in_backward.in_backward import OptimizerInBackward
+from mtune.training.optimizers import build_optimizer, optimizer_state_bytes
 from mtune.training.memory.registry import MemoryConfig
 
 LR = 1e-3

@@ -15,7 +15,7 @@ from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
 from mtune.training.memory.techniques.activation_offloading.offload import OffloadActivations
-from mtune.training.memory.phases import apply_memory_techniques
+from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
 from tests._helpers.training import assert_close, assert_identical, loss_and_grads
 

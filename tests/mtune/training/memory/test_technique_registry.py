@@ -2,7 +2,7 @@
 schema, `MemoryConfig`, the rules, the application order, resume, the ``--fit`` search, the cost model and the
 out-of-memory advice, with no other file touched. Copy this test for a new technique (docs/architecture.md)."""
 
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,52 +11,55 @@ from omegaconf import OmegaConf
 from mtune.config import RecipeSchema
 from mtune.config.keys import MODEL_NODES, RUN_KEYS, TRAINING_NODES
 from mtune.config.rules import RUN_RULES
-from mtune.config.schema import Key
 from mtune.models import build_model_from_args, model_args
 from mtune.training.checkpointing.recipe_state import ResumeError, check_resume_compatible
 from mtune.training.memory import registry
-from mtune.training.memory.phases import apply_memory_techniques
+from tests._helpers.training import apply_memory_techniques
 from mtune.training.memory.oom import memory_advice
-from mtune.training.memory.technique import FitChoice, MemoryTechnique
+from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, Settings, advice, setting
 from mtune.training.planning import cost, fit
 from mtune.training.planning.candidates import registry_knobs
 
 BYTES_PER_TOKEN = 1e6
 
 
+@dataclass(frozen=True)
+class DummySettings(Settings):
+    dummy_marking: bool = setting(False, "mark every block (a test technique)")
+    dummy_strength: int = setting(1, "how strongly", at_least=1)
+
+
 class Dummy(MemoryTechnique):
-    """Marks every block; refuses compile; moves a fixed number of bytes per token; must match on resume."""
+    """Marks every block; moves a fixed number of bytes per token; must match on resume; refused with compile."""
 
     name = "dummy_marking"
-    keys = (Key("dummy_marking", bool, False, "mark every block (a test technique)"),
-            Key("dummy_strength", int, 1, "how strongly", at_least=1))
+    Settings = DummySettings
     must_match_on_resume = ("dummy_marking",)
-    supports_compile = False
     fit_knob = "dummy"
 
-    def enabled(self, memory: Any, lora: Any = None) -> bool:
-        return memory.dummy_marking
+    def enabled(self, s, memory):
+        return s.dummy_marking
 
-    def apply(self, model, memory, *, lora, placement):
+    def on_model(self, model, s, memory, placement):
         for block in model.layers:
-            block.dummy_mark = memory.dummy_strength
+            block.dummy_mark = s.dummy_strength
 
-    def fit_choices(self, cfg, facts):
-        return [FitChoice(0, {"dummy_marking": False}), FitChoice(1, {"dummy_marking": True}, lossy="marks")]
+    def fit_choices(self, s, memory, facts):
+        return [FitChoice(0, {"dummy_marking": False}),
+                FitChoice(1, {"dummy_marking": True}, lossy="marks", quality="low_bit_states")]
 
-    def rules(self, cfg):
-        if cfg.get("dummy_marking") and cfg.get("compile"):
+    def rules(self, s, memory):
+        if s.dummy_marking and memory.compile:
             return ["dummy_marking=true cannot be combined with compile=true: set one of them false"]
         return []
 
-    def lossy(self, cfg):
-        return "marks" if cfg.get("dummy_marking") else None
+    def footprint(self, s, memory, facts):
+        if not s.dummy_marking:
+            return Footprint()
+        return Footprint(transfer_bytes_per_token=BYTES_PER_TOKEN, lossy="marks")
 
-    def transfer_bytes_per_token(self, cfg, facts):
-        return BYTES_PER_TOKEN if cfg.get("dummy_marking") else 0.0
-
-    def oom_advice(self, cfg):
-        return [] if cfg.get("dummy_marking") else [(15, "dummy_marking=true")]
+    def oom_advice(self, s, memory):
+        return [] if s.dummy_marking else [advice("mlp_tiles", "dummy_marking=true")]
 
 
 DUMMY = Dummy()
@@ -70,9 +73,7 @@ def registered(monkeypatch):
     monkeypatch.setattr(registry, "TECHNIQUES", TECHNIQUES)
     keys = registry.memory_keys(TECHNIQUES)
     schema = RecipeSchema([RUN_KEYS, keys, MODEL_NODES, TRAINING_NODES], rules=RUN_RULES + registry.MEMORY_RULES)
-    memory_config = registry.make_memory_config(registry.technique_keys(TECHNIQUES))
-    monkeypatch.setattr(registry, "MemoryConfig", memory_config)
-    return schema, memory_config
+    return schema, registry.MemoryConfig
 
 
 def _cfg(schema, **changes):
@@ -101,8 +102,9 @@ def test_rules_resume_oom_advice_and_cost_see_it(registered):
     with pytest.raises(ResumeError, match="dummy_marking"):
         check_resume_compatible(saved, dict(saved, dummy_marking=True))
     check_resume_compatible(saved, dict(saved, dummy_strength=3))  # not in must_match_on_resume: may change
-    advice = memory_advice(_cfg(schema))
-    assert advice.index("dummy_marking=true") == advice.index("enable_activation_checkpointing=true") + 1  # by rank
+    advice_lines = memory_advice(_cfg(schema))
+    # in its tier: after checkpointing, before activation offloading
+    assert advice_lines.index("dummy_marking=true") == advice_lines.index("enable_activation_checkpointing=true") + 1
     assert "dummy_marking=true" not in memory_advice(_cfg(schema, dummy_marking=True))
     on, off = _cfg(schema, dummy_marking=True), _cfg(schema)
     assert cost.transfer_bytes_per_token(on) - cost.transfer_bytes_per_token(off) == pytest.approx(BYTES_PER_TOKEN)

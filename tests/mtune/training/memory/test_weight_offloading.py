@@ -10,11 +10,12 @@ import copy
 import pytest
 import torch
 
-from mtune.training.memory.registry import MemoryConfig, WeightOffloading
+from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.techniques.weight_offloading import WeightOffloading
 from mtune.models import build_model
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.memory.techniques.activation_checkpointing.checkpoint import is_checkpointed
-from mtune.training.memory.phases import apply_memory_techniques
+from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.memory.techniques.weight_offloading.offloader import _in_backward, weight_offloader
@@ -32,7 +33,7 @@ def _pair(memory: MemoryConfig, lora=LORA, dtype=torch.float32, n_layers=N_LAYER
     torch.manual_seed(0)
     base = build_model("llama3_1", "tiny", device="cpu", n_layers=n_layers, dtype=dtype)
     plain, twin = copy.deepcopy(base), copy.deepcopy(base)
-    plain_memory = MemoryConfig(**{**memory.__dict__, "weight_offloading": None})
+    plain_memory = memory.replace(weight_offloading=None)
     apply_memory_techniques(plain, plain_memory, lora=lora)
     ctx = apply_memory_techniques(twin, memory, lora=lora, placement=Placement("cpu", distinct=True))
     twin.load_state_dict(plain.state_dict())

@@ -18,9 +18,9 @@ from mtune.modules.lora import LoRALinear
 from mtune.modules.lora_state import lora_state_dict, merge_lora_weights
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.tokenizers import load_tokenizer
-from mtune.training import model_setup
+from mtune.training.memory import phases
 from mtune.training.memory.techniques.activation_offloading.offload import OffloadActivations
-from mtune.training.memory.phases import apply_memory_techniques
+from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
 from mtune.training.model_setup import resolve_model_source, setup_model
 from tests._helpers.training import assert_close, loss_and_grads
@@ -54,17 +54,15 @@ def _block_linears(model):
 
 
 def test_streamed_load_quantizes_each_weight_on_arrival_to_half_the_bf16_bytes(monkeypatch):
-    unquantized_seen, built = [], []
-    quantize, transform = model_setup.quantize_fp8_weight_, model_setup.apply_memory_techniques
+    unquantized_seen = []
+    on_weights = phases.on_weights
 
-    def quantize_and_count(module):  # after each tensor arrives: how many stored weights sit in bf16 right now?
-        quantize(module)
+    def quantize_and_count(model, module, *args):  # after each tensor arrives: how many sit in bf16 right now?
+        on_weights(model, module, *args)
         unquantized_seen.append(sum(has_fp8_storage(m) and not m.weight.is_meta and not is_fp8_stored(m)
-                                    for m in built[0].modules()))
+                                    for m in model.modules()))
 
-    monkeypatch.setattr(model_setup, "apply_memory_techniques", lambda model, *a, **k: built.append(model) or
-                        transform(model, *a, **k))
-    monkeypatch.setattr(model_setup, "quantize_fp8_weight_", quantize_and_count)
+    monkeypatch.setattr(phases, "on_weights", quantize_and_count)
     model = _model(torch.bfloat16, weight_storage_dtype="float8_e4m3fn")
     assert unquantized_seen and max(unquantized_seen) == 0  # the bf16 model never exists at once
 
@@ -180,7 +178,7 @@ def test_fp8_base_on_cuda_in_bf16(batch):
 def test_fp8_base_with_weight_offloading_and_selective_op_is_exact():
     # Weight offloading moves the fp8 codes (1 byte a value) and the blocks' frozen fp32 norms; the row scales (a
     # buffer) stay on the device.
-    from mtune.training.memory.registry import WeightOffloading
+    from mtune.training.memory.techniques.weight_offloading import WeightOffloading
     from tests.mtune.training.memory.test_weight_offloading import _assert_identical, _loss_and_grads, _pair
 
     memory = MemoryConfig(weight_storage_dtype="float8_e4m3fn", enable_activation_checkpointing=True,
