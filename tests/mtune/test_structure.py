@@ -94,18 +94,23 @@ def test_light_packages_never_import_torch():
 TECHNIQUES_PACKAGE = "mtune.training.memory.techniques"
 
 
+def _is_declaration(module: str) -> bool:
+    """A technique's declaration: the ``__init__`` of its package, ``techniques/<name>``."""
+    return _package(module) == TECHNIQUES_PACKAGE
+
+
 def test_training_and_modules_import_mtune_at_module_level():
     # A function-local import of another mtune module would hide an import cycle; only the CLI (start-up time),
-    # the tokenizer loader (one family's library at a time) and a technique's apply() (its implementation, so that
-    # `mtune validate` reads the declaration without torch) import lazily.
+    # the tokenizer loader (one family's library at a time) and a technique's declaration (its phases import the
+    # implementation when they run, so that `mtune validate` reads the declaration without torch) import lazily.
     problems = []
     for name, tree in _modules().items():
         if not name.startswith(("mtune.training", "mtune.modules", "mtune.models")):
             continue
+        if _is_declaration(name):
+            continue
         for function in ast.walk(tree):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if _within(name, TECHNIQUES_PACKAGE) and function.name == "apply":
-                    continue
                 problems += [f"{name}:{line} imports {source} inside {function.name}()"
                              for source, _, line in _imports(function) if source.startswith("mtune")]
     assert not problems, "\n".join(problems)
@@ -119,8 +124,9 @@ LAYERS = [
     ["mtune.tokenizers", "mtune.modules"],
     ["mtune.data", "mtune.models"],
     ["mtune.training.memory", "mtune.training.distributed", "mtune.training.rng", "mtune.training.signals",
-     "mtune.training.lr_schedulers", "mtune.training.output_lock", "mtune.training.data_setup"],
-    ["mtune.training.loop", "mtune.training.checkpointing", "mtune.training.task_eval"],
+     "mtune.training.lr_schedulers", "mtune.training.output_lock", "mtune.training.data_setup",
+     "mtune.training.placement", "mtune.training.precision", "mtune.training.shards"],
+    ["mtune.training.loop", "mtune.training.checkpointing", "mtune.training.task_eval", "mtune.training.optimizers"],
     ["mtune.training.observe", "mtune.training.context", "mtune.training.model_setup"],
     ["mtune.training.planning", "mtune.training.measured_memory"],
     ["mtune.training.session"],
@@ -150,12 +156,13 @@ def test_no_import_runs_back_up():
 
 def test_technique_declarations_never_import_torch():
     # `mtune validate` reads every technique's keys and rules: the declarations import no torch and no mtune module
-    # that does, at module level (apply() imports the implementation when it runs).
-    allowed = ("mtune.config", "mtune.training.memory.technique", TECHNIQUES_PACKAGE)
+    # that does, at module level (a phase imports the implementation beside it when it runs).
+    declarations = [name for name in _modules() if _is_declaration(name)]
+    allowed = ("mtune.config", "mtune.training.memory.technique", *declarations)
     problems = []
     for name, tree in _modules().items():
-        if not (_within(name, TECHNIQUES_PACKAGE) or name in ("mtune.training.memory.registry",
-                                                               "mtune.training.memory.technique")):
+        if not (_is_declaration(name) or name in ("mtune.training.memory.registry",
+                                                  "mtune.training.memory.technique")):
             continue
         for node in tree.body:  # module level only
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -189,8 +196,111 @@ def test_no_technique_key_is_read_as_a_raw_string_outside_the_techniques():
     # technique's own methods; only the techniques read them from a config by name (their interactions included).
     from mtune.training.memory.registry import TECHNIQUES
 
-    keys = {key.name for technique in TECHNIQUES for key in technique.keys + technique.distributed_keys}
+    keys = {key.name for technique in TECHNIQUES for key in technique.Settings.keys()}
     problems = [f"{name}:{line} reads {key!r}"
                 for name, tree in _modules().items() if not _within(name, TECHNIQUES_PACKAGE)
                 for key, line in _reads(tree) if key in keys]
     assert not problems, "\n".join(problems)
+
+
+MEMORY_PACKAGE = "mtune.training.memory"
+RECIPES = Path(mtune.__file__).parent.parent / "recipes"
+
+
+def _technique_keys() -> set[str]:
+    from mtune.training.memory.registry import TECHNIQUES
+
+    return {key.name for technique in TECHNIQUES for key in technique.Settings.keys()}
+
+
+def _outside_memory() -> dict[str, ast.Module]:
+    """Every module of mtune outside the memory package, and the recipes."""
+    modules = {name: tree for name, tree in _modules().items() if not _within(name, MEMORY_PACKAGE)}
+    for path in sorted(RECIPES.glob("*.py")):
+        modules[f"recipes.{path.stem}"] = ast.parse(path.read_text(), filename=str(path))
+    return modules
+
+
+def test_the_run_imports_no_technique():
+    # Outside the memory package, the run reaches the techniques through the registry and the phases only: no
+    # module of mtune and no recipe imports a technique's package.
+    problems = [f"{name}:{line} imports {source}"
+                for name, tree in _outside_memory().items()
+                for source, _, line in _imports(tree) if _within(source, TECHNIQUES_PACKAGE)]
+    assert not problems, "\n".join(problems)
+
+
+def _config_like(node: ast.AST) -> bool:
+    """A config or the run's memory settings: ``cfg``, ``config``, ``memory``, ``self.cfg`` and the like."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name in ("cfg", "config", "memory", "run_cfg", "answer_cfg")
+
+
+def test_no_technique_key_is_read_as_an_attribute_or_tested_with_in_outside_the_techniques():
+    # ``cfg.fsdp_cpu_offload``, ``memory.compile`` or ``"lora" in cfg`` outside the memory package would act on a
+    # technique's key by hand; the technique's own hooks do (``lora`` is read as the LoRA recipes' method node).
+    keys = _technique_keys() - {"lora"}
+    problems = []
+    for name, tree in _outside_memory().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in keys and _config_like(node.value):
+                problems.append(f"{name}:{node.lineno} reads .{node.attr}")
+            elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) \
+                    and node.left.value in keys and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+                problems.append(f"{name}:{node.lineno} tests {node.left.value!r} in ...")
+    assert not problems, "\n".join(problems)
+
+
+def _module_level_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, tree in modules.items():
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for source, imported, _ in _imports(node):
+                    target = f"{source}.{imported}" if f"{source}.{imported}" in modules else source
+                    if target in modules and target != name:
+                        graph[name].add(target)
+    return graph
+
+
+def test_no_import_circle():
+    # Tarjan's strongly connected components over module-level imports: any component of two or more modules
+    # is a circle (a declaration and its implementation importing each other, say).
+    graph, index, low, stack, on_stack, circles = _module_level_graph(), {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert not circles, circles
+
+
+LONG_MODULES_ALLOWED = 2
+"""Modules over 300 lines (``mtune/``): at most this many."""
+
+
+def test_modules_stay_short():
+    long = sorted((len(path.read_text().splitlines()), str(path.relative_to(PACKAGE.parent)))
+                  for path in PACKAGE.rglob("*.py") if len(path.read_text().splitlines()) > 300)
+    assert len(long) <= LONG_MODULES_ALLOWED, long

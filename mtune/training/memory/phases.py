@@ -31,7 +31,7 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.config.errors import ConfigError
 from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFacts, Recompute
 
-__all__ = ["prepare_model", "on_model", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
+__all__ = ["prepare_model", "on_model", "planned", "parameter_settings", "shape_parameters", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
            "recompute", "footprints", "lossy", "dropped_losses", "repeat_blocks", "frozen_bytes_per_weight", "describe"]
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,23 @@ def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
 
 
 def on_model(model: Any, memory: MemoryConfig, placement: Any = None) -> None:
-    """The model phase alone, on a meta ``model`` (the planner's cost model reads the result)."""
+    """The model phase alone."""
     for technique, settings in _enabled(memory):
         technique.on_model(model, settings, memory, placement)
+
+
+def parameter_settings(memory: MemoryConfig) -> tuple:
+    """The settings of the techniques that decide the model's parameters (`MemoryTechnique.shapes_parameters`):
+    two runs alike here have the same parameters, trainable and stored alike."""
+    return tuple(memory[t] for t in registry.TECHNIQUES if t.shapes_parameters)
+
+
+def shape_parameters(model: Any, memory: MemoryConfig) -> None:
+    """The model phase of the techniques that decide the parameters only, on a meta ``model`` (the planner's cost
+    model counts its parameters and FLOPs)."""
+    for technique, settings in _enabled(memory):
+        if technique.shapes_parameters:
+            technique.on_model(model, settings, memory, None)
 
 
 def sharding_options(memory: MemoryConfig, placement: Any) -> dict:
@@ -124,6 +138,17 @@ def recompute(memory: MemoryConfig, n_layers: int, tokens: int, dim: int) -> Rec
 
 _NO_MODEL = ModelFacts(n_layers=1, dim=1, trainable_bytes=0.0, frozen_bytes=0.0, residual_bytes=1,
                        micro_batch_tokens=1, step_tokens=1)
+
+
+def planned(memory: MemoryConfig) -> tuple[MemoryConfig, list[str]]:
+    """``memory`` as ``mtune plan`` can model it: without the techniques whose footprint says they are not planned,
+    and those footprints' notes."""
+    notes = []
+    for technique in registry.TECHNIQUES:
+        note = technique.footprint(memory[technique], memory, _NO_MODEL).not_planned
+        if note:
+            memory, notes = memory.without(technique), notes + [note]
+    return memory, notes
 
 
 def footprints(memory: MemoryConfig, facts: ModelFacts | None = None) -> list[Footprint]:

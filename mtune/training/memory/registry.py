@@ -187,6 +187,10 @@ class MemoryConfig:
         current = {f.name: getattr(s, f.name) for s in self._settings.values() for f in fields(s)}
         return MemoryConfig(self.kind, self.run, **{**current, **values})
 
+    def without(self, technique: MemoryTechnique) -> "MemoryConfig":
+        """A copy with ``technique``'s keys at their declared defaults (off)."""
+        return self.replace(**{f.name: getattr(technique.Settings(), f.name) for f in fields(technique.Settings)})
+
     def __getitem__(self, technique: MemoryTechnique) -> Settings:
         settings = self._settings.get(technique)
         return settings if settings is not None else technique.Settings()

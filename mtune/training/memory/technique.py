@@ -220,6 +220,9 @@ class Footprint:
     ``--fit`` plans shortened models of multiples of it and extrapolates per layer."""
     lossy: str | None = None
     """What it gives up in the numbers a step computes, in a few words (None: the same step up to round-off)."""
+    not_planned: str | None = None
+    """Why ``mtune plan`` plans the run without this technique (it cannot model it), as the plan's note; None: it
+    is planned."""
     frozen_bytes_per_weight: float | None = None
     """Bytes a frozen 2-D weight takes once stored (NF4: about 0.53 with its scales); None: its dtype's."""
 
@@ -251,6 +254,9 @@ class MemoryTechnique:
     """Those of its keys a resumed run must keep (they change what a step computes); the rest may change."""
     fit_knob: str | None = None
     """The name of its ``mtune plan --fit`` dimension (:meth:`fit_choices`); None: left as configured."""
+    shapes_parameters: bool = False
+    """Whether its model phase decides which parameters exist, which train and how they are stored (adapters, NF4,
+    fp8): the cost model's meta model applies the model phase of these techniques only."""
     fit_saves_floor_only: bool = False
     """Whether all its choices save is in the floor ``--fit`` computes before planning (weights, states,
     gradients), none in activations: a choice whose floor saving is negligible for the budget is not searched."""

@@ -53,15 +53,15 @@ def _node_key(node) -> str | None:
 _META_MODELS: dict = {}
 
 
-def _meta_model(cfg, weight_storage_dtype=None):
-    """``cfg``'s model on the meta device (no memory) with its adapters and frozen base, and frozen linears stored
-    as ``weight_storage_dtype``; built once per model, adapters and storage (0.1-0.3 CPU-s for an 8B model) and
-    shared by the FLOPs and bytes below, which only read it."""
-    lora = MemoryConfig.from_config(cfg).lora
-    key = (_node_key(cfg.model), lora, weight_storage_dtype)
+def _meta_model(cfg):
+    """``cfg``'s model on the meta device (no memory) with the parameters its techniques decide (adapters, a frozen
+    base, fp8 storage); built once per model and such settings (0.1-0.3 CPU-s for an 8B model) and shared by the
+    FLOPs and bytes below, which only read it."""
+    memory = MemoryConfig.from_config(cfg)
+    key = (_node_key(cfg.model), phases.parameter_settings(memory))
     if key not in _META_MODELS:
         model = build_model_from_args(resolve_model_source(cfg.model).args)
-        phases.on_model(model, MemoryConfig(weight_storage_dtype=weight_storage_dtype, lora=lora))
+        phases.shape_parameters(model, memory)
         _META_MODELS[key] = model
     return _META_MODELS[key]
 
@@ -81,8 +81,8 @@ def model_flops_per_token(cfg) -> float:
     chunked = "Chunked" in memory.run.loss_component
     fp16 = memory.run.dtype == "fp16"
     tokens = memory.run.micro_batch_tokens
-    key = (_node_key(cfg.model), memory.lora, phases.recompute(memory, args.n_layers, tokens, args.dim),
-           chunked, fp16, int(cfg.tokenizer.max_seq_len))
+    key = (_node_key(cfg.model), phases.parameter_settings(memory),
+           phases.recompute(memory, args.n_layers, tokens, args.dim), chunked, fp16, int(cfg.tokenizer.max_seq_len))
     if key not in _FLOPS_CACHE:
         model = _meta_model(cfg)  # adapters; checkpointing and tiles are read from ``memory``
         recomputes = chunked and ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head, autocast=fp16)
@@ -98,11 +98,10 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
     """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored (NF4 ~0.53 byte a weight with its scales,
     fp8 one byte, the rest in the storage dtype), from the model built on the meta device."""
     memory = MemoryConfig.from_config(cfg)
-    storage = memory.weight_storage_dtype
-    key = (_node_key(cfg.model), memory.lora, storage, cfg.get("dtype"))
+    key = (_node_key(cfg.model), phases.parameter_settings(memory), cfg.get("dtype"))
     if key not in _PARAMS_CACHE:
         dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
-        model = _meta_model(cfg, storage)
+        model = _meta_model(cfg)
         stored_2d = phases.frozen_bytes_per_weight(memory)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
         frozen = 0.0

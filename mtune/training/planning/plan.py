@@ -129,10 +129,7 @@ def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_le
 
 def _planned_memory(memory: MemoryConfig, cuda: bool, fsdp_offload: bool) -> tuple[MemoryConfig, list[str]]:
     """The run's memory keys as planned, and notes on what the plan does not model."""
-    notes = []
-    if memory.compile:
-        memory = memory.replace(compile=False)
-        notes.append("compile=true is planned eagerly: compiled blocks may hold fewer intermediates")
+    memory, notes = phases.planned(memory)
     if _managed_states(memory) and not cuda:
         notes.append("paged optimizer states: without CUDA they are ordinary memory, counted on the device")
     if fsdp_offload:

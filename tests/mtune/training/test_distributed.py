@@ -31,9 +31,9 @@ from mtune.training.distributed import shard_model
 from mtune.training.loop import train_step
 from mtune.training.memory.tensor_bytes import tensor_bytes
 from mtune.training.model_setup import (
-    ModelSource, init_weights_sharded, reset_adapters_sharded, resolve_model_source, setup_model,
-    setup_sharded_model,
+    ModelSource, init_weights_sharded, resolve_model_source, setup_model, setup_sharded_model,
 )
+from mtune.training.memory.techniques.lora.adapters import reset_adapters_sharded
 from tests._helpers.distributed import run_on_ranks
 from tests._helpers.models import write_tiny_hf_model
 
@@ -138,8 +138,7 @@ def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
 
     # 4. random weights (tied embeddings) with QDoRA adapters, set up sharded: the values of one device
     model, _ = setup_sharded_model(ModelSource("llama3_2", model_args("llama3_2", "tiny"), None), device=CPU,
-                                   dtype=torch.float32, seed=5, lora=QDORA, fsdp_reshard_after_forward=True,
-                                   fsdp_cpu_offload=False)
+                                   dtype=torch.float32, seed=5, lora=QDORA, fsdp_reshard_after_forward=True)
     out["random_qdora"] = dict(gathered_state_dict_items(model))
     if rank == 0:
         torch.save(out, tmp / "rank0.pt")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import MemoryTechnique, Settings, setting
+from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFacts, Settings, setting
 
 __all__ = ["Compile", "COMPILE", "CompileSettings"]
 
@@ -24,6 +24,11 @@ class Compile(MemoryTechnique):
 
     def enabled(self, s: CompileSettings, memory: Any) -> bool:
         return s.compile
+
+    def footprint(self, s: CompileSettings, memory: Any, facts: ModelFacts) -> Footprint:
+        if not s.compile:
+            return Footprint()
+        return Footprint(not_planned="compile=true is planned eagerly: compiled blocks may hold fewer intermediates")
 
     def on_model(self, model: Any, s: CompileSettings, memory: Any, placement: Any) -> None:
         for block in model.layers:

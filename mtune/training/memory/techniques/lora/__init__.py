@@ -93,6 +93,7 @@ class Lora(MemoryTechnique):
 
     name = "lora"
     Settings = LoraSettings
+    shapes_parameters = True
     must_match_on_resume = ("lora",)  # modules, rank, alpha, dropout, DoRA, NF4: the trainable parameters
 
     def enabled(self, s: LoraSettings, memory: Any) -> bool:

@@ -28,6 +28,7 @@ class WeightStorageSettings(Settings):
 class WeightStorage(MemoryTechnique):
     name = "weight_storage_dtype"
     Settings = WeightStorageSettings
+    shapes_parameters = True
     must_match_on_resume = ("weight_storage_dtype", "weight_storage_skip_patterns")  # every later step computes
     # with the fp8-rounded weights
     fit_knob = "lora_method"  # fp8 is a level of the frozen base's storage, beside NF4 (lora.quantize_base)
