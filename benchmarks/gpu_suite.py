@@ -307,7 +307,8 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     breakdown = api.MemoryBreakdown(model, api.inner_optimizers(optimizer), run.output_dir, enabled=tracking,
                                     write=False, placement=run.placement, track_all_steps=False)
     recomputes = isinstance(loss_fn, api.ChunkedCrossEntropyLoss) and loss_fn.recomputes_projection(model.lm_head)
-    fpt = api.StepFlops(model, loss_recomputes_projection=recomputes).per_token(int(cfg.tokenizer.max_seq_len))
+    fpt = api.StepFlops(model, loss_recomputes_projection=recomputes, memory=memory).per_token(
+        int(cfg.tokenizer.max_seq_len))
     generator = torch.Generator().manual_seed(0)
     batch = synthetic_batch(int(cfg.batch_size), int(cfg.tokenizer.max_seq_len), source.args.vocab_size, generator)
     if cuda:

@@ -368,10 +368,11 @@ def _meta_model(case: dict):
 
 def flops(case: dict, seq_len: int = 512):
     from mtune.modules.loss import ChunkedCrossEntropyLoss
+    from mtune.training.memory.registry import MemoryConfig
     from mtune.training.observe.flops import flops_per_token
 
     model = _meta_model(case)
-    return flops_per_token(model, seq_len,
+    return flops_per_token(model, seq_len, MemoryConfig(enable_activation_checkpointing=bool(case["ac"])),
                            loss_recomputes_projection=ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head))
 
 

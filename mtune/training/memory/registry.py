@@ -106,6 +106,8 @@ class RunKeys:
     fsdp_reshard_after_forward: bool = _declared(DISTRIBUTED_KEYS, "fsdp_reshard_after_forward")
     checkpoint_dir: str | None = None
     """``model.checkpoint_dir``."""
+    tie_embeddings: bool | None = None
+    """``model.tie_embeddings`` where a config states it (else the checkpoint's ``config.json`` says)."""
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "RunKeys":
@@ -115,6 +117,7 @@ class RunKeys:
 
         given = {f.name: cfg[f.name] for f in fields(cls) if f.name in cfg and cfg[f.name] is not None}
         return cls(**{k: v for k, v in given.items() if k not in ("optimizer", "loss", "checkpoint_dir")},
+                   tie_embeddings=_node(cfg, "model").get("tie_embeddings"),
                    max_seq_len=_node(cfg, "tokenizer").get("max_seq_len"),
                    packed=bool(_node(cfg, "dataset").get("packed") or False),
                    optimizer=items("optimizer"), loss=items("loss"),
@@ -133,7 +136,9 @@ class RunKeys:
         return int(self.batch_size) * int(self.max_seq_len or 0)
 
     def ties_embeddings(self) -> bool | None:
-        """Whether the checkpoint ties ``lm_head`` to ``embed_tokens`` (None: no checkpoint to read)."""
+        """Whether the model ties ``lm_head`` to ``embed_tokens`` (None: no checkpoint to read)."""
+        if self.tie_embeddings is not None:
+            return bool(self.tie_embeddings)
         if self.checkpoint_dir is None:
             return None
         config_file = Path(str(self.checkpoint_dir)) / "config.json"

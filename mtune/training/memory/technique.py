@@ -33,42 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtune.config.schema import Key, KeyGroup, Node
+from mtune.training.memory.footprint import (ADVICE_TIERS, QUALITY_TIERS, RUN_KINDS, FitChoice, Footprint, ModelFacts,
+                                             Recompute, advice)
 
 __all__ = ["MemoryTechnique", "Settings", "NoSettings", "setting", "FitChoice", "ModelFacts", "Footprint",
            "Recompute", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "RUN_KINDS"]
-
-RUN_KINDS = ("single_device", "distributed")
-"""What `MemoryConfig.kind` says: the recipe runs on one device, or sharded with FSDP2."""
-
-ADVICE_TIERS = (
-    "dense_mask",             # a packed row's s² mask: the largest activation at long context
-    "activation_checkpointing",
-    "mlp_tiles",
-    "activation_offloading",
-    "micro_batch",            # the run's: a smaller batch_size with more accumulation
-    "lora",                   # train adapters instead of every weight
-    "qlora",
-    "low_bit_states",
-    "optimizer_in_bwd",
-    "optimizer_offload",
-    "fsdp_cpu_offload",
-    "weight_offloading",
-    "chunked_loss",
-    "dtype",                  # the run's: bf16 weights
-    "seq_len",                # the run's: shorter rows
-)
-"""Out-of-memory advice, most effective first: each piece of advice names its tier; within a tier, registry order.
-The run's own advice (batch, dtype, sequence length) has tiers here too (`mtune.training.memory.oom`)."""
-
-QUALITY_TIERS = {"clipping_dropped": 1, "low_bit_states": 2, "fp8_base": 3, "nf4_base": 5}
-"""What a lossy ``--fit`` choice gives up, and its rank: ``--fit`` tries the smallest sum of ranks over a candidate's
-choices first (NF4 outranks fp8 with clipping dropped; the measured drifts: docs/plan.md)."""
-
-
-def advice(tier: str, text: str) -> tuple[int, str]:
-    """One piece of out-of-memory advice in ``tier`` (a name of `ADVICE_TIERS`), sortable with the others."""
-    return ADVICE_TIERS.index(tier), text
-
 
 # ---- typed settings ---------------------------------------------------------------------------------------------
 
@@ -98,13 +67,25 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _is_sequence(value: Any) -> bool:
+    """A YAML list: a Python list or tuple, or OmegaConf's ListConfig (not imported here)."""
+    return isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig"
+
+
 @dataclass(frozen=True)
 class Settings:
     """Base of every technique's typed settings: one field per config key, declared with :func:`setting`."""
 
     @classmethod
     def keys(cls) -> list[Key | Node]:
-        """The config keys these fields declare, in field order."""
+        """The config keys these fields declare, in field order: made once per class, so every key group that
+        lists one (the training recipes', generate's) holds the same declaration."""
+        if "_declared_keys" not in cls.__dict__:
+            cls._declared_keys = cls._declare()
+        return list(cls._declared_keys)
+
+    @classmethod
+    def _declare(cls) -> list[Key | Node]:
         hints = _hints(cls)
         declared = []
         for f in dataclasses.fields(cls):
@@ -128,7 +109,7 @@ class Settings:
             value = values[f.name]
             if value is not None and f.metadata.get("convert") is not None:
                 value = f.metadata["convert"](value)
-            elif isinstance(value, (list, tuple)) and typing.get_origin(hints[f.name]) is tuple:
+            elif _is_sequence(value) and typing.get_origin(hints[f.name]) is tuple:
                 value = tuple(value)
             given[f.name] = value
         return cls(**given)
@@ -137,103 +118,6 @@ class Settings:
 @dataclass(frozen=True)
 class NoSettings(Settings):
     """A technique without keys of its own (its setting is another node's, e.g. the optimizer's component)."""
-
-
-# ---- what the planner knows ---------------------------------------------------------------------------------------
-
-class FitChoice:
-    """One option of a technique in the ``--fit`` search: ``level`` (higher saves more memory; 0 leaves the technique
-    off), ``overrides`` (config keys -> values; a mapping value replaces that node whole, so no key of the component
-    it replaces survives), and, when the option changes what a step computes compared with the user's config,
-    ``lossy`` (what is given up, in a few words). ``quality`` names its tier in `QUALITY_TIERS`, what it gives up
-    against full precision (ranked even where the user's config gives it up already, so ``lossy`` is None)."""
-
-    __slots__ = ("level", "overrides", "lossy", "quality")
-
-    def __init__(self, level: int, overrides: dict, lossy: str | None = None, quality: str | None = None):
-        if (lossy or quality is not None) and quality not in QUALITY_TIERS:
-            raise ValueError(f"a lossy FitChoice names its quality tier, one of {list(QUALITY_TIERS)}: got {quality!r}")
-        self.level, self.overrides, self.lossy, self.quality = level, overrides, lossy, quality
-
-    @property
-    def quality_cost(self) -> int:
-        """The rank of its tier (0: none)."""
-        return QUALITY_TIERS.get(self.quality, 0)
-
-    def __iter__(self):  # unpacks as (level, overrides)
-        return iter((self.level, self.overrides))
-
-    def __repr__(self) -> str:
-        return f"FitChoice({self.level}, {self.overrides}" + (f", lossy={self.lossy!r})" if self.lossy else ")")
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the cost model knows of a candidate: the model's shape and stored bytes, and the tokens of a
-    micro-batch and of an optimizer step."""
-
-    n_layers: int
-    dim: int
-    trainable_bytes: float
-    """Trainable parameters as stored (fp32 under ``dtype=fp16``: its weights are fp32)."""
-    frozen_bytes: float
-    """Frozen parameters as stored (NF4 about 0.53 byte a weight with its scales, fp8 one byte)."""
-    residual_bytes: int
-    """Bytes per element of the residual stream between blocks (what offloaded block inputs hold): the storage
-    dtype's, since under fp16 autocast the stream stays fp32."""
-    micro_batch_tokens: int
-    step_tokens: int
-    cuda: bool = False
-    """Whether the run computes on a CUDA device (paged optimizer states exist only there)."""
-    trainable_numel: int = 0
-    """Trainable parameter elements (optimizer states and the host optimizer step scale with them)."""
-    world_size: int = 1
-    """Ranks the model is sharded over (FSDP2); the bytes above are the whole model's."""
-
-    @property
-    def micro_batches(self) -> int:
-        return max(1, self.step_tokens // max(1, self.micro_batch_tokens))
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """What one technique, as configured, does to a run's memory and time: the one value the planner reads (the
-    cost model folds every technique's; at most one technique names each home, the rules see to it)."""
-
-    frozen_weights_home: str | None = None
-    """``"host"`` when the frozen weights wait in host memory between uses; None: the technique says nothing."""
-    trainable_weights_home: str | None = None
-    """``"host"`` when the trainable weights live in host memory (the device holds them only while a block runs)."""
-    states_home: str | None = None
-    """Where the optimizer states live: ``"host"`` (stepped there), ``"managed"`` (CUDA managed memory, paged by the
-    driver, outside the caching allocator), or None."""
-    state_bytes_per_element: float | None = None
-    """Optimizer-state bytes per trainable element, where this technique decides them."""
-    frees_gradients: bool = False
-    """Whether the full set of gradients never exists on the device (stepped or moved as backward makes them)."""
-    transfer_bytes_per_token: float = 0.0
-    """Bytes moved between the device and the host per trained token (of one rank)."""
-    host_step_elements: int = 0
-    """Trainable elements whose optimizer step runs on the host CPU each step."""
-    repeat_blocks: int = 1
-    """The fewest consecutive blocks over which its per-block memory repeats (every Nth block checkpointed: N);
-    ``--fit`` plans shortened models of multiples of it and extrapolates per layer."""
-    lossy: str | None = None
-    """What it gives up in the numbers a step computes, in a few words (None: the same step up to round-off)."""
-    not_planned: str | None = None
-    """Why ``mtune plan`` plans the run without this technique (it cannot model it), as the plan's note; None: it
-    is planned."""
-    frozen_bytes_per_weight: float | None = None
-    """Bytes a frozen 2-D weight takes once stored (NF4: about 0.53 with its scales); None: its dtype's."""
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Forward work a technique makes backward do again, per block, as the FLOPs counter reads it: each block's
-    checkpointing policy (``block``, ``selective_op`` or None) and whether its MLP runs over tiles."""
-
-    checkpoint: tuple[str | None, ...] | None = None
-    mlp_tiled: tuple[bool, ...] | None = None
 
 
 # ---- the contract -----------------------------------------------------------------------------------------------

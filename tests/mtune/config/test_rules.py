@@ -28,7 +28,7 @@ def test_valid_configs_pass():
      "or optimizer_in_bwd=false"),
     (dict(optimizer_in_bwd=True, clip_grad_norm=1.0), "set clip_grad_norm=null or optimizer_in_bwd=false"),
     (dict(optimizer_in_bwd=True, dtype="fp16"), "set dtype=bf16 or dtype=fp32, or optimizer_in_bwd=false"),
-    (dict(lora={"quantize_base": True}), "lora.quantize_base=true without lora.modules"),
+    (dict(lora={"quantize_base": True, "modules": []}), "lora.quantize_base=true without lora.modules"),
     (dict(lora={**LORA, "modules": ["qproj"]}), "lora.modules has unknown names ['qproj']"),
     (dict(enable_activation_offloading=True), "set enable_activation_checkpointing=true or "
      "enable_activation_offloading=false"),

@@ -37,24 +37,28 @@ def test_backend_names():
 
 
 def test_adapter_start_is_refused_in_distributed_recipes():
-    from mtune.training.memory.registry import LORA
+    from mtune.training.memory.registry import LORA, MemoryConfig
 
-    assert LORA.distributed_rules(OmegaConf.create({"lora": {"adapter_dir": None}})) == []
-    assert "lora.adapter_dir is not supported by the distributed recipes" in LORA.distributed_rules(
-        OmegaConf.create({"lora": {"adapter_dir": "/tmp/a"}}))[0]
+    def distributed_rules(cfg):
+        memory = MemoryConfig("distributed", **cfg)
+        return LORA.rules(memory[LORA], memory)
+
+    assert distributed_rules({"lora": {"adapter_dir": None}}) == []
+    assert "lora.adapter_dir is not supported by the distributed recipes" in distributed_rules(
+        {"lora": {"adapter_dir": "/tmp/a"}})[0]
 
 
 def test_single_device_offloading_points_to_fsdp_cpu_offload():
-    from mtune.training.memory.registry import OPTIMIZER_OFFLOAD, WEIGHT_OFFLOADING
+    from mtune.training.memory.registry import OPTIMIZER_OFFLOAD, WEIGHT_OFFLOADING, MemoryConfig
 
     def check_distributed_offload(cfg):
-        return OPTIMIZER_OFFLOAD.distributed_rules(cfg) + WEIGHT_OFFLOADING.distributed_rules(cfg)
+        memory = MemoryConfig("distributed", **cfg)
+        return [p for t in (OPTIMIZER_OFFLOAD, WEIGHT_OFFLOADING) for p in t.rules(memory[t], memory)]
 
-    cfg = OmegaConf.create({"optimizer_offload": "cpu", "weight_offloading": {"type": "leaf_level"}})
-    found = check_distributed_offload(cfg)
+    found = check_distributed_offload({"optimizer_offload": "cpu", "weight_offloading": {"type": "leaf_level"}})
     assert len(found) == 2 and all("fsdp_cpu_offload=true" in p for p in found)
     assert "optimizer_offload" in found[0] and "weight_offloading" in found[1]
-    assert check_distributed_offload(OmegaConf.create({"optimizer_offload": None, "weight_offloading": None})) == []
+    assert check_distributed_offload({"optimizer_offload": None, "weight_offloading": None}) == []
 
 
 def test_fp8_weight_storage_is_refused_in_distributed_recipes():

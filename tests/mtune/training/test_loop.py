@@ -66,7 +66,9 @@ def test_out_of_memory_names_the_phase_and_the_flags_not_yet_set():
     assert "enable_activation_offloading=true" in memory_advice({**cfg, "enable_activation_checkpointing": True})
     assert "optimizer_offload=cpu" in message and "weight_offloading={type: block_level" in message
     assert "optimizer_offload=cpu" not in memory_advice({**cfg, "optimizer_offload": "cpu"})
-    assert "weight_offloading" not in " ".join(memory_advice({**cfg, "fsdp_cpu_offload": False}))
+    # a distributed config (its fsdp_reshard_after_forward key says so) offloads with fsdp_cpu_offload instead
+    distributed = memory_advice({**cfg, "fsdp_reshard_after_forward": True, "fsdp_cpu_offload": False})
+    assert "weight_offloading" not in " ".join(distributed) and "fsdp_cpu_offload=true" in distributed
 
 
 def test_out_of_memory_ends_with_the_exact_fit_command():

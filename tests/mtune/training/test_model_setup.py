@@ -9,7 +9,7 @@ from torch import nn
 
 from mtune.modules.lora import reset_lora_parameters
 from mtune.modules.nf4_linear import is_nf4
-from mtune.training import model_setup
+from mtune.training.memory import phases
 from mtune.training.model_setup import resolve_model_source, setup_model
 from tests._helpers.recipes import write_tiny_checkpoint
 
@@ -78,10 +78,10 @@ def test_random_weights_arrive_one_module_at_a_time_with_init_weights_values(tie
         return to_empty(self, device=device, recurse=recurse)
 
     arrived = []
-    quantize = model_setup._quantize_when_loaded
+    on_weights = phases.on_weights
     monkeypatch.setattr(nn.Module, "to_empty", one_module)
-    monkeypatch.setattr(model_setup, "_quantize_when_loaded",
-                        lambda module: (quantize(module), arrived.append(is_nf4(getattr(module, "weight", None)))))
+    monkeypatch.setattr(phases, "on_weights", lambda model, module, *args: (
+        on_weights(model, module, *args), arrived.append(is_nf4(getattr(module, "weight", None)))))
     torch.manual_seed(0)
     model, _ = setup_model(source, device=torch.device("cpu"), dtype=torch.float32, lora=lora)
     monkeypatch.undo()

@@ -39,7 +39,9 @@ def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
         loss.backward()
     per_op = {str(op): n / (B * S) for op, n in counter.get_flop_counts()["Global"].items()}
     recomputes = chunked and loss_fn.recomputes_projection(model.lm_head)
-    return per_op, flops_per_token(model, S, loss_recomputes_projection=recomputes)
+    memory = MemoryConfig(enable_activation_checkpointing=bool(every_n), activation_checkpointing_policy=policy,
+                          activation_checkpointing_every_n_layers=every_n or 1)
+    return per_op, flops_per_token(model, S, memory, loss_recomputes_projection=recomputes)
 
 
 @pytest.mark.parametrize("case", [

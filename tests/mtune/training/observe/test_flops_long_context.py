@@ -12,6 +12,7 @@ from mtune.models import build_model
 from mtune.modules.lora import apply_lora
 from mtune.modules.tiled_mlp import apply_tiled_mlp
 from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.observe.flops import StepFlops, mean_document_length
 
 TINY = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_dim=256, vocab_size=512,
@@ -39,13 +40,13 @@ class OpFlops(TorchDispatchMode):
         return out
 
 
-def _counted(model, batch):
+def _counted(model, batch, memory=None):
     """FLOPs of one forward + backward as FlopCounterMode's formulas count them, and StepFlops' (model,
-    hardware)."""
+    hardware) for a run of ``memory``'s techniques."""
     with sdpa_kernel(SDPBackend.MATH), OpFlops() as counter:
         out = model(batch["tokens"], input_pos=batch.get("input_pos"), document_ids=batch.get("document_ids"))
         out.float().square().mean().backward()
-    return counter.total, StepFlops(model)([batch])
+    return counter.total, StepFlops(model, memory=memory)([batch])
 
 
 @pytest.mark.parametrize("tiles, checkpointed, lora", [(4, False, False), ("auto", True, True)])
@@ -59,9 +60,11 @@ def test_tiled_mlp_recompute_is_counted(tiles, checkpointed, lora):
     if checkpointed:
         apply_activation_checkpointing(model)
     batch = {"tokens": torch.randint(0, 512, (2, 96))}
-    counted, (model_flops, hardware_flops) = _counted(model, batch)
+    counted, (model_flops, hardware_flops) = _counted(
+        model, batch, MemoryConfig(mlp_tiles=tiles, enable_activation_checkpointing=checkpointed))
     assert hardware_flops == counted
-    untiled = StepFlops(apply_tiled_mlp(model, 1))([batch])
+    untiled = StepFlops(apply_tiled_mlp(model, 1), memory=MemoryConfig(enable_activation_checkpointing=checkpointed))(
+        [batch])
     assert model_flops == untiled[0] and hardware_flops > untiled[1]  # MFU unchanged, HFU counts the recompute
 
 
