@@ -19,12 +19,20 @@ def _peak_flops_cache(tmp_path_factory):
         os.environ["MTUNE_PEAK_FLOPS_CACHE"] = before
 
 
+_MTUNE_LOGGER = logging.getLogger("mtune")
+_LOGGER_AT_START = (list(_MTUNE_LOGGER.handlers), _MTUNE_LOGGER.propagate, _MTUNE_LOGGER.level)
+"""The ``mtune`` logger as the session found it: taken at import, before any fixture (a module-scoped fixture that
+runs a recipe configures the logger before a test's own fixtures could take its state)."""
+
+
 @pytest.fixture(autouse=True)
 def _mtune_logger_as_found():
     """A recipe run in process configures the ``mtune`` logger for a terminal (its own stderr handler, no
-    propagation), which would hide later tests' log records from ``caplog``: put it back after every test."""
-    logger = logging.getLogger("mtune")
-    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    propagation), which would hide later tests' log records from ``caplog``: put it back as the session found it,
+    before and after every test."""
+    handlers, propagate, level = _LOGGER_AT_START
+    _MTUNE_LOGGER.handlers[:] = handlers
+    _MTUNE_LOGGER.propagate, _MTUNE_LOGGER.level = propagate, level
     yield
-    logger.handlers[:] = handlers
-    logger.propagate, logger.level = propagate, level
+    _MTUNE_LOGGER.handlers[:] = handlers
+    _MTUNE_LOGGER.propagate, _MTUNE_LOGGER.level = propagate, level

@@ -72,13 +72,14 @@ def test_int8_storage_is_run_resumed_planned_and_searched(int8_registered, tmp_p
     # the planner: every frozen block linear at 1 byte a weight instead of fp32's 4, plus its fp32 scale per row
     plain, int8 = plan_memory(_cfg()), plan_memory(_cfg("int8_base=true"))
     frozen = [(o, i) for o, i in _block_linear_shapes()]
-    saved = sum(o * i * 3 - o * 4 for o, i in frozen)
-    assert plain.device["parameters"] - int8.device["parameters"] == saved
+    assert plain.device["parameters"] - int8.device["parameters"] == sum(o * i * 3 for o, i in frozen)
+    assert int8.device["buffers"] - plain.device["buffers"] == sum(o * 4 for o, _ in frozen)  # the scales
     # the cost model and --fit: 1 byte a frozen 2-D weight, and a lossy level of its knob
     assert cost.model_facts(_cfg("int8_base=true")).frozen_bytes < 0.3 * cost.model_facts(_cfg()).frozen_bytes
     knobs = {knob.name: knob for knob in registry_knobs()}
     assert [c.lossy for c in knobs["int8_base"].choices(_cfg())] == [None, "int8 base weights"]
-    candidates = fit.search(_cfg(), None, device_memory=1 << 40, knobs=[knobs["int8_base"], knobs["micro_batch"]],
+    # a 2 MiB device: the tiny model's fp32 base (1.4 MiB) is worth storing in int8 there
+    candidates = fit.search(_cfg(), None, device_memory=2 << 20, knobs=[knobs["int8_base"], knobs["micro_batch"]],
                             max_fits=0, max_plans=0)
     assert {c.cfg.int8_base for c in candidates} == {True, False}
     assert {c.lossy for c in candidates if c.cfg.int8_base} == {("int8 base weights",)}
@@ -106,14 +107,26 @@ def test_bf16_states_are_run_resumed_planned_and_searched(bf16_registered, tmp_p
     states = [next(v for k, v in cost.device_floor(c)[0].items() if k.startswith("optimizer states"))
               for c in (cfg_off, cfg_on)]
     assert states == [8 * numel, 4 * numel]
-    # the plan builds the wrapper and steps it: its states end in bf16, half of fp32 AdamW's two moments
+    # the plan builds the wrapper and steps it: two bf16 moments a weight, but while the largest adapter matrix
+    # steps its fp32 moments replace its bf16 ones (4 more bytes a weight of it; step counts alike on both sides)
     plain, bf16 = plan_memory(cfg_off), plan_memory(cfg_on)
-    assert plain.device["optimizer_state"] - bf16.device["optimizer_state"] >= 4 * numel - 4 * 1024
+    largest = max(p.numel() for p in _adapter_shapes())
+    assert plain.device["optimizer_state"] - bf16.device["optimizer_state"] == 4 * numel - 4 * largest
     knobs = {knob.name: knob for knob in registry_knobs()}
-    candidates = fit.search(cfg_off, None, device_memory=1 << 40,
+    # a 2 MiB device: 88 KiB of saved states is worth a technique there (over 2% of it)
+    candidates = fit.search(cfg_off, None, device_memory=2 << 20,
                             knobs=[knobs["bf16_optimizer_states"], knobs["micro_batch"]], max_fits=0, max_plans=0)
     assert {c.cfg.bf16_optimizer_states for c in candidates} == {True, False}
     assert {c.lossy for c in candidates if c.cfg.bf16_optimizer_states} == {("bf16 optimizer states",)}
+
+
+def _adapter_shapes():
+    from mtune.models import build_model_from_args, model_args
+    from mtune.modules.lora import apply_lora
+
+    model = apply_lora(build_model_from_args(model_args("llama3_1", "tiny")), ["q_proj", "v_proj", "o_proj"],
+                       rank=8, alpha=16)
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def test_the_optimizer_phase_keeps_states_in_bf16(bf16_registered):
@@ -130,7 +143,7 @@ def test_the_optimizer_phase_keeps_states_in_bf16(bf16_registered):
         for p, opt in ((weight, wrapped), (twin, plain)):
             p.grad = torch.ones_like(p)
             opt.step()
-    [inner] = inner_optimizers(wrapped)
+    [inner] = inner_optimizers(wrapped)  # one optimizer per parameter
     assert inner.state[weight]["exp_avg"].dtype == torch.bfloat16
-    # a constant gradient keeps the moments exact in bf16 for a few steps: the same update as fp32 AdamW
-    assert torch.allclose(weight, twin, atol=1e-6)
+    # bf16 moments round at 2^-8 relative: the update differs from fp32 AdamW's by about that share of lr
+    assert not torch.equal(weight, twin) and torch.allclose(weight, twin, atol=3 * 2**-8 * 1e-2, rtol=0)

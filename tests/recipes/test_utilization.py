@@ -8,6 +8,7 @@ import pytest
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import model_args_from_hf_config
 from mtune.modules.lora import apply_lora
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.observe.flops import flops_per_token
 from tests._helpers.recipes import read_metrics, run_recipe_in_process, train_overrides
 
@@ -21,9 +22,8 @@ def test_lora_run_logs_mfu_and_hfu(tmp_path, tiny_checkpoint, tiny_data, capfd):
     # The counter on the same model, built on meta: packed rows are max_seq_len (64) long.
     _, args = model_args_from_hf_config(json.loads((tiny_checkpoint / "config.json").read_text()))
     model = apply_lora(build_model_from_args(args), ["q_proj", "v_proj", "o_proj"], rank=8, alpha=16)
-    for block in model.layers:
-        block._mtune_checkpointed = "block"
-    fpt = flops_per_token(model, 64)  # the chunked loss computes a plain head's gradients with its forward
+    # the chunked loss computes a plain head's gradients with its forward
+    fpt = flops_per_token(model, 64, MemoryConfig(enable_activation_checkpointing=True))
     assert fpt.recompute > 0
     throughput = json.loads((out / "results.json").read_text())["throughput"]
     peak = throughput["peak_flops"]

@@ -98,11 +98,11 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
     """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored (NF4 ~0.53 byte a weight with its scales,
     fp8 one byte, the rest in the storage dtype), from the model built on the meta device."""
     memory = MemoryConfig.from_config(cfg)
-    key = (_node_key(cfg.model), phases.parameter_settings(memory), cfg.get("dtype"))
+    stored_2d = phases.frozen_bytes_per_weight(memory)
+    key = (_node_key(cfg.model), phases.parameter_settings(memory), stored_2d, cfg.get("dtype"))
     if key not in _PARAMS_CACHE:
         dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
         model = _meta_model(cfg)
-        stored_2d = phases.frozen_bytes_per_weight(memory)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
         frozen = 0.0
         for p in model.parameters():

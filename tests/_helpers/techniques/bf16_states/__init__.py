@@ -53,9 +53,7 @@ class Bf16States(MemoryTechnique):
                        placement: Any) -> Any:
         from tests._helpers.techniques.bf16_states.wrapper import Bf16StateOptimizer
 
-        inner = spec.cls([p for _, p in named_params], **spec.kwargs_for(spec.device))
-        spec.allocate(inner)
-        return Bf16StateOptimizer(inner)
+        return Bf16StateOptimizer(named_params, spec.cls, spec.allocate, **spec.kwargs_for(spec.device))
 
 
 BF16_STATES = Bf16States()
