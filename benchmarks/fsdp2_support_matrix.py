@@ -30,7 +30,10 @@ from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded  # n
 from mtune.training.distributed import init_distributed, shard_model  # noqa: E402
 from mtune.training.checkpointing.dcp import gathered_state_dict_items  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402
-from mtune.training.model_setup import reset_adapters_sharded, resolve_model_source, setup_model  # noqa: E402
+from mtune.training.memory import phases  # noqa: E402
+from mtune.training.memory.techniques.lora.adapters import reset_adapters_sharded  # noqa: E402
+from mtune.training.model_setup import resolve_model_source, setup_model  # noqa: E402
+from mtune.training.placement import Placement  # noqa: E402
 from mtune.training.optimizers import build_optimizer  # noqa: E402
 
 LORA = dict(modules=["q_proj", "v_proj", "o_proj"], rank=8, alpha=16)
@@ -55,8 +58,10 @@ def _build(ckpt, lora, sharded, ac=False, cpu_offload=False):
         return model
     model, _ = setup_model(source, device=device, dtype=torch.float32, lora=lora,
                            memory=MemoryConfig(enable_activation_checkpointing=ac), materialize=False)
-    shard_model(model, cpu_offload=cpu_offload)
-    load_hf_checkpoint_sharded(model, ckpt, dtype=torch.float32, device=device, not_in_checkpoint=is_adapter_param)
+    memory = MemoryConfig("distributed", lora=lora, fsdp_cpu_offload=cpu_offload)
+    shard_model(model, **phases.sharding_options(memory, Placement(device)))
+    load_hf_checkpoint_sharded(model, ckpt, dtype=torch.float32, device=device, not_in_checkpoint=is_adapter_param,
+                               arrives_whole=phases.arrives_whole(memory))
     if lora is not None:
         reset_adapters_sharded(model)
     return model

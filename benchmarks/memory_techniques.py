@@ -47,7 +47,8 @@ from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 import mtune.training.memory.techniques.activation_checkpointing.checkpoint as checkpointing  # noqa: E402
 import mtune.training.memory.techniques.activation_offloading.offload as offloading  # noqa: E402
-from mtune.training.memory.registry import MemoryConfig, WeightOffloading  # noqa: E402
+from mtune.training.memory.registry import MemoryConfig  # noqa: E402
+from mtune.training.memory.techniques.weight_offloading import WeightOffloading  # noqa: E402
 from mtune.models import model_args  # noqa: E402
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss  # noqa: E402
 from mtune.training.loop import train_step  # noqa: E402

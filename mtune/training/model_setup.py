@@ -2,7 +2,7 @@
 second copy of the model in memory.
 
 Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
-:func:`mtune.training.memory.phases.apply_memory_techniques`) -> stream the base weights from the Hugging Face
+:func:`mtune.training.memory.phases.prepare_model`) -> stream the base weights from the Hugging Face
 checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 or fp8-stored weight as it arrives), or
 initialise randomly -> initialise adapters (the recipe may then load a saved PEFT adapter). The FSDP2 path
 (:func:`setup_sharded_model`) shards between the memory techniques and the weights, and each rank loads or draws
@@ -12,7 +12,7 @@ only its rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,7 @@ from torch import nn
 from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
-from mtune.modules.lora import has_nf4_weight, is_adapter_param
-from mtune.modules.nf4_linear import quantize_nf4
+from mtune.modules.lora import is_adapter_param
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
 from mtune.training.checkpointing.manifest import check_before_loading
@@ -244,19 +243,22 @@ def materialize_sharded_model(model: TransformerDecoder, source: ModelSource, *,
     torch.manual_seed(seed)
     if source.checkpoint_dir is not None:
         load_hf_checkpoint_sharded(model, source.checkpoint_dir, dtype=dtype, device=device,
+                                   arrives_whole=phases.arrives_whole(memory),
                                    not_in_checkpoint=is_adapter_param)
         log.info("model: loaded %s, sharded", source.checkpoint_dir)
     else:
-        init_weights_sharded(model, device)
+        init_weights_sharded(model, device, arrives_whole=phases.arrives_whole(memory))
     phases.after_weights(model, memory, sharded=True)
 
 
 @torch.no_grad()
-def init_weights_sharded(model: TransformerDecoder, device: torch.device | str) -> nn.Module:
+def init_weights_sharded(model: TransformerDecoder, device: torch.device | str,
+                         arrives_whole: Callable[[nn.Module, str], Callable | None] | None = None) -> nn.Module:
     """Random weights for a sharded meta model, by the model's own :meth:`~TransformerDecoder.initializers`: each
     full tensor is filled on every rank from the same RNG state (call ``torch.manual_seed`` first) and each rank
     keeps its rows, so the values equal :meth:`~TransformerDecoder.init_weights` on one device whatever the number
-    of ranks. NF4 weights are quantized whole before they are split. Adapters are drawn (as on one device) but left
+    of ranks. A weight ``arrives_whole(module, leaf)`` names a function for (QLoRA's NF4 bases) is stored whole by it
+before it is split. Adapters are drawn (as on one device) but left
     for the adapters' own initialisation (`mtune.training.memory.phases.after_weights`)."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens: it is kept once
     tensors = {}
@@ -267,8 +269,9 @@ def init_weights_sharded(model: TransformerDecoder, device: torch.device | str) 
         if name not in params or is_adapter_param(name):
             continue
         module_name, _, leaf = name.rpartition(".")
-        if leaf == "weight" and has_nf4_weight(model.get_submodule(module_name)):
-            full = quantize_nf4(full).data  # NF4 scales span the whole weight: quantize before splitting
+        store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
+        if store is not None:
+            full = store(full)
         tensors[name] = as_param_like(local_rows(full, param), param)
     assign_tensors(model, tensors)
     return model

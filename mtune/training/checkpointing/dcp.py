@@ -63,7 +63,7 @@ def save_distributed_state(
     """Save the (sharded) model parameters and optimizer state; every rank must call it and writes its shards.
 
     ``adapter_only`` (LoRA/QLoRA/DoRA) skips frozen parameters. ``optimizer`` may be an
-    :class:`~mtune.training.optimizers.OptimizerInBackward` (its per-parameter optimizers are saved) or None.
+    an optimizer-in-backward wrapper (its per-parameter optimizers are saved) or None.
     """
     path = Path(checkpoint_dir)
     optimizers = inner_optimizers(optimizer)

@@ -2,8 +2,9 @@
 
 A shard of a weight is exactly the rows ``torch.chunk(weight, world_size)[rank]``, the slice FSDP2 itself uses
 (``Shard(0)``), so it can be read straight out of a safetensors file with ``get_slice``: no rank ever holds a full
-weight it does not need. NF4 (QLoRA) weights are the exception: NF4 stores one scale per 64 values and quantizes
-those scales against the mean of *all* of them, so each frozen weight is read whole, quantized whole (bit-equal to
+weight it does not need. Weights a memory technique stores from the whole tensor are the exception (``arrives_whole``,
+from `mtune.training.memory.phases.arrives_whole`): NF4 stores one scale per 64 values and quantizes those scales
+against the mean of *all* of them, so each frozen QLoRA weight is read whole, quantized whole (bit-equal to
 single-device QLoRA) and only then chunked; torchao's NF4Tensor chunks into NF4 pieces, and FSDP2 all-gathers
 those pieces through NF4Tensor's ``fsdp_pre_all_gather`` hooks.
 
@@ -21,8 +22,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mtune.modules.lora import has_nf4_weight
-from mtune.modules.nf4_linear import quantize_nf4
 from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
 from mtune.training.shards import as_param_like, assign_tensors, local_rows, row_slice
 
@@ -37,12 +36,14 @@ def load_hf_checkpoint_sharded(
     dtype: torch.dtype,
     device: torch.device | str,
     not_in_checkpoint: Callable[[str], bool] | None = None,
+    arrives_whole: Callable[[nn.Module, str], Callable | None] | None = None,
 ) -> nn.Module:
     """Load a Hugging Face checkpoint into a model sharded by ``fully_shard`` (still on meta, or materialised).
 
     Each rank reads, one tensor at a time, only its own rows of each weight (safetensors ``get_slice``), casts
-    them to ``dtype`` on ``device`` and keeps them as its shard. Frozen weights of NF4 modules (QLoRA) are read
-    whole, quantized whole and chunked, so every rank holds NF4 shards equal to single-device QLoRA's rows.
+    them to ``dtype`` on ``device`` and keeps them as its shard. A weight for which ``arrives_whole(module, leaf)``
+    returns a function (QLoRA's NF4 bases) is read whole, stored by it whole and chunked, so every rank holds shards
+    equal to one device's rows.
     ``not_in_checkpoint(name)`` marks parameters the checkpoint does not hold (LoRA adapters); they stay as they
     are (meta) until the adapters are initialised. Missing / unexpected keys and wrong shapes raise
     :class:`~mtune.training.checkpointing.hf.CheckpointError` before anything is read.
@@ -59,9 +60,10 @@ def load_hf_checkpoint_sharded(
                     raise CheckpointError(f"{path}: tensor {key} has shape {list(view.get_shape())}, the model "
                                           f"expects {list(current.shape)}")
                 module_name, _, leaf = name.rpartition(".")
-                if leaf == "weight" and has_nf4_weight(model.get_submodule(module_name)):
-                    full = quantize_nf4(f.get_tensor(key).to(device=device, dtype=dtype))
-                    local = local_rows(full.data, current)
+                store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
+                if store is not None:
+                    full = store(f.get_tensor(key).to(device=device, dtype=dtype))
+                    local = local_rows(full, current)
                     del full
                 elif isinstance(current, DTensor):
                     start, length = row_slice(current)

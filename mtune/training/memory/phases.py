@@ -9,7 +9,8 @@ The phases, in the order a run meets them:
    tiled MLP and attention kernel, activation checkpointing, compile; then the step contexts (activation
    offloading) the step enters around forward and backward;
 2. :func:`sharding_options` — FSDP2's ``fully_shard`` options (distributed recipes: CPU offload);
-3. :func:`on_weights` — as each module's weights arrive (loaded or drawn): NF4 / fp8 storage, offloading;
+3. :func:`on_weights` — as each module's weights arrive (loaded or drawn): NF4 / fp8 storage, offloading
+   (sharded: :func:`arrives_whole` says which weights are stored whole before a rank keeps its rows);
    :func:`after_weights` once all are in (fresh adapters, what loading did not move);
 4. :func:`wrap_optimizer` — the optimizer built over the trainable parameters, or one that steps elsewhere or
    elsewhen (in backward, on the host);
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mtune.training.memory import registry
@@ -31,7 +32,7 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.config.errors import ConfigError
 from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFacts, Recompute
 
-__all__ = ["prepare_model", "on_model", "planned", "parameter_settings", "shape_parameters", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
+__all__ = ["prepare_model", "on_model", "arrives_whole", "planned", "parameter_settings", "shape_parameters", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
            "recompute", "footprints", "lossy", "dropped_losses", "repeat_blocks", "frozen_bytes_per_weight", "describe"]
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,17 @@ def on_weights(model: Any, module: Any, memory: MemoryConfig, placement: Any) ->
     """``module``'s weights just arrived on the device: store or move them as the techniques say."""
     for technique, settings in _enabled(memory):
         technique.on_weights(model, module, settings, placement)
+
+
+def arrives_whole(memory: MemoryConfig) -> Callable[[Any, str], Callable | None]:
+    """``lookup(module, leaf)``: the function that stores ``module``'s parameter ``leaf`` from its whole tensor
+    before a rank keeps its rows (sharded loading and initialisation), or None: the rows as they come."""
+    enabled = list(_enabled(memory))
+
+    def lookup(module: Any, leaf: str) -> Callable | None:
+        return next((store for t, s in enabled if (store := t.arrives_whole(module, leaf, s)) is not None), None)
+
+    return lookup
 
 
 def after_weights(model: Any, memory: MemoryConfig, *, sharded: bool = False) -> None:

@@ -183,6 +183,12 @@ class MemoryTechnique:
     def on_weights(self, model: Any, module: Any, s: Any, placement: Any) -> None:
         """``module``'s weights just arrived (loaded or drawn, before the next module's): store or move them."""
 
+    def arrives_whole(self, module: Any, leaf: str, s: Any) -> Any:
+        """FSDP2 loading reads each rank's rows of a weight only; for a weight this technique stores from the whole
+        tensor (NF4: its scales span every row), the function that stores it, applied before the rank keeps its
+        rows. None: the rows as they come."""
+        return None
+
     def after_weights(self, model: Any, s: Any, sharded: bool, materialized: Any) -> None:
         """Every weight is in (each rank its rows when ``sharded``); ``materialized()`` is a context with every
         weight on the device in its full form."""

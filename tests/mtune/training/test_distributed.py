@@ -29,6 +29,8 @@ from mtune.training.checkpointing.dcp import (
 )
 from mtune.training.distributed import shard_model
 from mtune.training.loop import train_step
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.tensor_bytes import tensor_bytes
 from mtune.training.model_setup import (
     ModelSource, init_weights_sharded, resolve_model_source, setup_model, setup_sharded_model,
@@ -57,7 +59,8 @@ def _sharded(ckpt, dtype, lora=None, seed=0):
     model, _ = setup_model(resolve_model_source({"checkpoint_dir": ckpt}), device=CPU, dtype=dtype, lora=lora,
                            materialize=False)
     shard_model(model)
-    load_hf_checkpoint_sharded(model, ckpt, dtype=dtype, device=CPU, not_in_checkpoint=is_adapter_param)
+    load_hf_checkpoint_sharded(model, ckpt, dtype=dtype, device=CPU, not_in_checkpoint=is_adapter_param,
+                               arrives_whole=phases.arrives_whole(MemoryConfig(lora=lora)))
     if lora is not None:
         torch.manual_seed(seed)
         reset_adapters_sharded(model)

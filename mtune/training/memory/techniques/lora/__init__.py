@@ -151,6 +151,11 @@ class Lora(MemoryTechnique):
 
         quantize_on_arrival(module)
 
+    def arrives_whole(self, module: Any, leaf: str, s: LoraSettings) -> Any:
+        from mtune.training.memory.techniques.lora.adapters import nf4_from_whole
+
+        return nf4_from_whole(module, leaf)
+
     def after_weights(self, model: Any, s: LoraSettings, sharded: bool, materialized: Any) -> None:
         """Fresh adapters (zero update) over the loaded base, then the base frozen."""
         from mtune.training.memory.techniques.lora.adapters import reset_adapters

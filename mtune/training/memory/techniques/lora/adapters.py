@@ -16,13 +16,21 @@ from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, reset_lo
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
 from mtune.training.shards import as_param_like, assign_tensors, local_rows
 
-__all__ = ["quantize_on_arrival", "check_shardable", "reset_adapters", "reset_adapters_sharded"]
+__all__ = ["quantize_on_arrival", "nf4_from_whole", "check_shardable", "reset_adapters", "reset_adapters_sharded"]
 
 
 def quantize_on_arrival(module: nn.Module) -> None:
     """Store ``module``'s just-arrived weight as NF4 when ``apply_lora`` marked it for an NF4 base."""
     if has_nf4_weight(module) and not is_nf4(module.weight) and not module.weight.is_meta:
         module.weight = quantize_nf4(module.weight)
+
+
+def nf4_from_whole(module: nn.Module, leaf: str):
+    """For an NF4 base weight, the function that quantizes it whole (its scales are quantized against the mean of
+    all of them, so a rank's rows are cut from the whole NF4 tensor: bit-equal to one device's); else None."""
+    if leaf == "weight" and has_nf4_weight(module):
+        return lambda full: quantize_nf4(full).data
+    return None
 
 
 def check_shardable(lora) -> None:
