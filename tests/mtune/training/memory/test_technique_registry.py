@@ -1,4 +1,4 @@
-"""A technique is one module and one registry line: a dummy technique, added to the registry, is seen by the
+"""A technique is one package and one registry line: a dummy technique, added to the registry, is seen by the
 schema, `MemoryConfig`, the rules, the application order, resume, the ``--fit`` search, the cost model and the
 out-of-memory advice, with no other file touched. Copy this test for a new technique (docs/architecture.md)."""
 
