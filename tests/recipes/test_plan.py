@@ -11,7 +11,7 @@ import torch
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
 from mtune.training.planning.optimizer_layouts import Bnb8bitAdamLayout, BnbAdamLayout
-from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES, parse_bytes
+from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import CATEGORIES
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
@@ -132,12 +132,6 @@ def test_bitsandbytes_layouts_match_a_real_step(layout, real_name):
         return tensor_storage_bytes(tensors)[0]
 
     assert state_bytes(layout) == state_bytes(getattr(bnb.optim, real_name))
-
-
-def test_parse_bytes():
-    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512") == 512
-    with pytest.raises(Exception, match="--device-memory"):
-        parse_bytes("lots", "--device-memory")
 
 
 def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, capsys):

@@ -17,7 +17,8 @@ from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning.cost import device_floor, model_facts, step_cost
-from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan, format_bytes
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
+from mtune.units import format_bytes
 
 __all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "candidates_of", "floor_reason", "describe",
            "with_overrides", "changed_keys",

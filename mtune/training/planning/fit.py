@@ -47,7 +47,8 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, GIB, MemoryPlan, format_bytes
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
+from mtune.units import GIB, format_bytes
 
 __all__ = ["search", "best_of", "fit_command", "fit_header", "fits_budgets", "numerics_line", "write_config", "FitError",
            "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]

@@ -35,7 +35,8 @@ from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, 
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.fit import (FitError, best_of, fit_header, fits_budgets, numerics_line, search,
                                          write_config)
-from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
+from mtune.training.planning.memory_plan import MemoryPlan
+from mtune.units import format_bytes
 
 __all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE", "STEP",
            "SHORTEST"]
