@@ -41,6 +41,7 @@ from omegaconf import OmegaConf
 
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
+from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.errors import MtuneError
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
@@ -237,9 +238,8 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
              if plan.managed_bytes else ""))
     if plan.estimated:
         print(f"  ({plan.estimated}; `mtune plan` on the written config gives the whole plan)")
-    samples = int(best.cfg.batch_size) * int(best.cfg.get("gradient_accumulation_steps") or 1)
-    print(f"  micro-batch {best.cfg.batch_size} x {best.cfg.get('gradient_accumulation_steps') or 1} "
-          f"accumulation = {samples} samples per step, as configured")
+    print(f"  micro-batch {best.cfg.batch_size} x {accumulation_steps(best.cfg)} "
+          f"accumulation = {samples_per_step(best.cfg)} samples per step, as configured")
     if best.lossy:
         print(f"  lossy: nothing lossless fits in {format_bytes(device_memory)}; gives up "
               + ", ".join(best.lossy) if lossy != "compete" else "  lossy (--allow-lossy): gives up "

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtune.config.keys import samples_per_step
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice
@@ -78,7 +79,7 @@ def trained_context(cfg) -> int:
 def long_context_base(cfg) -> tuple[object, dict]:
     """``cfg`` asked about long rows: packed, one row per micro-batch (the samples per step kept as accumulation),
     the dense mask replaced by the segments kernel. Returns the config and the overrides that made it."""
-    samples = int(cfg.batch_size) * int(cfg.get("gradient_accumulation_steps") or 1)
+    samples = samples_per_step(cfg)
     overrides = {"dataset.packed": True, "batch_size": 1, "gradient_accumulation_steps": samples,
                  **_for_any_length(cfg)}
     return with_overrides(cfg, overrides), overrides
