@@ -34,8 +34,7 @@ from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
                                                 registry_knobs, with_overrides)
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.fit import (FitError, best_of, fit_header, fits_budgets, numerics_line, search,
-                                         write_config)
+from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, fits_budgets, search
 from mtune.training.planning.memory_plan import MemoryPlan
 from mtune.units import format_bytes
 
@@ -279,7 +278,5 @@ def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str]
               "max_position_embeddings raises it)")
     elif result.limiting:
         print(f"  limited by {result.limiting}")
-    print("  lossy: gives up " + ", ".join(answer.lossy) if answer.lossy else "  " + numerics_line(cfg, answer.cfg))
-    write_config(config_path, overrides, changes, output)
-    print(f"written to {output}; run it with:\n  mtune run {recipe} --config {output}")
-    return 0
+    return close_answer(cfg, answer, changes, "lossy: ", recipe=recipe, config_path=config_path,
+                        overrides=overrides, output=output)
