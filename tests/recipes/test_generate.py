@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 from mtune.modules.generation import stream_text
 from mtune.training.checkpointing.peft import save_peft_adapter
 from recipes import generate as generate_recipe
+from tests._helpers.lora import trained_lora_model
 from tests._helpers.models import write_tiny_hf_model
 from tests._helpers.tokenizers import write_tokenizer_files
-from tests.mtune.training.checkpointing.test_peft import trained_lora_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

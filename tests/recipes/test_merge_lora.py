@@ -14,8 +14,8 @@ from mtune.training.checkpointing.hf import ShardWriter  # the writer save_merge
 from mtune.training.checkpointing.merge import merged_hf_weights
 from mtune.training.checkpointing.peft import save_peft_adapter
 from recipes import merge_lora
+from tests._helpers.lora import trained_lora_model
 from tests._helpers.models import write_tiny_hf_model
-from tests.mtune.training.checkpointing.test_peft import trained_lora_model
 
 REPO = Path(__file__).resolve().parents[2]
 

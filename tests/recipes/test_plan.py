@@ -14,7 +14,7 @@ from mtune.training.planning.optimizer_layouts import Bnb8bitAdamLayout, BnbAdam
 from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import CATEGORIES
-from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
+from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, torchrun, train_overrides
 
 PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
 # name -> (recipe, overrides): every flag of the matrix that runs on one CPU device, combined into seven runs
@@ -215,8 +215,6 @@ def test_a_planner_failure_in_plan_check_warns_and_keeps_the_run(tmp_path, tiny_
 @pytest.mark.parametrize("recipe, changes", [("lora_distributed", {}),
                                              ("full_distributed", {"~lora": None, "fsdp_reshard_after_forward": False})])
 def test_per_rank_plan_matches_a_two_rank_run(tmp_path, tiny_checkpoint, tiny_data, recipe, changes):
-    from tests.recipes.test_distributed import torchrun
-
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, changes)
     plan = plan_memory(_config(recipe, overrides), world_size=2)
     torchrun(recipe, overrides)
