@@ -50,7 +50,6 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_suite.json"
-GIB = 2**30
 PART_BUDGET_S = 8 * 60
 
 
@@ -73,6 +72,7 @@ def mtune_api() -> SimpleNamespace:
     from mtune.training.planning.breakdown import MemoryBreakdown
     from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
     from mtune.training.planning.plan import plan_memory
+    from mtune.units import GIB
 
     return SimpleNamespace(**{k: v for k, v in locals().items()})
 
@@ -201,7 +201,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def environment() -> dict:
+def environment(api) -> dict:
     """What a row was measured on: the card, the versions, the allocator setting."""
     import torch
 
@@ -215,7 +215,7 @@ def environment() -> dict:
             driver = None
     return {
         "gpu_name": torch.cuda.get_device_name() if cuda else None,
-        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / GIB if cuda else None,
+        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / api.GIB if cuda else None,
         "torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
         "torchao": _version("torchao"), "bitsandbytes": _version("bitsandbytes"), "torchtune": _version("torchtune"),
         "expandable_segments": "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower(),
@@ -285,8 +285,8 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     row: dict = {}
     plan_cfg = cfg.copy()
     plan = api.plan_memory(plan_cfg)
-    row["planned_allocated_gib"] = plan.device_peak_bytes / GIB
-    row["planned_host_gib"] = plan.host_peak_bytes / GIB
+    row["planned_allocated_gib"] = plan.device_peak_bytes / api.GIB
+    row["planned_host_gib"] = plan.host_peak_bytes / api.GIB
     row["plan_predicts"] = plan.predicts
     cfg.output_dir = str(workdir / case.name)
     if cuda:
@@ -345,12 +345,12 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     row["attention_flops_per_token"] = fpt.parts.get("attention", 0.0)
     row["mfu"] = fpt.model * row["tokens_per_s"] / peak.flops if peak else None
     row["hfu"] = fpt.hardware * row["tokens_per_s"] / peak.flops if peak else None
-    row["measured_tensor_gib"] = breakdown.overall.peak["device"] / GIB if breakdown.overall else None
+    row["measured_tensor_gib"] = breakdown.overall.peak["device"] / api.GIB if breakdown.overall else None
     if cuda:
-        row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
-        row["max_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        row["max_allocated_gib"] = torch.cuda.max_memory_allocated() / api.GIB
+        row["max_reserved_gib"] = torch.cuda.max_memory_reserved() / api.GIB
         free, total = torch.cuda.mem_get_info()
-        row["device_used_gib"] = (total - free) / GIB  # the whole card: context and managed (paged) memory too
+        row["device_used_gib"] = (total - free) / api.GIB  # the whole card: context and managed (paged) memory too
         row["plan_error"] = row["planned_allocated_gib"] / row["max_allocated_gib"] - 1
     else:
         row.update(max_allocated_gib=None, max_reserved_gib=None, device_used_gib=None, plan_error=None)
@@ -388,32 +388,32 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
                 f"key {', '.join(missing)} yet"}
     fraction = None
     if case.kind == "fit":
-        budget = (DRY_RUN["device_memory_gib"] if dry_run else case.device_memory_gib) * GIB
+        budget = (DRY_RUN["device_memory_gib"] if dry_run else case.device_memory_gib) * api.GIB
         fitted = workdir / f"{case.name}.yaml"
         overrides = [o for o in case_config_overrides(case, device, dry_run)]
         rc = api.cli_main(["plan", "--fit", "--device-memory", f"{int(budget)}", "--output", str(fitted),
                            case.recipe, "--config", case.config, *overrides])
         if rc or not fitted.exists():
-            return {**row, "status": "failed", "reason": f"mtune plan --fit found no config for {budget / GIB:.2f} GiB"}
+            return {**row, "status": "failed", "reason": f"mtune plan --fit found no config for {budget / api.GIB:.2f} GiB"}
         cfg, _ = case_config(api, case, device=device, dry_run=dry_run, config_path=str(fitted))
         row["fit_config"] = fitted.read_text()
-        row["device_memory_gib"] = budget / GIB
+        row["device_memory_gib"] = budget / api.GIB
         if torch.cuda.is_available() and device == "cuda":
             fraction = min(1.0, budget / torch.cuda.get_device_properties(0).total_memory)
         row["memory_fraction"] = fraction
     if case.kind == "longest_context":
         lengths = DRY_RUN["context_lengths"] if dry_run else args.context_lengths
-        budget = (DRY_RUN["device_memory_gib"] * GIB if dry_run or not torch.cuda.is_available()
+        budget = (DRY_RUN["device_memory_gib"] * api.GIB if dry_run or not torch.cuda.is_available()
                   else torch.cuda.get_device_properties(0).total_memory - api.CUDA_CONTEXT_BYTES)
         fits = []
         for length in sorted(lengths):
             planned, _ = case_config(api, case, device=device, dry_run=dry_run, seq_len=length)
             plan = api.plan_memory(planned)
-            fits.append({"seq_len": length, "planned_gib": plan.device_peak_bytes / GIB})
+            fits.append({"seq_len": length, "planned_gib": plan.device_peak_bytes / api.GIB})
             if plan.device_peak_bytes > budget:
                 break
         row["context_plans"] = fits
-        longest = [f["seq_len"] for f in fits if f["planned_gib"] * GIB <= budget]
+        longest = [f["seq_len"] for f in fits if f["planned_gib"] * api.GIB <= budget]
         if not longest:
             return {**row, "status": "failed", "reason": f"no length of {sorted(lengths)} is planned to fit"}
         cfg, _ = case_config(api, case, device=device, dry_run=dry_run, seq_len=longest[-1])
@@ -483,7 +483,7 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
     if config:  # plan the mtune run the harness made (its own fixture checkpoint: only config.json is read)
         cfg, _ = case_config(api, replace(case, overrides=()), device=device, dry_run=False, seq_len=seq,
                              config_path=str(config[-1]))
-        row["planned_allocated_gib"] = api.plan_memory(cfg).device_peak_bytes / GIB
+        row["planned_allocated_gib"] = api.plan_memory(cfg).device_peak_bytes / api.GIB
     return row
 
 
@@ -527,7 +527,7 @@ def write_results(rows: list[dict], out: Path) -> None:
 # ------------------------------------------------------------------------------------------------ main
 def run_cases(cases: list[Case], *, dry_run: bool, out: Path, args, in_process: bool) -> list[dict]:
     """Measure ``cases`` (each in its own process unless ``in_process``), within the part's time budget."""
-    env = environment()
+    env = environment(mtune_api())
     device = "cuda" if env["gpu_name"] and not dry_run else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     start = time.perf_counter()
@@ -612,7 +612,7 @@ def main(argv=None) -> list[dict]:
         name, result = args.one_case
         case = select(None, [name])[0]
         case = replace(case, compile=False) if args.no_compile else case
-        env = environment()
+        env = environment(mtune_api())
         device = "cuda" if env["gpu_name"] and not args.dry_run else "cpu"
         try:
             row = measure(mtune_api(), case, device=device, dry_run=args.dry_run, workdir=Path(args.work), args=args)

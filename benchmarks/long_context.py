@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from mtune._cli.catalog import find_recipe, load_recipe_module  # noqa: E402
 from mtune._cli.run import load_and_check  # noqa: E402
 from mtune.training.planning.plan import plan_memory  # noqa: E402
+from mtune.units import GIB  # noqa: E402
 
 CONFIG = REPO / "recipes" / "configs" / "tiny" / "lora_single_device.yaml"
 ROWS = [
@@ -40,7 +41,6 @@ ROWS = [
     ("+ offloaded block inputs", {"enable_activation_offloading": True, "activation_offloading_use_streams": False}),
     ("+ chunked loss", {"loss._component_": "mtune.modules.loss.ChunkedCrossEntropyLoss"}),
 ]
-GIB = 2**30
 
 
 def _cfg(module, seq_len: int, changes: dict):

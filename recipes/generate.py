@@ -12,10 +12,7 @@ group of blocks (or one module) to the device at a time, for models larger than 
 from __future__ import annotations
 
 import logging
-import sys
 import time
-from collections.abc import Iterable
-from typing import TextIO
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -24,9 +21,9 @@ from mtune.config import RecipeSchema
 from mtune.config.errors import ConfigError
 from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
 from mtune.config.rules import GENERATE_RULES
-from mtune.modules.generation import generate_stream
-from mtune.tokenizers import Message, load_tokenizer
-from mtune.tokenizers.base import ROLES
+from mtune.modules.generation import generate_stream, stream_text
+from mtune.tokenizers import load_tokenizer
+from mtune.tokenizers.prompt import chat_messages, prompt_tokens
 from mtune.training.checkpointing.manifest import check_before_loading
 from mtune.training.checkpointing.peft import load_peft_adapter, lora_node_from_adapter
 from mtune.training.context import configure_logging, resolve_device
@@ -38,62 +35,6 @@ SCHEMA = RecipeSchema([MODEL_NODES, GENERATE_KEYS, GENERATION_MEMORY_KEYS],
                       rules=GENERATE_RULES)
 
 log = logging.getLogger("mtune")
-
-
-def chat_messages(messages: Iterable) -> list[Message]:
-    """The config's ``messages`` as `Message` objects; a turn that is not ``{role, content}`` with a known role and
-    text content is refused in one line naming it (``messages[1].role``)."""
-    chat = []
-    for i, turn in enumerate(messages):
-        if not hasattr(turn, "keys") or set(turn.keys()) != {"role", "content"}:
-            raise ConfigError(f"messages[{i}]: expected {{role: ..., content: ...}}, got {turn!r}")
-        if turn["role"] not in ROLES:
-            raise ConfigError(f"messages[{i}].role: {turn['role']!r} is not a chat role; use one of "
-                              f"{', '.join(ROLES)}")
-        if not isinstance(turn["content"], str):
-            raise ConfigError(f"messages[{i}].content: expected text, got {type(turn['content']).__name__} "
-                              f"{turn['content']!r} (quote it)")
-        chat.append(Message(role=turn["role"], content=turn["content"]))
-    return chat
-
-
-def prompt_tokens(tokenizer, prompt: str | None, messages: Iterable | None) -> list[int]:
-    """Token ids of a plain-text prompt (BOS where the family has one, no EOS) or of a chat awaiting its reply."""
-    if messages is not None:
-        chat = chat_messages(messages)
-        return tokenizer.tokenize_messages(chat, add_generation_prompt=True).tokens
-    return tokenizer.encode(prompt, add_bos=True, add_eos=False)
-
-
-def stream_text(tokenizer, steps: Iterable[torch.Tensor], out: TextIO | None = None) -> tuple[str, int]:
-    """Write the text of the first row of ``steps`` to ``out`` (default: stdout) as it grows; returns (text, tokens
-    generated).
-
-    Each step re-decodes all ids so far and writes what is new: byte-level tokens can split a character, and
-    sentencepiece decides spaces from the context, so decoding token by token on its own would garble both. Text
-    ending in an incomplete character (U+FFFD) waits for the next token.
-    """
-    out = out if out is not None else sys.stdout
-    ids: list[int] = []
-    stops, printed, count = set(tokenizer.stop_tokens), "", 0
-    for step in steps:
-        token = int(step[0])
-        count += 1
-        if token in stops:
-            break
-        ids.append(token)
-        text = tokenizer.decode(ids)
-        if text.endswith("\ufffd") or not text.startswith(printed):
-            continue
-        out.write(text[len(printed):])
-        out.flush()
-        printed = text
-    text = tokenizer.decode(ids)
-    if text.startswith(printed):
-        out.write(text[len(printed):])
-    out.write("\n")
-    out.flush()
-    return text, count
 
 
 def main(cfg: DictConfig) -> str:

@@ -5,14 +5,13 @@
 For runs saved with `save_adapter_weights_only: true` (other LoRA runs write the merged model themselves). The base
 checkpoint is streamed one tensor at a time in the precision it is stored in (or `dtype`), each adapted weight gets
 W + (alpha/r) B A (DoRA: rescaled to its learned row magnitudes), and the result is written to a temporary directory
-beside `output_dir`, then renamed into place, so `output_dir` is either absent or complete.
+beside `output_dir`, fsynced, then renamed into place (`atomic_directory`, the publish step of checkpoints), so
+`output_dir` is either absent or complete.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -22,6 +21,7 @@ from mtune.config.errors import ConfigError
 from mtune.config.keys import MERGE_KEYS
 from mtune.config.rules import MERGE_RULES
 from mtune.errors import OutputExistsError, PathNotFoundError
+from mtune.training.checkpointing.atomic import atomic_directory
 from mtune.training.checkpointing.merge import save_merged_model
 from mtune.training.checkpointing.peft import read_adapter_config
 from mtune.training.context import configure_logging
@@ -59,16 +59,7 @@ def main(cfg: DictConfig) -> Path:
                               "remove it")
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out) as tmp:
         save_merged_model(base, adapter_dir, tmp, dtype=dtype, max_shard_size=cfg.max_shard_size)
-        if out.exists():
-            out.rmdir()  # empty (checked above); rename cannot replace a directory
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("merged %s into %s -> %s", adapter_dir, base, out)
     return out

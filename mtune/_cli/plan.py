@@ -143,7 +143,7 @@ def plan_command(argv: list[str]) -> int:
     if planned_from:
         print(f"mtune plan: {planned_from}", file=sys.stderr)
 
-    from mtune.training.planning.memory_plan import parse_bytes
+    from mtune.units import parse_bytes
     from mtune.training.planning.plan import plan_memory
 
     device_memory = parse_bytes(options["device_memory"], "--device-memory") if "device_memory" in options else None

@@ -175,3 +175,14 @@ def run_kind(cfg) -> str:
     """``distributed`` for a distributed recipe's config (it holds `DISTRIBUTED_KEYS`, filled in by the recipe's
     schema), else ``single_device``: the one way mtune tells the two apart."""
     return "distributed" if cfg is not None and "fsdp_reshard_after_forward" in cfg else "single_device"
+
+
+def accumulation_steps(cfg) -> int:
+    """Micro-batches per optimizer step: ``gradient_accumulation_steps``, 1 when the config leaves it out or null."""
+    return int(cfg.get("gradient_accumulation_steps") or 1)
+
+
+def samples_per_step(cfg) -> int:
+    """Samples one rank puts into an optimizer step: ``batch_size`` x `accumulation_steps` (times the number of
+    ranks for the global batch)."""
+    return int(cfg["batch_size"]) * accumulation_steps(cfg)

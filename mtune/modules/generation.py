@@ -1,8 +1,9 @@
 """Autoregressive text generation with the decoder's KV cache."""
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from typing import TextIO
 
 import torch
 
@@ -119,3 +120,34 @@ def generate(
         tokens = tokens[None]
     steps = generate_stream(model, tokens, max_new_tokens, temperature, top_k, top_p, stop_tokens, generator)
     return torch.cat([tokens, *(nxt[:, None] for nxt in steps)], dim=1)
+
+
+def stream_text(tokenizer, steps: Iterable[torch.Tensor], out: TextIO | None = None) -> tuple[str, int]:
+    """Write the text of the first row of ``steps`` to ``out`` (default: stdout) as it grows; returns (text, tokens
+    generated).
+
+    Each step re-decodes all ids so far and writes what is new: byte-level tokens can split a character, and
+    sentencepiece decides spaces from the context, so decoding token by token on its own would garble both. Text
+    ending in an incomplete character (U+FFFD) waits for the next token.
+    """
+    out = out if out is not None else sys.stdout
+    ids: list[int] = []
+    stops, printed, count = set(tokenizer.stop_tokens), "", 0
+    for step in steps:
+        token = int(step[0])
+        count += 1
+        if token in stops:
+            break
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd") or not text.startswith(printed):
+            continue
+        out.write(text[len(printed):])
+        out.flush()
+        printed = text
+    text = tokenizer.decode(ids)
+    if text.startswith(printed):
+        out.write(text[len(printed):])
+    out.write("\n")
+    out.flush()
+    return text, count

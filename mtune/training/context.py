@@ -14,7 +14,8 @@ import torch
 
 from mtune.config.errors import ConfigError
 from mtune.errors import OutputExistsError
-from mtune.training.checkpointing.checkpoint_dir import FINAL_NAME, TMP_PREFIX
+from mtune.training.checkpointing.atomic import TMP_PREFIX
+from mtune.training.checkpointing.checkpoint_dir import FINAL_NAME
 from mtune.training.placement import Placement
 from mtune.training.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 from mtune.training.output_lock import OutputDirLockedError, lock_output_dir

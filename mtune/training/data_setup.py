@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtune.config import ConfigError, instantiate
+from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.config.validate import warmup_problem
 from mtune.data import build_dataloader
 
@@ -34,7 +35,7 @@ class StepPlan:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], batches_per_epoch: int, world_size: int = 1) -> "StepPlan":
-        accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
+        accumulation = accumulation_steps(cfg)
         steps = batches_per_epoch // accumulation
         if steps == 0:
             raise ValueError(f"an epoch has {batches_per_epoch} batches per rank, fewer than "
@@ -42,7 +43,7 @@ class StepPlan:
         cut_short = bool(cfg.get("max_steps_per_epoch")) and int(cfg["max_steps_per_epoch"]) < steps
         if cut_short:
             steps = int(cfg["max_steps_per_epoch"])
-        return cls(steps, int(cfg.get("epochs") or 1), int(cfg["batch_size"]) * world_size * accumulation, cut_short)
+        return cls(steps, int(cfg.get("epochs") or 1), samples_per_step(cfg) * world_size, cut_short)
 
     def check_warmup(self, warmup: Any) -> None:
         """When the LR schedule's ``num_warmup_steps`` does not fit in this plan's steps: raises, or only warns when

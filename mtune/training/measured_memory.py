@@ -16,9 +16,9 @@ from mtune.training.context import RunContext
 from mtune.training.optimizers import inner_optimizers
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.breakdown import MemoryBreakdown
-from mtune.training.planning.memory_plan import format_bytes
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import StepMemory
+from mtune.units import format_bytes
 
 __all__ = ["memory_breakdown", "plan_check", "plan_check_line", "tracks_tensor_bytes"]
 

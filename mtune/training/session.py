@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mtune.config import instantiate
+from mtune.config.keys import accumulation_steps
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
@@ -157,7 +158,7 @@ class TrainingSession:
     def batches(self) -> Iterator[list[dict]]:
         """Micro-batch groups, one per optimizer step, from where the run stands to its last step."""
         self._start()
-        accumulation = int(self.cfg.get("gradient_accumulation_steps") or 1)
+        accumulation = accumulation_steps(self.cfg)
         for epoch in range(self.epoch, self.plan.epochs):
             self.epoch = epoch
             self.train_loader.set_epoch(epoch)

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import torch
 
+from mtune.models import build_model
+
 # Shapes match mtune's ``tiny`` sizes: NF4-friendly (every linear's numel divisible by 32768), GQA 4/2 heads.
 _TINY = dict(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -65,3 +67,14 @@ def write_tiny_hf_model(
     model.save_pretrained(out, max_shard_size=shard_size if sharded else "1000GB")
     model.generation_config.save_pretrained(out)
     return out
+
+
+def mtune_twin(hf_model, family):
+    """The mtune tiny model of ``family`` holding ``hf_model``'s weights."""
+    model = build_model(family, "tiny", device="cpu")
+    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    if model.args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
+    return model.eval()

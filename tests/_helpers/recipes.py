@@ -4,13 +4,16 @@ dataset, and a config built from ``tests/assets/configs/tiny_train.yaml`` with o
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from tests._helpers.models import write_tiny_hf_model
+from tests._helpers.paths import REPO
 from tests._helpers.tokenizers import write_tokenizer_files
 
-REPO = Path(__file__).resolve().parents[2]
 TRAIN_CONFIG = REPO / "tests" / "assets" / "configs" / "tiny_train.yaml"
 
 _WORDS = "red green blue cat dog sun moon tree rock bird fish star".split()
@@ -71,3 +74,21 @@ def read_metrics(output_dir) -> list[dict]:
 
 def losses(output_dir) -> list[float]:
     return [row["loss"] for row in read_metrics(output_dir) if "loss" in row]
+
+
+def mtune_run(recipe: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    """``mtune run RECIPE --config tiny_train.yaml overrides`` in a subprocess, quiet; asserts it succeeded."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
+    out = subprocess.run([sys.executable, "-m", "mtune", "run", recipe, "--config", str(TRAIN_CONFIG), *overrides],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def torchrun(recipe: str, overrides: list[str], nproc: int = 2) -> None:
+    """``mtune run --nproc_per_node NPROC RECIPE --config tiny_train.yaml overrides`` (torchrun on CPU ranks), quiet;
+    asserts it succeeded."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
+    out = subprocess.run([sys.executable, "-m", "mtune", "run", "--nproc_per_node", str(nproc), recipe, "--config",
+                          str(TRAIN_CONFIG), *overrides], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]

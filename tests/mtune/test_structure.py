@@ -119,7 +119,7 @@ def test_training_and_modules_import_mtune_at_module_level():
 # The packages from the bottom up: a module may import its own package and those below it, never one above
 # (docs/architecture.md draws the same picture).
 LAYERS = [
-    ["mtune.errors", "mtune.assets"],
+    ["mtune.errors", "mtune.assets", "mtune.units"],
     ["mtune.config"],
     ["mtune.tokenizers", "mtune.modules"],
     ["mtune.data", "mtune.models"],
@@ -296,7 +296,7 @@ def test_no_import_circle():
     assert not circles, circles
 
 
-LONG_MODULES_ALLOWED = 2
+LONG_MODULES_ALLOWED = 1
 """Modules over 300 lines (``mtune/``): at most this many."""
 
 

@@ -1,25 +1,14 @@
 """End to end through the real command line: full, LoRA and QLoRA fine-tunes of a tiny model for a few steps."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from safetensors import safe_open
 
-from tests._helpers.recipes import REPO, TRAIN_CONFIG, losses, read_metrics, train_overrides
+from tests._helpers.recipes import losses, mtune_run, read_metrics, train_overrides
 
 CONVENTIONAL_KEYS = {"step", "epoch", "loss", "lr", "tokens_per_second", "tokens_per_second_per_device",
                      "trained_tokens", "peak_memory_gib"}
-
-
-def mtune_run(recipe, overrides):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
-    out = subprocess.run([sys.executable, "-m", "mtune", "run", recipe, "--config", str(TRAIN_CONFIG), *overrides],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
 
 
 @pytest.mark.slow

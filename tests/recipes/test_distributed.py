@@ -1,15 +1,11 @@
 """FSDP2 recipes on 2 CPU processes (gloo): the same losses and parameters as a single-device run with the same
 global batch, exact resume on 2 ranks and resume on 1, and exports that transformers and peft load."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests._helpers.recipes import REPO, TRAIN_CONFIG, losses, read_metrics, run_recipe_in_process, train_overrides
+from tests._helpers.recipes import losses, read_metrics, run_recipe_in_process, torchrun, train_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +22,6 @@ VARIANTS = {
                                                          "enable_activation_checkpointing=true",
                                                          "activation_checkpointing_policy=selective_op"]),
 }
-
-
-def torchrun(recipe, overrides, nproc=2):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
-    out = subprocess.run([sys.executable, "-m", "mtune", "run", "--nproc_per_node", str(nproc), recipe, "--config",
-                          str(TRAIN_CONFIG), *overrides], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
 
 
 def _trained(out, lora):

@@ -15,12 +15,12 @@ from mtune.training.planning.candidates import KNOBS
 from mtune.training.planning.fit import best_of, numerics_line, search, write_config
 from mtune.training.planning.plan import plan_memory
 from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
-from tests.recipes.test_plan_shipped_flag_sets import CONFIGS, shipped_on_tiny
+from tests._helpers.shipped import FLAG_SETS, shipped_on_tiny
 
 PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", FLAG_SETS)
 def test_fit_runs_on_every_shipped_flag_set_and_writes_valid_yaml(config, tmp_path):
     module, overrides, cfg = shipped_on_tiny(config)
     world_size = 2 if "distributed" in str(cfg.recipe) else 1

@@ -7,8 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtune.modules.lora import merge_adapter
-from tests._helpers.recipes import losses, run_recipe_in_process, train_overrides
-from tests.recipes.test_cli_runs import mtune_run
+from tests._helpers.recipes import losses, mtune_run, run_recipe_in_process, train_overrides
 
 
 @pytest.mark.slow

@@ -6,11 +6,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from mtune.modules.generation import stream_text
 from mtune.training.checkpointing.peft import save_peft_adapter
 from recipes import generate as generate_recipe
+from tests._helpers.lora import trained_lora_model
 from tests._helpers.models import write_tiny_hf_model
 from tests._helpers.tokenizers import write_tokenizer_files
-from tests.mtune.training.checkpointing.test_peft import trained_lora_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -97,6 +98,6 @@ def test_text_streams_and_sampling_is_seeded(model_dir, capsys):
     tok = load_tokenizer(path)
     ids = tok.encode(PROMPT + " hello world the model", add_bos=False, add_eos=False)
     out = Writes()
-    text, count = generate_recipe.stream_text(tok, (torch.tensor([t]) for t in ids), out)
+    text, count = stream_text(tok, (torch.tensor([t]) for t in ids), out)
     assert text == tok.decode(ids) and out.getvalue() == text + "\n" and count == len(ids)
     assert out.chunks >= len(ids) // 2  # written as it grows, not at the end

@@ -10,11 +10,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
 
+from mtune.training.checkpointing.hf import ShardWriter  # the writer save_merged_model streams shards through
 from mtune.training.checkpointing.merge import merged_hf_weights
 from mtune.training.checkpointing.peft import save_peft_adapter
 from recipes import merge_lora
+from tests._helpers.lora import trained_lora_model
 from tests._helpers.models import write_tiny_hf_model
-from tests.mtune.training.checkpointing.test_peft import trained_lora_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,3 +70,26 @@ def test_cli_run_bf16(run_dir, tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert_same(read_tensors(tmp_path / "merged"), dict(merged_hf_weights(base, model, dtype=torch.bfloat16)))
+
+
+def test_a_merge_that_fails_midway_leaves_no_output(run_dir, tmp_path, monkeypatch):
+    root, base, model = run_dir
+    cfg = OmegaConf.create({"recipe": "merge_lora", "adapter_dir": str(root / "final"),
+                            "output_dir": str(tmp_path / "merged"), "max_shard_size": "400KB"})
+    merge_lora.SCHEMA.fill_defaults(cfg)
+    add = ShardWriter.add
+
+    def add_until_a_shard_is_written(writer, key, tensor):
+        if writer.shards:  # one shard is on disk: the output is half written
+            raise OSError(28, "No space left on device")
+        add(writer, key, tensor)
+
+    monkeypatch.setattr(ShardWriter, "add", add_until_a_shard_is_written)
+    with pytest.raises(OSError, match="No space left on device"):
+        merge_lora.main(cfg)
+    assert list(tmp_path.iterdir()) == []  # neither output_dir nor its temporary directory
+
+    monkeypatch.setattr(ShardWriter, "add", add)
+    out = merge_lora.main(cfg)
+    assert out == tmp_path / "merged" and [p.name for p in tmp_path.iterdir()] == ["merged"]
+    assert_same(read_tensors(out), dict(merged_hf_weights(base, model)))

@@ -11,10 +11,10 @@ import torch
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
 from mtune.training.planning.optimizer_layouts import Bnb8bitAdamLayout, BnbAdamLayout
-from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES, parse_bytes
+from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import CATEGORIES
-from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, train_overrides
+from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, torchrun, train_overrides
 
 PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
 # name -> (recipe, overrides): every flag of the matrix that runs on one CPU device, combined into seven runs
@@ -134,12 +134,6 @@ def test_bitsandbytes_layouts_match_a_real_step(layout, real_name):
     assert state_bytes(layout) == state_bytes(getattr(bnb.optim, real_name))
 
 
-def test_parse_bytes():
-    assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512") == 512
-    with pytest.raises(Exception, match="--device-memory"):
-        parse_bytes("lots", "--device-memory")
-
-
 def test_cli_table_json_chart_and_verdict(tmp_path, tiny_checkpoint, tiny_data, capsys):
     from mtune._cli.main import main
 
@@ -221,8 +215,6 @@ def test_a_planner_failure_in_plan_check_warns_and_keeps_the_run(tmp_path, tiny_
 @pytest.mark.parametrize("recipe, changes", [("lora_distributed", {}),
                                              ("full_distributed", {"~lora": None, "fsdp_reshard_after_forward": False})])
 def test_per_rank_plan_matches_a_two_rank_run(tmp_path, tiny_checkpoint, tiny_data, recipe, changes):
-    from tests.recipes.test_distributed import torchrun
-
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, changes)
     plan = plan_memory(_config(recipe, overrides), world_size=2)
     torchrun(recipe, overrides)

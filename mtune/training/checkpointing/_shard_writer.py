@@ -1,25 +1,11 @@
 """Write tensors into size-limited safetensors shards, one tensor at a time, with the standard index."""
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
-from mtune.config.errors import ConfigError
 from mtune.training.checkpointing.manifest import renamed, write_safetensors
-
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)\s*", size, flags=re.IGNORECASE)
-    if not match:
-        raise ConfigError(f"max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB or a number of bytes")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 class ShardWriter:

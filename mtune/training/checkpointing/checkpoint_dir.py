@@ -5,7 +5,8 @@ it in ``${output_dir}/.tmp_<name>_<pid>/``, writes the checksums of its files (`
 :mod:`mtune.training.checkpointing.manifest`), fsyncs every file, writes ``mtune_state.json`` last, renames the
 directory into place (atomic on POSIX file systems) and fsyncs ``output_dir``. A crash at any moment therefore leaves
 either the previous complete checkpoint or the new one, plus maybe a ``.tmp_*`` directory that
-:func:`find_latest_checkpoint` cleans up.
+:func:`find_latest_checkpoint` cleans up. The temporary directory and the rename are
+:mod:`mtune.training.checkpointing.atomic`'s, which other outputs use too.
 
 Crash tests: ``MTUNE_FAULT_INJECT=<point>`` (or ``<point>@<step>``) kills the process (exit status 137, no cleanup) at that point of
 :meth:`CheckpointWriter.save`; see :data:`FAULT_POINTS`.
@@ -30,6 +31,7 @@ from typing import Any
 import mtune
 from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
+from mtune.training.checkpointing.atomic import TMP_PREFIX, fsync_tree, publish, temporary_path
 from mtune.training.checkpointing.hf import CheckpointError
 from mtune.training.checkpointing.manifest import Manifest, recording
 
@@ -48,7 +50,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILENAME = "mtune_state.json"
 FINAL_NAME = "final"
-TMP_PREFIX = ".tmp_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PID_RE = re.compile(r"_(\d+)$")
 
@@ -69,21 +70,6 @@ def maybe_inject_fault(point: str, step: int | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(137)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            _fsync_path(Path(dirpath) / name)
-        _fsync_path(Path(dirpath))
 
 
 def read_checkpoint_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
@@ -229,9 +215,7 @@ class CheckpointWriter:
         """Yield an empty temporary directory; when the block ends without an exception, commit it as
         ``step_<step>`` (or ``final``). On an exception the temporary directory is removed."""
         target = self.checkpoint_path(step, final)
-        tmp = self.output_dir / f"{TMP_PREFIX}{target.name}_{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        tmp = temporary_path(target)
         try:
             tmp.mkdir(parents=True)
             manifest = Manifest(tmp, rank=0)
@@ -241,14 +225,14 @@ class CheckpointWriter:
             manifest.finish()  # checksums/rank_0.json, before mtune_state.json and the rename that publishes
             self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final,
                               world_size=world_size)
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if _is_write_failure(err):
                 raise self._save_failed(target, err) from err
             raise
         maybe_inject_fault("before_rename", step)
-        self._rename_into_place(tmp, target)
+        publish(tmp, target)
         maybe_inject_fault("after_rename", step)
         if not final:
             self._prune()
@@ -282,18 +266,6 @@ class CheckpointWriter:
             json.dump(state, f, indent=2, default=str)
             f.flush()
             os.fsync(f.fileno())
-
-    def _rename_into_place(self, tmp: Path, target: Path) -> None:
-        old = None
-        if target.exists():
-            # Rename cannot replace a non-empty directory: move the old one aside (as a .tmp_ dir, so a crash
-            # here leaves something find_latest_checkpoint cleans), then swap.
-            old = self.output_dir / f"{TMP_PREFIX}replaced_{target.name}_{os.getpid()}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync_path(self.output_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _prune(self) -> None:
         if self.keep_last_n_checkpoints is None:

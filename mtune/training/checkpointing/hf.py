@@ -18,7 +18,8 @@ from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
-from mtune.training.checkpointing._shard_writer import ShardWriter, parse_size
+from mtune.training.checkpointing._shard_writer import ShardWriter
+from mtune.units import parse_bytes
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -26,6 +27,7 @@ INDEX_NAME = "model.safetensors.index.json"
 # Files a model directory carries besides its weights: tokenizer, chat template, generation defaults.
 _COPIED_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken")
 _NOT_COPIED = {CONFIG_NAME, INDEX_NAME, "mtune_state.json"}
+_SHARD_SIZE_ERROR = "{what} {text!r} is not a size; write e.g. 5GB, 500MB or a number of bytes"
 
 
 class CheckpointError(MtuneError, ValueError):
@@ -260,7 +262,8 @@ def save_hf_checkpoint(
         raise CheckpointError(f"{out}: pass source_dir (the checkpoint the weights came from) or model_args")
     tied = bool(config.get("tie_word_embeddings", False))
 
-    writer, saved_dtype = ShardWriter(out, parse_size(max_shard_size)), None
+    max_bytes = parse_bytes(max_shard_size, "max_shard_size", message=_SHARD_SIZE_ERROR)
+    writer, saved_dtype = ShardWriter(out, max_bytes), None
     for name, tensor in items:
         key = hf_key(name)
         if tied and key == "lm_head.weight":

@@ -14,6 +14,7 @@ import torch
 from mtune.errors import MtuneError
 from mtune.training.memory import registry
 from mtune.training.memory.technique import advice as tier_advice
+from mtune.units import GIB
 
 __all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line"]
 
@@ -30,7 +31,7 @@ def fit_command_line(cfg: Mapping[str, Any], device_memory: int | None = None) -
     """``mtune plan --fit --device-memory SIZE RECIPE --config CONFIG overrides`` for this run and device."""
     recipe = _invocation.get("recipe") or str(cfg.get("recipe") or "RECIPE")
     config = _invocation.get("config") or "CONFIG"
-    size = f"{device_memory / 1024**3:.0f}GiB" if device_memory else "SIZE"
+    size = f"{device_memory / GIB:.0f}GiB" if device_memory else "SIZE"
     words = ["mtune", "plan", "--fit", "--device-memory", size, recipe, "--config", config,
              *_invocation.get("overrides", [])]
     return " ".join(shlex.quote(w) for w in words)
@@ -63,9 +64,8 @@ def oom_guard(phase: str, cfg: Mapping[str, Any]):
     except torch.OutOfMemoryError as err:
         stats = ""
         if torch.cuda.is_available():
-            gib = 1024**3
-            stats = (f" (allocated {torch.cuda.memory_allocated() / gib:.1f} GiB, peak "
-                     f"{torch.cuda.max_memory_allocated() / gib:.1f} GiB, reserved {torch.cuda.memory_reserved() / gib:.1f} GiB)")
+            stats = (f" (allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB, peak "
+                     f"{torch.cuda.max_memory_allocated() / GIB:.1f} GiB, reserved {torch.cuda.memory_reserved() / GIB:.1f} GiB)")
         advice = ", ".join(memory_advice(cfg)) or "a smaller model or a larger GPU"
         total = None
         if torch.cuda.is_available():

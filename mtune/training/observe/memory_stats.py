@@ -7,9 +7,9 @@ import sys
 
 import torch
 
-__all__ = ["peak_memory_stats"]
+from mtune.units import GIB
 
-GIB = 1024**3
+__all__ = ["peak_memory_stats"]
 
 
 def peak_memory_stats(device: torch.device | str, reset: bool = True) -> dict[str, float]:

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mtune.units import GIB, MIB
+
 __all__ = ["plot_loss_curve", "plot_memory_breakdown", "plot_memory_plan"]
 
 log = logging.getLogger(__name__)
-
-GIB = 1024**3
 
 
 def _pyplot(what: str):
@@ -90,7 +90,7 @@ def plot_memory_breakdown(summary: dict[str, Any], out_png: str | os.PathLike,
     if plt is None:
         return None
     steps = summary["steps"]
-    scale, unit = (GIB, "GiB") if summary["device_peak_bytes"] >= GIB else (1024**2, "MiB")
+    scale, unit = (GIB, "GiB") if summary["device_peak_bytes"] >= GIB else (MIB, "MiB")
     fig, ax = plt.subplots(figsize=(6, 4))
     bottom = [0.0] * len(steps)
     x = [r["step"] for r in steps]

@@ -18,12 +18,11 @@ import torch
 from mtune.training.placement import Placement
 from mtune.training.observe.plots import plot_memory_breakdown
 from mtune.training.planning.tracker import CATEGORIES, LOCATIONS, StepMemory, TensorTracker
+from mtune.units import GIB
 
 __all__ = ["MemoryBreakdown", "step_record"]
 
 log = logging.getLogger(__name__)
-
-GIB = 1024**3
 
 
 class MemoryBreakdown:

@@ -13,11 +13,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mtune.config.keys import samples_per_step
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
 from mtune.training.planning.cost import device_floor, model_facts, step_cost
-from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan, format_bytes
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
+from mtune.units import format_bytes
 
 __all__ = ["Knob", "KNOBS", "registry_knobs", "Candidate", "candidates_of", "floor_reason", "describe",
            "with_overrides", "changed_keys",
@@ -46,7 +48,7 @@ def _technique_knob(technique: MemoryTechnique) -> Knob:
 def _micro_batch(cfg) -> list[FitChoice]:
     """The config's samples per step (``batch_size`` x ``gradient_accumulation_steps``) as micro-batches of every
     power-of-two split: all of them in one micro-batch first, halved down to 1 (or an odd size)."""
-    samples = int(cfg.batch_size) * int(cfg.get("gradient_accumulation_steps") or 1)
+    samples = samples_per_step(cfg)
     choices, batch, level = [], samples, 0
     while batch >= 1:
         choices.append(FitChoice(level, {"batch_size": batch, "gradient_accumulation_steps": samples // batch}))

@@ -19,6 +19,7 @@ import json
 import torch
 from omegaconf import OmegaConf
 
+from mtune.config.keys import accumulation_steps
 from mtune.models import build_model_from_args
 from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.training.memory import phases
@@ -130,7 +131,7 @@ def model_facts(cfg, world_size: int = 1) -> ModelFacts:
     return ModelFacts(n_layers=args.n_layers, dim=args.dim, trainable_bytes=trainable, frozen_bytes=frozen,
                       residual_bytes=storage_dtype(str(cfg.get("dtype"))).itemsize,
                       micro_batch_tokens=micro_tokens,
-                      step_tokens=micro_tokens * int(cfg.get("gradient_accumulation_steps") or 1),
+                      step_tokens=micro_tokens * accumulation_steps(cfg),
                       cuda=is_cuda_target(cfg), trainable_numel=numel, world_size=world_size)
 
 

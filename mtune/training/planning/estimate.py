@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from omegaconf import OmegaConf
 
+from mtune.config.keys import accumulation_steps
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts
@@ -96,7 +97,7 @@ class Estimator:
         """``cfg``'s plan by the cheapest shortcut (see the class docstring); ``over`` as :meth:`layered` takes it
         (a lower bound is never used to derive another micro-batch)."""
         structure = _structure_key(cfg)
-        batch, accumulation = int(cfg.batch_size), int(cfg.get("gradient_accumulation_steps") or 1)
+        batch, accumulation = int(cfg.batch_size), accumulation_steps(cfg)
         key = (structure, batch, accumulation)
         if key in self._cache:
             return self._cache[key]

@@ -41,16 +41,18 @@ from omegaconf import OmegaConf
 
 from mtune.config import load_config
 from mtune.config.errors import ConfigError
+from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.errors import MtuneError
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, GIB, MemoryPlan, format_bytes
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
+from mtune.units import GIB, format_bytes
 
-__all__ = ["search", "best_of", "fit_command", "fit_header", "fits_budgets", "numerics_line", "write_config", "FitError",
-           "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
+__all__ = ["search", "best_of", "fit_command", "fit_header", "fits_budgets", "numerics_line", "write_config",
+           "close_answer", "FitError", "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -236,16 +238,22 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
              if plan.managed_bytes else ""))
     if plan.estimated:
         print(f"  ({plan.estimated}; `mtune plan` on the written config gives the whole plan)")
-    samples = int(best.cfg.batch_size) * int(best.cfg.get("gradient_accumulation_steps") or 1)
-    print(f"  micro-batch {best.cfg.batch_size} x {best.cfg.get('gradient_accumulation_steps') or 1} "
-          f"accumulation = {samples} samples per step, as configured")
-    if best.lossy:
-        print(f"  lossy: nothing lossless fits in {format_bytes(device_memory)}; gives up "
-              + ", ".join(best.lossy) if lossy != "compete" else "  lossy (--allow-lossy): gives up "
-              + ", ".join(best.lossy))
-    else:
-        print("  " + numerics_line(cfg, best.cfg))
-    write_config(config_path, overrides, best.changes, output)
+    print(f"  micro-batch {best.cfg.batch_size} x {accumulation_steps(best.cfg)} "
+          f"accumulation = {samples_per_step(best.cfg)} samples per step, as configured")
+    lossy_head = (f"lossy: nothing lossless fits in {format_bytes(device_memory)}; " if lossy != "compete"
+                  else "lossy (--allow-lossy): ")
+    return close_answer(cfg, best, best.changes, lossy_head, recipe=recipe, config_path=config_path,
+                        overrides=overrides, output=output)
+
+
+def close_answer(cfg, answer: Candidate, changes: dict, lossy_head: str, *, recipe: str, config_path: Path,
+                 overrides: list[str], output: Path) -> int:
+    """The last lines of a ``--fit`` answer (``--maximize`` too): what the answer gives up (after ``lossy_head``,
+    which says why) or how its numbers compare with ``cfg``'s; then the user's config with ``changes`` written to
+    ``output``, and the command that runs it. Returns the exit status, 0."""
+    print(f"  {lossy_head}gives up " + ", ".join(answer.lossy) if answer.lossy
+          else "  " + numerics_line(cfg, answer.cfg))
+    write_config(config_path, overrides, changes, output)
     print(f"written to {output}; run it with:\n  mtune run {recipe} --config {output}")
     return 0
 

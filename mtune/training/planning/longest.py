@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtune.config.keys import samples_per_step
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice
@@ -33,9 +34,9 @@ from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
                                                 registry_knobs, with_overrides)
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.fit import (FitError, best_of, fit_header, fits_budgets, numerics_line, search,
-                                         write_config)
-from mtune.training.planning.memory_plan import MemoryPlan, format_bytes
+from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, fits_budgets, search
+from mtune.training.planning.memory_plan import MemoryPlan
+from mtune.units import format_bytes
 
 __all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE", "STEP",
            "SHORTEST"]
@@ -77,7 +78,7 @@ def trained_context(cfg) -> int:
 def long_context_base(cfg) -> tuple[object, dict]:
     """``cfg`` asked about long rows: packed, one row per micro-batch (the samples per step kept as accumulation),
     the dense mask replaced by the segments kernel. Returns the config and the overrides that made it."""
-    samples = int(cfg.batch_size) * int(cfg.get("gradient_accumulation_steps") or 1)
+    samples = samples_per_step(cfg)
     overrides = {"dataset.packed": True, "batch_size": 1, "gradient_accumulation_steps": samples,
                  **_for_any_length(cfg)}
     return with_overrides(cfg, overrides), overrides
@@ -277,7 +278,5 @@ def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str]
               "max_position_embeddings raises it)")
     elif result.limiting:
         print(f"  limited by {result.limiting}")
-    print("  lossy: gives up " + ", ".join(answer.lossy) if answer.lossy else "  " + numerics_line(cfg, answer.cfg))
-    write_config(config_path, overrides, changes, output)
-    print(f"written to {output}; run it with:\n  mtune run {recipe} --config {output}")
-    return 0
+    return close_answer(cfg, answer, changes, "lossy: ", recipe=recipe, config_path=config_path,
+                        overrides=overrides, output=output)

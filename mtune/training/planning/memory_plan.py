@@ -1,23 +1,21 @@
 """What ``mtune plan`` predicts (:class:`MemoryPlan`: the peaks, each category's share, whether it fits, as a
-table, JSON and a chart), and the byte sizes it reads and prints (:func:`parse_bytes`, :func:`format_bytes`)."""
+table, JSON and a chart)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mtune.config.errors import ConfigError
 from mtune.errors import MtuneError
 from mtune.training.observe.plots import plot_memory_plan
 from mtune.training.planning.tracker import CATEGORIES
+from mtune.units import MIB, format_bytes
 
-__all__ = ["MemoryPlan", "PlanError", "parse_bytes", "format_bytes", "CUDA_CONTEXT_BYTES", "CUDA_BLOCK_BYTES", "GIB"]
+__all__ = ["MemoryPlan", "PlanError", "CUDA_CONTEXT_BYTES", "CUDA_BLOCK_BYTES"]
 
-GIB = 1024**3
 CUDA_BLOCK_BYTES = 512
 """The caching allocator rounds every request up to a multiple of 512 bytes; ``max_memory_allocated`` counts that."""
-CUDA_CONTEXT_BYTES = 512 * 1024**2
+CUDA_CONTEXT_BYTES = 512 * MIB
 """What a CUDA process takes on the GPU outside the caching allocator (the context, cuBLAS/cuDNN handles and their
 kernels): about 0.5 GiB with CUDA 12 on an H100/A100 (it varies a little with the driver and the libraries
 loaded). Added to the whole-GPU figure only; ``max_memory_allocated`` does not see it."""
@@ -130,22 +128,3 @@ class MemoryPlan:
             lines.append(f"{where}: {verdict}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_bytes(text: str, what: str = "memory") -> int:
-    """``24GiB``, ``80GB``, ``512MiB``, ``1.5TB``, or a number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{what}={text!r}: write a size such as 24GiB, 80GB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: int | float) -> str:
-    if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    return f"{n / 1024**2:.1f} MiB"

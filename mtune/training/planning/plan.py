@@ -48,6 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mtune.config import instantiate
 from mtune.config.errors import ConfigError
+from mtune.config.keys import accumulation_steps
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import step_on_tensors
 from mtune.training.optimizers import build_optimizer, inner_optimizers
@@ -258,13 +259,12 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                                source.args.vocab_size, seq_len)
     params = list(model.parameters())
     managed_bytes = peaks.category_peak["host"]["optimizer_state"] if managed else 0
-    accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
     return MemoryPlan(
         target=str(target), world_size=world_size,
         device_peak_bytes=peaks.peak["device"], host_peak_bytes=peaks.peak["host"],
         device=peaks.category_peak["device"], host=peaks.category_peak["host"], at_peak=peaks.at_peak,
         batch={"batch_size": int(cfg.batch_size), "seq_len": int(seq_len or cfg.tokenizer.max_seq_len),
-               "accumulation": accumulation},
+               "accumulation": accumulation_steps(cfg)},
         parameters={"total": sum(p.numel() for p in params),
                     "trainable": sum(p.numel() for p in params if p.requires_grad)},
         predicts="torch.cuda.max_memory_allocated()" if cuda else "peak_tensor_gib (live tensor bytes)",
@@ -281,7 +281,7 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
     loss_fn = instantiate(cfg.get("loss")) or CrossEntropyLoss()
     tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                             device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
-    accumulation = int(cfg.get("gradient_accumulation_steps") or 1)
+    accumulation = accumulation_steps(cfg)
     dtype_name = str(cfg.dtype)
     peaks = None
     for step, micro_batches in enumerate((1, min(accumulation, 2))):

@@ -4,11 +4,11 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from tests._helpers.paths import REPO
+
 ASSETS = REPO / "tests" / "assets"
 
 

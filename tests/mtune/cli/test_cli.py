@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from tests.mtune.cli.conftest import REPO
+from tests._helpers.paths import REPO
 
 LIGHT = """
 import sys

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests._helpers.hub_server import FILES, REPO_ID, Hub, start
-from tests.mtune.cli.conftest import REPO
+from tests._helpers.paths import REPO
 
 
 @pytest.fixture(scope="module")

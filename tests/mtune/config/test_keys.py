@@ -64,3 +64,18 @@ def test_memory_config_takes_the_declared_default_of_a_left_out_key():
     assert memory.enable_activation_checkpointing is True
     assert {k.name: getattr(memory, k.name) for k in MEMORY_KEYS.keys if k.name != "enable_activation_checkpointing"} \
         == {k.name: getattr(MemoryConfig(), k.name) for k in MEMORY_KEYS.keys if k.name != "enable_activation_checkpointing"}
+
+
+def test_accumulation_steps_and_samples_per_step():
+    from mtune.config.keys import accumulation_steps, samples_per_step
+
+    cases = [  # (config, micro-batches per step, samples per step)
+        ({"batch_size": 4, "gradient_accumulation_steps": 8}, 8, 32),
+        ({"batch_size": 3}, 1, 3),  # left out: 1
+        ({"batch_size": 2, "gradient_accumulation_steps": None}, 1, 2),  # null: 1
+        ({"batch_size": "5", "gradient_accumulation_steps": "3"}, 3, 15),  # a string override still counts
+        ({"batch_size": 1, "gradient_accumulation_steps": 16}, 16, 16),
+    ]
+    for node, accumulation, samples in cases:
+        for cfg in (node, OmegaConf.create(node)):
+            assert (accumulation_steps(cfg), samples_per_step(cfg)) == (accumulation, samples), node

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from mtune.modules.generation import generate, sample_next
-from tests._helpers.models import tiny_hf_model
-from tests.mtune.modules.test_transformer import mtune_twin
+from tests._helpers.models import mtune_twin, tiny_hf_model
 
 
 @pytest.mark.parametrize("family", ["llama3_1", "mistral", "qwen2_5"])

@@ -4,20 +4,9 @@ import pytest
 import torch
 
 from mtune.models import build_model
-from tests._helpers.models import FAMILY_CONFIGS, tiny_hf_model
+from tests._helpers.models import FAMILY_CONFIGS, mtune_twin, tiny_hf_model
 
 FAMILIES = list(FAMILY_CONFIGS)
-
-
-def mtune_twin(hf_model, family):
-    """The mtune tiny model of ``family`` holding ``hf_model``'s weights."""
-    model = build_model(family, "tiny", device="cpu")
-    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
-    if model.args.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert unexpected == [] and set(missing) <= {"lm_head.weight"}
-    return model.eval()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -3,7 +3,7 @@
 import pytest
 
 from mtune.tokenizers import Message, load_tokenizer
-from tests.mtune.tokenizers.conftest import CONVERSATIONS
+from tests._helpers.tokenizers import CONVERSATIONS
 
 FAMILIES = ["llama2", "llama3", "mistral", "qwen2"]
 # How a trained run (one assistant reply) decodes, with special tokens spelled out.

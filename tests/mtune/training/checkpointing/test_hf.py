@@ -10,6 +10,7 @@ from mtune.training.checkpointing.hf import (
     CheckpointError, load_hf_checkpoint, load_hf_config, load_model_from_hf, save_hf_checkpoint,
 )
 from mtune.models import build_model
+from mtune.units import SizeError
 from tests._helpers.models import FAMILY_CONFIGS, write_tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -147,3 +148,10 @@ def test_bad_inputs_name_the_file_or_key(hf_dirs, tmp_path):
 
     with pytest.raises(CheckpointError, match="already holds model weights"):
         save_hf_checkpoint({}, single, source_dir=single)
+
+
+def test_max_shard_size_that_is_not_a_size(hf_dirs, tmp_path):
+    src = next(iter(hf_dirs.values()))
+    with pytest.raises(SizeError, match=r"^max_shard_size '5XB' is not a size; write e.g. 5GB, 500MB or a number "
+                                        r"of bytes$"):
+        save_hf_checkpoint({}, tmp_path / "out", source_dir=src, max_shard_size="5XB")

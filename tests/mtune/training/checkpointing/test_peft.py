@@ -11,13 +11,12 @@ from mtune.modules.lora_state import lora_state_dict
 from mtune.training.checkpointing.hf import save_hf_checkpoint
 from mtune.training.checkpointing.merge import merged_hf_weights, save_merged_model
 from mtune.training.checkpointing.peft import AdapterError, load_peft_adapter, save_peft_adapter
-from mtune.training.model_setup import resolve_model_source, setup_model
+from tests._helpers.lora import lora_cfg, trained_lora_model
 from tests._helpers.models import write_tiny_hf_model
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(5))
 # Max |logit| difference between the merged original-precision export of a QLoRA run and the NF4 model it trained,
 # on the random tiny test model, fp32 (logits std ~0.32): measured 0.261 (LoRA) and 0.281 (DoRA) with q/v/o adapted.
@@ -28,26 +27,6 @@ QLORA_MERGE_DISTANCE = 0.3
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("base"), "llama3_1")
-
-
-def lora_cfg(use_dora=False, quantize_base=False, modules=ALL, rank=8, alpha=16):
-    return dict(modules=list(modules), rank=rank, alpha=alpha, dropout=0.0, use_dora=use_dora,
-                quantize_base=quantize_base)
-
-
-def trained_lora_model(base_dir, seed=1, **kwargs):
-    """A LoRA model on the base checkpoint whose adapters look trained: B non-zero, magnitudes moved off ||W||."""
-    torch.manual_seed(seed)  # the A matrices' init
-    model, _ = setup_model(resolve_model_source({"checkpoint_dir": str(base_dir)}), device=torch.device("cpu"),
-                           dtype=torch.float32, lora=lora_cfg(**kwargs))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_b.weight"):
-                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
-            elif name.endswith("magnitude"):
-                param.mul_(1 + 0.1 * torch.randn(param.shape, generator=gen))
-    return model.eval()
 
 
 def hf_base(base_dir):

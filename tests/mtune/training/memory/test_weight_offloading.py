@@ -19,35 +19,8 @@ from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.memory.techniques.weight_offloading.offloader import _in_backward, weight_offloader
-from tests._helpers.training import assert_identical, loss_and_grads
-
-gen = torch.Generator().manual_seed(7)
-TOKENS = torch.randint(0, 512, (2, 32), generator=gen)
-LABELS = torch.randint(0, 512, (2, 32), generator=gen)
-LORA = {"modules": ["q_proj", "v_proj", "down_proj"], "rank": 4, "alpha": 8}
-N_LAYERS = 4
-
-
-def _pair(memory: MemoryConfig, lora=LORA, dtype=torch.float32, n_layers=N_LAYERS):
-    """(plain model, offloaded twin with the same weights, its offloader), both with ``memory``'s other techniques."""
-    torch.manual_seed(0)
-    base = build_model("llama3_1", "tiny", device="cpu", n_layers=n_layers, dtype=dtype)
-    plain, twin = copy.deepcopy(base), copy.deepcopy(base)
-    plain_memory = memory.replace(weight_offloading=None)
-    apply_memory_techniques(plain, plain_memory, lora=lora)
-    ctx = apply_memory_techniques(twin, memory, lora=lora, placement=Placement("cpu", distinct=True))
-    twin.load_state_dict(plain.state_dict())
-    offloader = weight_offloader(twin)
-    offloader.offload()
-    return plain, twin, offloader, ctx
-
-
-def _loss_and_grads(model, ctx=None):
-    return loss_and_grads(model, TOKENS, LABELS, ctx)
-
-
-_assert_identical = assert_identical
-
+from tests._helpers.offloading import LABELS, LORA, N_LAYERS, TOKENS, offloaded_loss_and_grads, offloaded_pair
+from tests._helpers.training import assert_identical
 
 def _materialised(units) -> int:
     """How many of ``units`` (blocks, or leaf modules) hold any offloaded weight in device memory right now."""
@@ -88,11 +61,11 @@ CASES = [("block_level", 1, False, True), ("block_level", 2, True, True), ("bloc
 def test_exact_and_at_most_one_group_on_the_device(kind, blocks_per_group, use_streams, checkpointing):
     memory = MemoryConfig(enable_activation_checkpointing=checkpointing,
                           weight_offloading=WeightOffloading(kind, blocks_per_group, use_streams))
-    plain, twin, offloader, _ = _pair(memory)
+    plain, twin, offloader, _ = offloaded_pair(memory)
     assert all(is_checkpointed(b) == checkpointing for b in twin.layers)
     log, recomputed = _instrument(twin, offloader)
     assert _materialised(twin.layers) == 0  # after offload(): every frozen block weight waits on the host
-    _assert_identical(_loss_and_grads(plain), _loss_and_grads(twin))
+    assert_identical(offloaded_loss_and_grads(plain), offloaded_loss_and_grads(twin))
     bound = (blocks_per_group if kind == "block_level" else 1) * (2 if use_streams else 1)
     phases = {phase for phase, _ in log}
     assert phases == {"forward", "backward"} and max(count for _, count in log) == bound, log
@@ -109,7 +82,7 @@ def test_exact_and_at_most_one_group_on_the_device(kind, blocks_per_group, use_s
 def test_stacks_with_qlora_checkpointing_and_activation_offloading():
     memory = MemoryConfig(enable_activation_checkpointing=True, enable_activation_offloading=True,
                           weight_offloading=WeightOffloading("leaf_level", 1, True))
-    plain, twin, offloader, ctx = _pair(memory, lora={**LORA, "quantize_base": True}, dtype=torch.bfloat16,
+    plain, twin, offloader, ctx = offloaded_pair(memory, lora={**LORA, "quantize_base": True}, dtype=torch.bfloat16,
                                         n_layers=2)
     ctx.min_offload_bytes = 0
     from mtune.modules.nf4_linear import is_nf4
@@ -117,7 +90,7 @@ def test_stacks_with_qlora_checkpointing_and_activation_offloading():
     assert any(is_nf4(p) for p in twin.parameters())
     log, _ = _instrument(twin, offloader)
     # NF4 weights move as their packed parts; the plain model runs the same NF4 arithmetic in place.
-    _assert_identical(_loss_and_grads(plain), _loss_and_grads(twin, ctx))
+    assert_identical(offloaded_loss_and_grads(plain), offloaded_loss_and_grads(twin, ctx))
     assert ctx.offloaded_bytes > 0 and max(count for _, count in log) == 2
 
 
@@ -125,7 +98,7 @@ def test_device_bytes_of_frozen_weights():
     """The measured effect on the 4-layer tiny model (fp32, LoRA on q/v/down): the frozen weights' device bytes at
     rest and at their peak in a training step, against the plain model's."""
     memory = MemoryConfig(weight_offloading=WeightOffloading("block_level", 1, False))
-    plain, twin, offloader, _ = _pair(memory)
+    plain, twin, offloader, _ = offloaded_pair(memory)
 
     def device_bytes(model):
         return sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.requires_grad)
@@ -134,7 +107,7 @@ def test_device_bytes_of_frozen_weights():
     peak = [0]
     for block in twin.layers:
         block.register_forward_hook(lambda *_: peak.__setitem__(0, max(peak[0], device_bytes(twin))))
-    _loss_and_grads(twin)
+    offloaded_loss_and_grads(twin)
     host = sum(slot.nbytes for slots in offloader._slots for slot in slots)
     block = sum(p.numel() * p.element_size() for p in twin.layers[0].parameters() if not p.requires_grad)
     # embed_tokens, the final norm and lm_head stay on the device with block_level; every block waits on the host.

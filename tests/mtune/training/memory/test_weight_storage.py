@@ -23,7 +23,7 @@ from mtune.training.memory.techniques.activation_offloading.offload import Offlo
 from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
 from mtune.training.model_setup import resolve_model_source, setup_model
-from tests._helpers.training import assert_close, loss_and_grads
+from tests._helpers.training import assert_close, assert_identical, loss_and_grads
 
 TINY = Path(mtune.__file__).parent / "assets" / "tiny"
 SOURCE = resolve_model_source({"checkpoint_dir": str(TINY / "model")})
@@ -179,17 +179,17 @@ def test_fp8_base_with_weight_offloading_and_selective_op_is_exact():
     # Weight offloading moves the fp8 codes (1 byte a value) and the blocks' frozen fp32 norms; the row scales (a
     # buffer) stay on the device.
     from mtune.training.memory.techniques.weight_offloading import WeightOffloading
-    from tests.mtune.training.memory.test_weight_offloading import _assert_identical, _loss_and_grads, _pair
+    from tests._helpers.offloading import offloaded_loss_and_grads, offloaded_pair
 
     memory = MemoryConfig(weight_storage_dtype="float8_e4m3fn", enable_activation_checkpointing=True,
                           activation_checkpointing_policy="selective_op",
                           weight_offloading=WeightOffloading(type="block_level", blocks_per_group=1, use_streams=False))
-    plain, twin, offloader, _ = _pair(memory)
+    plain, twin, offloader, _ = offloaded_pair(memory)
     stored = [m for m in twin.layers.modules() if is_fp8_stored(m)]
     assert len(stored) == 4 * 7
     moved = sum(slot.nbytes for slots in offloader._slots for slot in slots)
     norms = sum(p.numel() * 4 for n, p in twin.layers.named_parameters() if "layernorm" in n)
     assert moved == sum(m.weight.numel() for m in stored) + norms
-    _assert_identical(_loss_and_grads(plain), _loss_and_grads(twin))
+    assert_identical(offloaded_loss_and_grads(plain), offloaded_loss_and_grads(twin))
     # every block in forward, then every block but the last (still resident) for recomputation and backward
     assert offloader.copies_to_compute == moved + moved * 3 // 4
