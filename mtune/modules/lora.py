@@ -16,8 +16,8 @@ an adapter saved in PEFT's names (`mtune.modules.lora_state`) loads in `peft.Pef
 
 With `quantize_base=True` (QLoRA) the frozen base weights are stored as NF4 (`mtune.modules.nf4_linear`); every
 other nn.Linear inside `model.layers` becomes a `FrozenNF4Linear` too, so all frozen projections are 4-bit. A base
-may instead be stored in fp8 (`mtune.training.memory.techniques.weight_storage.fp8`, after `apply_lora`); `LoRALinear.base_weight`
-reads whichever storage the base has.
+may instead be stored in fp8 (`mtune.training.memory.techniques.weight_storage.fp8`, after `apply_lora`);
+`LoRALinear.base_weight` reads whichever storage the base has.
 
 Order of use on a meta-device model: build on meta -> `apply_lora` -> `to_empty` -> load base weights ->
 `reset_lora_parameters(model)` (initializes A, B, magnitudes; quantizes NF4 bases) -> optionally load adapter state.

@@ -2,7 +2,8 @@
 
 `build_optimizer(cfg.optimizer, model, memory)` reads the config node's `_component_` and keyword arguments; a
 technique of the run's `MemoryConfig` that steps elsewhere or elsewhen (optimizer-in-backward, optimizer offload)
-builds it instead, from the same `OptimizerSpec`. Supported components (AdamW state per parameter element: fp32 2 x 4 bytes):
+builds it instead, from the same `OptimizerSpec`. Supported components (AdamW state per parameter element: fp32
+2 x 4 bytes):
 
 | `_component_`                        | state bytes / element | notes                                            |
 |--------------------------------------|-----------------------|--------------------------------------------------|

@@ -27,13 +27,19 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from mtune.config.errors import ConfigError
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
-from mtune.config.errors import ConfigError
 from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFacts, Recompute
 
-__all__ = ["prepare_model", "on_model", "arrives_whole", "planned", "parameter_settings", "shape_parameters", "sharding_options", "on_weights", "after_weights", "wrap_optimizer", "materialized",
-           "recompute", "footprints", "lossy", "dropped_losses", "repeat_blocks", "frozen_bytes_per_weight", "describe"]
+__all__ = [
+    # the run's phases, in the order a run meets them
+    "prepare_model", "on_model", "sharding_options", "arrives_whole", "on_weights", "after_weights",
+    "wrap_optimizer", "materialized", "recompute",
+    # what the planner reads
+    "footprints", "planned", "parameter_settings", "shape_parameters", "lossy", "dropped_losses", "repeat_blocks",
+    "frozen_bytes_per_weight", "describe",
+]
 
 log = logging.getLogger(__name__)
 

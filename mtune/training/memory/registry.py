@@ -31,8 +31,8 @@ from mtune.training.memory.techniques.tiled_mlp import TILED_MLP
 from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING
 from mtune.training.memory.techniques.weight_storage import WEIGHT_STORAGE
 
-__all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "GENERATION_MEMORY_KEYS", "LORA_KEYS", "LoraConfig", "MemoryConfig",
-           "RunKeys", "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys"]
+__all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "GENERATION_MEMORY_KEYS", "LORA_KEYS",
+           "LoraConfig", "MemoryConfig", "RunKeys", "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys"]
 
 TECHNIQUES: tuple[MemoryTechnique, ...] = (
     LORA,                      # adapters and NF4 bases: decide which modules exist and what is frozen

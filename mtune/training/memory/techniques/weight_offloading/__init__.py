@@ -44,7 +44,7 @@ def _default(name: str) -> Any:
 
 @dataclass(frozen=True)
 class WeightOffloading:
-    """The ``weight_offloading`` node, typed (`mtune.training.memory.techniques.weight_offloading.offloader` acts on it)."""
+    """The ``weight_offloading`` node, typed (`offloader` beside this declaration acts on it)."""
 
     type: str = _default("type")
     blocks_per_group: int = _default("blocks_per_group")
@@ -117,8 +117,10 @@ class WeightOffloadingTechnique(MemoryTechnique):
         if memory.lora is None:
             return [FitChoice(0, {"weight_offloading": None})]
         return [FitChoice(0, {"weight_offloading": None}),
-                FitChoice(1, {"weight_offloading": {"type": "block_level", "blocks_per_group": 1, "use_streams": True}}),
-                FitChoice(2, {"weight_offloading": {"type": "leaf_level", "blocks_per_group": 1, "use_streams": True}})]
+                FitChoice(1, {"weight_offloading": {"type": "block_level", "blocks_per_group": 1,
+                                                    "use_streams": True}}),
+                FitChoice(2, {"weight_offloading": {"type": "leaf_level", "blocks_per_group": 1,
+                                                    "use_streams": True}})]
 
     def oom_advice(self, s: WeightOffloadingSettings, memory: Any) -> list[tuple[int, str]]:
         if not memory.distributed and memory.lora is not None and s.weight_offloading is None \
