@@ -38,7 +38,7 @@ RECIPE_STATE_FILENAME = "recipe_state.pt"
 
 # Top-level config keys whose change alters the model, the data order or the optimisation, so a resumed run would
 # not be the continuation of the saved one. Keys in neither list are treated as these (refusing is the safe side).
-# The memory techniques' keys are classified by each technique (``must_match_on_resume``), added below.
+# The memory techniques' keys are classified by their settings (``must_match_on_resume``), added below.
 _RUN_KEYS_THAT_MUST_MATCH = (
     "recipe",
     "model",  # the architecture and the base weights (LoRA checkpoints do not hold them)
@@ -82,8 +82,8 @@ _RUN_KEYS_THAT_MAY_CHANGE = (
 
 def resume_classes() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(must match, may change)``: the run's keys as listed above, and each memory technique's keys as the
-    technique classifies them (``must_match_on_resume``; its other keys do not change what a step computes)."""
-    must = tuple(name for technique in registry.TECHNIQUES for name in technique.must_match_on_resume)
+    technique's settings classify them (``must_match_on_resume``; its other keys do not change what a step computes)."""
+    must = tuple(name for t in registry.TECHNIQUES for name in t.Settings.must_match_on_resume())
     declared = [key.name for technique in registry.TECHNIQUES for key in technique.Settings.keys()]
     return (_RUN_KEYS_THAT_MUST_MATCH + must,
             _RUN_KEYS_THAT_MAY_CHANGE + tuple(name for name in declared if name not in must))

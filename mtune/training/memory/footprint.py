@@ -122,6 +122,9 @@ class Footprint:
     ``--fit`` plans shortened models of multiples of it and extrapolates per layer."""
     lossy: str | None = None
     """What it gives up in the numbers a step computes, in a few words (None: the same step up to round-off)."""
+    shapes_parameters: bool = False
+    """Whether its model phase decides which parameters exist, which train and how they are stored (adapters, NF4,
+    fp8): the cost model's meta model applies the model phase of these techniques only."""
     not_planned: str | None = None
     """Why ``mtune plan`` plans the run without this technique (it cannot model it), as the plan's note; None: it
     is planned."""

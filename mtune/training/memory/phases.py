@@ -6,8 +6,8 @@ registry; none of them names a technique.
 The phases, in the order a run meets them:
 
 1. :func:`prepare_model` — on the meta model: adapters and NF4 bases, fp8 storage, weight-offloading hooks, the
-   tiled MLP and attention kernel, activation checkpointing, compile; then the step contexts (activation
-   offloading) the step enters around forward and backward;
+   tiled MLP and attention kernel, activation checkpointing, activation offloading (its context, which the step
+   enters around forward and backward), compile;
 2. :func:`sharding_options` — FSDP2's ``fully_shard`` options (distributed recipes: CPU offload);
 3. :func:`on_weights` — as each module's weights arrive (loaded or drawn): NF4 / fp8 storage, offloading
    (sharded: :func:`arrives_whole` says which weights are stored whole before a rank keeps its rows);
@@ -61,9 +61,8 @@ def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
     """Transform the meta ``model`` in place, technique by technique (:func:`on_model`), and log the run's
     techniques. Returns the context the step enters around forward and backward (None when no technique needs
     one)."""
-    on_model(model, memory, placement)
+    contexts = [c for t, s in _enabled(memory) if (c := t.on_model(model, s, memory, placement)) is not None]
     log.info("memory techniques: %s", describe(memory))
-    contexts = [c for t, s in _enabled(memory) if (c := t.step_context(model, s, placement)) is not None]
     if len(contexts) > 1:
         raise NotImplementedError(f"{len(contexts)} step contexts: one technique at a time moves saved activations")
     return contexts[0] if contexts else None
@@ -76,16 +75,17 @@ def on_model(model: Any, memory: MemoryConfig, placement: Any = None) -> None:
 
 
 def parameter_settings(memory: MemoryConfig) -> tuple:
-    """The settings of the techniques that decide the model's parameters (`MemoryTechnique.shapes_parameters`):
+    """The settings of the techniques that decide the model's parameters (`Footprint.shapes_parameters`):
     two runs alike here have the same parameters, trainable and stored alike."""
-    return tuple(memory[t] for t in registry.TECHNIQUES if t.shapes_parameters)
+    return tuple(memory[t] for t, f in zip(registry.TECHNIQUES, footprints(memory)) if f.shapes_parameters)
 
 
 def shape_parameters(model: Any, memory: MemoryConfig) -> None:
     """The model phase of the techniques that decide the parameters only, on a meta ``model`` (the planner's cost
     model counts its parameters and FLOPs)."""
+    shaping = {t for t, f in zip(registry.TECHNIQUES, footprints(memory)) if f.shapes_parameters}
     for technique, settings in _enabled(memory):
-        if technique.shapes_parameters:
+        if technique in shaping:
             technique.on_model(model, settings, memory, None)
 
 

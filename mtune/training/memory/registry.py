@@ -54,7 +54,7 @@ the model phase and the weights' arrival)."""
 
 
 def _keys(technique: MemoryTechnique) -> list:
-    distributed = {key.name for key in technique.distributed_keys}
+    distributed = set(technique.Settings.distributed_only())
     return [key for key in technique.Settings.keys() if key.name not in distributed]
 
 
@@ -74,7 +74,8 @@ GENERATION_MEMORY_KEYS = KeyGroup(
 
 DISTRIBUTED_MEMORY_KEYS = KeyGroup(
     "distributed memory", help="memory techniques of FSDP2 runs (the distributed recipes only)",
-    keys=[key for technique in TECHNIQUES for key in technique.distributed_keys])
+    keys=[key for technique in TECHNIQUES for key in technique.Settings.keys()
+          if key.name in technique.Settings.distributed_only()])
 """The memory keys only the distributed recipes read, beside `MEMORY_KEYS`."""
 
 

@@ -7,15 +7,14 @@ line in :mod:`mtune.training.memory.registry`) has
   :func:`setting` (default, help, bounds); the schema, ``--help`` and the docs read the keys from it, and every hook
   receives the settings made once from the filled-in config, beside the run's `MemoryConfig` (the run's kind, the
   run keys techniques read, the other techniques' settings). No hook reads a raw config, none restates a default;
-- **declarations**: its rules (:meth:`rules`), what a resumed run must keep (``must_match_on_resume``), one planner
-  value (:meth:`footprint`: where its tensors live, what it moves and steps on the host, whether it changes the
-  numbers), its ``--fit`` choices (:meth:`fit_choices`), settings that hold at any row length
+- **declarations**: its rules (:meth:`rules`), one planner value (:meth:`footprint`: where its tensors live, what
+  it moves and steps on the host, whether it changes the numbers), its ``--fit`` choices (:meth:`fit_choices`), settings that hold at any row length
   (:meth:`for_any_length`) and its out-of-memory advice (:meth:`oom_advice`, in the named tiers of `ADVICE_TIERS`);
 - **run phases**, optional hooks that `mtune.training.memory.phases` calls in the registry's order: on the meta
   model (:meth:`on_model`), on each module whose weights arrived (:meth:`on_weights`) and once all are in
   (:meth:`after_weights`), on FSDP2's sharding options
   (:meth:`sharding_options`), around the optimizer (:meth:`wrap_optimizer`), around forward and backward
-  (:meth:`step_context`), before the weights are saved (:meth:`before_save`), and what the FLOPs counter reads
+  before the weights are saved (:meth:`before_save`), and what the FLOPs counter reads
   (:meth:`recompute`).
 
 Pure Python, no torch at import: ``mtune validate`` reads the declarations. A phase imports its technique's
@@ -41,12 +40,15 @@ __all__ = ["MemoryTechnique", "Settings", "NoSettings", "setting", "FitChoice", 
 
 # ---- typed settings ---------------------------------------------------------------------------------------------
 
-def setting(default: Any, help: str, *, node: KeyGroup | None = None, convert=None, **checks: Any) -> Any:
+def setting(default: Any, help: str, *, node: KeyGroup | None = None, convert=None,
+            must_match_on_resume: bool = False, distributed_only: bool = False, **checks: Any) -> Any:
     """A field of a technique's ``Settings``: one config key of the same name with its ``default`` (the only place
     it is written), its ``help`` and its bounds (``choices=``, ``at_least=``, ``pattern=``, as `Key` takes them).
     ``node``: the key is a mapping with these inner keys (a `Node`), ``convert`` turns its YAML value into the
-    field's type (None stays None)."""
-    metadata = {"help": help, "node": node, "convert": convert, "checks": checks}
+    field's type (None stays None). ``must_match_on_resume``: it changes what a step computes, so a resumed run must
+    keep it (the others may change); ``distributed_only``: only the distributed recipes read it."""
+    metadata = {"help": help, "node": node, "convert": convert, "checks": checks,
+                "must_match_on_resume": must_match_on_resume, "distributed_only": distributed_only}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -83,6 +85,16 @@ class Settings:
         if "_declared_keys" not in cls.__dict__:
             cls._declared_keys = cls._declare()
         return list(cls._declared_keys)
+
+    @classmethod
+    def must_match_on_resume(cls) -> tuple[str, ...]:
+        """The keys a resumed run must keep."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("must_match_on_resume"))
+
+    @classmethod
+    def distributed_only(cls) -> tuple[str, ...]:
+        """The keys only the distributed recipes read."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("distributed_only"))
 
     @classmethod
     def _declare(cls) -> list[Key | Node]:
@@ -131,16 +143,8 @@ class MemoryTechnique:
     """Its name in logs and docs (its main key where it has one)."""
     Settings: type[Settings] = NoSettings
     """Its typed settings: the keys the training recipes read."""
-    distributed_keys: tuple = ()
-    """Keys only the distributed recipes read (`mtune.training.memory.registry.DISTRIBUTED_MEMORY_KEYS`); their
-    fields are in ``Settings`` too."""
-    must_match_on_resume: tuple[str, ...] = ()
-    """Those of its keys a resumed run must keep (they change what a step computes); the rest may change."""
     fit_knob: str | None = None
     """The name of its ``mtune plan --fit`` dimension (:meth:`fit_choices`); None: left as configured."""
-    shapes_parameters: bool = False
-    """Whether its model phase decides which parameters exist, which train and how they are stored (adapters, NF4,
-    fp8): the cost model's meta model applies the model phase of these techniques only."""
     fit_saves_floor_only: bool = False
     """Whether all its choices save is in the floor ``--fit`` computes before planning (weights, states,
     gradients), none in activations: a choice whose floor saving is negligible for the budget is not searched."""
@@ -177,8 +181,9 @@ class MemoryTechnique:
         return []
 
     # -- run phases (`mtune.training.memory.phases` calls them in registry order, for enabled techniques only)
-    def on_model(self, model: Any, s: Any, memory: Any, placement: Any) -> None:
-        """Transform the model built on the meta device, in place (adapters, hooks, wrappers, compile)."""
+    def on_model(self, model: Any, s: Any, memory: Any, placement: Any) -> Any:
+        """Transform the model built on the meta device, in place (adapters, hooks, wrappers, compile). Returns a
+        context manager the step enters around forward and backward (activation offloading), or None."""
 
     def on_weights(self, model: Any, module: Any, s: Any, placement: Any) -> None:
         """``module``'s weights just arrived (loaded or drawn, before the next module's): store or move them."""
@@ -201,10 +206,6 @@ class MemoryTechnique:
         """An optimizer over ``named_params`` (``(name, parameter)`` pairs) that steps elsewhere or elsewhen, built
         from the config's ``spec`` (`mtune.training.optimizers.OptimizerSpec`: ``cls``, ``kwargs_for(device)``,
         ``allocate(optimizer)``); None: the plain optimizer."""
-        return None
-
-    def step_context(self, model: Any, s: Any, placement: Any) -> Any:
-        """A context manager the step enters around forward and backward, or None."""
         return None
 
     def before_save(self, model: Any, s: Any) -> Any:

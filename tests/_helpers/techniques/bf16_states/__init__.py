@@ -14,13 +14,13 @@ __all__ = ["Bf16States", "BF16_STATES", "Bf16StatesSettings"]
 
 @dataclass(frozen=True)
 class Bf16StatesSettings(Settings):
-    bf16_optimizer_states: bool = setting(False, "keep torch.optim.AdamW's moments in bf16 between steps")
+    bf16_optimizer_states: bool = setting(False, "keep torch.optim.AdamW's moments in bf16 between steps",
+                                          must_match_on_resume=True)  # the saved states' dtype
 
 
 class Bf16States(MemoryTechnique):
     name = "bf16_optimizer_states"
     Settings = Bf16StatesSettings
-    must_match_on_resume = ("bf16_optimizer_states",)  # the saved states' dtype
     fit_knob = "bf16_optimizer_states"
     fit_saves_floor_only = True
 

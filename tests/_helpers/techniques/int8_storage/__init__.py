@@ -14,13 +14,13 @@ __all__ = ["Int8Storage", "INT8_STORAGE", "Int8StorageSettings"]
 
 @dataclass(frozen=True)
 class Int8StorageSettings(Settings):
-    int8_base: bool = setting(False, "store the frozen block linears as int8 with a scale per row, upcast in forward")
+    int8_base: bool = setting(False, "store the frozen block linears as int8 with a scale per row, upcast in forward",
+                              must_match_on_resume=True)  # the base the adapters trained against
 
 
 class Int8Storage(MemoryTechnique):
     name = "int8_base"
     Settings = Int8StorageSettings
-    must_match_on_resume = ("int8_base",)  # the base the adapters trained against
     fit_knob = "int8_base"
     fit_saves_floor_only = True
 

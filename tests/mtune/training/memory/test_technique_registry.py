@@ -25,7 +25,7 @@ BYTES_PER_TOKEN = 1e6
 
 @dataclass(frozen=True)
 class DummySettings(Settings):
-    dummy_marking: bool = setting(False, "mark every block (a test technique)")
+    dummy_marking: bool = setting(False, "mark every block (a test technique)", must_match_on_resume=True)
     dummy_strength: int = setting(1, "how strongly", at_least=1)
 
 
@@ -34,7 +34,6 @@ class Dummy(MemoryTechnique):
 
     name = "dummy_marking"
     Settings = DummySettings
-    must_match_on_resume = ("dummy_marking",)
     fit_knob = "dummy"
 
     def enabled(self, s, memory):
@@ -101,7 +100,7 @@ def test_rules_resume_oom_advice_and_cost_see_it(registered):
     saved = OmegaConf.to_container(_cfg(schema), resolve=True)
     with pytest.raises(ResumeError, match="dummy_marking"):
         check_resume_compatible(saved, dict(saved, dummy_marking=True))
-    check_resume_compatible(saved, dict(saved, dummy_strength=3))  # not in must_match_on_resume: may change
+    check_resume_compatible(saved, dict(saved, dummy_strength=3))  # not must_match_on_resume: may change
     advice_lines = memory_advice(_cfg(schema))
     # in its tier: after checkpointing, before activation offloading
     assert advice_lines.index("dummy_marking=true") == advice_lines.index("enable_activation_checkpointing=true") + 1

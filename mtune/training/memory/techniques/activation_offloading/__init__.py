@@ -50,7 +50,8 @@ class ActivationOffloading(MemoryTechnique):
             return [advice("activation_offloading", "enable_activation_offloading=true")]
         return []
 
-    def step_context(self, model: Any, s: ActivationOffloadingSettings, placement: Any) -> Any:
+    def on_model(self, model: Any, s: ActivationOffloadingSettings, memory: Any, placement: Any) -> Any:
+        """The context the step enters around forward and backward: saved activations go to the host."""
         from mtune.training.memory.techniques.activation_offloading.offload import apply_activation_offloading
 
         return apply_activation_offloading(model, use_streams=s.activation_offloading_use_streams,

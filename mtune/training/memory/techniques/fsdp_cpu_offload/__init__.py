@@ -17,13 +17,12 @@ __all__ = ["FsdpCpuOffload", "FSDP_CPU_OFFLOAD", "FsdpCpuOffloadSettings"]
 @dataclass(frozen=True)
 class FsdpCpuOffloadSettings(Settings):
     fsdp_cpu_offload: bool = setting(False, "keep parameters, gradients and optimizer state in CPU memory; the "
-                                     "optimizer steps on the CPU")
+                                     "optimizer steps on the CPU", distributed_only=True)
 
 
 class FsdpCpuOffload(MemoryTechnique):
     name = "fsdp_cpu_offload"
     Settings = FsdpCpuOffloadSettings
-    distributed_keys = tuple(FsdpCpuOffloadSettings.keys())
     # may change on resume: the checkpoint holds the same sharded tensors wherever they lived
     fit_knob = "fsdp_cpu_offload"
     fit_saves_floor_only = True

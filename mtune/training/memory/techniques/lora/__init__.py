@@ -83,8 +83,10 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class LoraSettings(Settings):
-    lora: LoraConfig | None = setting(None, "adapter settings; module names are Hugging Face's", node=_LORA_NODE.keys,
-                                      convert=LoraConfig.from_node, required=True)
+    # modules, rank, alpha, dropout, DoRA, NF4: the trainable parameters, so a resume keeps them
+    lora: LoraConfig | None = setting(None, "adapter settings; module names are Hugging Face's",
+                                      node=_LORA_NODE.keys, convert=LoraConfig.from_node, must_match_on_resume=True,
+                                      required=True)
 
 
 class Lora(MemoryTechnique):
@@ -93,8 +95,6 @@ class Lora(MemoryTechnique):
 
     name = "lora"
     Settings = LoraSettings
-    shapes_parameters = True
-    must_match_on_resume = ("lora",)  # modules, rank, alpha, dropout, DoRA, NF4: the trainable parameters
 
     def enabled(self, s: LoraSettings, memory: Any) -> bool:
         return s.lora is not None
@@ -127,10 +127,12 @@ class Lora(MemoryTechnique):
         return problems
 
     def footprint(self, s: LoraSettings, memory: Any, facts: ModelFacts) -> Footprint:
-        if s.lora is None or not s.lora.quantize_base:
+        if s.lora is None:
             return Footprint()
+        if not s.lora.quantize_base:
+            return Footprint(shapes_parameters=True)  # adapters, a frozen base
         # 4 bits a weight, plus its fp32 absmax per block of 64 and the scales' own quantization
-        return Footprint(lossy="NF4 base weights", frozen_bytes_per_weight=0.53)
+        return Footprint(shapes_parameters=True, lossy="NF4 base weights", frozen_bytes_per_weight=0.53)
 
     def oom_advice(self, s: LoraSettings, memory: Any) -> list[tuple[int, str]]:
         if s.lora is None:

@@ -14,13 +14,13 @@ __all__ = ["OptimizerInBackward", "OPTIMIZER_IN_BACKWARD", "OptimizerInBackwardS
 
 @dataclass(frozen=True)
 class OptimizerInBackwardSettings(Settings):
-    optimizer_in_bwd: bool = setting(False, "step each parameter's optimizer during backward and free its gradient")
+    optimizer_in_bwd: bool = setting(False, "step each parameter's optimizer during backward and free its gradient",
+                                     must_match_on_resume=True)  # the layout of the optimizer state
 
 
 class OptimizerInBackward(MemoryTechnique):
     name = "optimizer_in_bwd"
     Settings = OptimizerInBackwardSettings
-    must_match_on_resume = ("optimizer_in_bwd",)  # changes the layout of the optimizer state
     fit_knob = "optimizer_in_bwd"
     fit_saves_floor_only = True
 

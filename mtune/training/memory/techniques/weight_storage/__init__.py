@@ -20,17 +20,15 @@ class WeightStorageSettings(Settings):
     weight_storage_dtype: str | None = setting(
         None, "store the frozen linear weights inside the blocks in this fp8 format (one fp32 scale per output row) "
         "and upcast each to the compute dtype just before use; LoRA recipes only (null: as dtype)",
-        choices=WEIGHT_STORAGE_DTYPES)
+        choices=WEIGHT_STORAGE_DTYPES, must_match_on_resume=True)  # later steps compute with fp8-rounded weights
     weight_storage_skip_patterns: tuple[str, ...] = setting(
-        [], "fnmatch globs on module names (model.layers.0.* or layers.0.*) whose weights keep the model dtype")
+        [], "fnmatch globs on module names (model.layers.0.* or layers.0.*) whose weights keep the model dtype",
+        must_match_on_resume=True)
 
 
 class WeightStorage(MemoryTechnique):
     name = "weight_storage_dtype"
     Settings = WeightStorageSettings
-    shapes_parameters = True
-    must_match_on_resume = ("weight_storage_dtype", "weight_storage_skip_patterns")  # every later step computes
-    # with the fp8-rounded weights
     fit_knob = "lora_method"  # fp8 is a level of the frozen base's storage, beside NF4 (lora.quantize_base)
     fit_saves_floor_only = True
 
@@ -64,7 +62,9 @@ class WeightStorage(MemoryTechnique):
         return problems
 
     def footprint(self, s: WeightStorageSettings, memory: Any, facts: ModelFacts) -> Footprint:
-        return Footprint(lossy=None if s.weight_storage_dtype is None else "fp8 base weights")
+        if s.weight_storage_dtype is None:
+            return Footprint()
+        return Footprint(shapes_parameters=True, lossy="fp8 base weights")
 
     def fit_choices(self, s: WeightStorageSettings, memory: Any, facts: ModelFacts) -> list[FitChoice]:
         """The frozen base's storage, a level each: the model dtype, fp8 (0.5x bf16, ~1% off in logits), NF4
