@@ -14,7 +14,11 @@ bytes an element, like fp32.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -29,7 +33,7 @@ from mtune.training.precision import storage_dtype
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.observe.flops import flops_per_token
 
-__all__ = ["step_cost", "model_flops_per_token", "transfer_bytes_per_token", "model_facts", "device_floor",
+__all__ = ["one_search", "step_cost", "model_flops_per_token", "transfer_bytes_per_token", "model_facts", "device_floor",
            "REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH", "MICRO_BATCH_OVERHEAD_S", "HOST_ADAMW_SECONDS_PER_PARAM",
            "is_cuda_target"]
 
@@ -51,23 +55,46 @@ def _node_key(node) -> str | None:
     return None if node is None else json.dumps(OmegaConf.to_container(node, resolve=True), sort_keys=True)
 
 
-_META_MODELS: dict = {}
+_SEARCH_CACHE: ContextVar[dict | None] = ContextVar("mtune_search_cache", default=None)
+"""The cache of the search running in this context (:func:`one_search`); None outside a search."""
+
+
+@contextlib.contextmanager
+def one_search() -> Iterator[None]:
+    """Inside, the meta model, FLOPs and parameter bytes are computed once per distinct model and parameter
+    settings and shared by every candidate of the search (``--fit`` plans hundreds); they are dropped when the
+    search ends. Outside a search every call computes its own. Nested searches share the outer one's."""
+    if _SEARCH_CACHE.get() is not None:
+        yield
+        return
+    token = _SEARCH_CACHE.set({})
+    try:
+        yield
+    finally:
+        _SEARCH_CACHE.reset(token)
+
+
+def _once(kind: str, key: tuple, compute: Callable[[], Any]) -> Any:
+    cache = _SEARCH_CACHE.get()
+    if cache is None:
+        return compute()
+    if (kind, key) not in cache:
+        cache[(kind, key)] = compute()
+    return cache[(kind, key)]
 
 
 def _meta_model(cfg):
     """``cfg``'s model on the meta device (no memory) with the parameters its techniques decide (adapters, a frozen
-    base, fp8 storage); built once per model and such settings (0.1-0.3 CPU-s for an 8B model) and shared by the
-    FLOPs and bytes below, which only read it."""
+    base, fp8 storage): 0.1-0.3 CPU-s for an 8B model, built once per search for each model and such settings and
+    shared by the FLOPs and bytes below, which only read it."""
     memory = MemoryConfig.from_config(cfg)
-    key = (_node_key(cfg.model), phases.parameter_settings(memory))
-    if key not in _META_MODELS:
+
+    def build():
         model = build_model_from_args(resolve_model_source(cfg.model).args)
         phases.shape_parameters(model, memory)
-        _META_MODELS[key] = model
-    return _META_MODELS[key]
+        return model
 
-
-_FLOPS_CACHE: dict = {}
+    return _once("meta model", (_node_key(cfg.model), phases.parameter_settings(memory)), build)
 
 
 def model_flops_per_token(cfg) -> float:
@@ -75,24 +102,23 @@ def model_flops_per_token(cfg) -> float:
     (:func:`mtune.training.observe.flops.flops_per_token`, the numerator of HFU) on the model built on the meta
     device with the config's adapters, at ``tokenizer.max_seq_len``, with the blocks checkpointed as the config
     says (``selective_op`` recomputes only the elementwise ops between matmuls: no counted FLOPs) and the MLP
-    tiled as ``mlp_tiles`` says for the micro-batch's tokens. Cached per distinct model/adapter/checkpointing/
-    tiling/loss combination (the other techniques cost no FLOPs)."""
+    tiled as ``mlp_tiles`` says for the micro-batch's tokens. Within a search, computed once per distinct
+    model/adapter/checkpointing/tiling/loss combination (the other techniques cost no FLOPs)."""
     memory = MemoryConfig.from_config(cfg)
     args = resolve_model_source(cfg.model).args
     chunked = "Chunked" in memory.run.loss_component
     fp16 = memory.run.dtype == "fp16"
     tokens = memory.run.micro_batch_tokens
-    key = (_node_key(cfg.model), phases.parameter_settings(memory),
-           phases.recompute(memory, args.n_layers, tokens, args.dim), chunked, fp16, int(cfg.tokenizer.max_seq_len))
-    if key not in _FLOPS_CACHE:
+    seq_len = int(cfg.tokenizer.max_seq_len)
+
+    def count() -> float:
         model = _meta_model(cfg)  # adapters; checkpointing and tiles are read from ``memory``
         recomputes = chunked and ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head, autocast=fp16)
-        _FLOPS_CACHE[key] = flops_per_token(model, int(cfg.tokenizer.max_seq_len), memory,
-                                            loss_recomputes_projection=recomputes, tokens=tokens).hardware
-    return _FLOPS_CACHE[key]
+        return flops_per_token(model, seq_len, memory, loss_recomputes_projection=recomputes, tokens=tokens).hardware
 
-
-_PARAMS_CACHE: dict = {}
+    key = (_node_key(cfg.model), phases.parameter_settings(memory),
+           phases.recompute(memory, args.n_layers, tokens, args.dim), chunked, fp16, seq_len)
+    return _once("flops", key, count)
 
 
 def _parameter_bytes(cfg) -> tuple[float, float]:
@@ -100,8 +126,8 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
     fp8 one byte, the rest in the storage dtype), from the model built on the meta device."""
     memory = MemoryConfig.from_config(cfg)
     stored_2d = phases.frozen_bytes_per_weight(memory)
-    key = (_node_key(cfg.model), phases.parameter_settings(memory), stored_2d, cfg.get("dtype"))
-    if key not in _PARAMS_CACHE:
+
+    def count() -> tuple[float, float]:
         dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
         model = _meta_model(cfg)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
@@ -111,8 +137,10 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
                 per_weight = (stored_2d if stored_2d is not None and p.dim() == 2
                               else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes)
                 frozen += p.numel() * per_weight
-        _PARAMS_CACHE[key] = (float(trainable), frozen)
-    return _PARAMS_CACHE[key]
+        return float(trainable), frozen
+
+    return _once("parameter bytes",
+                 (_node_key(cfg.model), phases.parameter_settings(memory), stored_2d, cfg.get("dtype")), count)
 
 
 def is_cuda_target(cfg) -> bool:

@@ -45,7 +45,7 @@ from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.errors import MtuneError
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
-from mtune.training.planning.cost import model_facts, step_cost
+from mtune.training.planning.cost import model_facts, one_search, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
@@ -96,6 +96,7 @@ def _speed_key(c: Candidate):
     return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques, sum(c.levels[:-1]))
 
 
+@one_search()
 def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, knobs: list[Knob] | None = None,
            max_fits: int = 10, max_plans: int = 40, progress: Callable[[str], None] | None = None,
            world_size: int = 1, lossy: str = "fallback", margin: int | None = None,

@@ -33,6 +33,7 @@ from mtune.training.memory.technique import FitChoice
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
                                                 registry_knobs, with_overrides)
+from mtune.training.planning.cost import one_search
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, fits_budgets, search
 from mtune.training.planning.memory_plan import MemoryPlan
@@ -203,6 +204,7 @@ def _limiting(curve: list[tuple[int, MemoryPlan]]) -> str:
             f" of the device peak {format_bytes(last.device_peak_bytes)})")
 
 
+@one_search()
 def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None, margin: int,
                     estimator: Estimator, lossy: str = "fallback", world_size: int = 1,
                     progress: Callable[[str], None] = lambda line: None) -> LongestContext:
