@@ -77,7 +77,8 @@ def check(name, ckpt, lora=None, optimizer="torch.optim.AdamW", in_bwd=False, ac
         per = 4 // world
         res = train_step(model, [_batch(rank * per, (rank + 1) * per)], CrossEntropyLoss(), opt,
                          device=torch.device("cpu"), world_size=world)
-        after = dict(gathered_state_dict_items(model))
+        after = dict(gathered_state_dict_items(
+            model, plain=phases.plain_form(MemoryConfig("distributed", lora=lora, fsdp_cpu_offload=cpu_offload))))
         detail = ""
         if rank == 0 and compare:
             ref = _build(ckpt, lora, sharded=False, ac=ac)

@@ -16,10 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mtune.config.errors import ConfigError
-from mtune.modules.lora import has_nf4_weight
 
 __all__ = ["init_distributed", "destroy_distributed", "shard_model", "all_reduce"]
 

@@ -257,8 +257,8 @@ def init_weights_sharded(model: TransformerDecoder, device: torch.device | str,
     """Random weights for a sharded meta model, by the model's own :meth:`~TransformerDecoder.initializers`: each
     full tensor is filled on every rank from the same RNG state (call ``torch.manual_seed`` first) and each rank
     keeps its rows, so the values equal :meth:`~TransformerDecoder.init_weights` on one device whatever the number
-    of ranks. A weight ``arrives_whole(module, leaf)`` names a function for (QLoRA's NF4 bases) is stored whole by it
-before it is split. Adapters are drawn (as on one device) but left
+    of ranks. A weight for which ``arrives_whole(module, leaf)`` names a function (QLoRA's NF4 bases) is stored whole
+and split by it. Adapters are drawn (as on one device) but left
     for the adapters' own initialisation (`mtune.training.memory.phases.after_weights`)."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens: it is kept once
     tensors = {}
@@ -270,8 +270,7 @@ before it is split. Adapters are drawn (as on one device) but left
             continue
         module_name, _, leaf = name.rpartition(".")
         store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
-        if store is not None:
-            full = store(full)
-        tensors[name] = as_param_like(local_rows(full, param), param)
+        local = store(full, param) if store is not None else local_rows(full, param)
+        tensors[name] = as_param_like(local, param)
     assign_tensors(model, tensors)
     return model

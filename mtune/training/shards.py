@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mtune.modules.nf4_linear import is_nf4, nf4_row_chunk
 
 __all__ = ["row_slice", "local_rows", "as_param_like", "assign_tensors"]
 
@@ -26,11 +25,9 @@ def row_slice(param: DTensor) -> tuple[int, int]:
 
 def local_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a full tensor (``full`` itself for an unsharded parameter), in memory of their own so
-    the full tensor is freed. NF4 is split as ``fully_shard`` splits it (:func:`nf4_row_chunk`)."""
+    the full tensor is freed."""
     if not isinstance(param, DTensor):
         return full
-    if is_nf4(full):
-        return nf4_row_chunk(full, param.device_mesh.size(), param.device_mesh.get_local_rank())
     start, length = row_slice(param)
     return full.narrow(0, start, length).clone()  # own memory: the full tensor is freed
 

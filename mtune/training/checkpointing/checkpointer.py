@@ -265,7 +265,8 @@ class DistributedCheckpointer(Checkpointer):
     def _write_model(self, model: nn.Module, tmp: Path) -> None:
         source = self.base_checkpoint_dir
         if self.lora is None:
-            save_gathered_hf_checkpoint(model, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size="1GB")
+            save_gathered_hf_checkpoint(model, tmp / MODEL_SUBDIR, source_dir=source, max_shard_size="1GB",
+                                        plain=phases.plain_form(self.memory))
             return
         save_peft_adapter(model, tmp / ADAPTER_SUBDIR, self.lora,
                           base_model_name_or_path=str(source) if source is not None else None)

@@ -15,7 +15,7 @@ so it does not depend on how parameters are grouped.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 from mtune.errors import PathNotFoundError
 from mtune.modules.lora import is_adapter_param
 from mtune.modules.lora_state import peft_key
-from mtune.modules.nf4_linear import dequantize, is_nf4
 from mtune.training.checkpointing.hf import save_hf_checkpoint
 from mtune.training.optimizers import inner_optimizers
 
@@ -100,29 +99,37 @@ def load_distributed_state(
 
 
 # ------------------------------------------------------------------------------------------------ export
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor (collective: every rank must call it); NF4 shards come back dequantized."""
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _gather(tensor: torch.Tensor, plain: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The full tensor (collective: every rank must call it), each stored shard made ``plain`` first."""
     if not isinstance(tensor, DTensor):
-        return dequantize(tensor.detach())
+        return plain(tensor.detach())
     local = tensor.to_local()
-    if is_nf4(local):  # dequantize the rows here, gather plain tensors (NF4 cannot be all-gathered by DTensor)
-        tensor = DTensor.from_local(dequantize(local), tensor.device_mesh, tensor.placements, run_check=False,
+    plain_local = plain(local)
+    if plain_local is not local:  # made plain here, gathered plain (DTensor cannot all-gather an NF4 shard)
+        tensor = DTensor.from_local(plain_local, tensor.device_mesh, tensor.placements, run_check=False,
                                     shape=tensor.shape, stride=tensor.stride())
     return tensor.detach().full_tensor()
 
 
-def gathered_state_dict_items(model: nn.Module, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered_state_dict_items(model: nn.Module, adapter_only: bool = False,
+                              plain: Callable[[torch.Tensor], torch.Tensor] = _as_is,
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(mtune name, full tensor on CPU)`` one parameter at a time, on rank 0 only.
 
     Every rank must run the generator to the end (each tensor is an all-gather); other ranks yield nothing. The
-    writing rank holds one full tensor at a time (plus what its consumer keeps). NF4 weights are yielded
-    dequantized, in their original dtype. ``adapter_only`` yields only the LoRA / DoRA parameters.
+    writing rank holds one full tensor at a time (plus what its consumer keeps). ``plain`` turns a stored shard
+    into the plain tensor it stands for (`mtune.training.memory.phases.plain_form`: NF4 bases dequantized, in
+    their original dtype). ``adapter_only`` yields only the LoRA / DoRA parameters.
     """
     rank0 = _is_rank_zero()
     for name, tensor in model.state_dict().items():
         if adapter_only and not is_adapter_param(name):
             continue
-        full = _gather(tensor)
+        full = _gather(tensor, plain)
         if rank0:
             yield name, full.cpu()
         del full
@@ -142,13 +149,15 @@ def save_gathered_hf_checkpoint(
     source_dir: str | os.PathLike | None = None,
     max_shard_size: int | str = "1GB",
     dtype: torch.dtype | None = None,
+    plain: Callable[[torch.Tensor], torch.Tensor] = _as_is,
 ) -> Path | None:
     """Write the sharded model as a Hugging Face directory from rank 0 (all ranks must call it).
 
     Rank 0 holds one gathered tensor plus at most ``max_shard_size`` of pending output at a time. ``dtype`` casts
-    each tensor (e.g. back to bf16 after fp32 training). Returns the directory on rank 0, None elsewhere.
+    each tensor (e.g. back to bf16 after fp32 training); ``plain`` as in :func:`gathered_state_dict_items`.
+    Returns the directory on rank 0, None elsewhere.
     """
-    items = gathered_state_dict_items(model)
+    items = gathered_state_dict_items(model, plain=plain)
     if dtype is not None:
         items = ((n, t.to(dtype)) for n, t in items)
     if not _is_rank_zero():

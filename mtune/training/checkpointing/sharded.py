@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
-from mtune.training.shards import as_param_like, assign_tensors, local_rows, row_slice
+from mtune.training.shards import as_param_like, assign_tensors, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
 
@@ -42,8 +42,8 @@ def load_hf_checkpoint_sharded(
 
     Each rank reads, one tensor at a time, only its own rows of each weight (safetensors ``get_slice``), casts
     them to ``dtype`` on ``device`` and keeps them as its shard. A weight for which ``arrives_whole(module, leaf)``
-    returns a function (QLoRA's NF4 bases) is read whole, stored by it whole and chunked, so every rank holds shards
-    equal to one device's rows.
+    returns a function (QLoRA's NF4 bases) is read whole and handed to it with the parameter: it stores the whole
+    tensor and returns this rank's rows, equal to one device's.
     ``not_in_checkpoint(name)`` marks parameters the checkpoint does not hold (LoRA adapters); they stay as they
     are (meta) until the adapters are initialised. Missing / unexpected keys and wrong shapes raise
     :class:`~mtune.training.checkpointing.hf.CheckpointError` before anything is read.
@@ -62,9 +62,7 @@ def load_hf_checkpoint_sharded(
                 module_name, _, leaf = name.rpartition(".")
                 store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
                 if store is not None:
-                    full = store(f.get_tensor(key).to(device=device, dtype=dtype))
-                    local = local_rows(full, current)
-                    del full
+                    local = store(f.get_tensor(key).to(device=device, dtype=dtype), current)
                 elif isinstance(current, DTensor):
                     start, length = row_slice(current)
                     local = view[start:start + length].to(device=device, dtype=dtype, copy=True)

@@ -14,7 +14,8 @@ The phases, in the order a run meets them:
    :func:`after_weights` once all are in (fresh adapters, what loading did not move);
 4. :func:`wrap_optimizer` — the optimizer built over the trainable parameters, or one that steps elsewhere or
    elsewhen (in backward, on the host);
-5. :func:`materialized` — before saving or merging: every weight on the device in its full form;
+5. :func:`materialized` — before saving or merging: every weight on the device in its full form
+   (sharded: :func:`plain_form` turns each stored shard into the plain tensor it stands for);
 6. :func:`recompute` — what the FLOPs counter reads (checkpointed blocks, tiled MLPs).
 
 No global state: every phase acts on the given model (a meta-device model works).
@@ -35,7 +36,7 @@ from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFac
 __all__ = [
     # the run's phases, in the order a run meets them
     "prepare_model", "on_model", "sharding_options", "arrives_whole", "on_weights", "after_weights",
-    "wrap_optimizer", "materialized", "recompute",
+    "wrap_optimizer", "materialized", "plain_form", "recompute",
     # what the planner reads
     "footprints", "planned", "parameter_settings", "shape_parameters", "lossy", "dropped_losses", "repeat_blocks",
     "frozen_bytes_per_weight", "describe",
@@ -104,14 +105,26 @@ def on_weights(model: Any, module: Any, memory: MemoryConfig, placement: Any) ->
 
 
 def arrives_whole(memory: MemoryConfig) -> Callable[[Any, str], Callable | None]:
-    """``lookup(module, leaf)``: the function that stores ``module``'s parameter ``leaf`` from its whole tensor
-    before a rank keeps its rows (sharded loading and initialisation), or None: the rows as they come."""
+    """``lookup(module, leaf)``: for ``module``'s parameter ``leaf`` stored from its whole tensor, the function
+    ``store(full, param)`` that stores it and returns this rank's rows (sharded loading and initialisation); None:
+    the rows as they come."""
     enabled = list(_enabled(memory))
 
     def lookup(module: Any, leaf: str) -> Callable | None:
         return next((store for t, s in enabled if (store := t.arrives_whole(module, leaf, s)) is not None), None)
 
     return lookup
+
+
+def plain_form(memory: MemoryConfig) -> Callable[[Any], Any]:
+    """``plain(tensor)``: a stored weight as the plain tensor it stands for (an NF4 shard dequantized), any other
+    tensor as it is (gathered saves of a sharded model)."""
+    enabled = list(_enabled(memory))
+
+    def plain(tensor: Any) -> Any:
+        return next((out for t, s in enabled if (out := t.plain_form(tensor, s)) is not None), tensor)
+
+    return plain
 
 
 def after_weights(model: Any, memory: MemoryConfig, *, sharded: bool = False) -> None:

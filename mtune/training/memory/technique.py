@@ -190,8 +190,13 @@ class MemoryTechnique:
 
     def arrives_whole(self, module: Any, leaf: str, s: Any) -> Any:
         """FSDP2 loading reads each rank's rows of a weight only; for a weight this technique stores from the whole
-        tensor (NF4: its scales span every row), the function that stores it, applied before the rank keeps its
-        rows. None: the rows as they come."""
+        tensor (NF4: its scales span every row), ``store(full, param) -> this rank's rows`` as it stores them.
+        None: the rows as they come."""
+        return None
+
+    def plain_form(self, tensor: Any, s: Any) -> Any:
+        """A weight this technique stores in another form (an NF4 shard) as the plain tensor it stands for, for a
+        gathered save; None: not one of its."""
         return None
 
     def after_weights(self, model: Any, s: Any, sharded: bool, materialized: Any) -> None:

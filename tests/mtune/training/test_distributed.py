@@ -116,7 +116,7 @@ def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
     model = _sharded(lora_ckpt, torch.bfloat16, QDORA)
     out["nf4_local"] = {n: (is_nf4(p.to_local()), tensor_bytes(p.to_local()), _storage_bytes(p.to_local()))
                         for n, p in model.named_parameters() if n.endswith("proj.weight")}
-    out["qdora_loaded"] = dict(gathered_state_dict_items(model))
+    out["qdora_loaded"] = dict(gathered_state_dict_items(model, plain=phases.plain_form(MemoryConfig(lora=QDORA))))
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     train_step(model, [_batch(2 * rank, 2 * rank + 2)], CrossEntropyLoss(), adamw, device=CPU, world_size=2)
     out["adapter"] = dict(gathered_state_dict_items(model, adapter_only=True))
@@ -142,7 +142,7 @@ def _worker(rank: int, tmp: str, full_ckpt: str, lora_ckpt: str) -> None:
     # 4. random weights (tied embeddings) with QDoRA adapters, set up sharded: the values of one device
     model, _ = setup_sharded_model(ModelSource("llama3_2", model_args("llama3_2", "tiny"), None), device=CPU,
                                    dtype=torch.float32, seed=5, lora=QDORA, fsdp_reshard_after_forward=True)
-    out["random_qdora"] = dict(gathered_state_dict_items(model))
+    out["random_qdora"] = dict(gathered_state_dict_items(model, plain=phases.plain_form(MemoryConfig(lora=QDORA))))
     if rank == 0:
         torch.save(out, tmp / "rank0.pt")
     torch.save({"nf4_local": out["nf4_local"]}, tmp / f"nf4_rank{rank}.pt")

@@ -158,6 +158,11 @@ class Lora(MemoryTechnique):
 
         return nf4_from_whole(module, leaf)
 
+    def plain_form(self, tensor: Any, s: LoraSettings) -> Any:
+        from mtune.training.memory.techniques.lora.adapters import dequantized_nf4
+
+        return dequantized_nf4(tensor)
+
     def after_weights(self, model: Any, s: LoraSettings, sharded: bool, materialized: Any) -> None:
         """Fresh adapters (zero update) over the loaded base, then the base frozen."""
         from mtune.training.memory.techniques.lora.adapters import reset_adapters

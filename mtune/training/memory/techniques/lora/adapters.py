@@ -13,10 +13,10 @@ from torch.distributed.tensor import DTensor
 
 from mtune.config.errors import ConfigError
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, reset_lora_parameters
-from mtune.modules.nf4_linear import is_nf4, quantize_nf4
+from mtune.modules.nf4_linear import dequantize, is_nf4, nf4_row_chunk, quantize_nf4
 from mtune.training.shards import as_param_like, assign_tensors, local_rows
 
-__all__ = ["quantize_on_arrival", "nf4_from_whole", "check_shardable", "reset_adapters", "reset_adapters_sharded"]
+__all__ = ["quantize_on_arrival", "nf4_from_whole", "dequantized_nf4", "check_shardable", "reset_adapters", "reset_adapters_sharded"]
 
 
 def quantize_on_arrival(module: nn.Module) -> None:
@@ -26,11 +26,22 @@ def quantize_on_arrival(module: nn.Module) -> None:
 
 
 def nf4_from_whole(module: nn.Module, leaf: str):
-    """For an NF4 base weight, the function that quantizes it whole (its scales are quantized against the mean of
-    all of them, so a rank's rows are cut from the whole NF4 tensor: bit-equal to one device's); else None."""
-    if leaf == "weight" and has_nf4_weight(module):
-        return lambda full: quantize_nf4(full).data
-    return None
+    """For an NF4 base weight, :func:`nf4_rows`; else None."""
+    return nf4_rows if leaf == "weight" and has_nf4_weight(module) else None
+
+
+def nf4_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole weight quantized to NF4 (its scales are quantized against the mean of all of them), then this
+    rank's rows of it as ``fully_shard`` splits NF4: bit-equal to one device's rows."""
+    nf4 = quantize_nf4(full).data
+    if not isinstance(param, DTensor):
+        return nf4
+    return nf4_row_chunk(nf4, param.device_mesh.size(), param.device_mesh.get_local_rank())
+
+
+def dequantized_nf4(tensor: torch.Tensor) -> torch.Tensor | None:
+    """An NF4 tensor (a QLoRA base, or a rank's shard of one) dequantized to its original dtype; None for others."""
+    return dequantize(tensor) if is_nf4(tensor) else None
 
 
 def check_shardable(lora) -> None:
