@@ -14,7 +14,6 @@ initialisation and LoRA's sharded adapters use them too).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 

@@ -35,7 +35,7 @@ from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFac
 
 __all__ = [
     # the run's phases, in the order a run meets them
-    "prepare_model", "on_model", "sharding_options", "arrives_whole", "on_weights", "after_weights",
+    "prepare_model", "sharding_options", "arrives_whole", "on_weights", "after_weights",
     "wrap_optimizer", "materialized", "plain_form", "recompute",
     # what the planner reads
     "footprints", "planned", "parameter_settings", "shape_parameters", "lossy", "dropped_losses", "repeat_blocks",
@@ -59,7 +59,7 @@ def describe(memory: MemoryConfig) -> str:
 
 
 def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
-    """Transform the meta ``model`` in place, technique by technique (:func:`on_model`), and log the run's
+    """Transform the meta ``model`` in place, technique by technique (their ``on_model``), and log the run's
     techniques. Returns the context the step enters around forward and backward (None when no technique needs
     one)."""
     contexts = [c for t, s in _enabled(memory) if (c := t.on_model(model, s, memory, placement)) is not None]
@@ -69,22 +69,21 @@ def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
     return contexts[0] if contexts else None
 
 
-def on_model(model: Any, memory: MemoryConfig, placement: Any = None) -> None:
-    """The model phase alone."""
-    for technique, settings in _enabled(memory):
-        technique.on_model(model, settings, memory, placement)
+def _shaping(memory: MemoryConfig) -> list:
+    """The techniques whose footprint says they decide the model's parameters, in registry order."""
+    return [t for t, f in zip(registry.TECHNIQUES, footprints(memory)) if f.shapes_parameters]
 
 
 def parameter_settings(memory: MemoryConfig) -> tuple:
     """The settings of the techniques that decide the model's parameters (`Footprint.shapes_parameters`):
     two runs alike here have the same parameters, trainable and stored alike."""
-    return tuple(memory[t] for t, f in zip(registry.TECHNIQUES, footprints(memory)) if f.shapes_parameters)
+    return tuple(memory[t] for t in _shaping(memory))
 
 
 def shape_parameters(model: Any, memory: MemoryConfig) -> None:
     """The model phase of the techniques that decide the parameters only, on a meta ``model`` (the planner's cost
     model counts its parameters and FLOPs)."""
-    shaping = {t for t, f in zip(registry.TECHNIQUES, footprints(memory)) if f.shapes_parameters}
+    shaping = _shaping(memory)
     for technique, settings in _enabled(memory):
         if technique in shaping:
             technique.on_model(model, settings, memory, None)

@@ -183,10 +183,10 @@ class MemoryConfig:
         object.__setattr__(self, "_settings", {t: t.Settings.from_values(values) for t in TECHNIQUES})
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> "MemoryConfig":
+    def from_config(cls, cfg: Mapping[str, Any], kind: str | None = None) -> "MemoryConfig":
         """The settings of ``cfg`` (defaults filled in by the recipe's schema, as ``mtune run`` does; a key left out
-        takes its declared default). The kind comes from `mtune.config.keys.run_kind`."""
-        return cls(run_kind(cfg), RunKeys.from_config(cfg), **{n: cfg[n] for n in _owners() if n in cfg})
+        takes its declared default). ``kind`` defaults to `mtune.config.keys.run_kind`'s answer."""
+        return cls(kind or run_kind(cfg), RunKeys.from_config(cfg), **{n: cfg[n] for n in _owners() if n in cfg})
 
     def replace(self, **values: Any) -> "MemoryConfig":
         """A copy with these keys (YAML names) set; ``lora`` takes a mapping, a `LoraConfig` or None."""
@@ -236,7 +236,7 @@ class MemoryConfig:
 
 def _rules(kind: str):
     def rule(cfg) -> list[str]:
-        memory = MemoryConfig(kind, RunKeys.from_config(cfg), **{n: cfg[n] for n in _owners() if n in cfg})
+        memory = MemoryConfig.from_config(cfg, kind)
         return [problem for technique in TECHNIQUES for problem in technique.rules(memory[technique], memory)]
 
     rule.__name__ = f"memory_rules_{kind}"

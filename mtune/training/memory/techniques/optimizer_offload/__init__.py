@@ -60,8 +60,8 @@ class OptimizerOffload(MemoryTechnique):
         if target is None:
             return []
         if memory.distributed:
-            return [f"optimizer_offload is a single-device technique: the distributed recipes offload parameters, "
-                    f"gradients and optimizer states with fsdp_cpu_offload=true; set optimizer_offload=null"]
+            return ["optimizer_offload is a single-device technique: the distributed recipes offload parameters, "
+                    "gradients and optimizer states with fsdp_cpu_offload=true; set optimizer_offload=null"]
         problems = _problems(target, memory.run.optimizer_component, memory[OPTIMIZER_IN_BACKWARD].optimizer_in_bwd)
         if memory.run.dtype == "fp16":
             problems.append(f"optimizer_offload={target} cannot be combined with dtype=fp16 (loss scaling checks the "
