@@ -23,7 +23,6 @@ from torch import nn
 from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
-from mtune.modules.lora import is_adapter_param
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
 from mtune.training.checkpointing.manifest import check_before_loading
@@ -126,20 +125,23 @@ def materialize_model(model: TransformerDecoder, source: ModelSource, *, device:
     placement = placement or Placement(device)
 
     def after_tensor(module: nn.Module) -> None:
-        phases.on_weights(model, module, memory, placement)
+        phases.on_weights(model, module, memory)
 
-    load_weights(model, source, device=device, dtype=dtype, after_tensor=after_tensor)
+    load_weights(model, source, device=device, dtype=dtype, after_tensor=after_tensor,
+                 not_in_checkpoint=phases.added(memory))
     phases.after_weights(model, memory)
     if not trainable:
         model.requires_grad_(False)  # adapters too (they stay on the device: weights are offloaded frozen on arrival)
-    log.info("model: %s", parameter_summary(model, source.family))
+    log.info("model: %s", parameter_summary(model, source.family, memory))
 
 
-def parameter_summary(model: nn.Module, family: str) -> str:
+def parameter_summary(model: nn.Module, family: str, memory: MemoryConfig) -> str:
     """``llama3, 2.6M base parameters + 0.26M adapter = 2.8M, 0.26M trainable (9.29%)`` (no adapter part for a
-    full fine-tune): the base model's size as a checkpoint or a README gives it, and what training adds."""
+    full fine-tune): the base model's size as a checkpoint or a README gives it, and what training adds (the
+    parameters ``memory``'s techniques add, `mtune.training.memory.phases.added`)."""
     total = sum(p.numel() for p in model.parameters())
-    adapter = sum(p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
+    is_added = phases.added(memory)
+    adapter = sum(p.numel() for name, p in model.named_parameters() if is_added(name))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     counts = (f"{(total - adapter) / 1e6:.1f}M base parameters + {adapter / 1e6:.2f}M adapter = {total / 1e6:.1f}M"
               if adapter else f"{total / 1e6:.1f}M parameters")
@@ -147,17 +149,17 @@ def parameter_summary(model: nn.Module, family: str) -> str:
 
 
 def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
-                 after_tensor=lambda module: None) -> None:
+                 after_tensor=lambda module: None, not_in_checkpoint=lambda name: False) -> None:
     """Give a meta-device model its weights on ``device``: stream the base checkpoint in one tensor at a time (each
     placed straight from the file, then ``after_tensor(module)``: NF4 weights quantized on arrival, so the
-    full-precision model never exists at once), or initialise randomly when there is no checkpoint. Adapter
-    parameters are left uninitialised."""
+    full-precision model never exists at once), or initialise randomly when there is no checkpoint. Parameters
+    for which ``not_in_checkpoint(name)`` holds (adapters) are left uninitialised."""
     if source.checkpoint_dir is None:
         _random_weights(model, device, after_tensor)
         log.info("model: random weights (no checkpoint_dir)")
         return
     load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
-                       not_in_checkpoint=is_adapter_param, after_tensor=after_tensor)
+                       not_in_checkpoint=not_in_checkpoint, after_tensor=after_tensor)
     _materialize_meta_tensors(model, device)
     log.info("model: loaded %s", source.checkpoint_dir)
 
@@ -244,29 +246,31 @@ def materialize_sharded_model(model: TransformerDecoder, source: ModelSource, *,
     if source.checkpoint_dir is not None:
         load_hf_checkpoint_sharded(model, source.checkpoint_dir, dtype=dtype, device=device,
                                    arrives_whole=phases.arrives_whole(memory),
-                                   not_in_checkpoint=is_adapter_param)
+                                   not_in_checkpoint=phases.added(memory))
         log.info("model: loaded %s, sharded", source.checkpoint_dir)
     else:
-        init_weights_sharded(model, device, arrives_whole=phases.arrives_whole(memory))
+        init_weights_sharded(model, device, arrives_whole=phases.arrives_whole(memory),
+                             not_in_checkpoint=phases.added(memory))
     phases.after_weights(model, memory, sharded=True)
 
 
 @torch.no_grad()
 def init_weights_sharded(model: TransformerDecoder, device: torch.device | str,
-                         arrives_whole: Callable[[nn.Module, str], Callable | None] | None = None) -> nn.Module:
+                         arrives_whole: Callable[[nn.Module, str], Callable | None] | None = None,
+                         not_in_checkpoint: Callable[[str], bool] = lambda name: False) -> nn.Module:
     """Random weights for a sharded meta model, by the model's own :meth:`~TransformerDecoder.initializers`: each
     full tensor is filled on every rank from the same RNG state (call ``torch.manual_seed`` first) and each rank
     keeps its rows, so the values equal :meth:`~TransformerDecoder.init_weights` on one device whatever the number
     of ranks. A weight for which ``arrives_whole(module, leaf)`` names a function (QLoRA's NF4 bases) is stored whole
-and split by it. Adapters are drawn (as on one device) but left
-    for the adapters' own initialisation (`mtune.training.memory.phases.after_weights`)."""
+and split by it. Parameters a technique adds (``not_in_checkpoint(name)``: adapters) are drawn (as on one device)
+    but left for their own initialisation (`mtune.training.memory.phases.after_weights`)."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens: it is kept once
     tensors = {}
     for name, fill in model.initializers():
         param = model.get_parameter(name)
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         fill(full)  # every draw init_weights makes (adapters, a tied lm_head again): the RNG stream of one device
-        if name not in params or is_adapter_param(name):
+        if name not in params or not_in_checkpoint(name):
             continue
         module_name, _, leaf = name.rpartition(".")
         store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None

@@ -304,3 +304,28 @@ def test_modules_stay_short():
     long = sorted((len(path.read_text().splitlines()), str(path.relative_to(PACKAGE.parent)))
                   for path in PACKAGE.rglob("*.py") if len(path.read_text().splitlines()) > 300)
     assert len(long) <= LONG_MODULES_ALLOWED, long
+
+
+def _class_members(tree: ast.Module, class_name: str) -> list[str]:
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    names = []
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AnnAssign, ast.Assign)):
+            name = (node.name if isinstance(node, ast.FunctionDef) else
+                    node.target.id if isinstance(node, ast.AnnAssign) else node.targets[0].id)
+            names.append(name)
+    return [name for name in names if not name.startswith("_")]
+
+
+def test_the_technique_contract_is_small_and_every_member_is_called_by_the_machinery():
+    # About a dozen members, each read by the orchestrator, the registry or the planner (a member nothing reads is
+    # a hook added for one technique that no phase calls); the same for the weight phases.
+    modules = _modules()
+    contract = modules["mtune.training.memory.technique"]
+    machinery = {name: tree for name, tree in modules.items()
+                 if not _within(name, TECHNIQUES_PACKAGE) and name != "mtune.training.memory.technique"}
+    read = {node.attr for tree in machinery.values() for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    members = _class_members(contract, "MemoryTechnique")
+    weight_phases = _class_members(contract, "WeightPhases")
+    assert len(members) <= 13, members
+    assert not [m for m in members + weight_phases if m not in read], "members nothing outside the techniques reads"

@@ -1,13 +1,13 @@
 """What a memory technique tells the planner, and the priorities it declares in: its `Footprint` for a model of
-given `ModelFacts`, its ``--fit`` options (`FitChoice`, ranked by `QUALITY_TIERS` where lossy), the work it makes
-backward repeat (`Recompute`) and its out-of-memory advice (:func:`advice`, in the named `ADVICE_TIERS`). Pure
-Python, no torch (`mtune.training.memory.technique` re-exports every name)."""
+given `ModelFacts` (the work it makes backward repeat, `Recompute`, included), its ``--fit`` dimension (`FitKnob`)
+and options (`FitChoice`, ranked by `QUALITY_TIERS` where lossy) and its out-of-memory advice (:func:`advice`, in
+the named `ADVICE_TIERS`). Pure Python, no torch (`mtune.training.memory.technique` re-exports every name)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RUN_KINDS", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "FitChoice", "ModelFacts", "Footprint",
+__all__ = ["RUN_KINDS", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "FitKnob", "FitChoice", "ModelFacts", "Footprint",
            "Recompute"]
 
 RUN_KINDS = ("single_device", "distributed")
@@ -41,6 +41,17 @@ choices first (NF4 outranks fp8 with clipping dropped; the measured drifts: docs
 def advice(tier: str, text: str) -> tuple[int, str]:
     """One piece of out-of-memory advice in ``tier`` (a name of `ADVICE_TIERS`), sortable with the others."""
     return ADVICE_TIERS.index(tier), text
+
+
+@dataclass(frozen=True)
+class FitKnob:
+    """A technique's dimension of the ``mtune plan --fit`` search: its ``name`` (in the answer's levels) and
+    whether all its choices save is in the floor ``--fit`` computes before planning (weights, states, gradients),
+    none in activations (``floor_only``): such a choice whose floor saving is negligible for the budget is not
+    searched."""
+
+    name: str
+    floor_only: bool = False
 
 
 class FitChoice:
@@ -98,6 +109,15 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """Forward work a technique makes backward do again, per block, as the FLOPs counter reads it: each block's
+    checkpointing policy (``block``, ``selective_op`` or None) and whether its MLP runs over tiles."""
+
+    checkpoint: tuple[str | None, ...] | None = None
+    mlp_tiled: tuple[bool, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Footprint:
     """What one technique, as configured, does to a run's memory and time: the one value the planner reads (the
     cost model folds every technique's; at most one technique names each home, the rules see to it)."""
@@ -130,12 +150,6 @@ class Footprint:
     is planned."""
     frozen_bytes_per_weight: float | None = None
     """Bytes a frozen 2-D weight takes once stored (NF4: about 0.53 with its scales); None: its dtype's."""
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Forward work a technique makes backward do again, per block, as the FLOPs counter reads it: each block's
-    checkpointing policy (``block``, ``selective_op`` or None) and whether its MLP runs over tiles."""
-
-    checkpoint: tuple[str | None, ...] | None = None
-    mlp_tiled: tuple[bool, ...] | None = None
+    recompute: Recompute = Recompute()
+    """The forward work backward repeats for the facts' blocks (``n_layers``, ``dim``, ``micro_batch_tokens``): what
+    the FLOPs counter reads."""

@@ -9,14 +9,15 @@ The phases, in the order a run meets them:
    tiled MLP and attention kernel, activation checkpointing, activation offloading (its context, which the step
    enters around forward and backward), compile;
 2. :func:`sharding_options` — FSDP2's ``fully_shard`` options (distributed recipes: CPU offload);
-3. :func:`on_weights` — as each module's weights arrive (loaded or drawn): NF4 / fp8 storage, offloading
-   (sharded: :func:`arrives_whole` says which weights are stored whole before a rank keeps its rows);
-   :func:`after_weights` once all are in (fresh adapters, what loading did not move);
+3. the techniques' `WeightPhases`: :func:`on_weights` as each module's weights arrive (loaded or drawn): NF4 / fp8
+   storage, offloading (sharded: :func:`arrives_whole` says which weights are stored whole before a rank keeps its
+   rows; :func:`added` which parameters no base checkpoint holds); :func:`after_weights` once all are in (fresh
+   adapters, what loading did not move);
 4. :func:`wrap_optimizer` — the optimizer built over the trainable parameters, or one that steps elsewhere or
    elsewhen (in backward, on the host);
 5. :func:`materialized` — before saving or merging: every weight on the device in its full form
    (sharded: :func:`plain_form` turns each stored shard into the plain tensor it stands for);
-6. :func:`recompute` — what the FLOPs counter reads (checkpointed blocks, tiled MLPs).
+6. :func:`recompute` — what the FLOPs counter reads (checkpointed blocks, tiled MLPs), from the footprints.
 
 No global state: every phase acts on the given model (a meta-device model works).
 """
@@ -24,6 +25,7 @@ No global state: every phase acts on the given model (a meta-device model works)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,7 +37,7 @@ from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFac
 
 __all__ = [
     # the run's phases, in the order a run meets them
-    "prepare_model", "sharding_options", "arrives_whole", "on_weights", "after_weights",
+    "prepare_model", "sharding_options", "on_weights", "arrives_whole", "added", "after_weights",
     "wrap_optimizer", "materialized", "plain_form", "recompute",
     # what the planner reads
     "footprints", "planned", "parameter_settings", "shape_parameters", "lossy", "dropped_losses", "repeat_blocks",
@@ -53,9 +55,15 @@ def _enabled(memory: MemoryConfig):
 
 
 def describe(memory: MemoryConfig) -> str:
-    """``lora=lora, weight_storage_dtype=None, ...``: every technique with keys, as the run's log line says."""
-    return ", ".join(f"{t.name}={t.describe(memory[t], memory)}" for t in registry.TECHNIQUES
-                     if t.Settings.keys())
+    """``lora=lora, weight_storage_dtype=off, ...``: every technique with keys, its settings described where it is
+    on (`Settings.describe`), as the run's log line says."""
+    return ", ".join(f"{t.name}={memory[t].describe() if t.enabled(memory[t], memory) else 'off'}"
+                     for t in registry.TECHNIQUES if t.Settings.keys())
+
+
+def _weight_phases(memory: MemoryConfig) -> list:
+    """The `WeightPhases` of every enabled technique that has some, in registry order."""
+    return [w for t, s in _enabled(memory) if (w := t.weights(s)) is not None]
 
 
 def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
@@ -97,39 +105,46 @@ def sharding_options(memory: MemoryConfig, placement: Any) -> dict:
     return options
 
 
-def on_weights(model: Any, module: Any, memory: MemoryConfig, placement: Any) -> None:
+def on_weights(model: Any, module: Any, memory: MemoryConfig) -> None:
     """``module``'s weights just arrived on the device: store or move them as the techniques say."""
-    for technique, settings in _enabled(memory):
-        technique.on_weights(model, module, settings, placement)
+    for weights in _weight_phases(memory):
+        weights.arrived(model, module)
 
 
 def arrives_whole(memory: MemoryConfig) -> Callable[[Any, str], Callable | None]:
     """``lookup(module, leaf)``: for ``module``'s parameter ``leaf`` stored from its whole tensor, the function
     ``store(full, param)`` that stores it and returns this rank's rows (sharded loading and initialisation); None:
     the rows as they come."""
-    enabled = list(_enabled(memory))
+    phases = _weight_phases(memory)
 
     def lookup(module: Any, leaf: str) -> Callable | None:
-        return next((store for t, s in enabled if (store := t.arrives_whole(module, leaf, s)) is not None), None)
+        return next((store for w in phases if (store := w.stored_whole(module, leaf)) is not None), None)
 
     return lookup
+
+
+def added(memory: MemoryConfig) -> Callable[[str], bool]:
+    """``is_added(name)``: whether a technique adds the parameter ``name`` (adapters): a base checkpoint does not
+    hold it."""
+    phases = _weight_phases(memory)
+    return lambda name: any(w.added(name) for w in phases)
 
 
 def plain_form(memory: MemoryConfig) -> Callable[[Any], Any]:
     """``plain(tensor)``: a stored weight as the plain tensor it stands for (an NF4 shard dequantized), any other
     tensor as it is (gathered saves of a sharded model)."""
-    enabled = list(_enabled(memory))
+    phases = _weight_phases(memory)
 
     def plain(tensor: Any) -> Any:
-        return next((out for t, s in enabled if (out := t.plain_form(tensor, s)) is not None), tensor)
+        return next((out for w in phases if (out := w.plain(tensor)) is not None), tensor)
 
     return plain
 
 
 def after_weights(model: Any, memory: MemoryConfig, *, sharded: bool = False) -> None:
     """Every weight is in (loaded, or drawn at random; each rank its rows when ``sharded``)."""
-    for technique, settings in _enabled(memory):
-        technique.after_weights(model, settings, sharded, lambda: materialized(model, memory))
+    for weights in _weight_phases(memory):
+        weights.all_arrived(model, sharded, lambda: materialized(model, memory))
 
 
 def wrap_optimizer(spec: Any, named_params: list, memory: MemoryConfig, placement: Any) -> Any:
@@ -149,25 +164,27 @@ def wrap_optimizer(spec: Any, named_params: list, memory: MemoryConfig, placemen
 def materialized(model: Any, memory: MemoryConfig) -> Iterator[None]:
     """Every weight of ``model`` on the compute device in its full form while inside (saving, merging)."""
     with contextlib.ExitStack() as stack:
-        for technique, settings in _enabled(memory):
-            context = technique.before_save(model, settings)
+        for weights in _weight_phases(memory):
+            context = weights.full_form(model)
             if context is not None:
                 stack.enter_context(context)
         yield
 
 
-def recompute(memory: MemoryConfig, n_layers: int, tokens: int, dim: int) -> Recompute:
-    """What backward repeats of the forward, per block, folded over the techniques (the FLOPs counter)."""
-    checkpoint, tiled = (None,) * n_layers, (False,) * n_layers
-    for technique in registry.TECHNIQUES:
-        answer = technique.recompute(memory[technique], n_layers, tokens, dim)
-        checkpoint = answer.checkpoint if answer.checkpoint is not None else checkpoint
-        tiled = answer.mlp_tiled if answer.mlp_tiled is not None else tiled
-    return Recompute(checkpoint=checkpoint, mlp_tiled=tiled)
-
-
 _NO_MODEL = ModelFacts(n_layers=1, dim=1, trainable_bytes=0.0, frozen_bytes=0.0, residual_bytes=1,
                        micro_batch_tokens=1, step_tokens=1)
+
+
+def recompute(memory: MemoryConfig, n_layers: int, tokens: int, dim: int) -> Recompute:
+    """What backward repeats of the forward, per block, folded over the techniques' footprints for ``n_layers``
+    blocks of width ``dim`` at ``tokens`` tokens a micro-batch (the FLOPs counter)."""
+    facts = dataclasses.replace(_NO_MODEL, n_layers=n_layers, dim=dim, micro_batch_tokens=tokens, step_tokens=tokens)
+    checkpoint, tiled = (None,) * n_layers, (False,) * n_layers
+    for footprint in footprints(memory, facts):
+        checkpoint = footprint.recompute.checkpoint if footprint.recompute.checkpoint is not None else checkpoint
+        tiled = footprint.recompute.mlp_tiled if footprint.recompute.mlp_tiled is not None else tiled
+    return Recompute(checkpoint=checkpoint, mlp_tiled=tiled)
+
 
 
 def planned(memory: MemoryConfig) -> tuple[MemoryConfig, list[str]]:

@@ -7,15 +7,18 @@ line in :mod:`mtune.training.memory.registry`) has
   :func:`setting` (default, help, bounds); the schema, ``--help`` and the docs read the keys from it, and every hook
   receives the settings made once from the filled-in config, beside the run's `MemoryConfig` (the run's kind, the
   run keys techniques read, the other techniques' settings). No hook reads a raw config, none restates a default;
-- **declarations**: its rules (:meth:`rules`), one planner value (:meth:`footprint`: where its tensors live, what
-  it moves and steps on the host, whether it changes the numbers), its ``--fit`` choices (:meth:`fit_choices`), settings that hold at any row length
-  (:meth:`for_any_length`) and its out-of-memory advice (:meth:`oom_advice`, in the named tiers of `ADVICE_TIERS`);
+- **declarations**: whether it acts (:meth:`enabled`), its rules (:meth:`rules`), one planner value
+  (:meth:`footprint`: where its tensors live, what it moves and steps on the host, the work backward repeats,
+  whether it changes the numbers), its ``--fit`` dimension (``fit_knob``) and options (:meth:`fit_choices`),
+  settings that hold at any row length (:meth:`for_any_length`) and its out-of-memory advice (:meth:`oom_advice`,
+  in the named tiers of `ADVICE_TIERS`);
 - **run phases**, optional hooks that `mtune.training.memory.phases` calls in the registry's order: on the meta
-  model (:meth:`on_model`), on each module whose weights arrived (:meth:`on_weights`) and once all are in
-  (:meth:`after_weights`), on FSDP2's sharding options
-  (:meth:`sharding_options`), around the optimizer (:meth:`wrap_optimizer`), around forward and backward
-  before the weights are saved (:meth:`before_save`), and what the FLOPs counter reads
-  (:meth:`recompute`).
+  model (:meth:`on_model`; it may return the context the step enters around forward and backward), on FSDP2's
+  sharding options (:meth:`sharding_options`), on the weights through their life (:meth:`weights`, a
+  `WeightPhases`: as each module's arrive, once all are in, before a save), and around the optimizer
+  (:meth:`wrap_optimizer`).
+
+That is thirteen members: ``name``, ``Settings``, ``fit_knob``, six declarations, four phases.
 
 Pure Python, no torch at import: ``mtune validate`` reads the declarations. A phase imports its technique's
 implementation (a torch module beside the declaration, in the same package) when it runs.
@@ -32,11 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtune.config.schema import Key, KeyGroup, Node
-from mtune.training.memory.footprint import (ADVICE_TIERS, QUALITY_TIERS, RUN_KINDS, FitChoice, Footprint, ModelFacts,
-                                             Recompute, advice)
+from mtune.training.memory.footprint import (ADVICE_TIERS, QUALITY_TIERS, RUN_KINDS, FitChoice, FitKnob, Footprint,
+                                             ModelFacts, Recompute, advice)
 
-__all__ = ["MemoryTechnique", "Settings", "NoSettings", "setting", "FitChoice", "ModelFacts", "Footprint",
-           "Recompute", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "RUN_KINDS"]
+__all__ = ["MemoryTechnique", "WeightPhases", "Settings", "NoSettings", "setting", "FitKnob", "FitChoice", "ModelFacts",
+           "Footprint", "Recompute", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "RUN_KINDS"]
 
 # ---- typed settings ---------------------------------------------------------------------------------------------
 
@@ -96,6 +99,12 @@ class Settings:
         """The keys only the distributed recipes read."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("distributed_only"))
 
+    def describe(self) -> str:
+        """Its setting for the run's log line of memory techniques (when the technique is on): its first key's
+        value (``on`` for true)."""
+        value = getattr(self, dataclasses.fields(self)[0].name) if dataclasses.fields(self) else True
+        return "on" if value is True else str(value)
+
     @classmethod
     def _declare(cls) -> list[Key | Node]:
         hints = _hints(cls)
@@ -134,6 +143,41 @@ class NoSettings(Settings):
 
 # ---- the contract -----------------------------------------------------------------------------------------------
 
+class WeightPhases:
+    """What a technique does to the model's weights through a run, for a technique that stores or moves them
+    (NF4 or fp8 bases, offloaded weights, adapters over a loaded base). Every method is optional: the default
+    leaves the weights as they are. `mtune.training.memory.phases` calls them in the registry's order."""
+
+    def arrived(self, model: Any, module: Any) -> None:
+        """``module``'s weights just arrived on the device (loaded or drawn, before the next module's): store or
+        move them."""
+
+    def stored_whole(self, module: Any, leaf: str) -> Any:
+        """FSDP2 loading reads each rank's rows of a weight only; for a weight this technique stores from the whole
+        tensor (NF4: its scales span every row), ``store(full, param) -> this rank's rows`` as it stores them.
+        None: the rows as they come."""
+        return None
+
+    def all_arrived(self, model: Any, sharded: bool, materialized: Any) -> None:
+        """Every weight is in (each rank its rows when ``sharded``); ``materialized()`` is a context with every
+        weight on the device in its full form."""
+
+    def added(self, name: str) -> bool:
+        """Whether the parameter ``name`` is one this technique adds to the model (an adapter): a base checkpoint
+        does not hold it, and the run's summary counts it apart."""
+        return False
+
+    def full_form(self, model: Any) -> Any:
+        """A context manager inside which every weight is on the device in its full form (saving, merging), or
+        None."""
+        return None
+
+    def plain(self, tensor: Any) -> Any:
+        """A weight this technique stores in another form (an NF4 shard) as the plain tensor it stands for, for a
+        gathered save; None: not one of its."""
+        return None
+
+
 class MemoryTechnique:
     """The contract. Every member has a neutral default (no keys, no rule, nothing moved, lossless, not searched,
     no phase), so a technique overrides only what it has to say. ``s`` is the technique's own settings
@@ -143,20 +187,13 @@ class MemoryTechnique:
     """Its name in logs and docs (its main key where it has one)."""
     Settings: type[Settings] = NoSettings
     """Its typed settings: the keys the training recipes read."""
-    fit_knob: str | None = None
-    """The name of its ``mtune plan --fit`` dimension (:meth:`fit_choices`); None: left as configured."""
-    fit_saves_floor_only: bool = False
-    """Whether all its choices save is in the floor ``--fit`` computes before planning (weights, states,
-    gradients), none in activations: a choice whose floor saving is negligible for the budget is not searched."""
+    fit_knob: FitKnob | None = None
+    """Its ``mtune plan --fit`` dimension (options: :meth:`fit_choices`); None: left as configured."""
 
     # -- declarations
     def enabled(self, s: Any, memory: Any) -> bool:
         """Whether it acts in this run (its phases are called only then)."""
         return False
-
-    def describe(self, s: Any, memory: Any) -> str:
-        """Its setting, for the run's one log line of memory techniques."""
-        return "on" if self.enabled(s, memory) else "off"
 
     def rules(self, s: Any, memory: Any) -> list[str]:
         """One-line problems of these settings in this run (``memory.kind`` says single device or distributed), each
@@ -164,7 +201,7 @@ class MemoryTechnique:
         return []
 
     def footprint(self, s: Any, memory: Any, facts: ModelFacts) -> Footprint:
-        """What it does to memory and time for a model of these ``facts``."""
+        """What it does to memory and time for a model of these ``facts``, the work backward repeats included."""
         return Footprint()
 
     def fit_choices(self, s: Any, memory: Any, facts: ModelFacts) -> list[FitChoice]:
@@ -185,23 +222,10 @@ class MemoryTechnique:
         """Transform the model built on the meta device, in place (adapters, hooks, wrappers, compile). Returns a
         context manager the step enters around forward and backward (activation offloading), or None."""
 
-    def on_weights(self, model: Any, module: Any, s: Any, placement: Any) -> None:
-        """``module``'s weights just arrived (loaded or drawn, before the next module's): store or move them."""
-
-    def arrives_whole(self, module: Any, leaf: str, s: Any) -> Any:
-        """FSDP2 loading reads each rank's rows of a weight only; for a weight this technique stores from the whole
-        tensor (NF4: its scales span every row), ``store(full, param) -> this rank's rows`` as it stores them.
-        None: the rows as they come."""
+    def weights(self, s: Any) -> WeightPhases | None:
+        """What it does to the weights as they arrive, once all are in, and before a save (`WeightPhases`); None:
+        nothing."""
         return None
-
-    def plain_form(self, tensor: Any, s: Any) -> Any:
-        """A weight this technique stores in another form (an NF4 shard) as the plain tensor it stands for, for a
-        gathered save; None: not one of its."""
-        return None
-
-    def after_weights(self, model: Any, s: Any, sharded: bool, materialized: Any) -> None:
-        """Every weight is in (each rank its rows when ``sharded``); ``materialized()`` is a context with every
-        weight on the device in its full form."""
 
     def sharding_options(self, s: Any, memory: Any, placement: Any) -> dict:
         """Keyword arguments for FSDP2's ``fully_shard`` (distributed recipes)."""
@@ -212,13 +236,3 @@ class MemoryTechnique:
         from the config's ``spec`` (`mtune.training.optimizers.OptimizerSpec`: ``cls``, ``kwargs_for(device)``,
         ``allocate(optimizer)``); None: the plain optimizer."""
         return None
-
-    def before_save(self, model: Any, s: Any) -> Any:
-        """A context manager inside which every weight is on the device in its full form (saving, merging), or
-        None."""
-        return None
-
-    def recompute(self, s: Any, n_layers: int, tokens: int, dim: int) -> Recompute:
-        """The forward work backward repeats for a model of ``n_layers`` blocks of width ``dim`` at ``tokens``
-        tokens a micro-batch (the FLOPs counter)."""
-        return Recompute()

@@ -1,4 +1,4 @@
-"""The ``--fit`` search space: one :class:`Knob` per technique that declares a ``fit_knob`` (registry order), then
+"""The ``--fit`` search space: one :class:`Knob` per technique that declares a `FitKnob` (registry order), then
 the micro-batch; :func:`candidates_of` combines their choices into every :class:`Candidate` the recipe's rules
 accept; :func:`floor_reason` says why a candidate's floor (weights, states, gradients that nothing frees) is over a
 budget before anything is planned."""
@@ -34,7 +34,7 @@ class Knob:
     name: str
     choices: Callable[[Any], list[FitChoice]]
     floor_only: bool = False
-    """What its choices save is all in the floor (`MemoryTechnique.fit_saves_floor_only`)."""
+    """What its choices save is all in the floor (`FitKnob.floor_only`)."""
 
 
 def _technique_knob(technique: MemoryTechnique) -> Knob:
@@ -42,7 +42,7 @@ def _technique_knob(technique: MemoryTechnique) -> Knob:
         memory = MemoryConfig.from_config(cfg)
         return technique.fit_choices(memory[technique], memory, model_facts(cfg))
 
-    return Knob(technique.fit_knob, choices, technique.fit_saves_floor_only)
+    return Knob(technique.fit_knob.name, choices, technique.fit_knob.floor_only)
 
 
 def _micro_batch(cfg) -> list[FitChoice]:

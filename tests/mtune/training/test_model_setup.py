@@ -50,17 +50,19 @@ def test_qlora_setup_never_materialises_the_whole_model(tmp_path, monkeypatch):
 def test_the_parameter_line_gives_the_base_size_and_the_adapter_apart():
     from torch import nn
 
+    from mtune.training.memory.registry import MemoryConfig
     from mtune.training.model_setup import parameter_summary
 
+    lora, full = MemoryConfig(lora={"modules": ["q_proj"]}), MemoryConfig()
     model = nn.Module()
     model.base = nn.Linear(1000, 2600, bias=False)  # 2.6M
     model.lora_a = nn.Linear(1000, 260, bias=False)  # 0.26M adapter parameters, named as LoRA's are
     model.base.requires_grad_(False)
-    assert parameter_summary(model, "llama3") == ("llama3, 2.6M base parameters + 0.26M adapter = 2.9M, 0.26M "
-                                                  "trainable (9.09%)")
+    assert parameter_summary(model, "llama3", lora) == ("llama3, 2.6M base parameters + 0.26M adapter = 2.9M, 0.26M "
+                                                        "trainable (9.09%)")
     model.base.requires_grad_(True)
     del model.lora_a
-    assert parameter_summary(model, "llama3") == "llama3, 2.6M parameters, 2.60M trainable (100.00%)"
+    assert parameter_summary(model, "llama3", full) == "llama3, 2.6M parameters, 2.60M trainable (100.00%)"
 
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, Settings, advice, setting
+from mtune.training.memory.technique import FitChoice, FitKnob, Footprint, MemoryTechnique, Settings, advice, setting
 
 __all__ = ["Bf16States", "BF16_STATES", "Bf16StatesSettings"]
 
@@ -21,8 +21,7 @@ class Bf16StatesSettings(Settings):
 class Bf16States(MemoryTechnique):
     name = "bf16_optimizer_states"
     Settings = Bf16StatesSettings
-    fit_knob = "bf16_optimizer_states"
-    fit_saves_floor_only = True
+    fit_knob = FitKnob("bf16_optimizer_states", floor_only=True)
 
     def enabled(self, s: Bf16StatesSettings, memory: Any) -> bool:
         return s.bf16_optimizer_states

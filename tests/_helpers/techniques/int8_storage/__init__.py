@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, Settings, advice, setting
+from mtune.training.memory.technique import FitChoice, FitKnob, Footprint, MemoryTechnique, Settings, advice, setting
 
 __all__ = ["Int8Storage", "INT8_STORAGE", "Int8StorageSettings"]
 
@@ -21,8 +21,7 @@ class Int8StorageSettings(Settings):
 class Int8Storage(MemoryTechnique):
     name = "int8_base"
     Settings = Int8StorageSettings
-    fit_knob = "int8_base"
-    fit_saves_floor_only = True
+    fit_knob = FitKnob("int8_base", floor_only=True)
 
     def enabled(self, s: Int8StorageSettings, memory: Any) -> bool:
         return s.int8_base
@@ -56,15 +55,10 @@ class Int8Storage(MemoryTechnique):
 
         mark_frozen_linears(model)
 
-    def on_weights(self, model: Any, module: Any, s: Int8StorageSettings, placement: Any) -> None:
-        from tests._helpers.techniques.int8_storage.int8 import store_int8
+    def weights(self, s: Int8StorageSettings) -> Any:
+        from tests._helpers.techniques.int8_storage.int8 import Int8Weights
 
-        store_int8(module)
-
-    def before_save(self, model: Any, s: Int8StorageSettings) -> Any:
-        from tests._helpers.techniques.int8_storage.int8 import upcast_all
-
-        return upcast_all(model)
+        return Int8Weights()
 
 
 INT8_STORAGE = Int8Storage()

@@ -7,7 +7,9 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["mark_frozen_linears", "store_int8", "upcast_all", "is_int8"]
+from mtune.training.memory.technique import WeightPhases
+
+__all__ = ["mark_frozen_linears", "store_int8", "upcast_all", "is_int8", "Int8Weights"]
 
 
 def mark_frozen_linears(model: nn.Module) -> None:
@@ -61,3 +63,13 @@ def upcast_all(model: nn.Module):
     finally:
         for module in stored:
             _swap(module, module.int8_codes)
+
+
+class Int8Weights(WeightPhases):
+    """Each frozen block linear stored as int8 as it arrives; every one upcast back for a save."""
+
+    def arrived(self, model: nn.Module, module: nn.Module) -> None:
+        store_int8(module)
+
+    def full_form(self, model: nn.Module):
+        return upcast_all(model)

@@ -16,7 +16,7 @@ from mtune.training.checkpointing.recipe_state import ResumeError, check_resume_
 from mtune.training.memory import registry
 from tests._helpers.training import apply_memory_techniques
 from mtune.training.memory.oom import memory_advice
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, Settings, advice, setting
+from mtune.training.memory.technique import FitChoice, FitKnob, Footprint, MemoryTechnique, Settings, advice, setting
 from mtune.training.planning import cost, fit
 from mtune.training.planning.candidates import registry_knobs
 
@@ -34,7 +34,7 @@ class Dummy(MemoryTechnique):
 
     name = "dummy_marking"
     Settings = DummySettings
-    fit_knob = "dummy"
+    fit_knob = FitKnob("dummy")
 
     def enabled(self, s, memory):
         return s.dummy_marking

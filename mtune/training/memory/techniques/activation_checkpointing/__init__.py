@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import (FitChoice, Footprint, MemoryTechnique, ModelFacts, Recompute, Settings,
-                                             advice, setting)
+from mtune.training.memory.technique import (FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, Recompute,
+                                             Settings, advice, setting)
 
 __all__ = ["ActivationCheckpointing", "ACTIVATION_CHECKPOINTING", "ActivationCheckpointingSettings",
            "ACTIVATION_CHECKPOINTING_POLICIES"]
@@ -25,6 +25,9 @@ class ActivationCheckpointingSettings(Settings):
         "block", "block: recompute each checkpointed block whole; selective_op: keep the matmul and attention outputs "
         "and recompute only the cheap ops between them", choices=ACTIVATION_CHECKPOINTING_POLICIES)
 
+    def describe(self) -> str:
+        return f"{self.activation_checkpointing_policy}, every {self.activation_checkpointing_every_n_layers} layer(s)"
+
     def layer_policies(self, n_layers: int) -> tuple[str | None, ...]:
         """Each of ``n_layers`` blocks' policy, or None where it is not checkpointed."""
         if not self.enable_activation_checkpointing:
@@ -36,15 +39,10 @@ class ActivationCheckpointingSettings(Settings):
 class ActivationCheckpointing(MemoryTechnique):
     name = "activation_checkpointing"
     Settings = ActivationCheckpointingSettings
-    fit_knob = "activation_checkpointing"
+    fit_knob = FitKnob("activation_checkpointing")
 
     def enabled(self, s: ActivationCheckpointingSettings, memory: Any) -> bool:
         return s.enable_activation_checkpointing
-
-    def describe(self, s: ActivationCheckpointingSettings, memory: Any) -> str:
-        if not s.enable_activation_checkpointing:
-            return "off"
-        return f"{s.activation_checkpointing_policy}, every {s.activation_checkpointing_every_n_layers} layer(s)"
 
     def rules(self, s: ActivationCheckpointingSettings, memory: Any) -> list[str]:
         """A policy says how checkpointed blocks recompute; it needs checkpointing to be on."""
@@ -56,9 +54,10 @@ class ActivationCheckpointing(MemoryTechnique):
         return []
 
     def footprint(self, s: ActivationCheckpointingSettings, memory: Any, facts: ModelFacts) -> Footprint:
-        """Every Nth block checkpointed repeats every N blocks."""
+        """Every Nth block checkpointed repeats every N blocks; backward recomputes those blocks as their policy
+        says."""
         every = int(s.activation_checkpointing_every_n_layers) if s.enable_activation_checkpointing else 1
-        return Footprint(repeat_blocks=every)
+        return Footprint(repeat_blocks=every, recompute=Recompute(checkpoint=s.layer_policies(facts.n_layers)))
 
     def fit_choices(self, s: ActivationCheckpointingSettings, memory: Any, facts: ModelFacts) -> list[FitChoice]:
         """None, then (full fine-tunes) selective_op on every block, block checkpointing of every 2nd block, of
@@ -88,9 +87,6 @@ class ActivationCheckpointing(MemoryTechnique):
 
         apply_activation_checkpointing(model, every_n_layers=s.activation_checkpointing_every_n_layers,
                                        policy=s.activation_checkpointing_policy)
-
-    def recompute(self, s: ActivationCheckpointingSettings, n_layers: int, tokens: int, dim: int) -> Recompute:
-        return Recompute(checkpoint=s.layer_policies(n_layers))
 
 
 ACTIVATION_CHECKPOINTING = ActivationCheckpointing()

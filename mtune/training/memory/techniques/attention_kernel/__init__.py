@@ -38,9 +38,6 @@ class AttentionKernel(MemoryTechnique):
     def enabled(self, s: AttentionKernelSettings, memory: Any) -> bool:
         return True  # the model is told the choice even when it is the default
 
-    def describe(self, s: AttentionKernelSettings, memory: Any) -> str:
-        return s.attention_kernel
-
     def for_any_length(self, s: AttentionKernelSettings, memory: Any) -> dict:
         """The dense mask grows as s²: long rows take the segments kernel (the same numbers)."""
         return {"attention_kernel": "segments"} if s.attention_kernel == "dense_mask" else {}

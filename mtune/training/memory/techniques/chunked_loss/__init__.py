@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, MemoryTechnique, ModelFacts, advice
+from mtune.training.memory.technique import FitChoice, FitKnob, MemoryTechnique, ModelFacts, advice
 
 __all__ = ["ChunkedLoss", "CHUNKED_LOSS", "CHUNKED_LOSS_COMPONENT"]
 
@@ -15,7 +15,7 @@ CHUNKED_LOSS_COMPONENT = "mtune.modules.loss.ChunkedCrossEntropyLoss"
 
 class ChunkedLoss(MemoryTechnique):
     name = "chunked_loss"
-    fit_knob = "loss"
+    fit_knob = FitKnob("loss")
 
     def enabled(self, s: Any, memory: Any) -> bool:
         return memory.run.loss_component == CHUNKED_LOSS_COMPONENT

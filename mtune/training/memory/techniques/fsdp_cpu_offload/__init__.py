@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, ModelFacts, Settings, advice, setting
+from mtune.training.memory.technique import (FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, Settings,
+                                             advice, setting)
 
 __all__ = ["FsdpCpuOffload", "FSDP_CPU_OFFLOAD", "FsdpCpuOffloadSettings"]
 
@@ -24,8 +25,7 @@ class FsdpCpuOffload(MemoryTechnique):
     name = "fsdp_cpu_offload"
     Settings = FsdpCpuOffloadSettings
     # may change on resume: the checkpoint holds the same sharded tensors wherever they lived
-    fit_knob = "fsdp_cpu_offload"
-    fit_saves_floor_only = True
+    fit_knob = FitKnob("fsdp_cpu_offload", floor_only=True)
 
     def enabled(self, s: FsdpCpuOffloadSettings, memory: Any) -> bool:
         return memory.distributed and s.fsdp_cpu_offload

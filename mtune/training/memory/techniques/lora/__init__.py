@@ -1,7 +1,7 @@
 """LoRA / DoRA adapters, and QLoRA's NF4 base weights (the ``lora`` node): the base is frozen and only low-rank
 adapters train, so gradients and optimizer states shrink to the adapters'. The implementation:
-`mtune.modules.lora` (``apply_lora``) and, for NF4 bases on arrival and under FSDP2, `nf4_base` beside this
-declaration."""
+`mtune.modules.lora` (``apply_lora``) and, for the weights' phases (NF4 bases on arrival and under FSDP2, fresh
+adapters), `adapters` beside this declaration."""
 
 from __future__ import annotations
 
@@ -88,6 +88,9 @@ class LoraSettings(Settings):
                                       node=_LORA_NODE.keys, convert=LoraConfig.from_node, must_match_on_resume=True,
                                       required=True)
 
+    def describe(self) -> str:
+        return self.lora.method if self.lora is not None else "off"
+
 
 class Lora(MemoryTechnique):
     """LoRA is the recipe's method, declared and applied as a technique with the same phases: adapters on the meta
@@ -98,9 +101,6 @@ class Lora(MemoryTechnique):
 
     def enabled(self, s: LoraSettings, memory: Any) -> bool:
         return s.lora is not None
-
-    def describe(self, s: LoraSettings, memory: Any) -> str:
-        return s.lora.method if s.lora is not None else "off"
 
     def rules(self, s: LoraSettings, memory: Any) -> list[str]:
         """The lora node's values; QLoRA needs adapters (a full fine-tune cannot train NF4 weights); a tied
@@ -148,26 +148,10 @@ class Lora(MemoryTechnique):
         apply_lora(model, modules=list(lora.modules), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                    use_dora=lora.use_dora, quantize_base=lora.quantize_base)
 
-    def on_weights(self, model: Any, module: Any, s: LoraSettings, placement: Any) -> None:
-        from mtune.training.memory.techniques.lora.adapters import quantize_on_arrival
+    def weights(self, s: LoraSettings) -> Any:
+        from mtune.training.memory.techniques.lora.adapters import LoraWeights
 
-        quantize_on_arrival(module)
-
-    def arrives_whole(self, module: Any, leaf: str, s: LoraSettings) -> Any:
-        from mtune.training.memory.techniques.lora.adapters import nf4_from_whole
-
-        return nf4_from_whole(module, leaf)
-
-    def plain_form(self, tensor: Any, s: LoraSettings) -> Any:
-        from mtune.training.memory.techniques.lora.adapters import dequantized_nf4
-
-        return dequantized_nf4(tensor)
-
-    def after_weights(self, model: Any, s: LoraSettings, sharded: bool, materialized: Any) -> None:
-        """Fresh adapters (zero update) over the loaded base, then the base frozen."""
-        from mtune.training.memory.techniques.lora.adapters import reset_adapters
-
-        reset_adapters(model, sharded=sharded, materialized=materialized)
+        return LoraWeights()
 
     def sharding_options(self, s: LoraSettings, memory: Any, placement: Any) -> dict:
         from mtune.training.memory.techniques.lora.adapters import check_shardable

@@ -12,22 +12,39 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mtune.config.errors import ConfigError
-from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, reset_lora_parameters
+from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
 from mtune.modules.nf4_linear import dequantize, is_nf4, nf4_row_chunk, quantize_nf4
+from mtune.training.memory.technique import WeightPhases
 from mtune.training.shards import as_param_like, assign_tensors, local_rows
 
-__all__ = ["quantize_on_arrival", "nf4_from_whole", "dequantized_nf4", "check_shardable", "reset_adapters", "reset_adapters_sharded"]
+__all__ = ["LoraWeights", "check_shardable", "reset_adapters", "reset_adapters_sharded"]
+
+
+class LoraWeights(WeightPhases):
+    """LoRA's weight phases: NF4 bases stored as their weights arrive (from the whole weight under FSDP2, and
+    dequantized for a gathered save), fresh adapters once the base is in; adapters are the parameters it adds."""
+
+    def arrived(self, model: nn.Module, module: nn.Module) -> None:
+        quantize_on_arrival(module)
+
+    def stored_whole(self, module: nn.Module, leaf: str):
+        return nf4_rows if leaf == "weight" and has_nf4_weight(module) else None
+
+    def all_arrived(self, model: nn.Module, sharded: bool, materialized) -> None:
+        reset_adapters(model, sharded=sharded, materialized=materialized)
+
+    def added(self, name: str) -> bool:
+        return is_adapter_param(name)
+
+    def plain(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """An NF4 tensor (a QLoRA base, or a rank's shard of one) dequantized to its original dtype."""
+        return dequantize(tensor) if is_nf4(tensor) else None
 
 
 def quantize_on_arrival(module: nn.Module) -> None:
     """Store ``module``'s just-arrived weight as NF4 when ``apply_lora`` marked it for an NF4 base."""
     if has_nf4_weight(module) and not is_nf4(module.weight) and not module.weight.is_meta:
         module.weight = quantize_nf4(module.weight)
-
-
-def nf4_from_whole(module: nn.Module, leaf: str):
-    """For an NF4 base weight, :func:`nf4_rows`; else None."""
-    return nf4_rows if leaf == "weight" and has_nf4_weight(module) else None
 
 
 def nf4_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -37,11 +54,6 @@ def nf4_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return nf4
     return nf4_row_chunk(nf4, param.device_mesh.size(), param.device_mesh.get_local_rank())
-
-
-def dequantized_nf4(tensor: torch.Tensor) -> torch.Tensor | None:
-    """An NF4 tensor (a QLoRA base, or a rank's shard of one) dequantized to its original dtype; None for others."""
-    return dequantize(tensor) if is_nf4(tensor) else None
 
 
 def check_shardable(lora) -> None:

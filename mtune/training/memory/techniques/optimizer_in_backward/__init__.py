@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, ModelFacts, Settings, advice, setting
+from mtune.training.memory.technique import (FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, Settings,
+                                             advice, setting)
 
 __all__ = ["OptimizerInBackward", "OPTIMIZER_IN_BACKWARD", "OptimizerInBackwardSettings"]
 
@@ -21,8 +22,7 @@ class OptimizerInBackwardSettings(Settings):
 class OptimizerInBackward(MemoryTechnique):
     name = "optimizer_in_bwd"
     Settings = OptimizerInBackwardSettings
-    fit_knob = "optimizer_in_bwd"
-    fit_saves_floor_only = True
+    fit_knob = FitKnob("optimizer_in_bwd", floor_only=True)
 
     def enabled(self, s: OptimizerInBackwardSettings, memory: Any) -> bool:
         return s.optimizer_in_bwd

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtune.config.errors import ConfigError
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, ModelFacts, Settings, advice, setting
+from mtune.training.memory.technique import (FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, Settings,
+                                             advice, setting)
 from mtune.training.memory.techniques.optimizer_in_backward import OPTIMIZER_IN_BACKWARD
 
 __all__ = ["OptimizerOffload", "OPTIMIZER_OFFLOAD", "OptimizerOffloadSettings", "OPTIMIZER_OFFLOAD_OPTIMIZERS",
@@ -46,8 +47,7 @@ class OptimizerOffload(MemoryTechnique):
     name = "optimizer_offload"
     Settings = OptimizerOffloadSettings
     # may change on resume: the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
-    fit_knob = "optimizer_offload"
-    fit_saves_floor_only = True
+    fit_knob = FitKnob("optimizer_offload", floor_only=True)
 
     def enabled(self, s: OptimizerOffloadSettings, memory: Any) -> bool:
         return s.optimizer_offload is not None

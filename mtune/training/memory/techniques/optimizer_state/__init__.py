@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, ModelFacts, advice
+from mtune.training.memory.technique import FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, advice
 
 __all__ = ["OptimizerState", "OPTIMIZER_STATE"]
 
@@ -26,8 +26,7 @@ def _low_bit(component: str) -> bool:
 
 class OptimizerState(MemoryTechnique):
     name = "optimizer_state"
-    fit_knob = "optimizer"
-    fit_saves_floor_only = True
+    fit_knob = FitKnob("optimizer", floor_only=True)
 
     def enabled(self, s: Any, memory: Any) -> bool:
         component = memory.run.optimizer_component

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import (FitChoice, MemoryTechnique, ModelFacts, Recompute, Settings, advice,
-                                             setting)
+from mtune.training.memory.technique import (FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, Recompute,
+                                             Settings, advice, setting)
 from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
 
 __all__ = ["TiledMLP", "TILED_MLP", "TiledMLPSettings", "LONG_MICRO_BATCH_TOKENS"]
@@ -42,15 +42,17 @@ def _selective(memory: Any) -> bool:
 class TiledMLP(MemoryTechnique):
     name = "mlp_tiles"
     Settings = TiledMLPSettings
-    fit_knob = "mlp_tiles"
+    fit_knob = FitKnob("mlp_tiles")
     # Runs under compile: the tiled MLP runs eagerly inside a compiled block (torch.compiler.disable: a graph break
     # per block); the rest of the block compiles.
 
     def enabled(self, s: TiledMLPSettings, memory: Any) -> bool:
         return s.mlp_tiles != 1
 
-    def describe(self, s: TiledMLPSettings, memory: Any) -> str:
-        return "off" if s.mlp_tiles == 1 else str(s.mlp_tiles)
+    def footprint(self, s: TiledMLPSettings, memory: Any, facts: ModelFacts) -> Footprint:
+        """Backward recomputes each tiled MLP (its memory is in the activations the planner measures)."""
+        return Footprint(recompute=Recompute(mlp_tiled=(s.tiles(facts.micro_batch_tokens, facts.dim) > 1,)
+                                             * facts.n_layers))
 
     def rules(self, s: TiledMLPSettings, memory: Any) -> list[str]:
         """A count or ``auto``; not with ``selective_op`` checkpointing, whose policy keeps every matmul output,
@@ -85,9 +87,6 @@ class TiledMLP(MemoryTechnique):
         from mtune.modules.tiled_mlp import apply_tiled_mlp
 
         apply_tiled_mlp(model, s.mlp_tiles)
-
-    def recompute(self, s: TiledMLPSettings, n_layers: int, tokens: int, dim: int) -> Recompute:
-        return Recompute(mlp_tiled=(s.tiles(tokens, dim) > 1,) * n_layers)
 
 
 TILED_MLP = TiledMLP()

@@ -9,7 +9,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mtune.config.schema import Key, KeyGroup, Node
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, ModelFacts, Settings, advice, setting
+from mtune.training.memory.technique import (FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, Settings,
+                                             advice, setting)
 from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from mtune.training.memory.techniques.compile import COMPILE
 
@@ -68,14 +69,10 @@ class WeightOffloadingSettings(Settings):
 class WeightOffloadingTechnique(MemoryTechnique):
     name = "weight_offloading"
     Settings = WeightOffloadingSettings
-    fit_knob = "weight_offloading"
-    fit_saves_floor_only = True
+    fit_knob = FitKnob("weight_offloading", floor_only=True)
 
     def enabled(self, s: WeightOffloadingSettings, memory: Any) -> bool:
         return s.weight_offloading is not None
-
-    def describe(self, s: WeightOffloadingSettings, memory: Any) -> str:
-        return str(s.weight_offloading)
 
     def rules(self, s: WeightOffloadingSettings, memory: Any) -> list[str]:
         """weight_offloading keeps frozen weights in host memory: a run must have some (the base of LoRA), and
@@ -133,24 +130,10 @@ class WeightOffloadingTechnique(MemoryTechnique):
 
         apply_weight_offloading(model, s.weight_offloading, placement=placement)
 
-    def on_weights(self, model: Any, module: Any, s: WeightOffloadingSettings, placement: Any) -> None:
-        from mtune.training.memory.techniques.weight_offloading.offloader import weight_offloader
+    def weights(self, s: WeightOffloadingSettings) -> Any:
+        from mtune.training.memory.techniques.weight_offloading.offloader import OffloadedWeights
 
-        offloader = weight_offloader(model)
-        if offloader is not None:
-            offloader.offload_module(module)  # frozen weights leave the device as soon as they arrive
-
-    def after_weights(self, model: Any, s: WeightOffloadingSettings, sharded: bool, materialized: Any) -> None:
-        from mtune.training.memory.techniques.weight_offloading.offloader import weight_offloader
-
-        offloader = weight_offloader(model)
-        if offloader is not None:
-            offloader.offload()  # what loading did not move: random initialisation
-
-    def before_save(self, model: Any, s: WeightOffloadingSettings) -> Any:
-        from mtune.training.memory.techniques.weight_offloading.offloader import offloaded_weights_materialized
-
-        return offloaded_weights_materialized(model)
+        return OffloadedWeights()
 
 
 WEIGHT_OFFLOADING = WeightOffloadingTechnique()

@@ -46,10 +46,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mtune.config.errors import ConfigError
-from mtune.training.placement import Placement, storage_key
+from mtune.training.memory.technique import WeightPhases
 from mtune.training.memory.tensor_bytes import plain_parts
+from mtune.training.placement import Placement, storage_key
 
-__all__ = ["WeightOffloader", "apply_weight_offloading", "weight_offloader", "offloaded_weights_materialized"]
+__all__ = ["WeightOffloader", "OffloadedWeights", "apply_weight_offloading", "weight_offloader",
+           "offloaded_weights_materialized"]
 
 log = logging.getLogger(__name__)
 
@@ -276,3 +278,21 @@ def offloaded_weights_materialized(model: nn.Module):
     offloading): for code that reads weights outside forward, such as a merged-model save."""
     offloader = weight_offloader(model)
     return offloader.materialized() if offloader is not None else contextlib.nullcontext()
+
+
+class OffloadedWeights(WeightPhases):
+    """Weight offloading's weight phases: frozen weights leave the device as soon as they arrive, what loading did
+    not move (random initialisation) once all are in, and every one comes back for a save."""
+
+    def arrived(self, model: nn.Module, module: nn.Module) -> None:
+        offloader = weight_offloader(model)
+        if offloader is not None:
+            offloader.offload_module(module)
+
+    def all_arrived(self, model: nn.Module, sharded: bool, materialized) -> None:
+        offloader = weight_offloader(model)
+        if offloader is not None:
+            offloader.offload()
+
+    def full_form(self, model: nn.Module):
+        return offloaded_weights_materialized(model)

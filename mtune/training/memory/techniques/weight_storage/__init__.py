@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mtune.training.memory.technique import FitChoice, Footprint, MemoryTechnique, ModelFacts, Settings, setting
+from mtune.training.memory.technique import (FitChoice, FitKnob, Footprint, MemoryTechnique, ModelFacts, Settings,
+                                             setting)
 
 __all__ = ["WeightStorage", "WEIGHT_STORAGE", "WeightStorageSettings", "WEIGHT_STORAGE_DTYPES"]
 
@@ -29,14 +30,11 @@ class WeightStorageSettings(Settings):
 class WeightStorage(MemoryTechnique):
     name = "weight_storage_dtype"
     Settings = WeightStorageSettings
-    fit_knob = "lora_method"  # fp8 is a level of the frozen base's storage, beside NF4 (lora.quantize_base)
-    fit_saves_floor_only = True
+    # fp8 is a level of the frozen base's storage, beside NF4 (lora.quantize_base)
+    fit_knob = FitKnob("lora_method", floor_only=True)
 
     def enabled(self, s: WeightStorageSettings, memory: Any) -> bool:
         return s.weight_storage_dtype is not None
-
-    def describe(self, s: WeightStorageSettings, memory: Any) -> str:
-        return str(s.weight_storage_dtype)
 
     def rules(self, s: WeightStorageSettings, memory: Any) -> list[str]:
         """fp8 storage is for frozen weights: it needs adapters to train (a full fine-tune updates every weight, and
@@ -84,10 +82,10 @@ class WeightStorage(MemoryTechnique):
 
         apply_fp8_weight_storage(model, s.weight_storage_dtype, s.weight_storage_skip_patterns)
 
-    def on_weights(self, model: Any, module: Any, s: WeightStorageSettings, placement: Any) -> None:
-        from mtune.modules.fp8_linear import quantize_fp8_weight_
+    def weights(self, s: WeightStorageSettings) -> Any:
+        from mtune.training.memory.techniques.weight_storage.fp8 import Fp8Weights
 
-        quantize_fp8_weight_(module)
+        return Fp8Weights()
 
 
 WEIGHT_STORAGE = WeightStorage()

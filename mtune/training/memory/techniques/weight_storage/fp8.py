@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from torch import nn
 
 from mtune.config.errors import ConfigError
-from mtune.modules.fp8_linear import FP8_DTYPES, FrozenFp8Linear, has_fp8_storage, store_weight_as_fp8
+from mtune.modules.fp8_linear import (FP8_DTYPES, FrozenFp8Linear, has_fp8_storage, quantize_fp8_weight_,
+                                      store_weight_as_fp8)
 from mtune.modules.lora import LoRALinear, has_nf4_weight
+from mtune.training.memory.technique import WeightPhases
 
-__all__ = ["apply_fp8_weight_storage", "module_name_matches"]
+__all__ = ["apply_fp8_weight_storage", "module_name_matches", "Fp8Weights"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +75,11 @@ def apply_fp8_weight_storage(model: nn.Module, dtype: str, skip_patterns: Sequen
 
 def _inside_adapter(name: str) -> bool:
     return name.rpartition(".")[2] in ("lora_a", "lora_b")
+
+
+class Fp8Weights(WeightPhases):
+    """fp8 storage's weight phase: each marked frozen weight is stored in fp8 as it arrives (the model never holds
+    the blocks' weights whole in the compute dtype)."""
+
+    def arrived(self, model: nn.Module, module: nn.Module) -> None:
+        quantize_fp8_weight_(module)
