@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from mtune.config.errors import ConfigError
 from mtune.training.memory.technique import WeightPhases
+from mtune.training.memory.techniques.weight_offloading import WeightOffloading
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.placement import Placement, storage_key
 
@@ -88,7 +89,7 @@ class WeightOffloader:
         copies_to_compute: bytes copied host -> compute device so far (logs and tests).
     """
 
-    def __init__(self, model: nn.Module, config: "WeightOffloading", placement: Placement):
+    def __init__(self, model: nn.Module, config: WeightOffloading, placement: Placement):
         self.config = config
         self.placement = placement
         self.prefetch = config.use_streams
@@ -105,7 +106,7 @@ class WeightOffloader:
             module.register_forward_hook(self._make_post_forward(g))
 
     @staticmethod
-    def _partition(model: nn.Module, config: "WeightOffloading") -> list[list[nn.Module]]:
+    def _partition(model: nn.Module, config: WeightOffloading) -> list[list[nn.Module]]:
         if config.type == "block_level":
             blocks = list(model.layers)
             groups = []
@@ -254,7 +255,7 @@ class WeightOffloader:
         return post_forward
 
 
-def apply_weight_offloading(model: nn.Module, config: "WeightOffloading", placement: Placement | None = None
+def apply_weight_offloading(model: nn.Module, config: WeightOffloading, placement: Placement | None = None
                             ) -> WeightOffloader | None:
     """Install weight offloading on ``model`` (after LoRA / NF4, which decide what is frozen; a meta-device model
     is fine: the weights move when they are loaded). Returns the offloader (also found by
