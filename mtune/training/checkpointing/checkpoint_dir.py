@@ -199,10 +199,11 @@ class CheckpointWriter:
         self.mtune_version = mtune_version if mtune_version is not None else mtune.__version__
 
     def save(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-             write_fn: Callable[[Path], None], final: bool = False, world_size: int = 1) -> Path:
+             write_fn: Callable[[Path], None], final: bool = False, world_size: int = 1,
+             state: Mapping[str, Any] | None = None) -> Path:
         """Write a checkpoint with ``write_fn(tmp_dir)`` and return its final path."""
-        with self.open(step=step, epoch=epoch, config=config, kind=kind, final=final,
-                       world_size=world_size) as tmp_dir:
+        with self.open(step=step, epoch=epoch, config=config, kind=kind, final=final, world_size=world_size,
+                       state=state) as tmp_dir:
             write_fn(tmp_dir)
         return self.checkpoint_path(step, final)
 
@@ -210,10 +211,11 @@ class CheckpointWriter:
         return self.output_dir / (FINAL_NAME if final else f"step_{int(step)}")
 
     @contextmanager
-    def open(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-             final: bool = False, world_size: int = 1) -> Iterator[Path]:
+    def open(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str, final: bool = False,
+             world_size: int = 1, state: Mapping[str, Any] | None = None) -> Iterator[Path]:
         """Yield an empty temporary directory; when the block ends without an exception, commit it as
-        ``step_<step>`` (or ``final``). On an exception the temporary directory is removed."""
+        ``step_<step>`` (or ``final``), with ``state``'s entries added to its ``mtune_state.json``. On an exception
+        the temporary directory is removed."""
         target = self.checkpoint_path(step, final)
         tmp = temporary_path(target)
         try:
@@ -224,7 +226,7 @@ class CheckpointWriter:
             maybe_inject_fault("after_model_write", step)
             manifest.finish()  # checksums/rank_0.json, before mtune_state.json and the rename that publishes
             self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final,
-                              world_size=world_size)
+                              world_size=world_size, extra=state)
             fsync_tree(tmp)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -248,7 +250,7 @@ class CheckpointWriter:
                                "resume_from_checkpoint=true continues from it")
 
     def _write_state(self, tmp: Path, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-                     final: bool, world_size: int = 1) -> None:
+                     final: bool, world_size: int = 1, extra: Mapping[str, Any] | None = None) -> None:
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         state = {
             "mtune_version": self.mtune_version,
@@ -261,6 +263,7 @@ class CheckpointWriter:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": files,
             "config": _plain_config(config),
+            **(extra or {}),
         }
         with open(tmp / STATE_FILENAME, "w", encoding="utf-8") as f:
             json.dump(state, f, indent=2, default=str)

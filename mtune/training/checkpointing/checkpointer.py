@@ -105,8 +105,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------------- saving
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
-             dataloader=None, final: bool = False) -> Path:
-        """Write ``step_<step>/`` (or ``final/``) atomically and return its path."""
+             dataloader=None, final: bool = False, state: Mapping[str, Any] | None = None) -> Path:
+        """Write ``step_<step>/`` (or ``final/``) atomically and return its path; ``state`` adds entries to its
+        ``mtune_state.json`` (the run's length)."""
 
         def write(tmp: Path) -> None:
             self._write_model(model, tmp)
@@ -114,7 +115,7 @@ class Checkpointer:
                               grad_scaler=loss_scaler, dataloader=dataloader)
 
         path = self.writer.save(step=step, epoch=epoch, config=self.config, kind=self.kind, write_fn=write,
-                                final=final, world_size=self.world_size)
+                                final=final, world_size=self.world_size, state=state)
         log.info("checkpoint: %s", path)
         return path
 
@@ -219,7 +220,6 @@ class Checkpointer:
         return recipe_state
 
 
-
 class DistributedCheckpointer(Checkpointer):
     """Checkpoints of an FSDP2 run. Every rank writes its shards of the trainable parameters and their optimizer
     state with ``torch.distributed.checkpoint`` into ``distributed_state/`` (resumable on any number of ranks);
@@ -233,7 +233,7 @@ class DistributedCheckpointer(Checkpointer):
         self.rank = rank
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
-             dataloader=None, final: bool = False) -> Path:
+             dataloader=None, final: bool = False, state: Mapping[str, Any] | None = None) -> Path:
         def write_shared(tmp: Path) -> None:
             self._write_model(model, tmp)  # gathers: every rank takes part, rank 0 writes
             save_distributed_state(tmp / DISTRIBUTED_STATE_DIRNAME, model, optimizer, adapter_only=self.lora is not None)
@@ -253,7 +253,7 @@ class DistributedCheckpointer(Checkpointer):
             dist.barrier()  # rank 0 commits the directory
             return self.writer.checkpoint_path(step, final)
         with self.writer.open(step=step, epoch=epoch, config=self.config, kind=self.kind, final=final,
-                              world_size=self.world_size) as tmp:
+                              world_size=self.world_size, state=state) as tmp:
             dist.broadcast_object_list([str(tmp)], src=0)
             write_shared(tmp)
             dist.barrier()  # the other ranks have written their checksums
