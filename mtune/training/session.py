@@ -149,6 +149,8 @@ class TrainingSession:
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
         self._stop.__enter__()
+        if self.run.is_main:
+            self.checkpointer.check_room(self.model, self.optimizer)
         if self.task_eval is not None and self._resumed_from is None:
             self._run_task_eval("before")
         log.info("training: %d steps (%d per epoch x %d epochs), %d samples per step", self.plan.total_steps,
