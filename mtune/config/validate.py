@@ -14,6 +14,9 @@ from mtune.config.instantiate import boolean_problems, check_keywords, resolve_c
 from mtune.config.loading import COMPONENT
 from mtune.config.schema import RecipeSchema
 
+TRUSTED_PACKAGES = ("mtune", "torch", "torchao", "bitsandbytes")
+"""The packages whose components ``mtune validate`` does not list: anything else a config names runs as code too."""
+
 # Keys that name inputs which should exist; written outputs (output_dir, log_dir) are left out.
 _PATH_SUFFIXES = ("_dir", "path", "_file", "_files", "_path", "_paths")
 _WRITTEN = {"output_dir", "log_dir"}
@@ -29,6 +32,7 @@ class ValidationReport:
     warnings: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)  # component arguments whose parameter has no annotation
     notes: list[str] = field(default_factory=list)  # what cannot be known before the run (printed by validate)
+    foreign: list[str] = field(default_factory=list)  # "key: dotted.path" of components outside TRUSTED_PACKAGES
 
     @property
     def ok(self) -> bool:
@@ -55,6 +59,8 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> Vali
             except ConfigError as err:
                 report.errors.append(str(err))
             else:
+                if str(value[COMPONENT]).split(".")[0] not in TRUSTED_PACKAGES:
+                    report.foreign.append(f"{key}: {value[COMPONENT]}")
                 report.errors += check_keywords(target, [k for k in value if k != COMPONENT], key)
                 problems, unchecked = boolean_problems(target, _resolvable(value), key)
                 report.errors += problems

@@ -61,6 +61,9 @@ def test_validate_good_config_with_path_warning(mtune, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"warning: component.data_files: path does not exist: {tmp_path}/a.json" in out.stdout
     assert "valid for recipe echo_recipe" in out.stdout
+    # components a config would call from outside mtune, torch, torchao and bitsandbytes are listed
+    assert "components from outside mtune, torch, torchao and bitsandbytes" in out.stdout
+    assert "  component: argparse.Namespace" in out.stdout.splitlines()
 
 
 def test_validate_lists_every_problem(mtune):
@@ -114,6 +117,11 @@ def test_run_errors_are_one_line_with_a_hint(mtune, tmp_path):
     assert out.returncode == 1 and "did you mean 'echo_recipe'" in out.stderr
     out = mtune("run", "echo_recipe", "--config", "test/echo", "batch_size=two", MTUNE_DEBUG="1")
     assert out.returncode == 1 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+    # a component that raises inside its own call: the key, the target and the error, no traceback
+    out = mtune("run", "echo_recipe", "--config", "test/echo", f"output_dir={tmp_path}/zero", "component.denominator=0")
+    assert out.returncode == 1 and out.stderr.splitlines()[-2:] == [
+        "error: component: fractions.Fraction raised ZeroDivisionError: Fraction(3, 0)",
+        "hint: check component in the config; MTUNE_DEBUG=1 shows the traceback"], out.stderr
 
 
 def test_run_help_prints_the_recipe_keys(mtune):
