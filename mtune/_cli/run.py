@@ -160,7 +160,7 @@ def load_and_check(module, config_path: Path, overrides: list[str], recipe: str 
     from mtune.config import ConfigError, load_config, validate_config
 
     cfg = load_config(config_path, overrides, module.SCHEMA.text_keys)
-    report = validate_config(cfg, module.SCHEMA)
+    report = validate_config(cfg, module.SCHEMA, before_run=True)  # the run checks its warmup itself, once
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     named = cfg.get("recipe")

@@ -39,12 +39,15 @@ class ValidationReport:
         return not self.errors
 
 
-def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> ValidationReport:
+def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None, *, before_run: bool = False
+                    ) -> ValidationReport:
     """Every problem with ``cfg``: unresolvable interpolations, unknown ``_component_`` paths, keywords a
     component does not accept, recipe-level keys against ``schema`` (when given) and its rules, plus warnings for
     input paths that do not exist.
 
     Required component arguments are not checked here, since recipes pass some in code (model parameters).
+    ``before_run``: the check before ``mtune run`` starts the recipe, which checks the warmup itself against the
+    run's exact length (so it is not said twice).
     """
     report = ValidationReport()
     for key, parent, name in _walk(cfg, ""):
@@ -71,7 +74,7 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> Vali
                     report.warnings.append(f"{key}: path does not exist: {path}")
     if schema is not None:
         report.errors += [p for p in schema.check(cfg) if p not in report.errors]
-        if not report.errors:
+        if not report.errors and not before_run:
             _check_warmup(cfg, report)
     return report
 
