@@ -280,7 +280,7 @@ class TrainingSession:
         """With ``plan_check``: the plan beside the measured peak of live tensor bytes (:func:`plan_check`), also
         into ``results.json`` under ``plan_check``."""
         measured = self.breakdown.overall
-        if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
+        if not self.cfg.get("plan_check") or measured is None:  # every rank: the check gathers their peaks
             return
         check = plan_check(self.cfg, measured, world_size=self.run.world_size,
                            longest_batch_tokens=getattr(self, "_longest_batch", None), write=self.monitor.write)
