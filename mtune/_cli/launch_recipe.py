@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mtune._cli.errors import UsageError
 from mtune._cli.main import handle_errors
+from mtune._cli.rank_failures import record_rank_failure
 from mtune._cli.run import parse_run_args, run_recipe
 
 
@@ -14,7 +15,11 @@ def launch(argv: list[str]) -> int:
     args = parse_run_args(argv)
     if args.config is None:
         raise UsageError("missing --config")
-    run_recipe(Path(args.recipe), Path(args.config), args.overrides)
+    try:
+        run_recipe(Path(args.recipe), Path(args.config), args.overrides)
+    except BaseException as err:  # what ended this rank, for `mtune run`'s summary when ranks fail
+        record_rank_failure(err)
+        raise
     return 0
 
 

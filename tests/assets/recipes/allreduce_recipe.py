@@ -1,4 +1,5 @@
-"""Test recipe for `mtune run --nproc_per_node N`: every rank all-reduces its rank + 1 over gloo and writes a file."""
+"""Test recipe for `mtune run --nproc_per_node N`: every rank all-reduces its rank + 1 over gloo and writes a file;
+with TEST_KILL_RANK=r in the environment rank r then kills itself (SIGKILL) while the others all-reduce again."""
 
 import json
 import os
@@ -25,4 +26,8 @@ def main(cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"rank": rank, "world_size": world_size, "sum": total.item(), "local_rank": int(os.environ["LOCAL_RANK"])}
     (out / f"rank_{rank}.json").write_text(json.dumps(record))
+    if os.environ.get("TEST_KILL_RANK") is not None:  # a rank dies (kill -9) while the others wait for it
+        if rank == int(os.environ["TEST_KILL_RANK"]):
+            os.kill(os.getpid(), 9)
+        dist.all_reduce(total)
     dist.destroy_process_group()

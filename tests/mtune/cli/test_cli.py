@@ -1,6 +1,7 @@
 """`mtune` ls / cp / validate / run through the real entry point (subprocesses)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -137,3 +138,19 @@ def test_run_two_processes_under_torchrun(mtune, tmp_path):
     assert out.returncode == 0, out.stderr
     records = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world_size"], r["sum"]) for r in records] == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_a_dead_rank_ends_in_one_summary_naming_it_the_latest_checkpoint_and_the_resume_command(mtune, tmp_path):
+    from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
+
+    CheckpointWriter(tmp_path).save(step=3, epoch=0, config={}, kind="hf_full", write_fn=lambda d: None)
+    out = mtune("run", "--nproc_per_node", "2", "allreduce_recipe", "--config", "test/allreduce",
+                f"output_dir={tmp_path}", OMP_NUM_THREADS="1", TEST_KILL_RANK="1")
+    assert out.returncode != 0
+    error, hint = out.stderr.splitlines()[-2:]
+    assert re.fullmatch(r"error: rank 1 \(pid \d+\) was killed by SIGKILL \(signal 9\): kill -9, or the kernel's "
+                        r"out-of-memory killer \(`dmesg \| grep -i oom` tells which\); the other ranks were stopped"
+                        r"( \(1 of them failed after it\))?", error), error
+    assert hint == (f"hint: the latest complete checkpoint is {tmp_path / 'step_3'}; resume from it: mtune run "
+                    f"--nproc_per_node 2 allreduce_recipe --config test/allreduce output_dir={tmp_path} "
+                    "resume_from_checkpoint=true"), hint
