@@ -90,7 +90,7 @@ class TrainingSession:
             activation_context: from ``setup_model`` (activation offloading), or None.
         """
         train_loader, val_loader, plan = data
-        plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"))
+        plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"), warn=run.is_main)
         lora = LoraConfig.from_config(cfg)
         checkpointer_args = dict(
             output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),

@@ -136,6 +136,10 @@ def test_a_run_cut_short_by_max_steps_per_epoch_warns_about_its_warmup(caplog):
     with caplog.at_level("WARNING", logger="mtune"):
         short.check_warmup(10)
     assert "num_warmup_steps=10 is not shorter than the run" in caplog.text and "cut this run short" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mtune"):
+        short.check_warmup(10, warn=False)  # the other ranks of a distributed run: said once, by rank 0
+    assert "num_warmup_steps" not in caplog.text
     whole = StepPlan.from_config(dict(cfg, max_steps_per_epoch=None), batches_per_epoch=5)
     with pytest.raises(ConfigError, match="num_warmup_steps=10 is not shorter than the run"):
         whole.check_warmup(10)
