@@ -140,6 +140,17 @@ def test_run_two_processes_under_torchrun(mtune, tmp_path):
     assert [(r["rank"], r["world_size"], r["sum"]) for r in records] == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
+def test_a_torchrun_worker_ends_after_its_atexit_callbacks_without_the_interpreter_teardown(mtune, tmp_path):
+    """The interpreter's teardown freed the process group that torch's DTensor caches kept past
+    destroy_process_group, with its gloo threads running: now and then a rank that had trained and saved aborted
+    (`terminate called without an active exception`). A worker now leaves once its atexit callbacks ran."""
+    out = mtune("run", "--nproc_per_node", "2", "allreduce_recipe", "--config", "test/allreduce",
+                f"output_dir={tmp_path}", OMP_NUM_THREADS="1", TEST_TEARDOWN_MARKS="1")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.glob("atexit_*")) == ["atexit_0", "atexit_1"]
+    assert not list(tmp_path.glob("finalized_*"))
+
+
 def test_a_dead_rank_ends_in_one_summary_naming_it_the_latest_checkpoint_and_the_resume_command(mtune, tmp_path):
     from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
 
