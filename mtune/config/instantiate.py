@@ -180,8 +180,8 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def call_component(target: Callable, label: str, key: str, /, *args: Any, **kwargs: Any) -> Any:
-    """``target(*args, **kwargs)`` (``label``: its dotted path in the config); an exception raised inside it becomes one line naming the config key, the
-    target and the error. mtune's own errors pass through (they are one line already), and so does running out of
+    """``target(*args, **kwargs)`` (``label``: its dotted path in the config); an exception raised inside it
+    becomes one line naming the config key, the target and the error. mtune's own errors pass through (they are one line already), and so does running out of
     memory (the run's out-of-memory advice handles it)."""
     try:
         return target(*args, **kwargs)

@@ -1,6 +1,7 @@
-"""Test recipe for `mtune run --nproc_per_node N`: every rank all-reduces its rank + 1 over gloo and writes a file;
-with TEST_KILL_RANK=r in the environment rank r then kills itself (SIGKILL) while the others all-reduce again; with
-TEST_TEARDOWN_MARKS=1 each rank marks its atexit callbacks (atexit_<r>) and the interpreter's teardown (finalized_<r>)."""
+"""Test recipe for `mtune run --nproc_per_node N`: every rank all-reduces its rank + 1 over gloo and writes a file.
+With TEST_KILL_RANK=r in the environment rank r then kills itself (SIGKILL) while the others all-reduce again; with
+TEST_TEARDOWN_MARKS=1 each rank marks its atexit callbacks (atexit_<r>) and the interpreter's teardown
+(finalized_<r>)."""
 
 import json
 import os
