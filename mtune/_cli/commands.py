@@ -93,6 +93,10 @@ def validate_command(argv: list[str]) -> int:
         print(f"note: {key}: not type-checked (its parameter has no annotation)")
     for note in report.notes:
         print(f"note: {note}")
+    if report.foreign:  # a config calls what it names: say which code from outside the usual packages it would run
+        print("components from outside mtune, torch, torchao and bitsandbytes (the run calls them: trust their "
+              "source):")
+        print("".join(f"  {component}\n" for component in report.foreign), end="")
     for problem in errors:
         print(f"error: {problem}")
     if errors:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,13 +133,20 @@ def run_command(argv: list[str]) -> int:
             f"recipe '{args.recipe}' does not support distributed runs",
             "drop the launcher options, or pick a *_distributed recipe (see `mtune ls`)",
         )
-    load_and_check(module, config_path, args.overrides, recipe_path.stem)  # fail here once, not on every rank
+    cfg = load_and_check(module, config_path, args.overrides, recipe_path.stem)  # fail here once, not on every rank
     launcher = list(args.launcher)
     if not any(opt.split("=")[0] in _MULTI_NODE for opt in launcher if opt.startswith("-")):
         launcher.insert(0, "--standalone")  # one node: torchrun picks a free port, so parallel runs do not clash
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "--module",
-               "mtune._cli.launch_recipe", str(recipe_path), "--config", str(config_path), *args.overrides]
-    return subprocess.call(command)
+    from mtune._cli.rank_failures import FAILURES_DIR_VARIABLE, summary
+
+    with tempfile.TemporaryDirectory(prefix="mtune_ranks_") as failures:  # torchrun's agent, recording failed ranks
+        command = [sys.executable, "-m", "mtune._cli.rank_failures", failures, *launcher, "--module",
+                   "mtune._cli.launch_recipe", str(recipe_path), "--config", str(config_path), *args.overrides]
+        code = subprocess.call(command, env={**os.environ, FAILURES_DIR_VARIABLE: failures})
+        lines = summary(Path(failures), output_dir=cfg.get("output_dir"), command=["mtune", "run", *argv]) \
+            if code else None
+    print("\n".join(lines or []), file=sys.stderr, end="\n" if lines else "")
+    return code
 
 
 def _print_recipe_help(recipe_path: Path) -> int:
@@ -160,7 +168,7 @@ def load_and_check(module, config_path: Path, overrides: list[str], recipe: str 
     from mtune.config import ConfigError, load_config, validate_config
 
     cfg = load_config(config_path, overrides, module.SCHEMA.text_keys)
-    report = validate_config(cfg, module.SCHEMA)
+    report = validate_config(cfg, module.SCHEMA, before_run=True)  # the run checks its warmup itself, once
     for warning in report.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     named = cfg.get("recipe")

@@ -15,6 +15,11 @@ class ConfigError(MtuneError, ValueError):
     """
 
 
+class ComponentError(ConfigError):
+    """A config's ``_component_`` raised inside its own call: the message names the key, the target and the error
+    (``MTUNE_DEBUG=1`` shows the traceback, chained from the original exception)."""
+
+
 def closest(name: str, candidates: Iterable[str]) -> str | None:
     """The candidate most like ``name`` (difflib ratio >= 0.6), or None."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)

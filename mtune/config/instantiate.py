@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mtune.config.errors import ConfigError, closest, did_you_mean
+from mtune.config.errors import ComponentError, ConfigError, closest, did_you_mean
+from mtune.errors import MtuneError
 from mtune.config.loading import COMPONENT
 
 
@@ -175,7 +176,23 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
             f"{key}: {label} is missing the required argument '{missing[0]}'",
             f"add {key}.{missing[0]}=... to the config or the command line",
         )
-    return target(*args, **merged)
+    return call_component(target, str(node[COMPONENT]), key, *args, **merged)
+
+
+def call_component(target: Callable, label: str, key: str, /, *args: Any, **kwargs: Any) -> Any:
+    """``target(*args, **kwargs)`` (``label``: its dotted path in the config); an exception raised inside it
+    becomes one line naming the config key, the target and the error. mtune's own errors pass through (they are one line already), and so does running out of
+    memory (the run's out-of-memory advice handles it)."""
+    try:
+        return target(*args, **kwargs)
+    except MtuneError:
+        raise
+    except Exception as err:
+        if type(err).__name__ == "OutOfMemoryError":
+            raise
+        detail = str(err).splitlines()[0] if str(err) else ""
+        raise ComponentError(f"{key}: {label} raised {type(err).__name__}" + (f": {detail}" if detail
+                             else ""), f"check {key} in the config; MTUNE_DEBUG=1 shows the traceback") from err
 
 
 def _positional_names(target: Callable) -> list[str]:

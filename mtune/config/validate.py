@@ -14,6 +14,9 @@ from mtune.config.instantiate import boolean_problems, check_keywords, resolve_c
 from mtune.config.loading import COMPONENT
 from mtune.config.schema import RecipeSchema
 
+TRUSTED_PACKAGES = ("mtune", "torch", "torchao", "bitsandbytes")
+"""The packages whose components ``mtune validate`` does not list: anything else a config names runs as code too."""
+
 # Keys that name inputs which should exist; written outputs (output_dir, log_dir) are left out.
 _PATH_SUFFIXES = ("_dir", "path", "_file", "_files", "_path", "_paths")
 _WRITTEN = {"output_dir", "log_dir"}
@@ -29,18 +32,22 @@ class ValidationReport:
     warnings: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)  # component arguments whose parameter has no annotation
     notes: list[str] = field(default_factory=list)  # what cannot be known before the run (printed by validate)
+    foreign: list[str] = field(default_factory=list)  # "key: dotted.path" of components outside TRUSTED_PACKAGES
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
 
-def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> ValidationReport:
+def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None, *, before_run: bool = False
+                    ) -> ValidationReport:
     """Every problem with ``cfg``: unresolvable interpolations, unknown ``_component_`` paths, keywords a
     component does not accept, recipe-level keys against ``schema`` (when given) and its rules, plus warnings for
     input paths that do not exist.
 
     Required component arguments are not checked here, since recipes pass some in code (model parameters).
+    ``before_run``: the check before ``mtune run`` starts the recipe, which checks the warmup itself against the
+    run's exact length (so it is not said twice).
     """
     report = ValidationReport()
     for key, parent, name in _walk(cfg, ""):
@@ -55,6 +62,8 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> Vali
             except ConfigError as err:
                 report.errors.append(str(err))
             else:
+                if str(value[COMPONENT]).split(".")[0] not in TRUSTED_PACKAGES:
+                    report.foreign.append(f"{key}: {value[COMPONENT]}")
                 report.errors += check_keywords(target, [k for k in value if k != COMPONENT], key)
                 problems, unchecked = boolean_problems(target, _resolvable(value), key)
                 report.errors += problems
@@ -65,7 +74,7 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None) -> Vali
                     report.warnings.append(f"{key}: path does not exist: {path}")
     if schema is not None:
         report.errors += [p for p in schema.check(cfg) if p not in report.errors]
-        if not report.errors:
+        if not report.errors and not before_run:
             _check_warmup(cfg, report)
     return report
 

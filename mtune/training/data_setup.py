@@ -45,13 +45,15 @@ class StepPlan:
             steps = int(cfg["max_steps_per_epoch"])
         return cls(steps, int(cfg.get("epochs") or 1), samples_per_step(cfg) * world_size, cut_short)
 
-    def check_warmup(self, warmup: Any) -> None:
+    def check_warmup(self, warmup: Any, warn: bool = True) -> None:
         """When the LR schedule's ``num_warmup_steps`` does not fit in this plan's steps: raises, or only warns when
-        ``max_steps_per_epoch`` cut the run short on purpose (a smoke run of a real config)."""
+        ``max_steps_per_epoch`` cut the run short on purpose (a smoke run of a real config); ``warn`` false on all
+        ranks but one, so that the warning is printed once."""
         problem = warmup_problem(warmup, self.total_steps, f"{self.steps_per_epoch} steps per epoch x {self.epochs} "
                                  "epochs")
         if problem and self.cut_short:
-            log.warning("%s (max_steps_per_epoch cut this run short: it runs, all of it in warmup)", problem)
+            if warn:
+                log.warning("%s (max_steps_per_epoch cut this run short: it runs, all of it in warmup)", problem)
         elif problem:
             raise ConfigError(problem)
 

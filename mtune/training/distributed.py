@@ -56,8 +56,15 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
 
 
 def destroy_distributed() -> None:
-    """Leave the process group (no-op when there is none)."""
+    """Leave the process group (no-op when there is none), once every rank is here: none closes its connections
+    while a peer may still be using them.
+
+    The group's gloo threads may outlive this call: DTensor's caches (sharding propagation, redistribute plans) keep
+    device meshes, and through them the group, past ``destroy_process_group``. A torchrun worker therefore ends
+    without the interpreter's teardown (``mtune._cli.launch_recipe``), where freeing the group beside everything else
+    aborted 2-rank CPU runs now and then (``terminate called without an active exception``)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

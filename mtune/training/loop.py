@@ -91,19 +91,21 @@ def train_step(
     loss_sum, grad_norm, stepped = step_on_tensors(
         model, micro_batches, loss_fn, optimizer, denominator=total.clamp(min=1.0) / world_size, device=device,
         autocast=autocast, loss_scaler=loss_scaler, clip_grad_norm=clip_grad_norm, before_zero_grad=before_zero_grad,
-        check_loss=lambda loss_sum: _check_finite(all_reduce(loss_sum), total, step, fp16),
+        check_loss=lambda loss_sum: _check_finite(all_reduce(loss_sum), total, step, fp16, model),
     )
     mean_loss = (loss_sum / total.clamp(min=1.0)).item()
     return StepResult(mean_loss, int(total.item()), num_tokens, None if grad_norm is None else float(grad_norm),
                       stepped)
 
 
-def _check_finite(loss_sum: torch.Tensor, total: torch.Tensor, step: int, fp16: bool) -> None:
+def _check_finite(loss_sum: torch.Tensor, total: torch.Tensor, step: int, fp16: bool, model: nn.Module) -> None:
     mean_loss = (loss_sum / total.clamp(min=1.0)).item()
     if not math.isfinite(mean_loss) and not fp16:
-        raise NonFiniteLossError(
-            f"step {step}: the loss is {mean_loss}; lower the learning rate, set clip_grad_norm, or use dtype=fp32"
-        )
+        # dtype=fp32 is advice only to a run that is not fp32 already (some weights stored in 16 bits)
+        low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+        raise NonFiniteLossError(f"step {step}: the loss is {mean_loss}; lower the learning rate, "
+                                 + ("set clip_grad_norm, or use dtype=fp32" if low_precision else
+                                    "or set clip_grad_norm"))
 
 
 def step_on_tensors(

@@ -4,11 +4,18 @@ prediction for its config (fake tensors) beside the peak it measured."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 
 from mtune.errors import MtuneError
@@ -57,13 +64,49 @@ def plan_check_line(planned: int, measured: int, planned_host: int, measured_hos
     return head + f" ({planned / measured - 1:+.0%} planned vs measured)" if measured else head
 
 
+# What torchrun tells its workers: a helper process must not take itself for one of them.
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def _plan(cfg, world_size: int):
+    """``mtune plan``'s prediction for ``cfg``. In a process with a process group (a distributed run), the planner's
+    own fake group of ``world_size`` ranks cannot stand beside the run's: it plans in a helper process (this module
+    run as a script), which gets the resolved config on stdin and answers with the plan's peaks as JSON."""
+    if not dist.is_initialized():
+        return plan_memory(cfg, world_size=world_size)  # quiet: its fake model's setup lines are not this run's
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC")}
+    done = subprocess.run([sys.executable, "-m", __spec__.name, str(world_size)], env=env, capture_output=True,
+                          text=True, input=json.dumps(OmegaConf.to_container(cfg, resolve=True)), timeout=1800)
+    answer = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else {
+        "error": (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1], "mtune_error": False}
+    if "error" in answer:
+        raise (MtuneError if answer["mtune_error"] else RuntimeError)(answer["error"])
+    return SimpleNamespace(**answer)
+
+
+def _per_rank_peaks(measured: StepMemory) -> list[dict[str, int]] | None:
+    """Every rank's peaks (all ranks call it; None on ranks other than 0), or this process's alone."""
+    if not dist.is_initialized():
+        return [dict(measured.peak)]
+    peaks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, dict(measured.peak))
+    return peaks if dist.get_rank() == 0 else None
+
+
 def plan_check(cfg, measured: StepMemory, *, world_size: int, longest_batch_tokens: int | None,
                write: Callable[[str], None]) -> dict[str, Any] | None:
-    """Plans ``cfg`` for ``world_size`` ranks and writes the line comparing the plan with ``measured`` (the run's
-    peaks). Returns what ``results.json`` keeps under ``plan_check``, or None when the planner could not plan (the
-    run itself is complete: a planner failure is a warning, never the run's failure)."""
+    """Plans ``cfg`` for ``world_size`` ranks and writes the line comparing the plan with the largest of every
+    rank's ``measured`` peaks (call it on every rank). Returns, on rank 0, what ``results.json`` keeps under
+    ``plan_check``, or None when the planner could not plan (the run itself is complete: a planner failure is a
+    warning, never the run's failure)."""
+    per_rank = _per_rank_peaks(measured)
+    if per_rank is None:
+        return None
+    rank = max(range(len(per_rank)), key=lambda r: per_rank[r]["device"])
+    measured = StepMemory(peak={"device": per_rank[rank]["device"], "host": max(p["host"] for p in per_rank)})
     try:
-        plan = plan_memory(cfg, world_size=world_size)  # quiet: its fake model's setup lines are not this run's
+        plan = _plan(cfg, world_size)
     except MtuneError as err:
         write(f"plan_check: skipped ({err})")
         return None
@@ -77,6 +120,20 @@ def plan_check(cfg, measured: StepMemory, *, world_size: int, longest_batch_toke
     error = plan.device_peak_bytes / measured.peak["device"] - 1 if measured.peak["device"] else 0.0
     check["device_error"] = error
     check["longest_batch_tokens"] = longest_batch_tokens
-    write(plan_check_line(plan.device_peak_bytes, measured.peak["device"], plan.host_peak_bytes,
-                          measured.peak["host"], plan.batch["seq_len"], longest_batch_tokens))
+    if len(per_rank) > 1:  # the plan is one rank's: compared with the rank that held the most
+        check.update(measured_rank=rank, measured_device_bytes_per_rank=[p["device"] for p in per_rank])
+    line = plan_check_line(plan.device_peak_bytes, measured.peak["device"], plan.host_peak_bytes,
+                           measured.peak["host"], plan.batch["seq_len"], longest_batch_tokens)
+    write(line.replace("this run peaked at", f"rank {rank} (the largest of {len(per_rank)}) peaked at", 1)
+          if len(per_rank) > 1 else line)
     return check
+
+
+if __name__ == "__main__":  # the helper process of a distributed run's plan_check (see _plan)
+    try:
+        _answer = vars(plan_memory(OmegaConf.create(json.load(sys.stdin)), world_size=int(sys.argv[1])))
+        _answer = {key: _answer[key] for key in ("device_peak_bytes", "host_peak_bytes", "batch")}
+    except Exception as _err:  # the parent says it in its own words
+        _answer = {"error": str(_err).splitlines()[0] if str(_err) else type(_err).__name__,
+                   "mtune_error": isinstance(_err, MtuneError)}
+    print(json.dumps(_answer))

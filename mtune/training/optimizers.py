@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtune.config.errors import ConfigError
+from mtune.config import ConfigError, call_component
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.tensor_bytes import tensor_bytes
@@ -135,7 +135,7 @@ def build_optimizer(
     wrapped = phases.wrap_optimizer(spec, named, memory, placement or Placement(device))
     if wrapped is not None:
         return wrapped
-    optimizer = spec.cls([p for _, p in named], **spec.kwargs_for(device))
+    optimizer = call_component(spec.cls, component, "optimizer", [p for _, p in named], **spec.kwargs_for(device))
     spec.allocate(optimizer)
     return optimizer
 

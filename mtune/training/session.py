@@ -19,7 +19,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
@@ -27,6 +26,7 @@ from torch import nn
 from mtune.config import instantiate
 from mtune.config.keys import accumulation_steps
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
+from mtune.training.checkpointing.checkpoint_dir import read_checkpoint_state
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
 from mtune.training.data_setup import StepPlan
@@ -38,15 +38,12 @@ from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.peak_flops import run_peak_flops
 from mtune.training.observe.profiler import build_profiler
+from mtune.training.run_length import RunLength
 from mtune.training.signals import GracefulStop
 
 __all__ = ["TrainingSession"]
 
 log = logging.getLogger(__name__)
-
-
-def current_lr(optimizer: torch.optim.Optimizer) -> float:
-    return float(optimizer.param_groups[0]["lr"])
 
 
 class TrainingSession:
@@ -75,7 +72,7 @@ class TrainingSession:
         self.stopped = False
         self.results: dict[str, Any] = {}
         self._stop = GracefulStop(rank=run.rank)
-        self._resumed = False
+        self.length = RunLength.fresh(plan)  # how the steps map onto the LR schedule (another on a resume)
         self._resumed_from: tuple[Any, int] | None = None  # (checkpoint, step) when this run resumed
 
     @classmethod
@@ -92,7 +89,7 @@ class TrainingSession:
             activation_context: from ``setup_model`` (activation offloading), or None.
         """
         train_loader, val_loader, plan = data
-        plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"))
+        plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"), warn=run.is_main)
         lora = LoraConfig.from_config(cfg)
         checkpointer_args = dict(
             output_dir=run.output_dir, config=OmegaConf.to_container(cfg, resolve=True),
@@ -105,27 +102,29 @@ class TrainingSession:
             checkpointer = DistributedCheckpointer(rank=run.rank, world_size=run.world_size, **checkpointer_args)
         else:
             checkpointer = Checkpointer(**checkpointer_args)
-        session = cls(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                      lr_scheduler=instantiate(cfg.lr_scheduler, optimizer, num_training_steps=plan.total_steps),
+        path = checkpointer.find(cfg.resume_from_checkpoint) if cfg.get("resume_from_checkpoint") else None
+        length = RunLength.fresh(plan) if path is None else RunLength.resumed(
+            plan, read_checkpoint_state(path), path, cfg=cfg, batches_per_epoch=len(train_loader),
+            world_size=run.world_size)
+        lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=length.schedule_steps)
+        length.apply(lr_scheduler, path)
+        session = cls(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=lr_scheduler,
                       loss_fn=instantiate(cfg.loss) or CrossEntropyLoss(), train_loader=train_loader,
                       val_loader=val_loader, plan=plan, checkpointer=checkpointer,
                       activation_context=activation_context, task_eval=instantiate(cfg.task_eval))
-        session.resume_if_asked()
+        session.length = length
+        if path is not None:
+            session.resume(path)
         return session
 
     # ---------------------------------------------------------------------------------------------- start
-    def resume_if_asked(self) -> None:
-        """Continue from ``resume_from_checkpoint`` (the latest complete checkpoint for ``true``)."""
-        resume_from = self.cfg.get("resume_from_checkpoint")
-        if not resume_from:
-            return
-        path = self.checkpointer.find(resume_from)
-        if path is None:
-            return
+    def resume(self, path) -> None:
+        """Continue from the checkpoint at ``path``: weights, optimizer, schedule, data position and RNGs."""
         state = self.checkpointer.resume(path, model=self.model, optimizer=self.optimizer,
                                          lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler,
                                          dataloader=self.train_loader)
-        self.step, self.epoch, self._resumed = state.step, self.train_loader.epoch, True
+        RunLength.place(self.train_loader, self.plan, state.step)
+        self.step, self.epoch = state.step, self.train_loader.epoch
         self._resumed_from = (path, state.step)
 
     def _setup_utilization(self):
@@ -149,7 +148,9 @@ class TrainingSession:
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
         self._stop.__enter__()
-        if self.task_eval is not None and not self._resumed:
+        if self.run.is_main:
+            self.checkpointer.check_room(self.model, self.optimizer)
+        if self.task_eval is not None and self._resumed_from is None:
             self._run_task_eval("before")
         log.info("training: %d steps (%d per epoch x %d epochs), %d samples per step", self.plan.total_steps,
                  self.plan.steps_per_epoch, self.plan.epochs, self.plan.samples_per_step)
@@ -160,6 +161,8 @@ class TrainingSession:
         self._start()
         accumulation = accumulation_steps(self.cfg)
         for epoch in range(self.epoch, self.plan.epochs):
+            if self.step >= self.plan.total_steps:
+                return
             self.epoch = epoch
             self.train_loader.set_epoch(epoch)
             done = self.train_loader.consumed // self.plan.samples_per_step
@@ -209,7 +212,7 @@ class TrainingSession:
 
     def end_step(self, result: StepResult) -> None:
         self.step += 1
-        lr = current_lr(self.optimizer)
+        lr = float(self.optimizer.param_groups[0]["lr"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.profiler.step()
@@ -243,8 +246,7 @@ class TrainingSession:
             return self.checkpointer.save(
                 step=self.step, epoch=self.epoch, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, dataloader=self.train_loader,
-                final=final,
-            )
+                final=final, state=self.length.state())
 
     def finish(self) -> dict[str, Any]:
         """Write ``final/`` (unless a signal stopped the run), compute the task metric after training, close the
@@ -277,7 +279,7 @@ class TrainingSession:
         """With ``plan_check``: the plan beside the measured peak of live tensor bytes (:func:`plan_check`), also
         into ``results.json`` under ``plan_check``."""
         measured = self.breakdown.overall
-        if not self.cfg.get("plan_check") or measured is None or not self.run.is_main:
+        if not self.cfg.get("plan_check") or measured is None:  # every rank: the check gathers their peaks
             return
         check = plan_check(self.cfg, measured, world_size=self.run.world_size,
                            longest_batch_tokens=getattr(self, "_longest_batch", None), write=self.monitor.write)

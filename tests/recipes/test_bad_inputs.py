@@ -115,6 +115,17 @@ def test_warmup_longer_than_the_run_is_refused_before_the_first_step(capsys, tmp
                           "max_steps_per_epoch x epochs = 100 x 3: 300 steps)") in out
 
 
+def test_mtune_run_leaves_the_warmup_to_the_run_so_it_is_said_once(capsys):
+    from mtune._cli.catalog import find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+    from tests._helpers.recipes import TRAIN_CONFIG
+
+    overrides = ["output_dir=/nonexistent/out", "lr_scheduler._component_=mtune.training.lr_schedulers."
+                 "get_cosine_schedule_with_warmup", "lr_scheduler.num_warmup_steps=10", "max_steps_per_epoch=3"]
+    load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG, overrides)
+    assert "num_warmup_steps" not in capsys.readouterr().err  # the session's own line says it, with the exact total
+
+
 def test_a_run_cut_short_by_max_steps_per_epoch_warns_about_its_warmup(caplog):
     from mtune.config import ConfigError
     from mtune.training.data_setup import StepPlan
@@ -125,6 +136,10 @@ def test_a_run_cut_short_by_max_steps_per_epoch_warns_about_its_warmup(caplog):
     with caplog.at_level("WARNING", logger="mtune"):
         short.check_warmup(10)
     assert "num_warmup_steps=10 is not shorter than the run" in caplog.text and "cut this run short" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mtune"):
+        short.check_warmup(10, warn=False)  # the other ranks of a distributed run: said once, by rank 0
+    assert "num_warmup_steps" not in caplog.text
     whole = StepPlan.from_config(dict(cfg, max_steps_per_epoch=None), batches_per_epoch=5)
     with pytest.raises(ConfigError, match="num_warmup_steps=10 is not shorter than the run"):
         whole.check_warmup(10)

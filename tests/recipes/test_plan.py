@@ -211,6 +211,28 @@ def test_a_planner_failure_in_plan_check_warns_and_keeps_the_run(tmp_path, tiny_
     assert "plan_check: the planner failed (RuntimeError: an op the fake tensors do not support)" in capfd.readouterr().err
 
 
+def test_plan_check_plans_a_distributed_run_beside_its_process_group(tmp_path, tiny_checkpoint, tiny_data):
+    """The run's process group is up (one gloo rank here): the plan for 2 ranks comes from a helper process and is
+    compared with the largest of the ranks' measured peaks. It used to be skipped ("plan a distributed config from a
+    process without a process group")."""
+    import torch.distributed as dist
+
+    from mtune.training.measured_memory import plan_check
+    from mtune.training.planning.tracker import StepMemory
+
+    cfg = _config("lora_distributed", _overrides(tmp_path, tiny_checkpoint, tiny_data, {"plan_check": True}))
+    expected = plan_memory(cfg, world_size=2)
+    lines: list[str] = []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        check = plan_check(cfg, StepMemory(peak={"device": expected.device_peak_bytes, "host": 0}), world_size=2,
+                           longest_batch_tokens=None, write=lines.append)
+    finally:
+        dist.destroy_process_group()
+    assert lines and lines[0].startswith("plan_check: mtune plan predicted "), lines
+    assert check["planned_device_bytes"] == expected.device_peak_bytes and check["device_error"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, changes", [("lora_distributed", {}),
                                              ("full_distributed", {"~lora": None, "fsdp_reshard_after_forward": False})])

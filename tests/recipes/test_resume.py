@@ -143,3 +143,31 @@ def test_start_from_an_adapter_and_merge_it_like_the_run_did(tmp_path, tiny_chec
                           config=repo / "recipes" / "configs" / "tiny" / "merge_lora.yaml")
     _assert_same_params(load_file(first / "final" / "model" / "model.safetensors"),
                         load_file(merged / "model.safetensors"))
+
+
+def test_a_resume_with_another_length_stops_at_its_total_in_the_right_epoch_with_a_continuous_schedule(
+        tmp_path, tiny_checkpoint, tiny_data):
+    """2 epochs x 4 steps saved at steps 3 and 6, then resumed shorter (2 steps per epoch: step 3 falls in the
+    second epoch and the run ends at step 4), longer (3 epochs) and past its new total (refused)."""
+    schedule = SCHEDULE[:2] + SCHEDULE[3:] + ["save_every_n_steps=3"]
+    reference = run_recipe_in_process("lora_single_device", train_overrides(tmp_path / "ref", tiny_checkpoint,
+                                                                            tiny_data) + schedule)
+    lr = {row["step"]: row["lr"] for row in read_metrics(reference)}
+
+    def resumed(name, step, *changes):
+        out = run_recipe_in_process("lora_single_device", train_overrides(tmp_path / name, tiny_checkpoint, tiny_data)
+                                    + schedule + list(changes)
+                                    + [f"resume_from_checkpoint={reference / f'step_{step}'}"])
+        return read_metrics(out)
+
+    shorter = resumed("shorter", 3, "max_steps_per_epoch=2")
+    assert [(r["step"], r["epoch"]) for r in shorter] == [(4, 1)]  # was steps 4, 5 of 4, the second in no epoch
+    assert shorter[0]["lr"] == pytest.approx(lr[4])  # the step after the resume keeps the saved run's lr
+
+    longer = resumed("longer", 6, "epochs=3")
+    assert [(r["step"], r["epoch"]) for r in longer] == [(7, 1), (8, 1), (9, 2), (10, 2), (11, 2), (12, 2)]
+    rates = [r["lr"] for r in longer]
+    assert rates[0] == pytest.approx(lr[7]) and all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] > 0
+
+    with pytest.raises(ResumeError, match=r"it is at step 6, past this run's 4 steps \(2 per epoch x 2 epochs\)"):
+        resumed("past", 6, "max_steps_per_epoch=2")

@@ -31,20 +31,15 @@ from typing import Any
 import mtune
 from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
+from mtune.units import format_bytes
 from mtune.training.checkpointing.atomic import TMP_PREFIX, fsync_tree, publish, temporary_path
+from mtune.training.checkpointing.disk_space import (directory_bytes, failure_reason, free_bytes, warn_if_short,
+                                                     write_failure)
 from mtune.training.checkpointing.hf import CheckpointError
 from mtune.training.checkpointing.manifest import Manifest, recording
 
-__all__ = [
-    "CheckpointWriter",
-    "find_latest_checkpoint",
-    "list_checkpoints",
-    "read_checkpoint_state",
-    "clean_incomplete_checkpoints",
-    "maybe_inject_fault",
-    "STATE_FILENAME",
-    "FAULT_POINTS",
-]
+__all__ = ["CheckpointWriter", "find_latest_checkpoint", "list_checkpoints", "read_checkpoint_state",
+           "clean_incomplete_checkpoints", "maybe_inject_fault", "STATE_FILENAME", "FAULT_POINTS"]
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +192,15 @@ class CheckpointWriter:
         self.output_dir = Path(output_dir)
         self.keep_last_n_checkpoints = keep_last_n_checkpoints
         self.mtune_version = mtune_version if mtune_version is not None else mtune.__version__
+        self.expected_bytes: int | None = None
+        """About the bytes of the next checkpoint: the last one's size, or a prediction before the first."""
 
     def save(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-             write_fn: Callable[[Path], None], final: bool = False, world_size: int = 1) -> Path:
+             write_fn: Callable[[Path], None], final: bool = False, world_size: int = 1,
+             state: Mapping[str, Any] | None = None) -> Path:
         """Write a checkpoint with ``write_fn(tmp_dir)`` and return its final path."""
-        with self.open(step=step, epoch=epoch, config=config, kind=kind, final=final,
-                       world_size=world_size) as tmp_dir:
+        with self.open(step=step, epoch=epoch, config=config, kind=kind, final=final, world_size=world_size,
+                       state=state) as tmp_dir:
             write_fn(tmp_dir)
         return self.checkpoint_path(step, final)
 
@@ -210,11 +208,13 @@ class CheckpointWriter:
         return self.output_dir / (FINAL_NAME if final else f"step_{int(step)}")
 
     @contextmanager
-    def open(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-             final: bool = False, world_size: int = 1) -> Iterator[Path]:
+    def open(self, *, step: int, epoch: int, config: Mapping[str, Any], kind: str, final: bool = False,
+             world_size: int = 1, state: Mapping[str, Any] | None = None) -> Iterator[Path]:
         """Yield an empty temporary directory; when the block ends without an exception, commit it as
-        ``step_<step>`` (or ``final``). On an exception the temporary directory is removed."""
+        ``step_<step>`` (or ``final``), with ``state``'s entries added to its ``mtune_state.json``. On an exception
+        the temporary directory is removed."""
         target = self.checkpoint_path(step, final)
+        warn_if_short(self.output_dir, self.expected_bytes, f"checkpoint {target.name}")
         tmp = temporary_path(target)
         try:
             tmp.mkdir(parents=True)
@@ -224,31 +224,35 @@ class CheckpointWriter:
             maybe_inject_fault("after_model_write", step)
             manifest.finish()  # checksums/rank_0.json, before mtune_state.json and the rename that publishes
             self._write_state(tmp, step=step, epoch=epoch, config=config, kind=kind, final=final,
-                              world_size=world_size)
+                              world_size=world_size, extra=state)
             fsync_tree(tmp)
         except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            if _is_write_failure(err):
-                raise self._save_failed(target, err) from err
+            failure = write_failure(err)
+            if failure is not None:
+                raise self._save_failed(target, failure) from err
             raise
         maybe_inject_fault("before_rename", step)
         publish(tmp, target)
         maybe_inject_fault("after_rename", step)
+        self.expected_bytes = directory_bytes(target)  # the next checkpoint is this one's size
         if not final:
             self._prune()
 
     def _save_failed(self, target: Path, err: BaseException) -> CheckpointError:
         """The one-line error for a save the filesystem refused (disk full, permissions, ...): what was being
-        saved where, why, and which checkpoint is still intact."""
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+        saved where, why, the bytes it needs and those free, and which checkpoint is still intact."""
         previous = find_latest_checkpoint(self.output_dir, clean=False)
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        return CheckpointError(f"saving {target.name} to {self.output_dir}: {reason}",
+        need = self.expected_bytes or (directory_bytes(previous) if previous else None)
+        room = (f" (it needs about {format_bytes(need)}, {format_bytes(free_bytes(self.output_dir))} free)"
+                if need else f" ({format_bytes(free_bytes(self.output_dir))} free)")
+        return CheckpointError(f"saving {target.name} to {self.output_dir}: {failure_reason(err)}{room}",
                                f"free space in {self.output_dir} (or point output_dir elsewhere); {kept}, "
                                "resume_from_checkpoint=true continues from it")
 
     def _write_state(self, tmp: Path, *, step: int, epoch: int, config: Mapping[str, Any], kind: str,
-                     final: bool, world_size: int = 1) -> None:
+                     final: bool, world_size: int = 1, extra: Mapping[str, Any] | None = None) -> None:
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         state = {
             "mtune_version": self.mtune_version,
@@ -261,6 +265,7 @@ class CheckpointWriter:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": files,
             "config": _plain_config(config),
+            **(extra or {}),
         }
         with open(tmp / STATE_FILENAME, "w", encoding="utf-8") as f:
             json.dump(state, f, indent=2, default=str)
@@ -278,12 +283,6 @@ class CheckpointWriter:
             maybe_inject_fault("during_prune")
             shutil.rmtree(path)
             log.info("Removed old checkpoint %s (keep_last_n_checkpoints=%d)", path, self.keep_last_n_checkpoints)
-
-
-def _is_write_failure(err: BaseException) -> bool:
-    """An error of the filesystem under a save: an OSError (ENOSPC, EACCES, EROFS, ...) or safetensors' own
-    error type, which wraps the OSError of its writer."""
-    return isinstance(err, OSError) or type(err).__name__ == "SafetensorError"
 
 
 def _plain_config(config: Mapping[str, Any]) -> Any:

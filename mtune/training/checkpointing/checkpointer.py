@@ -39,29 +39,19 @@ from mtune.training.checkpointing.dcp import (
     save_distributed_state,
     save_gathered_hf_checkpoint,
 )
+from mtune.training.checkpointing.disk_space import predicted_bytes, warn_if_short
 from mtune.training.checkpointing.hf import load_hf_checkpoint, save_hf_checkpoint
-from mtune.training.checkpointing.manifest import (
-    DamagedCheckpointError,
-    Manifest,
-    has_checksums,
-    recording,
-    verify_checkpoint,
-)
+from mtune.training.checkpointing.manifest import (DamagedCheckpointError, Manifest, has_checksums, recording,
+                                                   verify_checkpoint)
 from mtune.training.checkpointing.merge import merged_hf_weights, save_merged_model
 from mtune.training.checkpointing.peft import load_peft_adapter, save_peft_adapter
-from mtune.training.checkpointing.recipe_state import (
-    RecipeState,
-    check_resume_compatible,
-    load_recipe_state,
-    save_recipe_state,
-)
+from mtune.training.checkpointing.recipe_state import (RecipeState, check_resume_compatible, load_recipe_state,
+                                                       save_recipe_state)
 
 __all__ = ["Checkpointer", "DistributedCheckpointer", "MODEL_SUBDIR", "ADAPTER_SUBDIR"]
 
 log = logging.getLogger(__name__)
-
-MODEL_SUBDIR = "model"
-ADAPTER_SUBDIR = "adapter"
+MODEL_SUBDIR, ADAPTER_SUBDIR = "model", "adapter"
 
 
 class Checkpointer:
@@ -104,9 +94,17 @@ class Checkpointer:
         return "full" if self.lora is None else ("lora_adapter" if self.save_adapter_weights_only else "lora")
 
     # ------------------------------------------------------------------------------------------------- saving
+    def check_room(self, model: nn.Module, optimizer=None) -> None:
+        """Predict the first checkpoint's size (later ones are the last one's) and warn now if it does not fit."""
+        adapter_only = self.lora is not None and self.save_adapter_weights_only
+        self.writer.expected_bytes = predicted_bytes(model, optimizer, adapter_only=adapter_only,
+                                                     merged=self.lora is not None)
+        warn_if_short(self.output_dir, self.writer.expected_bytes, "first checkpoint (predicted)")
+
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
-             dataloader=None, final: bool = False) -> Path:
-        """Write ``step_<step>/`` (or ``final/``) atomically and return its path."""
+             dataloader=None, final: bool = False, state: Mapping[str, Any] | None = None) -> Path:
+        """Write ``step_<step>/`` (or ``final/``) atomically and return its path; ``state`` adds entries to its
+        ``mtune_state.json`` (the run's length)."""
 
         def write(tmp: Path) -> None:
             self._write_model(model, tmp)
@@ -114,7 +112,7 @@ class Checkpointer:
                               grad_scaler=loss_scaler, dataloader=dataloader)
 
         path = self.writer.save(step=step, epoch=epoch, config=self.config, kind=self.kind, write_fn=write,
-                                final=final, world_size=self.world_size)
+                                final=final, world_size=self.world_size, state=state)
         log.info("checkpoint: %s", path)
         return path
 
@@ -219,7 +217,6 @@ class Checkpointer:
         return recipe_state
 
 
-
 class DistributedCheckpointer(Checkpointer):
     """Checkpoints of an FSDP2 run. Every rank writes its shards of the trainable parameters and their optimizer
     state with ``torch.distributed.checkpoint`` into ``distributed_state/`` (resumable on any number of ranks);
@@ -233,7 +230,7 @@ class DistributedCheckpointer(Checkpointer):
         self.rank = rank
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer=None, lr_scheduler=None, loss_scaler=None,
-             dataloader=None, final: bool = False) -> Path:
+             dataloader=None, final: bool = False, state: Mapping[str, Any] | None = None) -> Path:
         def write_shared(tmp: Path) -> None:
             self._write_model(model, tmp)  # gathers: every rank takes part, rank 0 writes
             save_distributed_state(tmp / DISTRIBUTED_STATE_DIRNAME, model, optimizer, adapter_only=self.lora is not None)
@@ -253,7 +250,7 @@ class DistributedCheckpointer(Checkpointer):
             dist.barrier()  # rank 0 commits the directory
             return self.writer.checkpoint_path(step, final)
         with self.writer.open(step=step, epoch=epoch, config=self.config, kind=self.kind, final=final,
-                              world_size=self.world_size) as tmp:
+                              world_size=self.world_size, state=state) as tmp:
             dist.broadcast_object_list([str(tmp)], src=0)
             write_shared(tmp)
             dist.barrier()  # the other ranks have written their checksums

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from mtune.config import call_component
+
 METRICS_FILENAME = "metrics.jsonl"
 
 __all__ = [
@@ -232,5 +234,5 @@ def build_metric_logger(node: Mapping[str, Any] | None, *, output_dir: str | os.
         component = _import_component(str(target)) if isinstance(target, str) else target
         if component not in (JsonlLogger, NullLogger):
             kwargs.setdefault("output_dir", str(output_dir))
-            loggers.append(component(**kwargs))
+            loggers.append(call_component(component, str(target), "metric_logger", **kwargs))
     return loggers[0] if len(loggers) == 1 else MultiLogger(loggers)

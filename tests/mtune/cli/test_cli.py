@@ -1,6 +1,7 @@
 """`mtune` ls / cp / validate / run through the real entry point (subprocesses)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -61,6 +62,9 @@ def test_validate_good_config_with_path_warning(mtune, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"warning: component.data_files: path does not exist: {tmp_path}/a.json" in out.stdout
     assert "valid for recipe echo_recipe" in out.stdout
+    # components a config would call from outside mtune, torch, torchao and bitsandbytes are listed
+    assert "components from outside mtune, torch, torchao and bitsandbytes" in out.stdout
+    assert "  component: argparse.Namespace" in out.stdout.splitlines()
 
 
 def test_validate_lists_every_problem(mtune):
@@ -114,6 +118,11 @@ def test_run_errors_are_one_line_with_a_hint(mtune, tmp_path):
     assert out.returncode == 1 and "did you mean 'echo_recipe'" in out.stderr
     out = mtune("run", "echo_recipe", "--config", "test/echo", "batch_size=two", MTUNE_DEBUG="1")
     assert out.returncode == 1 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+    # a component that raises inside its own call: the key, the target and the error, no traceback
+    out = mtune("run", "echo_recipe", "--config", "test/echo", f"output_dir={tmp_path}/zero", "component.denominator=0")
+    assert out.returncode == 1 and out.stderr.splitlines()[-2:] == [
+        "error: component: fractions.Fraction raised ZeroDivisionError: Fraction(3, 0)",
+        "hint: check component in the config; MTUNE_DEBUG=1 shows the traceback"], out.stderr
 
 
 def test_run_help_prints_the_recipe_keys(mtune):
@@ -129,3 +138,30 @@ def test_run_two_processes_under_torchrun(mtune, tmp_path):
     assert out.returncode == 0, out.stderr
     records = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world_size"], r["sum"]) for r in records] == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_a_torchrun_worker_ends_after_its_atexit_callbacks_without_the_interpreter_teardown(mtune, tmp_path):
+    """The interpreter's teardown freed the process group that torch's DTensor caches kept past
+    destroy_process_group, with its gloo threads running: now and then a rank that had trained and saved aborted
+    (`terminate called without an active exception`). A worker now leaves once its atexit callbacks ran."""
+    out = mtune("run", "--nproc_per_node", "2", "allreduce_recipe", "--config", "test/allreduce",
+                f"output_dir={tmp_path}", OMP_NUM_THREADS="1", TEST_TEARDOWN_MARKS="1")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.glob("atexit_*")) == ["atexit_0", "atexit_1"]
+    assert not list(tmp_path.glob("finalized_*"))
+
+
+def test_a_dead_rank_ends_in_one_summary_naming_it_the_latest_checkpoint_and_the_resume_command(mtune, tmp_path):
+    from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
+
+    CheckpointWriter(tmp_path).save(step=3, epoch=0, config={}, kind="hf_full", write_fn=lambda d: None)
+    out = mtune("run", "--nproc_per_node", "2", "allreduce_recipe", "--config", "test/allreduce",
+                f"output_dir={tmp_path}", OMP_NUM_THREADS="1", TEST_KILL_RANK="1")
+    assert out.returncode != 0
+    error, hint = out.stderr.splitlines()[-2:]
+    assert re.fullmatch(r"error: rank 1 \(pid \d+\) was killed by SIGKILL \(signal 9\): kill -9, or the kernel's "
+                        r"out-of-memory killer \(`dmesg \| grep -i oom` tells which\); the other ranks were stopped"
+                        r"( \(1 of them failed after it\))?", error), error
+    assert hint == (f"hint: the latest complete checkpoint is {tmp_path / 'step_3'}; resume from it: mtune run "
+                    f"--nproc_per_node 2 allreduce_recipe --config test/allreduce output_dir={tmp_path} "
+                    "resume_from_checkpoint=true"), hint

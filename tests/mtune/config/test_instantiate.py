@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from mtune.config import ConfigError, instantiate
+from mtune.config import ComponentError, ConfigError, instantiate
 
 
 def test_optimizer_with_positional_params_matches_direct_construction():
@@ -95,3 +95,27 @@ def test_boolean_arguments_take_true_or_false_only_and_unannotated_ones_are_name
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             instantiate(bad.c)
     assert boolean_problems(_takes_flags, {"maybe": None, "strict": False}, "c") == ([], [])
+
+
+def test_a_component_that_raises_inside_its_call_is_one_line_naming_key_target_and_error():
+    cfg = OmegaConf.create({"metric_logger": {"_component_": "os.system", "command": "${oops}"}, "oops": [1, 2]})
+    with pytest.raises(ComponentError) as info:
+        instantiate(cfg.metric_logger)
+    assert str(info.value) == ("metric_logger: os.system raised TypeError: expected str, bytes or os.PathLike object, "
+                               "not list")
+    assert isinstance(info.value.__cause__, TypeError) and "MTUNE_DEBUG=1" in info.value.hint
+    # mtune's own errors stay as they are
+    with pytest.raises(ConfigError, match="num_warmup_steps must be >= 0") as info:
+        instantiate({"_component_": "mtune.training.lr_schedulers.get_constant_schedule_with_warmup",
+                     "num_warmup_steps": -1}, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    assert not isinstance(info.value, ComponentError)
+
+
+def test_an_optimizer_or_metric_logger_component_that_raises_is_one_line_too(tmp_path):
+    from mtune.training.observe.metric_logging import build_metric_logger
+    from mtune.training.optimizers import build_optimizer
+
+    with pytest.raises(ComponentError, match=r"^optimizer: os\.system raised TypeError: "):
+        build_optimizer({"_component_": "os.system"}, torch.nn.Linear(2, 2))  # given the model's parameters
+    with pytest.raises(ComponentError, match=r"^metric_logger: fractions\.Fraction raised TypeError: "):
+        build_metric_logger({"_component_": "fractions.Fraction"}, output_dir=tmp_path)  # given output_dir=

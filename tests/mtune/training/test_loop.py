@@ -45,7 +45,11 @@ def test_non_finite_loss_names_the_step():
     with torch.no_grad():
         model.lm_head.bias.fill_(float("nan"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(NonFiniteLossError, match="step 7: the loss is nan"):
+    with pytest.raises(NonFiniteLossError, match="step 7: the loss is nan") as info:
+        train_step(model, [_batch([([1, 2], [2, 3])])], CrossEntropyLoss(), opt, device=torch.device("cpu"), step=7)
+    assert "dtype=fp32" not in str(info.value)  # the run is fp32 already
+    model.to(torch.bfloat16)
+    with pytest.raises(NonFiniteLossError, match="or use dtype=fp32"):
         train_step(model, [_batch([([1, 2], [2, 3])])], CrossEntropyLoss(), opt, device=torch.device("cpu"), step=7)
 
 

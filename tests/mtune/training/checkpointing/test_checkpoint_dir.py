@@ -116,11 +116,29 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("failure", ["oserror", "safetensors"])
+class _FullDisk:
+    """A file that takes ``room`` bytes, then fails as a full disk does (``OSError`` ENOSPC)."""
+
+    def __init__(self, path, room):
+        self.f, self.room = open(path, "wb"), room
+
+    def write(self, data):
+        import errno
+
+        if self.f.tell() + len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+@pytest.mark.parametrize("failure", ["oserror", "safetensors", "torch_save"])
 def test_a_full_disk_at_save_keeps_the_previous_checkpoint_and_says_what_to_free(tmp_path, failure):
     import errno
 
     import safetensors
+    import torch
 
     from mtune.training.checkpointing.hf import CheckpointError
 
@@ -132,12 +150,15 @@ def test_a_full_disk_at_save_keeps_the_previous_checkpoint_and_says_what_to_free
         (directory / "w").write_bytes(b"6" * 32)
         if failure == "oserror":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if failure == "torch_save":  # torch raises RuntimeError("... unexpected pos ...") with the OSError as context
+            torch.save({"exp_avg": torch.zeros(4096)}, _FullDisk(directory / "recipe_state.pt", room=2000))
         raise safetensors.SafetensorError("Error while serializing: IoError(No space left on device)")
 
     with pytest.raises(CheckpointError) as info:
         writer.save(step=6, epoch=0, config=CONFIG, kind="hf_full", write_fn=full_disk)
     message = str(info.value)
     assert message.startswith(f"saving step_6 to {tmp_path}: ") and "No space left on device" in message
+    assert re.search(r"\(it needs about [\d.]+ (MiB|GiB), [\d.]+ (MiB|GiB) free\)$", message)
     assert f"the previous checkpoint {tmp_path / 'step_5'} is intact" in info.value.hint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]  # no half-written step_6, no .tmp_ left
     assert _tree(tmp_path / "step_5") == before
@@ -154,3 +175,20 @@ def test_a_damaged_state_file_is_reported_by_name_when_resuming(tmp_path):
         find_latest_checkpoint(tmp_path, strict=True)
     with pytest.raises(CheckpointError, match="not JSON"):
         read_checkpoint_state(tmp_path / "step_3")
+
+
+def test_a_save_that_may_not_fit_is_announced_before_it_is_written(tmp_path, monkeypatch, caplog):
+    import torch
+
+    from mtune.training.checkpointing import disk_space
+
+    writer = CheckpointWriter(tmp_path)
+    writer.save(step=1, epoch=0, config=CONFIG, kind="hf_full", write_fn=lambda d: (d / "w").write_bytes(b"1" * 4096))
+    assert writer.expected_bytes >= 4096  # the next one is about the size of the last
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 1000)
+    with caplog.at_level("WARNING"):
+        writer.save(step=2, epoch=0, config=CONFIG, kind="hf_full", write_fn=lambda d: None)
+    assert f"{tmp_path} has 0.0 MiB free, less than the" in caplog.text and "checkpoint step_2 needs" in caplog.text
+    # before the first: the model's tensors and the optimizer's (AdamW's two moments while it holds none yet)
+    model = torch.nn.Linear(4, 4)
+    assert disk_space.predicted_bytes(model, torch.optim.AdamW(model.parameters()), merged=False) == 3 * 20 * 4
