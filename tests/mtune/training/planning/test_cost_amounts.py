@@ -121,3 +121,26 @@ def test_fit_searches_with_each_ranks_host_share_and_the_margin(monkeypatch, cap
     assert seen["margin"] == int(0.05 * 24 * GIB)
     assert seen["estimator"].host_memory == 8 * GIB
     assert "(host 8.00 GiB)" in capsys.readouterr().out
+
+
+def test_every_planner_constant_names_its_measurement_or_citation():
+    """Each constant's docstring points at benchmarks/results/README.md (or its measurement file), and that README's
+    table has a row for it. Mutation checked: deleting a row from the README fails."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[4]
+    table = (repo / "benchmarks" / "results" / "README.md").read_text()
+    where = {"cost.py": ["REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH", "MICRO_BATCH_OVERHEAD_S",
+                         "HOST_ADAMW_SECONDS_PER_PARAM"],
+             "memory_plan.py": ["CUDA_CONTEXT_BYTES"], "fit.py": ["allocator_margin"]}
+    for file, names in where.items():
+        body = ast.parse((repo / "mtune" / "training" / "planning" / file).read_text()).body
+        for name in names:
+            i = next(i for i, node in enumerate(body) if name in {getattr(t, "id", None) for t in
+                                                                  getattr(node, "targets", [])}
+                     or getattr(node, "name", None) == name)
+            node = body[i]
+            doc = (ast.get_docstring(node) if isinstance(node, ast.FunctionDef)
+                   else body[i + 1].value.value)  # the string after the assignment
+            assert "benchmarks/" in doc, (file, name)
+            assert f"`{file.removesuffix('.py')}.{name}`" in table, name
