@@ -3,8 +3,8 @@ from the term's definition, not by calling the code under test. Each test names 
 against (docs/development.md): the code was broken that way once and the test failed.
 
 The amounts that depend on a planner constant read the constant (``cost.HOST_ADAMW_SECONDS_PER_PARAM``,
-``memory_plan.CUDA_CONTEXT_BYTES``) rather than repeat its value; only ``test_allocator_margin_is_1_gib_or_5_percent``
-states the margin's rule, max(1 GiB, 5%), because that rule is what it checks."""
+``cost.MICRO_BATCH_OVERHEAD_S``) rather than repeat its value; the margin's rule, max(1 GiB, 5%), is stated where
+it is what a test checks (the margin itself, and the margin ``--fit`` hands its search)."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -144,3 +144,24 @@ def test_every_planner_constant_names_its_measurement_or_citation():
                    else body[i + 1].value.value)  # the string after the assignment
             assert "benchmarks/" in doc, (file, name)
             assert f"`{file.removesuffix('.py')}.{name}`" in table, name
+
+
+def test_fit_maximize_seq_len_searches_with_each_ranks_host_share_and_the_margin(monkeypatch, capsys):
+    """The same amounts for ``mtune plan --fit --maximize seq_len`` (`longest_command`).
+
+    Mutation checked: ``longest_command`` passing ``host_memory=None`` to ``longest_context`` fails."""
+    from mtune.training.planning import longest
+
+    seen = {}
+
+    def fake_longest(cfg, schema, **kwargs):
+        seen.update(kwargs)
+        return SimpleNamespace(candidate=None)
+
+    monkeypatch.setattr(longest, "longest_context", fake_longest)
+    code = longest.longest_command(None, recipe="lora_distributed", config_path=Path("x.yaml"), overrides=[],
+                                   schema=None, maximize="seq_len", device_memory=24 * GIB, host_memory=64 * GIB,
+                                   world_size=8, output=Path("unused.yaml"))
+    assert code == 1
+    assert seen["host_memory"] == 8 * GIB and seen["margin"] == int(0.05 * 24 * GIB)
+    assert seen["estimator"].host_memory == 8 * GIB
