@@ -155,13 +155,18 @@ def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_da
     assert bound.lower_bound and estimator.planned == planned + 1
     assert bound.device_peak_bytes <= whole.device_peak_bytes and bound.host_peak_bytes <= whole.host_peak_bytes
     # micro-batches 4 and 2 planned (several per step), micro-batch 1 derived from them per sample
-    samples = {"batch_size": 4, "gradient_accumulation_steps": 2}
+    # (an always-true ``and samples`` clause stood here; the amount is now checked: the line through the two
+    # planned micro-batches, per sample. Mutation checked: deriving from the nearer point alone (t = 0 in
+    # Estimator.estimate) fails the line's assertion.)
+    planned_peaks = {}
     for batch in (4, 2):
-        estimator.estimate(load_and_check(module, TRAIN_CONFIG, overrides + [
-            f"batch_size={batch}", f"gradient_accumulation_steps={8 // batch}"]))
+        planned_peaks[batch] = estimator.estimate(load_and_check(module, TRAIN_CONFIG, overrides + [
+            f"batch_size={batch}", f"gradient_accumulation_steps={8 // batch}"])).device_peak_bytes
     one = load_and_check(module, TRAIN_CONFIG, overrides + ["batch_size=1", "gradient_accumulation_steps=8"])
     derived = estimator.estimate(one)
-    assert estimator.derived == 1 and "derived" in derived.estimated and samples
+    assert estimator.derived == 1 and "micro-batch 1 derived from 2 and 4 per sample" in derived.estimated
+    per_sample = (planned_peaks[4] - planned_peaks[2]) / 2
+    assert derived.device_peak_bytes == pytest.approx(planned_peaks[2] - per_sample, abs=2)
     assert derived.device_peak_bytes == pytest.approx(plan_memory(one).device_peak_bytes, rel=0.03)
 
 

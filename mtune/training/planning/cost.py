@@ -38,14 +38,21 @@ __all__ = ["one_search", "step_cost", "model_flops_per_token", "transfer_bytes_p
            "is_cuda_target"]
 
 REFERENCE_FLOPS = 400e12
-"""Sustained bf16 matmul FLOP/s of the reference GPU (an H100 SXM reaches ~400 of its 989 dense TFLOP/s in
-training); only ratios between candidates matter."""
+"""Sustained bf16 matmul FLOP/s of the reference GPU; only ratios between candidates matter. Cited, waiting for a lent
+GPU to measure it (benchmarks/results/README.md): an H100 SXM's datasheet gives 989 dense bf16 TFLOP/s, and Meta
+reports 38-43% BF16 MFU (about 380-430 TFLOP/s a GPU) training Llama 3 on H100s ("The Llama 3 Herd of Models",
+arXiv:2407.21783, section 3.3.4)."""
 REFERENCE_HOST_BANDWIDTH = 25e9
-"""Bytes/s between device and host (PCIe 4/5 x16 as measured by bandwidth tests, one direction)."""
+"""Bytes/s between device and host, one direction. Cited, waiting for a lent GPU (benchmarks/results/README.md):
+PCIe 4.0 x16 carries 16 GT/s a lane, about 31.5 GB/s a direction after 128b/130b encoding (PCI-SIG), of which pinned
+copies reach about 80% (NVIDIA's ``bandwidthTest`` sample measures this); PCIe 5.0 hosts reach about twice as much,
+so the figure is conservative there."""
 MICRO_BATCH_OVERHEAD_S = 0.02
 """Seconds each micro-batch costs beyond its FLOPs: kernel launches, Python and the small-matmul inefficiency of a
 forward and backward (the GPU's lower efficiency at small micro-batches, as one constant). Stated, not yet measured
-on a GPU: about 32 blocks x ~40 kernels x ~15 us of an 8B model's forward and backward."""
+on a GPU: an 8B model's 32 blocks x ~40 kernels x ~15 us. ``benchmarks/planner_constants.py`` counts the kernels:
+102 non-view aten ops per block in forward and backward (benchmarks/results/planner_constants.json), so the same
+reasoning gives ~0.05 s; the GPU suite is to measure the intercept of step time against micro-batch tokens."""
 HOST_ADAMW_SECONDS_PER_PARAM = 1.2e-9
 """Seconds per parameter of torch's fused AdamW step on the host CPU (``optimizer_offload: cpu``), bf16 parameters:
 measured by ``benchmarks/host_adamw.py`` on this project's 2-core x86_64 machine (docs/plan.md)."""

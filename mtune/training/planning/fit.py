@@ -66,8 +66,11 @@ class FitError(MtuneError, ValueError):
 
 
 def allocator_margin(device_memory: int) -> int:
-    """Headroom a fit leaves for the caching allocator's reserved-but-free blocks: max(1 GiB, 5% of the budget)
-    (stated, until the GPU suite measures reserved minus allocated)."""
+    """Headroom a fit leaves for the caching allocator's reserved-but-free blocks: max(1 GiB, 5% of the budget).
+    Stated, not measured: PyTorch's CUDA semantics notes ("Memory management") explain that reserved memory exceeds
+    allocated memory by the cached, partly fragmented blocks, but give no size; it waits for a lent GPU, where
+    ``benchmarks/gpu_suite.py`` records ``max_reserved_gib`` minus ``max_allocated_gib`` per run
+    (benchmarks/results/README.md)."""
     return int(max(GIB, 0.05 * device_memory))
 
 

@@ -18,7 +18,11 @@ CUDA_BLOCK_BYTES = 512
 CUDA_CONTEXT_BYTES = 512 * MIB
 """What a CUDA process takes on the GPU outside the caching allocator (the context, cuBLAS/cuDNN handles and their
 kernels): about 0.5 GiB with CUDA 12 on an H100/A100 (it varies a little with the driver and the libraries
-loaded). Added to the whole-GPU figure only; ``max_memory_allocated`` does not see it."""
+loaded). Added to the whole-GPU figure only; ``max_memory_allocated`` does not see it. Stated, not measured: no
+public document gives the size (PyTorch's CUDA semantics notes, "Memory management", say only that memory outside
+the allocator, such as the context, shows in ``nvidia-smi`` and not in ``memory_reserved``; CUDA's lazy loading,
+the default since CUDA 12.2, makes it smaller). It waits for a lent GPU: ``benchmarks/gpu_suite.py`` records
+``device_used_gib`` beside ``max_reserved_gib``, whose difference it is (benchmarks/results/README.md)."""
 
 class PlanError(MtuneError, RuntimeError):
     """The planner cannot plan this config (it names the key and what to do)."""

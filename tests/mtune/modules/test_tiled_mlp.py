@@ -61,6 +61,48 @@ def test_with_activation_checkpointing():
     assert_tiling_changes_nothing(model, torch.randint(0, 512, (1, 40)), tiles=4)
 
 
+def test_lora_dropout_masks_are_replayed_in_backward():
+    """With LoRA dropout (p=0.5) active, backward recomputes each tile under the RNG state forward started from,
+    so the gradients are those of the masks forward drew. The oracle: the same seed, the plain MLP called tile by
+    tile (the same draws in the same order) with ordinary autograd.
+
+    Mutation checked: ``ctx.rng = None`` in ``_TiledMLP.forward`` (no replay: backward draws fresh masks) fails
+    the gradient comparison (the forward outputs still agree)."""
+    from mtune.modules.tiled_mlp import _tiled_forward
+
+    torch.manual_seed(0)
+    model = build_model("llama3_1", "tiny", device="cpu")
+    apply_lora(model, MLP, rank=8, alpha=16, dropout=0.5)
+    mlp = model.layers[0].mlp
+    with torch.no_grad():
+        for name, param in mlp.named_parameters():
+            if name.endswith("lora_b.weight"):
+                param.normal_(0, 0.05)
+    x = torch.randn(2, 9, model.layers[0].mlp.gate_proj.in_features)
+    weight = torch.randn(2, 9, mlp.down_proj.out_features)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+
+    def grads_of(forward):
+        torch.manual_seed(1)
+        xs = x.clone().requires_grad_()
+        out = forward(xs)
+        (out * weight).sum().backward()
+        result = [xs.grad] + [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return out.detach(), result
+
+    def by_tiles(xs):  # 18 rows over 3 tiles of 6, as _tile_bounds splits them
+        flat = xs.reshape(-1, xs.shape[-1])
+        return torch.cat([FeedForward.forward(mlp, flat[i:i + 6]) for i in (0, 6, 12)]).view(2, 9, -1)
+
+    ref_out, ref_grads = grads_of(by_tiles)
+    out, grads = grads_of(lambda xs: _tiled_forward(mlp, 3, xs))
+    assert_round_off(out, ref_out, "output")
+    for i, (grad, ref) in enumerate(zip(grads, ref_grads)):
+        assert_round_off(grad, ref, f"gradient {i}")
+
+
 def test_tiles_one_restores_the_plain_forward():
     model = apply_tiled_mlp(tiny("lora"), 4)
     mlp = model.layers[0].mlp

@@ -40,6 +40,30 @@ def test_token_weighted_loss_over_micro_batches():
     assert result.trained_tokens == 4 and result.loss == pytest.approx(expected.item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradient_weights_every_trained_token_of_the_step_equally(world_size):
+    """The step's gradient is that of the summed token loss over all micro-batches divided by the step's trained
+    tokens (3 + 1 here), times ``world_size`` (FSDP averages over ranks; one rank here, all_reduce a no-op): SGD
+    with lr=1 moves each weight by exactly that gradient, computed here with plain autograd.
+
+    Mutation checked: each micro-batch's loss divided by its own trained tokens in ``step_on_tensors`` (a mean per
+    micro-batch, which weighs the 1-token micro-batch like the 3-token one) fails; so does dropping the
+    ``/ world_size`` from the denominator (the world_size=2 case)."""
+    a = _batch([([1, 2, 3], [2, 3, 4])])
+    b = _batch([([5, 6, 7], [-100, -100, 8])])
+    reference = _Tiny()
+    ce = nn.functional.cross_entropy
+    summed = (ce(reference(a["tokens"])[0], a["labels"][0], reduction="sum")
+              + ce(reference(b["tokens"])[0, 2:], b["labels"][0, 2:], reduction="sum"))
+    (summed / 4 * world_size).backward()
+    expected = {n: p.detach() - p.grad for n, p in reference.named_parameters()}
+    model = _Tiny()
+    train_step(model, [a, b], CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=1.0),
+               device=torch.device("cpu"), world_size=world_size)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_non_finite_loss_names_the_step():
     model = _Tiny()
     with torch.no_grad():

@@ -55,6 +55,24 @@ def test_the_lock_of_a_killed_run_is_stale_and_taken(tmp_path, other_process):
     assert not (tmp_path / LOCK_FILENAME).exists()
 
 
+def test_a_reused_pid_does_not_keep_a_stale_lock(tmp_path, other_process):
+    """The lock names a pid that runs now, but with another start time than the one it recorded (the pid was
+    reused by an unrelated process after the run died): stale, taken. With the recorded start time equal to the
+    live process's (read here from /proc's field 22), the same pid holds the lock.
+
+    Mutation checked: ``LockOwner.is_gone`` without the start-time comparison (``return False`` once the pid runs)
+    fails the first half; comparing nothing (``return True``) fails the second."""
+    stat = Path(f"/proc/{other_process.pid}/stat").read_text()
+    start = stat[stat.rfind(")") + 2:].split()[19]
+    _write_lock(tmp_path, pid=other_process.pid, process_start=str(int(start) + 1))  # an earlier process's start
+    lock = lock_output_dir(tmp_path)
+    assert json.loads((tmp_path / LOCK_FILENAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    _write_lock(tmp_path, pid=other_process.pid, process_start=start)
+    with pytest.raises(OutputDirLockedError):
+        lock_output_dir(tmp_path)
+
+
 def test_another_hosts_lock_is_refused_unless_forced(tmp_path):
     _write_lock(tmp_path, host="node-that-is-not-this-one", pid=1)
     with pytest.raises(OutputDirLockedError) as info:

@@ -123,3 +123,16 @@ def test_memory_config_decides_checkpointing():
 def test_utilization():
     assert utilization(185.6e6, 1000.0, 204e9) == pytest.approx(0.9098, abs=1e-4)
     assert utilization(1.0, 1.0, 0.0) == 0.0
+
+
+def test_mean_document_length_is_per_batch_not_per_row():
+    """Two rows of a packed micro-batch: documents of 3 and 1 tokens, then 1 and 3. The keys a query is counted
+    against, token-weighted: (3² + 1² + 1² + 3²) / 8 = 2.5 positions, whatever the batch size.
+
+    Mutation checked: ``mean_document_length`` dividing by the row length ``s`` instead of ``b * s`` (5.0 here:
+    normalised per row) fails; every other packed FLOPs test uses batch 1, where the two agree."""
+    from mtune.training.observe.flops import mean_document_length
+
+    ids = torch.tensor([[0, 0, 0, 1], [0, 1, 1, 1]])
+    assert mean_document_length(ids) == 20 / 8
+    assert mean_document_length(ids[:1]) == 10 / 4  # one row: the same convention

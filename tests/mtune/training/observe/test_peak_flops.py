@@ -50,6 +50,33 @@ def test_a_figure_measured_on_a_busy_machine_is_measured_again_when_quieter(tmp_
     assert pf.cpu_peak_flops(torch.float32, cache).flops == 30e9  # measured quiet: kept
 
 
+def test_the_busy_rule_re_measures_below_half_the_load_and_keeps_the_higher_figure(tmp_path, monkeypatch):
+    """The rule's amounts on 2 CPUs: an entry measured at load 8 is kept at load 4.0 (not below half) and measured
+    again at 3.9; a lower new figure does not replace a higher one; an entry measured quiet (load 1.5 <= 2 CPUs) is
+    never measured again, however quiet the machine becomes.
+
+    Mutations checked: ``load < entry["loadavg"]`` (no halving) fails at load 4.0; dropping ``_busy(...)`` from
+    the condition fails the quiet entry; keeping the new figure even when lower fails the 25e9 line."""
+    cache = tmp_path / "peak.json"
+    monkeypatch.setattr(pf.os, "cpu_count", lambda: 2)
+    rates = iter([10e9, 25e9, 5e9])
+    monkeypatch.setattr(pf, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
+    load = [8.0]
+    monkeypatch.setattr(pf.os, "getloadavg", lambda: (load[0], 0, 0))
+    assert pf.cpu_peak_flops(torch.float32, cache).flops == 10e9  # measured at load 8
+    load[0] = 4.0
+    assert pf.cpu_peak_flops(torch.float32, cache).flops == 10e9  # exactly half: the cache
+    load[0] = 3.9
+    assert pf.cpu_peak_flops(torch.float32, cache).flops == 25e9  # below half: measured again, higher kept
+    cache.write_text(json.dumps({next(iter(json.loads(cache.read_text()))): {"value": 30e9, "loadavg": 1.5}}))
+    load[0] = 0.1
+    assert pf.cpu_peak_flops(torch.float32, cache).flops == 30e9  # measured quiet: never again
+    busy = {k: {"value": 30e9, "loadavg": 9.0} for k in json.loads(cache.read_text())}
+    cache.write_text(json.dumps(busy))
+    assert pf.cpu_peak_flops(torch.float32, cache).flops == 30e9  # measured again (5e9): the higher figure kept
+    assert next(rates, None) is None  # every rate was used: three measurements
+
+
 def test_measured_rate_is_flops_over_best_time(monkeypatch):
     ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.4])  # three timed calls: 0.5 s, 0.25 s, 0.4 s
     monkeypatch.setattr(pf.time, "perf_counter", lambda: next(ticks))

@@ -1,0 +1,167 @@
+"""The planner's cost and budget terms checked as amounts (bytes, seconds), each against a figure computed here
+from the term's definition, not by calling the code under test. Each test names the mutation it was checked
+against (docs/development.md): the code was broken that way once and the test failed.
+
+The amounts that depend on a planner constant read the constant (``cost.HOST_ADAMW_SECONDS_PER_PARAM``,
+``cost.MICRO_BATCH_OVERHEAD_S``) rather than repeat its value; the margin's rule, max(1 GiB, 5%), is stated where
+it is what a test checks (the margin itself, and the margin ``--fit`` hands its search)."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from mtune.config import RecipeSchema
+from mtune.config.keys import MODEL_NODES, RUN_KEYS, TRAINING_NODES
+from mtune.config.rules import RUN_RULES
+from mtune.models import build_model_from_args, model_args
+from mtune.training.memory import registry
+from mtune.training.memory.footprint import ModelFacts
+from mtune.training.memory.techniques.fsdp_cpu_offload import FsdpCpuOffload, FsdpCpuOffloadSettings
+from mtune.training.planning import cost, fit
+from mtune.training.planning.memory_plan import MemoryPlan
+
+GIB = 1 << 30
+
+
+def _cfg(**changes):
+    schema = RecipeSchema([RUN_KEYS, registry.memory_keys(registry.TECHNIQUES), MODEL_NODES, TRAINING_NODES],
+                          rules=RUN_RULES + registry.MEMORY_RULES)
+    cfg = OmegaConf.create({"output_dir": "/nowhere", "device": "cpu", "dtype": "fp32",
+                            "model": {"family": "tiny", "size": "tiny"},
+                            "tokenizer": {"path": None, "max_seq_len": 32}, "batch_size": 2,
+                            "gradient_accumulation_steps": 3,
+                            "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
+                            "dataset": {"_component_": "mtune.data.instruct_dataset"}, **changes})
+    return schema.fill_defaults(cfg)
+
+
+def test_the_host_adamw_step_costs_its_seconds_per_parameter_over_the_step_tokens():
+    """optimizer_offload=cpu adds, beyond its transfers, one host AdamW step per optimizer step: every trainable
+    element times HOST_ADAMW_SECONDS_PER_PARAM, spread over the step's tokens.
+
+    Mutation checked: ``host_step = 0`` in ``cost.step_cost`` (the term dropped) fails the approx assertion."""
+    off, on = _cfg(), _cfg(optimizer_offload="cpu")
+    model = build_model_from_args(model_args("tiny", "tiny"))  # meta: a full fine-tune trains every element
+    elements = sum(p.numel() for p in model.parameters())
+    step_tokens = 2 * 32 * 3  # batch_size * max_seq_len * gradient_accumulation_steps
+    transfers = (cost.transfer_bytes_per_token(on) - cost.transfer_bytes_per_token(off)) / cost.REFERENCE_HOST_BANDWIDTH
+    added = cost.step_cost(on) - cost.step_cost(off) - transfers  # CPU target: compute + transfers, not the max
+    assert added == pytest.approx(elements * cost.HOST_ADAMW_SECONDS_PER_PARAM / step_tokens, rel=1e-9)
+
+
+def test_the_micro_batch_overhead_is_paid_once_per_micro_batch():
+    """Halving the micro-batch (same step tokens) adds MICRO_BATCH_OVERHEAD_S per extra micro-batch, nothing else.
+
+    Mutation checked: the overhead divided by the step's tokens instead of the micro-batch's fails."""
+    big, small = _cfg(batch_size=2, gradient_accumulation_steps=3), _cfg(batch_size=1, gradient_accumulation_steps=6)
+    expected = cost.MICRO_BATCH_OVERHEAD_S * (1 / 32 - 1 / 64)  # per token: 1/(1*32) vs 1/(2*32)
+    assert cost.step_cost(small) - cost.step_cost(big) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("reshard, visits", [(True, 2), (False, 1)])
+def test_fsdp_cpu_offload_moves_each_shard_in_per_visit_and_each_gradient_out(reshard, visits):
+    """Per rank and micro-batch token: every parameter shard comes in for forward and, when resharded after
+    forward, again for backward (the re-fetch); each trainable gradient shard goes out. Amounts in bytes.
+
+    Mutation checked: ``visits = 1`` (the backward re-fetch dropped) fails the reshard=True case."""
+    facts = ModelFacts(n_layers=4, dim=64, trainable_bytes=8e6, frozen_bytes=24e6, residual_bytes=2,
+                       micro_batch_tokens=1000, step_tokens=4000, trainable_numel=4_000_000, world_size=4)
+    memory = SimpleNamespace(distributed=True, run=SimpleNamespace(fsdp_reshard_after_forward=reshard))
+    footprint = FsdpCpuOffload().footprint(FsdpCpuOffloadSettings(fsdp_cpu_offload=True), memory, facts)
+    shard_in = (8e6 + 24e6) / 4  # every parameter's shard, bytes per rank
+    gradient_out = 8e6 / 4
+    assert footprint.transfer_bytes_per_token == pytest.approx((visits * shard_in + gradient_out) / 1000)
+    assert footprint.host_step_elements == 1_000_000  # each rank steps its quarter on its CPU
+
+
+def test_allocator_margin_is_1_gib_or_5_percent():
+    """Mutation checked: ``return 0`` (or the 5% dropped) in ``fit.allocator_margin`` fails."""
+    assert fit.allocator_margin(8 * GIB) == GIB  # 5% = 0.4 GiB < 1 GiB
+    assert fit.allocator_margin(20 * GIB) == GIB  # 5% = exactly 1 GiB
+    assert fit.allocator_margin(80 * GIB) == 4 * GIB  # 5% = 4 GiB
+
+
+def _plan(device_peak, host_peak, context=0):
+    return MemoryPlan(target="cuda", world_size=1, device_peak_bytes=device_peak, host_peak_bytes=host_peak,
+                      device={}, host={}, at_peak={}, batch={}, parameters={}, predicts="", cuda_context_bytes=context)
+
+
+def test_a_fit_keeps_the_margin_and_the_context_within_the_device_and_the_host_peak_within_the_host():
+    """Byte-exact edges of ``fits_budgets``: device peak + context + margin <= device memory; host peak <= host.
+
+    Mutations checked: the margin not subtracted fails the first ``not``; the host budget ignored
+    (``spare["host"] is None or True``) fails the last ``not``."""
+    budget, margin, context = 24 * GIB, GIB, 512 << 20
+    peak = budget - margin - context
+    assert fit.fits_budgets(_plan(peak, 10, context), budget, None, margin)
+    assert not fit.fits_budgets(_plan(peak + 1, 10, context), budget, None, margin)
+    assert fit.fits_budgets(_plan(peak, 10 * GIB, context), budget, 10 * GIB, margin)
+    assert not fit.fits_budgets(_plan(peak, 10 * GIB + 1, context), budget, 10 * GIB, margin)
+
+
+def test_fit_searches_with_each_ranks_host_share_and_the_margin(monkeypatch, capsys):
+    """``mtune plan --fit`` over 8 ranks with 64 GiB of host memory plans each rank against 8 GiB and keeps the
+    24 GiB device's 1.2 GiB margin: the search receives those amounts.
+
+    Mutation checked: ``fit_command`` passing the machine's host memory (or None) to ``search`` instead of the
+    per-rank share fails here, while every fit/plan/CLI test passed under it (issue 38)."""
+    seen = {}
+
+    def fake_search(cfg, schema, **kwargs):
+        seen.update(kwargs)
+        return []
+
+    monkeypatch.setattr(fit, "search", fake_search)
+    code = fit.fit_command(None, recipe="lora_distributed", config_path=Path("x.yaml"), overrides=[], schema=None,
+                           device_memory=24 * GIB, host_memory=64 * GIB, world_size=8, output=Path("unused.yaml"))
+    assert code == 1  # nothing fits: the fake search found nothing
+    assert seen["host_memory"] == 8 * GIB and seen["world_size"] == 8
+    assert seen["margin"] == int(0.05 * 24 * GIB)
+    assert seen["estimator"].host_memory == 8 * GIB
+    assert "(host 8.00 GiB)" in capsys.readouterr().out
+
+
+def test_every_planner_constant_names_its_measurement_or_citation():
+    """Each constant's docstring points at benchmarks/results/README.md (or its measurement file), and that README's
+    table has a row for it. Mutation checked: deleting a row from the README fails."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[4]
+    table = (repo / "benchmarks" / "results" / "README.md").read_text()
+    where = {"cost.py": ["REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH", "MICRO_BATCH_OVERHEAD_S",
+                         "HOST_ADAMW_SECONDS_PER_PARAM"],
+             "memory_plan.py": ["CUDA_CONTEXT_BYTES"], "fit.py": ["allocator_margin"]}
+    for file, names in where.items():
+        body = ast.parse((repo / "mtune" / "training" / "planning" / file).read_text()).body
+        for name in names:
+            i = next(i for i, node in enumerate(body) if name in {getattr(t, "id", None) for t in
+                                                                  getattr(node, "targets", [])}
+                     or getattr(node, "name", None) == name)
+            node = body[i]
+            doc = (ast.get_docstring(node) if isinstance(node, ast.FunctionDef)
+                   else body[i + 1].value.value)  # the string after the assignment
+            assert "benchmarks/" in doc, (file, name)
+            assert f"`{file.removesuffix('.py')}.{name}`" in table, name
+
+
+def test_fit_maximize_seq_len_searches_with_each_ranks_host_share_and_the_margin(monkeypatch, capsys):
+    """The same amounts for ``mtune plan --fit --maximize seq_len`` (`longest_command`).
+
+    Mutation checked: ``longest_command`` passing ``host_memory=None`` to ``longest_context`` fails."""
+    from mtune.training.planning import longest
+
+    seen = {}
+
+    def fake_longest(cfg, schema, **kwargs):
+        seen.update(kwargs)
+        return SimpleNamespace(candidate=None)
+
+    monkeypatch.setattr(longest, "longest_context", fake_longest)
+    code = longest.longest_command(None, recipe="lora_distributed", config_path=Path("x.yaml"), overrides=[],
+                                   schema=None, maximize="seq_len", device_memory=24 * GIB, host_memory=64 * GIB,
+                                   world_size=8, output=Path("unused.yaml"))
+    assert code == 1
+    assert seen["host_memory"] == 8 * GIB and seen["margin"] == int(0.05 * 24 * GIB)
+    assert seen["estimator"].host_memory == 8 * GIB
