@@ -14,7 +14,7 @@ import torch
 from mtune.errors import MtuneError
 from mtune.training.memory import registry
 from mtune.training.memory.technique import advice as tier_advice
-from mtune.units import GIB
+from mtune.units import GIB, MIB, parse_bytes
 
 __all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line"]
 
@@ -31,7 +31,8 @@ def fit_command_line(cfg: Mapping[str, Any], device_memory: int | None = None) -
     """``mtune plan --fit --device-memory SIZE RECIPE --config CONFIG overrides`` for this run and device."""
     recipe = _invocation.get("recipe") or str(cfg.get("recipe") or "RECIPE")
     config = _invocation.get("config") or "CONFIG"
-    size = f"{device_memory / GIB:.0f}GiB" if device_memory else "SIZE"
+    size = ("SIZE" if not device_memory else f"{device_memory / GIB:.0f}GiB" if device_memory >= 8 * GIB
+            else f"{device_memory // MIB}MiB")
     words = ["mtune", "plan", "--fit", "--device-memory", size, recipe, "--config", config,
              *_invocation.get("overrides", [])]
     return " ".join(shlex.quote(w) for w in words)
@@ -66,9 +67,13 @@ def oom_guard(phase: str, cfg: Mapping[str, Any]):
         if torch.cuda.is_available():
             stats = (f" (allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB, peak "
                      f"{torch.cuda.max_memory_allocated() / GIB:.1f} GiB, reserved {torch.cuda.memory_reserved() / GIB:.1f} GiB)")
+        elif str(err).startswith("device_memory_limit"):  # the byte tracker's, off CUDA
+            stats = f" ({err})"
         advice = ", ".join(memory_advice(cfg)) or "a smaller model or a larger GPU"
         total = None
-        if torch.cuda.is_available():
+        if cfg.get("device_memory_limit") is not None:
+            total = parse_bytes(cfg.get("device_memory_limit"), "device_memory_limit")
+        elif torch.cuda.is_available():
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         raise OutOfMemory(f"out of memory during {phase}{stats}; to lower the peak try: {advice}; or let the "
                           f"planner find the fastest config that fits: {fit_command_line(cfg, total)}") from err
