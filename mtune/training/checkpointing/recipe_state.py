@@ -77,6 +77,7 @@ _RUN_KEYS_THAT_MAY_CHANGE = (
     "overwrite_output_dir",
     "force_unlock",  # how the run takes output_dir's lock
     "verify_checksums",  # whether files are checked when loaded
+    "device_memory_limit",  # how much of the device the run may use, not what a step computes
 )
 
 
