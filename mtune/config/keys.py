@@ -116,6 +116,9 @@ TRAINING_NODES = KeyGroup(
             "the most device memory the run may use, a size such as 20GiB (null: the whole device): on CUDA the "
             "caching allocator's per-process fraction, on CPU the live tensor bytes the run places on the device; "
             "over it the run stops with the out-of-memory error a GPU gives"),
+        Key("oom_recovery", bool, True,
+            "a step that runs out of device memory in forward/backward runs again in micro-batches of half the rows "
+            "(the same samples per step, in the same order), down to one row; false: the run stops with the advice"),
     ],
 )
 

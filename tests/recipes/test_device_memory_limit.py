@@ -51,3 +51,34 @@ def test_validate_catches_a_misspelt_limit():
     cfg = load_config(TRAIN_CONFIG, ["output_dir=/x", "device_memory_limit=20GB!"])
     assert validate_config(cfg, schema).errors == [
         "device_memory_limit='20GB!': write a size such as 24GiB, 80GB or 512MiB"]
+
+
+def test_oom_recovery_runs_the_step_again_in_smaller_micro_batches(tmp_path, tiny_checkpoint, tiny_data, capsys):
+    """A batch of 4 peaks at 11.8-12.6 MiB of live tensors on this model, of 2 at 8.9-9.0 MiB (memory_breakdown): under
+    10 MiB the first step runs out, runs again as 2 micro-batches of 2 rows, and the run ends every step with the
+    same samples per step and the unconstrained run's losses."""
+    free = run_recipe_in_process("lora_single_device", train_overrides(
+        tmp_path / "free", tiny_checkpoint, tiny_data, max_steps_per_epoch=3))
+    capsys.readouterr()
+    held = run_recipe_in_process("lora_single_device", train_overrides(
+        tmp_path / "held", tiny_checkpoint, tiny_data, max_steps_per_epoch=3, device_memory_limit="10MiB"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "oom_recovery:" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("mtune: oom_recovery: step 1 ran out of memory (device_memory_limit: ")
+    assert lines[0].endswith("in 2 micro-batches of 2 rows: the same 4 samples per step, in the same order")
+    rows, free_rows = read_metrics(held), read_metrics(free)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["trained_tokens"] for r in rows] == [r["trained_tokens"] for r in free_rows]
+    assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(rows, free_rows)), (rows, free_rows)
+    assert all(r["peak_tensor_gib"] * GIB <= 10 * 2**20 for r in rows)  # the failed attempt's peak is not logged
+
+
+def test_without_oom_recovery_the_limit_ends_the_run(tmp_path, tiny_checkpoint, tiny_data):
+    import pytest
+
+    from mtune.training.memory.oom import OutOfMemory
+
+    with pytest.raises(OutOfMemory, match="^out of memory during forward/backward and optimizer step"):
+        run_recipe_in_process("lora_single_device", train_overrides(
+            tmp_path, tiny_checkpoint, tiny_data, max_steps_per_epoch=3, device_memory_limit="10MiB",
+            oom_recovery=False))

@@ -80,6 +80,13 @@ class MemoryBreakdown:
         if not self.track_all_steps and self.tracked_steps >= self.num_steps:
             self.tracker.remove_hooks()  # its gradient hooks would cost a Python call per parameter every step
 
+    def discard_step(self) -> None:
+        """Forget the step that just failed (an out-of-memory error that ``oom_recovery`` retries): its peak is
+        not the run's, and the retry is tracked as that step."""
+        if self.enabled and self.tracker is not None and self.tracked_steps:
+            self.tracker.take_interval()
+            self.tracked_steps -= 1
+
     def close(self) -> None:
         """Write the files now if the run ended before ``num_steps`` steps (nothing when none was tracked)."""
         if self.write_file and 0 < len(self.records) < self.num_steps:

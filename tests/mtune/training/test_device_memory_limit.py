@@ -55,3 +55,42 @@ def test_a_bad_limit_is_one_line_naming_the_key(value, problem):
     assert check_device_memory_limit({"device_memory_limit": value}) == [problem]
     assert check_device_memory_limit({"device_memory_limit": "20GiB"}) == []
     assert check_device_memory_limit({"device_memory_limit": None}) == []
+
+
+def _batch(rows):
+    return {"tokens": torch.arange(rows * 3).view(rows, 3), "labels": torch.arange(rows * 3).view(rows, 3),
+            "num_tokens": torch.tensor(rows * 3 - 1)}
+
+
+def test_halving_keeps_the_rows_in_order_and_the_token_count():
+    from mtune.training.memory.oom import halve_micro_batches
+
+    halves = halve_micro_batches([_batch(4), _batch(2)])
+    assert [int(h["tokens"].shape[0]) for h in halves] == [2, 2, 1, 1]
+    assert torch.equal(torch.cat([h["tokens"] for h in halves[:2]]), _batch(4)["tokens"])
+    assert [int(h["num_tokens"]) for h in halves] == [5, 6, 2, 3]
+    assert halve_micro_batches([_batch(2), _batch(1)]) is None
+
+
+def test_recovery_retries_only_before_the_optimizer_step_on_one_device_and_when_asked():
+    from mtune.training.memory.oom import StepRecovery
+
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    err = torch.OutOfMemoryError("device_memory_limit: over")
+    recovery = StepRecovery(True)
+    with recovery.watch():
+        param.grad = torch.ones(2)
+    line = recovery.retry(err, [_batch(4)], step=3, optimizer=optimizer)
+    assert line == ("oom_recovery: step 3 ran out of memory (device_memory_limit: over); running it again, and the "
+                    "steps after it, in 2 micro-batches of 2 rows: the same 4 samples per step, in the same order")
+    assert param.grad is None and [int(b["tokens"].shape[0]) for b in recovery.split([_batch(4)])] == [2, 2]
+    assert recovery.retry(err, [_batch(4)], step=3, optimizer=optimizer) is not None  # down to 1 row
+    assert recovery.retry(err, [_batch(4)], step=3, optimizer=optimizer) is None      # no further
+    stepped = StepRecovery(True)
+    with stepped.watch():
+        param.grad = torch.ones(2)
+        optimizer.step()  # parameters may be half updated: not retried
+    assert stepped.retry(err, [_batch(4)], step=1, optimizer=optimizer) is None
+    assert StepRecovery(False).retry(err, [_batch(4)], step=1, optimizer=optimizer) is None
+    assert StepRecovery(True, world_size=2).retry(err, [_batch(4)], step=1, optimizer=optimizer) is None
