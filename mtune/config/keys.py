@@ -148,6 +148,12 @@ PREFERENCE_KEYS = KeyGroup(
 )
 
 
+def is_preference(cfg) -> bool:
+    """Whether ``cfg`` is a preference recipe's (it holds `PREFERENCE_KEYS`, filled in by the recipe's schema): the
+    one way mtune tells."""
+    return cfg is not None and "reference" in cfg
+
+
 def reference_choice(cfg, adapters: bool) -> str:
     """The run's reference model: its ``reference`` key, else adapters_off when the run trains adapters
     (``adapters``), precomputed when not: the one way it is read."""

@@ -128,6 +128,9 @@ class PreferenceObjective(nn.Module):
     at once, and returns ``(summed pair losses, pairs)``; :meth:`count` says what the loop averages over (pairs).
     The step's metrics (:data:`PAIR_METRICS`) accumulate until :meth:`take_metrics`."""
 
+    frozen_tensors: tuple = ()
+    """Weights the reference holds outside the policy (a frozen copy's), for the run's byte tracker."""
+
     def __init__(self, loss: nn.Module, reference: Callable[[dict], tuple[torch.Tensor, torch.Tensor]] | None):
         super().__init__()
         if reference is None and not loss.reference_free:

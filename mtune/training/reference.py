@@ -116,6 +116,8 @@ def setup_preference(cfg, run: RunContext, *, model: nn.Module, source: ModelSou
     log.info("preference loss %s, reference: %s", type(loss).__name__,
              "none" if reference is None else kind)
     objective = PreferenceObjective(loss, reference)
+    if kind == "copy" and reference is not None:
+        objective.frozen_tensors = (*reference.model.parameters(), *reference.model.buffers())
     return objective, None if val_loader is None else PreferenceEval(objective, val_loader, run)
 
 

@@ -145,7 +145,8 @@ class TrainingSession:
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
             peak=self._setup_utilization(),
         )
-        self.breakdown = memory_breakdown(self.cfg, self.run, self.model, self.optimizer)
+        self.breakdown = memory_breakdown(self.cfg, self.run, self.model, self.optimizer,
+                                          frozen=getattr(self.loss_fn, "frozen_tensors", ()))
         self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
