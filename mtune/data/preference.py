@@ -4,7 +4,7 @@
 
 - `prompt`, `chosen`, `rejected` strings: the prompt is the user's message, the responses the assistant's;
 - `chosen`, `rejected` message lists (OpenAI `{role, content}` or ShareGPT `{from, value}`) that share every message
-  but the last, an assistant reply: the shared prefix is the prompt;
+  but the last, an assistant reply: the shared prefix is the prompt (a `prompt` column beside them is not read);
 - `prompt` a message list and `chosen` / `rejected` strings or lists of one assistant message.
 
 Only the final response is trained on (labelled); prompt and padding carry -100. A bad row stops the build with its
@@ -126,7 +126,9 @@ def _pair(row: dict[str, Any], columns: dict[str, str], system_prompt: str | Non
         if row.get(columns[name]) is None:
             raise RowError(f"missing field {columns[name]!r}")
     prompt, chosen, rejected = row.get(columns["prompt"]), row[columns["chosen"]], row[columns["rejected"]]
-    if isinstance(chosen, list) and isinstance(rejected, list) and prompt is None:
+    if isinstance(chosen, list) and isinstance(rejected, list) and (prompt is None or max(len(chosen),
+                                                                                         len(rejected)) > 1):
+        # whole conversations (a prompt column beside them, as in UltraFeedback, repeats their first message)
         chosen = [chat_message(m, columns["chosen"], i) for i, m in enumerate(chosen)]
         rejected = [chat_message(m, columns["rejected"], i) for i, m in enumerate(rejected)]
         if not chosen or not rejected or chosen[:-1] != rejected[:-1]:

@@ -94,3 +94,10 @@ def test_a_response_truncated_away_drops_its_pair(tok, tmp_path):
     long = dict(STRINGS, prompt="reverse: " + " ".join(["red cat"] * 60))
     ds = preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", [STRINGS, long]), max_seq_len=32)
     assert len(ds) == 1 and ds.stats["dropped_truncated"] == 1
+
+
+def test_whole_conversations_beside_a_prompt_column(tok, tmp_path):
+    """UltraFeedback's layout: a prompt string and chosen / rejected conversations that repeat it."""
+    row = dict(MESSAGES, prompt="reverse: red cat")
+    assert preference_dataset(tok, _jsonl(tmp_path / "u.jsonl", [row]))[0] == \
+        preference_dataset(tok, _jsonl(tmp_path / "s.jsonl", [STRINGS]))[0]
