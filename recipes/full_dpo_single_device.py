@@ -38,11 +38,11 @@ def main(cfg: DictConfig) -> None:
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
                                             placement=run.placement)
     data = setup_data(cfg, tokenizer)
+    optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     # the preference loss and its reference model (precomputed: the pass over the pairs runs here, before a
     # resumed run loads its trained weights)
     objective, held_out = setup_preference(cfg, run, model=model, source=source, tokenizer=tokenizer, data=data,
                                            memory=memory)
-    optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
                                           base_checkpoint_dir=source.checkpoint_dir,
                                           activation_context=activation_context, loss_fn=objective,

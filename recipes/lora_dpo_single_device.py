@@ -45,10 +45,10 @@ def main(cfg: DictConfig) -> None:
             check_before_loading(memory.lora.adapter_dir)
         load_peft_adapter(model, memory.lora.adapter_dir)  # continue from an existing adapter
     data = setup_data(cfg, tokenizer)
+    optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     # the preference loss and its reference model (precomputed: the pass over the pairs runs here)
     objective, held_out = setup_preference(cfg, run, model=model, source=source, tokenizer=tokenizer, data=data,
                                            memory=memory)
-    optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
                                           base_checkpoint_dir=source.checkpoint_dir,
                                           activation_context=activation_context, loss_fn=objective,

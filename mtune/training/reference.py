@@ -6,7 +6,10 @@ training loop runs, and the held-out reward accuracy.
 - ``precomputed``: before training, one pass of the starting model over the training pairs (and the held-out ones)
   writes their reference log-probs to a cache (`mtune.training.reference_cache`); training then holds no reference
   model and runs no reference forward;
-- ``copy``: a frozen copy of the starting checkpoint beside the policy.
+- ``copy``: a frozen copy of the starting checkpoint beside the policy (sharded like it in a distributed run).
+
+In a distributed run every rank computes the precompute pass over every pair, in step (FSDP2's forward gathers
+weights from all ranks), and rank 0 writes the cache.
 
 The reference is always the model the run starts from, without adapters: the base checkpoint. In the model's dtype
 the three give the same log-probs, so the same losses; the choice moves memory and time only.
@@ -31,7 +34,7 @@ from mtune.modules.preference_loss import PreferenceObjective, sequence_logps
 from mtune.training.context import RunContext
 from mtune.training.loop import evaluate
 from mtune.training.memory.registry import MemoryConfig
-from mtune.training.model_setup import ModelSource, setup_model
+from mtune.training.model_setup import ModelSource, setup_model, setup_sharded_model
 from mtune.training.reference_cache import cached_reference_logps, model_fingerprint
 
 __all__ = ["ModelReference", "PrecomputedReference", "PreferenceEval", "setup_preference"]
@@ -104,6 +107,10 @@ def setup_preference(cfg, run: RunContext, *, model: nn.Module, source: ModelSou
     reference = None
     if loss.reference_free:
         log.info("%s is reference-free: no reference model (reference=%s is not used)", type(loss).__name__, kind)
+    elif kind == "copy" and run.world_size > 1:  # sharded like the policy, frozen
+        copy, _ = setup_sharded_model(source, device=run.device, dtype=run.dtype, seed=run.seed, memory=MemoryConfig(),
+                                      fsdp_reshard_after_forward=True)
+        reference = ModelReference(copy.requires_grad_(False).eval(), autocast=run.autocast)
     elif kind == "copy":
         copy, _ = setup_model(source, device=run.device, dtype=run.dtype, memory=MemoryConfig(),
                               placement=run.placement, trainable=False)
@@ -119,6 +126,11 @@ def setup_preference(cfg, run: RunContext, *, model: nn.Module, source: ModelSou
     if kind == "copy" and reference is not None:
         objective.frozen_tensors = (*reference.model.parameters(), *reference.model.buffers())
     return objective, None if val_loader is None else PreferenceEval(objective, val_loader, run)
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def _precompute(cfg, run: RunContext, reference: ModelReference, source: ModelSource, tokenizer, train_loader,
@@ -144,5 +156,6 @@ def _precompute(cfg, run: RunContext, reference: ModelReference, source: ModelSo
             return torch.cat(rows)
 
         tables[dataset.fingerprint] = cached_reference_logps(
-            cache_dir, role, {**fingerprint, "data": dataset.fingerprint}, len(dataset), compute)
+            cache_dir, role, {**fingerprint, "data": dataset.fingerprint}, len(dataset), compute,
+            writer=run.is_main, barrier=_barrier)
     return PrecomputedReference(tables)

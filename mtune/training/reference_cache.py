@@ -73,13 +73,17 @@ def _differences(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
 
 
 def cached_reference_logps(cache_dir: str | Path, role: str, fingerprint: Mapping[str, Any], num_pairs: int,
-                           compute: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+                           compute: Callable[[int, int], torch.Tensor], *, writer: bool = True,
+                           barrier: Callable[[], None] = lambda: None) -> torch.Tensor:
     """fp32 [num_pairs, 2] reference log-probs of a dataset (``role``: train or val), from the cache when its
     fingerprint matches, else computed part by part with ``compute(start, end) -> [end - start, 2]`` and cached.
-    Only the process that calls it writes (single device: the run; distributed: rank 0 after the others computed
-    with it)."""
+    In a distributed run every rank calls it (each computes every missing part, in step with the others, as FSDP2's
+    forward needs) and only the ``writer`` (rank 0) writes; ``barrier`` waits for every rank, so all of them decide
+    from the cache as it was before anything is written."""
     cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    if writer:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
     mine = {"format": FORMAT, **fingerprint, "pairs": num_pairs}
     manifest_path = cache_dir / f"{role}.json"
     manifest = {"fingerprint": mine, "part_pairs": PART_PAIRS, "parts": {}}
@@ -91,26 +95,31 @@ def cached_reference_logps(cache_dir: str | Path, role: str, fingerprint: Mappin
                 f"{_differences(saved.get('fingerprint', {}), mine)} differ): point reference_cache_dir elsewhere, "
                 "or delete that directory to compute them again")
         manifest = saved
-    parts, reused, computed = [], 0, 0
-    for k, start in enumerate(range(0, num_pairs, manifest["part_pairs"])):
-        end = min(start + manifest["part_pairs"], num_pairs)
-        path = cache_dir / f"{role}.part{k}.pt"
-        crc = manifest["parts"].get(str(k))
+    bounds = [(start, min(start + manifest["part_pairs"], num_pairs))
+              for start in range(0, num_pairs, manifest["part_pairs"])]
+    parts: list[torch.Tensor | None] = []
+    for k in range(len(bounds)):  # what the cache holds intact, decided by every rank before anything is written
+        path, crc = cache_dir / f"{role}.part{k}.pt", manifest["parts"].get(str(k))
         data = path.read_bytes() if crc is not None and path.exists() else None
-        if data is not None and zlib.crc32(data) == crc:
-            part = torch.load(io.BytesIO(data), weights_only=True)
-            reused += end - start
-        else:
-            if data is not None:
-                log.warning("%s: its checksum does not match; computing it again", path)
-            part = compute(start, end).detach().float().cpu().contiguous()
+        if data is not None and zlib.crc32(data) != crc:
+            log.warning("%s: its checksum does not match; computing it again", path)
+        intact = data is not None and zlib.crc32(data) == crc
+        parts.append(torch.load(io.BytesIO(data), weights_only=True) if intact else None)
+    barrier()
+    computed = 0
+    for k, (start, end) in enumerate(bounds):
+        if parts[k] is not None:
+            continue
+        parts[k] = compute(start, end).detach().float().cpu().contiguous()
+        computed += end - start
+        if writer:
             buffer = io.BytesIO()
-            torch.save(part, buffer)
-            _write_atomic(path, buffer.getvalue())
+            torch.save(parts[k], buffer)
+            _write_atomic(cache_dir / f"{role}.part{k}.pt", buffer.getvalue())
             manifest["parts"][str(k)] = zlib.crc32(buffer.getvalue())
             _write_atomic(manifest_path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-            computed += end - start
-        parts.append(part)
+    barrier()
+    reused = num_pairs - computed
     log.info("reference log-probs (%s, %d pairs): %d from the cache in %s, %d computed", role, num_pairs, reused,
              cache_dir, computed)
     return torch.cat(parts) if parts else torch.zeros(0, 2)

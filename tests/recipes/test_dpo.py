@@ -89,3 +89,33 @@ def test_the_precomputed_cache_is_reused_repaired_and_refused(tmp_path, pairs, r
                                           r"differ\): point reference_cache_dir elsewhere"):
         run_recipe_in_process("lora_dpo_single_device", _overrides(
             tmp_path / "refused", pairs, *common, f"dataset.source={pairs / 'fewer.jsonl'}"), config=CONFIG)
+
+
+def _torchrun(recipe, overrides):
+    import os
+    import subprocess
+    import sys
+
+    from tests._helpers.paths import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
+    out = subprocess.run([sys.executable, "-m", "mtune", "run", "--nproc_per_node", "2", recipe, "--config",
+                          str(find_config(f"tiny/{recipe}")), *overrides], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_device(tmp_path, pairs, runs):
+    """LoRA DPO on 2 ranks (batch 2 each) against one device (batch 4); full DPO with the reference precomputed on
+    2 ranks against a frozen copy on one device."""
+    _torchrun("lora_dpo_distributed", _overrides(tmp_path / "lora", pairs, "batch_size=2"))
+    assert losses(tmp_path / "lora") == pytest.approx(losses(runs["adapters_off"]), rel=0, abs=2e-5)
+    short = ["dataset_val=null", "max_steps_per_epoch=4", "lr_scheduler.num_warmup_steps=1"]
+    _torchrun("full_dpo_distributed", _overrides(tmp_path / "full", pairs, "batch_size=2", *short))
+    single = run_recipe_in_process("full_dpo_single_device", _overrides(tmp_path / "single", pairs, "reference=copy",
+                                                                        *short),
+                                   config=find_config("tiny/full_dpo_single_device"))
+    assert len(losses(single)) == 4 and losses(single)[-1] != losses(single)[0]
+    assert losses(tmp_path / "full") == pytest.approx(losses(single), rel=0, abs=2e-5)
+    assert (tmp_path / "full" / "reference_cache" / "train.json").is_file()
