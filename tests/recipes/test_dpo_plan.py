@@ -60,3 +60,36 @@ def test_fit_searches_the_reference_losslessly():
 def test_the_8b_configs_plan():
     _, _, cfg = shipped_on_tiny("llama3_1/8B_lora_dpo_single_device")
     assert plan_memory(cfg).device_peak_bytes > 0
+
+
+def test_validate_names_the_preference_problems():
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune.config import load_config, validate_config
+
+    full = load_recipe_module(find_recipe("full_dpo_single_device")).SCHEMA
+    report = validate_config(load_config(find_config("tiny/full_dpo_single_device"), [
+        "reference=adapters_off", "loss._component_=mtune.modules.loss.CrossEntropyLoss", "~loss.beta",
+        "~loss.label_smoothing"]), full)
+    assert any("reference=adapters_off needs LoRA adapters to disable" in e for e in report.errors), report.errors
+    assert any("a preference recipe needs a preference loss" in e for e in report.errors), report.errors
+    lora = load_recipe_module(find_recipe("lora_dpo_single_device")).SCHEMA
+    assert validate_config(load_config(find_config("tiny/lora_dpo_single_device"), ["reference=copy"]),
+                           lora).errors == []
+    report = validate_config(load_config(find_config("tiny/lora_dpo_single_device"), ["reference=frozen"]), lora)
+    assert any("reference: must be one of adapters_off, precomputed, copy" in e for e in report.errors)
+
+
+def test_ls_lists_the_four_recipes_and_help_the_reference_keys():
+    import os
+    import subprocess
+    import sys
+
+    from tests._helpers.paths import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    listed = subprocess.run([sys.executable, "-m", "mtune", "ls"], capture_output=True, text=True, env=env).stdout
+    for recipe in ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_single_device", "full_dpo_distributed"):
+        assert f"tiny/{recipe}" in listed
+    shown = subprocess.run([sys.executable, "-m", "mtune", "run", "lora_dpo_single_device", "--help"],
+                           capture_output=True, text=True, env=env).stdout
+    assert "reference_cache_dir" in shown and "[adapters_off|precomputed|copy|None, default null]" in shown

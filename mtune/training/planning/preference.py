@@ -4,8 +4,8 @@ rejected in one forward), the reference model the config chooses, and the precom
 
 - ``adapters_off``: the policy's no-gradient forward with adapters disabled, inside each micro-batch before the
   policy's forward (its logits are freed before the policy's activations exist);
-- ``copy``: a frozen copy of the starting model, materialized like the policy (its weights count as parameters),
-  and its no-gradient forward;
+- ``copy``: a frozen copy of the starting model, materialized (and sharded) like the policy (its weights count as
+  parameters), and its no-gradient forward;
 - ``precomputed``: no reference model and no reference forward while training; the pass before training (a
   no-gradient forward of the starting model per batch, before any optimizer state exists) is planned as a phase
   of its own, and the plan's peak is the largest of the phases.
@@ -20,11 +20,16 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from mtune.config import instantiate
-from mtune.config.keys import is_preference, reference_choice
+from mtune.config.keys import is_preference, reference_choice, run_kind
 from mtune.modules.lora import adapters_disabled
 from mtune.modules.preference_loss import PreferenceObjective
 from mtune.training.memory.registry import MemoryConfig
-from mtune.training.model_setup import materialize_model, setup_model
+from mtune.training.model_setup import (
+    build_sharded_model,
+    materialize_model,
+    materialize_sharded_model,
+    setup_model,
+)
 from mtune.training.reference import ModelReference
 
 __all__ = ["PlannedPreference", "planned_preference", "rows_per_sample"]
@@ -75,9 +80,18 @@ def planned_preference(cfg, model, source, *, dtype, memory: MemoryConfig, place
         return PlannedPreference(PreferenceObjective(loss, starting))
     if kind == "precomputed":
         return PlannedPreference(PreferenceObjective(loss, _zeros), precompute=starting)
+    sharded = run_kind(cfg) == "distributed"
     with unset_fake_temporarily():  # built on the meta device as the policy was, outside the fake mode
-        copy, _ = setup_model(source, device=device, dtype=dtype, memory=MemoryConfig(), materialize=False,
-                              placement=placement, trainable=False)
-    materialize_model(copy, source, device=device, dtype=dtype, placement=placement, trainable=False)
+        if sharded:  # sharded like the policy, as the run shards it
+            copy, _ = build_sharded_model(source, device=device, dtype=dtype, memory=MemoryConfig(),
+                                          placement=placement, fsdp_reshard_after_forward=True)
+        else:
+            copy, _ = setup_model(source, device=device, dtype=dtype, memory=MemoryConfig(), materialize=False,
+                                  placement=placement, trainable=False)
+    if sharded:
+        materialize_sharded_model(copy, source, device=device, dtype=dtype, seed=0, memory=MemoryConfig())
+        copy.requires_grad_(False)
+    else:
+        materialize_model(copy, source, device=device, dtype=dtype, placement=placement, trainable=False)
     return PlannedPreference(PreferenceObjective(loss, ModelReference(copy.eval(), autocast=autocast)),
                              frozen_copy=[*copy.parameters(), *copy.buffers()])
