@@ -2,8 +2,9 @@
 
 1. `tiny/lora_dpo_single_device` and `tiny/full_dpo_single_device` for 10 steps (batch 16 pairs, fp32, CPU) with
    each reference the recipe allows: the losses of steps 1 and 10, the peak of live tensor bytes the run measured
-   (``peak_tensor_gib``), the process's peak RSS (``peak_memory_gib``) and `mtune plan`'s prediction for the same
-   config (rows at max_seq_len=64; the run's rows are shorter, so it measures less);
+   over its first 3 steps (``peak_tensor_gib``, ``plan_check``), the process's peak RSS (``peak_memory_gib``) and
+   `mtune plan`'s prediction for the same config (rows at max_seq_len=64; the run's rows are shorter, so it
+   measures less);
 2. `mtune plan --fit` on the 8B DPO configs at 24, 48 and 80 GiB (random weights, a CUDA target).
 
 Writes ``benchmarks/results/dpo_references.json``; docs/memory.md and docs/plan.md show it."""
@@ -39,7 +40,7 @@ def tiny_runs(root: Path) -> list[dict]:
             out = root / f"{recipe}_{reference}"
             common = [f"reference={reference}", "max_steps_per_epoch=10", "log_every_n_steps=1", "dataset_val=null"]
             start = time.perf_counter()
-            mtune("run", recipe, "--config", f"tiny/{recipe}", f"output_dir={out}", "plan_check=false", *common)
+            mtune("run", recipe, "--config", f"tiny/{recipe}", f"output_dir={out}", "plan_check=true", *common)
             seconds = time.perf_counter() - start
             metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             steps = [m for m in metrics if "loss" in m]
@@ -47,8 +48,9 @@ def tiny_runs(root: Path) -> list[dict]:
             plan = json.loads((out / "plan.json").read_text())
             rows.append({"recipe": recipe, "reference": reference, "loss_step_1": steps[0]["loss"],
                          "loss_step_10": steps[9]["loss"], "seconds": round(seconds, 1),
-                         "measured_peak_tensor_mib": round(max(m["peak_tensor_gib"] for m in steps) * 1024, 2),
+                         "measured_peak_tensor_mib": round(max(m.get("peak_tensor_gib", 0) for m in steps) * 1024, 2),
                          "measured_peak_rss_gib": max(m["peak_memory_gib"] for m in steps),
+                         "plan_check": json.loads((out / "results.json").read_text()).get("plan_check"),
                          "planned_peak_mib": round(plan["device_peak_bytes"] / 2**20, 2),
                          "planned_parameters_mib": round(plan["device"]["parameters"] / 2**20, 2)})
             print(rows[-1], flush=True)
