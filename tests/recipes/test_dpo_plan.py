@@ -93,3 +93,16 @@ def test_ls_lists_the_four_recipes_and_help_the_reference_keys():
     shown = subprocess.run([sys.executable, "-m", "mtune", "run", "lora_dpo_single_device", "--help"],
                            capture_output=True, text=True, env=env).stdout
     assert "reference_cache_dir" in shown and "[adapters_off|precomputed|copy|None, default null]" in shown
+
+
+def test_the_reference_cache_is_not_a_run_of_the_output_dir(tmp_path):
+    """A cache, so the output-dir rule does not apply to it: a directory holding only the cache is free, and
+    overwrite_output_dir deletes the earlier run but keeps the cache."""
+    from mtune.training.context import claim_output_dir
+
+    (tmp_path / "reference_cache").mkdir()
+    (tmp_path / "reference_cache" / "train.json").write_text("{}")
+    claim_output_dir(tmp_path, resuming=False, overwrite=False, is_main=True)
+    (tmp_path / "metrics.jsonl").write_text("")
+    claim_output_dir(tmp_path, resuming=False, overwrite=True, is_main=True)
+    assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "reference_cache" / "train.json").exists()
