@@ -109,8 +109,8 @@ class TrainingSession:
         session = cls(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer,
                       lr_scheduler=instantiate(cfg.lr_scheduler, optimizer, num_training_steps=plan.total_steps),
                       loss_fn=loss_fn or instantiate(cfg.loss) or CrossEntropyLoss(), train_loader=train_loader,
-                      val_loader=val_loader, plan=plan, checkpointer=checkpointer, activation_context=activation_context,
-                      task_eval=task_eval or instantiate(cfg.get("task_eval")))
+                      val_loader=val_loader, plan=plan, checkpointer=checkpointer,
+                      activation_context=activation_context, task_eval=task_eval or instantiate(cfg.get("task_eval")))
         session.resume_if_asked()
         return session
 

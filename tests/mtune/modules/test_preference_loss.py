@@ -123,7 +123,6 @@ def test_adapters_disabled_is_the_base_model():
             adapted = model(tokens)
             with adapters_disabled(model):
                 off = model(tokens)
-            again = model(tokens)
         assert torch.equal(off, want)  # dropout on, adapters off: the base model exactly
         assert not torch.allclose(adapted, want, atol=1e-3)
         model.eval()
