@@ -126,3 +126,35 @@ def test_two_ranks_match_one_device(tmp_path, pairs, runs):
     assert len(losses(single)) == 4 and losses(single)[-1] != losses(single)[0]
     assert losses(tmp_path / "full") == pytest.approx(losses(single), rel=0, abs=2e-5)
     assert (tmp_path / "full" / "reference_cache" / "train.json").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_the_output_dir_is_refused_until_resumed(tmp_path, pairs, runs):
+    """As for SFT: SIGTERM finishes the step, saves step_<N>/ and exits 0; a new run into that output_dir is refused
+    with one line; resuming it continues with the uninterrupted run's losses."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mtune.errors import OutputExistsError
+    from tests._helpers.paths import REPO
+
+    out = tmp_path / "term"
+    overrides = _overrides(out, pairs, "dataset_val=null")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mtune", "run", "lora_dpo_single_device", "--config", str(CONFIG),
+                             *overrides], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and read_metrics(out)):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    saved = [p.name for p in out.iterdir() if p.name.startswith("step_")]
+    assert len(saved) == 1 and not (out / "final").exists()
+    stopped_at = int(saved[0].split("_")[1])
+    with pytest.raises(OutputExistsError, match="already holds a run"):
+        run_recipe_in_process("lora_dpo_single_device", overrides, config=CONFIG)
+    run_recipe_in_process("lora_dpo_single_device", overrides + ["resume_from_checkpoint=true"], config=CONFIG)
+    assert losses(out)[stopped_at:] == losses(runs["adapters_off"])[stopped_at:]
