@@ -44,6 +44,8 @@ CHECKPOINTS = {
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
 LOW_MEMORY = {"llama3_1": "8B", "qwen2_5": "7B", "mistral": "7B", "llama2": "7B"}
+PREFERENCE = {"llama3_1/8B_lora_dpo_single_device", "llama3_1/8B_full_dpo_distributed", "tiny/lora_dpo_single_device",
+              "tiny/full_dpo_single_device", "tiny/lora_dpo_distributed", "tiny/full_dpo_distributed"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
                "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed"}
 EXPECTED = (
@@ -51,8 +53,10 @@ EXPECTED = (
      for method in ("full", "lora", "qlora")}
     | {f"{family}/{size}_full_single_device_low_memory" for family, size in LOW_MEMORY.items()}
     | DISTRIBUTED
+    | PREFERENCE
 )
-TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distributed", "lora_distributed"}
+TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distributed", "lora_distributed",
+                    "lora_dpo_single_device", "full_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"}
 
 # Where the shipped configs put a user's runs (this test only reads the text; nothing is written there).
 USER_RUNS = Path("/tmp") / "mtune"

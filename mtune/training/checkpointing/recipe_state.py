@@ -77,6 +77,8 @@ _RUN_KEYS_THAT_MAY_CHANGE = (
     "overwrite_output_dir",
     "force_unlock",  # how the run takes output_dir's lock
     "verify_checksums",  # whether files are checked when loaded
+    "reference",  # the three reference models give the same losses: only memory and time move
+    "reference_cache_dir",
 )
 
 
