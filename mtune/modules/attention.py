@@ -1,4 +1,4 @@
-"""Grouped-query self-attention."""
+"""Grouped-query self-attention, and its variants: per-head q/k RMSNorm (Qwen3)."""
 
 import torch
 import torch.nn.functional as F
@@ -6,6 +6,7 @@ from torch import nn
 
 from mtune.modules.kv_cache import KVCache
 from mtune.modules.packed_attention import segment_attention
+from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import apply_rotary
 
 
@@ -36,6 +37,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
         self.kv_cache: KVCache | None = None
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x`` ``[b, s, dim]``, each ``[b, s, heads, head_dim]``, before RoPE: the one
+        step the variants below change."""
+        b, s, _ = x.shape
+        return (self.q_proj(x).view(b, s, self.n_heads, self.head_dim),
+                self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim),
+                self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -56,9 +65,7 @@ class Attention(nn.Module):
                 (:mod:`mtune.modules.packed_attention`). Exclusive with ``mask`` and the KV cache.
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.project(x))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
@@ -67,3 +74,22 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class QKNormAttention(Attention):
+    """:class:`Attention` with an RMSNorm over each head's query and key before RoPE (Qwen3): ``q_norm`` and
+    ``k_norm``, one ``[head_dim]`` weight each, shared by all heads.
+
+    Args:
+        norm_eps: the norms' epsilon; the other arguments are :class:`Attention`'s.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float,
+                 qkv_bias: bool = False, sliding_window: int | None = None) -> None:
+        super().__init__(dim, n_heads, n_kv_heads, head_dim, qkv_bias, sliding_window)
+        self.q_norm = RMSNorm(head_dim, norm_eps)
+        self.k_norm = RMSNorm(head_dim, norm_eps)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x)
+        return self.q_norm(q), self.k_norm(k), v

@@ -1,4 +1,9 @@
-"""The decoder-only transformer shared by every family (Llama 2/3, Mistral, Qwen2).
+"""The decoder-only transformer shared by every family: embedding, a stack of blocks, final norm, output head.
+
+The stack is chosen per family: :meth:`DecoderArgs.block` builds block ``i`` from the parts in
+:mod:`mtune.modules` (Llama's pre-norm block of attention and SwiGLU MLP by default; a family's arguments class
+overrides :meth:`DecoderArgs.attention` or :meth:`DecoderArgs.block` to pick another attention, MLP or norm layout).
+The decoder itself reads no family flag.
 
 Module names are Hugging Face's (``embed_tokens``, ``layers[i].self_attn.q_proj``, ``lm_head``...), so checkpoints
 map by stripping ``model.`` and adapters target modules by their HF names.
@@ -61,6 +66,16 @@ class DecoderArgs:
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_heads
 
+    def attention(self, layer: int) -> nn.Module:
+        """The self-attention of block ``layer`` (plain grouped-query attention; families override)."""
+        return Attention(self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.qkv_bias, self.sliding_window)
+
+    def block(self, layer: int) -> nn.Module:
+        """Block ``layer`` of the stack: a pre-norm :class:`TransformerBlock` of :meth:`attention` and a SwiGLU
+        MLP. A family with another block layout overrides this."""
+        return TransformerBlock(self.dim, self.norm_eps, self.attention(layer),
+                                FeedForward(self.dim, self.intermediate_dim))
+
 
 DENSE_MASK_UP_TO = 256
 """How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
@@ -71,19 +86,18 @@ CPU), segments beyond."""
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, of the attention and MLP it is given.
 
     Called with tensors only (``block(x, cos, sin, mask, cache_pos, cu_seqlens)``), so activation checkpointing,
     ``compile`` and FSDP can wrap it unchanged.
     """
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qkv_bias,
-                                   args.sliding_window)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args.dim, args.intermediate_dim)
+        self.input_layernorm = RMSNorm(dim, norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(dim, norm_eps)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -120,7 +134,7 @@ class TransformerDecoder(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(args.block(i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
