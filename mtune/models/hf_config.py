@@ -9,11 +9,13 @@ from mtune.models.llama2 import Llama2Args
 from mtune.models.llama3 import Llama3Args
 from mtune.models.mistral import MistralArgs
 from mtune.models.qwen2 import Qwen2Args
+from mtune.models.qwen3 import Qwen3Args
 from mtune.modules.transformer import DecoderArgs
 
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-_HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3"}
+_HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_ARCHITECTURE = {model_type: arch for arch, model_type in _ARCHITECTURES.items()}
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:
@@ -32,22 +34,25 @@ def _rope(config: dict) -> tuple[float, dict | None]:
 
 
 def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
-    """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral`` or ``qwen2``.
+    """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral``, ``qwen2`` or
+    ``qwen3``.
 
     Raises ``ValueError`` (one line) for a model type or feature mtune does not implement.
     """
     model_type = config.get("model_type")
     if model_type is None:
         model_type = next((_ARCHITECTURES[a] for a in config.get("architectures") or [] if a in _ARCHITECTURES), None)
-    if model_type not in ("llama", "mistral", "qwen2"):
+    if model_type not in _HF_ARCHITECTURE:
         found = model_type or config.get("architectures")
-        raise ValueError(f"unsupported model_type {found!r}; mtune loads llama, mistral and qwen2 checkpoints")
+        raise ValueError(f"unsupported model_type {found!r}; mtune loads {', '.join(_HF_ARCHITECTURE)} checkpoints")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
     if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
         raise ValueError("Llama checkpoints with mlp_bias or attention_bias are not supported")
-    if model_type == "qwen2" and config.get("use_sliding_window"):
-        raise ValueError("Qwen2 with use_sliding_window=true is not supported; set it to false")
+    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        raise ValueError(f"{model_type} with use_sliding_window=true is not supported; set it to false")
+    if model_type == "qwen3" and config.get("attention_bias"):
+        raise ValueError("qwen3 with attention_bias=true is not supported (the published Qwen3 models have none)")
     theta, scaling = _rope(config)
     n_heads = config["num_attention_heads"]
     fields = dict(
@@ -66,6 +71,8 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
     )
     if model_type == "qwen2":
         return "qwen2", Qwen2Args(**fields, qkv_bias=True)
+    if model_type == "qwen3":
+        return "qwen3", Qwen3Args(**fields)
     if model_type == "mistral":
         return "mistral", MistralArgs(**fields, sliding_window=config.get("sliding_window"))
     is_llama3 = fields["vocab_size"] >= 128000 or scaling is not None
@@ -100,6 +107,8 @@ def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict
     }
     if model_type == "mistral":
         config["sliding_window"] = args.sliding_window
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
+    if model_type == "qwen3":
+        config["attention_bias"] = False
     return config

@@ -21,6 +21,9 @@ FAMILY_CONFIGS = {
                                      tie_word_embeddings=True)),
     "qwen2_5": ("Qwen2Config", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=8)),
+    # 8 heads of 64 on a 256-wide model: head_dim independent of hidden_size / heads, as in every Qwen3 size.
+    "qwen3": ("Qwen3Config", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
+                                  num_key_value_heads=4, tie_word_embeddings=True)),
 }
 
 
