@@ -10,6 +10,7 @@ llama           Llama 3 if ``original/tokenizer.model`` or ``tokenizer.model`` i
                 ``tokenizer.model`` is a sentencepiece model
 mistral         Mistral v3 sentencepiece ``tokenizer.model`` (or ``tokenizer.model.v3``)
 qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
+qwen3           Qwen3 ``tokenizer.json`` (Qwen2's with ``<think>`` / ``</think>``)
 ==============  =====================================================================================
 
 Without ``config.json`` (or given a single file) the kind is inferred from the files themselves.
@@ -23,7 +24,7 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3")
 
 
 def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
@@ -38,6 +39,8 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         from mtune.tokenizers.llama2 import Llama2Tokenizer as cls
     elif family == "mistral":
         from mtune.tokenizers.mistral import MistralTokenizer as cls
+    elif family == "qwen3":
+        from mtune.tokenizers.qwen3 import Qwen3Tokenizer as cls
     else:
         from mtune.tokenizers.qwen2 import Qwen2Tokenizer as cls
     return cls(file, max_seq_len=max_seq_len)
@@ -80,11 +83,12 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
                 return "mistral", path / name
         raise PathNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
                                 "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         if (path / "tokenizer.json").is_file():
-            return "qwen2", path / "tokenizer.json"
-        raise PathNotFoundError(f"{path}: a qwen2 model without tokenizer.json; download it with the weights")
-    raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, qwen2")
+            return model_type, path / "tokenizer.json"
+        raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
+    raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
+                         "qwen2, qwen3")
 
 
 def _family_of_file(file: Path) -> str:
@@ -92,7 +96,7 @@ def _family_of_file(file: Path) -> str:
         spec = json.loads(file.read_text(encoding="utf-8"))
         added = {t.get("content") for t in spec.get("added_tokens") or []}
         if "<|im_start|>" in added:
-            return "qwen2"
+            return "qwen3" if "</think>" in added else "qwen2"
         if "<|begin_of_text|>" in added:
             return "llama3"
         raise TokenizerError(f"{file}: neither a Qwen2 (<|im_start|>) nor a Llama 3 (<|begin_of_text|>) tokenizer.json")

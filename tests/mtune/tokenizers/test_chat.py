@@ -5,13 +5,14 @@ import pytest
 from mtune.tokenizers import Message, load_tokenizer
 from tests._helpers.tokenizers import CONVERSATIONS
 
-FAMILIES = ["llama2", "llama3", "mistral", "qwen2"]
+FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3"]
 # How a trained run (one assistant reply) decodes, with special tokens spelled out.
 REPLY_AS_DECODED = {
     "llama3": lambda reply: reply.strip() + "<|eot_id|>",
     "llama2": lambda reply: reply.strip() + " </s>",
     "mistral": lambda reply: reply.strip() + "</s>",
     "qwen2": lambda reply: reply + "<|im_end|>",
+    "qwen3": lambda reply: reply + "<|im_end|>",  # the last reply also opens with its (empty) thinking block
 }
 
 
@@ -45,7 +46,10 @@ def test_conversation_matches_official_template(family, name, tokenizer_dirs, hf
     replies = [content for role, content in messages if role == "assistant"]
     runs = trained_runs(result)
     decoded = [tok.decode(run, skip_special_tokens=False) for run in runs]
-    assert decoded == [REPLY_AS_DECODED[family](reply) for reply in replies]
+    expected = [REPLY_AS_DECODED[family](reply) for reply in replies]
+    if family == "qwen3":
+        expected[-1] = "<think>\n\n</think>\n\n" + expected[-1]
+    assert decoded == expected
     # Every prompt (the conversation up to each user turn) renders as the template's generation prompt, and the
     # full conversation continues it.
     for end, (role, _) in enumerate(messages):
