@@ -1,4 +1,5 @@
-"""Grouped-query self-attention, and its variants: per-head q/k RMSNorm (Qwen3)."""
+"""Grouped-query self-attention, and its variants: per-head q/k RMSNorm (Qwen3), one fused q/k/v projection
+(Phi-3/4)."""
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +32,15 @@ class Attention(nn.Module):
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.sliding_window = sliding_window
-        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.make_projections(dim, qkv_bias)
         self.kv_cache: KVCache | None = None
+
+    def make_projections(self, dim: int, qkv_bias: bool) -> None:
+        """The linears: ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (a fused variant makes others)."""
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of ``x`` ``[b, s, dim]``, each ``[b, s, heads, head_dim]``, before RoPE: the one
@@ -93,3 +98,21 @@ class QKNormAttention(Attention):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().project(x)
         return self.q_norm(q), self.k_norm(k), v
+
+
+class FusedQKVAttention(Attention):
+    """:class:`Attention` with one ``qkv_proj`` (``[(n_heads + 2 * n_kv_heads) * head_dim, dim]``: queries, then keys,
+    then values) instead of three, as Phi-3 and Phi-4 checkpoints store it; kept fused so checkpoints and LoRA
+    adapters (one adapter on ``qkv_proj``) keep the published layout."""
+
+    def make_projections(self, dim: int, qkv_bias: bool) -> None:
+        width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(dim, width, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
+        return (q.view(b, s, self.n_heads, self.head_dim), k.view(b, s, self.n_kv_heads, self.head_dim),
+                v.view(b, s, self.n_kv_heads, self.head_dim))

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward network."""
+"""SwiGLU feed-forward network, with separate or fused gate and up projections."""
 
 import torch
 import torch.nn.functional as F
@@ -21,3 +21,17 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedFeedForward(nn.Module):
+    """:class:`FeedForward` with the gate and up projections in one ``gate_up_proj`` (``[2 * hidden_dim, dim]``,
+    gate rows first), as Phi-3 and Phi-4 checkpoints store it: ``down_proj(silu(gate) * up)``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

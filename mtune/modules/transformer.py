@@ -66,6 +66,10 @@ class DecoderArgs:
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_heads
 
+    def rope(self) -> RotaryEmbedding:
+        """The rotary tables every block shares (a family with partial rotation overrides this)."""
+        return RotaryEmbedding(self.head_dim, self.rope_theta, self.rope_scaling)
+
     def attention(self, layer: int) -> nn.Module:
         """The self-attention of block ``layer`` (plain grouped-query attention; families override)."""
         return Attention(self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.qkv_bias, self.sliding_window)
@@ -137,7 +141,7 @@ class TransformerDecoder(nn.Module):
         self.layers = nn.ModuleList(args.block(i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.rope = args.rope()
         self._next_pos = 0  # decoding position while caches are enabled
         self.attention_kernel = "auto"
         self.attention_kernels_run: set[str] = set()

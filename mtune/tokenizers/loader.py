@@ -11,6 +11,7 @@ llama           Llama 3 if ``original/tokenizer.model`` or ``tokenizer.model`` i
 mistral         Mistral v3 sentencepiece ``tokenizer.model`` (or ``tokenizer.model.v3``)
 qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
 qwen3           Qwen3 ``tokenizer.json`` (Qwen2's with ``<think>`` / ``</think>``)
+phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
 ==============  =====================================================================================
 
 Without ``config.json`` (or given a single file) the kind is inferred from the files themselves.
@@ -24,7 +25,7 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4")
 
 
 def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
@@ -41,6 +42,8 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         from mtune.tokenizers.mistral import MistralTokenizer as cls
     elif family == "qwen3":
         from mtune.tokenizers.qwen3 import Qwen3Tokenizer as cls
+    elif family == "phi4":
+        from mtune.tokenizers.phi4 import Phi4Tokenizer as cls
     else:
         from mtune.tokenizers.qwen2 import Qwen2Tokenizer as cls
     return cls(file, max_seq_len=max_seq_len)
@@ -87,8 +90,12 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
         if (path / "tokenizer.json").is_file():
             return model_type, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
+    if model_type == "phi3":
+        if (path / "tokenizer.json").is_file():
+            return "phi4", path / "tokenizer.json"
+        raise PathNotFoundError(f"{path}: a phi3 model without tokenizer.json; download it with the weights")
     raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
-                         "qwen2, qwen3")
+                         "qwen2, qwen3, phi3")
 
 
 def _family_of_file(file: Path) -> str:
@@ -99,7 +106,10 @@ def _family_of_file(file: Path) -> str:
             return "qwen3" if "</think>" in added else "qwen2"
         if "<|begin_of_text|>" in added:
             return "llama3"
-        raise TokenizerError(f"{file}: neither a Qwen2 (<|im_start|>) nor a Llama 3 (<|begin_of_text|>) tokenizer.json")
+        if "<|assistant|>" in added and "<|end|>" in added:
+            return "phi4"
+        raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>) or Phi-4 (<|assistant|>, "
+                             "<|end|>) tokenizer.json")
     from mtune.tokenizers.llama3 import is_tiktoken_file
 
     if is_tiktoken_file(file):

@@ -14,6 +14,12 @@ _TINY = dict(
 _LLAMA3_SCALING = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64,
 )
+# Phi-4-mini's RoPE on the tiny shape: the first 48 of 64 features rotated, LongRoPE from a 64-token context to 512
+# (the factors, 24 per set, equal mtune's tiny size's).
+_PHI4_LONGROPE = dict(
+    rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(24)],
+    long_factor=[2.0 + 0.5 * i for i in range(24)], original_max_position_embeddings=64, partial_rotary_factor=0.75,
+)
 FAMILY_CONFIGS = {
     "llama2": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=10000.0)),
     "llama3_1": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING)),
@@ -24,6 +30,8 @@ FAMILY_CONFIGS = {
     # 8 heads of 64 on a 256-wide model: head_dim independent of hidden_size / heads, as in every Qwen3 size.
     "qwen3": ("Qwen3Config", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
                                   num_key_value_heads=4, tie_word_embeddings=True)),
+    "phi4": ("Phi3Config", dict(rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=_PHI4_LONGROPE,
+                                original_max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)),
 }
 
 

@@ -90,6 +90,12 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+# Phi-4-mini-instruct's (microsoft/Phi-4-mini-instruct tokenizer_config.json), its tools branch left out.
+PHI4_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
@@ -99,7 +105,7 @@ QWEN2_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4")
 
 _WORDS = (
     "the model learns to follow instructions and answers questions about data training tokens memory "
@@ -302,6 +308,31 @@ def write_qwen3_tokenizer(model_dir: str | Path) -> int:
     return vocab_size
 
 
+PHI4_BASE_VOCAB = 500
+PHI4_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>")
+
+
+def write_phi4_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Phi-4-mini-style `tokenizer.json` (byte-level BPE, `<|endoftext|>`, the role tokens and `<|end|>`
+    added after a 500-token base) and Phi-4-mini's chat template. Returns the vocab size (505)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, PHI4_BASE_VOCAB))
+    spec["added_tokens"] = [
+        {"id": PHI4_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i, t in enumerate(PHI4_ADDED)
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": PHI4_CHAT_TEMPLATE,
+    })
+    vocab_size = PHI4_BASE_VOCAB + len(PHI4_ADDED)
+    _merge_config(model_dir, {"model_type": "phi3", "bos_token_id": PHI4_BASE_VOCAB, "eos_token_id": PHI4_BASE_VOCAB,
+                              "vocab_size": vocab_size})
+    return vocab_size
+
+
 def _merge_config(model_dir: Path, fields: dict) -> None:
     # A model helper may have written config.json already: keep its fields, only fill in missing ones.
     path = model_dir / "config.json"
@@ -312,12 +343,13 @@ def _merge_config(model_dir: Path, fields: dict) -> None:
 
 
 _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
-            "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer}
+            "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer,
+            "phi4": write_phi4_tokenizer}
 
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
-    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3) to `model_dir`; returns its vocab
-    size (llama2/mistral 500, llama3 768, qwen2 503, qwen3 505) so the model's embedding can match. An existing config.json keeps
+    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | phi4) to `model_dir`; returns
+    its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3 and phi4 505) so the model's embedding can match. An existing config.json keeps
     its own fields (its `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")

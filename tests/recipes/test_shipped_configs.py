@@ -46,7 +46,10 @@ CHECKPOINTS = {
     "Qwen3-8B": ("qwen3", "8B", 8_190_735_360, 21_823_488),
     "Qwen3-14B": ("qwen3", "14B", 14_768_307_200, 32_112_640),
     "Qwen3-32B": ("qwen3", "32B", 32_762_123_264, 67_108_864),
+    # Phi-4-mini: rank-8 LoRA on its fused qkv_proj / gate_up_proj and o_proj / down_proj
+    "Phi-4-mini-instruct": ("phi4", "mini", 3_836_021_760, 11_534_336),
 }
+ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # else the seven of Llama's block
 
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
@@ -61,6 +64,7 @@ EXPECTED = (
        for method in ("lora", "qlora")}
     | {f"{family}/{size}_full_single_device_low_memory" for family, size in LOW_MEMORY.items()}
     | DISTRIBUTED
+    | {"phi4/mini_lora_single_device"}
 )
 TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distributed", "lora_distributed"}
 
@@ -138,12 +142,12 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         if lora is None:
             assert trainable == published, name
             continue
-        assert (lora.rank, list(lora.modules), lora.use_dora) == (8, ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                      "gate_proj", "up_proj", "down_proj"], False)
+        seven = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        assert (lora.rank, list(lora.modules), lora.use_dora) == (8, ADAPTED.get(family, seven), False)
         assert trainable == peft_trainable, f"{name}: {trainable:,} trainable, PEFT {peft_trainable:,}"
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.")
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
-        assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all seven are adapted
+        assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name
         assert not any(isinstance(m, FrozenNF4Linear) for m in model.modules())  # nothing left unadapted
 

@@ -5,7 +5,7 @@ import pytest
 from mtune.tokenizers import Message, load_tokenizer
 from tests._helpers.tokenizers import CONVERSATIONS
 
-FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4"]
 # How a trained run (one assistant reply) decodes, with special tokens spelled out.
 REPLY_AS_DECODED = {
     "llama3": lambda reply: reply.strip() + "<|eot_id|>",
@@ -13,6 +13,7 @@ REPLY_AS_DECODED = {
     "mistral": lambda reply: reply.strip() + "</s>",
     "qwen2": lambda reply: reply + "<|im_end|>",
     "qwen3": lambda reply: reply + "<|im_end|>",  # the last reply also opens with its (empty) thinking block
+    "phi4": lambda reply: reply + "<|end|>",
 }
 
 
