@@ -5,6 +5,7 @@ Reads the layouts several transformers versions write: ``rope_theta`` + ``rope_s
 ``num_key_value_heads`` (Llama 2 era configs).
 """
 
+from mtune.models.gemma3.hf_config import gemma3_args, gemma3_hf_config
 from mtune.models.llama2 import Llama2Args
 from mtune.models.llama3 import Llama3Args
 from mtune.models.mistral import MistralArgs
@@ -14,10 +15,29 @@ from mtune.models.qwen3 import Qwen3Args
 from mtune.modules.transformer import DecoderArgs
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+                  "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text",
+                  "Gemma3ForConditionalGeneration": "gemma3"}
 _HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "phi4": "phi3"}
+                  "phi4": "phi3", "gemma3": "gemma3_text"}  # Gemma 3 is written back text-only
 _HF_ARCHITECTURE = {model_type: arch for arch, model_type in _ARCHITECTURES.items()}
+
+
+# A multimodal checkpoint's text model (Gemma 3 4B-27B) under the prefixes transformers 5 and 4.x write, and the
+# towers mtune does not train.
+_TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def text_model_key(hf_key: str) -> str | None:
+    """A checkpoint key as a text-only checkpoint writes it (``model.language_model.layers.0...`` ->
+    ``model.layers.0...``), or None for a vision tower's or projector's (skipped)."""
+    if hf_key.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, replacement in _TEXT_TOWER:
+        if hf_key.startswith(prefix):
+            return replacement + hf_key.removeprefix(prefix)
+    return hf_key
 
 
 def _rope_params(config: dict) -> dict:
@@ -58,6 +78,8 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
     if model_type not in _HF_ARCHITECTURE:
         found = model_type or config.get("architectures")
         raise ValueError(f"unsupported model_type {found!r}; mtune loads {', '.join(_HF_ARCHITECTURE)} checkpoints")
+    if model_type in ("gemma3", "gemma3_text"):
+        return "gemma3", gemma3_args(config)
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
     if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
@@ -106,6 +128,8 @@ def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict
     model_type = _HF_MODEL_TYPE.get(args.family)
     if model_type is None:
         raise ValueError(f"cannot write a Hugging Face config for model family {args.family!r}")
+    if model_type == "gemma3_text":
+        return gemma3_hf_config(args, dtype)
     rope = dict(args.rope_scaling or {"rope_type": "default"})
     config = {
         "architectures": [_HF_ARCHITECTURE[model_type]],

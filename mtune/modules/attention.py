@@ -82,22 +82,29 @@ class Attention(nn.Module):
 
 
 class QKNormAttention(Attention):
-    """:class:`Attention` with an RMSNorm over each head's query and key before RoPE (Qwen3): ``q_norm`` and
-    ``k_norm``, one ``[head_dim]`` weight each, shared by all heads.
+    """:class:`Attention` with an RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3): ``q_norm``
+    and ``k_norm``, one ``[head_dim]`` weight each, shared by all heads.
 
     Args:
         norm_eps: the norms' epsilon; the other arguments are :class:`Attention`'s.
+        norm: the norm's class (Gemma's ``(1 + weight)`` RMSNorm for Gemma 3).
+        query_pre_attn_scalar: scores are divided by its square root instead of ``head_dim``'s (Gemma 3); applied
+            by scaling the normed queries, so every attention kernel (SDPA, per segment, varlen, the KV cache)
+            stays as it is.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float,
-                 qkv_bias: bool = False, sliding_window: int | None = None) -> None:
+                 qkv_bias: bool = False, sliding_window: int | None = None, norm: type[RMSNorm] = RMSNorm,
+                 query_pre_attn_scalar: float | None = None) -> None:
         super().__init__(dim, n_heads, n_kv_heads, head_dim, qkv_bias, sliding_window)
-        self.q_norm = RMSNorm(head_dim, norm_eps)
-        self.k_norm = RMSNorm(head_dim, norm_eps)
+        self.q_norm = norm(head_dim, norm_eps)
+        self.k_norm = norm(head_dim, norm_eps)
+        self.query_scale = 1.0 if query_pre_attn_scalar is None else (head_dim / query_pre_attn_scalar) ** 0.5
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().project(x)
-        return self.q_norm(q), self.k_norm(k), v
+        q = self.q_norm(q)
+        return (q if self.query_scale == 1.0 else q * self.query_scale), self.k_norm(k), v
 
 
 class FusedQKVAttention(Attention):

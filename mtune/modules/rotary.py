@@ -22,6 +22,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None or scaling["rope_type"] == "longrope":
         return inv_freq
+    if scaling["rope_type"] == "linear":  # positions divided by ``factor`` (Gemma 3's global layers)
+        return inv_freq / scaling["factor"]
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]

@@ -125,13 +125,13 @@ def _projections(mlp: FeedForward | FusedFeedForward, x: torch.Tensor):
     return tuple(_projection(m, x) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
-def _swiglu(projections, x: torch.Tensor) -> torch.Tensor:
+def _swiglu(projections, x: torch.Tensor, activation) -> torch.Tensor:
     if len(projections) == 2:  # a fused gate_up_proj
         gate_up, down = projections
         gate, up = gate_up(x).chunk(2, dim=-1)
-        return down(F.silu(gate) * up)
+        return down(activation(gate) * up)
     gate, up, down = projections
-    return down(F.silu(gate(x)) * up(x))
+    return down(activation(gate(x)) * up(x))
 
 
 # ------------------------------------------------------------------------------------------- the function
@@ -152,7 +152,7 @@ class _TiledMLP(torch.autograd.Function):
         projections = _projections(mlp, x)
         out = None
         for start, end in bounds:
-            y = _swiglu(projections, flat[start:end])
+            y = _swiglu(projections, flat[start:end], mlp.activation)
             if out is None:
                 out = y.new_empty(flat.shape[0], y.shape[-1])
             out[start:end] = y
@@ -175,7 +175,7 @@ class _TiledMLP(torch.autograd.Function):
             for start, end in ctx.bounds:
                 tile = flat[start:end].detach().requires_grad_(need_x)
                 with torch.enable_grad():
-                    y = _swiglu(projections, tile)
+                    y = _swiglu(projections, tile, ctx.mlp.activation)
                 inputs = ([tile] if need_x else []) + params
                 tile_grads = torch.autograd.grad(y, inputs, grad_flat[start:end], allow_unused=True)
                 if need_x:

@@ -52,7 +52,8 @@ def test_sizes_build_on_meta_with_published_parameter_counts(family, size):
 def test_tiny_sizes_suit_nf4(family):
     model = build_model(family, "tiny")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(linears) == 2 * (4 if family == "phi4" else 7) + 1  # Phi-4 fuses q/k/v and gate/up
+    blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one)
+    assert len(linears) == blocks * (4 if family == "phi4" else 7) + 1  # Phi-4 fuses q/k/v and gate/up
     assert all(m.weight.numel() % 32768 == 0 for m in linears)
 
 
