@@ -12,6 +12,7 @@ mistral         Mistral v3 sentencepiece ``tokenizer.model`` (or ``tokenizer.mod
 qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
 qwen3           Qwen3 ``tokenizer.json`` (Qwen2's with ``<think>`` / ``</think>``)
 phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
+gemma3(_text)   Gemma 3 ``tokenizer.json`` (family ``gemma3``)
 ==============  =====================================================================================
 
 Without ``config.json`` (or given a single file) the kind is inferred from the files themselves.
@@ -25,7 +26,7 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3")
 
 
 def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
@@ -44,6 +45,8 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         from mtune.tokenizers.qwen3 import Qwen3Tokenizer as cls
     elif family == "phi4":
         from mtune.tokenizers.phi4 import Phi4Tokenizer as cls
+    elif family == "gemma3":
+        from mtune.tokenizers.gemma3 import Gemma3Tokenizer as cls
     else:
         from mtune.tokenizers.qwen2 import Qwen2Tokenizer as cls
     return cls(file, max_seq_len=max_seq_len)
@@ -90,12 +93,13 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
         if (path / "tokenizer.json").is_file():
             return model_type, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
-    if model_type == "phi3":
+    family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(model_type)
+    if family is not None:
         if (path / "tokenizer.json").is_file():
-            return "phi4", path / "tokenizer.json"
-        raise PathNotFoundError(f"{path}: a phi3 model without tokenizer.json; download it with the weights")
+            return family, path / "tokenizer.json"
+        raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
-                         "qwen2, qwen3, phi3")
+                         "qwen2, qwen3, phi3, gemma3")
 
 
 def _family_of_file(file: Path) -> str:
@@ -108,8 +112,10 @@ def _family_of_file(file: Path) -> str:
             return "llama3"
         if "<|assistant|>" in added and "<|end|>" in added:
             return "phi4"
+        if "<start_of_turn>" in added:
+            return "gemma3"
         raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>) or Phi-4 (<|assistant|>, "
-                             "<|end|>) tokenizer.json")
+                             "<|end|>) or Gemma 3 (<start_of_turn>) tokenizer.json")
     from mtune.tokenizers.llama3 import is_tiktoken_file
 
     if is_tiktoken_file(file):

@@ -96,6 +96,21 @@ PHI4_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
+# Gemma 3's (google/gemma-3-1b-it tokenizer_config.json), its image-content branch left out.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = \"\" -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\\n'}}{%- endif -%}"
+)
+
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
@@ -105,7 +120,7 @@ QWEN2_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3")
 
 _WORDS = (
     "the model learns to follow instructions and answers questions about data training tokens memory "
@@ -333,6 +348,30 @@ def write_phi4_tokenizer(model_dir: str | Path) -> int:
     return vocab_size
 
 
+GEMMA3_ADDED = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+
+
+def write_gemma3_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny `tokenizer.json` with Gemma 3's control tokens (byte-level BPE here; Gemma's own is a
+    sentencepiece-style BPE, read by the same `tokenizers` code) and Gemma 3's chat template. Returns 505."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, PHI4_BASE_VOCAB))
+    spec["added_tokens"] = [
+        {"id": PHI4_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i, t in enumerate(GEMMA3_ADDED)
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "add_bos_token": False, "chat_template": GEMMA3_CHAT_TEMPLATE,
+    })
+    vocab_size = PHI4_BASE_VOCAB + len(GEMMA3_ADDED)
+    _merge_config(model_dir, {"model_type": "gemma3_text", "bos_token_id": PHI4_BASE_VOCAB + 2,
+                              "eos_token_id": PHI4_BASE_VOCAB + 1, "vocab_size": vocab_size})
+    return vocab_size
+
+
 def _merge_config(model_dir: Path, fields: dict) -> None:
     # A model helper may have written config.json already: keep its fields, only fill in missing ones.
     path = model_dir / "config.json"
@@ -344,12 +383,12 @@ def _merge_config(model_dir: Path, fields: dict) -> None:
 
 _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
             "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer,
-            "phi4": write_phi4_tokenizer}
+            "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer}
 
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
-    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | phi4) to `model_dir`; returns
-    its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3 and phi4 505) so the model's embedding can match. An existing config.json keeps
+    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | phi4 | gemma3) to `model_dir`;
+    returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3, phi4 and gemma3 505) so the model's embedding can match. An existing config.json keeps
     its own fields (its `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")

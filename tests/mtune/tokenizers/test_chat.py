@@ -5,7 +5,7 @@ import pytest
 from mtune.tokenizers import Message, load_tokenizer
 from tests._helpers.tokenizers import CONVERSATIONS
 
-FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4"]
+FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3"]
 # How a trained run (one assistant reply) decodes, with special tokens spelled out.
 REPLY_AS_DECODED = {
     "llama3": lambda reply: reply.strip() + "<|eot_id|>",
@@ -14,6 +14,7 @@ REPLY_AS_DECODED = {
     "qwen2": lambda reply: reply + "<|im_end|>",
     "qwen3": lambda reply: reply + "<|im_end|>",  # the last reply also opens with its (empty) thinking block
     "phi4": lambda reply: reply + "<|end|>",
+    "gemma3": lambda reply: reply.strip() + "<end_of_turn>",
 }
 
 
@@ -127,7 +128,7 @@ def test_truncation_keeps_end_of_turn(family, tokenizer_dirs):
     assert same.tokenize_messages(messages) == full
 
 
-@pytest.mark.parametrize("family", ["llama2", "mistral"])
+@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma3"])
 def test_alternation_errors(family, tokenizer_dirs):
     tok = load_tokenizer(tokenizer_dirs[family])
     with pytest.raises(ValueError, match="must alternate"):
