@@ -48,6 +48,12 @@ CHECKPOINTS = {
     "Qwen3-32B": ("qwen3", "32B", 32_762_123_264, 67_108_864),
     # Phi-4-mini: rank-8 LoRA on its fused qkv_proj / gate_up_proj and o_proj / down_proj
     "Phi-4-mini-instruct": ("phi4", "mini", 3_836_021_760, 11_534_336),
+    # Gemma 3: 1B is text-only; 4B-27B count their text tower (what mtune loads and trains), as transformers'
+    # Gemma3ForCausalLM does from the text config
+    "gemma-3-1b-it": ("gemma3", "1B", 999_885_952, 6_522_880),
+    "gemma-3-4b-it": ("gemma3", "4B", 3_880_263_168, 14_901_248),
+    "gemma-3-12b-it": ("gemma3", "12B", 11_766_034_176, 32_735_232),
+    "gemma-3-27b-it": ("gemma3", "27B", 27_009_346_304, 56_758_272),
 }
 ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # else the seven of Llama's block
 
@@ -56,7 +62,7 @@ SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": 
 LOW_MEMORY = {"llama3_1": "8B", "qwen2_5": "7B", "mistral": "7B", "llama2": "7B", "qwen3": "8B"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
                "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed"}
-ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"]}  # LoRA and QLoRA, no full single-device
+ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"], "gemma3": ["1B", "4B", "12B", "27B"]}  # LoRA and QLoRA, no full single-device
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}
