@@ -11,7 +11,7 @@ import torch
 from mtune.models import build_model
 from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
 from tests._helpers.models import write_tiny_hf_model
-from tests._helpers.recipes import losses, run_recipe_in_process, train_overrides, write_instruct_data
+from tests._helpers.recipes import losses, run_recipe_in_process, torchrun, train_overrides, write_instruct_data
 from tests._helpers.tokenizers import write_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
@@ -116,3 +116,22 @@ def test_lora_fine_tune_with_its_tokenizer_and_exports_that_load(quantize_base, 
         reference = peft.PeftModel.from_pretrained(base, out / "final" / "adapter").eval()(TOKENS).logits
     assert (reference - before).abs().max() > 1e-3  # training moved the adapter
     assert (hf_logits(out / "final" / "model") - reference).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_matches_one_device(qwen3_dir, tmp_path):
+    """FSDP2 on 2 CPU processes (batch 2 each) against one device (batch 4): the same global batches."""
+    from safetensors.torch import load_file
+
+    data = write_instruct_data(tmp_path / "data.jsonl")
+    schedule = ["max_steps_per_epoch=3", f"lora.modules=[{','.join(BLOCK_LINEARS)}]"]
+    torchrun("lora_distributed", train_overrides(tmp_path / "dist", qwen3_dir, data, batch_size=2) + schedule)
+    single = run_recipe_in_process("lora_single_device", train_overrides(tmp_path / "single", qwen3_dir, data)
+                                   + schedule)
+    distributed = tmp_path / "dist" / "out"
+    torch.testing.assert_close(torch.tensor(losses(distributed)), torch.tensor(losses(single)), rtol=0, atol=2e-5)
+    expected, got = (load_file(out / "final" / "adapter" / "adapter_model.safetensors") for out in (single,
+                                                                                                    distributed))
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=3e-5)
