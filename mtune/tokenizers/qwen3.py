@@ -3,7 +3,8 @@
 Qwen3's chat template adds no default system prompt and renders an assistant reply that comes after the last user
 message with its reasoning in a thinking block (empty when the reply has none)::
 
-    <|im_start|>user\\n{user}<|im_end|>\\n<|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{reply}<|im_end|>\\n
+    <|im_start|>user\\n{user}<|im_end|>\\n
+    <|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{reply}<|im_end|>\\n
 
 Replies before the last user message lose their reasoning (``<|im_start|>assistant\\n{reply}<|im_end|>``). A reply's
 reasoning is written in its content as the template reads it: ``<think>\\n...\\n</think>\\n\\n`` before the answer.

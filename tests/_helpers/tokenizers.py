@@ -388,7 +388,7 @@ _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
     """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | phi4 | gemma3) to `model_dir`;
-    returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3, phi4 and gemma3 505) so the model's embedding can match. An existing config.json keeps
+    returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3 / phi4 / gemma3 505) so the model's embedding can match. An existing config.json keeps
     its own fields (its `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")

@@ -62,7 +62,8 @@ SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": 
 LOW_MEMORY = {"llama3_1": "8B", "qwen2_5": "7B", "mistral": "7B", "llama2": "7B", "qwen3": "8B"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
                "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed"}
-ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"], "gemma3": ["1B", "4B", "12B", "27B"]}  # LoRA and QLoRA, no full single-device
+ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
+                      "gemma3": ["1B", "4B", "12B", "27B"]}  # LoRA and QLoRA, no full single-device
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}

@@ -54,5 +54,6 @@ PHI4_SIZES = {
                  rope_scaling=longrope([1.0] * 48, [1.0] * 48, 4096, 131072 / 4096)),
     # NF4-friendly test shape: 4 heads of 64 rotated on their first 48 features, stretched from a 64-token context.
     "tiny": dict(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=512, max_seq_len=512,
-                 rope_scaling=longrope([1.0 + 0.1 * i for i in range(24)], [2.0 + 0.5 * i for i in range(24)], 64, 512 / 64)),
+                 rope_scaling=longrope([1.0 + 0.1 * i for i in range(24)], [2.0 + 0.5 * i for i in range(24)],
+                                       64, 512 / 64)),
 }
