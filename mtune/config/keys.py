@@ -13,7 +13,8 @@ from mtune.config.schema import REQUIRED, Key, KeyGroup, Node
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 """The values of every ``dtype`` key; `mtune.training.precision.DTYPES` maps them to torch dtypes."""
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+                "qkv_proj", "gate_up_proj")  # the last two: the fused projections of Phi-4-mini
 """The linears ``lora.modules`` may name (Hugging Face's module names)."""
 
 ATTENTION_KERNELS = ("auto", "segments", "dense_mask")
