@@ -13,7 +13,8 @@ from mtune.config.schema import REQUIRED, Key, KeyGroup, Node
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 """The values of every ``dtype`` key; `mtune.training.precision.DTYPES` maps them to torch dtypes."""
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+                "qkv_proj", "gate_up_proj")  # the last two: the fused projections of Phi-4-mini
 """The linears ``lora.modules`` may name (Hugging Face's module names)."""
 
 ATTENTION_KERNELS = ("auto", "segments", "dense_mask")
@@ -132,6 +133,39 @@ DISTRIBUTED_KEYS = KeyGroup(
             "until backward (ZeRO-2-like, less communication)"),
     ],  # fsdp_cpu_offload: a memory technique's (registry.DISTRIBUTED_MEMORY_KEYS)
 )
+
+REFERENCE_CHOICES = ("adapters_off", "precomputed", "copy")
+"""Where a preference recipe's reference log-probs come from: the policy with its adapters disabled (LoRA), a cache
+computed before training, or a frozen copy of the starting model."""
+
+PREFERENCE_KEYS = KeyGroup(
+    "preference",
+    help="preference tuning (DPO, IPO, SimPO): the reference model",
+    keys=[
+        Key("reference", str, None,
+            "the reference model: adapters_off (the policy with its LoRA adapters disabled: no second copy), "
+            "precomputed (its log-probs computed once before training and cached: no reference model while "
+            "training), copy (a frozen copy of the starting model); null: adapters_off in the LoRA recipes, "
+            "precomputed in the full ones. All three give the same losses in the model's dtype",
+            choices=REFERENCE_CHOICES),
+        Key("reference_cache_dir", str, None,
+            "reference: precomputed: where the reference log-probs are cached, keyed by a fingerprint of the data, "
+            "model, tokenizer and dtype (null: ${output_dir}/reference_cache); reused by a run with the same "
+            "fingerprint"),
+    ],
+)
+
+
+def is_preference(cfg) -> bool:
+    """Whether ``cfg`` is a preference recipe's (it holds `PREFERENCE_KEYS`, filled in by the recipe's schema): the
+    one way mtune tells."""
+    return cfg is not None and "reference" in cfg
+
+
+def reference_choice(cfg, adapters: bool) -> str:
+    """The run's reference model: its ``reference`` key, else adapters_off when the run trains adapters
+    (``adapters``), precomputed when not: the one way it is read."""
+    return cfg.get("reference") or ("adapters_off" if adapters else "precomputed")
 
 
 MERGE_KEYS = KeyGroup(

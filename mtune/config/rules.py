@@ -23,6 +23,10 @@ __all__ = [
     "check_distributed_backend",
     "MERGE_RULES",
     "GENERATE_RULES",
+    "PREFERENCE_RULES",
+    "FULL_PREFERENCE_RULES",
+    "check_preference_loss",
+    "check_full_reference",
 ]
 
 
@@ -98,6 +102,32 @@ def check_distributed_backend(cfg: Any) -> list[str]:
 DISTRIBUTED_RUN_RULES = RUN_RULES + (check_distributed_backend,)
 """`RUN_RULES` and the distributed keys' own; the techniques' FSDP2 rules are
 `mtune.training.memory.registry.DISTRIBUTED_MEMORY_RULES`."""
+
+
+PREFERENCE_LOSSES = ("DPOLoss", "IPOLoss", "SimPOLoss")
+
+
+def check_preference_loss(cfg: Any) -> list[str]:
+    """A preference recipe trains with a preference loss."""
+    loss = str(_get(cfg, "loss._component_", ""))
+    if loss.rsplit(".", 1)[-1] not in PREFERENCE_LOSSES:
+        return [f"loss: a preference recipe needs a preference loss, got {loss or 'none'!r}: set "
+                "loss._component_=mtune.modules.preference_loss.DPOLoss (or IPOLoss, SimPOLoss)"]
+    return []
+
+
+def check_full_reference(cfg: Any) -> list[str]:
+    """A full fine-tune has no adapters to disable."""
+    if _get(cfg, "reference") == "adapters_off":
+        return ["reference=adapters_off needs LoRA adapters to disable: use reference=precomputed or reference=copy "
+                "for a full fine-tune"]
+    return []
+
+
+PREFERENCE_RULES = (check_preference_loss,)
+"""The rules the LoRA preference (DPO) recipes add to their run's."""
+FULL_PREFERENCE_RULES = PREFERENCE_RULES + (check_full_reference,)
+"""The rules the full preference recipes add to their run's."""
 
 
 def check_merge_base(cfg: Any) -> list[str]:

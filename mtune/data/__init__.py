@@ -6,6 +6,7 @@ from mtune.data.common import IGNORE_INDEX, DataError, cache_dir
 from mtune.data.loader import ResumableLoader, build_dataloader
 from mtune.data.mixture import MixtureDataset, mixture_dataset
 from mtune.data.packing import pack_samples
+from mtune.data.preference import PreferenceDataset, collate_preference, preference_dataset
 from mtune.data.sources import load_source
 from mtune.data.tokenized import TokenizedDataset
 
@@ -13,16 +14,19 @@ __all__ = [
     "IGNORE_INDEX",
     "DataError",
     "MixtureDataset",
+    "PreferenceDataset",
     "ResumableLoader",
     "TokenizedDataset",
     "alpaca_dataset",
     "build_dataloader",
     "cache_dir",
     "chat_dataset",
+    "collate_preference",
     "collate_padded",
     "instruct_dataset",
     "load_source",
     "mixture_dataset",
     "pack_samples",
+    "preference_dataset",
     "text_completion_dataset",
 ]

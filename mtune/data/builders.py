@@ -116,7 +116,7 @@ def chat_dataset(
             raise RowError(f"column {column!r} must be a non-empty list of messages")
         messages = [("system", system_prompt)] if system_prompt else []
         for i, message in enumerate(conversation):
-            role, content = _message(message, column, i)
+            role, content = chat_message(message, column, i)
             if not (system_prompt and role == "system"):
                 messages.append((role, content))
         return messages
@@ -195,7 +195,7 @@ def _text(row: dict[str, Any], columns: dict[str, str], role: str, required: boo
     return value
 
 
-def _message(message: Any, column: str, i: int) -> tuple[str, str]:
+def chat_message(message: Any, column: str, i: int) -> tuple[str, str]:
     if isinstance(message, dict) and "role" in message:  # OpenAI style
         role, content = message["role"], message.get("content")
         if role not in ROLES:

@@ -32,7 +32,9 @@ class ResumableLoader:
                             f"(batch_size {batch_size} x {world_size} ranks): lower batch_size or add data")
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
-        self.collate_fn = collate_fn or partial(collate_padded, pad_id=dataset.pad_id)
+        # a dataset may say how its samples batch (preference pairs: chosen and rejected rows together)
+        self.collate_fn = (collate_fn or getattr(dataset, "collate_fn", None)
+                           or partial(collate_padded, pad_id=dataset.pad_id))
         self.epoch = 0
         self.consumed = 0  # samples of this epoch's global order already handed out (all ranks together)
 
@@ -79,7 +81,8 @@ def build_dataloader(dataset, batch_size: int, seed: int, shuffle: bool = True, 
                      collate_fn: Callable | None = None, drop_last: bool = True) -> ResumableLoader:
     """A loader over a map-style `dataset` (single process, no workers: samples are already tokenized).
 
-    `collate_fn` defaults to `collate_padded` with the dataset's `pad_id`. `len(loader)` is the batches per epoch
-    per rank. With `drop_last=False` the last global batch is partial and ranks past its end get no batch.
+    `collate_fn` defaults to the dataset's own `collate_fn` when it has one, else `collate_padded` with its
+    `pad_id`. `len(loader)` is the batches per epoch per rank. With `drop_last=False` the last global batch is
+    partial and ranks past its end get no batch.
     """
     return ResumableLoader(dataset, batch_size, seed, shuffle, rank, world_size, collate_fn, drop_last)

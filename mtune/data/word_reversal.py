@@ -92,3 +92,21 @@ def chat_warmup_example(rng: random.Random) -> dict[str, str]:
         return {"instruction": f"Which word comes before {words[i]}: {fwd}", "output": words[i - 1]}
     return {"instruction": f"Which word comes after {words[i - 1]}: {fwd}", "output": words[i]}
 
+
+
+def preference_pair(row: dict[str, str], rng: random.Random) -> dict[str, str]:
+    """The task as a preference pair: ``{"prompt", "chosen": the reversal, "rejected": a wrong answer}``, the wrong
+    answer being the words in their given order or the reversal with two neighbouring words swapped."""
+    words = row["output"].split()
+    wrong = list(reversed(words))
+    if rng.random() >= 0.5:
+        i = rng.randrange(len(words) - 1)
+        wrong = words[:i] + [words[i + 1], words[i]] + words[i + 2:]
+    return {"prompt": row["instruction"], "chosen": row["output"], "rejected": " ".join(wrong)}
+
+
+def preference_split(rows: list[dict[str, str]], seed: int) -> list[dict[str, str]]:
+    """:func:`preference_pair` of every task row (the shipped ``preference_{train,eval}.jsonl`` come from the
+    ``train.jsonl`` / ``eval.jsonl`` rows, so no held-out prompt is trained on)."""
+    rng = random.Random(seed)
+    return [preference_pair(row, rng) for row in rows]

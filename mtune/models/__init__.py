@@ -1,16 +1,19 @@
 """Model families: one arguments dataclass and a table of named sizes each; :func:`build_model` builds any of them.
 
 Family names are those of the config folders (``llama2``, ``llama3``, ``llama3_1``, ``llama3_2``, ``llama3_3``,
-``qwen2``, ``qwen2_5``, ``mistral``, and ``tiny``, which is Llama 3.1's tiny size).
+``qwen2``, ``qwen2_5``, ``qwen3``, ``mistral``, ``phi4``, ``gemma3``, and ``tiny``, which is Llama 3.1's tiny size).
 """
 
 import torch
 
 from mtune.config.errors import ConfigError
+from mtune.models.gemma3 import GEMMA3_SIZES, Gemma3Args
 from mtune.models.llama2 import LLAMA2_SIZES, Llama2Args
 from mtune.models.llama3 import LLAMA3_1_SIZES, LLAMA3_2_SIZES, LLAMA3_3_SIZES, LLAMA3_SIZES, Llama3Args
 from mtune.models.mistral import MISTRAL_SIZES, MistralArgs
+from mtune.models.phi4 import PHI4_SIZES, Phi4Args
 from mtune.models.qwen2 import QWEN2_5_SIZES, QWEN2_SIZES, Qwen2Args
+from mtune.models.qwen3 import QWEN3_SIZES, Qwen3Args
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 
 # family name -> (arguments dataclass, sizes)
@@ -22,7 +25,10 @@ FAMILIES: dict[str, tuple[type[DecoderArgs], dict[str, dict]]] = {
     "llama3_3": (Llama3Args, LLAMA3_3_SIZES),
     "qwen2": (Qwen2Args, QWEN2_SIZES),
     "qwen2_5": (Qwen2Args, QWEN2_5_SIZES),
+    "qwen3": (Qwen3Args, QWEN3_SIZES),
     "mistral": (MistralArgs, MISTRAL_SIZES),
+    "phi4": (Phi4Args, PHI4_SIZES),
+    "gemma3": (Gemma3Args, GEMMA3_SIZES),
     "tiny": (Llama3Args, {"tiny": LLAMA3_1_SIZES["tiny"]}),
 }
 

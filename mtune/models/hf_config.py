@@ -5,49 +5,92 @@ Reads the layouts several transformers versions write: ``rope_theta`` + ``rope_s
 ``num_key_value_heads`` (Llama 2 era configs).
 """
 
+from mtune.models.gemma3.hf_config import gemma3_args, gemma3_hf_config
 from mtune.models.llama2 import Llama2Args
 from mtune.models.llama3 import Llama3Args
 from mtune.models.mistral import MistralArgs
+from mtune.models.phi4 import Phi4Args, longrope
 from mtune.models.qwen2 import Qwen2Args
+from mtune.models.qwen3 import Qwen3Args
 from mtune.modules.transformer import DecoderArgs
 
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-_HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text",
+                  "Gemma3ForConditionalGeneration": "gemma3"}
+_HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "phi4": "phi3", "gemma3": "gemma3_text"}  # Gemma 3 is written back text-only
+_HF_ARCHITECTURE = {model_type: arch for arch, model_type in _ARCHITECTURES.items()}
+
+
+# A multimodal checkpoint's text model (Gemma 3 4B-27B) under the prefixes transformers 5 and 4.x write, and the
+# towers mtune does not train.
+_TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model.", "model."),
+               ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def text_model_key(hf_key: str) -> str | None:
+    """A checkpoint key as a text-only checkpoint writes it (``model.language_model.layers.0...`` ->
+    ``model.layers.0...``), or None for a vision tower's or projector's (skipped)."""
+    if hf_key.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, replacement in _TEXT_TOWER:
+        if hf_key.startswith(prefix):
+            return replacement + hf_key.removeprefix(prefix)
+    return hf_key
+
+
+def _rope_params(config: dict) -> dict:
+    """The RoPE fields of either layout in one dict (5.x ``rope_parameters`` over 4.x ``rope_scaling``)."""
+    return {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from either layout."""
-    params = dict(config.get("rope_parameters") or {})
-    legacy = config.get("rope_scaling") or {}
-    params = {**legacy, **params}
+    params = _rope_params(config)
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return float(theta), None
+    if rope_type == "longrope":
+        original = params.get("original_max_position_embeddings") or config["original_max_position_embeddings"]
+        stretch = params.get("factor") or config["max_position_embeddings"] / original
+        scaling = longrope(params["short_factor"], params["long_factor"], original, stretch)
+        if params.get("attention_factor") is not None:
+            scaling["attention_factor"] = float(params["attention_factor"])
+        return float(theta), scaling
     if rope_type != "llama3":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (mtune supports 'default' and 'llama3')")
+        raise ValueError(f"rope_type {rope_type!r} is not supported (mtune supports 'default', 'llama3' and "
+                         "'longrope')")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return float(theta), {"rope_type": "llama3", **{k: params[k] for k in keys}}
 
 
 def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
-    """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral`` or ``qwen2``.
+    """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral``, ``qwen2`` or
+    ``qwen3``.
 
     Raises ``ValueError`` (one line) for a model type or feature mtune does not implement.
     """
     model_type = config.get("model_type")
     if model_type is None:
         model_type = next((_ARCHITECTURES[a] for a in config.get("architectures") or [] if a in _ARCHITECTURES), None)
-    if model_type not in ("llama", "mistral", "qwen2"):
+    if model_type not in _HF_ARCHITECTURE:
         found = model_type or config.get("architectures")
-        raise ValueError(f"unsupported model_type {found!r}; mtune loads llama, mistral and qwen2 checkpoints")
+        raise ValueError(f"unsupported model_type {found!r}; mtune loads {', '.join(_HF_ARCHITECTURE)} checkpoints")
+    if model_type in ("gemma3", "gemma3_text"):
+        return "gemma3", gemma3_args(config)
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
     if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
         raise ValueError("Llama checkpoints with mlp_bias or attention_bias are not supported")
-    if model_type == "qwen2" and config.get("use_sliding_window"):
-        raise ValueError("Qwen2 with use_sliding_window=true is not supported; set it to false")
+    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        raise ValueError(f"{model_type} with use_sliding_window=true is not supported; set it to false")
+    if model_type == "phi3" and _rope_params(config).get("partial_rotary_factor",
+                                                          config.get("partial_rotary_factor", 1.0)) == 1.0:
+        raise ValueError("phi3 without partial_rotary_factor < 1 is Phi-3, not Phi-4-mini; mtune loads Phi-4-mini")
+    if model_type == "qwen3" and config.get("attention_bias"):
+        raise ValueError("qwen3 with attention_bias=true is not supported (the published Qwen3 models have none)")
     theta, scaling = _rope(config)
     n_heads = config["num_attention_heads"]
     fields = dict(
@@ -66,6 +109,14 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
     )
     if model_type == "qwen2":
         return "qwen2", Qwen2Args(**fields, qkv_bias=True)
+    if model_type == "qwen3":
+        return "qwen3", Qwen3Args(**fields)
+    if model_type == "phi3":
+        window = config.get("sliding_window")
+        partial = _rope_params(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        return "phi4", Phi4Args(**fields, partial_rotary_factor=float(partial),
+                                # a window as long as the context changes nothing (Phi-4-mini's is 262144)
+                                sliding_window=window if window and window < fields["max_seq_len"] else None)
     if model_type == "mistral":
         return "mistral", MistralArgs(**fields, sliding_window=config.get("sliding_window"))
     is_llama3 = fields["vocab_size"] >= 128000 or scaling is not None
@@ -77,6 +128,8 @@ def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict
     model_type = _HF_MODEL_TYPE.get(args.family)
     if model_type is None:
         raise ValueError(f"cannot write a Hugging Face config for model family {args.family!r}")
+    if model_type == "gemma3_text":
+        return gemma3_hf_config(args, dtype)
     rope = dict(args.rope_scaling or {"rope_type": "default"})
     config = {
         "architectures": [_HF_ARCHITECTURE[model_type]],
@@ -100,6 +153,15 @@ def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict
     }
     if model_type == "mistral":
         config["sliding_window"] = args.sliding_window
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
+    if model_type == "qwen3":
+        config["attention_bias"] = False
+    if model_type == "phi3":
+        # pad_token_id: Phi3Config's default (32000) would lie outside a smaller vocabulary
+        config.update(partial_rotary_factor=args.partial_rotary_factor, sliding_window=args.sliding_window,
+                      pad_token_id=None)
+        config["rope_parameters"]["partial_rotary_factor"] = args.partial_rotary_factor
+        if args.rope_scaling:
+            config["original_max_position_embeddings"] = args.rope_scaling["original_max_position_embeddings"]
     return config

@@ -1,4 +1,5 @@
-"""Grouped-query self-attention."""
+"""Grouped-query self-attention, and its variants: per-head q/k RMSNorm (Qwen3), one fused q/k/v projection
+(Phi-3/4)."""
 
 import torch
 import torch.nn.functional as F
@@ -6,6 +7,7 @@ from torch import nn
 
 from mtune.modules.kv_cache import KVCache
 from mtune.modules.packed_attention import segment_attention
+from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import apply_rotary
 
 
@@ -30,11 +32,23 @@ class Attention(nn.Module):
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.sliding_window = sliding_window
-        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.make_projections(dim, qkv_bias)
         self.kv_cache: KVCache | None = None
+
+    def make_projections(self, dim: int, qkv_bias: bool) -> None:
+        """The linears: ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (a fused variant makes others)."""
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x`` ``[b, s, dim]``, each ``[b, s, heads, head_dim]``, before RoPE: the one
+        step the variants below change."""
+        b, s, _ = x.shape
+        return (self.q_proj(x).view(b, s, self.n_heads, self.head_dim),
+                self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim),
+                self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim))
 
     def forward(
         self,
@@ -56,9 +70,7 @@ class Attention(nn.Module):
                 (:mod:`mtune.modules.packed_attention`). Exclusive with ``mask`` and the KV cache.
         """
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.project(x))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
@@ -67,3 +79,47 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class QKNormAttention(Attention):
+    """:class:`Attention` with an RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3): ``q_norm``
+    and ``k_norm``, one ``[head_dim]`` weight each, shared by all heads.
+
+    Args:
+        norm_eps: the norms' epsilon; the other arguments are :class:`Attention`'s.
+        norm: the norm's class (Gemma's ``(1 + weight)`` RMSNorm for Gemma 3).
+        query_pre_attn_scalar: scores are divided by its square root instead of ``head_dim``'s (Gemma 3); applied
+            by scaling the normed queries, so every attention kernel (SDPA, per segment, varlen, the KV cache)
+            stays as it is.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float,
+                 qkv_bias: bool = False, sliding_window: int | None = None, norm: type[RMSNorm] = RMSNorm,
+                 query_pre_attn_scalar: float | None = None) -> None:
+        super().__init__(dim, n_heads, n_kv_heads, head_dim, qkv_bias, sliding_window)
+        self.q_norm = norm(head_dim, norm_eps)
+        self.k_norm = norm(head_dim, norm_eps)
+        self.query_scale = 1.0 if query_pre_attn_scalar is None else (head_dim / query_pre_attn_scalar) ** 0.5
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x)
+        q = self.q_norm(q)
+        return (q if self.query_scale == 1.0 else q * self.query_scale), self.k_norm(k), v
+
+
+class FusedQKVAttention(Attention):
+    """:class:`Attention` with one ``qkv_proj`` (``[(n_heads + 2 * n_kv_heads) * head_dim, dim]``: queries, then keys,
+    then values) instead of three, as Phi-3 and Phi-4 checkpoints store it; kept fused so checkpoints and LoRA
+    adapters (one adapter on ``qkv_proj``) keep the published layout."""
+
+    def make_projections(self, dim: int, qkv_bias: bool) -> None:
+        width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(dim, width, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
+        return (q.view(b, s, self.n_heads, self.head_dim), k.view(b, s, self.n_kv_heads, self.head_dim),
+                v.view(b, s, self.n_kv_heads, self.head_dim))

@@ -26,8 +26,9 @@ On a model with real weights `apply_lora` does the reset itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4, linear
 
 __all__ = [
     "LoRALinear",
+    "adapters_disabled",
     "apply_lora",
     "freeze_base",
     "reset_lora_parameters",
@@ -67,8 +69,10 @@ class LoRALinear(nn.Linear):
 
     State-dict keys: `weight`, `bias` (as nn.Linear, so base checkpoints load unchanged), `lora_a.weight`
     [rank, in], `lora_b.weight` [out, rank], and `magnitude` [out] for DoRA. Input [..., in] -> output [..., out]
-    in the input's dtype.
+    in the input's dtype. While ``adapters_enabled`` is false (:func:`adapters_disabled`) it is its base linear.
     """
+
+    adapters_enabled = True
 
     def __init__(
         self,
@@ -146,6 +150,8 @@ class LoRALinear(nn.Linear):
         MLP dequantizes once per pass, not once per tile)."""
         bias = self.bias if frozen is None else frozen[1]
         base = self._base_linear(x, frozen)
+        if not self.adapters_enabled:
+            return base if bias is None else base + bias
         x_drop = self.dropout(x)
         if self.magnitude is None:
             # base + s * A(x) B^T in one addmm (alpha=s): no [tokens, out] temporaries for the scaled update and the
@@ -252,6 +258,20 @@ def apply_lora(
     if not any(p.is_meta for p in model.parameters()):
         reset_lora_parameters(model)
     return model
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Every `LoRALinear` of ``model`` computes its base linear only (no adapter, no dropout) inside the block: the
+    model the adapters started from, e.g. DPO's reference model, at no memory cost."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapters_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_enabled = True
 
 
 def reset_lora_parameters(model: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""Root-mean-square layer norm."""
+"""Root-mean-square layer norm: Llama's, and Gemma's ``(1 + weight)`` form."""
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ class RMSNorm(nn.Module):
         eps: added to the mean square for numerical safety.
     """
 
+    initial_fill = staticmethod(nn.init.ones_)
+    """How :meth:`TransformerDecoder.init_weights` fills ``weight``: the identity."""
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -27,3 +30,22 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x**2) + eps) * (1 + weight)``, all in fp32 and cast back to the input's dtype
+    at the end (Llama's casts before the weight); ``weight`` starts at zero, the identity."""
+
+    initial_fill = staticmethod(nn.init.zeros_)
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE), with Llama 3.1's frequency scaling."""
+"""Rotary position embeddings (RoPE), with Llama 3.1's frequency scaling, Phi-3/4's LongRoPE and partial rotation."""
 
 import math
 
@@ -10,16 +10,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     """Inverse frequencies ``[head_dim // 2]`` (fp32) for rotary embeddings.
 
     Args:
-        head_dim: per-head size; rotated in two halves (the "rotate half" layout Hugging Face checkpoints use).
+        head_dim: the rotated width of a head (all of it but under partial rotation); rotated in two halves (the
+            "rotate half" layout Hugging Face checkpoints use).
         theta: the base wavelength (``rope_theta``).
         scaling: ``None`` for plain RoPE, or Llama 3.1's ``{"rope_type": "llama3", "factor",
             "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``: long wavelengths are
-            stretched by ``factor``, short ones kept, and the band between is interpolated smoothly.
+            stretched by ``factor``, short ones kept, and the band between is interpolated smoothly. (LongRoPE's
+            two sets of frequencies: :func:`longrope_inv_freq`.)
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
+    if scaling is None or scaling["rope_type"] == "longrope":
         return inv_freq
+    if scaling["rope_type"] == "linear":  # positions divided by ``factor`` (Gemma 3's global layers)
+        return inv_freq / scaling["factor"]
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -31,6 +35,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     return torch.where(in_band, blended, stretched)
 
 
+def longrope_inv_freq(head_dim: int, theta: float, scaling: dict, positions: torch.Tensor) -> torch.Tensor:
+    """LongRoPE (Phi-3, Phi-4): the base frequencies divided per dimension by ``short_factor``, or by
+    ``long_factor`` once the row reaches past ``original_max_position_embeddings`` (its largest position + 1, as
+    transformers decides; chosen on the device, without a host sync)."""
+    inv_freq = rope_inv_freq(head_dim, theta, None, device=positions.device)
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device=positions.device)
+    long = torch.tensor(scaling["long_factor"], dtype=torch.float32, device=positions.device)
+    beyond = positions.max() + 1 > scaling["original_max_position_embeddings"]
+    return inv_freq / torch.where(beyond, long, short)
+
+
 class RotaryEmbedding(nn.Module):
     """Computes ``cos, sin`` tables for given token positions.
 
@@ -38,22 +53,33 @@ class RotaryEmbedding(nn.Module):
     numbers), so a model built on the meta device needs nothing restored after ``to_empty``.
 
     Args:
-        head_dim: per-head size.
+        head_dim: the rotated width of each head: the whole head, or its first part under partial rotation (Phi-4:
+            0.75 of it; attention passes the rest through, see :func:`apply_rotary`).
         theta: ``rope_theta``.
-        scaling: see :func:`rope_inv_freq`.
+        scaling: see :func:`rope_inv_freq`; LongRoPE's (``rope_type: longrope``, with ``short_factor``,
+            ``long_factor``, ``original_max_position_embeddings`` and ``attention_factor``) also scales ``cos`` and
+            ``sin`` by ``attention_factor``.
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.longrope = scaling is not None and scaling["rope_type"] == "longrope"
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` LongTensor ``[b, s]`` -> ``cos, sin`` of shape ``[b, s, head_dim]`` in ``dtype``, the angles
         repeated over the two halves; ``sin``'s first half is negated (the sign of the rotation, applied once here
         instead of in every layer: see :func:`apply_rotary`)."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device=positions.device)
+        if self.longrope:
+            inv_freq = longrope_inv_freq(self.head_dim, self.theta, self.scaling, positions)
+        else:
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device=positions.device)
         angles = positions.float()[..., None] * inv_freq
         sin = angles.sin()
+        if self.longrope:
+            scale = self.scaling["attention_factor"]
+            return ((torch.cat([angles, angles], dim=-1).cos() * scale).to(dtype),
+                    (torch.cat([-sin, sin], dim=-1) * scale).to(dtype))
         return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
@@ -61,5 +87,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` ``[b, heads, s, head_dim]`` by the angles in ``cos, sin`` ``[b, s, head_dim]`` as
     :class:`RotaryEmbedding` returns them (``sin``'s first half negated): with ``x = [x1, x2]`` by halves,
     ``[x1 cos - x2 sin, x2 cos + x1 sin]``, computed as ``x * cos + [x2, x1] * sin``: a roll and a fused
-    multiply-add (1.5x faster forward + backward on CPU than negating and concatenating halves in every layer)."""
+    multiply-add (1.5x faster forward + backward on CPU than negating and concatenating halves in every layer).
+
+    Tables narrower than ``x`` (partial rotation) rotate its first ``cos.shape[-1]`` features and pass the rest."""
+    width = cos.shape[-1]
+    if width != x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :width], cos, sin), x[..., width:]], dim=-1)
     return torch.addcmul(x * cos[:, None], x.roll(x.shape[-1] // 2, dims=-1), sin[:, None])

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtune.modules.feed_forward import FeedForward
+from mtune.modules.feed_forward import FeedForward, FusedFeedForward
 from mtune.modules.fp8_linear import dequantize_fp8, is_fp8_stored
 from mtune.modules.lora import LoRALinear
 from mtune.modules.nf4_linear import dequantize
@@ -67,7 +67,7 @@ def apply_tiled_mlp(model: nn.Module, tiles: "int | str") -> nn.Module:
     if tiles != "auto" and (not isinstance(tiles, int) or tiles < 1):
         raise ValueError(f"mlp tiles must be an int >= 1 or 'auto', got {tiles!r}")
     for module in model.modules():
-        if not isinstance(module, FeedForward):
+        if not isinstance(module, (FeedForward, FusedFeedForward)):
             continue
         if tiles == 1:
             module.__dict__.pop("forward", None)
@@ -84,7 +84,7 @@ def mlp_tiles(module: nn.Module, tokens: int | None = None) -> "int | str":
     setting = getattr(module, _ATTRIBUTE, 1)
     if tokens is None:
         return setting
-    return tile_count(setting, tokens, module.gate_proj.in_features)
+    return tile_count(setting, tokens, module.down_proj.out_features)
 
 
 # ------------------------------------------------------------------------------------------------ projections
@@ -119,13 +119,19 @@ def _projection(module: nn.Module, x: torch.Tensor):
     return module.forward  # unknown projection: called per tile as it is
 
 
-def _projections(mlp: FeedForward, x: torch.Tensor):
+def _projections(mlp: FeedForward | FusedFeedForward, x: torch.Tensor):
+    if isinstance(mlp, FusedFeedForward):
+        return tuple(_projection(m, x) for m in (mlp.gate_up_proj, mlp.down_proj))
     return tuple(_projection(m, x) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
-def _swiglu(projections, x: torch.Tensor) -> torch.Tensor:
+def _swiglu(projections, x: torch.Tensor, activation) -> torch.Tensor:
+    if len(projections) == 2:  # a fused gate_up_proj
+        gate_up, down = projections
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return down(activation(gate) * up)
     gate, up, down = projections
-    return down(F.silu(gate(x)) * up(x))
+    return down(activation(gate(x)) * up(x))
 
 
 # ------------------------------------------------------------------------------------------- the function
@@ -146,7 +152,7 @@ class _TiledMLP(torch.autograd.Function):
         projections = _projections(mlp, x)
         out = None
         for start, end in bounds:
-            y = _swiglu(projections, flat[start:end])
+            y = _swiglu(projections, flat[start:end], mlp.activation)
             if out is None:
                 out = y.new_empty(flat.shape[0], y.shape[-1])
             out[start:end] = y
@@ -169,7 +175,7 @@ class _TiledMLP(torch.autograd.Function):
             for start, end in ctx.bounds:
                 tile = flat[start:end].detach().requires_grad_(need_x)
                 with torch.enable_grad():
-                    y = _swiglu(projections, tile)
+                    y = _swiglu(projections, tile, ctx.mlp.activation)
                 inputs = ([tile] if need_x else []) + params
                 tile_grads = torch.autograd.grad(y, inputs, grad_flat[start:end], allow_unused=True)
                 if need_x:
@@ -207,6 +213,6 @@ def _set_rng_state(x: torch.Tensor, state) -> None:
 def _tiled_forward(mlp: FeedForward, tiles: "int | str", x: torch.Tensor) -> torch.Tensor:
     tiles = tile_count(tiles, x.numel() // x.shape[-1], x.shape[-1])
     if tiles == 1:  # "auto" on a short micro-batch: the plain forward, nothing recomputed
-        return FeedForward.forward(mlp, x)
+        return type(mlp).forward(mlp, x)
     params = [p for p in mlp.parameters() if p.requires_grad]
     return _TiledMLP.apply(mlp, tiles, x, *params)

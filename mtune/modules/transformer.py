@@ -1,4 +1,9 @@
-"""The decoder-only transformer shared by every family (Llama 2/3, Mistral, Qwen2).
+"""The decoder-only transformer shared by every family: embedding, a stack of blocks, final norm, output head.
+
+The stack is chosen per family: :meth:`DecoderArgs.block` builds block ``i`` from the parts in
+:mod:`mtune.modules` (Llama's pre-norm block of attention and SwiGLU MLP by default; a family's arguments class
+overrides :meth:`DecoderArgs.attention` or :meth:`DecoderArgs.block` to pick another attention, MLP or norm layout).
+The decoder itself reads no family flag.
 
 Module names are Hugging Face's (``embed_tokens``, ``layers[i].self_attn.q_proj``, ``lm_head``...), so checkpoints
 map by stripping ``model.`` and adapters target modules by their HF names.
@@ -61,6 +66,33 @@ class DecoderArgs:
         if self.head_dim is None:
             self.head_dim = self.dim // self.n_heads
 
+    def rope(self) -> RotaryEmbedding:
+        """The rotary tables every block shares (a family with partial rotation overrides this)."""
+        return RotaryEmbedding(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def attention_kinds(self) -> dict[str, tuple[RotaryEmbedding, int | None]]:
+        """Each kind of attention layer by name: its rotary tables and sliding window (several for per-layer
+        variation, Gemma 3's ``layer_types``, with :meth:`layer_kind` naming each layer's)."""
+        return {"attention": (self.rope(), self.sliding_window)}
+
+    def layer_kind(self, layer: int) -> str:  # the key of attention_kinds() that block `layer` uses
+        return "attention"
+
+    def embedding(self) -> nn.Module:  # embed_tokens (Gemma's is scaled) and the final norm (Gemma's: 1 + weight)
+        return nn.Embedding(self.vocab_size, self.dim)
+
+    def final_norm(self) -> nn.Module:
+        return RMSNorm(self.dim, self.norm_eps)
+
+    def attention(self, layer: int) -> nn.Module:
+        """The self-attention of block ``layer`` (plain grouped-query attention; families override)."""
+        return Attention(self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.qkv_bias, self.sliding_window)
+
+    def block(self, layer: int) -> nn.Module:
+        """Block ``layer``: a pre-norm :class:`TransformerBlock` of :meth:`attention` and a SwiGLU MLP."""
+        return TransformerBlock(self.dim, self.norm_eps, self.attention(layer),
+                                FeedForward(self.dim, self.intermediate_dim))
+
 
 DENSE_MASK_UP_TO = 256
 """How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
@@ -71,19 +103,18 @@ CPU), segments beyond."""
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, of the attention and MLP it is given.
 
     Called with tensors only (``block(x, cos, sin, mask, cache_pos, cu_seqlens)``), so activation checkpointing,
     ``compile`` and FSDP can wrap it unchanged.
     """
 
-    def __init__(self, args: DecoderArgs) -> None:
+    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.qkv_bias,
-                                   args.sliding_window)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args.dim, args.intermediate_dim)
+        self.input_layernorm = RMSNorm(dim, norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(dim, norm_eps)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -112,18 +143,20 @@ class TransformerDecoder(nn.Module):
             window: ``auto`` (default), ``segments`` or the ``dense_mask`` fallback. All give the same numbers
             (round-off).
         attention_kernels_run: the attention kernels the forwards so far ran (``sdpa_causal``, ``dense_mask``,
-            ``sdpa_per_segment``, ``varlen_flash``; decoding with a cache: ``kv_cache_mask``), for a run's log and
-            results.
+            ``sdpa_per_segment``, ``varlen_flash``, ``kv_cache_mask``), for a run's log and results.
     """
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.embed_tokens = args.embedding()
+        self.layers = nn.ModuleList(args.block(i) for i in range(args.n_layers))
+        self.norm = args.final_norm()
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
+        # rotary tables and window per kind of layer, computed once per forward; the tables hold no state
+        self.kinds = args.attention_kinds()
+        self.layer_kinds = [args.layer_kind(i) for i in range(args.n_layers)]
+        self.rope = self.kinds[self.layer_kinds[0]][0]
         self._next_pos = 0  # decoding position while caches are enabled
         self.attention_kernel = "auto"
         self.attention_kernels_run: set[str] = set()
@@ -149,7 +182,7 @@ class TransformerDecoder(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     yield f"{prefix}bias", nn.init.zeros_
             elif isinstance(module, RMSNorm):
-                yield f"{prefix}weight", nn.init.ones_
+                yield f"{prefix}weight", module.initial_fill
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -208,24 +241,26 @@ class TransformerDecoder(nn.Module):
             start = self._next_pos if caching else 0
             input_pos = torch.arange(start, start + s, device=tokens.device).expand(b, s)
         h = self.embed_tokens(tokens)
-        cos, sin = self.rope(input_pos, h.dtype)
-        mask, cache_pos, cu_seqlens = self._attention_layout(input_pos, document_ids, caching)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache_pos, cu_seqlens)
+        inputs = {}  # per kind of layer: cos, sin, mask, cache_pos, cu_seqlens
+        for kind, (rope, window) in self.kinds.items():
+            inputs[kind] = (*rope(input_pos, h.dtype), *self._attention_layout(input_pos, document_ids, caching,
+                                                                                window))
+        for layer, kind in zip(self.layers, self.layer_kinds):
+            h = layer(h, *inputs[kind])
         if caching:
             self._next_pos = int(input_pos[0, -1]) + 1
         h = self.norm(h)
         return h if return_hidden else self.lm_head(h)
 
-    def _attention_layout(self, input_pos, document_ids, caching
+    def _attention_layout(self, input_pos, document_ids, caching, window=None
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """What each block's attention needs, computed once per forward: ``(mask, cache_pos, cu_seqlens)``.
 
         Plain causal rows: all None (SDPA's causal fast path). Packed rows, or rows longer than the sliding window:
         segment boundaries ``cu_seqlens`` or a dense mask, as ``attention_kernel`` says.
-        Decoding with a KV cache: a mask against the cache and the cache slots.
+        Decoding with a KV cache: a mask against the cache and the cache slots. ``window``: the layers' sliding
+        window (None: full attention).
         """
-        window = self.args.sliding_window
         b, s = input_pos.shape
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel={self.attention_kernel!r}: use one of {ATTENTION_KERNELS}")
@@ -236,13 +271,12 @@ class TransformerDecoder(nn.Module):
                      else self.embed_tokens.weight.dtype)
             self.attention_kernels_run.add(kernel_for(device, dtype, window))
             return None, None, document_boundaries(document_ids, b, s, device)
-        mask, cache_pos = self._mask(input_pos, document_ids, caching)
+        mask, cache_pos = self._mask(input_pos, document_ids, caching, window)
         self.attention_kernels_run.add("kv_cache_mask" if caching else "sdpa_causal" if mask is None else "dense_mask")
         return mask, cache_pos, None
 
-    def _mask(self, input_pos, document_ids, caching) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _mask(self, input_pos, document_ids, caching, window=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Boolean attention mask ``[b, 1, s, kv_len]`` (None means SDPA's causal fast path) and cache slots."""
-        window = self.args.sliding_window
         if caching:
             if document_ids is not None:
                 raise ValueError("document_ids (packed sequences) cannot be combined with a KV cache")

@@ -10,6 +10,9 @@ llama           Llama 3 if ``original/tokenizer.model`` or ``tokenizer.model`` i
                 ``tokenizer.model`` is a sentencepiece model
 mistral         Mistral v3 sentencepiece ``tokenizer.model`` (or ``tokenizer.model.v3``)
 qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
+qwen3           Qwen3 ``tokenizer.json`` (Qwen2's with ``<think>`` / ``</think>``)
+phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
+gemma3(_text)   Gemma 3 ``tokenizer.json`` (family ``gemma3``)
 ==============  =====================================================================================
 
 Without ``config.json`` (or given a single file) the kind is inferred from the files themselves.
@@ -23,7 +26,7 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3")
 
 
 def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
@@ -38,6 +41,12 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         from mtune.tokenizers.llama2 import Llama2Tokenizer as cls
     elif family == "mistral":
         from mtune.tokenizers.mistral import MistralTokenizer as cls
+    elif family == "qwen3":
+        from mtune.tokenizers.qwen3 import Qwen3Tokenizer as cls
+    elif family == "phi4":
+        from mtune.tokenizers.phi4 import Phi4Tokenizer as cls
+    elif family == "gemma3":
+        from mtune.tokenizers.gemma3 import Gemma3Tokenizer as cls
     else:
         from mtune.tokenizers.qwen2 import Qwen2Tokenizer as cls
     return cls(file, max_seq_len=max_seq_len)
@@ -80,11 +89,17 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
                 return "mistral", path / name
         raise PathNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
                                 "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         if (path / "tokenizer.json").is_file():
-            return "qwen2", path / "tokenizer.json"
-        raise PathNotFoundError(f"{path}: a qwen2 model without tokenizer.json; download it with the weights")
-    raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, qwen2")
+            return model_type, path / "tokenizer.json"
+        raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
+    family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(model_type)
+    if family is not None:
+        if (path / "tokenizer.json").is_file():
+            return family, path / "tokenizer.json"
+        raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
+    raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
+                         "qwen2, qwen3, phi3, gemma3")
 
 
 def _family_of_file(file: Path) -> str:
@@ -92,10 +107,15 @@ def _family_of_file(file: Path) -> str:
         spec = json.loads(file.read_text(encoding="utf-8"))
         added = {t.get("content") for t in spec.get("added_tokens") or []}
         if "<|im_start|>" in added:
-            return "qwen2"
+            return "qwen3" if "</think>" in added else "qwen2"
         if "<|begin_of_text|>" in added:
             return "llama3"
-        raise TokenizerError(f"{file}: neither a Qwen2 (<|im_start|>) nor a Llama 3 (<|begin_of_text|>) tokenizer.json")
+        if "<|assistant|>" in added and "<|end|>" in added:
+            return "phi4"
+        if "<start_of_turn>" in added:
+            return "gemma3"
+        raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>) or Phi-4 (<|assistant|>, "
+                             "<|end|>) or Gemma 3 (<start_of_turn>) tokenizer.json")
     from mtune.tokenizers.llama3 import is_tiktoken_file
 
     if is_tiktoken_file(file):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from mtune.errors import MtuneError
 from mtune.training.distributed import all_reduce
 
 __all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "step_on_tensors", "evaluate",
-           "forward_loss"]
+           "forward_loss", "loss_metrics"]
 
 
 class NonFiniteLossError(MtuneError, RuntimeError):
@@ -34,6 +34,7 @@ class StepResult:
     num_tokens: int  # tokens before padding, prompts included (this rank)
     grad_norm: float | None  # before clipping; None without clip_grad_norm
     stepped: bool  # False when fp16 loss scaling skipped the step
+    metrics: dict = field(default_factory=dict)  # the loss's own (preference losses: rewards/*, logps/*)
 
 
 def micro_batch_groups(batches: Iterable[dict], accumulation_steps: int) -> Iterator[list[dict]]:
@@ -48,7 +49,10 @@ def micro_batch_groups(batches: Iterable[dict], accumulation_steps: int) -> Iter
 
 
 def forward_loss(model: nn.Module, batch: dict, loss_fn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(summed token loss, trained tokens)`` of one batch already on the model's device."""
+    """``(summed loss, what it sums over)`` of one batch already on the model's device: trained tokens, or the pairs
+    of a loss that runs the model itself (``loss_fn.forward_batch``, preference pairs)."""
+    if hasattr(loss_fn, "forward_batch"):
+        return loss_fn.forward_batch(model, batch)
     output = model(
         batch["tokens"],
         input_pos=batch.get("input_pos"),
@@ -86,7 +90,9 @@ def train_step(
     ``before_zero_grad()`` runs after the optimizer step while gradients still exist (memory accounting).
     """
     local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
-    total = all_reduce(torch.tensor(float(local_tokens), device=device))
+    count = getattr(loss_fn, "count", None)  # what the loss is a mean over: tokens, or a pair loss's pairs
+    local_count = sum(count(b) for b in micro_batches) if count else local_tokens
+    total = all_reduce(torch.tensor(float(local_count), device=device))
     num_tokens = sum(int(batch.get("num_tokens", batch["tokens"].numel())) for batch in micro_batches)
     loss_sum, grad_norm, stepped = step_on_tensors(
         model, micro_batches, loss_fn, optimizer, denominator=total.clamp(min=1.0) / world_size, device=device,
@@ -94,8 +100,15 @@ def train_step(
         check_loss=lambda loss_sum: _check_finite(all_reduce(loss_sum), total, step, fp16, model),
     )
     mean_loss = (loss_sum / total.clamp(min=1.0)).item()
-    return StepResult(mean_loss, int(total.item()), num_tokens, None if grad_norm is None else float(grad_norm),
-                      stepped)
+    trained = total if count is None else all_reduce(torch.tensor(float(local_tokens), device=device))
+    return StepResult(mean_loss, int(trained.item()), num_tokens, None if grad_norm is None else float(grad_norm),
+                      stepped, loss_metrics(loss_fn))
+
+
+def loss_metrics(loss_fn: nn.Module) -> dict[str, float]:
+    """The loss's own metrics since they were last taken (a preference loss's rewards), means over all ranks."""
+    take = getattr(loss_fn, "take_metrics", None)
+    return take(reduce=all_reduce) if take is not None else {}
 
 
 def _check_finite(loss_sum: torch.Tensor, total: torch.Tensor, step: int, fp16: bool, model: nn.Module) -> None:
@@ -156,8 +169,11 @@ def step_on_tensors(
 @torch.no_grad()
 def evaluate(
     model: nn.Module, batches: Iterable[dict], loss_fn: nn.Module, *, device: torch.device, autocast=contextlib.nullcontext,
+    metrics: dict | None = None,
 ) -> float:
-    """Token-weighted mean loss over ``batches`` (all ranks), with the model in eval mode."""
+    """Token-weighted (or pair-weighted: see :func:`forward_loss`) mean loss over ``batches`` (all ranks), with the
+    model in eval mode; the loss's own metrics over them (:func:`loss_metrics`) go into ``metrics`` when given."""
+    loss_metrics(loss_fn)  # a step's metrics stay the step's
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
@@ -171,5 +187,8 @@ def evaluate(
             tokens += n
     finally:
         model.train(was_training)
+    taken = loss_metrics(loss_fn)
+    if metrics is not None:
+        metrics.update(taken)
     loss_sum, tokens = all_reduce(loss_sum), all_reduce(tokens)
     return (loss_sum / tokens.clamp(min=1.0)).item()

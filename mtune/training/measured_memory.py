@@ -38,16 +38,21 @@ def tracks_tensor_bytes(cfg: Mapping[str, Any]) -> bool:
     return bool(cfg.get("memory_breakdown") or cfg.get("plan_check")) and not MemoryConfig.from_config(cfg).compile
 
 
-def memory_breakdown(cfg, run: RunContext, model: nn.Module, optimizer: torch.optim.Optimizer) -> MemoryBreakdown:
+def memory_breakdown(cfg, run: RunContext, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     frozen=()) -> MemoryBreakdown:
     """The run's tracker of live tensor bytes. They cost a Python call per op: tracked only when
     ``memory_breakdown`` or ``plan_check`` asks, and for ``plan_check`` alone only over the first steps (see
-    docs/plan.md for the measured overhead). With ``device_memory_limit`` on a device other than CUDA (whose
-    allocator enforces it), every step is tracked and one over the limit raises torch.OutOfMemoryError."""
+    docs/plan.md for the measured overhead). ``frozen``: weights outside the model counted as parameters (a
+    preference run's reference copy). With ``device_memory_limit`` on a device other than CUDA (whose allocator
+    enforces it), every step is tracked and one over the limit raises torch.OutOfMemoryError."""
     limit = tracked_device_limit(cfg, run.device)
-    return MemoryBreakdown(model, inner_optimizers(optimizer), run.output_dir,
-                           enabled=tracks_tensor_bytes(cfg) or limit is not None, rank=run.rank,
-                           write=bool(cfg.get("memory_breakdown")), placement=run.placement,
-                           track_all_steps=bool(cfg.get("memory_breakdown")), device_limit=limit)
+    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), run.output_dir,
+                                enabled=tracks_tensor_bytes(cfg) or limit is not None, rank=run.rank,
+                                write=bool(cfg.get("memory_breakdown")), placement=run.placement,
+                                track_all_steps=bool(cfg.get("memory_breakdown")), device_limit=limit)
+    for tensor in frozen if breakdown.tracker is not None else ():
+        breakdown.tracker.track(tensor, "parameters")
+    return breakdown
 
 
 def tracked_device_limit(cfg: Mapping[str, Any], device: torch.device) -> int | None:

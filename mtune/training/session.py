@@ -77,16 +77,16 @@ class TrainingSession:
 
     @classmethod
     def from_config(cls, cfg, run: RunContext, *, model: nn.Module, tokenizer, optimizer, data,
-                    base_checkpoint_dir, activation_context=None) -> "TrainingSession":
-        """The session of a training recipe, from its config and the parts it set up: builds the LR schedule
-        (``lr_scheduler``), the loss (``loss``, default cross-entropy), the checkpointer (sharded DCP state when a
-        process group is up, a LoRA adapter when the config has a ``lora`` node) and the task metric
-        (``task_eval``), then resumes when ``resume_from_checkpoint`` asks.
+                    base_checkpoint_dir, activation_context=None, loss_fn=None, task_eval=None) -> "TrainingSession":
+        """The session of a training recipe, from its config and the parts it set up: builds the LR schedule, the
+        loss (default cross-entropy), the checkpointer (sharded DCP state when a process group is up, a LoRA adapter
+        with a ``lora`` node) and the task metric, then resumes when ``resume_from_checkpoint`` asks.
 
         Args:
             data: ``(train_loader, val_loader, plan)`` from :func:`setup_data`.
             base_checkpoint_dir: the checkpoint the model started from (None for random weights).
             activation_context: from ``setup_model`` (activation offloading), or None.
+            loss_fn, task_eval: built by the recipe instead of from ``loss`` / ``task_eval`` (preference recipes).
         """
         train_loader, val_loader, plan = data
         plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"), warn=run.is_main)
@@ -108,10 +108,11 @@ class TrainingSession:
             world_size=run.world_size)
         lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=length.schedule_steps)
         length.apply(lr_scheduler, path)
+        loss_fn, task_eval = loss_fn or instantiate(cfg.loss) or CrossEntropyLoss(), task_eval or instantiate(
+            cfg.get("task_eval"))
         session = cls(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                      loss_fn=instantiate(cfg.loss) or CrossEntropyLoss(), train_loader=train_loader,
-                      val_loader=val_loader, plan=plan, checkpointer=checkpointer,
-                      activation_context=activation_context, task_eval=instantiate(cfg.task_eval))
+                      loss_fn=loss_fn, train_loader=train_loader, val_loader=val_loader, plan=plan,
+                      checkpointer=checkpointer, activation_context=activation_context, task_eval=task_eval)
         session.length = length
         if path is not None:
             session.resume(path)
@@ -143,8 +144,9 @@ class TrainingSession:
             metric_logger=self.cfg.get("metric_logger"), rank=self.run.rank, world_size=self.run.world_size,
             peak=self._setup_utilization(),
         )
-        self.breakdown = memory_breakdown(self.cfg, self.run, self.model, self.optimizer)
-        self.recovery = StepRecovery(bool(self.cfg.get("oom_recovery")), self.run.world_size)
+        self.breakdown = memory_breakdown(self.cfg, self.run, self.model, self.optimizer,
+                                          frozen=getattr(self.loss_fn, "frozen_tensors", ()))
+        self.recovery = StepRecovery(bool(self.cfg.get("oom_recovery")), self.optimizer, self.run.world_size)
         self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
@@ -195,16 +197,14 @@ class TrainingSession:
 
     def _train_step(self, micro_batches: list[dict]) -> StepResult:
         self._step_flops_now = self.step_flops(micro_batches)
-        self._longest_batch = max([getattr(self, "_longest_batch", 0)]
-                                  + [int(b["tokens"].shape[-1]) for b in micro_batches])
+        lengths = (int(b["tokens"].shape[-1]) for b in micro_batches)
+        self._longest_batch = max(getattr(self, "_longest_batch", 0), *lengths)
         with oom_guard("forward/backward and optimizer step", self.cfg):  # oom_recovery: StepRecovery retries first
-            return self.recovery.run(self._step_once, micro_batches, step=self.step + 1, optimizer=self.optimizer,
-                                     forget=self.breakdown.discard_step)
+            return self.recovery.run(self._step_once, micro_batches, self.step + 1, forget=self.breakdown.discard_step)
 
     def _step_once(self, micro_batches: list[dict]) -> StepResult:
         with contextlib.ExitStack() as stack:
-            # The byte tracker sees every op of the step (a dispatch mode: offloading's hooks never hide it)
-            stack.enter_context(self.breakdown.track_step())
+            stack.enter_context(self.breakdown.track_step())  # every op of the step (a dispatch mode, not a hook)
             if self.activation_context is not None:
                 stack.enter_context(self.activation_context)
             return train_step(self.model, micro_batches, self.loss_fn, self.optimizer, device=self.run.device,
@@ -294,7 +294,7 @@ class TrainingSession:
             with oom_guard("task evaluation", self.cfg):
                 scores = self.task_eval(self.model, self.tokenizer)
         self.results[f"task_eval_{when}"] = scores
-        self.monitor.write(f"{what}: exact_match {scores['exact_match']:.1%} on {scores['num_samples']} samples "
-                           f"({activity.seconds:.1f} s)")
+        summary = scores.get("summary") or f"exact_match {scores['exact_match']:.1%}"
+        self.monitor.write(f"{what}: {summary} on {scores['num_samples']} samples ({activity.seconds:.1f} s)")
         for example in scores.get("examples", [])[:2]:
             self.monitor.write(f"  {example['prompt']!r} -> {example['answer']!r} (expected {example['reference']!r})")

@@ -14,6 +14,12 @@ _TINY = dict(
 _LLAMA3_SCALING = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64,
 )
+# Phi-4-mini's RoPE on the tiny shape: the first 48 of 64 features rotated, LongRoPE from a 64-token context to 512
+# (the factors, 24 per set, equal mtune's tiny size's).
+_PHI4_LONGROPE = dict(
+    rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(24)],
+    long_factor=[2.0 + 0.5 * i for i in range(24)], original_max_position_embeddings=64, partial_rotary_factor=0.75,
+)
 FAMILY_CONFIGS = {
     "llama2": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=10000.0)),
     "llama3_1": ("LlamaConfig", dict(rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING)),
@@ -21,6 +27,18 @@ FAMILY_CONFIGS = {
                                      tie_word_embeddings=True)),
     "qwen2_5": ("Qwen2Config", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=8)),
+    # 8 heads of 64 on a 256-wide model: head_dim independent of hidden_size / heads, as in every Qwen3 size.
+    "qwen3": ("Qwen3Config", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
+                                  num_key_value_heads=4, tie_word_embeddings=True)),
+    # 6 layers: 5 sliding (window 8, RoPE base 1e4) and a global one (base 1e6 stretched x8); 1/sqrt(32) scores
+    "gemma3": ("Gemma3TextConfig", dict(rms_norm_eps=1e-6, num_hidden_layers=6, sliding_window=8,
+                                        query_pre_attn_scalar=32, rope_parameters={
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                                        tie_word_embeddings=True, pad_token_id=0)),
+    "phi4": ("Phi3Config", dict(rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=_PHI4_LONGROPE,
+                                original_max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)),
 }
 
 
@@ -46,11 +64,13 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random norms and biases too, so parity checks cover them (they start as ones / zeros).
+    # Random norms and biases too, so parity checks cover them (they start as ones / zeros; Gemma's norms, which
+    # scale by 1 + weight, as zeros).
+    unit = 0.0 if family == "gemma3" else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
+                param.normal_(unit if name.endswith("norm.weight") else 0.0, 0.1)
     return model.eval()
 
 

@@ -59,6 +59,58 @@ QWEN2_5_CHAT_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3's (Qwen/Qwen3-8B tokenizer_config.json), its tool-calling branches left out as above.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and "
+    "not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}"
+    "{%- endif %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- else %}{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + "
+    "content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+# Phi-4-mini-instruct's (microsoft/Phi-4-mini-instruct tokenizer_config.json), its tools branch left out.
+PHI4_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+# Gemma 3's (google/gemma-3-1b-it tokenizer_config.json), its image-content branch left out.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = \"\" -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\\n'}}{%- endif -%}"
+)
+
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
@@ -68,7 +120,7 @@ QWEN2_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3")
 
 _WORDS = (
     "the model learns to follow instructions and answers questions about data training tokens memory "
@@ -246,6 +298,80 @@ def write_qwen2_tokenizer(model_dir: str | Path) -> int:
     return vocab_size
 
 
+QWEN3_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+
+
+def write_qwen3_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Qwen3-style `tokenizer.json`: Qwen2's with `<think>` and `</think>` added (not special, as in
+    Qwen3's file) and Qwen3's chat template. Returns the vocab size (505)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(_byte_level_bpe(QWEN2_PATTERN, QWEN2_BASE_VOCAB))
+    spec["normalizer"] = {"type": "NFC"}
+    spec["added_tokens"] = [
+        {"id": QWEN2_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": "think" not in t} for i, t in enumerate(QWEN3_ADDED)
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": QWEN3_CHAT_TEMPLATE,
+    })
+    vocab_size = QWEN2_BASE_VOCAB + len(QWEN3_ADDED)
+    _merge_config(model_dir, {"model_type": "qwen3", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2,
+                              "vocab_size": vocab_size})
+    return vocab_size
+
+
+PHI4_BASE_VOCAB = 500
+PHI4_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>")
+
+
+def write_phi4_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Phi-4-mini-style `tokenizer.json` (byte-level BPE, `<|endoftext|>`, the role tokens and `<|end|>`
+    added after a 500-token base) and Phi-4-mini's chat template. Returns the vocab size (505)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, PHI4_BASE_VOCAB))
+    spec["added_tokens"] = [
+        {"id": PHI4_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i, t in enumerate(PHI4_ADDED)
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": PHI4_CHAT_TEMPLATE,
+    })
+    vocab_size = PHI4_BASE_VOCAB + len(PHI4_ADDED)
+    _merge_config(model_dir, {"model_type": "phi3", "bos_token_id": PHI4_BASE_VOCAB, "eos_token_id": PHI4_BASE_VOCAB,
+                              "vocab_size": vocab_size})
+    return vocab_size
+
+
+GEMMA3_ADDED = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+
+
+def write_gemma3_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny `tokenizer.json` with Gemma 3's control tokens (byte-level BPE here; Gemma's own is a
+    sentencepiece-style BPE, read by the same `tokenizers` code) and Gemma 3's chat template. Returns 505."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, PHI4_BASE_VOCAB))
+    spec["added_tokens"] = [
+        {"id": PHI4_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i, t in enumerate(GEMMA3_ADDED)
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
+    _write_json(model_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "add_bos_token": False, "chat_template": GEMMA3_CHAT_TEMPLATE,
+    })
+    vocab_size = PHI4_BASE_VOCAB + len(GEMMA3_ADDED)
+    _merge_config(model_dir, {"model_type": "gemma3_text", "bos_token_id": PHI4_BASE_VOCAB + 2,
+                              "eos_token_id": PHI4_BASE_VOCAB + 1, "vocab_size": vocab_size})
+    return vocab_size
+
+
 def _merge_config(model_dir: Path, fields: dict) -> None:
     # A model helper may have written config.json already: keep its fields, only fill in missing ones.
     path = model_dir / "config.json"
@@ -256,12 +382,13 @@ def _merge_config(model_dir: Path, fields: dict) -> None:
 
 
 _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
-            "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer}
+            "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer,
+            "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer}
 
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
-    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2) to `model_dir`; returns its vocab size
-    (llama2/mistral 500, llama3 768, qwen2 503) so the model's embedding can match. An existing config.json keeps
+    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | phi4 | gemma3) to `model_dir`;
+    returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3 / phi4 / gemma3 505) so the model's embedding can match. An existing config.json keeps
     its own fields (its `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")

@@ -127,9 +127,9 @@ LAYERS = [
      "mtune.training.lr_schedulers", "mtune.training.output_lock", "mtune.training.data_setup",
      "mtune.training.placement", "mtune.training.precision", "mtune.training.shards"],
     ["mtune.training.loop", "mtune.training.checkpointing", "mtune.training.task_eval", "mtune.training.optimizers",
-     "mtune.training.run_length"],
+     "mtune.training.run_length", "mtune.training.reference_cache"],
     ["mtune.training.observe", "mtune.training.context", "mtune.training.model_setup"],
-    ["mtune.training.planning", "mtune.training.measured_memory"],
+    ["mtune.training.planning", "mtune.training.measured_memory", "mtune.training.reference"],
     ["mtune.training.session"],
     ["mtune._cli", "mtune.__main__"],
 ]

@@ -18,7 +18,8 @@ def test_paths_and_config_resolver(tmp_path):
     from mtune.config.loading import load_config
 
     assert (tiny_model_dir() / "config.json").is_file()
-    assert {p.name for p in tiny_data_dir().iterdir()} == {"train.jsonl", "eval.jsonl"}
+    assert {p.name for p in tiny_data_dir().iterdir()} == {"train.jsonl", "eval.jsonl", "preference_train.jsonl",
+                                                           "preference_eval.jsonl"}
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("model:\n  checkpoint_dir: ${mtune_asset:tiny/model}\n")
     assert load_config(cfg_file).model.checkpoint_dir == str(tiny_model_dir())
@@ -106,3 +107,18 @@ def test_chat_warmup_examples_are_never_reversal():
             x, step = question.split(" ")[-1], -1 if "before" in question else 1
             assert row["output"] == words[words.index(x) + step]
     assert kinds == {"Repeat", "What", "Which"}
+
+
+def test_preference_pairs_are_the_task_rows_with_a_wrong_answer():
+    """preference_{train,eval}.jsonl are `preference_split` of the first 1024 train rows and the 100 eval rows: the
+    chosen answer the exact reversal, the rejected one the given order or the reversal with two neighbours swapped."""
+    from mtune.data.word_reversal import preference_split
+
+    for name, source, n, seed in (("train", "train.jsonl", 1024, 1), ("eval", "eval.jsonl", 100, 2)):
+        pairs = _rows(f"preference_{name}.jsonl")
+        assert pairs == preference_split(_rows(source)[:n], seed)
+        for pair in pairs:
+            words = pair["chosen"].split()
+            assert pair["rejected"] != pair["chosen"] and sorted(pair["rejected"].split()) == sorted(words)
+        kinds = {pair["rejected"] == " ".join(reversed(pair["chosen"].split())) for pair in pairs}
+        assert kinds == {True, False}  # both kinds of wrong answer

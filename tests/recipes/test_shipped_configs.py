@@ -27,6 +27,7 @@ RECIPES = REPO / "recipes"
 CONFIGS = builtin_configs(RECIPES)
 
 # Checkpoint directory name -> what its config.json says (family, mtune size), the published parameter count, and
+# (Qwen3: the exact count of the hub config.json, which transformers builds too; its cards round it to 0.6B-32.8B),
 # the trainable count PEFT reports for rank-8 LoRA on q/k/v/o/gate/up/down (get_peft_model on transformers' meta
 # model of the same config.json; Llama 3.1 8B's 20,971,520 is also the figure PEFT prints in its own examples).
 CHECKPOINTS = {
@@ -39,20 +40,44 @@ CHECKPOINTS = {
     "Qwen2.5-7B-Instruct": ("qwen2_5", "7B", 7_615_616_512, 20_185_088),
     "Mistral-7B-Instruct-v0.3": ("mistral", "7B-v0.3", 7_248_023_552, 20_971_520),
     "Llama-2-7b-chat-hf": ("llama2", "7B", 6_738_415_616, 19_988_480),
+    "Qwen3-0.6B": ("qwen3", "0.6B", 596_049_920, 5_046_272),
+    "Qwen3-1.7B": ("qwen3", "1.7B", 1_720_574_976, 8_716_288),
+    "Qwen3-4B": ("qwen3", "4B", 4_022_468_096, 16_515_072),
+    "Qwen3-8B": ("qwen3", "8B", 8_190_735_360, 21_823_488),
+    "Qwen3-14B": ("qwen3", "14B", 14_768_307_200, 32_112_640),
+    "Qwen3-32B": ("qwen3", "32B", 32_762_123_264, 67_108_864),
+    # Phi-4-mini: rank-8 LoRA on its fused qkv_proj / gate_up_proj and o_proj / down_proj
+    "Phi-4-mini-instruct": ("phi4", "mini", 3_836_021_760, 11_534_336),
+    # Gemma 3: 1B is text-only; 4B-27B count their text tower (what mtune loads and trains), as transformers'
+    # Gemma3ForCausalLM does from the text config
+    "gemma-3-1b-it": ("gemma3", "1B", 999_885_952, 6_522_880),
+    "gemma-3-4b-it": ("gemma3", "4B", 3_880_263_168, 14_901_248),
+    "gemma-3-12b-it": ("gemma3", "12B", 11_766_034_176, 32_735_232),
+    "gemma-3-27b-it": ("gemma3", "27B", 27_009_346_304, 56_758_272),
 }
+ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # else the seven of Llama's block
 
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
-LOW_MEMORY = {"llama3_1": "8B", "qwen2_5": "7B", "mistral": "7B", "llama2": "7B"}
+LOW_MEMORY = {"llama3_1": "8B", "qwen2_5": "7B", "mistral": "7B", "llama2": "7B", "qwen3": "8B"}
+PREFERENCE = {"llama3_1/8B_lora_dpo_single_device", "llama3_1/8B_full_dpo_distributed", "tiny/lora_dpo_single_device",
+              "tiny/full_dpo_single_device", "tiny/lora_dpo_distributed", "tiny/full_dpo_distributed"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
-               "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed"}
+               "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed"}
+ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
+                      "gemma3": ["1B", "4B", "12B", "27B"]}  # LoRA and QLoRA, no full single-device
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}
+    | {f"{family}/{size}_{method}_single_device" for family, sizes in ADAPTER_ONLY_SIZES.items() for size in sizes
+       for method in ("lora", "qlora")}
     | {f"{family}/{size}_full_single_device_low_memory" for family, size in LOW_MEMORY.items()}
     | DISTRIBUTED
+    | PREFERENCE
+    | {"phi4/mini_lora_single_device"}
 )
-TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distributed", "lora_distributed"}
+TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distributed", "lora_distributed",
+                    "lora_dpo_single_device", "full_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"}
 
 # Where the shipped configs put a user's runs (this test only reads the text; nothing is written there).
 USER_RUNS = Path("/tmp") / "mtune"
@@ -128,12 +153,12 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         if lora is None:
             assert trainable == published, name
             continue
-        assert (lora.rank, list(lora.modules), lora.use_dora) == (8, ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                      "gate_proj", "up_proj", "down_proj"], False)
+        seven = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        assert (lora.rank, list(lora.modules), lora.use_dora) == (8, ADAPTED.get(family, seven), False)
         assert trainable == peft_trainable, f"{name}: {trainable:,} trainable, PEFT {peft_trainable:,}"
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.")
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
-        assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all seven are adapted
+        assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name
         assert not any(isinstance(m, FrozenNF4Linear) for m in model.modules())  # nothing left unadapted
 

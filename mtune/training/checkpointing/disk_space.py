@@ -65,7 +65,9 @@ def predicted_bytes(model: Any, optimizer: Any = None, *, adapter_only: bool = F
         return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
 
     trainable = nbytes(p for p in model.parameters() if p.requires_grad)
-    whole = nbytes(model.state_dict().values())
+    # Parameters and buffers rather than state_dict(): one rank predicts, and an FSDP2 model's state_dict hooks may
+    # run collectives that the other ranks would not join.
+    whole = nbytes([*model.parameters(), *model.buffers()])
     model_bytes = trainable if adapter_only else (whole + (trainable if merged else 0))
     if optimizer is None:
         return model_bytes

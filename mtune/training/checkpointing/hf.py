@@ -6,6 +6,7 @@ one full tensor at a time) and shards the output at a size limit.
 """
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -16,7 +17,7 @@ from torch import nn
 
 from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
-from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
+from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config, text_model_key
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
 from mtune.units import parse_bytes
@@ -28,6 +29,7 @@ INDEX_NAME = "model.safetensors.index.json"
 _COPIED_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken")
 _NOT_COPIED = {CONFIG_NAME, INDEX_NAME, "mtune_state.json"}
 _SHARD_SIZE_ERROR = "{what} {text!r} is not a size; write e.g. 5GB, 500MB or a number of bytes"
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(MtuneError, ValueError):
@@ -38,9 +40,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def mtune_name(hf_key: str) -> str:
-    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.self_attn.q_proj.weight``."""
-    return hf_key.removeprefix("model.")
+def mtune_name(hf_key: str) -> str | None:
+    """``model.layers.0.self_attn.q_proj.weight`` (or a multimodal checkpoint's text-model key, see
+    :func:`text_model_key`) -> ``layers.0.self_attn.q_proj.weight``; None for a tower mtune does not train."""
+    key = text_model_key(hf_key)
+    return None if key is None else key.removeprefix("model.")
 
 
 def hf_key(name: str) -> str:
@@ -143,13 +147,17 @@ def locate_tensors(
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     listed = set()
+    skipped = 0
     for path, keys in checkpoint_keys(checkpoint_dir).items():
         for key in keys:
             name = mtune_name(key)
-            if tied and name == "lm_head.weight":
-                continue  # some tied checkpoints store the shared matrix twice
+            skipped += name is None
+            if name is None or (tied and name == "lm_head.weight"):
+                continue  # a vision tower; some tied checkpoints store the shared matrix twice
             by_file.setdefault(path, []).append((name, key))
             listed.add(name)
+    if skipped:
+        log.info("%s: %d vision-tower tensors skipped (mtune trains the text model)", checkpoint_dir, skipped)
     missing, unexpected = expected.keys() - listed, listed - expected.keys()
     if missing or unexpected:
         raise CheckpointError(
@@ -256,6 +264,8 @@ def save_hf_checkpoint(
     items = weights.items() if isinstance(weights, Mapping) else weights
     if source_dir is not None:
         config = read_hf_config(source_dir)
+        if config.get("text_config") is not None:  # a multimodal checkpoint: its text model is what was trained
+            config = hf_config_from_model_args(load_hf_config(source_dir)[1])
     elif model_args is not None:
         config = hf_config_from_model_args(model_args)
     else:

@@ -123,8 +123,9 @@ class StepRecovery:
         ... except torch.OutOfMemoryError as err: recovery.retry(err, ...) -> True: run it again
     """
 
-    def __init__(self, enabled: bool, world_size: int = 1):
+    def __init__(self, enabled: bool, optimizer, world_size: int = 1):
         self.enabled = enabled and world_size == 1
+        self.optimizer = optimizer
         self.halvings = 0  # how many times every step's micro-batches are halved since the run began
         self._stepped = False
 
@@ -147,7 +148,7 @@ class StepRecovery:
         finally:
             handle.remove()
 
-    def run(self, step_fn: Callable[[list[dict]], Any], micro_batches: list[dict], *, step: int, optimizer,
+    def run(self, step_fn: Callable[[list[dict]], Any], micro_batches: list[dict], step: int, *,
             forget: Callable[[], None]) -> Any:
         """``step_fn`` on the step's micro-batches, run again in smaller ones while :meth:`retry` allows; ``forget``
         drops a failed attempt's measurements (called once its tensors are gone)."""
@@ -156,13 +157,13 @@ class StepRecovery:
                 with self.watch():
                     return step_fn(self.split(micro_batches))
             except torch.OutOfMemoryError as err:
-                line = self.retry(err, micro_batches, step=step, optimizer=optimizer)
+                line = self.retry(err, micro_batches, step=step)
                 if line is None:
                     raise
             forget()  # outside the except block: the failed attempt's frames, and so its tensors, are freed
             log.warning(line)
 
-    def retry(self, err: BaseException, micro_batches: list[dict], *, step: int, optimizer) -> str | None:
+    def retry(self, err: BaseException, micro_batches: list[dict], *, step: int) -> str | None:
         """After an out-of-memory error in ``step``: the line to log when the step can run again in smaller
         micro-batches (gradients cleared, the allocator's cache emptied), else None (the error stands)."""
         if not self.enabled or self._stepped:
@@ -170,7 +171,7 @@ class StepRecovery:
         if halve_micro_batches(self.split(micro_batches)) is None:
             return None
         self.halvings += 1
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         smaller = self.split(micro_batches)

@@ -124,6 +124,11 @@ def _trains(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
+def _present(module: nn.Module, *names: str) -> list[nn.Module]:
+    """The submodules of ``module`` by these names that it has, in this order."""
+    return [getattr(module, name) for name in names if hasattr(module, name)]
+
+
 def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, checkpointed: str | None,
            tiled: bool = False) -> bool:
     """Adds one transformer block; returns whether the residual stream after it needs a gradient.
@@ -136,18 +141,15 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, c
     start = tally.forward
     attn, mlp = block.self_attn, block.mlp
     x = stream_grad or _trains(block.input_layernorm)
-    q = _linear(tally, attn.q_proj, x, "linear")
-    k = _linear(tally, attn.k_proj, x, "linear")
-    v = _linear(tally, attn.v_proj, x, "linear")
+    # separate q/k/v projections, or one fused qkv_proj (Phi-4); each counted as it runs
+    attn_grad = any([_linear(tally, m, x, "linear") for m in _present(attn, "q_proj", "k_proj", "v_proj", "qkv_proj")])
     core = 4.0 * seq_len * attn.n_heads * attn.head_dim
-    attn_grad = q or k or v
     tally.add("attention", core, 2.0 * core * attn_grad)
     h = _linear(tally, attn.o_proj, attn_grad, "linear") or stream_grad
     x = h or _trains(block.post_attention_layernorm)
     mlp_start = tally.forward
-    gate = _linear(tally, mlp.gate_proj, x, "linear")
-    up = _linear(tally, mlp.up_proj, x, "linear")
-    down = _linear(tally, mlp.down_proj, gate or up, "linear")
+    gate_up = any([_linear(tally, m, x, "linear") for m in _present(mlp, "gate_proj", "up_proj", "gate_up_proj")])
+    down = _linear(tally, mlp.down_proj, gate_up, "linear")
     if checkpointed == "block":
         tally.recompute += tally.forward - start - (0.0 if tiled else tally.last)
     if tiled:

@@ -145,6 +145,7 @@ class TrainingMonitor:
             metrics["grad_norm"] = result.grad_norm
         if not result.stepped:
             metrics["skipped_step"] = 1
+        metrics.update(result.metrics)
         metrics.update(extra or {})
         return metrics
 

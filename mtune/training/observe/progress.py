@@ -29,6 +29,8 @@ T = TypeVar("T")
 _SHOWN = (
     ("loss", "loss", "{:.4f}"),
     ("val_loss", "val_loss", "{:.4f}"),
+    ("rewards/accuracies", "reward_acc", "{:.2f}"),  # preference recipes
+    ("rewards/margins", "margin", "{:.3f}"),
     ("lr", "lr", "{:.2e}"),
     ("grad_norm", "grad_norm", "{:.3f}"),
     ("tokens_per_second", "tok/s", "{:.0f}"),

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtune.config.keys import samples_per_step
+from mtune.config.keys import is_preference, reference_choice, samples_per_step
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
@@ -58,11 +58,21 @@ def _micro_batch(cfg) -> list[FitChoice]:
     return choices
 
 
+def _reference(cfg) -> list[FitChoice]:
+    """A preference run's reference model, searched like a technique: a frozen copy, else nothing to choose; the
+    policy with adapters disabled (LoRA) or precomputed log-probs (full) hold no second model, losslessly."""
+    adapters = is_preference(cfg) and MemoryConfig.from_config(cfg).lora is not None
+    if not is_preference(cfg) or reference_choice(cfg, adapters) != "copy":
+        return [FitChoice(0, {})]
+    return [FitChoice(0, {}), FitChoice(1, {"reference": "adapters_off" if adapters else "precomputed"})]
+
+
 def registry_knobs() -> list[Knob]:
-    """The techniques searched, in registry order, and the micro-batch last (the search reads its level as
-    ``levels[-1]``). fp8 weight storage is a level of ``lora_method`` (with NF4) and activation offloading one of
-    ``activation_checkpointing``."""
-    return [_technique_knob(t) for t in registry.TECHNIQUES if t.fit_knob] + [Knob("micro_batch", _micro_batch)]
+    """The techniques searched, in registry order, a preference run's reference model, and the micro-batch last
+    (the search reads its level as ``levels[-1]``). fp8 weight storage is a level of ``lora_method`` (with NF4) and
+    activation offloading one of ``activation_checkpointing``."""
+    return ([_technique_knob(t) for t in registry.TECHNIQUES if t.fit_knob] + [Knob("reference", _reference)]
+            + [Knob("micro_batch", _micro_batch)])
 
 
 KNOBS: list[Knob] = registry_knobs()

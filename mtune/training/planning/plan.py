@@ -31,7 +31,7 @@ config plans on a laptop.
   the tracker sees. With ``fsdp_cpu_offload`` the shards, their gradients and the optimizer step are laid out on
   the host as FSDP2 keeps them on a GPU machine (:func:`_fsdp_offload_on_host`).
 - Optimizers that cannot step on fake tensors (bitsandbytes) are replaced by stand-ins that create the documented
-  state layout (:mod:`mtune.training.planning.optimizer_layouts`).
+  state layout (:mod:`mtune.training.planning.optimizer_layouts`); preference recipes: `planning.preference`.
 """
 
 from __future__ import annotations
@@ -72,18 +72,17 @@ from mtune.training.planning.memory_plan import (
     PlanError,
 )
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
+from mtune.training.planning.preference import planned_preference, rows_per_sample
 from mtune.training.planning.tracker import TensorTracker
 
 __all__ = ["plan_memory"]
-
-log = logging.getLogger(__name__)
 
 UNSUPPORTED_BY_PLANNER = ("torchao.optim.",)
 
 
 def _target(device: str) -> torch.device:
-    """The device a run of this config would compute on: ``auto`` is CUDA when this machine has it, else the CPU;
-    ``cuda`` is accepted without a GPU (nothing runs on it)."""
+    """The device a run of this config computes on: ``auto`` is CUDA when here, else the CPU; ``cuda`` is
+    accepted without a GPU (nothing runs on it)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(torch.device(device).type)
@@ -111,9 +110,9 @@ def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_le
     if not seq_len:
         raise ConfigError("tokenizer.max_seq_len is null: the planner needs the longest sample length; set "
                           "tokenizer.max_seq_len=N")
-    batch_size = int(cfg.batch_size)
+    batch_size = int(cfg.batch_size) * rows_per_sample(cfg)  # preference pairs: chosen and rejected rows
     if small:  # step 1 only creates the optimizer state, whose size does not depend on the batch
-        batch_size, seq_len = 1, min(seq_len, 16)
+        batch_size, seq_len = rows_per_sample(cfg), min(seq_len, 16)
     packed = bool((cfg.get("dataset") or {}).get("packed"))
     batches = []
     for _ in range(micro_batches):
@@ -173,8 +172,7 @@ def _fsdp_offload_on_host(model, optimizer, placement: Placement) -> None:
         inner.register_step_post_hook(states_on_host)
 
 
-def _managed_states(memory: MemoryConfig) -> bool:
-    """Whether a technique keeps the optimizer states in CUDA managed memory (paged optimizers)."""
+def _managed_states(memory: MemoryConfig) -> bool:  # optimizer states in CUDA managed memory (paged optimizers)
     return any(f.states_home == "managed" for f in phases.footprints(memory))
 
 
@@ -192,8 +190,8 @@ def _fake_process_group(world_size: int):
 
 @contextlib.contextmanager
 def _quiet_setup():
-    """Setup's own INFO lines are about a run, not a plan (warnings still show). A level, not ``disabled``: the
-    setup logs through the mtune logger's children, which inherit its level but not its ``disabled``."""
+    """Setup's own INFO lines are about a run, not a plan (warnings still show): a level, which the mtune
+    logger's children inherit (they do not inherit ``disabled``)."""
     logger = logging.getLogger("mtune")
     level = logger.level
     logger.setLevel(max(level, logging.WARNING))
@@ -256,7 +254,9 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                 for inner in inner_optimizers(optimizer):
                     inner.managed = placement
             peaks = _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size,
-                               source.args.vocab_size, seq_len)
+                               source.args.vocab_size, seq_len, planned_preference(
+                                   cfg, model, source, dtype=dtype, memory=memory, placement=placement,
+                                   autocast=lambda: autocast(str(cfg.dtype), target)))
     params = list(model.parameters())
     managed_bytes = peaks.category_peak["host"]["optimizer_state"] if managed else 0
     return MemoryPlan(
@@ -275,15 +275,15 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
 
 
 def _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size, vocab_size,
-               seq_len=None):
+               seq_len=None, preference=None):
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
-    tracker; returns the larger of the two steps' peaks."""
-    loss_fn = instantiate(cfg.get("loss")) or CrossEntropyLoss()
+    tracker, after a preference run's precompute pass; returns the largest of their peaks."""
+    loss_fn = preference.loss if preference else instantiate(cfg.get("loss")) or CrossEntropyLoss()
     tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                             device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
-    accumulation = accumulation_steps(cfg)
-    dtype_name = str(cfg.dtype)
-    peaks = None
+    accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)
+    first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731
+    peaks = preference.before_steps(tracker, first) if preference else None  # reference copy, precompute pass
     for step, micro_batches in enumerate((1, min(accumulation, 2))):
         with tracker:
             batches = _batch(cfg, vocab_size, micro_batches, small=step == 0, seq_len=seq_len)

@@ -23,6 +23,14 @@ KNOWN = {
     ("qwen2_5", "3B"): 3_085_938_688,
     ("qwen2_5", "7B"): 7_615_616_512,
     ("qwen2_5", "14B"): 14_770_033_664,
+    # Qwen3: the model cards give 0.6B / 1.7B / 4.0B / 8.2B / 14.8B / 32.8B (non-embedding 0.44B / 1.4B / 3.6B /
+    # 6.95B / 13.2B / 31.2B); exact counts of the hub config.json shapes, as transformers builds them (test below).
+    ("qwen3", "0.6B"): 596_049_920,
+    ("qwen3", "1.7B"): 1_720_574_976,
+    ("qwen3", "4B"): 4_022_468_096,
+    ("qwen3", "8B"): 8_190_735_360,
+    ("qwen3", "14B"): 14_768_307_200,
+    ("qwen3", "32B"): 32_762_123_264,
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
@@ -44,11 +52,13 @@ def test_sizes_build_on_meta_with_published_parameter_counts(family, size):
 def test_tiny_sizes_suit_nf4(family):
     model = build_model(family, "tiny")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(linears) == 2 * 7 + 1
+    blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one)
+    assert len(linears) == blocks * (4 if family == "phi4" else 7) + 1  # Phi-4 fuses q/k/v and gate/up
     assert all(m.weight.numel() % 32768 == 0 for m in linears)
 
 
-@pytest.mark.parametrize("family,size", [("llama3_2", "1B"), ("qwen2_5", "7B"), ("mistral", "7B"), ("llama2", "7B")])
+@pytest.mark.parametrize("family,size", [("llama3_2", "1B"), ("qwen2_5", "7B"), ("mistral", "7B"), ("llama2", "7B"),
+                                         ("qwen3", "0.6B"), ("qwen3", "8B")])
 def test_hf_config_round_trip_and_transformers_agrees_on_size(family, size):
     transformers = pytest.importorskip("transformers")
     args = model_args(family, size)

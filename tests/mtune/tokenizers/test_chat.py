@@ -5,13 +5,16 @@ import pytest
 from mtune.tokenizers import Message, load_tokenizer
 from tests._helpers.tokenizers import CONVERSATIONS
 
-FAMILIES = ["llama2", "llama3", "mistral", "qwen2"]
+FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3"]
 # How a trained run (one assistant reply) decodes, with special tokens spelled out.
 REPLY_AS_DECODED = {
     "llama3": lambda reply: reply.strip() + "<|eot_id|>",
     "llama2": lambda reply: reply.strip() + " </s>",
     "mistral": lambda reply: reply.strip() + "</s>",
     "qwen2": lambda reply: reply + "<|im_end|>",
+    "qwen3": lambda reply: reply + "<|im_end|>",  # the last reply also opens with its (empty) thinking block
+    "phi4": lambda reply: reply + "<|end|>",
+    "gemma3": lambda reply: reply.strip() + "<end_of_turn>",
 }
 
 
@@ -45,7 +48,10 @@ def test_conversation_matches_official_template(family, name, tokenizer_dirs, hf
     replies = [content for role, content in messages if role == "assistant"]
     runs = trained_runs(result)
     decoded = [tok.decode(run, skip_special_tokens=False) for run in runs]
-    assert decoded == [REPLY_AS_DECODED[family](reply) for reply in replies]
+    expected = [REPLY_AS_DECODED[family](reply) for reply in replies]
+    if family == "qwen3":
+        expected[-1] = "<think>\n\n</think>\n\n" + expected[-1]
+    assert decoded == expected
     # Every prompt (the conversation up to each user turn) renders as the template's generation prompt, and the
     # full conversation continues it.
     for end, (role, _) in enumerate(messages):
@@ -122,7 +128,7 @@ def test_truncation_keeps_end_of_turn(family, tokenizer_dirs):
     assert same.tokenize_messages(messages) == full
 
 
-@pytest.mark.parametrize("family", ["llama2", "mistral"])
+@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma3"])
 def test_alternation_errors(family, tokenizer_dirs):
     tok = load_tokenizer(tokenizer_dirs[family])
     with pytest.raises(ValueError, match="must alternate"):

@@ -1,0 +1,184 @@
+"""Preference pairs for DPO-style training: a prompt with a chosen and a rejected response.
+
+`preference_dataset` reads the usual layouts, each through the tokenizer's own chat format:
+
+- `prompt`, `chosen`, `rejected` strings: the prompt is the user's message, the responses the assistant's;
+- `chosen`, `rejected` message lists (OpenAI `{role, content}` or ShareGPT `{from, value}`) that share every message
+  but the last, an assistant reply: the shared prefix is the prompt (a `prompt` column beside them is not read);
+- `prompt` a message list and `chosen` / `rejected` strings or lists of one assistant message.
+
+Only the final response is trained on (labelled); prompt and padding carry -100. A bad row stops the build with its
+place ("pairs.jsonl line 7"): a missing field, a chosen response identical to the rejected one, an empty response,
+message lists whose prefixes differ. A pair whose response was truncated away entirely is dropped and counted.
+
+A batch (`collate_preference`) holds the chosen rows first and the rejected rows second, so the policy sees both in
+one forward; ``pair_index`` and ``pairs_of`` (the dataset's fingerprint) say which pairs they are, for a
+precomputed reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mtune.data.builders import chat_message
+from mtune.data.collate import collate_padded
+from mtune.data.common import IGNORE_INDEX, DataError, is_main_process, log
+from mtune.data.sources import load_source
+from mtune.data.tokenized import RowError, TokenizedDataset, labels_from_mask
+from mtune.tokenizers.base import Message
+
+__all__ = ["preference_dataset", "PreferenceDataset", "collate_preference"]
+
+_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+class PreferenceDataset(torch.utils.data.Dataset):
+    """Map-style pairs: ``ds[i]`` is ``{"chosen": sample, "rejected": sample, "index": i}`` where a sample is
+    ``{"tokens": [...], "labels": [...]}`` (labels shifted, -100 off the response). ``fingerprint`` changes with any
+    token of any pair; ``collate_fn`` makes the loader's batches (:func:`collate_preference`)."""
+
+    def __init__(self, chosen: TokenizedDataset, rejected: TokenizedDataset, pad_id: int, stats: dict[str, Any]):
+        self.chosen, self.rejected, self.pad_id, self.stats = chosen, rejected, pad_id, stats
+        digest = hashlib.sha256()
+        for half in (chosen, rejected):
+            for tensor in (*half.fields.values(), half.offsets):
+                digest.update(tensor.numpy().tobytes())
+        self.fingerprint = digest.hexdigest()[:32]
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"chosen": self.chosen[i], "rejected": self.rejected[i], "index": i}
+
+    def collate_fn(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_preference(batch, self.pad_id, self.fingerprint)
+
+
+def collate_preference(batch: list[dict[str, Any]], pad_id: int, pairs_of: str = "") -> dict[str, Any]:
+    """``tokens`` / ``labels`` [2b, s] (the b chosen rows, then the b rejected rows, right-padded to one length),
+    ``num_tokens`` (before padding), ``pair_index`` [b] and ``pairs_of`` (the dataset's fingerprint)."""
+    out = collate_padded([p["chosen"] for p in batch] + [p["rejected"] for p in batch], pad_id, IGNORE_INDEX)
+    out["pair_index"] = torch.tensor([p["index"] for p in batch], dtype=torch.long)
+    out["pairs_of"] = pairs_of
+    return out
+
+
+def preference_dataset(
+    tokenizer,
+    source: str,
+    *,
+    column_map: dict[str, str] | None = None,
+    system_prompt: str | None = None,
+    max_seq_len: int | None = None,
+    data_files: Any = None,
+    split: str = "train",
+    revision: str | None = None,
+    load_dataset_kwargs: Mapping[str, Any] | None = None,
+) -> PreferenceDataset:
+    """Preference pairs from JSON / JSONL / Parquet / CSV files or the hub (see the module docstring for the
+    layouts). ``column_map``: ``{prompt|chosen|rejected: the data's column}``; ``system_prompt``: a system message
+    before every prompt; ``max_seq_len``: truncation of each response's conversation (default: the tokenizer's)."""
+    unknown = sorted(set(column_map or {}) - set(_COLUMNS))
+    if unknown:
+        raise DataError(f"column_map: {', '.join(map(repr, unknown))} is not a column preference_dataset reads; its "
+                        f"keys are {', '.join(_COLUMNS)}")
+    columns = {name: str((column_map or {}).get(name, name)) for name in _COLUMNS}
+    max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
+    rows = load_source(source, data_files, split, revision, load_dataset_kwargs=load_dataset_kwargs)
+    halves: dict[str, list] = {"chosen": [], "rejected": []}
+    n_rows = truncated = dropped = 0
+    for row in rows.read():
+        n_rows += 1
+        try:
+            prefix, responses = _pair(row.data, columns, system_prompt)
+            samples = {side: _tokenize(tokenizer, prefix, responses[side], max_seq_len) for side in halves}
+        except RowError as e:
+            raise DataError(f"{row.where}: {e}") from None
+        truncated += any(s[2] for s in samples.values())
+        if any(all(label == IGNORE_INDEX for label in s[1]) for s in samples.values()):
+            dropped += 1  # a response truncated away: nothing to compare
+            continue
+        for side, sample in samples.items():
+            halves[side].append(sample)
+    if n_rows == 0:
+        raise DataError(f"{rows.description}: the dataset is empty")
+    if not halves["chosen"]:
+        raise DataError(f"{rows.description}: every one of {n_rows} pairs lost its response to truncation: raise "
+                        "max_seq_len")
+    stats = {"rows": n_rows, "pairs": len(halves["chosen"]), "truncated": truncated, "dropped_truncated": dropped}
+    dataset = PreferenceDataset(*(_flat(halves[side], tokenizer.pad_id) for side in ("chosen", "rejected")),
+                                pad_id=tokenizer.pad_id, stats=stats)
+    if is_main_process():
+        log.info("preference pairs (%s): %d pairs%s%s", rows.description, stats["pairs"],
+                 f"; {truncated} truncated to max_seq_len={max_seq_len}" if truncated else "",
+                 f"; {dropped} dropped with a response truncated away" if dropped else "")
+    return dataset
+
+
+def _pair(row: dict[str, Any], columns: dict[str, str], system_prompt: str | None):
+    """``(prompt messages, {"chosen": reply, "rejected": reply})`` of one row, or RowError."""
+    for name in ("chosen", "rejected"):
+        if row.get(columns[name]) is None:
+            raise RowError(f"missing field {columns[name]!r}")
+    prompt, chosen, rejected = row.get(columns["prompt"]), row[columns["chosen"]], row[columns["rejected"]]
+    if isinstance(chosen, list) and isinstance(rejected, list) and (prompt is None or max(len(chosen),
+                                                                                         len(rejected)) > 1):
+        # whole conversations (a prompt column beside them, as in UltraFeedback, repeats their first message)
+        chosen = [chat_message(m, columns["chosen"], i) for i, m in enumerate(chosen)]
+        rejected = [chat_message(m, columns["rejected"], i) for i, m in enumerate(rejected)]
+        if not chosen or not rejected or chosen[:-1] != rejected[:-1]:
+            raise RowError("chosen and rejected must be message lists that share every message but the last")
+        prefix, replies = chosen[:-1], {"chosen": chosen[-1], "rejected": rejected[-1]}
+    else:
+        if prompt is None:
+            raise RowError(f"missing field {columns['prompt']!r} (or give chosen and rejected as message lists)")
+        if isinstance(prompt, str):
+            prefix = [("user", prompt)]
+        elif isinstance(prompt, list):
+            prefix = [chat_message(m, columns["prompt"], i) for i, m in enumerate(prompt)]
+        else:
+            raise RowError(f"field {columns['prompt']!r} must be text or a message list")
+        replies = {side: _reply(value, columns[side]) for side, value in (("chosen", chosen), ("rejected", rejected))}
+    for side, (role, content) in replies.items():
+        if role != "assistant":
+            raise RowError(f"the {side} response must be an assistant message, got role {role!r}")
+        if not content.strip():
+            raise RowError(f"the {side} response is empty")
+    if replies["chosen"] == replies["rejected"]:
+        raise RowError("chosen and rejected are identical")
+    if system_prompt:
+        prefix = [("system", system_prompt)] + [m for m in prefix if m[0] != "system"]
+    return prefix, replies
+
+
+def _reply(value: Any, column: str) -> tuple[str, str]:
+    if isinstance(value, str):
+        return "assistant", value
+    if isinstance(value, list) and len(value) == 1:
+        return chat_message(value[0], column, 0)
+    raise RowError(f"field {column!r} must be text or a list of one assistant message")
+
+
+def _tokenize(tokenizer, prefix, reply, max_seq_len):
+    """``(tokens, labels, truncated)``: the conversation, labelled on the final reply only."""
+    messages = [Message(role, content) for role, content in [*prefix, reply]]
+    try:
+        out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len)
+    except ValueError as e:  # the chat format refuses the conversation (roles that do not alternate)
+        raise RowError(str(e)) from None
+    prompt = tokenizer.tokenize_messages(messages[:-1], add_generation_prompt=True).tokens
+    start = len(prompt) if out.tokens[:len(prompt)] == prompt else 0
+    trained = [m and i >= start for i, m in enumerate(out.trained)]
+    return out.tokens, labels_from_mask(out.tokens, trained), out.truncated
+
+
+def _flat(samples: list[tuple[list[int], list[int], bool]], pad_id: int) -> TokenizedDataset:
+    lengths = torch.tensor([0] + [len(s[0]) for s in samples], dtype=torch.int64)
+    fields = {name: torch.tensor([t for s in samples for t in s[k]], dtype=torch.int32)
+              for k, name in ((0, "tokens"), (1, "labels"))}
+    return TokenizedDataset(fields, torch.cumsum(lengths, 0), pad_id, {})

@@ -1,0 +1,85 @@
+"""Gemma 3 tokenizer: ``tokenizer.json`` (the `tokenizers` library) and Gemma's turn format::
+
+    <bos><start_of_turn>user\\n{system}\\n\\n{user}<end_of_turn>\\n<start_of_turn>model\\n{reply}<end_of_turn>\\n
+
+The assistant's role is written ``model``; a system message has no turn of its own but goes in front of the first
+user message; texts are stripped of surrounding whitespace; roles alternate user / model after an optional system
+message, as the official template requires.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from mtune.tokenizers.base import Message, Tokenizer, TokenizerError, check_alternating
+
+_CONTROL = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+
+
+class Gemma3Tokenizer(Tokenizer):
+    """Gemma 3 ``tokenizer.json``. ``bos_id`` = <bos>, ``eos_id`` = <eos>, ``pad_id`` = <pad>; ``end_of_turn_id`` =
+    <end_of_turn>; ``stop_tokens`` = [<eos>, <end_of_turn>]."""
+
+    family = "gemma3"
+
+    def __init__(self, path: str | Path, max_seq_len: int | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        super().__init__([path], max_seq_len)
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        self._full = HFTokenizer.from_str(json.dumps(spec))
+        # Text is encoded by a copy without the added tokens, so "<end_of_turn>" in a message stays text.
+        spec["added_tokens"] = []
+        spec["post_processor"] = None
+        self._text = HFTokenizer.from_str(json.dumps(spec))
+        ids = {name: self._full.token_to_id(name) for name in _CONTROL}
+        missing = [name for name, i in ids.items() if i is None]
+        if missing:
+            raise TokenizerError(f"{path}: no {', '.join(missing)} token; this does not look like a Gemma 3 "
+                                 "tokenizer.json")
+        self.bos_id, self.eos_id, self.pad_id = ids["<bos>"], ids["<eos>"], ids["<pad>"]
+        self.start_of_turn_id = ids["<start_of_turn>"]
+        self.end_of_turn_id = ids["<end_of_turn>"]
+        self.stop_tokens = [self.eos_id, self.end_of_turn_id]
+        self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._text.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _turn(self, role: str, text: str | None) -> tuple[list[int], list[bool]]:
+        header = self.encode_text(f"{role}\n")
+        if text is None:  # generation prompt
+            return [self.start_of_turn_id] + header, [False] * (1 + len(header))
+        # Header and text are one text between two control tokens, encoded together as the template's output is;
+        # tokens shared with the header alone count as header.
+        body = self.encode_text(f"{role}\n{text}")
+        n_header = 0
+        while n_header < min(len(header), len(body)) and header[n_header] == body[n_header]:
+            n_header += 1
+        newline = self.encode_text("\n")
+        reply = role == "model"  # the reply and its <end_of_turn>; not the newline after it
+        tokens = [self.start_of_turn_id] + body + [self.end_of_turn_id] + newline
+        trained = [False] * (1 + n_header) + [reply] * (len(body) - n_header + 1) + [False] * len(newline)
+        return tokens, trained
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+        system, turns = check_alternating(messages, "gemma3")
+        tokens, trained = [self.bos_id], [False]
+        for i, message in enumerate(turns):
+            text = message.content.strip()
+            if i == 0 and system is not None:
+                text = system + "\n\n" + text
+            ids, mask = self._turn("model" if message.role == "assistant" else "user", text)
+            tokens += ids
+            trained += mask
+        if add_generation_prompt:
+            ids, mask = self._turn("model", None)
+            tokens += ids
+            trained += mask
+        return tokens, trained

@@ -1,0 +1,103 @@
+"""Preference pairs: every layout gives the same tokens through the chat format, only the final response is
+labelled, bad rows are named with their row, Parquet reads like JSONL, and a batch holds chosen rows then rejected."""
+
+import json
+
+import pytest
+
+from mtune.data import DataError, build_dataloader, preference_dataset
+from mtune.tokenizers import Message
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+STRINGS = {"prompt": "reverse: red cat", "chosen": "cat red", "rejected": "red cat"}
+MESSAGES = {"chosen": [{"role": "user", "content": "reverse: red cat"}, {"role": "assistant", "content": "cat red"}],
+            "rejected": [{"role": "user", "content": "reverse: red cat"}, {"role": "assistant", "content": "red cat"}]}
+PROMPT_LIST = {"prompt": [{"role": "user", "content": "reverse: red cat"}],
+               "chosen": [{"role": "assistant", "content": "cat red"}], "rejected": "red cat"}
+
+
+def test_layouts_agree_and_only_the_response_is_labelled(tok, tmp_path):
+    samples = []
+    for i, row in enumerate((STRINGS, MESSAGES, PROMPT_LIST)):
+        ds = preference_dataset(tok, _jsonl(tmp_path / f"{i}.jsonl", [row]))
+        samples.append(ds[0])
+    assert samples[0] == samples[1] == samples[2]
+    pair = samples[0]
+    full = tok.tokenize_messages([Message("user", "reverse: red cat"), Message("assistant", "cat red")]).tokens
+    prompt = tok.tokenize_messages([Message("user", "reverse: red cat")], add_generation_prompt=True).tokens
+    assert pair["chosen"]["tokens"] == full
+    labelled = [i for i, label in enumerate(pair["chosen"]["labels"]) if label != -100]
+    assert labelled[0] == len(prompt) - 1  # the first response token is predicted from the prompt's last
+    assert [pair["chosen"]["labels"][i] for i in labelled] == full[len(prompt):]
+
+
+def test_earlier_assistant_turns_of_a_shared_prefix_are_not_labelled(tok, tmp_path):
+    prefix = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+              {"role": "user", "content": "reverse: red cat"}]
+    row = {"chosen": prefix + [{"role": "assistant", "content": "cat red"}],
+           "rejected": prefix + [{"role": "assistant", "content": "red cat"}]}
+    pair = preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", [row]))[0]
+    prompt = tok.tokenize_messages([Message(m["role"], m["content"]) for m in prefix],
+                                   add_generation_prompt=True).tokens
+    first = next(i for i, label in enumerate(pair["rejected"]["labels"]) if label != -100)
+    assert first == len(prompt) - 1
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": "p", "chosen": "a"}, "line 2: missing field 'rejected'"),
+    ({"prompt": "p", "chosen": "a", "rejected": "a"}, "line 2: chosen and rejected are identical"),
+    ({"prompt": "p", "chosen": " ", "rejected": "b"}, "line 2: the chosen response is empty"),
+    ({"chosen": "a", "rejected": "b"}, "line 2: missing field 'prompt'"),
+    ({"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "b"}]},
+     "line 2: chosen and rejected must be message lists that share every message but the last"),
+])
+def test_bad_rows_are_named(tok, tmp_path, row, message):
+    with pytest.raises(DataError, match=message):
+        preference_dataset(tok, _jsonl(tmp_path / "bad.jsonl", [STRINGS, row]))
+
+
+def test_parquet_and_column_map(tok, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["reverse: red cat"], "good": ["cat red"], "bad": ["red cat"]}),
+                   tmp_path / "p.parquet")
+    ds = preference_dataset(tok, str(tmp_path / "p.parquet"),
+                            column_map={"prompt": "question", "chosen": "good", "rejected": "bad"})
+    assert ds[0] == preference_dataset(tok, _jsonl(tmp_path / "s.jsonl", [STRINGS]))[0]
+    with pytest.raises(DataError, match="'answer' is not a column preference_dataset reads"):
+        preference_dataset(tok, str(tmp_path / "p.parquet"), column_map={"answer": "good"})
+
+
+def test_a_batch_is_chosen_rows_then_rejected_rows(tok, tmp_path):
+    rows = [dict(STRINGS, chosen="cat red" + " cat" * i) for i in range(3)]
+    ds = preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", rows))
+    batch = next(iter(build_dataloader(ds, 3, seed=0, shuffle=False)))
+    assert batch["tokens"].shape[0] == 6 and batch["pair_index"].tolist() == [0, 1, 2]
+    assert batch["pairs_of"] == ds.fingerprint
+    for i in range(3):
+        n = len(ds[i]["chosen"]["tokens"])
+        assert batch["tokens"][i, :n].tolist() == ds[i]["chosen"]["tokens"]
+        assert batch["tokens"][3 + i, :len(ds[i]["rejected"]["tokens"])].tolist() == ds[i]["rejected"]["tokens"]
+        assert (batch["labels"][i, n:] == -100).all()  # padding is not labelled
+    other = preference_dataset(tok, _jsonl(tmp_path / "q.jsonl", rows[:2]))
+    assert other.fingerprint != ds.fingerprint
+
+
+def test_a_response_truncated_away_drops_its_pair(tok, tmp_path):
+    long = dict(STRINGS, prompt="reverse: " + " ".join(["red cat"] * 60))
+    ds = preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", [STRINGS, long]), max_seq_len=32)
+    assert len(ds) == 1 and ds.stats["dropped_truncated"] == 1
+
+
+def test_whole_conversations_beside_a_prompt_column(tok, tmp_path):
+    """UltraFeedback's layout: a prompt string and chosen / rejected conversations that repeat it."""
+    row = dict(MESSAGES, prompt="reverse: red cat")
+    assert preference_dataset(tok, _jsonl(tmp_path / "u.jsonl", [row]))[0] == \
+        preference_dataset(tok, _jsonl(tmp_path / "s.jsonl", [STRINGS]))[0]

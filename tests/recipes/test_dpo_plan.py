@@ -1,0 +1,108 @@
+"""mtune plan on the preference recipes: a pair batch is twice the rows, the reference copy adds one model's
+weights and the other two choices none, the precompute pass is a phase of its own, and --fit searches the reference
+choice losslessly (a copy that does not fit becomes adapters_off / precomputed) and never swaps a DPO loss."""
+
+import pytest
+
+from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.techniques.chunked_loss import CHUNKED_LOSS
+from mtune.training.planning.candidates import KNOBS
+from mtune.training.planning.cost import model_facts
+from mtune.training.planning.plan import plan_memory
+from tests._helpers.shipped import shipped_on_tiny
+
+
+def _cfg(config, *overrides):
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+
+    recipe = config.split("/")[1]
+    return load_and_check(load_recipe_module(find_recipe(recipe)), find_config(config), ["device=cuda", *overrides])
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {kind: plan_memory(_cfg("tiny/lora_dpo_single_device", f"reference={kind}"))
+            for kind in ("adapters_off", "precomputed", "copy")}
+
+
+def test_the_reference_choices_as_planned(plans):
+    copy_extra = plans["copy"].device["parameters"] - plans["adapters_off"].device["parameters"]
+    tiny = _cfg("tiny/lora_dpo_single_device")
+    weights = plan_memory(_cfg("tiny/full_single_device", "batch_size=1")).device["parameters"]
+    assert copy_extra == weights  # a second model, frozen (the full fine-tune's parameters, same dtype)
+    assert plans["precomputed"].device["parameters"] == plans["adapters_off"].device["parameters"]
+    assert plans["copy"].device_peak_bytes == plans["adapters_off"].device_peak_bytes + copy_extra
+    assert tiny.reference == "adapters_off"
+
+
+def test_a_pair_batch_is_twice_the_rows():
+    sft = plan_memory(_cfg("tiny/lora_single_device"))
+    dpo = plan_memory(_cfg("tiny/lora_dpo_single_device", "reference=precomputed"))
+    assert sft.batch == dpo.batch  # the same batch_size of samples
+    assert 1.8 < dpo.device["activations"] / sft.device["activations"] < 2.2
+
+
+def test_fit_searches_the_reference_losslessly():
+    knob = next(k for k in KNOBS if k.name == "reference")
+    copy = knob.choices(_cfg("tiny/lora_dpo_single_device", "reference=copy"))
+    assert [(c.level, c.overrides, c.lossy) for c in copy] == [(0, {}, None), (1, {"reference": "adapters_off"},
+                                                                                None)]  # lossless
+    full = knob.choices(_cfg("tiny/full_dpo_single_device", "reference=copy"))
+    assert full[1].overrides == {"reference": "precomputed"}
+    assert [c.overrides for c in knob.choices(_cfg("tiny/lora_dpo_single_device"))] == [{}]
+    assert [c.overrides for c in knob.choices(_cfg("tiny/lora_single_device"))] == [{}]
+    cfg = _cfg("tiny/lora_dpo_single_device")
+    memory = MemoryConfig.from_config(cfg)
+    assert [c.overrides for c in CHUNKED_LOSS.fit_choices(memory[CHUNKED_LOSS], memory, model_facts(cfg))] == [{}]
+
+
+def test_the_8b_configs_plan():
+    _, _, cfg = shipped_on_tiny("llama3_1/8B_lora_dpo_single_device")
+    assert plan_memory(cfg).device_peak_bytes > 0
+
+
+def test_validate_names_the_preference_problems():
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune.config import load_config, validate_config
+
+    full = load_recipe_module(find_recipe("full_dpo_single_device")).SCHEMA
+    report = validate_config(load_config(find_config("tiny/full_dpo_single_device"), [
+        "reference=adapters_off", "loss._component_=mtune.modules.loss.CrossEntropyLoss", "~loss.beta",
+        "~loss.label_smoothing"]), full)
+    assert any("reference=adapters_off needs LoRA adapters to disable" in e for e in report.errors), report.errors
+    assert any("a preference recipe needs a preference loss" in e for e in report.errors), report.errors
+    lora = load_recipe_module(find_recipe("lora_dpo_single_device")).SCHEMA
+    assert validate_config(load_config(find_config("tiny/lora_dpo_single_device"), ["reference=copy"]),
+                           lora).errors == []
+    report = validate_config(load_config(find_config("tiny/lora_dpo_single_device"), ["reference=frozen"]), lora)
+    assert any("reference: must be one of adapters_off, precomputed, copy" in e for e in report.errors)
+
+
+def test_ls_lists_the_four_recipes_and_help_the_reference_keys():
+    import os
+    import subprocess
+    import sys
+
+    from tests._helpers.paths import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    listed = subprocess.run([sys.executable, "-m", "mtune", "ls"], capture_output=True, text=True, env=env).stdout
+    for recipe in ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_single_device", "full_dpo_distributed"):
+        assert f"tiny/{recipe}" in listed
+    shown = subprocess.run([sys.executable, "-m", "mtune", "run", "lora_dpo_single_device", "--help"],
+                           capture_output=True, text=True, env=env).stdout
+    assert "reference_cache_dir" in shown and "[adapters_off|precomputed|copy|None, default null]" in shown
+
+
+def test_the_reference_cache_is_not_a_run_of_the_output_dir(tmp_path):
+    """A cache, so the output-dir rule does not apply to it: a directory holding only the cache is free, and
+    overwrite_output_dir deletes the earlier run but keeps the cache."""
+    from mtune.training.context import claim_output_dir
+
+    (tmp_path / "reference_cache").mkdir()
+    (tmp_path / "reference_cache" / "train.json").write_text("{}")
+    claim_output_dir(tmp_path, resuming=False, overwrite=False, is_main=True)
+    (tmp_path / "metrics.jsonl").write_text("")
+    claim_output_dir(tmp_path, resuming=False, overwrite=True, is_main=True)
+    assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "reference_cache" / "train.json").exists()
