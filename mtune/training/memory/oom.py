@@ -85,15 +85,20 @@ def oom_guard(phase: str, cfg: Mapping[str, Any]):
                           f"planner find the fastest config that fits: {fit_command_line(cfg, total)}") from err
 
 
+# What a batch of token rows holds (mtune.data.collate); a batch with anything else is not split.
+_TOKEN_BATCH_FIELDS = {"tokens", "labels", "input_pos", "document_ids", "num_tokens"}
+
+
 def halve_micro_batches(micro_batches: Sequence[dict]) -> list[dict] | None:
     """Each micro-batch split into two of half its rows, in order: the step's samples, their order and its
     token-weighted loss unchanged (`mtune.training.loop.train_step` divides by the step's trained tokens), twice the
-    accumulation. None when a micro-batch holds a single row. ``num_tokens`` (a throughput count) is shared in
-    proportion to the rows."""
+    accumulation. None when a micro-batch holds a single row, or fields other than a token batch's (a preference
+    batch: its chosen rows first, its rejected rows second, and a loss that is not per token). ``num_tokens`` (a
+    throughput count) is shared in proportion to the rows."""
     halves: list[dict] = []
     for batch in micro_batches:
         rows = int(batch["tokens"].shape[0])
-        if rows < 2:
+        if rows < 2 or set(batch) - _TOKEN_BATCH_FIELDS:
             return None
         cut = rows // 2
         first, second = {}, {}

@@ -70,6 +70,8 @@ def test_halving_keeps_the_rows_in_order_and_the_token_count():
     assert torch.equal(torch.cat([h["tokens"] for h in halves[:2]]), _batch(4)["tokens"])
     assert [int(h["num_tokens"]) for h in halves] == [5, 6, 2, 3]
     assert halve_micro_batches([_batch(2), _batch(1)]) is None
+    pairs = {**_batch(4), "pair_index": torch.arange(2), "pairs_of": "x"}  # chosen rows, then rejected: not split
+    assert halve_micro_batches([pairs]) is None
 
 
 def test_recovery_retries_only_before_the_optimizer_step_on_one_device_and_when_asked():
