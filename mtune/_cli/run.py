@@ -13,10 +13,18 @@ from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
 from mtune._cli.errors import CliError, UsageError
 
 USAGE = """\
-usage: mtune run [LAUNCHER OPTIONS] RECIPE --config CONFIG [key=value ...] [~key ...]
+usage: mtune run [--fit [--device-memory SIZE] [--host-memory SIZE]] [LAUNCHER OPTIONS] RECIPE --config CONFIG
+                 [key=value ...] [~key ...]
 
 Run RECIPE (a built-in name from `mtune ls`, or the path of your own recipe .py) with CONFIG (a built-in config
 name such as llama3_2/1B_lora_single_device, or a YAML path), after applying the overrides.
+
+planning at launch (before RECIPE):
+  --fit                    plan first (`mtune plan --fit`): the fastest config that fits the device, written to
+                           OUTPUT_DIR/mtune_fit.yaml, then run that config
+  --device-memory SIZE     --fit: the device memory to fit (24GiB, ...); also the run's device_memory_limit. Default:
+                           device_memory_limit, else the CUDA device's free memory (without a GPU: give one of them)
+  --host-memory SIZE       --fit: the host memory offloaded tensors may use (default: this machine's available)
 
 launcher options (before RECIPE; any of them runs the recipe under torchrun):
   --nproc_per_node N       processes (devices) per node
@@ -37,6 +45,9 @@ after RECIPE:
 _LAUNCHER_FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "--module", "-m"}
 
 
+# `mtune run --fit`'s budgets (before RECIPE, like the launcher options).
+_FIT_BUDGETS = ("--device-memory", "--host-memory")
+
 # Options that say where the rendezvous is; without any of them mtune adds --standalone.
 _MULTI_NODE = {"--nnodes", "--rdzv_endpoint", "--rdzv-endpoint", "--rdzv_backend", "--rdzv-backend", "--master_addr",
                "--master-addr", "--master_port", "--master-port", "--standalone"}
@@ -49,6 +60,8 @@ class RunArgs:
     config: str | None = None
     overrides: list[str] = field(default_factory=list)
     help: bool = False
+    fit: bool = False  # --fit: plan at launch (mtune._cli.run_fit)
+    fit_budgets: dict[str, str] = field(default_factory=dict)  # --device-memory / --host-memory, as given
 
 
 def _check_nproc_per_node(launcher: list[str]) -> None:
@@ -72,6 +85,16 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             return args
         if opt in ("--config", "-c") or opt.startswith("--config="):
             raise UsageError("RECIPE must come before --config", "mtune run RECIPE --config CONFIG [key=value ...]")
+        name, eq, value = opt.partition("=")
+        if name == "--fit" and not eq:
+            args.fit, i = True, i + 1
+            continue
+        if name in _FIT_BUDGETS:
+            if not eq and i + 1 >= len(argv):
+                raise UsageError(f"{name} needs a value, e.g. {name} 24GiB")
+            args.fit_budgets[name] = value if eq else argv[i + 1]
+            i += 1 if eq else 2
+            continue
         if opt in _LAUNCHER_FLAGS - {"--standalone"}:
             raise UsageError(f"launcher option {opt} is not supported: mtune chooses how each rank starts")
         args.launcher.append(opt)
@@ -82,6 +105,8 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             i += 1
         i += 1
     _check_nproc_per_node(args.launcher)
+    if args.fit_budgets and not args.fit:
+        raise UsageError(f"{next(iter(args.fit_budgets))} sets what --fit plans for: add --fit before it")
     if i >= len(argv):
         raise UsageError("missing RECIPE", "mtune run RECIPE --config CONFIG [key=value ...]; `mtune ls` lists recipes")
     args.recipe = argv[i]
@@ -124,8 +149,20 @@ def run_command(argv: list[str]) -> int:
     if args.config is None:
         raise UsageError("missing --config", f"mtune run {args.recipe} --config CONFIG; `mtune ls` lists configs")
     config_path = find_config(args.config)
+    overrides = args.overrides
+    if args.fit:
+        if args.launcher:
+            raise UsageError("--fit plans one device: drop the launcher options, or plan the distributed run with "
+                             "`mtune plan --fit --nproc_per_node N` and run the config it writes")
+        from mtune._cli.run_fit import fit_at_launch
+
+        config_path = fit_at_launch(load_recipe_module(recipe_path), recipe_path.stem, config_path, overrides,
+                                    args.fit_budgets)
+        if config_path is None:
+            return 1  # nothing fits: the planner said why
+        overrides = []  # written into the chosen config
     if not args.launcher:
-        run_recipe(recipe_path, config_path, args.overrides)
+        run_recipe(recipe_path, config_path, overrides)
         return 0
     module = load_recipe_module(recipe_path)
     if not getattr(module, "SUPPORTS_DISTRIBUTED", False):

@@ -113,6 +113,13 @@ TRAINING_NODES = KeyGroup(
         Key("plan_check", bool, True,
             "track live tensor bytes (peak_tensor_gib in metrics.jsonl) and log them beside mtune plan's prediction "
             "at the end of the run"),
+        Key("device_memory_limit", (str, int), None,
+            "the most device memory the run may use, a size such as 20GiB (null: the whole device): on CUDA the "
+            "caching allocator's per-process fraction, on CPU the live tensor bytes the run places on the device; "
+            "over it the run stops with the out-of-memory error a GPU gives"),
+        Key("oom_recovery", bool, True,
+            "a step that runs out of device memory in forward/backward runs again in micro-batches of half the rows "
+            "(the same samples per step, in the same order), down to one row; false: the run stops with the advice"),
     ],
 )
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from mtune.units import SizeError, parse_bytes
+
 __all__ = [
     "RUN_RULES",
     "check_eval_dataset",
     "check_optimizer_values",
+    "check_device_memory_limit",
     "DISTRIBUTED_RUN_RULES",
     "check_distributed_backend",
     "MERGE_RULES",
@@ -69,7 +72,19 @@ def check_eval_dataset(cfg: Any) -> list[str]:
     return []
 
 
-RUN_RULES = (check_optimizer_values, check_eval_dataset)
+def check_device_memory_limit(cfg: Any) -> list[str]:
+    """device_memory_limit is a positive size (20GiB, 512MiB, or bytes)."""
+    limit = _get(cfg, "device_memory_limit")
+    if limit is None:
+        return []
+    try:
+        size = parse_bytes(limit, "device_memory_limit")
+    except SizeError as err:
+        return [str(err)]
+    return [] if size > 0 else [f"device_memory_limit={limit!r}: must be more than 0 bytes (null: the whole device)"]
+
+
+RUN_RULES = (check_optimizer_values, check_eval_dataset, check_device_memory_limit)
 """The rules of the keys every training recipe reads besides the memory techniques' (whose rules are
 `mtune.training.memory.registry.MEMORY_RULES`); a recipe attaches both to its `RecipeSchema`."""
 

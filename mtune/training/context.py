@@ -20,8 +20,10 @@ from mtune.training.placement import Placement
 from mtune.training.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 from mtune.training.output_lock import OutputDirLockedError, lock_output_dir
 from mtune.training.rng import set_seed
+from mtune.units import format_bytes, parse_bytes
 
-__all__ = ["RunContext", "setup_run", "resolve_device", "configure_logging", "claim_output_dir", "run_outputs"]
+__all__ = ["RunContext", "setup_run", "limit_cuda_memory", "resolve_device", "configure_logging", "claim_output_dir",
+           "run_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,7 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        limit_cuda_memory(cfg.get("device_memory_limit"), device)
     dtype_name = cfg.dtype
     resolve_dtype(dtype_name, device)  # raises when the device cannot compute in it
     seed = cfg.seed
@@ -157,6 +160,17 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
                      seed=seed, rank=rank, world_size=world_size)
     log.info("device %s, dtype %s, seed %d, output_dir %s", device, dtype_name, seed, output_dir)
     return run
+
+
+def limit_cuda_memory(limit, device: torch.device) -> None:
+    """``device_memory_limit`` on CUDA: the caching allocator's per-process fraction of the device (over it,
+    torch.OutOfMemoryError). Off CUDA the run's byte tracker enforces it (`mtune.training.measured_memory`)."""
+    if limit is None:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    size = parse_bytes(limit, "device_memory_limit")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), device)
+    log.info("device_memory_limit: %s of %s's %s", format_bytes(min(size, total)), device, format_bytes(total))
 
 
 def _lock_output_dir(output_dir: Path, *, force: bool, rank: int) -> None:

@@ -25,9 +25,9 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.breakdown import MemoryBreakdown
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import StepMemory
-from mtune.units import format_bytes
+from mtune.units import format_bytes, parse_bytes
 
-__all__ = ["memory_breakdown", "plan_check", "plan_check_line", "tracks_tensor_bytes"]
+__all__ = ["memory_breakdown", "plan_check", "plan_check_line", "tracked_device_limit", "tracks_tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +43,31 @@ def memory_breakdown(cfg, run: RunContext, model: nn.Module, optimizer: torch.op
     """The run's tracker of live tensor bytes. They cost a Python call per op: tracked only when
     ``memory_breakdown`` or ``plan_check`` asks, and for ``plan_check`` alone only over the first steps (see
     docs/plan.md for the measured overhead). ``frozen``: weights outside the model counted as parameters (a
-    preference run's reference copy)."""
-    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), run.output_dir, enabled=tracks_tensor_bytes(cfg),
-                                rank=run.rank, write=bool(cfg.get("memory_breakdown")), placement=run.placement,
-                                track_all_steps=bool(cfg.get("memory_breakdown")))
+    preference run's reference copy). With ``device_memory_limit`` on a device other than CUDA (whose allocator
+    enforces it), every step is tracked and one over the limit raises torch.OutOfMemoryError."""
+    limit = tracked_device_limit(cfg, run.device)
+    breakdown = MemoryBreakdown(model, inner_optimizers(optimizer), run.output_dir,
+                                enabled=tracks_tensor_bytes(cfg) or limit is not None, rank=run.rank,
+                                write=bool(cfg.get("memory_breakdown")), placement=run.placement,
+                                track_all_steps=bool(cfg.get("memory_breakdown")), device_limit=limit)
     for tensor in frozen if breakdown.tracker is not None else ():
         breakdown.tracker.track(tensor, "parameters")
     return breakdown
+
+
+def tracked_device_limit(cfg: Mapping[str, Any], device: torch.device) -> int | None:
+    """``device_memory_limit`` in bytes where the byte tracker enforces it (not CUDA, whose caching allocator
+    does: `mtune.training.context.setup_run`), else None. Not with ``compile``: a dispatch mode over compiled blocks
+    would run them eagerly, so the limit is not enforced then (a warning says so)."""
+    limit = cfg.get("device_memory_limit")
+    if limit is None or device.type == "cuda":
+        return None
+    if MemoryConfig.from_config(cfg).compile:
+        log.warning("device_memory_limit=%s is not enforced on %s with compile (the byte tracker would run the "
+                    "compiled blocks eagerly); set compile=false to enforce it", limit, device)
+        return None
+    log.info("device_memory_limit: the run's live tensor bytes on %s are held to %s", device, limit)
+    return parse_bytes(limit, "device_memory_limit")
 
 
 def plan_check_line(planned: int, measured: int, planned_host: int, measured_host: int, plan_tokens: int,

@@ -32,7 +32,7 @@ from mtune.training.context import RunContext
 from mtune.training.data_setup import StepPlan
 from mtune.training.loop import NonFiniteLossError, StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.measured_memory import memory_breakdown, plan_check
-from mtune.training.memory.oom import oom_guard
+from mtune.training.memory.oom import StepRecovery, oom_guard
 from mtune.training.memory.registry import LoraConfig, MemoryConfig
 from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
@@ -146,6 +146,7 @@ class TrainingSession:
         )
         self.breakdown = memory_breakdown(self.cfg, self.run, self.model, self.optimizer,
                                           frozen=getattr(self.loss_fn, "frozen_tensors", ()))
+        self.recovery = StepRecovery(bool(self.cfg.get("oom_recovery")), self.optimizer, self.run.world_size)
         self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
@@ -196,21 +197,20 @@ class TrainingSession:
 
     def _train_step(self, micro_batches: list[dict]) -> StepResult:
         self._step_flops_now = self.step_flops(micro_batches)
-        self._longest_batch = max([getattr(self, "_longest_batch", 0)]
-                                  + [int(b["tokens"].shape[-1]) for b in micro_batches])
-        with oom_guard("forward/backward and optimizer step", self.cfg):
-            with contextlib.ExitStack() as stack:
-                # The byte tracker sees every op of the whole step (it is a dispatch mode, not a saved-tensor hook,
-                # so offloading's hooks and it never hide each other).
-                stack.enter_context(self.breakdown.track_step())
-                if self.activation_context is not None:
-                    stack.enter_context(self.activation_context)
-                return train_step(
-                    self.model, micro_batches, self.loss_fn, self.optimizer, device=self.run.device,
-                    autocast=self.run.autocast, loss_scaler=self.loss_scaler,
-                    clip_grad_norm=self.cfg.get("clip_grad_norm"),
-                    world_size=self.run.world_size, step=self.step + 1, fp16=self.run.dtype_name == "fp16",
-                )
+        lengths = (int(b["tokens"].shape[-1]) for b in micro_batches)
+        self._longest_batch = max(getattr(self, "_longest_batch", 0), *lengths)
+        with oom_guard("forward/backward and optimizer step", self.cfg):  # oom_recovery: StepRecovery retries first
+            return self.recovery.run(self._step_once, micro_batches, self.step + 1, forget=self.breakdown.discard_step)
+
+    def _step_once(self, micro_batches: list[dict]) -> StepResult:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.breakdown.track_step())  # every op of the step (a dispatch mode, not a hook)
+            if self.activation_context is not None:
+                stack.enter_context(self.activation_context)
+            return train_step(self.model, micro_batches, self.loss_fn, self.optimizer, device=self.run.device,
+                              autocast=self.run.autocast, loss_scaler=self.loss_scaler,
+                              clip_grad_norm=self.cfg.get("clip_grad_norm"), world_size=self.run.world_size,
+                              step=self.step + 1, fp16=self.run.dtype_name == "fp16")
 
     def end_step(self, result: StepResult) -> None:
         self.step += 1

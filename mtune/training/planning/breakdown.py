@@ -39,20 +39,23 @@ class MemoryBreakdown:
     ``optimizer`` may be one optimizer or a list (the inner ones of optimizer-in-backward). With ``enabled=False``
     every call does nothing. With ``track_all_steps=False`` only the first ``num_steps`` steps are tracked (their
     peaks are the run's once the optimizer state exists, for batches of the same length) and later steps run at
-    full speed: tracking costs a Python call per op (2.4x a 1B LoRA step on an H100).
+    full speed: tracking costs a Python call per op (2.4x a 1B LoRA step on an H100). With ``device_limit``
+    (bytes) every step is tracked and one that holds more live bytes on the device raises torch.OutOfMemoryError.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                  output_dir: str | os.PathLike, num_steps: int = 3, enabled: bool = True, rank: int = 0,
-                 write: bool = True, placement: Placement | None = None, track_all_steps: bool = True):
+                 write: bool = True, placement: Placement | None = None, track_all_steps: bool = True,
+                 device_limit: int | None = None):
         self.model = model
-        self.track_all_steps = track_all_steps
+        self.track_all_steps = track_all_steps or device_limit is not None  # a limit holds on every step
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         self.output_dir = Path(output_dir)
         self.num_steps = num_steps
         self.enabled = enabled
         self.write_file = write and rank == 0
-        self.tracker = TensorTracker(placement, model=model, optimizers=optimizers) if enabled else None
+        self.tracker = TensorTracker(placement, model=model, optimizers=optimizers,
+                                     device_limit=device_limit) if enabled else None
         self.records: list[dict[str, Any]] = []
         self.overall: StepMemory | None = None  # every tracked step merged
         self._since_log: StepMemory | None = None
@@ -76,6 +79,13 @@ class MemoryBreakdown:
                 self.write()
         if not self.track_all_steps and self.tracked_steps >= self.num_steps:
             self.tracker.remove_hooks()  # its gradient hooks would cost a Python call per parameter every step
+
+    def discard_step(self) -> None:
+        """Forget the step that just failed (an out-of-memory error that ``oom_recovery`` retries): its peak is
+        not the run's, and the retry is tracked as that step."""
+        if self.enabled and self.tracker is not None and self.tracked_steps:
+            self.tracker.take_interval()
+            self.tracked_steps -= 1
 
     def close(self) -> None:
         """Write the files now if the run ended before ``num_steps`` steps (nothing when none was tracked)."""

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_map_only
 
 from mtune.training.placement import Placement
 from mtune.training.memory.tensor_bytes import plain_parts
+from mtune.units import format_bytes
 
 __all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory"]
 
@@ -111,8 +112,11 @@ class TensorTracker(TorchDispatchMode):
 
     def __init__(self, placement: Placement | None = None, *, model: nn.Module | None = None,
                  optimizers: Iterable[torch.optim.Optimizer] = (), device_alignment: int = 1,
-                 fake_mode: Any = None):
+                 fake_mode: Any = None, device_limit: int | None = None):
         super().__init__()
+        # With a limit (``device_memory_limit`` on a device without an allocator that enforces one: the CPU), an op
+        # or gradient that takes the device's live bytes over it raises torch.OutOfMemoryError, as a GPU would.
+        self.device_limit = device_limit
         self.device_alignment = device_alignment  # 512 counts device storages as CUDA's caching allocator does
         # The FakeTensorMode whose tensors stand for real ones (the planner's); fake tensors of any other mode are
         # shape propagation (DTensor runs each op on fakes to infer its output's layout) and occupy no memory.
@@ -234,6 +238,13 @@ class TensorTracker(TorchDispatchMode):
         if param.grad is not None:
             self.track(param.grad, "gradients")
             self._update_peaks()
+            self._check_limit()
+
+    def _check_limit(self) -> None:
+        limit, held = self.device_limit, self._total["device"]
+        if limit is not None and held > limit:
+            raise torch.OutOfMemoryError(f"device_memory_limit: the run's tensors on the device reached "
+                                         f"{format_bytes(held)}, over the limit of {format_bytes(limit)}")
 
     def _recategorize_optimizer_state(self) -> None:
         for optimizer in self.optimizers:
@@ -331,6 +342,7 @@ class TensorTracker(TorchDispatchMode):
             category = "activations"
         tree_map_only(torch.Tensor, lambda t: self._register_output(t, category), out)
         self._update_peaks()
+        self._check_limit()
         return out
 
     def _register_output(self, t: torch.Tensor, category: str) -> None:

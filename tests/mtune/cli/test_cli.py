@@ -165,3 +165,21 @@ def test_a_dead_rank_ends_in_one_summary_naming_it_the_latest_checkpoint_and_the
     assert hint == (f"hint: the latest complete checkpoint is {tmp_path / 'step_3'}; resume from it: mtune run "
                     f"--nproc_per_node 2 allreduce_recipe --config test/allreduce output_dir={tmp_path} "
                     "resume_from_checkpoint=true"), hint
+
+
+def test_run_fit_options_go_before_the_recipe_and_need_fit():
+    import pytest
+
+    from mtune._cli.errors import UsageError
+    from mtune._cli.run import parse_run_args
+
+    args = parse_run_args(["--fit", "--device-memory", "24GiB", "--host-memory=23GiB", "lora_single_device",
+                           "--config", "c.yaml", "lora.rank=4"])
+    assert args.fit and args.fit_budgets == {"--device-memory": "24GiB", "--host-memory": "23GiB"}
+    assert args.launcher == [] and args.recipe == "lora_single_device" and args.overrides == ["lora.rank=4"]
+    with pytest.raises(UsageError, match="--device-memory sets what --fit plans for: add --fit before it"):
+        parse_run_args(["--device-memory", "24GiB", "lora_single_device", "--config", "c.yaml"])
+    with pytest.raises(UsageError, match="--host-memory needs a value"):
+        parse_run_args(["--fit", "--host-memory"])
+    with pytest.raises(UsageError, match="unexpected option '--fit' after the recipe"):
+        parse_run_args(["lora_single_device", "--config", "c.yaml", "--fit"])

@@ -1,0 +1,98 @@
+"""device_memory_limit without a GPU: the byte tracker raises torch's out-of-memory error over the limit, the OOM
+advice names the limit, CUDA gets the allocator fraction, and a misspelt size is one line naming the key."""
+
+import pytest
+import torch
+
+from mtune.config.rules import check_device_memory_limit
+from mtune.training.context import limit_cuda_memory
+from mtune.training.memory.oom import OutOfMemory, oom_guard
+from mtune.training.planning.tracker import TensorTracker
+from mtune.units import MIB
+
+
+def test_the_tracker_raises_torch_out_of_memory_over_the_limit():
+    tracker = TensorTracker(device_limit=4 * MIB)
+    with tracker:
+        kept = torch.ones(512, 1024)  # 2 MiB: under the limit
+        more = kept + 1                # 4 MiB live: at the limit, allowed
+        with pytest.raises(torch.OutOfMemoryError, match="device_memory_limit: .* reached 6.0 MiB, over the limit of "
+                                                         "4.0 MiB"):
+            kept * 2
+    assert tracker.take_interval().peak["device"] == 6 * MIB  # counted, then refused
+    del more
+    with TensorTracker():  # no limit: nothing refused
+        torch.ones(4096, 1024)
+
+
+def test_out_of_memory_over_the_limit_is_the_run_advice_with_the_limit():
+    cfg = {"recipe": "lora_single_device", "batch_size": 1, "device_memory_limit": "4MiB"}
+    with pytest.raises(OutOfMemory) as err:
+        with oom_guard("forward/backward and optimizer step", cfg):
+            with TensorTracker(device_limit=4 * MIB):
+                torch.ones(2048, 1024)
+    message = str(err.value)
+    assert message.startswith("out of memory during forward/backward and optimizer step (device_memory_limit: the "
+                              "run's tensors on the device reached 8.0 MiB, over the limit of 4.0 MiB)")
+    assert "mtune plan --fit --device-memory 4MiB lora_single_device" in message and "\n" not in message
+
+
+def test_cuda_gets_the_allocator_fraction(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    limit_cuda_memory("20GiB", torch.device("cuda", 0))
+    limit_cuda_memory(None, torch.device("cuda", 0))
+    limit_cuda_memory("100GiB", torch.device("cuda", 0))  # more than the device: all of it
+    assert calls == [(0.25, torch.device("cuda", 0)), (1.0, torch.device("cuda", 0))]
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("20 gigs", "device_memory_limit='20 gigs': write a size such as 24GiB, 80GB or 512MiB"),
+    ("0GiB", "device_memory_limit='0GiB': must be more than 0 bytes (null: the whole device)"),
+])
+def test_a_bad_limit_is_one_line_naming_the_key(value, problem):
+    assert check_device_memory_limit({"device_memory_limit": value}) == [problem]
+    assert check_device_memory_limit({"device_memory_limit": "20GiB"}) == []
+    assert check_device_memory_limit({"device_memory_limit": None}) == []
+
+
+def _batch(rows):
+    return {"tokens": torch.arange(rows * 3).view(rows, 3), "labels": torch.arange(rows * 3).view(rows, 3),
+            "num_tokens": torch.tensor(rows * 3 - 1)}
+
+
+def test_halving_keeps_the_rows_in_order_and_the_token_count():
+    from mtune.training.memory.oom import halve_micro_batches
+
+    halves = halve_micro_batches([_batch(4), _batch(2)])
+    assert [int(h["tokens"].shape[0]) for h in halves] == [2, 2, 1, 1]
+    assert torch.equal(torch.cat([h["tokens"] for h in halves[:2]]), _batch(4)["tokens"])
+    assert [int(h["num_tokens"]) for h in halves] == [5, 6, 2, 3]
+    assert halve_micro_batches([_batch(2), _batch(1)]) is None
+    pairs = {**_batch(4), "pair_index": torch.arange(2), "pairs_of": "x"}  # chosen rows, then rejected: not split
+    assert halve_micro_batches([pairs]) is None
+
+
+def test_recovery_retries_only_before_the_optimizer_step_on_one_device_and_when_asked():
+    from mtune.training.memory.oom import StepRecovery
+
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    err = torch.OutOfMemoryError("device_memory_limit: over")
+    recovery = StepRecovery(True, optimizer)
+    with recovery.watch():
+        param.grad = torch.ones(2)
+    line = recovery.retry(err, [_batch(4)], step=3)
+    assert line == ("oom_recovery: step 3 ran out of memory (device_memory_limit: over); running it again, and the "
+                    "steps after it, in 2 micro-batches of 2 rows: the same 4 samples per step, in the same order")
+    assert param.grad is None and [int(b["tokens"].shape[0]) for b in recovery.split([_batch(4)])] == [2, 2]
+    assert recovery.retry(err, [_batch(4)], step=3) is not None  # down to 1 row
+    assert recovery.retry(err, [_batch(4)], step=3) is None      # no further
+    stepped = StepRecovery(True, optimizer)
+    with stepped.watch():
+        param.grad = torch.ones(2)
+        optimizer.step()  # parameters may be half updated: not retried
+    assert stepped.retry(err, [_batch(4)], step=1) is None
+    assert StepRecovery(False, optimizer).retry(err, [_batch(4)], step=1) is None
+    assert StepRecovery(True, optimizer, world_size=2).retry(err, [_batch(4)], step=1) is None

@@ -1,0 +1,53 @@
+"""`mtune run --fit`: plans at launch with `mtune plan --fit`'s search, writes the chosen config into output_dir,
+runs it and is held to --device-memory (its device_memory_limit); without a GPU and without a size it refuses in one
+line."""
+
+import os
+import subprocess
+import sys
+
+from omegaconf import OmegaConf
+
+from tests._helpers.paths import REPO
+from tests._helpers.recipes import read_metrics
+
+GIB = 2**30
+
+
+def _mtune_run(*argv):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
+    return subprocess.run([sys.executable, "-m", "mtune", "run", *argv], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_run_fit_plans_writes_runs_and_stays_under_the_device_memory(tmp_path):
+    out = tmp_path / "out"
+    # 1100 MiB less the allocator margin (1 GiB) leaves 76 MiB: rows of 512 tokens as configured plan 155.5 MiB, with
+    # activation checkpointing 60.6 MiB (`mtune plan`), so the answer turns checkpointing on.
+    done = _mtune_run("--fit", "--device-memory", "1100MiB", "--host-memory", "4GiB", "lora_single_device", "--config",
+                      "tiny/lora_single_device", f"output_dir={out}", "epochs=1", "max_steps_per_epoch=2",
+                      "batch_size=4", "tokenizer.max_seq_len=512", "task_eval=null", "plan_check=false",
+                      "lr_scheduler.num_warmup_steps=0", "log_every_n_steps=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mtune plan --fit: lora_single_device" in done.stdout and "into 1.07 GiB" in done.stdout
+    assert "\nanswer: enable_activation_checkpointing=true\n" in done.stdout  # what changed, then why it fits
+    assert f"written to {out / 'mtune_fit.yaml'}" in done.stdout
+    assert f"mtune run --fit: running lora_single_device with {out / 'mtune_fit.yaml'}" in done.stderr
+    written = OmegaConf.load(out / "mtune_fit.yaml")
+    assert written.enable_activation_checkpointing is True  # the answer, run
+    assert written.device_memory_limit == "1100MiB" and written.max_steps_per_epoch == 2  # the limit, the overrides
+    assert "activation_checkpointing=block" in done.stderr  # the run's own list of techniques
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 < r["peak_tensor_gib"] * GIB <= 1100 * 2**20 for r in rows)  # tracked under the limit every step
+    assert (out / "final").is_dir()
+
+
+def test_run_fit_without_a_gpu_or_a_size_refuses_in_one_line(tmp_path):
+    done = _mtune_run("--fit", "lora_single_device", "--config", "tiny/lora_single_device",
+                      f"output_dir={tmp_path / 'out'}", "device=cpu")
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --fit: the run's device is cpu, whose memory mtune cannot read as a GPU's: give "
+                      "--device-memory SIZE (or set device_memory_limit=SIZE)"], done.stderr
+    assert not (tmp_path / "out").exists()
