@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: install mtune with its test extras (editable) and run the whole suite, slow tests
-# included, printing the 25 slowest. Extra arguments go to pytest. CI (.ci/run) runs it after checking the
+# included, on two worker processes (MTUNE_TEST_WORKERS; each test still writes only in its own temporary
+# directory), printing the 25 slowest. Extra arguments go to pytest. CI (.ci/run) runs it after checking the
 # README's install without extras (scripts/smoke_install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +10,4 @@ python3 -m pip install -q -e '.[dev]'
 bash scripts/print_versions.sh
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/mtune-inductor-cache}"
 # pytest exits 5 when it collected no test: that is a failure here too.
-python3 -m pytest -q --durations=25 "$@"
+python3 -m pytest -q -n "${MTUNE_TEST_WORKERS:-2}" --durations=25 "$@"
