@@ -9,48 +9,27 @@ message, as the official template requires.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Sequence
 
-from mtune.tokenizers.base import Message, Tokenizer, TokenizerError, check_alternating
-
-_CONTROL = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+from mtune.tokenizers.base import Message, check_alternating
+from mtune.tokenizers.tokenizer_json import TokenizerJson
 
 
-class Gemma3Tokenizer(Tokenizer):
+class Gemma3Tokenizer(TokenizerJson):
     """Gemma 3 ``tokenizer.json``. ``bos_id`` = <bos>, ``eos_id`` = <eos>, ``pad_id`` = <pad>; ``end_of_turn_id`` =
     <end_of_turn>; ``stop_tokens`` = [<eos>, <end_of_turn>]."""
 
     family = "gemma3"
+    control_tokens = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+    description = "Gemma 3"
 
     def __init__(self, path: str | Path, max_seq_len: int | None = None):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        path = Path(path)
-        super().__init__([path], max_seq_len)
-        spec = json.loads(path.read_text(encoding="utf-8"))
-        self._full = HFTokenizer.from_str(json.dumps(spec))
-        # Text is encoded by a copy without the added tokens, so "<end_of_turn>" in a message stays text.
-        spec["added_tokens"] = []
-        spec["post_processor"] = None
-        self._text = HFTokenizer.from_str(json.dumps(spec))
-        ids = {name: self._full.token_to_id(name) for name in _CONTROL}
-        missing = [name for name, i in ids.items() if i is None]
-        if missing:
-            raise TokenizerError(f"{path}: no {', '.join(missing)} token; this does not look like a Gemma 3 "
-                                 "tokenizer.json")
+        super().__init__(path, max_seq_len)
+        ids = self.control_ids
         self.bos_id, self.eos_id, self.pad_id = ids["<bos>"], ids["<eos>"], ids["<pad>"]
         self.start_of_turn_id = ids["<start_of_turn>"]
         self.end_of_turn_id = ids["<end_of_turn>"]
         self.stop_tokens = [self.eos_id, self.end_of_turn_id]
-        self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
-
-    def encode_text(self, text: str) -> list[int]:
-        return self._text.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def _turn(self, role: str, text: str | None) -> tuple[list[int], list[bool]]:
         header = self.encode_text(f"{role}\n")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
 
-from mtune.tokenizers.base import Message, Tokenizer, TokenizerError
+from mtune.tokenizers.base import Message
+from mtune.tokenizers.tokenizer_json import TokenizerJson
 
 QWEN2_5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 QWEN2_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -37,43 +37,27 @@ def default_system_prompt(tokenizer_json: Path) -> str | None:
     return None
 
 
-class Qwen2Tokenizer(Tokenizer):
+class Qwen2Tokenizer(TokenizerJson):
     """Qwen2 ``tokenizer.json``. ``bos_id`` is None (Qwen has none, ``add_bos`` adds nothing);
     ``eos_id`` = ``pad_id`` = <|endoftext|>; ``end_of_turn_id`` = <|im_end|>;
     ``stop_tokens`` = [<|endoftext|>, <|im_end|>]. ``system_prompt`` overrides the default system prompt
     (``""`` or None for none)."""
 
     family = "qwen2"
+    control_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    description = "Qwen2"
     _UNSET = object()
 
     def __init__(self, path: str | Path, max_seq_len: int | None = None, system_prompt=_UNSET):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        path = Path(path)
-        super().__init__([path], max_seq_len)
-        spec = json.loads(path.read_text(encoding="utf-8"))
-        self._full = HFTokenizer.from_str(json.dumps(spec))
-        # Text is encoded by a copy without the added tokens, so "<|im_end|>" in a message stays text.
-        spec["added_tokens"] = []
-        self._text = HFTokenizer.from_str(json.dumps(spec))
-        ids = {}
-        for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
-            ids[name] = self._full.token_to_id(name)
-            if ids[name] is None:
-                raise TokenizerError(f"{path}: no {name} token; this does not look like a Qwen2 tokenizer.json")
+        super().__init__(path, max_seq_len)
+        ids = self.control_ids
         self.bos_id = None
         self.eos_id = self.pad_id = ids["<|endoftext|>"]
         self.im_start_id = ids["<|im_start|>"]
         self.im_end_id = self.end_of_turn_id = ids["<|im_end|>"]
         self.stop_tokens = [self.eos_id, self.im_end_id]
-        self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
-        self.system_prompt = default_system_prompt(path) if system_prompt is self._UNSET else (system_prompt or None)
-
-    def encode_text(self, text: str) -> list[int]:
-        return self._text.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        self.system_prompt = (default_system_prompt(Path(path)) if system_prompt is self._UNSET
+                              else (system_prompt or None))
 
     def _fingerprint_extra(self) -> str:
         return f"system_prompt={self.system_prompt!r}"
