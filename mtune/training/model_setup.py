@@ -109,20 +109,18 @@ def setup_model(
     step_context = phases.prepare_model(model, memory, placement)
     if not materialize:
         return model, step_context
-    materialize_model(model, source, device=device, dtype=dtype, memory=memory, placement=placement,
-                      trainable=trainable)
+    materialize_model(model, source, device=device, dtype=dtype, memory=memory, trainable=trainable)
     return model, step_context
 
 
 def materialize_model(model: TransformerDecoder, source: ModelSource, *, device: torch.device, dtype: torch.dtype,
                       lora: LoraConfig | Mapping[str, Any] | None = None, memory: MemoryConfig = MemoryConfig(),
-                      placement: Placement | None = None, trainable: bool = True) -> None:
+                      trainable: bool = True) -> None:
     """The second half of :func:`setup_model`: weights for the meta model (loaded, or random without a
     checkpoint), each module handed to the techniques as its weights arrive (NF4 / fp8 storage, offloading to the
     host), then what follows once all are in (fresh adapters and a frozen base). ``mtune plan`` runs this under
     ``FakeTensorMode`` with ``source.checkpoint_dir=None``, so it reads no weight file and allocates nothing."""
     memory = _with_lora(memory, lora)
-    placement = placement or Placement(device)
 
     def after_tensor(module: nn.Module) -> None:
         phases.on_weights(model, module, memory)

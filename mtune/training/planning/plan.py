@@ -245,7 +245,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
                 materialize_sharded_model(model, source, device=cpu, dtype=dtype, seed=int(cfg.get("seed") or 0),
                                           memory=memory)
             else:
-                materialize_model(model, source, device=cpu, dtype=dtype, memory=memory, placement=placement)
+                materialize_model(model, source, device=cpu, dtype=dtype, memory=memory)
             optimizer = build_optimizer(_optimizer_node(cfg), model, memory, placement=placement, target_device=target)
             if fsdp_offload:
                 _fsdp_offload_on_host(model, optimizer, placement)

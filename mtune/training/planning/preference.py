@@ -92,6 +92,6 @@ def planned_preference(cfg, model, source, *, dtype, memory: MemoryConfig, place
         materialize_sharded_model(copy, source, device=device, dtype=dtype, seed=0, memory=MemoryConfig())
         copy.requires_grad_(False)
     else:
-        materialize_model(copy, source, device=device, dtype=dtype, placement=placement, trainable=False)
+        materialize_model(copy, source, device=device, dtype=dtype, trainable=False)
     return PlannedPreference(PreferenceObjective(loss, ModelReference(copy.eval(), autocast=autocast)),
                              frozen_copy=[*copy.parameters(), *copy.buffers()])
