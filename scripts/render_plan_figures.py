@@ -67,8 +67,8 @@ def rewrite_header(config: str, result: dict) -> None:
     end = next(i for i, line in enumerate(lines) if line.startswith("recipe:"))
     block = header_block(result)
     if any("_component_: bitsandbytes.optim.Paged" in line for line in lines):
-        block.insert(-1, "#   The paged optimizer state is counted on the GPU; when the GPU is full it pages to host RAM "
-                         "(slower).")
+        block[-1:-1] = ["#   The paged optimizer state lives in CUDA managed memory, outside the GPU's allocator: it is",
+                        "#   counted on the host, and the driver pages it to the GPU as it is stepped (slower)."]
     path.write_text("\n".join(lines[:start] + block + lines[end:]) + "\n")
 
 
