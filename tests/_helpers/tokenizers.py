@@ -276,26 +276,36 @@ QWEN2_BASE_VOCAB = 500
 QWEN2_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
+def _write_tokenizer_json(model_dir: str | Path, *, pattern: str, base_vocab: int, added: tuple[str, ...],
+                          tokenizer_config: dict, config: dict, normalizer: dict | None = None,
+                          not_special: tuple[str, ...] = ()) -> int:
+    """Write a `tokenizer.json` trained as byte-level BPE of ``base_vocab`` tokens with ``added`` after it (special
+    but those in ``not_special``), its `tokenizer_config.json` and the model config's token fields (``config``
+    plus the vocab size). Returns the vocab size."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.loads(_byte_level_bpe(pattern, base_vocab))
+    if normalizer is not None:
+        spec["normalizer"] = normalizer
+    spec["added_tokens"] = [
+        {"id": base_vocab + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": t not in not_special} for i, t in enumerate(added)
+    ]
+    _write_json(model_dir / "tokenizer.json", spec)
+    _write_json(model_dir / "tokenizer_config.json", tokenizer_config)
+    vocab_size = base_vocab + len(added)
+    _merge_config(model_dir, {**config, "vocab_size": vocab_size})
+    return vocab_size
+
+
 def write_qwen2_tokenizer(model_dir: str | Path) -> int:
     """Write a tiny Qwen2-style `tokenizer.json` (byte-level BPE, NFC, `<|endoftext|>`, `<|im_start|>`,
     `<|im_end|>` added after a 500-token base). Returns the vocab size (503)."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    spec = json.loads(_byte_level_bpe(QWEN2_PATTERN, QWEN2_BASE_VOCAB))
-    spec["normalizer"] = {"type": "NFC"}
-    spec["added_tokens"] = [
-        {"id": QWEN2_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True} for i, t in enumerate(QWEN2_ADDED)
-    ]
-    _write_json(model_dir / "tokenizer.json", spec)
-    _write_json(model_dir / "tokenizer_config.json", {
-        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": QWEN2_5_CHAT_TEMPLATE,
-    })
-    vocab_size = QWEN2_BASE_VOCAB + len(QWEN2_ADDED)
-    _merge_config(model_dir, {"model_type": "qwen2", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2,
-                              "vocab_size": vocab_size})
-    return vocab_size
+    return _write_tokenizer_json(
+        model_dir, pattern=QWEN2_PATTERN, base_vocab=QWEN2_BASE_VOCAB, added=QWEN2_ADDED, normalizer={"type": "NFC"},
+        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>", "chat_template": QWEN2_5_CHAT_TEMPLATE},
+        config={"model_type": "qwen2", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2})
 
 
 QWEN3_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
@@ -304,23 +314,12 @@ QWEN3_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</thin
 def write_qwen3_tokenizer(model_dir: str | Path) -> int:
     """Write a tiny Qwen3-style `tokenizer.json`: Qwen2's with `<think>` and `</think>` added (not special, as in
     Qwen3's file) and Qwen3's chat template. Returns the vocab size (505)."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    spec = json.loads(_byte_level_bpe(QWEN2_PATTERN, QWEN2_BASE_VOCAB))
-    spec["normalizer"] = {"type": "NFC"}
-    spec["added_tokens"] = [
-        {"id": QWEN2_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": "think" not in t} for i, t in enumerate(QWEN3_ADDED)
-    ]
-    _write_json(model_dir / "tokenizer.json", spec)
-    _write_json(model_dir / "tokenizer_config.json", {
-        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": QWEN3_CHAT_TEMPLATE,
-    })
-    vocab_size = QWEN2_BASE_VOCAB + len(QWEN3_ADDED)
-    _merge_config(model_dir, {"model_type": "qwen3", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2,
-                              "vocab_size": vocab_size})
-    return vocab_size
+    return _write_tokenizer_json(
+        model_dir, pattern=QWEN2_PATTERN, base_vocab=QWEN2_BASE_VOCAB, added=QWEN3_ADDED, normalizer={"type": "NFC"},
+        not_special=("<think>", "</think>"),
+        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>", "chat_template": QWEN3_CHAT_TEMPLATE},
+        config={"model_type": "qwen3", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2})
 
 
 PHI4_BASE_VOCAB = 500
@@ -330,22 +329,12 @@ PHI4_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system
 def write_phi4_tokenizer(model_dir: str | Path) -> int:
     """Write a tiny Phi-4-mini-style `tokenizer.json` (byte-level BPE, `<|endoftext|>`, the role tokens and `<|end|>`
     added after a 500-token base) and Phi-4-mini's chat template. Returns the vocab size (505)."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, PHI4_BASE_VOCAB))
-    spec["added_tokens"] = [
-        {"id": PHI4_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True} for i, t in enumerate(PHI4_ADDED)
-    ]
-    _write_json(model_dir / "tokenizer.json", spec)
-    _write_json(model_dir / "tokenizer_config.json", {
-        "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": PHI4_CHAT_TEMPLATE,
-    })
-    vocab_size = PHI4_BASE_VOCAB + len(PHI4_ADDED)
-    _merge_config(model_dir, {"model_type": "phi3", "bos_token_id": PHI4_BASE_VOCAB, "eos_token_id": PHI4_BASE_VOCAB,
-                              "vocab_size": vocab_size})
-    return vocab_size
+    return _write_tokenizer_json(
+        model_dir, pattern=LLAMA3_PATTERN, base_vocab=PHI4_BASE_VOCAB, added=PHI4_ADDED,
+        tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
+                          "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+                          "chat_template": PHI4_CHAT_TEMPLATE},
+        config={"model_type": "phi3", "bos_token_id": PHI4_BASE_VOCAB, "eos_token_id": PHI4_BASE_VOCAB})
 
 
 GEMMA3_ADDED = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
@@ -354,22 +343,12 @@ GEMMA3_ADDED = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
 def write_gemma3_tokenizer(model_dir: str | Path) -> int:
     """Write a tiny `tokenizer.json` with Gemma 3's control tokens (byte-level BPE here; Gemma's own is a
     sentencepiece-style BPE, read by the same `tokenizers` code) and Gemma 3's chat template. Returns 505."""
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    spec = json.loads(_byte_level_bpe(LLAMA3_PATTERN, PHI4_BASE_VOCAB))
-    spec["added_tokens"] = [
-        {"id": PHI4_BASE_VOCAB + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True} for i, t in enumerate(GEMMA3_ADDED)
-    ]
-    _write_json(model_dir / "tokenizer.json", spec)
-    _write_json(model_dir / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "pad_token": "<pad>", "add_bos_token": False, "chat_template": GEMMA3_CHAT_TEMPLATE,
-    })
-    vocab_size = PHI4_BASE_VOCAB + len(GEMMA3_ADDED)
-    _merge_config(model_dir, {"model_type": "gemma3_text", "bos_token_id": PHI4_BASE_VOCAB + 2,
-                              "eos_token_id": PHI4_BASE_VOCAB + 1, "vocab_size": vocab_size})
-    return vocab_size
+    return _write_tokenizer_json(
+        model_dir, pattern=LLAMA3_PATTERN, base_vocab=PHI4_BASE_VOCAB, added=GEMMA3_ADDED,
+        tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+                          "pad_token": "<pad>", "add_bos_token": False, "chat_template": GEMMA3_CHAT_TEMPLATE},
+        config={"model_type": "gemma3_text", "bos_token_id": PHI4_BASE_VOCAB + 2,
+                "eos_token_id": PHI4_BASE_VOCAB + 1})
 
 
 def _merge_config(model_dir: Path, fields: dict) -> None:
