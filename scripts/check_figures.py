@@ -64,11 +64,13 @@ class Figure:
 
 
 # What a number of a results file is, from its JSON key, its table column's header or the unit printed after it;
-# "any" where none says. A number of a kind gives figures of the units compatible with it, at these scales.
+# "any" where none says. A number of a kind gives figures of the units compatible with it, at these scales; the
+# machine's description ("meta": load averages, thread counts, steps) gives none.
 KINDS = (("bytes", r"bytes"), ("GiB", r"gib"), ("MiB", r"mib"), ("tok/s", r"tok(en)?s?_?(/|per_?)s"),
          ("frac", r"mfu|hfu|ceiling|accuracy|exact_match|fraction|share|error|utili[sz]ation"),
          ("ratio", r"ratio|speedup|×|÷"), ("pct", r"%|percent|pct"), ("ms", r"(^|_)ms$"),
-         ("s", r"(^|_)(s|seconds?|secs?|cpu_s|wall_s|time_s)$|\(s\)|seconds"))
+         ("s", r"(^|_)(s|seconds?|secs?|cpu_s|wall_s|time_s)$|\(s\)|seconds"),
+         ("meta", r"load|thread|cpus|cpu_count|seed|warmup|(^|_)(reps?|runs|steps?|date)$"))
 COMPATIBLE = {  # figure unit: {kind: scales}
     **{u: {"bytes": (2.0**-e,), u: (1,), "any": (1, 2.0**-e)}
        for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10), ("TiB", 40))},
@@ -103,33 +105,34 @@ class Record:
 @dataclass
 class ResultsFile:
     records: list[Record] = field(default_factory=list)
-    values: set[tuple[str, float]] = field(default_factory=set)
+    values: set[tuple[str, str, float]] = field(default_factory=set)
 
 
 # ---------------------------------------------------------------------------------------------------------- sources
 
 
-def _numbers(text: str, default: str = "any") -> set[tuple[str, float]]:
-    """The numbers of a text, each of the kind of the unit printed after it (else ``default``)."""
+def _numbers(text: str, default: str = "any", key: str = "") -> set[tuple[str, str, float]]:
+    """The numbers of a text as ``(kind, key, value)``: the kind of the unit printed after each (else ``default``)."""
     out = set()
     for match in UNIT_AFTER.finditer(text.replace(",", "")):
         unit = match.group(2)
         out.add((kind(unit) if unit and kind(unit) != "any" else
-                 {"s": "s", "ms": "ms", "B": "bytes", "seconds": "s"}.get(unit or "", default), float(match.group(1))))
+                 {"s": "s", "ms": "ms", "B": "bytes", "seconds": "s"}.get(unit or "", default), key,
+                 float(match.group(1))))
     return out
 
 
-def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, float]]:
-    """Every number under ``node`` (strings' numbers included) with the kind its key names; appends a record for
-    each object with a short string field."""
+def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, str, float]]:
+    """Every number under ``node`` (strings' numbers included) as ``(kind, key, value)``, the kind its key names;
+    appends a record for each object with a short string field."""
     if isinstance(node, bool) or node is None:
         return set()
     if isinstance(node, (int, float)):
-        return {(kind(key), float(node))}
+        return {(kind(key), key, float(node))}
     if isinstance(node, str):
-        return _numbers(node, kind(key))
+        return _numbers(node, kind(key), key)
     items = node.items() if isinstance(node, dict) else ((key, child) for child in node)
-    values: set[tuple[str, float]] = set()
+    values: set[tuple[str, str, float]] = set()
     for child_key, child in items:
         values |= _json_records(child, records, child_key)
     if isinstance(node, dict):
@@ -177,7 +180,8 @@ def results_file(name: str) -> ResultsFile:
                 cells = _cells(line)
                 values = set()
                 for i, cell in enumerate(cells):
-                    values |= _numbers(cell, kind(header[i]) if i < len(header) else "any")
+                    column = header[i] if i < len(header) else ""
+                    values |= _numbers(cell, kind(column), column)
                 out.records.append(Record(frozenset(_label_cells(cells)), Values(values)))
     return out
 
@@ -208,9 +212,10 @@ def _scoped(records: list[Record], context: str, figure: Figure) -> set[float] |
         for s in record.strings:
             holders[s] = holders.get(s, 0) + 1
     cells = tuple(c.lower() for c in figure.labels) if figure.table_row else ()
+    weight = {s: 1 / n for s, n in holders.items() if _named(s, context, figure.table_row, cells)}
     best, scoped = 0.0, set()
     for record in records:
-        score = sum(1 / holders[s] for s in record.strings if _named(s, context, figure.table_row, cells))
+        score = sum(weight.get(s, 0.0) for s in record.strings)
         if score > best + 1e-12:
             best, scoped = score, set(record.values)
         elif score and abs(score - best) <= 1e-12:
@@ -220,10 +225,12 @@ def _scoped(records: list[Record], context: str, figure: Figure) -> set[float] |
 
 def candidate_values(figure: Figure) -> tuple[set[float], bool]:
     """The numbers that may give ``figure``: those of the records named best by its clause (prose: the words between
-    the commas, semicolons or brackets around it), else by its line (a table row: its label cells), in its sources;
-    no record named, every number of its sources. Second: whether records were named."""
+    the commas, semicolons or brackets around it), else by its line (a range: its clause only; a table row: its
+    label cells), in its sources; no record named, every number of its sources. Second: whether records were
+    named."""
     records = [r for source in figure.sources for r in results_file(source).records]
-    contexts = ("",) if figure.table_row else figure.labels
+    # a range spans records (its ends are the least and the most of several): only its own clause may scope it
+    contexts = ("",) if figure.table_row else figure.labels[:1] if len(figure.numbers) > 1 else figure.labels
     for context in contexts:
         scoped = _scoped(records, context, figure)
         if scoped is not None:
@@ -238,12 +245,24 @@ def _given(number: str, unit: str, values) -> bool:
     tolerance = 0.5 * 10**-digits + 1e-9
     compatible = COMPATIBLE.get(unit, {"any": (1,)})
     return any(abs(value * scale - target) <= tolerance
-               for k, value in values for scale in compatible.get(k, ()))
+               for k, _, value in values for scale in compatible.get(k, ()))
+
+
+def _gives(numbers: tuple[str, ...], unit: str, values) -> bool:
+    """Whether ``values`` give a figure's numbers: a range's two ends must be values of one key (a JSON key or a
+    table column: the least and the most of one quantity), not any two numbers of the file."""
+    if len(numbers) == 1:
+        return _given(numbers[0], unit, values)
+    by_key: dict[str, set] = {}
+    for value in values:
+        if value[1]:
+            by_key.setdefault(value[1], set()).add(value)
+    return any(all(_given(n, unit, same) for n in numbers) for same in by_key.values())
 
 
 def sourced(figure: Figure) -> bool:
     values, _ = candidate_values(figure)
-    return all(_given(n, figure.unit, values) for n in figure.numbers)
+    return _gives(figure.numbers, figure.unit, values)
 
 
 # -------------------------------------------------------------------------------------------------------- documents
@@ -277,7 +296,7 @@ def markdown_figures(doc: Path, stated: list[tuple[str, int, str]] | None = None
             levels.append(level)
             section_sources.append(set())
             current = len(levels) - 1
-        named = _sources_named(line)
+        named = _sources_named(re.sub(r"<!--.*?-->", "", line))
         section_sources[current] |= named
         blank = not line.strip() or heading is not None or fence or in_code
         if not blank:
@@ -299,12 +318,19 @@ def markdown_figures(doc: Path, stated: list[tuple[str, int, str]] | None = None
             in_code = not in_code
         previous_blank = blank
     found = []
-    in_code = False
+    in_code = open_span = False
     for number, line in enumerate(lines, 1):
         if line.lstrip().startswith("```"):
             in_code = not in_code
             continue
-        if in_code or line.startswith("#"):
+        if in_code or not line.strip():
+            open_span = False
+            continue
+        # inline code may run over a line break: close it at the end of the line, reopen it on the next
+        line = "`" + line if open_span else line
+        open_span = line.count("`") % 2 == 1
+        line = line + "`" if open_span else line
+        if line.startswith("#"):
             continue
         mark = STATED.search(line)
         prose = _prose(line)
@@ -315,7 +341,7 @@ def markdown_figures(doc: Path, stated: list[tuple[str, int, str]] | None = None
             if matches:
                 continue
         i = number - 1
-        levels_nearest = [_sources_named(line), item_sources[item_of[i]] if item_of[i] >= 0 else set(),
+        levels_nearest = [_sources_named(re.sub(r"<!--.*?-->", "", line)), item_sources[item_of[i]] if item_of[i] >= 0 else set(),
                           block_sources[block_of[i]] if block_of[i] >= 0 else set()]
         section = section_of[i]
         while section >= 0:
@@ -415,7 +441,7 @@ def power(figures: list[Figure], factor: float) -> tuple[int, int]:
             continue
         tried += 1
         values, _ = candidate_values(f)
-        passed += all(_given(w, f.unit, values) for w in wrong)
+        passed += _gives(wrong, f.unit, values)
     return passed, tried
 
 
