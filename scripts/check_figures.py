@@ -26,10 +26,12 @@ Inputs and thresholds are not measurements ("a 24 GiB GPU", a datasheet's TFLOP/
 
     python scripts/check_figures.py            # lists the unsourced figures, exits 1 if any
     python scripts/check_figures.py --power    # also: how many sourced figures would still pass if wrong
+                                               # (writes benchmarks/results/figure_check_power.json)
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import sys
@@ -40,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 CONFIGS = REPO / "recipes" / "configs"
-UNITS = r"GiB|GB|MiB|MB|KiB|TiB|tok/s|tokens/s|samples/s|×|x faster|%|CPU-s|ms|s\b|min\b|TFLOP/s|GB/s"
+UNITS = r"GB/s|TFLOP/s|GiB|GB|MiB|MB|KiB|TiB|tok/s|tokens/s|samples/s|×|x faster|%|CPU-s|ms|s\b|min\b"
 NUM = r"\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?"
 FIGURE = re.compile(rf"(?<![\w.])({NUM})\s?(?:(?:–|-|to )({NUM})\s?)?({UNITS})(?!\s?\d)")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -68,7 +70,7 @@ class Figure:
 # machine's description ("meta": load averages, thread counts, steps) gives none.
 KINDS = (("bytes", r"bytes"), ("GiB", r"gib"), ("MiB", r"mib"), ("tok/s", r"tok(en)?s?_?(/|per_?)s"),
          ("frac", r"mfu|hfu|ceiling|accuracy|exact_match|fraction|share|error|utili[sz]ation"),
-         ("ratio", r"ratio|speedup|×|÷"), ("pct", r"%|percent|pct"), ("ms", r"(^|_)ms$"),
+         ("ratio", r"ratio|speedup|×|÷"), ("rate", r"per_?s(ec(ond)?)?$|/s$"), ("pct", r"%|percent|pct"), ("ms", r"(^|_)ms$"),
          ("s", r"(^|_)(s|seconds?|secs?|cpu_s|wall_s|time_s)$|\(s\)|seconds"),
          ("meta", r"load|thread|cpus|cpu_count|seed|warmup|(^|_)(reps?|runs|steps?|date)$"))
 COMPATIBLE = {  # figure unit: {kind: scales}
@@ -81,7 +83,7 @@ COMPATIBLE = {  # figure unit: {kind: scales}
     "s": {"s": (1,), "any": (1,)}, "CPU-s": {"s": (1,), "any": (1,)}, "ms": {"s": (1000,), "ms": (1,), "any": (1, 1000)},
     "min": {"s": (1 / 60,), "any": (1, 1 / 60)}, "tok/s": {"tok/s": (1,), "any": (1,)},
     "tokens/s": {"tok/s": (1,), "any": (1,)}, "samples/s": {"any": (1,)},
-    "TFLOP/s": {"any": (1, 1e-12)}, "GB/s": {"any": (1, 1e-9)},
+    "TFLOP/s": {"rate": (1, 1e-12), "any": (1, 1e-12)}, "GB/s": {"rate": (1, 1e-9), "any": (1, 1e-9)},
 }
 UNIT_AFTER = re.compile(rf"(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)\s?({UNITS}|seconds|B\b)?")
 
@@ -332,10 +334,10 @@ def markdown_figures(doc: Path, stated: list[tuple[str, int, str]] | None = None
         line = line + "`" if open_span else line
         if line.startswith("#"):
             continue
-        mark = STATED.search(line)
+        mark = STATED.search(re.sub(r"`[^`]*`", "", line))
         prose = _prose(line)
         matches = list(FIGURE.finditer(prose))
-        if mark:
+        if mark:  # inline, so that it ends no paragraph (a comment alone on a line is an HTML block in markdown)
             if stated is not None:
                 stated.append((name, number, mark.group(1)))
             if matches:
@@ -445,6 +447,32 @@ def power(figures: list[Figure], factor: float) -> tuple[int, int]:
     return passed, tried
 
 
+def write_power(figures: list[Figure], unsourced_count: int) -> None:
+    """Print and write ``benchmarks/results/figure_check_power.json``: for each factor, how many of the sourced
+    figures multiplied by it would still pass, over all of them, those scoped to a record and those matched against
+    a whole file."""
+    own = "benchmarks/results/figure_check_power.json"  # the figures that report this measure are not in it
+    good = [f for f in figures if sourced(f) and own not in f.sources]
+    scoped = [f for f in good if candidate_values(f)[1]]
+    whole = [f for f in good if not candidate_values(f)[1]]
+    rows = []
+    for factor in (1.07, 0.93, 2.0):
+        row = {"factor": factor}
+        for name, group in (("all", good), ("scoped", scoped), ("whole_file", whole)):
+            passed, tried = power(group, factor)
+            row[name] = {"still_passing": passed, "tried": tried, "fraction": passed / max(tried, 1)}
+        rows.append(row)
+        print(f"x{factor}: {row['all']['still_passing']} of {row['all']['tried']} wrong figures still pass "
+              f"({row['all']['fraction']:.0%}; scoped {row['scoped']['fraction']:.0%}, whole file "
+              f"{row['whole_file']['fraction']:.0%})", file=sys.stderr)
+    out = RESULTS / "figure_check_power.json"
+    out.write_text(json.dumps({
+        "command": "python scripts/check_figures.py --power",
+        "date": datetime.date.today().isoformat(), "figures": len(figures), "unsourced": unsourced_count,
+        "sourced": len(good), "sourced_scoped": len(scoped), "rows": rows}, indent=1) + "\n")
+    print(f"json: {out.relative_to(REPO)}", file=sys.stderr)
+
+
 def main() -> int:
     stated: list[tuple[str, int, str]] = []
     figures = all_figures(stated)
@@ -454,12 +482,7 @@ def main() -> int:
         print(f"{f.path}:{f.line}: {f.text!r} not in {where}")
     print(f"{len(figures)} figures, {len(missing)} unsourced, {len(stated)} lines marked stated", file=sys.stderr)
     if "--power" in sys.argv:
-        scoped = sum(candidate_values(f)[1] for f in figures if sourced(f))
-        print(f"sourced: {len(figures) - len(missing)} ({scoped} scoped to a record)", file=sys.stderr)
-        for factor in (1.07, 0.93, 2.0):
-            passed, tried = power(figures, factor)
-            print(f"x{factor}: {passed} of {tried} wrong figures still pass ({passed / max(tried, 1):.0%})",
-                  file=sys.stderr)
+        write_power(figures, len(missing))
     return 1 if missing else 0
 
 
