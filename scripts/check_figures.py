@@ -138,7 +138,8 @@ def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, 
     for child_key, child in items:
         values |= _json_records(child, records, child_key)
     if isinstance(node, dict):
-        strings = frozenset(v for v in node.values() if isinstance(v, str) and 2 <= len(v) <= 80)
+        strings = frozenset(v for v in node.values() if isinstance(v, str) and 2 <= len(v) <= 80
+                            and not re.fullmatch(r"[\d\s:.+\-T/Z]+", v))  # a date names no record
         if strings:
             records.append(Record(strings, Values(values)))
     return values
@@ -227,7 +228,7 @@ def _scoped(records: list[Record], context: str, figure: Figure) -> set[float] |
 
 def candidate_values(figure: Figure) -> tuple[set[float], bool]:
     """The numbers that may give ``figure``: those of the records named best by its clause (prose: the words between
-    the commas, semicolons or brackets around it), else by its line (a range: its clause only; a table row: its
+    the commas, semicolons or colons around it), else by its line (a range: its clause only; a table row: its
     label cells), in its sources; no record named, every number of its sources. Second: whether records were
     named."""
     records = [r for source in figure.sources for r in results_file(source).records]
@@ -360,9 +361,10 @@ def markdown_figures(doc: Path, stated: list[tuple[str, int, str]] | None = None
 
 
 def _clause(prose: str, at: int) -> str:
-    """The part of ``prose`` around position ``at`` between commas, semicolons, colons, brackets or dashes."""
-    bounds = [m.end() for m in re.finditer(r"[,;:()]|\s—\s", prose[:at])]
-    end = re.search(r"[,;:()]|\s—\s", prose[at:])
+    """The part of ``prose`` around position ``at`` between commas, semicolons, colons or dashes (a bracket stays:
+    "65.2% (QLoRA)" names its record inside one)."""
+    bounds = [m.end() for m in re.finditer(r"[,;:]|\s—\s", prose[:at])]
+    end = re.search(r"[,;:]|\s—\s", prose[at:])
     return prose[bounds[-1] if bounds else 0: at + end.start() if end else len(prose)]
 
 
