@@ -9,8 +9,8 @@ as a percentage, seconds as milliseconds or minutes (a range ``1.04–1.26×`` n
 Which results file: the one cited nearest. A source is a path under ``benchmarks/results/`` (a file, or a run's
 directory: its files), ``results/<file>``, or a benchmark script ``benchmarks/<name>.py`` (its results are
 ``benchmarks/results/<name>*``). The sources named on the figure's own line are used if there are any; else those of
-its paragraph or list item; else those of its block (the run of non-blank lines; a table with the paragraph just
-above it, its caption); else those of its section, then of each parent section. Only that nearest level counts: a
+its paragraph or list item; else, in a table, those of the table and the paragraph just above it (its caption);
+else those of its section, then of each parent section. Only that nearest level counts: a
 figure is not matched against a file cited further away.
 
 Which numbers of that file: the record the figure's line names. A JSON file is a tree of records (objects); a
@@ -344,8 +344,10 @@ def markdown_figures(doc: Path, stated: list[tuple[str, int, str]] | None = None
             if matches:
                 continue
         i = number - 1
-        levels_nearest = [_sources_named(re.sub(r"<!--.*?-->", "", line)), item_sources[item_of[i]] if item_of[i] >= 0 else set(),
-                          block_sources[block_of[i]] if block_of[i] >= 0 else set()]
+        # a table row's block is its table and caption; a list item's block (the whole list) says nothing of it
+        levels_nearest = [_sources_named(re.sub(r"<!--.*?-->", "", line)),
+                          item_sources[item_of[i]] if item_of[i] >= 0 else set(),
+                          block_sources[block_of[i]] if block_of[i] >= 0 and line.startswith("|") else set()]
         section = section_of[i]
         while section >= 0:
             levels_nearest.append(section_sources[section])
