@@ -161,16 +161,22 @@ def results_file(name: str) -> ResultsFile:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     out = ResultsFile()
     for file in files:
-        if file.suffix not in DATA_SUFFIXES:
-            continue
-        text = file.read_text(errors="replace")
-        if file.suffix == ".json":
-            try:
-                out.values |= _json_records(json.loads(text), out.records)
-                continue
-            except json.JSONDecodeError:
-                pass
-        out.values |= _numbers(text)
+        if file.suffix in DATA_SUFFIXES:
+            _read_results(file, out)
+    return out
+
+
+def _read_results(file: Path, out: ResultsFile) -> None:
+    """Adds one file's records and numbers to ``out``, each number's key prefixed by the file (a range's two ends
+    must come from one file's key)."""
+    first_record, values = len(out.records), set()
+    text = file.read_text(errors="replace")
+    try:
+        values = _json_records(json.loads(text), out.records) if file.suffix == ".json" else None
+    except json.JSONDecodeError:
+        values = None
+    if values is None:
+        values = _numbers(text)
         header: list[str] = []
         for line in text.splitlines():
             if not line.startswith("|"):
@@ -181,12 +187,18 @@ def results_file(name: str) -> ResultsFile:
                 header = _cells(line)
             else:
                 cells = _cells(line)
-                values = set()
+                row = set()
                 for i, cell in enumerate(cells):
                     column = header[i] if i < len(header) else ""
-                    values |= _numbers(cell, kind(column), column)
-                out.records.append(Record(frozenset(_label_cells(cells)), Values(values)))
-    return out
+                    row |= _numbers(cell, kind(column), column)
+                out.records.append(Record(frozenset(_label_cells(cells)), Values(row)))
+
+    def by_file(numbers):
+        return {(k, f"{file}:{key}" if key else "", v) for k, key, v in numbers}
+
+    out.values |= by_file(values)
+    for record in out.records[first_record:]:
+        record.values = Values(by_file(record.values))
 
 
 def _sources_named(text: str) -> set[str]:

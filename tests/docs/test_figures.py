@@ -101,3 +101,13 @@ def test_only_the_nearest_cited_file_counts(tiny_repo):
 def test_a_figure_citing_nothing_fails_and_a_stated_one_is_exempt(tiny_repo):
     text = "# Budget\n\nA 24 GiB GPU.\n\nOn a 24 GiB GPU. <!-- stated: the user's GPU, an input -->\n"
     assert _unsourced(tiny_repo, text) == ["24 GiB"]
+
+
+def test_a_range_is_the_least_and_most_of_one_quantity_of_one_file(tiny_repo):
+    """Both ends of a range come from one key of one file: not one from each file, nor from two quantities.
+    Mutation: grouping the ends by key only (not by file) let 1.04–1.50× pass."""
+    (tiny_repo / "benchmarks" / "results" / "other.json").write_text(json.dumps({"speedup": 1.5, "ratio_x": 2.0}))
+    line = "Speedups {} (`benchmarks/results/runs.json`, `benchmarks/results/other.json`).\n"
+    assert _unsourced(tiny_repo, line.format("1.04–1.26×")) == []
+    assert _unsourced(tiny_repo, line.format("1.04–1.50×")) == ["1.04–1.50×"]  # one end from each file
+    assert _unsourced(tiny_repo, line.format("1.26–1.5×")) == ["1.26–1.5×"]
