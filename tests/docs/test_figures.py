@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.docs._scripts import REPO, load_script
+from tests._helpers.scripts import REPO, load_script
 
 check = load_script("check_figures")
 KNOWN = REPO / "tests" / "docs" / "unsourced_figures.txt"

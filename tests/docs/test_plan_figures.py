@@ -6,7 +6,7 @@ llama3_1/8B_full_single_device_low_memory and in its docs/configs.md row, each f
 
 import pytest
 
-from tests.docs._scripts import REPO, load_script
+from tests._helpers.scripts import REPO, load_script
 
 render = load_script("render_plan_figures")
 RESULTS = render.load_results()
