@@ -10,19 +10,24 @@ Which results file: the one cited nearest. A source is a path under ``benchmarks
 directory: its files), ``results/<file>``, or a benchmark script ``benchmarks/<name>.py`` (its results are
 ``benchmarks/results/<name>*``). The sources named on the figure's own line are used if there are any; else those of
 its paragraph or list item; else, in a table, those of the table and the paragraph just above it (its caption);
-else those of its section, then of each parent section. Only that nearest level counts: a
-figure is not matched against a file cited further away.
+else those of its section, then of each parent section. Only that nearest level counts: a figure is not matched
+against a file cited further away.
 
-Which numbers of that file: the record the figure's line names. A JSON file is a tree of records (objects); a
-markdown results file's table rows are records too. A record is named by a line when its short string fields appear
-on it (a table row: as whole cells; prose: as whole words); the records naming the line best give the numbers
-(every number in them, strings included). Only when no record is named does the whole file count.
+Which numbers of that file: those of the record the figure names. A JSON file is a tree of records (objects); a
+markdown results file's table rows are records too. A table row names the records whose short string fields are
+among its cells; prose names them by whole words in the figure's clause (between commas, semicolons or colons),
+else in its line (not for a range, which spans records); each string weighs 1 / the number of records holding it,
+and the best-named records give the numbers (every number in them, strings included). Only when none is named does
+the whole file count. A number gives only figures of a unit its kind allows: the kind its JSON key, its table
+column or the unit printed after it names (bytes, GiB, MiB, seconds, tok/s, a fraction, a ratio, a rate), none for
+the machine's description (load averages, thread counts, steps). A range's two ends must be values of one key of
+one file: the least and the most of one quantity.
 
 A config header (the comment lines above ``recipe:`` in ``recipes/configs/**.yaml``) is sourced from
 ``benchmarks/results/plan_configs.json``'s record of that config unless a header line names another file.
 
 Inputs and thresholds are not measurements ("a 24 GiB GPU", a datasheet's TFLOP/s): mark such a line with
-``<!-- stated: why -->`` (markdown) and its figures are not checked; the checker counts the marks.
+``<!-- stated: why -->`` at its end and its figures are not checked; the checker counts the marks.
 
     python scripts/check_figures.py            # lists the unsourced figures, exits 1 if any
     python scripts/check_figures.py --power    # also: how many sourced figures would still pass if wrong
@@ -46,10 +51,11 @@ UNITS = r"GB/s|TFLOP/s|GiB|GB|MiB|MB|KiB|TiB|tok/s|tokens/s|samples/s|×|x faste
 NUM = r"\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?"
 FIGURE = re.compile(rf"(?<![\w.])({NUM})\s?(?:(?:–|-|to )({NUM})\s?)?({UNITS})(?!\s?\d)")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-SOURCE = re.compile(r"benchmarks/results/[\w./-]*[\w/]|benchmarks/(\w+)\.py|(?<![\w/])results/([\w.-]+\.(?:json|md|txt))")
+SOURCE = re.compile(r"benchmarks/results/[\w./-]*[\w/]|benchmarks/(\w+)\.py"
+                    r"|(?<![\w/])results/([\w.-]+\.(?:json|md|txt))")
 STATED = re.compile(r"<!--\s*stated:\s*(.*?)\s*-->")
 DATA_SUFFIXES = (".json", ".md", ".txt", ".csv", ".jsonl")
-# how a results file may hold a figure of each unit: as printed, or in base units (bytes, seconds, a fraction)
+
 
 @dataclass(frozen=True)
 class Figure:
@@ -70,7 +76,8 @@ class Figure:
 # machine's description ("meta": load averages, thread counts, steps) gives none.
 KINDS = (("bytes", r"bytes"), ("GiB", r"gib"), ("MiB", r"mib"), ("tok/s", r"tok(en)?s?_?(/|per_?)s"),
          ("frac", r"mfu|hfu|ceiling|accuracy|exact_match|fraction|share|error|utili[sz]ation"),
-         ("ratio", r"ratio|speedup|×|÷"), ("rate", r"per_?s(ec(ond)?)?$|/s$"), ("pct", r"%|percent|pct"), ("ms", r"(^|_)ms$"),
+         ("ratio", r"ratio|speedup|×|÷"), ("rate", r"per_?s(ec(ond)?)?$|/s$"), ("pct", r"%|percent|pct"),
+         ("ms", r"(^|_)ms$"),
          ("s", r"(^|_)(s|seconds?|secs?|cpu_s|wall_s|time_s)$|\(s\)|seconds"),
          ("meta", r"load|thread|cpus|cpu_count|seed|warmup|(^|_)(reps?|runs|steps?|date)$"))
 COMPATIBLE = {  # figure unit: {kind: scales}
@@ -80,7 +87,8 @@ COMPATIBLE = {  # figure unit: {kind: scales}
     "GB": {"bytes": (1e-9,), "any": (1, 1e-9)}, "MB": {"bytes": (1e-6,), "any": (1, 1e-6)},
     "%": {"frac": (100,), "pct": (1,), "ratio": (100,), "any": (1, 100)},
     "×": {"ratio": (1,), "frac": (1,), "any": (1,)}, "x faster": {"ratio": (1,), "any": (1,)},
-    "s": {"s": (1,), "any": (1,)}, "CPU-s": {"s": (1,), "any": (1,)}, "ms": {"s": (1000,), "ms": (1,), "any": (1, 1000)},
+    "s": {"s": (1,), "any": (1,)}, "CPU-s": {"s": (1,), "any": (1,)},
+    "ms": {"s": (1000,), "ms": (1,), "any": (1, 1000)},
     "min": {"s": (1 / 60,), "any": (1, 1 / 60)}, "tok/s": {"tok/s": (1,), "any": (1,)},
     "tokens/s": {"tok/s": (1,), "any": (1,)}, "samples/s": {"any": (1,)},
     "TFLOP/s": {"rate": (1, 1e-12), "any": (1, 1e-12)}, "GB/s": {"rate": (1, 1e-9), "any": (1, 1e-9)},
