@@ -145,7 +145,7 @@ def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, 
     values: set[tuple[str, str, float]] = set()
     for child_key, child in items:
         values |= _json_records(child, records, child_key)
-    if isinstance(node, dict):
+    if isinstance(node, dict) and key not in ("machine", "meta"):  # where a run ran names none of its results
         strings = frozenset(v for v in node.values() if isinstance(v, str) and 2 <= len(v) <= 80
                             and not re.fullmatch(r"[\d\s:.+\-T/Z]+", v))  # a date names no record
         if strings:
