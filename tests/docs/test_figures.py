@@ -22,6 +22,7 @@ def _known() -> collections.Counter:
 
 
 def test_every_figure_is_sourced_by_its_nearest_results_file():
+    """Mutation: README's 1.04–1.31× edited to 1.04–1.41× fails here with README.md:72."""
     stated: list = []
     missing = check.unsourced(check.all_figures(stated))
     found = collections.Counter((f.path, f.text) for f in missing)
@@ -74,6 +75,7 @@ def _unsourced(root, text):
     ("1.26 GiB", False),                                          # the speedup's number, not a memory
 ])
 def test_a_table_row_is_checked_against_the_record_it_names(tiny_repo, figure, sourced):
+    """Mutation: every number of the file instead of the named record's let the 0.9 GiB case pass."""
     text = ("Peaks (`benchmarks/results/runs.json`):\n\n| case | peak |\n|---|---:|\n"
             f"| lora | {figure} |\n")
     assert (_unsourced(tiny_repo, text) == []) is sourced
@@ -86,12 +88,14 @@ def test_a_table_row_is_checked_against_the_record_it_names(tiny_repo, figure, s
     ("QLoRA runs at 640 tok/s and 1.04×.", []),
 ])
 def test_prose_is_checked_against_the_record_its_clause_names(tiny_repo, sentence, unsourced):
+    """Mutation: every number of the file instead of the named record's let QLoRA's 640 tok/s pass for LoRA."""
     text = f"# Speed\n\nFrom benchmarks/results/runs.json. {sentence}\n"
     assert _unsourced(tiny_repo, text) == unsourced
 
 
 def test_only_the_nearest_cited_file_counts(tiny_repo):
-    """A figure whose paragraph cites another file is not matched against the section's file."""
+    """A figure whose paragraph cites another file is not matched against the section's file. Mutation: the union
+    of every level's sources instead of the nearest let 812 tok/s pass."""
     (tiny_repo / "benchmarks" / "results" / "other.json").write_text(json.dumps({"seconds": 3.0}))
     text = ("# Speed (`benchmarks/results/runs.json`)\n\nThe LoRA step gives 812 tok/s.\n\n"
             "Planning took 3.0 s (`benchmarks/results/other.json`); the LoRA step 812 tok/s.\n")
