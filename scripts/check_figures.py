@@ -376,7 +376,9 @@ def markdown_figures(doc: Path, stated: list[tuple[str, int, str]] | None = None
         sources = next((s for s in levels_nearest if s), set())
         table_row = line.startswith("|")
         for match in matches:
-            labels = _label_cells(_cells(prose)) if table_row else (_clause(prose, match.start()), prose)
+            # a row's label cells keep their inline code (a config's or a command's name is written as code)
+            labels = (_label_cells(_cells(re.sub(r"<!--.*?-->", "", line))) if table_row
+                      else (_clause(prose, match.start()), prose))
             numbers = tuple(n for n in (match.group(1), match.group(2)) if n)
             found.append(Figure(name, number, match.group(0), numbers, match.group(3), tuple(sorted(sources)),
                                 labels, table_row))
