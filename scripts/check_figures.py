@@ -133,6 +133,26 @@ def _numbers(text: str, default: str = "any", key: str = "") -> set[tuple[str, s
     return out
 
 
+def _table_records(text: str, records: list[Record]) -> None:
+    """Appends a record for each row of the markdown tables in ``text``: its label cells, and its numbers of the
+    kind each column's header names."""
+    header: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = []
+        elif line.startswith("|-"):
+            continue
+        elif not header:
+            header = _cells(line)
+        else:
+            cells = _cells(line)
+            row = set()
+            for i, cell in enumerate(cells):
+                column = header[i] if i < len(header) else ""
+                row |= _numbers(cell, kind(column), column)
+            records.append(Record(frozenset(_label_cells(cells)), Values(row)))
+
+
 def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, str, float]]:
     """Every number under ``node`` (strings' numbers included) as ``(kind, key, value)``, the kind its key names;
     appends a record for each object with a short string field."""
@@ -141,6 +161,8 @@ def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, 
     if isinstance(node, (int, float)):
         return {(kind(key), key, float(node))}
     if isinstance(node, str):
+        if "\n|" in node:  # a markdown table the benchmark wrote into its JSON: its rows are records too
+            _table_records(node, records)
         return _numbers(node, kind(key), key)
     items = node.items() if isinstance(node, dict) else ((key, child) for child in node)
     values: set[tuple[str, str, float]] = set()
@@ -186,21 +208,7 @@ def _read_results(file: Path, out: ResultsFile) -> None:
         values = None
     if values is None:
         values = _numbers(text)
-        header: list[str] = []
-        for line in text.splitlines():
-            if not line.startswith("|"):
-                header = []
-            elif line.startswith("|-"):
-                continue
-            elif not header:
-                header = _cells(line)
-            else:
-                cells = _cells(line)
-                row = set()
-                for i, cell in enumerate(cells):
-                    column = header[i] if i < len(header) else ""
-                    row |= _numbers(cell, kind(column), column)
-                out.records.append(Record(frozenset(_label_cells(cells)), Values(row)))
+        _table_records(text, out.records)
 
     def by_file(numbers):
         return {(k, f"{file}:{key}" if key else "", v) for k, key, v in numbers}
