@@ -5,12 +5,15 @@ processes: mtune's streamed loader (model on meta, one tensor at a time), and fo
 materialised model, every shard read with ``safetensors.torch.load_file`` into one state dict, then
 ``load_state_dict``). RssAnon is sampled from /proc/self/status every millisecond during the load.
 
-    python benchmarks/checkpoint_load_memory.py [--out benchmarks/checkpoint_load_memory.json] [--keep DIR]
+    python benchmarks/checkpoint_load_memory.py [--out benchmarks/results/checkpoint_load_memory.json] [--keep DIR]
 """
 
 import argparse
+import datetime
 import json
 import multiprocessing as mp
+import os
+import platform
 import sys
 import tempfile
 import threading
@@ -85,7 +88,7 @@ def measure(method: str, ckpt: str, queue) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/checkpoint_load_memory.json")
+    parser.add_argument("--out", default="benchmarks/results/checkpoint_load_memory.json")
     parser.add_argument("--keep", help="write the checkpoint here instead of a temporary directory")
     opts = parser.parse_args()
     ctx = mp.get_context("spawn")  # each load in a fresh interpreter, so earlier allocations do not blur RssAnon
@@ -114,7 +117,11 @@ def main() -> None:
         row["extra_over_largest_shard"] = row["peak_extra"] / largest
         print(f"{row['method']:<24}{row['model_bytes'] / MiB:>10.0f}{row['peak_extra'] / MiB:>21.0f}"
               f"{row['extra_over_largest_shard']:>21.2f}{row['peak_file_extra'] / MiB:>22.0f}{row['seconds']:>9.2f}")
-    result = dict(n_shards=len(shards), checkpoint_bytes=total, largest_shard_bytes=largest, rows=rows)
+    machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "load_average": os.getloadavg()}
+    result = dict(machine=machine, n_shards=len(shards), checkpoint_bytes=total, largest_shard_bytes=largest,
+                  rows=rows)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(result, indent=2) + "\n")
 

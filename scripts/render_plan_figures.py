@@ -60,7 +60,8 @@ def header_block(result: dict) -> list[str]:
     return lines
 
 
-def rewrite_header(config: str, result: dict) -> None:
+def rendered_header(config: str, result: dict) -> str:
+    """The config file's text with its header memory block rendered from ``result`` (its plan_configs.json record)."""
     path = CONFIGS / f"{config}.yaml"
     lines = path.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("# Memory"))
@@ -69,12 +70,13 @@ def rewrite_header(config: str, result: dict) -> None:
     if any("_component_: bitsandbytes.optim.Paged" in line for line in lines):
         block[-1:-1] = ["#   The paged optimizer state lives in CUDA managed memory, outside the GPU's allocator: it is",
                         "#   counted on the host, and the driver pages it to the GPU as it is stepped (slower)."]
-    path.write_text("\n".join(lines[:start] + block + lines[end:]) + "\n")
+    return "\n".join(lines[:start] + block + lines[end:]) + "\n"
 
 
-def rewrite_table(results: dict[str, dict]) -> None:
-    path = REPO / "docs" / "configs.md"
-    text = path.read_text()
+def rendered_table(results: dict[str, dict]) -> str:
+    """docs/configs.md's text with its memory table's rows rendered from ``results`` (plan_configs.json's records by
+    config)."""
+    text = (REPO / "docs" / "configs.md").read_text()
     out = []
     for line in text.splitlines():
         # rows as first written (five cells) or as rendered before (a sixth: the figure's source)
@@ -94,18 +96,22 @@ def rewrite_table(results: dict[str, dict]) -> None:
             raise SystemExit(f"{match.group(1)}: no plan in {RESULTS}; plan it first: "
                              f"python benchmarks/plan_configs.py {match.group(1)}")
         out.append(line)
-    path.write_text("\n".join(out) + "\n")
+    return "\n".join(out) + "\n"
+
+
+def load_results() -> dict[str, dict]:
+    return {r["config"]: r for r in json.loads(RESULTS.read_text())["results"]}
 
 
 def main() -> None:
     if "--list" in sys.argv:
         print(" ".join(shipped_training_configs()))
         return
-    results = {r["config"]: r for r in json.loads(RESULTS.read_text())["results"]}
+    results = load_results()
     for config, result in results.items():
         if (CONFIGS / f"{config}.yaml").exists():
-            rewrite_header(config, result)
-    rewrite_table(results)
+            (CONFIGS / f"{config}.yaml").write_text(rendered_header(config, result))
+    (REPO / "docs" / "configs.md").write_text(rendered_table(results))
     print(f"wrote {len(results)} configs' figures")
 
 
