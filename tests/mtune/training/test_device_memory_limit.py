@@ -63,7 +63,7 @@ def _batch(rows):
 
 
 def test_halving_keeps_the_rows_in_order_and_the_token_count():
-    from mtune.training.memory.oom import halve_micro_batches
+    from mtune.training.oom_recovery import halve_micro_batches
 
     halves = halve_micro_batches([_batch(4), _batch(2)])
     assert [int(h["tokens"].shape[0]) for h in halves] == [2, 2, 1, 1]
@@ -72,27 +72,3 @@ def test_halving_keeps_the_rows_in_order_and_the_token_count():
     assert halve_micro_batches([_batch(2), _batch(1)]) is None
     pairs = {**_batch(4), "pair_index": torch.arange(2), "pairs_of": "x"}  # chosen rows, then rejected: not split
     assert halve_micro_batches([pairs]) is None
-
-
-def test_recovery_retries_only_before_the_optimizer_step_on_one_device_and_when_asked():
-    from mtune.training.memory.oom import StepRecovery
-
-    param = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    err = torch.OutOfMemoryError("device_memory_limit: over")
-    recovery = StepRecovery(True, optimizer)
-    with recovery.watch():
-        param.grad = torch.ones(2)
-    line = recovery.retry(err, [_batch(4)], step=3)
-    assert line == ("oom_recovery: step 3 ran out of memory (device_memory_limit: over); running it again, and the "
-                    "steps after it, in 2 micro-batches of 2 rows: the same 4 samples per step, in the same order")
-    assert param.grad is None and [int(b["tokens"].shape[0]) for b in recovery.split([_batch(4)])] == [2, 2]
-    assert recovery.retry(err, [_batch(4)], step=3) is not None  # down to 1 row
-    assert recovery.retry(err, [_batch(4)], step=3) is None      # no further
-    stepped = StepRecovery(True, optimizer)
-    with stepped.watch():
-        param.grad = torch.ones(2)
-        optimizer.step()  # parameters may be half updated: not retried
-    assert stepped.retry(err, [_batch(4)], step=1) is None
-    assert StepRecovery(False, optimizer).retry(err, [_batch(4)], step=1) is None
-    assert StepRecovery(True, optimizer, world_size=2).retry(err, [_batch(4)], step=1) is None
