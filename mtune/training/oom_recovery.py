@@ -19,8 +19,9 @@ On an out-of-memory error in forward or backward (before the optimizer step bega
    ``${output_dir}/mtune_fit.yaml`` (:data:`RUN_CONFIG_NAME`) and into every later checkpoint, so a resume with
    ``--config ${output_dir}/mtune_fit.yaml resume_from_checkpoint=true`` runs it. One line in the log says what
    changed and why.
-4. **Bounded:** at most :data:`MAX_RECOVERIES` re-plans in a run. When nothing fits (or the bound is reached) the
-   run saves a checkpoint of its last whole step (intact: the failed step changed no parameter) and ends with one
+4. **Bounded:** at most :data:`MAX_RECOVERIES` re-plans in a run. When nothing fits as planned, the leanest
+   adoptable config is tried once anyway (the plan is an estimate; the run's own measurement decides), unless its
+   floor (weights, states) alone is over the budget. When that fails too (or the bound is reached) the run saves a checkpoint of its last whole step (intact: the failed step changed no parameter) and ends with one
    line saying so and what would fit, from the plan of the leanest adoptable config.
 
 Distributed runs take one decision: the byte tracker only notes a rank that went over the limit, the ranks agree at
@@ -167,7 +168,7 @@ def replan(cfg, *, limit: int, longest_tokens: int, held_bytes: int, fragmentati
     Returns a JSON-able dict: ``changes`` (the keys to change, with their values; None when nothing fits),
     ``planned`` (the answer's planned device bytes), ``budget`` (the bytes searched), ``current`` (``cfg``'s own
     plan), ``leanest`` and ``leanest_bytes`` (the most saving adoptable config and its plan, to say what would
-    fit)."""
+    fit), ``floor`` (why the leanest's floor alone is over the budget, or None)."""
     from mtune.training.planning.candidates import describe, with_overrides
     from mtune.training.planning.cost import model_facts
     from mtune.training.planning.estimate import Estimator
@@ -194,7 +195,7 @@ def replan(cfg, *, limit: int, longest_tokens: int, held_bytes: int, fragmentati
     plan = leanest.plan if leanest.plan is not None and not leanest.plan.lower_bound else \
         estimator.whole(with_overrides(plan_cfg, leanest.overrides))
     return {**answer, "changes": None, "leanest": leanest.changes, "leanest_bytes": plan.device_total_bytes - context,
-            "described": describe(leanest.changes)}
+            "described": describe(leanest.changes), "floor": leanest.reason}
 
 
 # What torchrun tells its workers: the helper process must not take itself for one of them.
@@ -244,6 +245,7 @@ class OomRecovery:
                       if session.cfg.get("device_memory_limit") is not None else None)
         self.rows: int | None = None  # rows per micro-batch since the last recovery (None: as the loader makes them)
         self.recoveries = 0
+        self.changed: dict[str, Any] = {}  # every change the recoveries made to the run's config, in order
         self._stepped = False
         self._longest = 0
         tracker = getattr(session.breakdown, "tracker", None)
@@ -283,11 +285,11 @@ class OomRecovery:
         """All ranks: raise torch.OutOfMemoryError on every rank when the byte tracker noted one over the limit."""
         if not (self.distributed and self._tracker is not None and self._tracker.defer_limit):
             return
-        over = self._tracker.take_over_limit()
-        flag = torch.tensor([1.0 if over else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            raise torch.OutOfMemoryError(over or "device_memory_limit: another rank's tensors went over the limit")
+        said: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(said, self._tracker.take_over_limit())
+        over = [(rank, line) for rank, line in enumerate(said) if line]
+        if over:  # every rank raises, with the same words: the first rank over the limit's
+            raise torch.OutOfMemoryError(f"{over[0][1]} on rank {over[0][0]}")
 
     def run(self, step_fn: Callable[[list[dict]], Any], micro_batches: list[dict], step: int) -> Any:
         """``step_fn`` on the step's micro-batches; after an out-of-memory error that :meth:`_retryable` allows,
@@ -362,16 +364,25 @@ class OomRecovery:
         answer = self._decide(failure, rows)
         if "error" in answer:
             self._give_up(failure, step, answer["error"], None)
+        verdict = "planned at"
         if answer["changes"] is None:
-            self._give_up(failure, step, "nothing that keeps the samples per step fits", answer)
+            if not answer.get("leanest") or answer.get("floor"):  # already the leanest, or its weights alone over
+                self._give_up(failure, step, "nothing that keeps the samples per step fits", answer)
+            # The plan is an estimate: before giving up, the run measures the leanest config itself, once.
+            answer = {**answer, "changes": answer["leanest"], "planned": answer["leanest_bytes"]}
+            verdict = "nothing fits as planned, so the leanest config, planned at"
         self._adopt(answer["changes"], step)
+        from mtune.training.planning.candidates import describe
+
         cfg = self.session.cfg
+        if not self.run_ctx.is_main:  # one decision, said once
+            return
         log.warning(
             "oom_recovery: step %d ran out of memory (%s); re-planned for %s of device memory (%s; rows of %d "
-            "tokens, the longest so far): %s, planned at %s; running step %d again, and the steps after it, with "
+            "tokens, the longest so far): %s, %s %s; running step %d again, and the steps after it, with "
             "the same %d samples per step in the same order; the run's config is now %s",
             step, failure.reason, format_bytes(answer["budget"]), _budget_why(failure, answer, self.limit),
-            answer["seq_len"], answer["described"], format_bytes(answer["planned"]), step,
+            answer["seq_len"], describe(answer["changes"]), verdict, format_bytes(answer["planned"]), step,
             samples_per_step(cfg) * self.run_ctx.world_size, self.run_ctx.output_dir / RUN_CONFIG_NAME)
 
     def _adopt(self, changes: dict, step: int) -> None:
@@ -393,6 +404,7 @@ class OomRecovery:
                 session.activation_context = context
         if "batch_size" in changes:
             self.rows = int(changes["batch_size"])
+        self.changed.update(changes)
         session.cfg = cfg
         session.checkpointer.config = OmegaConf.to_container(cfg, resolve=True)
         if self.run_ctx.is_main:
@@ -407,9 +419,12 @@ class OomRecovery:
         path = self.session.save()
         saved = (f"saved the last whole step, {step - 1}, to {path} (resume_from_checkpoint=true)" if path is not None
                  else f"saved the last whole step, {step - 1}")
+        from mtune.training.planning.candidates import describe
+
         fits = ""
         if answer is not None and answer.get("leanest_bytes"):
-            fits = (f"; the leanest config a running model can take on ({answer['described']}) is planned at "
+            leanest = describe({**self.changed, **answer["leanest"]})  # from the config the run started with
+            fits = (f"; the leanest config a running model can take on ({leanest}) is planned at "
                     f"{format_bytes(answer['leanest_bytes'])} for rows of {answer['seq_len']} tokens, so a "
                     f"device_memory_limit of about {format_bytes(_needed(answer, failure))} would fit it")
         raise OutOfMemory(f"out of memory in step {step} ({failure.reason}) and oom_recovery cannot go on: {why}"
