@@ -97,10 +97,10 @@ def main() -> None:
                                 "limit_75pct": {**held2, **_compare(free2, held2, limit2)}}
         print(f"two ranks, 75% of {need2 / MIB:.2f} MiB: {len(held2['replans'])} re-plans, final loss difference "
               f"{results['two_ranks']['limit_75pct']['final_loss_difference']}")
-    results["load_average_after"] = os.getloadavg()
+        text = json.dumps({**results, "load_average_after": os.getloadavg()}, indent=1) + "\n"
+        text = text.replace(str(tmp), "$TMP")  # the run's temporary directory, not a path of this machine
     out = REPO / "benchmarks" / "results" / "oom_recovery_tiny.json"
-    text = json.dumps(results, indent=1) + "\n"
-    out.write_text(text.replace(tempfile.gettempdir(), "$TMP"))
+    out.write_text(text)
     print(f"json: {out}")
 
 

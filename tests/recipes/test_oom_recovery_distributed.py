@@ -13,9 +13,9 @@ def test_two_ranks_recover_under_75_percent_with_the_same_samples_and_losses(tmp
     """Issue 35's done-when with --nproc_per_node 2: under 75% of the largest rank's unconstrained peak, all 3 steps
     train the same tokens (16 samples per step: 8 rows per rank, so that activations, which the re-plan can cut,
     outweigh the weights' shards and all-gathers, which it cannot) as the unconstrained run, the largest rank's peak stays under the
-    limit, the final loss is within 0.05 (the same numbers: 1e-5), and one re-plan line says it. Mutations seen
-    failing: _agree not raising on the ranks under the limit (rank 0 retries alone: the run hangs in a mismatched
-    collective until the timeout); the tracker raising at once instead of deferring (not retried: the run ends)."""
+    limit, the final loss is within 0.05 (the same numbers: 1e-5), and the re-plan lines (rank 0's) say it.
+    Mutation seen failing: the tracker raising at once instead of deferring to the agreement (not retried: the run
+    ends)."""
     free = tmp_path / "free"
     torchrun("lora_distributed", train_overrides(free, tiny_checkpoint, tiny_data, max_steps_per_epoch=3, batch_size=8,
                                                  memory_breakdown=True))
@@ -42,7 +42,7 @@ def test_two_ranks_where_nothing_fits_end_in_one_summary_line_with_a_complete_ch
                                                                                        tiny_data):
     """4 MiB is below the weights' shard, gradients and a batch: every rank saves step 0 (a complete checkpoint, as a
     resume reads it) and the launcher's one summary line names the cause and what would fit; no traceback.
-    Mutation seen failing: _give_up on rank 0 only (rank 1 waits in the save's collective: no checkpoint)."""
+    Mutation seen failing: _give_up saving nothing (no step_0)."""
     done = torchrun("lora_distributed", train_overrides(tmp_path, tiny_checkpoint, tiny_data, max_steps_per_epoch=4,
                                                         device_memory_limit="4MiB"), check=False)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-4000:]

@@ -28,8 +28,8 @@ def _planned(cfg, changes, seq_len):
 def test_the_answer_fits_keeps_the_samples_and_the_budget_follows_what_the_run_held(cfg):
     """Between the plans of 2 and 4 rows per micro-batch (40 tokens), the answer is planned (whole) within the
     budget, keeps 4 samples per step and changes only what a running model can take on; a run that held twice its
-    plan halves the budget (limit x plan / held). Mutations seen failing: the budget not scaled; lossy="compete"
-    with every knob (the answer changes the loss or tiles the MLP)."""
+    plan halves the budget (limit x plan / held). Mutations seen failing: the budget not scaled (``budget = limit``);
+    adoptable_knobs returning every knob (the answer swaps the loss node)."""
     four, two = _planned(cfg, {}, 40), _planned(cfg, {"batch_size": 2, "gradient_accumulation_steps": 2}, 40)
     limit = (four + two) // 2
     answer = replan(cfg, limit=limit, longest_tokens=40, held_bytes=limit + 1)
@@ -57,7 +57,7 @@ def test_where_nothing_fits_the_leanest_config_is_named_with_its_plan(cfg):
 
 def test_a_running_model_keeps_its_checkpointing_and_the_loaders_rows(cfg):
     """With every block checkpointed, no choice turns it off or thins it; micro-batches divide the loader's 4 rows,
-    and every other knob keeps the config's choice."""
+    and every other knob keeps the config's choice. Mutation seen failing: _reachable always true."""
     on = with_overrides(cfg, {"enable_activation_checkpointing": True, "batch_size": 2,
                               "gradient_accumulation_steps": 2})
     knobs = {k.name: k.choices(on) for k in adoptable_knobs(on, rows=2)}
