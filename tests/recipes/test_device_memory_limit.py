@@ -80,8 +80,9 @@ def test_oom_recovery_replans_under_75_percent_and_a_resume_runs_the_recovered_c
     trains the same samples (each step's trained tokens are the unconstrained run's), holds its peak under the limit,
     and ends within 0.05 of the unconstrained loss (the same numbers: within 1e-5); the re-plan is logged and written
     to mtune_fit.yaml, whose config a resume from the step-2 checkpoint runs without another re-plan, with the same
-    losses. Mutation seen failing: the recovered config not written into later checkpoints (the resume is refused:
-    batch_size 4 -> 2)."""
+    losses. Mutations seen failing: the recovered config not written into later checkpoints (the resume is refused:
+    batch_size 4 -> 2); the chosen micro-batch size never applied (split a no-op: the step runs out again until the
+    bound of 3 re-plans ends the run)."""
     free_rows = free_run
     limit = int(0.75 * max(r["peak_tensor_gib"] for r in free_rows) * GIB)
     capsys.readouterr()

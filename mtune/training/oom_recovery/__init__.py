@@ -30,9 +30,10 @@ figures are all-reduced (max), rank 0 re-plans (in a helper process: the planner
 beside the run's) and broadcasts the answer. On CUDA a rank that truly runs out inside forward or backward cannot
 join that agreement (its peers wait in a collective), so there the error ends the run as before.
 
-Not retried: an error once the optimizer step began (optimizer-in-backward steps inside backward), a step whose
-micro-batches are not token batches (a preference run's pairs: their chosen and rejected rows must stay together),
-and ``oom_recovery: false``.
+Preference (DPO) runs recover alike: their micro-batches are split by pairs (a pair's chosen and rejected rows stay
+in one micro-batch; the loss is a mean over the step's pairs), and the planner plans their reference model as
+configured. Not retried: an error once the optimizer step began (optimizer-in-backward steps inside backward), a
+step whose micro-batches are neither token nor preference batches, and ``oom_recovery: false``.
 """
 
 from mtune.training.oom_recovery.recovery import OomRecovery

@@ -18,7 +18,7 @@ from mtune.config.keys import samples_per_step
 from mtune.training.memory import registry
 from mtune.training.memory.oom import OutOfMemory
 from mtune.training.memory.registry import MemoryConfig
-from mtune.training.oom_recovery.replan import (MAX_RECOVERIES, RUN_CONFIG_NAME, TOKEN_BATCH_FIELDS,
+from mtune.training.oom_recovery.replan import (MAX_RECOVERIES, PAIR_BATCH_FIELDS, RUN_CONFIG_NAME, batch_samples,
                                                 halve_micro_batches, replan, replan_in_helper)
 from mtune.training.planning.candidates import describe, with_overrides
 from mtune.units import format_bytes, parse_bytes
@@ -67,7 +67,7 @@ class OomRecovery:
     # ---------------------------------------------------------------------------------------------- a step
     def split(self, micro_batches: list[dict]) -> list[dict]:
         """The step's micro-batches cut to the rows the last recovery chose (halved, in order)."""
-        while self.rows is not None and int(micro_batches[0]["tokens"].shape[0]) > self.rows:
+        while self.rows is not None and batch_samples(micro_batches[0]) > self.rows:
             halves = halve_micro_batches(micro_batches)
             if halves is None:
                 break
@@ -121,8 +121,8 @@ class OomRecovery:
     def _retryable(self, micro_batches: list[dict]) -> bool:
         if not self.enabled or self._stepped:
             return False
-        if set(micro_batches[0]) - TOKEN_BATCH_FIELDS:
-            return False  # not a token batch (a preference pair): its micro-batches cannot be cut
+        if set(micro_batches[0]) - PAIR_BATCH_FIELDS:
+            return False  # neither a token nor a preference batch: its micro-batches cannot be cut
         if self.distributed and (self._tracker is None or not self._tracker.defer_limit):
             return False  # a real device error on one rank: its peers wait in a collective it cannot join
         return True
@@ -168,7 +168,7 @@ class OomRecovery:
 
     def _recover(self, failure: _Failure, micro_batches: list[dict], step: int) -> None:
         failure = self._agreed_failure(failure)
-        rows = int(micro_batches[0]["tokens"].shape[0])
+        rows = batch_samples(micro_batches[0])
         if self.recoveries >= MAX_RECOVERIES:
             self._give_up(failure, step, f"{MAX_RECOVERIES} re-plans already (oom_recovery's bound)", None)
         self.recoveries += 1

@@ -24,8 +24,8 @@ from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.fit import best_of, search
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
 
-__all__ = ["replan", "replan_in_helper", "adoptable_knobs", "halve_micro_batches", "RUN_CONFIG_NAME",
-           "MAX_RECOVERIES", "TOKEN_BATCH_FIELDS"]
+__all__ = ["replan", "replan_in_helper", "adoptable_knobs", "halve_micro_batches", "batch_samples", "RUN_CONFIG_NAME",
+           "MAX_RECOVERIES", "PAIR_BATCH_FIELDS"]
 
 RUN_CONFIG_NAME = "mtune_fit.yaml"
 """The config a run runs, in ``output_dir``, when a plan chose it (``mtune run --fit``, or a recovery): a resume
@@ -39,29 +39,42 @@ MAX_RECOVERIES = 3
 # change no number a step computes. Every other knob keeps the config's choice.
 _ADOPTABLE_KNOB = "activation_checkpointing"
 
-# What a batch of token rows holds (mtune.data.collate); a batch with anything else is not split.
+# What a batch of token rows holds (mtune.data.collate), and a preference batch besides (mtune.data.preference: its
+# pairs' chosen rows first, their rejected rows next); a batch with anything else is not split.
 TOKEN_BATCH_FIELDS = {"tokens", "labels", "input_pos", "document_ids", "num_tokens"}
+PAIR_BATCH_FIELDS = TOKEN_BATCH_FIELDS | {"pair_index", "pairs_of"}
+
+
+def batch_samples(batch: dict) -> int:
+    """The samples of a micro-batch: its pairs for a preference batch, else its rows (``batch_size`` counts them)."""
+    return int(batch["pair_index"].shape[0]) if "pair_index" in batch else int(batch["tokens"].shape[0])
 
 
 def halve_micro_batches(micro_batches: Sequence[dict]) -> list[dict] | None:
-    """Each micro-batch split into two of half its rows, in order: the step's samples, their order and its
-    token-weighted loss unchanged (`mtune.training.loop.train_step` divides by the step's trained tokens), twice the
-    accumulation. None when a micro-batch holds a single row, or fields other than a token batch's (a preference
-    batch: its chosen rows first, its rejected rows second, and a loss that is not per token). ``num_tokens`` (a
-    throughput count) is shared in proportion to the rows."""
+    """Each micro-batch split into two of half its samples, in order: the step's samples, their order and its
+    loss unchanged (`mtune.training.loop.train_step` divides by the step's trained tokens, or a pair loss by its
+    pairs), twice the accumulation. A preference batch keeps each pair's chosen and rejected rows together (rows
+    ``i`` and ``n + i`` of its ``n`` pairs go to the same half). None when a micro-batch holds a single sample, or
+    fields other than a token or preference batch's. ``num_tokens`` (a throughput count) is shared in proportion."""
     halves: list[dict] = []
     for batch in micro_batches:
-        rows = int(batch["tokens"].shape[0])
-        if rows < 2 or set(batch) - TOKEN_BATCH_FIELDS:
+        pairs = "pair_index" in batch
+        n, rows = batch_samples(batch), int(batch["tokens"].shape[0])
+        if n < 2 or set(batch) - (PAIR_BATCH_FIELDS if pairs else TOKEN_BATCH_FIELDS):
             return None
-        cut = rows // 2
+        cut = n // 2
+        parts = ((slice(0, cut), slice(cut, rows)) if not pairs else
+                 (torch.cat([torch.arange(cut), n + torch.arange(cut)]),
+                  torch.cat([torch.arange(cut, n), n + torch.arange(cut, n)])))
         first, second = {}, {}
         for key, value in batch.items():
             if key == "num_tokens":
-                first[key] = value * cut // rows
+                first[key] = value * cut // n
                 second[key] = value - first[key]
-            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            elif key == "pair_index":
                 first[key], second[key] = value[:cut], value[cut:]
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+                first[key], second[key] = value[parts[0]], value[parts[1]]
             else:
                 first[key] = second[key] = value
         halves += [first, second]

@@ -25,7 +25,8 @@ def test_the_tracker_raises_torch_out_of_memory_over_the_limit():
         torch.ones(4096, 1024)
 
 
-def test_out_of_memory_over_the_limit_is_the_run_advice_with_the_limit():
+def test_out_of_memory_over_the_limit_is_the_run_advice_with_the_limit(monkeypatch):
+    monkeypatch.setattr("mtune.training.memory.oom._invocation", {})  # a recipe run in this process set its own
     cfg = {"recipe": "lora_single_device", "batch_size": 1, "device_memory_limit": "4MiB"}
     with pytest.raises(OutOfMemory) as err:
         with oom_guard("forward/backward and optimizer step", cfg):
@@ -70,5 +71,19 @@ def test_halving_keeps_the_rows_in_order_and_the_token_count():
     assert torch.equal(torch.cat([h["tokens"] for h in halves[:2]]), _batch(4)["tokens"])
     assert [int(h["num_tokens"]) for h in halves] == [5, 6, 2, 3]
     assert halve_micro_batches([_batch(2), _batch(1)]) is None
-    pairs = {**_batch(4), "pair_index": torch.arange(2), "pairs_of": "x"}  # chosen rows, then rejected: not split
-    assert halve_micro_batches([pairs]) is None
+    assert halve_micro_batches([{**_batch(4), "images": torch.zeros(4)}]) is None  # not a batch it knows
+
+
+def test_a_preference_batch_is_halved_by_pairs():
+    """2 pairs: rows 0-1 chosen, 2-3 rejected; each half holds one pair, its chosen row then its rejected row.
+    Mutation seen failing: pairs split as rows (chosen rows in one half, rejected in the other)."""
+    from mtune.training.oom_recovery import halve_micro_batches
+
+    pairs = {**_batch(4), "pair_index": torch.tensor([7, 9]), "pairs_of": "x"}
+    first, second = halve_micro_batches([pairs])
+    assert torch.equal(first["tokens"], pairs["tokens"][[0, 2]]) and torch.equal(second["tokens"],
+                                                                                pairs["tokens"][[1, 3]])
+    assert torch.equal(first["labels"], pairs["labels"][[0, 2]])
+    assert [int(first["pair_index"]), int(second["pair_index"])] == [7, 9] and first["pairs_of"] == "x"
+    assert [int(first["num_tokens"]), int(second["num_tokens"])] == [5, 6]
+    assert halve_micro_batches([{**_batch(2), "pair_index": torch.tensor([3]), "pairs_of": "x"}]) is None

@@ -68,3 +68,11 @@ def test_a_running_model_keeps_its_checkpointing_and_the_loaders_rows(cfg):
     assert any(o.get("enable_activation_offloading") for o in checkpointing)
     assert all(choices == [] or [c.overrides for c in choices] == [{}] for name, choices in knobs.items()
                if name not in ("micro_batch", "activation_checkpointing")), knobs
+
+
+def test_the_recovered_config_is_the_file_mtune_run_fit_writes():
+    """A resume reads one file whichever plan wrote it (`mtune run --fit`, or a recovery)."""
+    from mtune._cli.run_fit import FIT_CONFIG_NAME
+    from mtune.training.oom_recovery import RUN_CONFIG_NAME
+
+    assert RUN_CONFIG_NAME == FIT_CONFIG_NAME == "mtune_fit.yaml"
