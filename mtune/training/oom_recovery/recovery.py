@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mtune.config.keys import samples_per_step
-from mtune.training.memory import registry
+from mtune.training.memory import phases, registry
 from mtune.training.memory.oom import OutOfMemory
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.oom_recovery.replan import (MAX_RECOVERIES, PAIR_BATCH_FIELDS, RUN_CONFIG_NAME, batch_samples,
@@ -51,7 +51,10 @@ class OomRecovery:
         self.session = session
         self.run_ctx = session.run
         self.distributed = self.run_ctx.world_size > 1 and dist.is_initialized()
-        self.enabled = enabled
+        # Ranks agree at the optimizer step; a technique that steps inside backward (optimizer_in_bwd) leaves no
+        # point before the parameters change where they could.
+        steps_in_backward = any(f.frees_gradients for f in phases.footprints(MemoryConfig.from_config(session.cfg)))
+        self.enabled = enabled and not (self.distributed and steps_in_backward)
         self.limit = (parse_bytes(session.cfg.device_memory_limit, "device_memory_limit")
                       if session.cfg.get("device_memory_limit") is not None else None)
         self.rows: int | None = None  # rows per micro-batch since the last recovery (None: as the loader makes them)
