@@ -164,7 +164,10 @@ class OomRecovery:
                         held_bytes=failure.held_bytes, fragmentation=failure.fragmentation,
                         world_size=self.run_ctx.world_size, rows=rows)
         if not self.distributed:
-            return _quietly(lambda: replan(cfg, **measured))
+            try:
+                return _quietly(lambda: replan(cfg, **measured))
+            except Exception as err:  # the run ends in one line, with a checkpoint (_give_up), not a traceback
+                return {"error": f"the re-plan failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"}
         answer = [replan_in_helper(cfg, **measured) if self.run_ctx.rank == 0 else None]
         dist.broadcast_object_list(answer, src=0)  # one decision, taken by every rank
         return answer[0]

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from mtune.training.memory import registry
 from mtune.training.memory.registry import DISTRIBUTED_MEMORY_RULES, MEMORY_RULES, MemoryConfig
 from mtune.training.memory.technique import FitChoice
-from mtune.training.planning.candidates import Knob, describe, registry_knobs, with_overrides
+from mtune.training.planning.candidates import Knob, registry_knobs, with_overrides
 from mtune.training.planning.cost import model_facts
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.fit import best_of, search
@@ -120,7 +120,6 @@ def adoptable_knobs(cfg, rows: int) -> list:
 
 def _schema(cfg, world_size: int):
     """The technique rules a candidate must keep (the run's own keys were checked at launch)."""
-
     sharded = world_size > 1 or "fsdp_reshard_after_forward" in cfg
     return SimpleNamespace(rules=DISTRIBUTED_MEMORY_RULES if sharded else MEMORY_RULES)
 
@@ -136,8 +135,7 @@ def replan(cfg, *, limit: int, longest_tokens: int, held_bytes: int, fragmentati
     Returns a JSON-able dict: ``changes`` (the keys to change, with their values; None when nothing fits),
     ``planned`` (the answer's planned device bytes), ``budget`` (the bytes searched), ``current`` (``cfg``'s own
     plan), ``leanest`` and ``leanest_bytes`` (the most saving adoptable config and its plan, to say what would
-    fit), ``floor`` (why the leanest's floor alone is over the budget, or None)."""
-
+    fit), ``floor`` (why the leanest's floor alone is over the budget, or None). Planner errors are raised."""
     rows = int(cfg.batch_size) if rows is None else rows
     plan_cfg = with_overrides(cfg, {"tokenizer.max_seq_len": int(longest_tokens)})
     context = CUDA_CONTEXT_BYTES if model_facts(cfg).cuda else 0  # in the plan's total, outside the allocator's limit
@@ -150,15 +148,14 @@ def replan(cfg, *, limit: int, longest_tokens: int, held_bytes: int, fragmentati
     best = best_of(candidates)
     answer: dict[str, Any] = {"budget": budget, "current": current, "seq_len": int(longest_tokens)}
     if best is not None:
-        return {**answer, "changes": best.changes, "planned": best.plan.device_total_bytes - context,
-                "described": describe(best.changes)}
+        return {**answer, "changes": best.changes, "planned": best.plan.device_total_bytes - context}
     leanest = max(candidates, key=lambda c: sum(c.levels)) if candidates else None
     if leanest is None:
-        return {**answer, "changes": None, "leanest": {}, "leanest_bytes": None, "described": "(as configured)"}
+        return {**answer, "changes": None, "leanest": {}, "leanest_bytes": None, "floor": None}
     plan = leanest.plan if leanest.plan is not None and not leanest.plan.lower_bound else \
         estimator.whole(with_overrides(plan_cfg, leanest.overrides))
     return {**answer, "changes": None, "leanest": leanest.changes, "leanest_bytes": plan.device_total_bytes - context,
-            "described": describe(leanest.changes), "floor": leanest.reason}
+            "floor": leanest.reason}
 
 
 # What torchrun tells its workers: the helper process must not take itself for one of them.
