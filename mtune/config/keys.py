@@ -118,8 +118,10 @@ TRAINING_NODES = KeyGroup(
             "caching allocator's per-process fraction, on CPU the live tensor bytes the run places on the device; "
             "over it the run stops with the out-of-memory error a GPU gives"),
         Key("oom_recovery", bool, True,
-            "a step that runs out of device memory in forward/backward runs again in micro-batches of half the rows "
-            "(the same samples per step, in the same order), down to one row; false: the run stops with the advice"),
+            "a step that runs out of device memory in forward/backward is re-planned under the limit (the fastest "
+            "lossless micro-batch, checkpointing, offloading with the same samples per step, written to "
+            "output_dir/mtune_fit.yaml) and runs again; where nothing fits the run saves a checkpoint and stops; "
+            "false: the run stops with the advice"),
     ],
 )
 

@@ -32,12 +32,13 @@ from mtune.training.context import RunContext
 from mtune.training.data_setup import StepPlan
 from mtune.training.loop import NonFiniteLossError, StepResult, evaluate, micro_batch_groups, train_step
 from mtune.training.measured_memory import memory_breakdown, plan_check
-from mtune.training.memory.oom import StepRecovery, oom_guard
+from mtune.training.memory.oom import oom_guard
 from mtune.training.memory.registry import LoraConfig, MemoryConfig
 from mtune.training.observe.flops import StepFlops
 from mtune.training.observe.monitor import TrainingMonitor
 from mtune.training.observe.peak_flops import run_peak_flops
 from mtune.training.observe.profiler import build_profiler
+from mtune.training.oom_recovery import OomRecovery
 from mtune.training.run_length import RunLength
 from mtune.training.signals import GracefulStop
 
@@ -146,7 +147,7 @@ class TrainingSession:
         )
         self.breakdown = memory_breakdown(self.cfg, self.run, self.model, self.optimizer,
                                           frozen=getattr(self.loss_fn, "frozen_tensors", ()))
-        self.recovery = StepRecovery(bool(self.cfg.get("oom_recovery")), self.optimizer, self.run.world_size)
+        self.recovery = OomRecovery(self, enabled=bool(self.cfg.get("oom_recovery")))
         self.monitor.memory_metrics = self.breakdown.log_metrics
         self.profiler = build_profiler(self.cfg.get("profiler"), output_dir=self.run.output_dir, rank=self.run.rank)
         self.profiler.__enter__()
@@ -197,10 +198,8 @@ class TrainingSession:
 
     def _train_step(self, micro_batches: list[dict]) -> StepResult:
         self._step_flops_now = self.step_flops(micro_batches)
-        lengths = (int(b["tokens"].shape[-1]) for b in micro_batches)
-        self._longest_batch = max(getattr(self, "_longest_batch", 0), *lengths)
-        with oom_guard("forward/backward and optimizer step", self.cfg):  # oom_recovery: StepRecovery retries first
-            return self.recovery.run(self._step_once, micro_batches, self.step + 1, forget=self.breakdown.discard_step)
+        with oom_guard("forward/backward and optimizer step", self.cfg):  # oom_recovery re-plans and retries first
+            return self.recovery.run(self._step_once, micro_batches, self.step + 1)
 
     def _step_once(self, micro_batches: list[dict]) -> StepResult:
         with contextlib.ExitStack() as stack:
@@ -284,7 +283,7 @@ class TrainingSession:
         if not self.cfg.get("plan_check") or measured is None:  # every rank: the check gathers their peaks
             return
         check = plan_check(self.cfg, measured, world_size=self.run.world_size,
-                           longest_batch_tokens=getattr(self, "_longest_batch", None), write=self.monitor.write)
+                           longest_batch_tokens=self.recovery.longest or None, write=self.monitor.write)
         if check is not None:
             self.results["plan_check"] = check
 

@@ -78,7 +78,7 @@ _RUN_KEYS_THAT_MAY_CHANGE = (
     "force_unlock",  # how the run takes output_dir's lock
     "verify_checksums",  # whether files are checked when loaded
     "device_memory_limit",  # how much of the device the run may use, not what a step computes
-    "oom_recovery",  # whether a step that ran out of memory runs again in smaller micro-batches (same math)
+    "oom_recovery",  # whether a step that ran out of memory is re-planned and runs again (same math)
     "reference",  # the three reference models give the same losses: only memory and time move
     "reference_cache_dir",
 )

@@ -117,6 +117,11 @@ class TensorTracker(TorchDispatchMode):
         # With a limit (``device_memory_limit`` on a device without an allocator that enforces one: the CPU), an op
         # or gradient that takes the device's live bytes over it raises torch.OutOfMemoryError, as a GPU would.
         self.device_limit = device_limit
+        # With ``defer_limit`` (a distributed run's ``oom_recovery``: its ranks must agree before any of them stops)
+        # going over the limit is only noted (:meth:`take_over_limit`), not raised.
+        self.defer_limit = False
+        self._over_limit: str | None = None
+        self.refused_bytes = 0  # the device's live bytes when the limit was last crossed
         self.device_alignment = device_alignment  # 512 counts device storages as CUDA's caching allocator does
         # The FakeTensorMode whose tensors stand for real ones (the planner's); fake tensors of any other mode are
         # shape propagation (DTensor runs each op on fakes to infer its output's layout) and occupy no memory.
@@ -243,8 +248,17 @@ class TensorTracker(TorchDispatchMode):
     def _check_limit(self) -> None:
         limit, held = self.device_limit, self._total["device"]
         if limit is not None and held > limit:
-            raise torch.OutOfMemoryError(f"device_memory_limit: the run's tensors on the device reached "
-                                         f"{format_bytes(held)}, over the limit of {format_bytes(limit)}")
+            message = (f"device_memory_limit: the run's tensors on the device reached {format_bytes(held)}, over the "
+                       f"limit of {format_bytes(limit)}")
+            self.refused_bytes = max(self.refused_bytes, held) if self._over_limit else held
+            if not self.defer_limit:
+                raise torch.OutOfMemoryError(message)
+            self._over_limit = self._over_limit or message
+
+    def take_over_limit(self) -> str | None:
+        """With ``defer_limit``: the first over-limit message since the last call (None: the limit held)."""
+        over, self._over_limit = self._over_limit, None
+        return over
 
     def _recategorize_optimizer_state(self) -> None:
         for optimizer in self.optimizers:
