@@ -22,6 +22,7 @@ from mtune.modules.attention import Attention
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
 from mtune.modules.packed_attention import document_boundaries, kernel_for
+from mtune.modules.pre_norm_block import TransformerBlock
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import RotaryEmbedding
 
@@ -114,41 +115,6 @@ tokens (at most 64 KiB a row, and one SDPA call instead of one per document: 16 
 CPU), segments beyond."""
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, of the attention and MLP it is given.
-
-    Called with tensors only (``block(x, cos, sin, mask, cache_pos, cu_seqlens)``), so activation checkpointing,
-    ``compile`` and FSDP can wrap it unchanged.
-
-    Args:
-        norm: the two norms' class (Llama's :class:`RMSNorm`; Qwen3.5's ``(1 + weight)`` form).
-        mixer_name: the attribute (and checkpoint name) of the token mixer: ``self_attn``, or ``linear_attn`` for a
-            linear-attention layer (Qwen3.5's Gated DeltaNet), which has no KV cache.
-    """
-
-    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, mlp: nn.Module,
-                 norm: type[RMSNorm] = RMSNorm, mixer_name: str = "self_attn") -> None:
-        super().__init__()
-        self.input_layernorm = norm(dim, norm_eps)
-        self.mixer_name = mixer_name
-        setattr(self, mixer_name, attention)
-        self.post_attention_layernorm = norm(dim, norm_eps)
-        self.mlp = mlp
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        cache_pos: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        mixer = getattr(self, self.mixer_name)
-        h = x + mixer(self.input_layernorm(x), cos, sin, mask, cache_pos, cu_seqlens)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class TransformerDecoder(nn.Module):
     """Token embedding, ``n_layers`` blocks, final norm and output projection.
 
@@ -160,8 +126,7 @@ class TransformerDecoder(nn.Module):
 
     Attributes:
         attention_kernel: one of :data:`ATTENTION_KERNELS`, for packed batches and rows longer than the sliding
-            window: ``auto`` (default), ``segments`` or the ``dense_mask`` fallback. All give the same numbers
-            (round-off).
+            window: ``auto`` (default), ``segments`` or the ``dense_mask`` fallback, all equal up to round-off.
         attention_kernels_run: the attention kernels the forwards so far ran (``sdpa_causal``, ``dense_mask``,
             ``sdpa_per_segment``, ``varlen_flash``, ``kv_cache_mask``), for a run's log and results.
     """

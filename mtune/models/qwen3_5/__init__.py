@@ -14,7 +14,8 @@ from mtune.modules.feed_forward import FeedForward
 from mtune.modules.gated_deltanet import GatedDeltaNet
 from mtune.modules.rms_norm import GemmaRMSNorm
 from mtune.modules.rotary import RotaryEmbedding
-from mtune.modules.transformer import DecoderArgs, LayerKind, TransformerBlock
+from mtune.modules.pre_norm_block import TransformerBlock
+from mtune.modules.transformer import DecoderArgs, LayerKind
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
