@@ -12,21 +12,24 @@ from mtune.models.mistral import MistralArgs
 from mtune.models.phi4 import Phi4Args, longrope
 from mtune.models.qwen2 import Qwen2Args
 from mtune.models.qwen3 import Qwen3Args
+from mtune.models.qwen3_5.hf_config import qwen3_5_args, qwen3_5_hf_config
 from mtune.modules.transformer import DecoderArgs
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text",
-                  "Gemma3ForConditionalGeneration": "gemma3"}
+                  "Gemma3ForConditionalGeneration": "gemma3", "Qwen3_5ForCausalLM": "qwen3_5_text",
+                  "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 _HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "phi4": "phi3", "gemma3": "gemma3_text"}  # Gemma 3 is written back text-only
+                  "phi4": "phi3", "gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}  # written back text-only
 _HF_ARCHITECTURE = {model_type: arch for arch, model_type in _ARCHITECTURES.items()}
 
 
-# A multimodal checkpoint's text model (Gemma 3 4B-27B) under the prefixes transformers 5 and 4.x write, and the
-# towers mtune does not train.
+# A multimodal checkpoint's text model (Gemma 3 4B-27B, Qwen3.5) under the prefixes transformers 5 and 4.x write,
+# and the towers mtune does not train (vision; Qwen3.5's multi-token-prediction layers, ``mtp.``).
 _TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model.", "model."),
                ("language_model.lm_head.", "lm_head."))
-_OTHER_TOWERS = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+_OTHER_TOWERS = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
+                 "model.visual.", "mtp.")
 
 
 def text_model_key(hf_key: str) -> str | None:
@@ -80,6 +83,8 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         raise ValueError(f"unsupported model_type {found!r}; mtune loads {', '.join(_HF_ARCHITECTURE)} checkpoints")
     if model_type in ("gemma3", "gemma3_text"):
         return "gemma3", gemma3_args(config)
+    if model_type in ("qwen3_5", "qwen3_5_text"):
+        return "qwen3_5", qwen3_5_args(config)
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
     if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
@@ -130,6 +135,8 @@ def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict
         raise ValueError(f"cannot write a Hugging Face config for model family {args.family!r}")
     if model_type == "gemma3_text":
         return gemma3_hf_config(args, dtype)
+    if model_type == "qwen3_5_text":
+        return qwen3_5_hf_config(args, dtype)
     rope = dict(args.rope_scaling or {"rope_type": "default"})
     config = {
         "architectures": [_HF_ARCHITECTURE[model_type]],

@@ -1,5 +1,5 @@
 """Grouped-query self-attention, and its variants: per-head q/k RMSNorm (Qwen3), one fused q/k/v projection
-(Phi-3/4)."""
+(Phi-3/4), a sigmoid gate on each head's output (Qwen3.5)."""
 
 import torch
 import torch.nn.functional as F
@@ -69,16 +69,21 @@ class Attention(nn.Module):
                 rows): causal attention within each segment and the sliding window, without a mask
                 (:mod:`mtune.modules.packed_attention`). Exclusive with ``mask`` and the KV cache.
         """
-        b, s, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.project(x))
+        return self.o_proj(self.attend(*self.project(x), cos, sin, mask, cache_pos, cu_seqlens))
+
+    def attend(self, q, k, v, cos, sin, mask=None, cache_pos=None, cu_seqlens=None) -> torch.Tensor:
+        """The heads' outputs ``[b, s, n_heads * head_dim]`` (before ``o_proj``) for queries, keys and values as
+        :meth:`project` returns them: RoPE, the KV cache, then SDPA or attention per segment."""
+        b, s = q.shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
         if cu_seqlens is not None:
-            return self.o_proj(segment_attention(q, k, v, cu_seqlens, self.sliding_window))
+            return segment_attention(q, k, v, cu_seqlens, self.sliding_window)
         gqa = self.n_kv_heads != self.n_heads
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class QKNormAttention(Attention):
@@ -123,3 +128,22 @@ class FusedQKVAttention(Attention):
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1)
         return (q.view(b, s, self.n_heads, self.head_dim), k.view(b, s, self.n_kv_heads, self.head_dim),
                 v.view(b, s, self.n_kv_heads, self.head_dim))
+
+
+class GatedAttention(QKNormAttention):
+    """:class:`QKNormAttention` whose heads' outputs are gated before ``o_proj`` (Qwen3.5's full-attention layers):
+    ``q_proj`` is twice as wide and gives each head its query and then a gate of ``head_dim`` values (per head, in
+    that order), and each head's output is multiplied by ``sigmoid(gate)``."""
+
+    def make_projections(self, dim: int, qkv_bias: bool) -> None:
+        super().make_projections(dim, qkv_bias)
+        self.q_proj = nn.Linear(dim, 2 * self.n_heads * self.head_dim, bias=qkv_bias)
+
+    def forward(self, x, cos, sin, mask=None, cache_pos=None, cu_seqlens=None) -> torch.Tensor:
+        b, s, _ = x.shape
+        query, gate = self.q_proj(x).view(b, s, self.n_heads, 2, self.head_dim).unbind(3)
+        q = self.q_norm(query)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
+        out = self.attend(q, k, v, cos, sin, mask, cache_pos, cu_seqlens)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(b, s, -1)))

@@ -228,7 +228,7 @@ def apply_lora(
     in place, then freezes everything but the adapters (`freeze_base`). Returns the model.
 
     `quantize_base=True` also stores every other frozen nn.Linear inside `model.layers` as NF4 (the lm_head stays
-    in the model dtype unless targeted). On a meta-device model nothing is initialized: call
+    in the model dtype unless targeted, and so do the linears a module lists in its `kept_in_model_dtype`). On a meta-device model nothing is initialized: call
     `reset_lora_parameters(model)` once real base weights are loaded.
     """
     modules = set(modules)
@@ -250,7 +250,8 @@ def apply_lora(
             if child_name in modules:
                 setattr(parent, child_name, LoRALinear.from_linear(child, **kwargs))
                 found.add(child_name)
-            elif quantize_base and parent_name.startswith("layers."):
+            elif (quantize_base and parent_name.startswith("layers.")
+                  and child_name not in getattr(parent, "kept_in_model_dtype", ())):
                 setattr(parent, child_name, FrozenNF4Linear.from_linear(child))
     if not found:
         raise ConfigError(f"lora.modules {sorted(modules)} matched no nn.Linear in the model")

@@ -12,7 +12,7 @@ map by stripping ``model.`` and adapters target modules by their HF names.
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from mtune.modules.attention import Attention
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
 from mtune.modules.packed_attention import document_boundaries, kernel_for
+from mtune.modules.pre_norm_block import TransformerBlock
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import RotaryEmbedding
 
@@ -70,9 +71,10 @@ class DecoderArgs:
         """The rotary tables every block shares (a family with partial rotation overrides this)."""
         return RotaryEmbedding(self.head_dim, self.rope_theta, self.rope_scaling)
 
-    def attention_kinds(self) -> dict[str, tuple[RotaryEmbedding, int | None]]:
-        """Each kind of attention layer by name: its rotary tables and sliding window (several for per-layer
-        variation, Gemma 3's ``layer_types``, with :meth:`layer_kind` naming each layer's)."""
+    def attention_kinds(self) -> dict[str, "LayerKind | tuple[RotaryEmbedding, int | None]"]:
+        """Each kind of attention layer by name: its rotary tables and sliding window, a :class:`LayerKind` or the
+        pair ``(rope, window)`` (several kinds for per-layer variation, Gemma 3's and Qwen3.5's ``layer_types``, with
+        :meth:`layer_kind` naming each layer's)."""
         return {"attention": (self.rope(), self.sliding_window)}
 
     def layer_kind(self, layer: int) -> str:  # the key of attention_kinds() that block `layer` uses
@@ -94,39 +96,23 @@ class DecoderArgs:
                                 FeedForward(self.dim, self.intermediate_dim))
 
 
+class LayerKind(NamedTuple):
+    """What the blocks of one kind need computed once per forward: rotary tables (``rope``; None for a layer that
+    uses none), a sliding ``window`` (None: all earlier tokens), and whether the layer is ``recurrent`` (linear
+    attention: it reads no mask, and packed documents reach it as segment boundaries, whatever the attention
+    kernel setting, so its state restarts at each)."""
+
+    rope: RotaryEmbedding | None
+    window: int | None = None
+    recurrent: bool = False
+
+
 DENSE_MASK_UP_TO = 256
 """How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
 ``cu_seqlens``, O(s) memory: :mod:`mtune.modules.packed_attention`), ``dense_mask`` (a boolean ``[b, 1, s, s]``
 mask, s² bytes per row: the fallback), or ``auto``: the dense mask for rows of at most :data:`DENSE_MASK_UP_TO`
 tokens (at most 64 KiB a row, and one SDPA call instead of one per document: 16 rows of 64 tokens step 16% faster on
 CPU), segments beyond."""
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, of the attention and MLP it is given.
-
-    Called with tensors only (``block(x, cos, sin, mask, cache_pos, cu_seqlens)``), so activation checkpointing,
-    ``compile`` and FSDP can wrap it unchanged.
-    """
-
-    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, mlp: nn.Module) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(dim, norm_eps)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(dim, norm_eps)
-        self.mlp = mlp
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        cache_pos: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos, cu_seqlens)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class TransformerDecoder(nn.Module):
@@ -140,8 +126,7 @@ class TransformerDecoder(nn.Module):
 
     Attributes:
         attention_kernel: one of :data:`ATTENTION_KERNELS`, for packed batches and rows longer than the sliding
-            window: ``auto`` (default), ``segments`` or the ``dense_mask`` fallback. All give the same numbers
-            (round-off).
+            window: ``auto`` (default), ``segments`` or the ``dense_mask`` fallback, all equal up to round-off.
         attention_kernels_run: the attention kernels the forwards so far ran (``sdpa_causal``, ``dense_mask``,
             ``sdpa_per_segment``, ``varlen_flash``, ``kv_cache_mask``), for a run's log and results.
     """
@@ -154,9 +139,9 @@ class TransformerDecoder(nn.Module):
         self.norm = args.final_norm()
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         # rotary tables and window per kind of layer, computed once per forward; the tables hold no state
-        self.kinds = args.attention_kinds()
+        self.kinds = {name: LayerKind(*kind) for name, kind in args.attention_kinds().items()}
         self.layer_kinds = [args.layer_kind(i) for i in range(args.n_layers)]
-        self.rope = self.kinds[self.layer_kinds[0]][0]
+        self.rope = next((kind.rope for kind in self.kinds.values() if kind.rope is not None), None)
         self._next_pos = 0  # decoding position while caches are enabled
         self.attention_kernel = "auto"
         self.attention_kernels_run: set[str] = set()
@@ -183,6 +168,9 @@ class TransformerDecoder(nn.Module):
                     yield f"{prefix}bias", nn.init.zeros_
             elif isinstance(module, RMSNorm):
                 yield f"{prefix}weight", module.initial_fill
+            if hasattr(module, "initializers") and module is not self:  # a block's own parameters (Gated DeltaNet)
+                for name, fill in module.initializers(std):
+                    yield f"{prefix}{name}", fill
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -194,6 +182,9 @@ class TransformerDecoder(nn.Module):
     # ----------------------------------------------------------------- caches
     def setup_caches(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
         """Allocate a KV cache per layer for generation; positions then continue from the last call."""
+        if any(kind.recurrent for kind in self.kinds.values()):
+            raise NotImplementedError(f"generation with a KV cache is not supported for {self.args.family} (its "
+                                      "linear-attention layers keep a recurrent state, not a KV cache)")
         param = self.embed_tokens.weight
         dtype = dtype or param.dtype
         for layer in self.layers:
@@ -202,18 +193,20 @@ class TransformerDecoder(nn.Module):
         self._next_pos = 0
 
     def caches_are_enabled(self) -> bool:
-        return self.layers[0].self_attn.kv_cache is not None
+        attention = getattr(self.layers[0], "self_attn", None)
+        return attention is not None and attention.kv_cache is not None
 
     def reset_caches(self) -> None:
         """Empty the caches (keeping them allocated) so the next call starts at position 0."""
         for layer in self.layers:
-            if layer.self_attn.kv_cache is not None:
+            if getattr(layer, "self_attn", None) is not None and layer.self_attn.kv_cache is not None:
                 layer.self_attn.kv_cache.reset()
         self._next_pos = 0
 
     def remove_caches(self) -> None:
         for layer in self.layers:
-            layer.self_attn.kv_cache = None
+            if getattr(layer, "self_attn", None) is not None:
+                layer.self_attn.kv_cache = None
         self._next_pos = 0
 
     # ---------------------------------------------------------------- forward
@@ -242,9 +235,16 @@ class TransformerDecoder(nn.Module):
             input_pos = torch.arange(start, start + s, device=tokens.device).expand(b, s)
         h = self.embed_tokens(tokens)
         inputs = {}  # per kind of layer: cos, sin, mask, cache_pos, cu_seqlens
-        for kind, (rope, window) in self.kinds.items():
-            inputs[kind] = (*rope(input_pos, h.dtype), *self._attention_layout(input_pos, document_ids, caching,
-                                                                                window))
+        for name, kind in self.kinds.items():
+            if kind.recurrent:
+                if caching:
+                    raise NotImplementedError("generation with a KV cache is not supported for models with "
+                                              "linear-attention layers")
+                segments = None if document_ids is None else document_boundaries(document_ids, b, s, tokens.device)
+                inputs[name] = (None, None, None, None, segments)
+                continue
+            inputs[name] = (*kind.rope(input_pos, h.dtype), *self._attention_layout(input_pos, document_ids, caching,
+                                                                                     kind.window))
         for layer, kind in zip(self.layers, self.layer_kinds):
             h = layer(h, *inputs[kind])
         if caching:

@@ -37,6 +37,12 @@ FAMILY_CONFIGS = {
                                                                "rope_theta": 1000000.0},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                                         tie_word_embeddings=True, pad_token_id=0)),
+    # 4 layers: Gated DeltaNet, gated attention, twice (4 value heads of 64 over 2 q/k heads); a quarter rotated
+    "qwen3_5": ("Qwen3_5TextConfig", dict(rms_norm_eps=1e-6, rope_theta=10000000.0, num_hidden_layers=4,
+                                          layer_types=["linear_attention", "full_attention"] * 2,
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                                          linear_value_head_dim=64, partial_rotary_factor=0.25,
+                                          tie_word_embeddings=True, pad_token_id=0)),
     "phi4": ("Phi3Config", dict(rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=_PHI4_LONGROPE,
                                 original_max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)),
 }
@@ -65,12 +71,14 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random norms and biases too, so parity checks cover them (they start as ones / zeros; Gemma's norms, which
-    # scale by 1 + weight, as zeros).
-    unit = 0.0 if family == "gemma3" else 1.0
+    # scale by 1 + weight, as zeros; Qwen3.5's too, but for its DeltaNet output norm).
+    def unit(name):
+        return 0.0 if family == "gemma3" or (family == "qwen3_5" and "linear_attn.norm" not in name) else 1.0
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.normal_(unit if name.endswith("norm.weight") else 0.0, 0.1)
+                param.normal_(unit(name) if name.endswith("norm.weight") else 0.0, 0.1)
     return model.eval()
 
 

@@ -54,8 +54,14 @@ CHECKPOINTS = {
     "gemma-3-4b-it": ("gemma3", "4B", 3_880_263_168, 14_901_248),
     "gemma-3-12b-it": ("gemma3", "12B", 11_766_034_176, 32_735_232),
     "gemma-3-27b-it": ("gemma3", "27B", 27_009_346_304, 56_758_272),
+    # Qwen3.5 9B's text model (the multimodal checkpoint's language model); PEFT's count from get_peft_model on
+    # transformers' Qwen3_5ForCausalLM (meta) with the config's ten target modules
+    "Qwen3.5-9B": ("qwen3_5", "9B", 8_953_803_264, 20_054_016),
 }
-ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # else the seven of Llama's block
+# else the seven of Llama's block
+ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+           "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
+                       "up_proj", "down_proj"]}
 
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
@@ -156,7 +162,8 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         seven = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         assert (lora.rank, list(lora.modules), lora.use_dora) == (8, ADAPTED.get(family, seven), False)
         assert trainable == peft_trainable, f"{name}: {trainable:,} trainable, PEFT {peft_trainable:,}"
-        block_linears = [m for n, m in model.named_modules() if n.startswith("layers.")
+        kept = {f"{n}.{child}" for n, m in model.named_modules() for child in getattr(m, "kept_in_model_dtype", ())}
+        block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
         assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name

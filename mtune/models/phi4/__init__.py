@@ -12,7 +12,8 @@ from torch import nn
 from mtune.modules.attention import FusedQKVAttention
 from mtune.modules.feed_forward import FusedFeedForward
 from mtune.modules.rotary import RotaryEmbedding
-from mtune.modules.transformer import DecoderArgs, TransformerBlock
+from mtune.modules.pre_norm_block import TransformerBlock
+from mtune.modules.transformer import DecoderArgs
 
 
 @dataclass

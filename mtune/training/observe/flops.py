@@ -129,6 +129,21 @@ def _present(module: nn.Module, *names: str) -> list[nn.Module]:
     return [getattr(module, name) for name in names if hasattr(module, name)]
 
 
+def _linear_attention(tally: _Tally, mixer: nn.Module, x: bool) -> bool:
+    """Adds a Gated DeltaNet (:class:`~mtune.modules.gated_deltanet.GatedDeltaNet`); returns whether its output
+    needs a gradient. Its core is counted as the recurrence's model FLOPs, independent of the sequence length: per
+    token and value head, reading the state's prediction for the key, writing the correction and reading the output,
+    ``2 * k_head_dim * v_head_dim`` each (the chunked form's in-chunk matmuls are implementation, as attention's
+    masked half is); the causal convolution ``2 * taps`` per channel."""
+    grad = any([_linear(tally, m, x, "linear")
+                for m in _present(mixer, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
+    grad = grad or _trains(mixer)
+    conv = 2.0 * mixer.conv1d.kernel_size[0] * mixer.conv_width
+    core = 6.0 * mixer.n_v_heads * mixer.k_head_dim * mixer.v_head_dim
+    tally.add("attention", conv + core, 2.0 * (conv + core) * grad)
+    return _linear(tally, mixer.out_proj, grad, "linear")
+
+
 def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, checkpointed: str | None,
            tiled: bool = False) -> bool:
     """Adds one transformer block; returns whether the residual stream after it needs a gradient.
@@ -139,13 +154,18 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, c
     output, so what it recomputes is elementwise only: no counted FLOPs. ``tiled``: the MLP runs over tiles, its
     forward once more in backward (and whole in a ``block`` recompute)."""
     start = tally.forward
-    attn, mlp = block.self_attn, block.mlp
+    mlp = block.mlp
     x = stream_grad or _trains(block.input_layernorm)
-    # separate q/k/v projections, or one fused qkv_proj (Phi-4); each counted as it runs
-    attn_grad = any([_linear(tally, m, x, "linear") for m in _present(attn, "q_proj", "k_proj", "v_proj", "qkv_proj")])
-    core = 4.0 * seq_len * attn.n_heads * attn.head_dim
-    tally.add("attention", core, 2.0 * core * attn_grad)
-    h = _linear(tally, attn.o_proj, attn_grad, "linear") or stream_grad
+    if hasattr(block, "linear_attn"):
+        h = _linear_attention(tally, block.linear_attn, x) or stream_grad
+    else:
+        attn = block.self_attn
+        # separate q/k/v projections, or one fused qkv_proj (Phi-4); each counted as it runs
+        attn_grad = any([_linear(tally, m, x, "linear")
+                         for m in _present(attn, "q_proj", "k_proj", "v_proj", "qkv_proj")])
+        core = 4.0 * seq_len * attn.n_heads * attn.head_dim
+        tally.add("attention", core, 2.0 * core * attn_grad)
+        h = _linear(tally, attn.o_proj, attn_grad, "linear") or stream_grad
     x = h or _trains(block.post_attention_layernorm)
     mlp_start = tally.forward
     gate_up = any([_linear(tally, m, x, "linear") for m in _present(mlp, "gate_proj", "up_proj", "gate_up_proj")])

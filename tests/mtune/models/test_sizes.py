@@ -31,6 +31,7 @@ KNOWN = {
     ("qwen3", "8B"): 8_190_735_360,
     ("qwen3", "14B"): 14_768_307_200,
     ("qwen3", "32B"): 32_762_123_264,
+    ("qwen3_5", "9B"): 8_953_803_264,  # transformers' count from the same text config (test_qwen3_5.py)
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
@@ -52,9 +53,14 @@ def test_sizes_build_on_meta_with_published_parameter_counts(family, size):
 def test_tiny_sizes_suit_nf4(family):
     model = build_model(family, "tiny")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one)
-    assert len(linears) == blocks * (4 if family == "phi4" else 7) + 1  # Phi-4 fuses q/k/v and gate/up
-    assert all(m.weight.numel() % 32768 == 0 for m in linears)
+    blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one), Qwen3.5's 4
+    # Phi-4 fuses q/k/v and gate/up; a Qwen3.5 DeltaNet layer has 5 projections where attention has 4
+    per_block = {"phi4": 4, "qwen3_5": 7.5}.get(family, 7)
+    assert len(linears) == blocks * per_block + 1
+    # the linears QLoRA keeps in the model's dtype (Qwen3.5's per-head in_proj_a / in_proj_b) need not suit NF4
+    kept = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "kept_in_model_dtype", ())}
+    assert all(m.weight.numel() % 32768 == 0 for m in linears if id(m) not in kept)
+    assert len(kept) == (4 if family == "qwen3_5" else 0)
 
 
 @pytest.mark.parametrize("family,size", [("llama3_2", "1B"), ("qwen2_5", "7B"), ("mistral", "7B"), ("llama2", "7B"),

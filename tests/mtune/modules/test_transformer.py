@@ -32,11 +32,12 @@ def test_return_hidden_and_tied_head():
         torch.testing.assert_close(model.lm_head(hidden), model(tokens), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama3_1", "mistral"])
+@pytest.mark.parametrize("family", ["llama3_1", "mistral", "qwen3_5"])
 def test_packed_batch_matches_documents_run_alone(family):
     model = build_model(family, "tiny", device="cpu").eval()
     gen = torch.Generator().manual_seed(2)
-    docs = [torch.randint(0, 512, (n,), generator=gen) for n in (5, 11, 16)]  # 16 > the mistral window of 8
+    # 16 > the mistral window of 8; 70 > a Gated DeltaNet chunk of 64 (qwen3_5: its state restarts per document)
+    docs = [torch.randint(0, 512, (n,), generator=gen) for n in (5, 11, 16, 70)]
     tokens = torch.cat(docs)[None]
     input_pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
     document_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]

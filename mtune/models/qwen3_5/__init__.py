@@ -1,0 +1,92 @@
+"""Qwen3.5 dense (Alibaba, February-March 2026), the text model: Qwen3's decoder with three of every four token
+mixers replaced by Gated DeltaNet linear attention (``layer_types``: ``linear_attention`` / ``full_attention``;
+the hub's pattern puts full attention on every fourth layer). The full-attention layers gate each head's output
+(``q_proj`` twice as wide: query and gate per head), rotate a quarter of each head (``partial_rotary_factor`` 0.25)
+and norm q and k per head. Every RMSNorm but the DeltaNet's output norm is the ``(1 + weight)`` form.
+"""
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from mtune.modules.attention import GatedAttention
+from mtune.modules.feed_forward import FeedForward
+from mtune.modules.gated_deltanet import GatedDeltaNet
+from mtune.modules.rms_norm import GemmaRMSNorm
+from mtune.modules.rotary import RotaryEmbedding
+from mtune.modules.pre_norm_block import TransformerBlock
+from mtune.modules.transformer import DecoderArgs, LayerKind
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def hybrid_layer_types(n_layers: int, full_attention_interval: int = 4) -> list[str]:
+    """Full attention on every ``full_attention_interval``-th layer (the 4th, 8th, ...), linear attention between."""
+    return ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+            for i in range(n_layers)]
+
+
+@dataclass
+class Qwen3_5Args(DecoderArgs):
+    family = "qwen3_5"
+    vocab_size: int = 248320
+    head_dim: int | None = 256
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000000.0
+    max_seq_len: int = 262144
+    partial_rotary_factor: float = 0.25
+    """The share of each full-attention head RoPE rotates."""
+    layer_types: list[str] = field(default_factory=list)
+    """Per layer: ``linear_attention`` or ``full_attention``; empty means :func:`hybrid_layer_types`."""
+    linear_n_k_heads: int = 16
+    """Query/key heads of the DeltaNet layers (``linear_num_key_heads``)."""
+    linear_n_v_heads: int = 32
+    """Value heads of the DeltaNet layers, each with its own state (``linear_num_value_heads``)."""
+    linear_k_head_dim: int = 128
+    linear_v_head_dim: int = 128
+    linear_conv_kernel: int = 4
+    """Taps of the DeltaNet's causal convolution (``linear_conv_kernel_dim``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.layer_types:
+            self.layer_types = hybrid_layer_types(self.n_layers)
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown or len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the {self.n_layers} layers; "
+                             f"got {len(self.layer_types)} entries{f', unknown {unknown}' if unknown else ''}")
+
+    def rope(self) -> RotaryEmbedding:
+        return RotaryEmbedding(int(self.head_dim * self.partial_rotary_factor), self.rope_theta, self.rope_scaling)
+
+    def attention_kinds(self) -> dict[str, LayerKind]:
+        return {"full_attention": LayerKind(self.rope()), "linear_attention": LayerKind(None, recurrent=True)}
+
+    def layer_kind(self, layer: int) -> str:
+        return self.layer_types[layer]
+
+    def final_norm(self) -> nn.Module:
+        return GemmaRMSNorm(self.dim, self.norm_eps)
+
+    def block(self, layer: int) -> nn.Module:
+        mlp = FeedForward(self.dim, self.intermediate_dim)
+        if self.layer_types[layer] == "linear_attention":
+            mixer = GatedDeltaNet(self.dim, self.linear_n_k_heads, self.linear_n_v_heads, self.linear_k_head_dim,
+                                  self.linear_v_head_dim, self.linear_conv_kernel, self.norm_eps)
+            return TransformerBlock(self.dim, self.norm_eps, mixer, mlp, norm=GemmaRMSNorm, mixer_name="linear_attn")
+        attention = GatedAttention(self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.norm_eps,
+                                   norm=GemmaRMSNorm)
+        return TransformerBlock(self.dim, self.norm_eps, attention, mlp, norm=GemmaRMSNorm)
+
+
+# Qwen/Qwen3.5-9B's model card: 32 layers as 8 x (3 DeltaNet + 1 gated attention), hidden 4096, DeltaNet 16 q/k and
+# 32 value heads of 128, attention 16 query / 4 KV heads of 256 with 64 rotated dimensions, intermediate 12288,
+# vocabulary 248320 (padded), 262144 positions. The other sizes wait for their configs to be checked.
+QWEN3_5_SIZES = {
+    "9B": dict(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, intermediate_dim=12288),
+    # NF4-friendly test shape: one block of each kind twice (linear, full, linear, full); 4 DeltaNet value heads of
+    # 64 over 2 q/k heads, attention 4 heads of 64 over 2 KV heads, a quarter of each rotated.
+    "tiny": dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, intermediate_dim=512,
+                 max_seq_len=512, tie_embeddings=True, layer_types=hybrid_layer_types(4, 2), linear_n_k_heads=2,
+                 linear_n_v_heads=4, linear_k_head_dim=64, linear_v_head_dim=64),
+}

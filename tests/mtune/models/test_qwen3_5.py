@@ -1,0 +1,193 @@
+"""Qwen3.5 dense (text) against transformers and peft: the text tower of the hub's multimodal checkpoints (vision
+and multi-token-prediction weights skipped, saved back text-only), gradients of a step, LoRA steps whose adapter loads
+in peft, and what it refuses. (The shared tiny-shape logits, checkpoint round trip and packed rows:
+test_transformer.py and test_hf.py; the Gated DeltaNet against its recurrence: test_gated_deltanet.py.)"""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from mtune.models import build_model, model_args
+from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
+from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
+from mtune.training.checkpointing.peft import save_peft_adapter
+from mtune.training.model_setup import resolve_model_source, setup_model
+from tests._helpers.lora import lora_cfg
+from tests._helpers.models import mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model
+from tests._helpers.recipes import TRAIN_CONFIG, losses, run_recipe_in_process, train_overrides, write_instruct_data
+from tests._helpers.tokenizers import write_tokenizer_files
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+TOKENS = torch.randint(0, 500, (2, 80), generator=torch.Generator().manual_seed(5))  # 80 > a DeltaNet chunk
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj", "up_proj",
+           "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dir(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+
+
+def logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_multimodal_checkpoint_loads_its_text_model_and_saves_it_text_only(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    qwen3_5 = transformers.models.qwen3_5
+    vision = qwen3_5.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                         out_hidden_size=256, num_position_embeddings=16, patch_size=4)
+    config = qwen3_5.Qwen3_5Config(text_config=tiny_hf_config("qwen3_5").to_dict(), vision_config=vision.to_dict(),
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    multimodal = qwen3_5.Qwen3_5ForConditionalGeneration(config).eval()
+    multimodal.save_pretrained(tmp_path / "mm")
+    # the hub's files also hold the multi-token-prediction layers, which transformers ignores on load
+    weights = load_file(tmp_path / "mm" / "model.safetensors")
+    save_file({**weights, "mtp.fc.weight": torch.randn(256, 512)}, tmp_path / "mm" / "model.safetensors",
+              metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="mtune.training.checkpointing.hf"):
+        model = load_model_from_hf(tmp_path / "mm").eval()
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    n_other = sum(k.startswith(("model.visual.", "mtp.")) for k in weights) + 1
+    assert len(skipped) == 1 and f"{n_other} tensors of other towers" in skipped[0]
+    ours = logits(model)
+    with torch.no_grad():
+        assert (ours - multimodal(TOKENS).logits).abs().max().item() <= 1e-5
+    out = save_hf_checkpoint(model, tmp_path / "text", source_dir=tmp_path / "mm")
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("qwen3_5_text", ["Qwen3_5ForCausalLM"])
+    assert (logits(hf_model(out)) - ours).abs().max().item() <= 1e-5
+
+
+def test_config_with_rope_fields_at_the_top_level_reads_as_the_same_model(qwen3_5_dir, tmp_path):
+    config = json.loads((qwen3_5_dir / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                  torch_dtype=config.pop("dtype"))
+    del config["layer_types"]
+    config["full_attention_interval"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_hf_config(tmp_path) == load_hf_config(qwen3_5_dir)
+    family, args = load_hf_config(tmp_path)
+    assert family == "qwen3_5" and args.layer_types == ["linear_attention", "full_attention"] * 2
+    assert model_args_from_hf_config(hf_config_from_model_args(args))[1] == args
+
+
+def test_gradients_of_a_step_match_transformers():
+    """Every parameter's gradient within 1e-5 relative, and the gradient reaching the token embeddings' output. (The
+    tied embedding table's own gradient is not compared: transformers 5.24's Qwen3.5 in training mode leaves the
+    embedding lookup's share out of it, though the gradient reaching the lookup's output equals ours.)"""
+    hf = tiny_hf_model("qwen3_5").train()
+    model = mtune_twin(hf, "qwen3_5").train()
+    targets = TOKENS[:, 1:].reshape(-1)
+    reaching = {}
+    for key, m, embed in (("hf", hf, hf.model.embed_tokens), ("ours", model, model.embed_tokens)):
+        def keep_gradient(mod, inputs, out, key=key):
+            out.register_hook(lambda grad: reaching.__setitem__(key, grad))
+
+        embed.register_forward_hook(keep_gradient)
+        out = m(TOKENS[:, :-1])
+        out = out if isinstance(out, torch.Tensor) else out.logits
+        torch.nn.functional.cross_entropy(out.reshape(-1, 512), targets).backward()
+    assert (reaching["ours"] - reaching["hf"]).norm() <= 1e-5 * reaching["hf"].norm()
+    theirs = {k.removeprefix("model."): p.grad for k, p in hf.named_parameters()}
+    checked = 0
+    for name, param in model.named_parameters():
+        if name == "embed_tokens.weight":
+            continue
+        ref = theirs[name]
+        assert (param.grad - ref).norm() <= 1e-5 * ref.norm() + 1e-8, name
+        checked += "linear_attn" in name
+    assert checked == 2 * 9  # every DeltaNet parameter of both linear-attention layers was compared
+
+
+@pytest.mark.parametrize("quantize_base", [False, True])
+def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, qwen3_5_dir, tmp_path):
+    torch.manual_seed(0)
+    lora = lora_cfg(modules=LINEARS, quantize_base=quantize_base)
+    dtype = torch.bfloat16 if quantize_base else torch.float32
+    model, _ = setup_model(resolve_model_source({"checkpoint_dir": str(qwen3_5_dir)}), device=torch.device("cpu"),
+                           dtype=dtype, lora=lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    tokens = torch.randint(0, 512, (4, 24), generator=torch.Generator().manual_seed(7))
+    run = []
+    for _ in range(8):
+        out = model(tokens[:, :-1]).float()
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.append(loss.item())
+    assert run[-1] < run[0] - 0.5, run
+    if quantize_base:
+        return
+    save_peft_adapter(model.eval(), tmp_path / "adapter", lora)
+    adapted = peft.PeftModel.from_pretrained(hf_model(qwen3_5_dir), tmp_path / "adapter").eval()
+    assert (logits(adapted) - logits(model)).abs().max().item() <= 1e-5
+
+
+def test_generation_with_a_kv_cache_is_refused_in_one_line():
+    model = build_model("qwen3_5", "tiny", device="cpu")
+    with pytest.raises(NotImplementedError, match="^generation with a KV cache is not supported for qwen3_5"):
+        model.setup_caches(1, 16)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_act", "gelu", "qwen3_5 hidden_act 'gelu' is not supported"),
+    ("attention_bias", True, "qwen3_5 with attention_bias=true is not supported"),
+    ("layer_types", ["linear_attention", "sliding_attention"] * 2, "layer_types must give one of"),
+])
+def test_unsupported_config_fields_name_the_file(field, value, message, qwen3_5_dir, tmp_path):
+    config = json.loads((qwen3_5_dir / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/config.json: {message}"):
+        load_hf_config(tmp_path)
+
+
+def test_named_size_builds_as_transformers_builds_it():
+    args = model_args("qwen3_5", "9B")
+    config = hf_config_from_model_args(args)
+    assert model_args_from_hf_config(config)[1] == args
+    del config["rope_theta"], config["partial_rotary_factor"]
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    ours = sum(p.numel() for p in build_model("qwen3_5", "9B").parameters())
+    assert ours == sum(p.numel() for p in hf.parameters())
+    assert args.layer_types.count("full_attention") == 8
+
+
+def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path):
+    """Through the recipe: packed rows of several documents, the checkpoint's own tokenizer.json (read as Qwen3's),
+    the loss falling; `mtune plan`'s fake tensors (which cannot read where documents end) give the tracked peak within
+    0.1% and the parameters, gradients and optimizer state to the byte."""
+    from mtune._cli.catalog import find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+    from mtune.training.planning.plan import plan_memory
+
+    vocab = write_tokenizer_files(tmp_path / "tok", "qwen3")
+    checkpoint = write_tiny_hf_model(tmp_path, "qwen3_5", vocab_size=vocab, bos_token_id=None, eos_token_id=vocab - 3)
+    write_tokenizer_files(checkpoint, "qwen3")
+    overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
+        "dataset.packed": True, "memory_breakdown": True, "max_steps_per_epoch": 4,
+        "lora.modules": ["q_proj", "v_proj", "in_proj_qkv", "out_proj", "gate_proj"]})
+    plan = plan_memory(load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG,
+                                      overrides))
+    out = run_recipe_in_process("lora_single_device", overrides)
+    run = losses(out)
+    assert run[-1] < run[0] - 0.3, run
+    measured = json.loads((out / "memory_breakdown.json").read_text())
+    assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert plan.device[category] == measured["device"][category], category
