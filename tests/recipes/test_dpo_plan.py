@@ -57,9 +57,14 @@ def test_fit_searches_the_reference_losslessly():
     assert [c.overrides for c in CHUNKED_LOSS.fit_choices(memory[CHUNKED_LOSS], memory, model_facts(cfg))] == [{}]
 
 
-def test_the_8b_configs_plan():
-    _, _, cfg = shipped_on_tiny("llama3_1/8B_lora_dpo_single_device")
-    assert plan_memory(cfg).device_peak_bytes > 0
+@pytest.mark.parametrize("config", ["llama3_1/8B_lora_dpo_single_device", "qwen3/8B_lora_dpo_single_device"])
+def test_the_8b_configs_plan(config):
+    """Each shipped LoRA DPO config validates (``shipped_on_tiny`` loads it through the recipe's checks) and plans on
+    its family's tiny model, with the reference it ships (adapters off: no second copy)."""
+    _, _, cfg = shipped_on_tiny(config)
+    assert cfg.reference == "adapters_off"
+    plan = plan_memory(cfg)
+    assert plan.device_peak_bytes > 0 and plan.batch == {"batch_size": 2, "seq_len": 64, "accumulation": 8}
 
 
 def test_validate_names_the_preference_problems():
