@@ -158,3 +158,21 @@ def test_sigterm_saves_and_the_output_dir_is_refused_until_resumed(tmp_path, pai
         run_recipe_in_process("lora_dpo_single_device", overrides, config=CONFIG)
     run_recipe_in_process("lora_dpo_single_device", overrides + ["resume_from_checkpoint=true"], config=CONFIG)
     assert losses(out)[stopped_at:] == losses(runs["adapters_off"])[stopped_at:]
+
+
+def test_packed_pairs_train_with_the_unpacked_reference(tmp_path, pairs):
+    """``dataset.packed=true``: whole pairs share rows (2 x max_seq_len tokens), each response its own document.
+    With ``adapters_off`` the reference log-probs come from the packed rows; with ``precomputed`` from the pass over
+    the pairs unpacked: the losses agree (<= 1e-6 relative, fp32) at every step, so packing changes no log-prob.
+    The held-out metrics count pairs, not rows. Mutation seen failing: the reference's forward given no
+    ``document_ids`` (its responses then attend to the ones before them in the row)."""
+    packed = ["dataset.packed=true", "dataset_val.packed=true", "batch_size=2", "max_steps_per_epoch=3"]
+    runs = {kind: run_recipe_in_process("lora_dpo_single_device", _overrides(
+        tmp_path / kind, pairs, f"reference={kind}", *packed, *more), config=CONFIG)
+        for kind, more in (("adapters_off", []), ("precomputed", ["dataset_val=null"]))}
+    curves = {kind: losses(out) for kind, out in runs.items()}
+    assert len(curves["adapters_off"]) == 3 and curves["adapters_off"][0] == pytest.approx(0.6931472, rel=1e-6)
+    assert curves["precomputed"] == pytest.approx(curves["adapters_off"], rel=1e-6)
+    assert curves["adapters_off"][-1] < curves["adapters_off"][0]
+    results = json.loads((runs["adapters_off"] / "results.json").read_text())
+    assert results["task_eval_before"]["num_samples"] == 12

@@ -43,6 +43,16 @@ def test_a_pair_batch_is_twice_the_rows():
     assert 1.8 < dpo.device["activations"] / sft.device["activations"] < 2.2
 
 
+def test_packed_pairs_plan_the_tokens_of_as_many_pairs(plans):
+    """``dataset.packed``: ``batch_size`` rows of 2 x max_seq_len tokens, each the longest pair (two documents): the
+    tokens of an unpacked batch of as many pairs, so about its activations (the block-causal path adds its mask).
+    Mutation seen failing: rows of max_seq_len (``row_length`` not doubled), half the activations."""
+    packed = plan_memory(_cfg("tiny/lora_dpo_single_device", "dataset.packed=true"))
+    assert packed.batch == plans["adapters_off"].batch
+    assert 1.0 <= packed.device["activations"] / plans["adapters_off"].device["activations"] < 1.1
+    assert packed.device["parameters"] == plans["adapters_off"].device["parameters"]
+
+
 def test_fit_searches_the_reference_losslessly():
     knob = next(k for k in KNOBS if k.name == "reference")
     copy = knob.choices(_cfg("tiny/lora_dpo_single_device", "reference=copy"))

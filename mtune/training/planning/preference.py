@@ -9,6 +9,10 @@ rejected in one forward), the reference model the config chooses, and the precom
 - ``precomputed``: no reference model and no reference forward while training; the pass before training (a
   no-gradient forward of the starting model per batch, before any optimizer state exists) is planned as a phase
   of its own, and the plan's peak is the largest of the phases.
+
+With ``dataset.packed`` a micro-batch is ``batch_size`` packed rows of ``2 x max_seq_len`` tokens, each planned
+holding the longest pair (its two responses as two documents): the same tokens as an unpacked batch of as many
+pairs, through the block-causal attention path.
 """
 
 from __future__ import annotations
@@ -32,12 +36,34 @@ from mtune.training.model_setup import (
 )
 from mtune.training.reference import ModelReference
 
-__all__ = ["PlannedPreference", "planned_preference", "rows_per_sample"]
+__all__ = ["PlannedPreference", "planned_preference", "rows_per_sample", "row_length", "packed_pair_fields"]
+
+
+def _packed_pairs(cfg) -> bool:
+    return is_preference(cfg) and bool((cfg.get("dataset") or {}).get("packed"))
 
 
 def rows_per_sample(cfg) -> int:
-    """Rows of a batch per sample: 2 for a pair (chosen and rejected), 1 otherwise."""
-    return 2 if is_preference(cfg) else 1
+    """Rows of a batch per sample: 2 for a pair (chosen and rejected), 1 otherwise (a sample, or a packed row of
+    pairs)."""
+    return 2 if is_preference(cfg) and not _packed_pairs(cfg) else 1
+
+
+def row_length(cfg, seq_len: int) -> int:
+    """A planned row's tokens: ``2 x seq_len`` for packed pairs (`mtune.data.PackedPreferenceDataset`: a row holds
+    the longest pair, both responses at max_seq_len), else ``seq_len``."""
+    return 2 * seq_len if _packed_pairs(cfg) else seq_len
+
+
+def packed_pair_fields(cfg, batch: dict) -> dict:
+    """What a packed batch of pairs adds (`mtune.data.collate_packed_pairs`), for planned rows of two documents
+    each (one pair: document 0 its chosen, 1 its rejected response): ``sequence_ids`` and ``pair_index``; nothing
+    for other configs."""
+    if not _packed_pairs(cfg):
+        return {}
+    rows = batch["tokens"].shape[0]
+    return {"sequence_ids": torch.arange(rows).unsqueeze(1) + rows * batch["document_ids"],
+            "pair_index": torch.arange(rows)}
 
 
 class PlannedPreference:
@@ -60,7 +86,7 @@ class PlannedPreference:
 
 
 def _zeros(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    n = batch["tokens"].shape[0] // 2
+    n = PreferenceObjective.count(batch)
     return (torch.zeros(n, device=batch["tokens"].device),) * 2
 
 
