@@ -33,7 +33,7 @@ from mtune.modules.lora import adapters_disabled
 from mtune.modules.preference_loss import PreferenceObjective, pair_logps
 from mtune.training.context import RunContext
 from mtune.training.loop import evaluate
-from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig, reference_copy_memory
 from mtune.training.model_setup import ModelSource, setup_model, setup_sharded_model
 from mtune.training.reference_cache import cached_reference_logps, model_fingerprint
 
@@ -112,10 +112,15 @@ def setup_preference(cfg, run: RunContext, *, model: nn.Module, source: ModelSou
         copy, _ = setup_sharded_model(source, device=run.device, dtype=run.dtype, seed=run.seed, memory=MemoryConfig(),
                                       fsdp_reshard_after_forward=True)
         reference = ModelReference(copy.requires_grad_(False).eval(), autocast=run.autocast)
-    elif kind == "copy":
-        copy, _ = setup_model(source, device=run.device, dtype=run.dtype, memory=MemoryConfig(),
-                              placement=run.placement, trainable=False)
+    elif kind == "copy":  # its block linears in fp8 with reference_storage_dtype: lossy
+        copy, _ = setup_model(source, device=run.device, dtype=run.dtype,
+                              memory=reference_copy_memory(cfg.reference_storage_dtype), placement=run.placement,
+                              trainable=False)
         reference = ModelReference(copy.eval(), autocast=run.autocast)
+        if cfg.reference_storage_dtype:
+            log.warning("reference: a copy with its block weights stored as %s: lossy, its log-probs differ from the "
+                        "starting model's by fp8 rounding (reference_storage_dtype=null: exact)",
+                        cfg.reference_storage_dtype)
     else:
         starting = ModelReference(model, partial(adapters_disabled, model) if memory.lora is not None
                                   else contextlib.nullcontext, autocast=run.autocast)

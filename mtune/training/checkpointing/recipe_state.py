@@ -52,6 +52,7 @@ _RUN_KEYS_THAT_MUST_MATCH = (
     "clip_grad_norm",
     "dataset",
     "seed",
+    "reference_storage_dtype",  # an fp8 reference copy moves the losses (lossy)
 )
 
 # Keys that may differ: how long to train, where and how often to write, what to observe.

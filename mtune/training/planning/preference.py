@@ -5,7 +5,7 @@ rejected in one forward), the reference model the config chooses, and the precom
 - ``adapters_off``: the policy's no-gradient forward with adapters disabled, inside each micro-batch before the
   policy's forward (its logits are freed before the policy's activations exist);
 - ``copy``: a frozen copy of the starting model, materialized (and sharded) like the policy (its weights count as
-  parameters), and its no-gradient forward;
+  parameters; its block linears in fp8 with ``reference_storage_dtype``), and its no-gradient forward;
 - ``precomputed``: no reference model and no reference forward while training; the pass before training (a
   no-gradient forward of the starting model per batch, before any optimizer state exists) is planned as a phase
   of its own, and the plan's peak is the largest of the phases.
@@ -27,7 +27,7 @@ from mtune.config import instantiate
 from mtune.config.keys import is_preference, reference_choice, run_kind
 from mtune.modules.lora import adapters_disabled
 from mtune.modules.preference_loss import PreferenceObjective
-from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig, reference_copy_memory
 from mtune.training.model_setup import (
     build_sharded_model,
     materialize_model,
@@ -106,18 +106,18 @@ def planned_preference(cfg, model, source, *, dtype, memory: MemoryConfig, place
         return PlannedPreference(PreferenceObjective(loss, starting))
     if kind == "precomputed":
         return PlannedPreference(PreferenceObjective(loss, _zeros), precompute=starting)
-    sharded = run_kind(cfg) == "distributed"
+    sharded, stored = run_kind(cfg) == "distributed", reference_copy_memory(cfg.get("reference_storage_dtype"))
     with unset_fake_temporarily():  # built on the meta device as the policy was, outside the fake mode
         if sharded:  # sharded like the policy, as the run shards it
             copy, _ = build_sharded_model(source, device=device, dtype=dtype, memory=MemoryConfig(),
                                           placement=placement, fsdp_reshard_after_forward=True)
-        else:
-            copy, _ = setup_model(source, device=device, dtype=dtype, memory=MemoryConfig(), materialize=False,
+        else:  # fp8 block linears with reference_storage_dtype (the rules keep it off distributed configs)
+            copy, _ = setup_model(source, device=device, dtype=dtype, memory=stored, materialize=False,
                                   placement=placement, trainable=False)
     if sharded:
         materialize_sharded_model(copy, source, device=device, dtype=dtype, seed=0, memory=MemoryConfig())
         copy.requires_grad_(False)
     else:
-        materialize_model(copy, source, device=device, dtype=dtype, trainable=False)
+        materialize_model(copy, source, device=device, dtype=dtype, memory=stored, trainable=False)
     return PlannedPreference(PreferenceObjective(loss, ModelReference(copy.eval(), autocast=autocast)),
                              frozen_copy=[*copy.parameters(), *copy.buffers()])
