@@ -41,22 +41,42 @@ def gpu_size(total_bytes: int, ranks: int = 1) -> str:
     return f"{'an' if str(size).startswith('8') else 'a'} {size} GB GPU"
 
 
+def _config_value(config: str, key: str) -> str | None:
+    """A top-level scalar of a shipped config, read from its text (``reference: copy   # ...`` -> ``copy``)."""
+    for line in (CONFIGS / f"{config}.yaml").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return line.split(":", 1)[1].split("#", 1)[0].strip()
+    return None
+
+
 def header_block(result: dict) -> list[str]:
     batch = result["batch"]
     at_peak = {k: v for k, v in result["at_peak"]["device"].items() if v >= 0.05 * GIB}
     parts = ", ".join(f"{NAMES[k]} {v / GIB:.1f}" for k, v in at_peak.items())
     ranks = result.get("world_size", 1)
     per_gpu = f" per GPU, {ranks} ranks" if ranks > 1 else ""
-    lines = [f"# Memory planned by `mtune plan` (device=cuda{per_gpu}; every sample at max_seq_len={batch['seq_len']}, "
-             f"batch_size={batch['batch_size']}):",
-             f"#   GPU {result['device_peak_bytes'] / GIB:.1f} GiB allocated at the peak ({parts})",
-             f"#   + 0.5 GiB CUDA context = {result['device_total_bytes'] / GIB:.1f} GiB"
-             + (f"; host {result['host_peak_bytes'] / GIB:.1f} GiB" if result["host_peak_bytes"] else "")
-             + f": fits {gpu_size(result['device_total_bytes'], ranks)}.",
-             "#   Alpaca samples are mostly far shorter than max_seq_len (batches pad to their longest), so real "
-             "peaks are lower."]
+    pairs = "_dpo_" in result["recipe"]  # a preference recipe: a batch of pairs, chosen and rejected rows
+    if pairs:
+        n = batch["batch_size"]
+        what = (f"reference={_config_value(result['config'], 'reference')}; every pair at "
+                f"max_seq_len={batch['seq_len']}, batch_size={n} pair{'s' if n > 1 else ''} = {2 * n} rows")
+        data = ("#   UltraFeedback responses are mostly shorter than max_seq_len (batches pad to their longest), so "
+                "real peaks are", "#   lower. The other reference choices, planned: docs/memory.md.")
+    else:
+        what = f"every sample at max_seq_len={batch['seq_len']}, batch_size={batch['batch_size']}"
+        data = ("#   Alpaca samples are mostly far shorter than max_seq_len (batches pad to their longest), so real "
+                "peaks are lower.",)
+    first = f"# Memory planned by `mtune plan` (device=cuda{per_gpu}; {what}):"
+    cut = first.rfind("; ", 0, 118) if len(first) > 118 else -1  # a header line stays within 118 characters
+    lines = [first] if cut < 0 else [first[:cut + 1], "#   " + first[cut + 2:]]
+    lines += [f"#   GPU {result['device_peak_bytes'] / GIB:.1f} GiB allocated at the peak ({parts})",
+              f"#   + 0.5 GiB CUDA context = {result['device_total_bytes'] / GIB:.1f} GiB"
+              + (f"; host {result['host_peak_bytes'] / GIB:.1f} GiB" if result["host_peak_bytes"] else "")
+              + f": fits {gpu_size(result['device_total_bytes'], ranks)}.",
+              *data]
     if ranks > 1:
-        lines.insert(-1, "#   Sharded state scales with 1/ranks (mtune plan --nproc_per_node N plans another count).")
+        lines.insert(-len(data), "#   Sharded state scales with 1/ranks (mtune plan --nproc_per_node N plans another "
+                                 "count).")
     return lines
 
 

@@ -141,6 +141,9 @@ REFERENCE_CHOICES = ("adapters_off", "precomputed", "copy")
 """Where a preference recipe's reference log-probs come from: the policy with its adapters disabled (LoRA), a cache
 computed before training, or a frozen copy of the starting model."""
 
+REFERENCE_STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+"""How a reference copy may store its block linears (the fp8 formats of ``weight_storage_dtype``)."""
+
 PREFERENCE_KEYS = KeyGroup(
     "preference",
     help="preference tuning (DPO, IPO, SimPO): the reference model",
@@ -151,6 +154,10 @@ PREFERENCE_KEYS = KeyGroup(
             "training), copy (a frozen copy of the starting model); null: adapters_off in the LoRA recipes, "
             "precomputed in the full ones. All three give the same losses in the model's dtype",
             choices=REFERENCE_CHOICES),
+        Key("reference_storage_dtype", str, None,
+            "reference: copy: store the copy's linear weights inside the blocks in this fp8 format (one fp32 scale "
+            "per row): half the copy's bf16 bytes, lossy (its log-probs move by fp8's rounding); null: the model "
+            "dtype", choices=REFERENCE_STORAGE_DTYPES),
         Key("reference_cache_dir", str, None,
             "reference: precomputed: where the reference log-probs are cached, keyed by a fingerprint of the data, "
             "model, tokenizer and dtype (null: ${output_dir}/reference_cache); reused by a run with the same "

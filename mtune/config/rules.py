@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mtune.config.keys import run_kind
 from mtune.units import SizeError, parse_bytes
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "FULL_PREFERENCE_RULES",
     "check_preference_loss",
     "check_full_reference",
+    "check_reference_storage",
 ]
 
 
@@ -124,7 +126,21 @@ def check_full_reference(cfg: Any) -> list[str]:
     return []
 
 
-PREFERENCE_RULES = (check_preference_loss,)
+def check_reference_storage(cfg: Any) -> list[str]:
+    """fp8 storage is of a reference copy, on one device (FSDP2 does not shard the fp8 scales)."""
+    storage = _get(cfg, "reference_storage_dtype")
+    if storage is None:
+        return []
+    if _get(cfg, "reference") != "copy":
+        return [f"reference_storage_dtype={storage} stores a reference copy, but reference is "
+                f"{_get(cfg, 'reference')}: set reference=copy, or reference_storage_dtype=null"]
+    if run_kind(cfg) == "distributed":
+        return [f"reference_storage_dtype={storage} is not supported by the distributed recipes yet (FSDP2 shards "
+                "the weights but not their fp8 scales): set reference_storage_dtype=null"]
+    return []
+
+
+PREFERENCE_RULES = (check_preference_loss, check_reference_storage)
 """The rules the LoRA preference (DPO) recipes add to their run's."""
 FULL_PREFERENCE_RULES = PREFERENCE_RULES + (check_full_reference,)
 """The rules the full preference recipes add to their run's."""

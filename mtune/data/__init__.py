@@ -6,7 +6,13 @@ from mtune.data.common import IGNORE_INDEX, DataError, cache_dir
 from mtune.data.loader import ResumableLoader, build_dataloader
 from mtune.data.mixture import MixtureDataset, mixture_dataset
 from mtune.data.packing import pack_samples
-from mtune.data.preference import PreferenceDataset, collate_preference, preference_dataset
+from mtune.data.preference import (
+    PackedPreferenceDataset,
+    PreferenceDataset,
+    collate_packed_pairs,
+    collate_preference,
+    preference_dataset,
+)
 from mtune.data.sources import load_source
 from mtune.data.tokenized import TokenizedDataset
 
@@ -22,11 +28,13 @@ __all__ = [
     "cache_dir",
     "chat_dataset",
     "collate_preference",
+    "collate_packed_pairs",
     "collate_padded",
     "instruct_dataset",
     "load_source",
     "mixture_dataset",
     "pack_samples",
     "preference_dataset",
+    "PackedPreferenceDataset",
     "text_completion_dataset",
 ]

@@ -58,3 +58,24 @@ def pack_samples(
         "padding_unpacked": len(tokens) * max_seq_len - real,
     }
     return packs, stats
+
+
+def pack_pairs(lengths: list[tuple[int, int]], row_len: int) -> list[list[int]]:
+    """Preference pairs packed whole into rows of ``row_len`` tokens: the indices of the pairs in each row, greedily
+    in dataset order (a pair that does not fit the current row starts the next). ``lengths``: each pair's
+    ``(chosen tokens, rejected tokens)``; a pair longer than ``row_len`` is an error."""
+    rows: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, (chosen, rejected) in enumerate(lengths):
+        size = chosen + rejected
+        if size > row_len:
+            raise ValueError(f"pair {index}: {size} tokens do not fit a packed row of {row_len}")
+        if current and used + size > row_len:
+            rows.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += size
+    if current:
+        rows.append(current)
+    return rows

@@ -14,6 +14,11 @@ message lists whose prefixes differ. A pair whose response was truncated away en
 A batch (`collate_preference`) holds the chosen rows first and the rejected rows second, so the policy sees both in
 one forward; ``pair_index`` and ``pairs_of`` (the dataset's fingerprint) say which pairs they are, for a
 precomputed reference.
+
+With ``packed=True`` whole pairs share rows instead (`PackedPreferenceDataset`, `collate_packed_pairs`): each
+response is a document of its row (``document_ids``, ``input_pos`` restarting at 0), so it attends only to itself,
+and ``sequence_ids`` says which sequence of the batch each token belongs to, so that the loss sums each response's
+log-probs in the same order as an unpacked batch (the chosen sequences, then the rejected ones).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import torch
 from mtune.data.builders import chat_message
 from mtune.data.collate import collate_padded
 from mtune.data.common import IGNORE_INDEX, DataError, is_main_process, log
+from mtune.data.packing import pack_pairs
 from mtune.data.sources import load_source
 from mtune.data.tokenized import RowError, TokenizedDataset, labels_from_mask
 from mtune.tokenizers.base import Message
 
-__all__ = ["preference_dataset", "PreferenceDataset", "collate_preference"]
+__all__ = ["preference_dataset", "PreferenceDataset", "PackedPreferenceDataset", "collate_preference",
+           "collate_packed_pairs"]
 
 _COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -68,6 +75,63 @@ def collate_preference(batch: list[dict[str, Any]], pad_id: int, pairs_of: str =
     return out
 
 
+class PackedPreferenceDataset(torch.utils.data.Dataset):
+    """Pairs packed whole into rows of at most ``row_len`` tokens (`mtune.data.packing.pack_pairs`, dataset order;
+    ``preference_dataset`` makes ``row_len`` twice its ``max_seq_len``: room for both responses at full length, so
+    packing cuts nothing the unpacked batch keeps). ``ds[i]`` is a row: ``tokens``, ``labels``, ``input_pos``,
+    ``document_ids`` (pair j's chosen conversation is document 2j, its rejected one 2j + 1) and ``pairs`` (the
+    indices of its pairs in ``self.pairs``, the unpacked :class:`PreferenceDataset`, whose ``fingerprint`` it
+    shares: a precomputed reference is the same per pair packed or not)."""
+
+    packed = True
+
+    def __init__(self, pairs: PreferenceDataset, row_len: int):
+        self.pairs, self.row_len, self.pad_id, self.fingerprint = pairs, row_len, pairs.pad_id, pairs.fingerprint
+        lengths = zip(torch.diff(pairs.chosen.offsets).tolist(), torch.diff(pairs.rejected.offsets).tolist())
+        self.rows = pack_pairs(list(lengths), row_len)
+        real = int(pairs.chosen.offsets[-1] + pairs.rejected.offsets[-1])
+        self.stats = {**pairs.stats, "packs": len(self.rows), "padding": len(self.rows) * row_len - real}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row: dict[str, Any] = {"tokens": [], "labels": [], "input_pos": [], "document_ids": []}
+        for j, index in enumerate(self.rows[i]):
+            for side, sample in enumerate((self.pairs.chosen[index], self.pairs.rejected[index])):
+                n = len(sample["tokens"])
+                row["tokens"] += sample["tokens"]
+                row["labels"] += sample["labels"]
+                row["input_pos"] += range(n)
+                row["document_ids"] += [2 * j + side] * n
+        row["pairs"] = self.rows[i]
+        return row
+
+    def collate_fn(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_packed_pairs(batch, self.pad_id, self.fingerprint)
+
+
+def collate_packed_pairs(batch: list[dict[str, Any]], pad_id: int, pairs_of: str = "") -> dict[str, Any]:
+    """Packed rows of pairs to a batch: ``tokens``, ``labels``, ``input_pos``, ``document_ids`` [r, s] right-padded
+    to the longest row (the padding a document of its own), ``sequence_ids`` [r, s] (for the n pairs of the batch in
+    row order: pair k's chosen tokens k, its rejected tokens n + k, padding -1), ``pair_index`` [n], ``pairs_of`` and
+    ``num_tokens`` (before padding)."""
+    fields = ("tokens", "labels", "input_pos", "document_ids")
+    out = collate_padded([{k: row[k] for k in fields} for row in batch], pad_id, IGNORE_INDEX)
+    counts = [len(row["pairs"]) for row in batch]
+    n = sum(counts)
+    sequence_ids = torch.full_like(out["document_ids"], -1)
+    first = 0
+    for r, k in enumerate(counts):
+        doc = out["document_ids"][r]
+        sequence_ids[r] = torch.where(doc < 2 * k, first + doc // 2 + n * (doc % 2), -1)
+        first += k
+    out["sequence_ids"] = sequence_ids
+    out["pair_index"] = torch.tensor([i for row in batch for i in row["pairs"]], dtype=torch.long)
+    out["pairs_of"] = pairs_of
+    return out
+
+
 def preference_dataset(
     tokenizer,
     source: str,
@@ -79,10 +143,13 @@ def preference_dataset(
     split: str = "train",
     revision: str | None = None,
     load_dataset_kwargs: Mapping[str, Any] | None = None,
-) -> PreferenceDataset:
+    packed: bool = False,
+) -> PreferenceDataset | PackedPreferenceDataset:
     """Preference pairs from JSON / JSONL / Parquet / CSV files or the hub (see the module docstring for the
     layouts). ``column_map``: ``{prompt|chosen|rejected: the data's column}``; ``system_prompt``: a system message
-    before every prompt; ``max_seq_len``: truncation of each response's conversation (default: the tokenizer's)."""
+    before every prompt; ``max_seq_len``: truncation of each response's conversation (default: the tokenizer's);
+    ``packed``: whole pairs packed into rows of ``2 x max_seq_len`` tokens (:class:`PackedPreferenceDataset`), and
+    ``batch_size`` then counts rows."""
     unknown = sorted(set(column_map or {}) - set(_COLUMNS))
     if unknown:
         raise DataError(f"column_map: {', '.join(map(repr, unknown))} is not a column preference_dataset reads; its "
@@ -113,10 +180,17 @@ def preference_dataset(
     stats = {"rows": n_rows, "pairs": len(halves["chosen"]), "truncated": truncated, "dropped_truncated": dropped}
     dataset = PreferenceDataset(*(_flat(halves[side], tokenizer.pad_id) for side in ("chosen", "rejected")),
                                 pad_id=tokenizer.pad_id, stats=stats)
+    packs = ""
+    if packed:
+        if not max_seq_len:
+            raise DataError(f"{rows.description}: packed=true needs max_seq_len (on the dataset or the tokenizer)")
+        dataset = PackedPreferenceDataset(dataset, 2 * max_seq_len)
+        packs = (f"; packed into {dataset.stats['packs']} rows of up to {dataset.row_len} tokens "
+                 f"({dataset.stats['padding']} tokens short of full)")
     if is_main_process():
-        log.info("preference pairs (%s): %d pairs%s%s", rows.description, stats["pairs"],
+        log.info("preference pairs (%s): %d pairs%s%s%s", rows.description, stats["pairs"],
                  f"; {truncated} truncated to max_seq_len={max_seq_len}" if truncated else "",
-                 f"; {dropped} dropped with a response truncated away" if dropped else "")
+                 f"; {dropped} dropped with a response truncated away" if dropped else "", packs)
     return dataset
 
 

@@ -2,7 +2,8 @@
 the policy.
 
 A pair batch holds the chosen responses in its first half of rows and the rejected ones in its second half
-(`mtune.data.preference.collate_preference`), so one forward of the policy sees both. From the logits,
+(`mtune.data.preference.collate_preference`), or whole pairs packed into rows, each response a document of its own
+(`collate_packed_pairs`), so one forward of the policy sees both. From the logits,
 :func:`sequence_logps` sums the log-probability of every labelled token of each row: the response tokens only
 (prompt and padding carry label -100). Writing ``pi_c, pi_r`` for the policy's summed log-probs of the chosen and
 rejected response, ``ref_c, ref_r`` for the reference model's and ``h = (pi_c - pi_r) - (ref_c - ref_r)``:
@@ -28,14 +29,16 @@ from torch import nn
 
 IGNORE_INDEX = -100
 
-__all__ = ["sequence_logps", "PairLosses", "DPOLoss", "IPOLoss", "SimPOLoss", "PreferenceObjective",
+__all__ = ["sequence_logps", "pair_logps", "PairLosses", "DPOLoss", "IPOLoss", "SimPOLoss", "PreferenceObjective",
            "PAIR_METRICS"]
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(summed log-probs [n], labelled tokens [n])`` of each row: ``sum_i log softmax(logits[r, i])[labels[r, i]]``
-    over the positions whose label is not -100 (labels already shifted, as everywhere in mtune). fp32, whatever the
-    logits' dtype; one row's fp32 log-normaliser at a time beside the logits."""
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None,
+                   num_sequences: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(summed log-probs [n], labelled tokens [n])`` of each sequence: ``sum_i log softmax(logits[r, i])[labels[r,
+    i]]`` over its positions whose label is not -100 (labels already shifted, as everywhere in mtune). A sequence is
+    a row (``n`` rows), or with ``sequence_ids`` [rows, s] (packed rows: each token's sequence, -1 for none) one of
+    ``num_sequences``. fp32, whatever the logits' dtype; one row's fp32 log-normaliser at a time beside the logits."""
     mask = labels != IGNORE_INDEX
     target = labels.masked_fill(~mask, 0).unsqueeze(-1)
     rows = []
@@ -43,7 +46,21 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
         row_logits = row_logits.float()
         rows.append(row_logits.gather(-1, row_target).squeeze(-1) - torch.logsumexp(row_logits, dim=-1))
     token_logps = torch.stack(rows) if rows else logits.new_zeros(labels.shape, dtype=torch.float32)
-    return (token_logps * mask).sum(-1), mask.sum(-1)
+    if sequence_ids is None:
+        return (token_logps * mask).sum(-1), mask.sum(-1)
+    # every token into its sequence's bucket; unlabelled tokens and padding into one more, dropped
+    bucket = sequence_ids.masked_fill(~mask | (sequence_ids < 0), num_sequences).flatten()
+    sums = token_logps.new_zeros(num_sequences + 1).index_add(0, bucket, (token_logps * mask).flatten())
+    counts = mask.new_zeros(num_sequences + 1, dtype=torch.long).index_add(0, bucket, mask.flatten().long())
+    return sums[:-1], counts[:-1]
+
+
+def pair_logps(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logps` of a pair batch, ``[2n]`` each: the n chosen responses, then the n rejected ones,
+    whether the batch is a row per response or packed rows (``sequence_ids``, ``pair_index`` [n])."""
+    if batch.get("sequence_ids") is None:
+        return sequence_logps(logits, batch["labels"])
+    return sequence_logps(logits, batch["labels"], batch["sequence_ids"], 2 * batch["pair_index"].numel())
 
 
 @dataclass
@@ -140,12 +157,15 @@ class PreferenceObjective(nn.Module):
 
     @staticmethod
     def count(batch: dict) -> int:
+        """The pairs of a batch: half its rows, or its ``pair_index`` when packed."""
+        if batch.get("sequence_ids") is not None:
+            return int(batch["pair_index"].numel())
         return int(batch["tokens"].shape[0]) // 2
 
     def forward_batch(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         ref = (None, None) if self.loss.reference_free else self.reference(batch)
         logits = model(batch["tokens"], input_pos=batch.get("input_pos"), document_ids=batch.get("document_ids"))
-        logps, tokens = sequence_logps(logits, batch["labels"])
+        logps, tokens = pair_logps(logits, batch)
         del logits
         n = logps.shape[0] // 2
         out = self.loss(logps[:n], logps[n:], *ref, tokens[:n], tokens[n:])

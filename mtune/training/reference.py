@@ -30,10 +30,10 @@ from mtune.config import instantiate
 from mtune.config.keys import reference_choice
 from mtune.data import build_dataloader
 from mtune.modules.lora import adapters_disabled
-from mtune.modules.preference_loss import PreferenceObjective, sequence_logps
+from mtune.modules.preference_loss import PreferenceObjective, pair_logps
 from mtune.training.context import RunContext
 from mtune.training.loop import evaluate
-from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig, reference_copy_memory
 from mtune.training.model_setup import ModelSource, setup_model, setup_sharded_model
 from mtune.training.reference_cache import cached_reference_logps, model_fingerprint
 
@@ -55,7 +55,7 @@ class ModelReference:
         with self.context(), self.autocast():
             logits = self.model(batch["tokens"], input_pos=batch.get("input_pos"),
                                 document_ids=batch.get("document_ids"))
-        logps, _ = sequence_logps(logits, batch["labels"])
+        logps, _ = pair_logps(logits, batch)
         n = logps.shape[0] // 2
         return logps[:n], logps[n:]
 
@@ -89,8 +89,9 @@ class PreferenceEval:
         metrics: dict[str, float] = {}
         loss = evaluate(model, self.loader, self.objective, device=self.run.device, autocast=self.run.autocast,
                         metrics=metrics)
+        pairs = getattr(self.loader.dataset, "pairs", self.loader.dataset)  # packed rows: their pairs
         scores = {"reward_accuracy": metrics["rewards/accuracies"], "loss": loss, **metrics,
-                  "num_samples": len(self.loader.dataset)}
+                  "num_samples": len(pairs)}
         scores["summary"] = (f"held-out reward accuracy {scores['reward_accuracy']:.1%}, margin "
                              f"{metrics['rewards/margins']:.3f}, loss {loss:.4f}")
         return scores
@@ -111,10 +112,15 @@ def setup_preference(cfg, run: RunContext, *, model: nn.Module, source: ModelSou
         copy, _ = setup_sharded_model(source, device=run.device, dtype=run.dtype, seed=run.seed, memory=MemoryConfig(),
                                       fsdp_reshard_after_forward=True)
         reference = ModelReference(copy.requires_grad_(False).eval(), autocast=run.autocast)
-    elif kind == "copy":
-        copy, _ = setup_model(source, device=run.device, dtype=run.dtype, memory=MemoryConfig(),
-                              placement=run.placement, trainable=False)
+    elif kind == "copy":  # its block linears in fp8 with reference_storage_dtype: lossy
+        copy, _ = setup_model(source, device=run.device, dtype=run.dtype,
+                              memory=reference_copy_memory(cfg.reference_storage_dtype), placement=run.placement,
+                              trainable=False)
         reference = ModelReference(copy.eval(), autocast=run.autocast)
+        if cfg.reference_storage_dtype:
+            log.warning("reference: a copy with its block weights stored as %s: lossy, its log-probs differ from the "
+                        "starting model's by fp8 rounding (reference_storage_dtype=null: exact)",
+                        cfg.reference_storage_dtype)
     else:
         starting = ModelReference(model, partial(adapters_disabled, model) if memory.lora is not None
                                   else contextlib.nullcontext, autocast=run.autocast)
@@ -144,7 +150,7 @@ def _precompute(cfg, run: RunContext, reference: ModelReference, source: ModelSo
     for role, loader in (("train", train_loader), ("val", val_loader)):
         if loader is None:
             continue
-        dataset = loader.dataset
+        dataset = getattr(loader.dataset, "pairs", loader.dataset)  # packed rows: the pass runs over their pairs
 
         def compute(start: int, end: int, dataset=dataset) -> torch.Tensor:
             part = torch.utils.data.Subset(dataset, range(start, end))

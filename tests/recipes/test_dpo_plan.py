@@ -43,13 +43,27 @@ def test_a_pair_batch_is_twice_the_rows():
     assert 1.8 < dpo.device["activations"] / sft.device["activations"] < 2.2
 
 
+def test_packed_pairs_plan_the_tokens_of_as_many_pairs(plans):
+    """``dataset.packed``: ``batch_size`` rows of 2 x max_seq_len tokens, each the longest pair (two documents): the
+    tokens of an unpacked batch of as many pairs, so about its activations (the block-causal path adds its mask).
+    Mutation seen failing: rows of max_seq_len (``row_length`` not doubled), half the activations."""
+    packed = plan_memory(_cfg("tiny/lora_dpo_single_device", "dataset.packed=true"))
+    assert packed.batch == plans["adapters_off"].batch
+    assert 1.0 <= packed.device["activations"] / plans["adapters_off"].device["activations"] < 1.1
+    assert packed.device["parameters"] == plans["adapters_off"].device["parameters"]
+
+
 def test_fit_searches_the_reference_losslessly():
     knob = next(k for k in KNOBS if k.name == "reference")
     copy = knob.choices(_cfg("tiny/lora_dpo_single_device", "reference=copy"))
-    assert [(c.level, c.overrides, c.lossy) for c in copy] == [(0, {}, None), (1, {"reference": "adapters_off"},
-                                                                                None)]  # lossless
+    exact = {"reference": "adapters_off", "reference_storage_dtype": None}
+    assert [(c.level, c.overrides, c.lossy) for c in copy] == [
+        (0, {}, None), (1, {"reference": "copy", "reference_storage_dtype": "float8_e4m3fn"}, "fp8 reference weights"),
+        (2, exact, None)]  # the copy's fp8 storage lossy, no copy lossless
     full = knob.choices(_cfg("tiny/full_dpo_single_device", "reference=copy"))
-    assert full[1].overrides == {"reference": "precomputed"}
+    assert full[2].overrides == {"reference": "precomputed", "reference_storage_dtype": None}
+    fp8 = knob.choices(_cfg("tiny/lora_dpo_single_device", "reference=copy", "reference_storage_dtype=float8_e5m2"))
+    assert [c.lossy for c in fp8] == [None, None, None]  # lossy only against a more exact copy than the user's
     assert [c.overrides for c in knob.choices(_cfg("tiny/lora_dpo_single_device"))] == [{}]
     assert [c.overrides for c in knob.choices(_cfg("tiny/lora_single_device"))] == [{}]
     cfg = _cfg("tiny/lora_dpo_single_device")
@@ -57,9 +71,14 @@ def test_fit_searches_the_reference_losslessly():
     assert [c.overrides for c in CHUNKED_LOSS.fit_choices(memory[CHUNKED_LOSS], memory, model_facts(cfg))] == [{}]
 
 
-def test_the_8b_configs_plan():
-    _, _, cfg = shipped_on_tiny("llama3_1/8B_lora_dpo_single_device")
-    assert plan_memory(cfg).device_peak_bytes > 0
+@pytest.mark.parametrize("config", ["llama3_1/8B_lora_dpo_single_device", "qwen3/8B_lora_dpo_single_device"])
+def test_the_8b_configs_plan(config):
+    """Each shipped LoRA DPO config validates (``shipped_on_tiny`` loads it through the recipe's checks) and plans on
+    its family's tiny model, with the reference it ships (adapters off: no second copy)."""
+    _, _, cfg = shipped_on_tiny(config)
+    assert cfg.reference == "adapters_off"
+    plan = plan_memory(cfg)
+    assert plan.device_peak_bytes > 0 and plan.batch == {"batch_size": 2, "seq_len": 64, "accumulation": 8}
 
 
 def test_validate_names_the_preference_problems():
@@ -77,6 +96,14 @@ def test_validate_names_the_preference_problems():
                            lora).errors == []
     report = validate_config(load_config(find_config("tiny/lora_dpo_single_device"), ["reference=frozen"]), lora)
     assert any("reference: must be one of adapters_off, precomputed, copy" in e for e in report.errors)
+    report = validate_config(load_config(find_config("tiny/lora_dpo_single_device"), [
+        "reference_storage_dtype=float8_e4m3fn"]), lora)
+    assert report.errors == ["reference_storage_dtype=float8_e4m3fn stores a reference copy, but reference is "
+                             "adapters_off: set reference=copy, or reference_storage_dtype=null"], report.errors
+    sharded = load_recipe_module(find_recipe("full_dpo_distributed")).SCHEMA
+    report = validate_config(load_config(find_config("tiny/full_dpo_distributed"), [
+        "reference=copy", "reference_storage_dtype=float8_e5m2"]), sharded)
+    assert any("not supported by the distributed recipes yet" in e for e in report.errors), report.errors
 
 
 def test_ls_lists_the_four_recipes_and_help_the_reference_keys():
@@ -106,3 +133,38 @@ def test_the_reference_cache_is_not_a_run_of_the_output_dir(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     claim_output_dir(tmp_path, resuming=False, overwrite=True, is_main=True)
     assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "reference_cache" / "train.json").exists()
+
+
+def test_an_fp8_reference_copy_planned_as_built():
+    """``reference_storage_dtype``: the copy's block linears stored as fp8 codes (1 byte a weight) with one fp32
+    scale per row. Planned bytes of the copy == the bytes of the copy the run builds (what its tracker counts:
+    `PreferenceObjective.frozen_tensors`) == an independent count from the tiny model's config.json: the exact
+    fp32 copy less 3 bytes per block-linear weight plus 4 per block-linear row. Mutation seen failing: the planner's
+    copy built without ``reference_storage_dtype`` (the fp32 copy's bytes)."""
+    import json
+
+    import torch
+
+    from mtune.assets import tiny_model_dir
+    from mtune.training.memory.registry import reference_copy_memory
+    from mtune.training.memory.tensor_bytes import tensor_storage_bytes
+    from mtune.training.model_setup import resolve_model_source, setup_model
+
+    def params(*overrides):
+        return plan_memory(_cfg("tiny/lora_dpo_single_device", "device=cpu", *overrides)).device["parameters"]
+
+    exact = params("reference=copy") - params()
+    fp8 = params("reference=copy", "reference_storage_dtype=float8_e4m3fn") - params()
+    c = json.loads((tiny_model_dir() / "config.json").read_text())
+    hidden, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c[
+        "num_key_value_heads"]
+    q, k = heads * c["head_dim"], kv * c["head_dim"]
+    rows = (q + 2 * k + hidden + 2 * inter + hidden) * c["num_hidden_layers"]  # q, k, v, o, gate, up, down
+    weights = (hidden * (q + 2 * k) + q * hidden + 3 * hidden * inter) * c["num_hidden_layers"]
+    assert fp8 == exact - 3 * weights + 4 * rows
+    source = resolve_model_source(_cfg("tiny/lora_dpo_single_device").model)
+    copy, _ = setup_model(source, device=torch.device("cpu"), dtype=torch.float32,
+                          memory=reference_copy_memory("float8_e4m3fn"), trainable=False)
+    built, _ = tensor_storage_bytes([*copy.parameters(), *copy.buffers()])
+    assert built == fp8
+    assert copy.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn

@@ -66,8 +66,9 @@ ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
 LOW_MEMORY = {"llama3_1": "8B", "qwen2_5": "7B", "mistral": "7B", "llama2": "7B", "qwen3": "8B"}
-PREFERENCE = {"llama3_1/8B_lora_dpo_single_device", "llama3_1/8B_full_dpo_distributed", "tiny/lora_dpo_single_device",
-              "tiny/full_dpo_single_device", "tiny/lora_dpo_distributed", "tiny/full_dpo_distributed"}
+PREFERENCE = {"llama3_1/8B_lora_dpo_single_device", "llama3_1/8B_full_dpo_distributed",
+              "qwen3/8B_lora_dpo_single_device", "tiny/lora_dpo_single_device", "tiny/full_dpo_single_device",
+              "tiny/lora_dpo_distributed", "tiny/full_dpo_distributed"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
                "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed"}
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only

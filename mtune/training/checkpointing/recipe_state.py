@@ -52,6 +52,7 @@ _RUN_KEYS_THAT_MUST_MATCH = (
     "clip_grad_norm",
     "dataset",
     "seed",
+    "reference_storage_dtype",  # an fp8 reference copy moves the losses (lossy)
 )
 
 # Keys that may differ: how long to train, where and how often to write, what to observe.
@@ -172,7 +173,9 @@ def _differences(saved: Any, new: Any, prefix: str, out: list[str]) -> None:
         for key in sorted(set(saved) | set(new), key=str):
             path = f"{prefix}.{key}" if prefix else str(key)
             if key not in saved:
-                out.append(f"{path} (absent -> {new[key]!r})")
+                # a key added after the checkpoint was written, at its off value, trains as the run did
+                if new[key] not in (None, False):
+                    out.append(f"{path} (absent -> {new[key]!r})")
             elif key not in new:
                 out.append(f"{path} ({saved[key]!r} -> absent)")
             else:
@@ -191,6 +194,8 @@ def check_resume_compatible(saved_cfg: Mapping[str, Any], cfg: Mapping[str, Any]
                             world_size: int = 1) -> None:
     """Raise :class:`ResumeError` naming every key that differs between the checkpoint's config ``saved_cfg`` (from
     its ``mtune_state.json``) and this run's resolved ``cfg``, unless the key is in :data:`MAY_CHANGE_ON_RESUME`.
+    A key the checkpoint's config lacks (mtune added it later) counts as unchanged at ``null`` or ``false``, the
+    value a new key takes to keep the behaviour before it.
 
     Both are plain dicts with interpolations resolved (``OmegaConf.to_container(cfg, resolve=True)``).
     On another number of ranks ``batch_size`` may differ as long as ``batch_size x world_size`` (the global batch)

@@ -32,7 +32,8 @@ from mtune.training.memory.techniques.weight_offloading import WEIGHT_OFFLOADING
 from mtune.training.memory.techniques.weight_storage import WEIGHT_STORAGE
 
 __all__ = ["TECHNIQUES", "MEMORY_KEYS", "DISTRIBUTED_MEMORY_KEYS", "GENERATION_MEMORY_KEYS", "LORA_KEYS",
-           "LoraConfig", "MemoryConfig", "RunKeys", "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys"]
+           "LoraConfig", "MemoryConfig", "RunKeys", "MEMORY_RULES", "DISTRIBUTED_MEMORY_RULES", "memory_keys",
+           "reference_copy_memory"]
 
 TECHNIQUES: tuple[MemoryTechnique, ...] = (
     LORA,                      # adapters and NF4 bases: decide which modules exist and what is frozen
@@ -232,6 +233,12 @@ class MemoryConfig:
     def __repr__(self) -> str:
         changed = [repr(s) for s in self._settings.values() if s != type(s)()]
         return f"MemoryConfig({self.kind}{''.join(', ' + c for c in changed)})"
+
+
+def reference_copy_memory(storage_dtype: str | None) -> MemoryConfig:
+    """The memory settings of a preference run's frozen reference copy (``reference: copy``): no technique but, with
+    ``storage_dtype`` (``reference_storage_dtype``, an fp8 format), weight storage's fp8 block linears."""
+    return MemoryConfig() if storage_dtype is None else MemoryConfig(weight_storage_dtype=storage_dtype)
 
 
 def _rules(kind: str):

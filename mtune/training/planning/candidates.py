@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtune.config.keys import is_preference, reference_choice, samples_per_step
+from mtune.config.keys import is_preference, reference_choice, run_kind, samples_per_step
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
@@ -60,11 +60,18 @@ def _micro_batch(cfg) -> list[FitChoice]:
 
 def _reference(cfg) -> list[FitChoice]:
     """A preference run's reference model, searched like a technique: a frozen copy, else nothing to choose; the
-    policy with adapters disabled (LoRA) or precomputed log-probs (full) hold no second model, losslessly."""
+    policy with adapters disabled (LoRA) or precomputed log-probs (full) hold no second model, losslessly; a copy
+    in fp8 (``reference_storage_dtype``, one device) is lossy unless the user's copy is fp8 already."""
     adapters = is_preference(cfg) and MemoryConfig.from_config(cfg).lora is not None
     if not is_preference(cfg) or reference_choice(cfg, adapters) != "copy":
         return [FitChoice(0, {})]
-    return [FitChoice(0, {}), FitChoice(1, {"reference": "adapters_off" if adapters else "precomputed"})]
+    exact = {"reference": "adapters_off" if adapters else "precomputed", "reference_storage_dtype": None}
+    if run_kind(cfg) == "distributed":
+        return [FitChoice(0, {}), FitChoice(1, exact)]
+    theirs = cfg.get("reference_storage_dtype")
+    return [FitChoice(0, {}), FitChoice(1, {"reference": "copy", "reference_storage_dtype": "float8_e4m3fn"},
+                                        lossy=None if theirs else "fp8 reference weights", quality="fp8_base"),
+            FitChoice(2, exact)]
 
 
 def registry_knobs() -> list[Knob]:

@@ -72,7 +72,7 @@ from mtune.training.planning.memory_plan import (
     PlanError,
 )
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
-from mtune.training.planning.preference import planned_preference, rows_per_sample
+from mtune.training.planning.preference import packed_pair_fields, planned_preference, row_length, rows_per_sample
 from mtune.training.planning.tracker import TensorTracker
 
 __all__ = ["plan_memory"]
@@ -108,9 +108,8 @@ def _optimizer_node(cfg) -> dict:
 def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_len: int | None = None) -> list[dict]:
     seq_len = seq_len or cfg.tokenizer.get("max_seq_len")
     if not seq_len:
-        raise ConfigError("tokenizer.max_seq_len is null: the planner needs the longest sample length; set "
-                          "tokenizer.max_seq_len=N")
-    batch_size = int(cfg.batch_size) * rows_per_sample(cfg)  # preference pairs: chosen and rejected rows
+        raise ConfigError("tokenizer.max_seq_len is null: the planner needs the longest sample length; set it")
+    batch_size, seq_len = int(cfg.batch_size) * rows_per_sample(cfg), row_length(cfg, seq_len)  # pairs: 2 rows each
     if small:  # step 1 only creates the optimizer state, whose size does not depend on the batch
         batch_size, seq_len = rows_per_sample(cfg), min(seq_len, 16)
     packed = bool((cfg.get("dataset") or {}).get("packed"))
@@ -123,6 +122,7 @@ def _batch(cfg, vocab_size: int, micro_batches: int, small: bool = False, seq_le
             batch["input_pos"] = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch_size, -1)
             batch["document_ids"] = torch.cat([torch.zeros(half, dtype=torch.long),
                                                torch.ones(seq_len - half, dtype=torch.long)]).expand(batch_size, -1)
+            batch.update(packed_pair_fields(cfg, batch))  # packed pairs: which response each token is of
         batches.append(batch)
     return batches
 

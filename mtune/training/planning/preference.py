@@ -5,10 +5,14 @@ rejected in one forward), the reference model the config chooses, and the precom
 - ``adapters_off``: the policy's no-gradient forward with adapters disabled, inside each micro-batch before the
   policy's forward (its logits are freed before the policy's activations exist);
 - ``copy``: a frozen copy of the starting model, materialized (and sharded) like the policy (its weights count as
-  parameters), and its no-gradient forward;
+  parameters; its block linears in fp8 with ``reference_storage_dtype``), and its no-gradient forward;
 - ``precomputed``: no reference model and no reference forward while training; the pass before training (a
   no-gradient forward of the starting model per batch, before any optimizer state exists) is planned as a phase
   of its own, and the plan's peak is the largest of the phases.
+
+With ``dataset.packed`` a micro-batch is ``batch_size`` packed rows of ``2 x max_seq_len`` tokens, each planned
+holding the longest pair (its two responses as two documents): the same tokens as an unpacked batch of as many
+pairs, through the block-causal attention path.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from mtune.config import instantiate
 from mtune.config.keys import is_preference, reference_choice, run_kind
 from mtune.modules.lora import adapters_disabled
 from mtune.modules.preference_loss import PreferenceObjective
-from mtune.training.memory.registry import MemoryConfig
+from mtune.training.memory.registry import MemoryConfig, reference_copy_memory
 from mtune.training.model_setup import (
     build_sharded_model,
     materialize_model,
@@ -32,12 +36,34 @@ from mtune.training.model_setup import (
 )
 from mtune.training.reference import ModelReference
 
-__all__ = ["PlannedPreference", "planned_preference", "rows_per_sample"]
+__all__ = ["PlannedPreference", "planned_preference", "rows_per_sample", "row_length", "packed_pair_fields"]
+
+
+def _packed_pairs(cfg) -> bool:
+    return is_preference(cfg) and bool((cfg.get("dataset") or {}).get("packed"))
 
 
 def rows_per_sample(cfg) -> int:
-    """Rows of a batch per sample: 2 for a pair (chosen and rejected), 1 otherwise."""
-    return 2 if is_preference(cfg) else 1
+    """Rows of a batch per sample: 2 for a pair (chosen and rejected), 1 otherwise (a sample, or a packed row of
+    pairs)."""
+    return 2 if is_preference(cfg) and not _packed_pairs(cfg) else 1
+
+
+def row_length(cfg, seq_len: int) -> int:
+    """A planned row's tokens: ``2 x seq_len`` for packed pairs (`mtune.data.PackedPreferenceDataset`: a row holds
+    the longest pair, both responses at max_seq_len), else ``seq_len``."""
+    return 2 * seq_len if _packed_pairs(cfg) else seq_len
+
+
+def packed_pair_fields(cfg, batch: dict) -> dict:
+    """What a packed batch of pairs adds (`mtune.data.collate_packed_pairs`), for planned rows of two documents
+    each (one pair: document 0 its chosen, 1 its rejected response): ``sequence_ids`` and ``pair_index``; nothing
+    for other configs."""
+    if not _packed_pairs(cfg):
+        return {}
+    rows = batch["tokens"].shape[0]
+    return {"sequence_ids": torch.arange(rows).unsqueeze(1) + rows * batch["document_ids"],
+            "pair_index": torch.arange(rows)}
 
 
 class PlannedPreference:
@@ -60,7 +86,7 @@ class PlannedPreference:
 
 
 def _zeros(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    n = batch["tokens"].shape[0] // 2
+    n = PreferenceObjective.count(batch)
     return (torch.zeros(n, device=batch["tokens"].device),) * 2
 
 
@@ -80,18 +106,18 @@ def planned_preference(cfg, model, source, *, dtype, memory: MemoryConfig, place
         return PlannedPreference(PreferenceObjective(loss, starting))
     if kind == "precomputed":
         return PlannedPreference(PreferenceObjective(loss, _zeros), precompute=starting)
-    sharded = run_kind(cfg) == "distributed"
+    sharded, stored = run_kind(cfg) == "distributed", reference_copy_memory(cfg.get("reference_storage_dtype"))
     with unset_fake_temporarily():  # built on the meta device as the policy was, outside the fake mode
         if sharded:  # sharded like the policy, as the run shards it
             copy, _ = build_sharded_model(source, device=device, dtype=dtype, memory=MemoryConfig(),
                                           placement=placement, fsdp_reshard_after_forward=True)
-        else:
-            copy, _ = setup_model(source, device=device, dtype=dtype, memory=MemoryConfig(), materialize=False,
+        else:  # fp8 block linears with reference_storage_dtype (the rules keep it off distributed configs)
+            copy, _ = setup_model(source, device=device, dtype=dtype, memory=stored, materialize=False,
                                   placement=placement, trainable=False)
     if sharded:
         materialize_sharded_model(copy, source, device=device, dtype=dtype, seed=0, memory=MemoryConfig())
         copy.requires_grad_(False)
     else:
-        materialize_model(copy, source, device=device, dtype=dtype, trainable=False)
+        materialize_model(copy, source, device=device, dtype=dtype, memory=stored, trainable=False)
     return PlannedPreference(PreferenceObjective(loss, ModelReference(copy.eval(), autocast=autocast)),
                              frozen_copy=[*copy.parameters(), *copy.buffers()])

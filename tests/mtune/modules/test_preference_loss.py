@@ -1,6 +1,6 @@
 """Preference losses: per-sequence log-probs equal transformers' on the shipped tiny checkpoint; DPO, IPO and SimPO
 equal their formulas computed independently (Python floats); the objective averages over pairs and reports the
-rewards; disabling adapters gives the base model exactly."""
+rewards; packed pairs give the unpacked log-probs and losses; disabling adapters gives the base model exactly."""
 
 import math
 
@@ -11,7 +11,14 @@ from mtune.assets import tiny_data_dir, tiny_model_dir
 from mtune.data import build_dataloader, preference_dataset
 from mtune.models import build_model
 from mtune.modules.lora import adapters_disabled, apply_lora
-from mtune.modules.preference_loss import DPOLoss, IPOLoss, PreferenceObjective, SimPOLoss, sequence_logps
+from mtune.modules.preference_loss import (
+    DPOLoss,
+    IPOLoss,
+    PreferenceObjective,
+    SimPOLoss,
+    pair_logps,
+    sequence_logps,
+)
 from mtune.tokenizers import load_tokenizer
 
 
@@ -128,3 +135,35 @@ def test_adapters_disabled_is_the_base_model():
         model.eval()
         with torch.no_grad():
             assert not torch.allclose(model(tokens), want, atol=1e-3)  # adapters back on after the block
+
+
+def test_packed_pairs_give_the_unpacked_log_probs_and_losses():
+    """Oracle: the same pairs unpacked (a row per response). Per-sequence log-probs of packed rows equal theirs
+    (fp32, 1e-5), so do the label counts and the DPO loss summed over the pairs. Mutations seen failing: every
+    response of a row made one document (a response then attends to the ones before it), and the rejected offset
+    (``n``) left out of ``sequence_ids``."""
+    from mtune.training.checkpointing.hf import load_model_from_hf
+
+    tok = load_tokenizer(tiny_model_dir(), max_seq_len=64)
+    source = str(tiny_data_dir() / "preference_eval.jsonl")
+    pairs, packed = preference_dataset(tok, source), preference_dataset(tok, source, packed=True)
+    rows = [packed[0], packed[1]]
+    assert packed.row_len == 128 and len(packed) < len(pairs) and all(len(row["pairs"]) > 1 for row in rows)
+    batch = packed.collate_fn(rows)
+    n = len(batch["pair_index"])
+    unpacked = pairs.collate_fn([pairs[int(i)] for i in batch["pair_index"]])
+    assert batch["tokens"].shape[0] == 2 and unpacked["tokens"].shape[0] == 2 * n
+    model = load_model_from_hf(tiny_model_dir(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, want_counts = pair_logps(model(unpacked["tokens"]), unpacked)
+        got, got_counts = pair_logps(model(batch["tokens"], input_pos=batch["input_pos"],
+                                           document_ids=batch["document_ids"]), batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got_counts.tolist() == want_counts.tolist() and int(batch["num_tokens"]) == int(unpacked["num_tokens"])
+    gen = torch.Generator().manual_seed(0)
+    ref = (torch.randn(n, generator=gen) - 20, torch.randn(n, generator=gen) - 20)
+    objective = PreferenceObjective(DPOLoss(beta=0.5), lambda b: ref)
+    assert objective.count(batch) == objective.count(unpacked) == n
+    with torch.no_grad():
+        torch.testing.assert_close(objective.forward_batch(model, batch)[0],
+                                   objective.forward_batch(model, unpacked)[0], rtol=1e-5, atol=1e-5)

@@ -136,6 +136,15 @@ def test_refusal_lists_every_differing_key():
         "output_dir.")
 
 
+def test_a_key_added_after_the_checkpoint_resumes_at_its_off_value():
+    """A checkpoint written before `reference_storage_dtype` or `dataset.packed` existed resumes with them at null /
+    false (what the run did), and is refused with them on. (Seen failing with every absent key counted as a change.)"""
+    check_resume_compatible(SAVED, dict(SAVED, reference_storage_dtype=None, dataset=dict(SAVED["dataset"],
+                                                                                          packed=False)))
+    with pytest.raises(ResumeError, match=r"reference_storage_dtype \(absent -> 'float8_e4m3fn'\)"):
+        check_resume_compatible(SAVED, dict(SAVED, reference_storage_dtype="float8_e4m3fn"))
+
+
 def test_a_different_global_batch_is_refused_whatever_the_ranks():
     # 2 ranks x 2 = 4 samples per step: 1 rank x 4 keeps it; 1 rank x 2 (the same per-rank batch) halves it
     check_resume_compatible(SAVED, dict(SAVED, batch_size=4), saved_world_size=2, world_size=1)
