@@ -6,9 +6,12 @@ Each config is planned in its own process, as a user would run it, with the mode
 A distributed config is planned per rank for the number of processes its header runs it on.
 
     python benchmarks/plan_configs.py [CONFIG ...] [--out benchmarks/results/plan_configs.json] [--fit 24GiB]
+        [--set KEY=VALUE ...]
 
 Default: the shipped Llama 3.1 8B single-device configs. With --fit, each is also searched with `--fit` for that
-device size (timed the same way).
+device size (timed the same way). With --set, each is planned with those config overrides, recorded in the result
+(``overrides``); results are kept per config and overrides. The DPO configs' headers quote
+``benchmarks/results/plan_dpo_configs.json``, planned with ``--out`` that file and each ``reference`` choice.
 """
 
 from __future__ import annotations
@@ -51,13 +54,13 @@ def ranks_of(config: str) -> int:
     return int(match.group(1)) if match else 1
 
 
-def plan_one(config: str, workdir: Path, fit: str | None) -> dict:
+def plan_one(config: str, workdir: Path, fit: str | None, overrides: tuple[str, ...] = ()) -> dict:
     family, size = config.split("/")[0], config.split("/")[1].split("_")[0]
     recipe, world_size = recipe_of(config), ranks_of(config)
     out = workdir / (config.replace("/", "__") + ".json")
     args = ["plan", "--nproc_per_node", str(world_size), recipe, "--config", config, "device=cuda",
             "model.checkpoint_dir=null", f"model.family={family}", f"model.size={size}", "tokenizer.path=null",
-            "--json", str(out)]
+            *overrides, "--json", str(out)]
     if fit:
         args = ["plan", "--fit", "--device-memory", fit, "--output", str(workdir / "fit.yaml"), *args[1:-2]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_QUIET": "1"}
@@ -66,12 +69,15 @@ def plan_one(config: str, workdir: Path, fit: str | None) -> dict:
     if not stats:
         raise SystemExit(f"{config}: the planner failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     _, seconds, rss, code = stats[-1].split()
-    result = {"config": config, "recipe": recipe, "world_size": world_size, "seconds": float(seconds),
+    result = {"config": config, **({"overrides": " ".join(overrides)} if overrides else {}),
+              "recipe": recipe, "world_size": world_size, "seconds": float(seconds),
               "peak_rss_bytes": int(rss), "exit_code": int(code), "output": proc.stdout.split("PLAN_STATS")[0]}
     if not fit:
         plan = json.loads(out.read_text())
         result.update({k: plan[k] for k in ("device_peak_bytes", "host_peak_bytes", "device_total_bytes", "device",
                                             "host", "at_peak", "batch", "parameters")})
+        if overrides:  # a variant's header quotes the context too; the rendered records keep their keys
+            result["cuda_context_bytes"] = plan["cuda_context_bytes"]
     return result
 
 
@@ -80,14 +86,16 @@ def main() -> None:
     parser.add_argument("configs", nargs="*", default=DEFAULT)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "plan_configs.json"))
     parser.add_argument("--fit", default=None, help="also time --fit for this device memory")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every config planned (repeatable)")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.configs:
             started = time.perf_counter()
-            result = plan_one(config, Path(tmp), None)
+            result = plan_one(config, Path(tmp), None, tuple(args.overrides))
             if args.fit:
-                result["fit"] = plan_one(config, Path(tmp), args.fit)
+                result["fit"] = plan_one(config, Path(tmp), args.fit, tuple(args.overrides))
             results.append(result)
             write(args.out, results)  # after each config: a long run can be stopped and still leave its figures
             gib = 1024**3
@@ -106,8 +114,11 @@ def write(out: str, results: list[dict]) -> None:
                "cpus": os.cpu_count(), "python": platform.python_version(),
                "load_average": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
     earlier = json.loads(Path(out).read_text()) if Path(out).exists() else {"results": []}
-    new = {r["config"] for r in results}
-    kept = [{"machine": earlier.get("machine"), **r} for r in earlier["results"] if r["config"] not in new]
+    def key(result):
+        return result["config"], result.get("overrides", "")
+
+    new = {key(r) for r in results}
+    kept = [{"machine": earlier.get("machine"), **r} for r in earlier["results"] if key(r) not in new]
     fresh = [{"machine": machine, **r} for r in results]
     Path(out).write_text(json.dumps({"results": kept + fresh}, indent=2) + "\n")
 

@@ -1,0 +1,91 @@
+"""Ratios that docs/benchmarks.md quotes between committed results files, computed from those files.
+
+Each figure here is arithmetic on numbers other benchmarks wrote (no new measurement): writing it to a results
+file lets ``scripts/check_figures.py`` check the quoted ratio against the files it came from instead of taking
+the doc's word for it. Reads only ``benchmarks/results/``; writes two files, one per doc section, so that a
+paragraph cites only the ratios of its own topic: ``benchmarks/results/derived_head_to_head.json`` (the first two
+lists) and ``benchmarks/results/derived_memory_techniques.json`` (the third):
+
+- ``eager_to_compiled``: per head-to-head case and dtype, mtune's compiled tokens/s (``h2h_compile``) over its eager
+  tokens/s of the fifth run (``h2h_fused_loss``); plus the bf16 full + checkpointing re-run
+  (``h2h_full_ac_bf16_compile``), compiled over eager within that run.
+- ``segments_over_dense_mask``: per case and dtype of ``h2h_packed_segments``, mtune's tokens/s with per-document
+  attention over the same run's ``mtune:dense_mask`` tokens/s.
+- ``optimizer_state_vs_adamw``: per row of ``memory_techniques.json``, its optimizer-state bytes over the fp32
+  AdamW baseline's.
+
+    python benchmarks/derived_figures.py     # about a second
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+H2H = "torchtune_head_to_head.json"
+
+
+def _summary(run: str) -> list[dict]:
+    return json.loads((RESULTS / run / H2H).read_text())["summary"]
+
+
+def _by_case(rows: list[dict], compiled: bool) -> dict[tuple[str, str], dict]:
+    return {(r["case"], r["dtype"]): r for r in rows if bool(r["compile"]) == compiled}
+
+
+def eager_to_compiled() -> list[dict]:
+    """mtune's compiled over eager tokens/s, one record per case and dtype (ratio; tokens/s as the files give)."""
+    eager = _by_case(_summary("h2h_fused_loss"), compiled=False)
+    compiled = _by_case(_summary("h2h_compile"), compiled=True)
+    missing = sorted(set(compiled) - set(eager))
+    if missing:
+        raise SystemExit(f"h2h_fused_loss has no eager run for {missing} of h2h_compile")
+    # "compile": "on" as the compiled run's table row has it (the ratio belongs to that row)
+    out = [{"runs": "h2h_fused_loss -> h2h_compile", "case": case, "dtype": dtype, "compile": "on",
+            "eager_tokens_per_second": eager[case, dtype]["mtune"]["tokens_per_second"],
+            "compiled_tokens_per_second": row["mtune"]["tokens_per_second"],
+            "speedup": row["mtune"]["tokens_per_second"] / eager[case, dtype]["mtune"]["tokens_per_second"]}
+           for (case, dtype), row in compiled.items()]
+    rerun = _summary("h2h_full_ac_bf16_compile")
+    (key,) = _by_case(rerun, compiled=True)  # the re-run holds one case, eager and compiled
+    on, off = _by_case(rerun, True)[key], _by_case(rerun, False)[key]
+    out.append({"runs": "h2h_full_ac_bf16_compile", "case": key[0], "dtype": key[1], "compile": "on",
+                "eager_tokens_per_second": off["mtune"]["tokens_per_second"],
+                "compiled_tokens_per_second": on["mtune"]["tokens_per_second"],
+                "speedup": on["mtune"]["tokens_per_second"] / off["mtune"]["tokens_per_second"]})
+    return out
+
+
+def segments_over_dense_mask() -> list[dict]:
+    """Per-document attention's tokens/s over the dense mask's, one record per case and dtype of one run."""
+    out = []
+    for row in _summary("h2h_packed_segments"):
+        segments, dense = row["mtune"]["tokens_per_second"], row["mtune:dense_mask"]["tokens_per_second"]
+        out.append({"runs": "h2h_packed_segments", "case": row["case"], "dtype": row["dtype"],
+                    "speedup": segments / dense})
+    return out
+
+
+def optimizer_state_vs_adamw() -> list[dict]:
+    """Each memory-technique row's optimizer-state bytes over the fp32 AdamW baseline's (ratio)."""
+    rows = json.loads((RESULTS / "memory_techniques.json").read_text())["rows"]
+    base = next(r for r in rows if r["name"] == "full fp32, AdamW (baseline)")["optimizer_state"]
+    return [{"name": r["name"], "optimizer_state_ratio": r["optimizer_state"] / base} for r in rows]
+
+
+def main(out_dir: Path = RESULTS) -> None:
+    """Writes the two files into ``out_dir`` (default ``benchmarks/results/``; a test writes them to a tmp dir)."""
+    note = "ratios of committed results files, computed by benchmarks/derived_figures.py"
+    outputs = {"derived_head_to_head.json": {"note": note, "eager_to_compiled": eager_to_compiled(),
+                                             "segments_over_dense_mask": segments_over_dense_mask()},
+               "derived_memory_techniques.json": {"note": note,
+                                                  "optimizer_state_vs_adamw": optimizer_state_vs_adamw()}}
+    for name, figures in outputs.items():
+        path = out_dir / name
+        path.write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

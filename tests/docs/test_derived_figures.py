@@ -1,0 +1,40 @@
+"""The derived results files are what `benchmarks/derived_figures.py` writes from the committed results, and its
+ratios are the quotients of the numbers they come from (mutation seen failing: eager_to_compiled dividing the
+eager tokens/s by the compiled ones)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("derived_figures", REPO / "benchmarks" / "derived_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_derived_files_are_the_scripts_output(tmp_path):
+    _script().main(tmp_path)
+    for name in ("derived_head_to_head.json", "derived_memory_techniques.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads((RESULTS / name).read_text()), name
+
+
+def test_eager_to_compiled_ratio_from_the_two_runs():
+    # independent read of the two runs' summaries: full fp32, compiled tokens/s over the fifth run's eager ones
+    def tok_s(run, compiled):
+        rows = json.loads((RESULTS / run / "torchtune_head_to_head.json").read_text())["summary"]
+        (row,) = [r for r in rows if (r["case"], r["dtype"], bool(r["compile"])) == ("full", "fp32", compiled)]
+        return row["mtune"]["tokens_per_second"]
+
+    records = _script().eager_to_compiled()
+    (full_fp32,) = [r for r in records if (r["case"], r["dtype"], r["runs"]) == ("full", "fp32",
+                                                                                 "h2h_fused_loss -> h2h_compile")]
+    assert full_fp32["speedup"] == tok_s("h2h_compile", True) / tok_s("h2h_fused_loss", False)
+    memory = json.loads((RESULTS / "memory_techniques.json").read_text())["rows"]
+    state = {r["name"]: r["optimizer_state"] for r in memory}
+    (row,) = [r for r in _script().optimizer_state_vs_adamw() if r["name"] == "torchao AdamW4bit"]
+    assert row["optimizer_state_ratio"] == state["torchao AdamW4bit"] / state["full fp32, AdamW (baseline)"]
