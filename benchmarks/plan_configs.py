@@ -10,8 +10,7 @@ A distributed config is planned per rank for the number of processes its header 
 
 Default: the shipped Llama 3.1 8B single-device configs. With --fit, each is also searched with `--fit` for that
 device size (timed the same way). With --set, each is planned with those config overrides, recorded in the result
-(``overrides``); results are kept per config and overrides. The DPO configs' headers quote
-``benchmarks/results/plan_dpo_configs.json``, planned with ``--out`` that file and each ``reference`` choice.
+(``overrides``); results are kept per config and overrides.
 """
 
 from __future__ import annotations
