@@ -89,9 +89,9 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
                 return "mistral", path / name
         raise PathNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
                                 "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):  # Qwen3-MoE ships Qwen3's tokenizer
         if (path / "tokenizer.json").is_file():
-            return model_type, path / "tokenizer.json"
+            return model_type.removesuffix("_moe"), path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(model_type)
     if family is not None:
@@ -99,7 +99,7 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
-                         "qwen2, qwen3, phi3, gemma3")
+                         "qwen2, qwen3, qwen3_moe, phi3, gemma3")
 
 
 def _family_of_file(file: Path) -> str:

@@ -31,6 +31,9 @@ KNOWN = {
     ("qwen3", "8B"): 8_190_735_360,
     ("qwen3", "14B"): 14_768_307_200,
     ("qwen3", "32B"): 32_762_123_264,
+    # Qwen3-MoE: the model cards' 30.5B / 235B total (3.3B / 22B activated); exact counts of the hub shapes.
+    ("qwen3_moe", "30B_A3B"): 30_532_122_624,
+    ("qwen3_moe", "235B_A22B"): 235_093_634_560,
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
@@ -51,14 +54,16 @@ def test_sizes_build_on_meta_with_published_parameter_counts(family, size):
 @pytest.mark.parametrize("family", sorted({f for f, s in ALL_SIZES if s == "tiny"}))
 def test_tiny_sizes_suit_nf4(family):
     model = build_model(family, "tiny")
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]  # not MoE routers: never NF4
     blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one)
-    assert len(linears) == blocks * (4 if family == "phi4" else 7) + 1  # Phi-4 fuses q/k/v and gate/up
+    # Phi-4 fuses q/k/v and gate/up; Qwen3-MoE's tiny blocks have 8 experts of 3 projections
+    per_block = {"phi4": 4, "qwen3_moe": 4 + 8 * 3}.get(family, 7)
+    assert len(linears) == blocks * per_block + 1
     assert all(m.weight.numel() % 32768 == 0 for m in linears)
 
 
 @pytest.mark.parametrize("family,size", [("llama3_2", "1B"), ("qwen2_5", "7B"), ("mistral", "7B"), ("llama2", "7B"),
-                                         ("qwen3", "0.6B"), ("qwen3", "8B")])
+                                         ("qwen3", "0.6B"), ("qwen3", "8B"), ("qwen3_moe", "30B_A3B")])
 def test_hf_config_round_trip_and_transformers_agrees_on_size(family, size):
     transformers = pytest.importorskip("transformers")
     args = model_args(family, size)
