@@ -180,3 +180,25 @@ def test_model_key_turns_the_loss_on_and_the_step_adds_it(caplog):
         model(batch["tokens"])
         aux = router_aux_loss(model)
     torch.testing.assert_close(with_aux / count, plain / count + aux, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("quantize_base", [False, True])
+def test_lora_fine_tune_with_its_tokenizer_and_exports_that_load(quantize_base, moe_dir, tmp_path):
+    """LoRA on attention (QLoRA: every expert's projections stored as NF4, one expert at a time; the routers in the
+    model's dtype) through lora_single_device: the loss falls, and the PEFT adapter on transformers' model gives the
+    merged model's logits."""
+    data = write_instruct_data(tmp_path / "data.jsonl")
+    extra = {"lora.modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    if quantize_base:
+        extra.update({"lora.quantize_base": True, "dtype": "bf16"})
+    out = run_recipe_in_process("lora_single_device", train_overrides(tmp_path, moe_dir, data, **extra))
+    run = losses(out)
+    assert len(run) == 6 and run[-1] < run[0] - 0.5, run
+    if quantize_base:
+        return
+    base = hf_model(moe_dir)
+    with torch.no_grad():
+        before = base(TOKENS).logits
+        reference = peft.PeftModel.from_pretrained(base, out / "final" / "adapter").eval()(TOKENS).logits
+    assert (reference - before).abs().max() > 1e-3  # training moved the adapter
+    assert (hf_model(out / "final" / "model")(TOKENS).logits - reference).abs().max().item() <= 1e-5
