@@ -184,17 +184,26 @@ def test_model_key_turns_the_loss_on_and_the_step_adds_it(caplog):
 
 @pytest.mark.parametrize("quantize_base", [False, True])
 def test_lora_fine_tune_with_its_tokenizer_and_exports_that_load(quantize_base, moe_dir, tmp_path):
-    """LoRA on attention (QLoRA: every expert's projections stored as NF4, one expert at a time; the routers in the
-    model's dtype) through lora_single_device: the loss falls, and the PEFT adapter on transformers' model gives the
-    merged model's logits."""
+    """LoRA on attention through lora_single_device: the loss falls, and the PEFT adapter on transformers' model
+    gives the merged model's logits. QLoRA with adapters on the experts too: each expert's projections an NF4 base
+    (stored one expert at a time) under its own adapter, the routers in the model's dtype; the loss falls and the
+    adapter file holds every expert's pair under the hub's per-expert names."""
     data = write_instruct_data(tmp_path / "data.jsonl")
     extra = {"lora.modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     if quantize_base:
-        extra.update({"lora.quantize_base": True, "dtype": "bf16"})
+        extra.update({"lora.quantize_base": True, "dtype": "bf16",
+                      "lora.modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
     out = run_recipe_in_process("lora_single_device", train_overrides(tmp_path, moe_dir, data, **extra))
     run = losses(out)
     assert len(run) == 6 and run[-1] < run[0] - 0.5, run
     if quantize_base:
+        from safetensors import safe_open
+
+        with safe_open(str(out / "final" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        experts = {k for k in keys if ".mlp.experts." in k}
+        assert len(experts) == 2 * 8 * 3 * 2  # 2 sparse layers, 8 experts, 3 projections, A and B
+        assert "base_model.model.model.layers.2.mlp.experts.7.down_proj.lora_B.weight" in keys
         return
     base = hf_model(moe_dir)
     with torch.no_grad():
