@@ -15,7 +15,7 @@ scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.exp
   weights (a full fine-tune's trainable experts, LoRA on the experts and NF4 bases go through the loop), bf16 (the
   only dtype ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and ``compile`` trace it) and 16-byte aligned
   rows.
-* ``loop``: each expert's own module on its rows, skipping experts that got none.
+* ``loop``: each expert's own module on its rows (those that got none too, for their zero gradients).
 
 On fake tensors (``mtune plan``) the loop cannot read how many rows each expert got; it assumes **balanced
 routing**: each expert gets ``tokens * top_k / n_experts`` rows (the remainder spread one each). The routed
@@ -109,8 +109,9 @@ class Experts(nn.ModuleList):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             return _GroupedGLU.apply(x, offsets, self)
         sizes = balanced_counts(x.shape[0], len(self)) if is_fake(counts) else counts.tolist()
-        parts = [expert(rows) if n else rows for expert, rows, n in zip(self, torch.split(x, sizes), sizes)]
-        return torch.cat(parts)
+        # every expert runs, with no rows too: its parameters then get zero gradients, so FSDP2's ranks, which route
+        # differently, reduce the same set of gradients
+        return torch.cat([expert(rows) for expert, rows in zip(self, torch.split(x, sizes))])
 
 
 def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

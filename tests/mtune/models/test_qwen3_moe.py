@@ -235,3 +235,24 @@ def test_planned_bytes_equal_a_real_run(changes, moe_dir, tmp_path):
     # measured on both paths: the plan 1020 bytes over the run, of 16.0 MB (fp32) and 10.4 MB (bf16) activations
     assert plan.device["activations"] == pytest.approx(measured["device"]["activations"], rel=1e-3)
     assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
+
+
+def test_lora_on_two_ranks_matches_one_device(moe_dir, tmp_path):
+    """FSDP2 on 2 CPU processes (batch 2 each; every expert's weights sharded with its block) against one device
+    (batch 4): the same losses and adapters. Adapters on the experts too, so their gradients cross ranks. Mutation
+    seen failing: the loop skipping experts that got no rows (the ranks then reduce different gradients: gloo
+    aborts)."""
+    from safetensors.torch import load_file
+
+    data = write_instruct_data(tmp_path / "data.jsonl")
+    schedule = ["max_steps_per_epoch=3", "lora.modules=[q_proj,v_proj,gate_proj,down_proj]"]
+    torchrun("lora_distributed", train_overrides(tmp_path / "dist", moe_dir, data, batch_size=2) + schedule)
+    single = run_recipe_in_process("lora_single_device", train_overrides(tmp_path / "single", moe_dir, data)
+                                   + schedule)
+    distributed = tmp_path / "dist" / "out"
+    torch.testing.assert_close(torch.tensor(losses(distributed)), torch.tensor(losses(single)), rtol=0, atol=2e-5)
+    expected, got = (load_file(out / "final" / "adapter" / "adapter_model.safetensors") for out in (single,
+                                                                                                    distributed))
+    assert expected.keys() == got.keys() and any(".experts.5.gate_proj." in key for key in got)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=3e-5)
