@@ -18,7 +18,9 @@ scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.exp
 * ``loop``: each expert's own module on its rows (those that got none too, for their zero gradients).
 
 On fake tensors (``mtune plan``) the loop cannot read how many rows each expert got; it assumes **balanced
-routing**: each expert gets ``tokens * top_k / n_experts`` rows (the remainder spread one each). The routed
+routing**: each expert gets ``tokens * top_k / n_experts`` rows (the remainder spread one each); frozen experts, alike
+and keeping no per-expert state, are planned as one expert on all the rows (the same bytes, one call instead of
+``n_experts``). The routed
 activations (``tokens * top_k`` rows) are the same whatever the split, so the planned activation bytes hold; the
 worst case is one expert's temporaries for all ``tokens * top_k`` rows at once (an expert every token picks), which
 the plan does not show.
@@ -108,6 +110,10 @@ class Experts(nn.ModuleList):
         if grouped:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             return _GroupedGLU.apply(x, offsets, self)
+        if is_fake(counts) and not any(p.requires_grad for p in self.parameters()):
+            # planning frozen experts: one expert on every row makes the same tensors, by bytes, as each on its share
+            # (all alike, none keeping per-expert state), in one call instead of n_experts
+            return self[0](x)
         sizes = balanced_counts(x.shape[0], len(self)) if is_fake(counts) else counts.tolist()
         # every expert runs, with no rows too: its parameters then get zero gradients, so FSDP2's ranks, which route
         # differently, reduce the same set of gradients

@@ -87,10 +87,12 @@ def test_auto_takes_the_loop_for_trainable_or_fp32_experts_and_grouped_refuses_t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fake_tensors_plan_balanced_routing(dtype):
-    """``mtune plan`` runs the block on fake tensors: fp32 through the loop with balanced counts (the values are
-    unknown), bf16 through grouped_mm's fake kernel."""
+    """``mtune plan`` runs the block on fake tensors, whose routing it cannot read: frozen fp32 experts as one expert
+    on all rows, trainable ones through the loop with balanced counts, frozen bf16 ones through grouped_mm's fake
+    kernel."""
     assert balanced_counts(18, 8) == [3, 3, 2, 2, 2, 2, 2, 2]
-    block = moe_block(dtype).requires_grad_(False)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        out = block(torch.randn(2, 9, DIM, dtype=dtype))
-    assert out.shape == (2, 9, DIM) and out.dtype == dtype
+    for trainable in (False, True):
+        block = moe_block(dtype).requires_grad_(trainable)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = block(torch.randn(2, 9, DIM, dtype=dtype))
+        assert out.shape == (2, 9, DIM) and out.dtype == dtype
