@@ -257,3 +257,16 @@ def test_lora_on_two_ranks_matches_one_device(moe_dir, tmp_path):
     assert expected.keys() == got.keys() and any(".experts.5.gate_proj." in key for key in got)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=3e-5)
+
+
+def test_flops_count_the_router_and_top_k_experts():
+    """A token's forward FLOPs, counted by hand: per layer q/k/v/o (512, 256, 256 wide on 256), attention over 16
+    keys, the router (8 x 256) and 2 experts of three 128 x 256 projections; then the output head. Mutation seen
+    failing: every expert counted instead of top_k."""
+    from mtune.training.observe.flops import flops_per_token
+
+    linear = lambda i, o: 2 * i * o  # noqa: E731
+    attention = linear(256, 512) + 2 * linear(256, 256) + linear(512, 256) + 4 * 16 * 8 * 64
+    experts = 2 * 3 * linear(256, 128)
+    expected = 2 * (attention + linear(256, 8) + experts) + linear(256, 512)
+    assert flops_per_token(build_model("qwen3_moe", "tiny"), 16).forward == expected
