@@ -54,8 +54,12 @@ CHECKPOINTS = {
     "gemma-3-4b-it": ("gemma3", "4B", 3_880_263_168, 14_901_248),
     "gemma-3-12b-it": ("gemma3", "12B", 11_766_034_176, 32_735_232),
     "gemma-3-27b-it": ("gemma3", "27B", 27_009_346_304, 56_758_272),
+    # Qwen3-MoE: rank-8 LoRA on attention only (PEFT on transformers' meta model of the hub config.json)
+    "Qwen3-30B-A3B": ("qwen3_moe", "30B_A3B", 30_532_122_624, 6_684_672),
 }
-ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}  # else the seven of Llama's block
+# else the seven of Llama's block
+ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+           "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
@@ -63,9 +67,11 @@ LOW_MEMORY = {"llama3_1": "8B", "qwen2_5": "7B", "mistral": "7B", "llama2": "7B"
 PREFERENCE = {"llama3_1/8B_lora_dpo_single_device", "llama3_1/8B_full_dpo_distributed", "tiny/lora_dpo_single_device",
               "tiny/full_dpo_single_device", "tiny/lora_dpo_distributed", "tiny/full_dpo_distributed"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
-               "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed"}
+               "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed",
+               "qwen3_moe/30B_A3B_lora_distributed"}
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
-                      "gemma3": ["1B", "4B", "12B", "27B"]}  # LoRA and QLoRA, no full single-device
+                      "gemma3": ["1B", "4B", "12B", "27B"],  # LoRA and QLoRA, no full single-device
+                      "qwen3_moe": ["30B_A3B"]}
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}
@@ -81,6 +87,12 @@ TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distribute
 
 # Where the shipped configs put a user's runs (this test only reads the text; nothing is written there).
 USER_RUNS = Path("/tmp") / "mtune"
+
+
+def size_and_method(file: str) -> tuple[str, str]:
+    """``8B_lora_single_device`` -> ``("8B", "lora")``; sizes may hold an underscore (``30B_A3B_qlora_...``)."""
+    size, method = re.match(r"(.+?)_(full|lora|qlora|dora)(?:_|$)", file).groups()
+    return size, method
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +137,7 @@ def test_shipped_training_configs_spell_out_every_key(loaded):
         assert cfg.output_dir == str(USER_RUNS / f"{family}_{file}")
         assert cfg.dtype == "bf16" and cfg.tokenizer.path == cfg.model.checkpoint_dir
         assert ("lora" in cfg) == cfg.recipe.startswith("lora")
-        assert file.split("_")[1] == ("qlora" if cfg.get("lora", {}).get("quantize_base") else
+        assert size_and_method(file)[1] == ("qlora" if cfg.get("lora", {}).get("quantize_base") else
                                       "lora" if "lora" in cfg else "full")
         if file.endswith("_low_memory"):
             assert cfg.optimizer._component_ == "bitsandbytes.optim.PagedAdamW8bit" and cfg.optimizer_in_bwd
@@ -141,7 +153,7 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         if family == "tiny" or cfg.recipe not in TRAINING_RECIPES:
             continue
         ckpt_family, size, published, peft_trainable = CHECKPOINTS[Path(cfg.model.checkpoint_dir).name]
-        assert (ckpt_family, size.split("-")[0]) == (family, file.split("_")[0]), name
+        assert (ckpt_family, size.split("-")[0]) == (family, size_and_method(file)[0]), name
         source = ModelSource(ckpt_family, model_args(ckpt_family, size), None)
         lora = cfg.get("lora")
         model, _ = setup_model(source, device=torch.device("meta"), dtype=torch.bfloat16, lora=lora,
@@ -158,6 +170,11 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         assert trainable == peft_trainable, f"{name}: {trainable:,} trainable, PEFT {peft_trainable:,}"
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.")
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
+        if family == "qwen3_moe":  # attention adapted; experts frozen (NF4 under QLoRA); routers as they are
+            experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith("_proj")]
+            expert_type = FrozenNF4Linear if lora.quantize_base else torch.nn.Linear
+            assert len(experts) == 48 * 128 * 3 and all(type(m) is expert_type for m in experts), name
+            continue
         assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name
         assert not any(isinstance(m, FrozenNF4Linear) for m in model.modules())  # nothing left unadapted
