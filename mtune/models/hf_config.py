@@ -20,7 +20,8 @@ _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
                   "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3"}
 _HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "qwen3_moe": "qwen3_moe", "phi4": "phi3", "gemma3": "gemma3_text"}  # Gemma 3 is written back text-only
+                  "qwen3_moe": "qwen3_moe", "phi4": "phi3",
+                  "gemma3": "gemma3_text"}  # Gemma 3 is written back text-only
 _HF_ARCHITECTURE = {model_type: arch for arch, model_type in _ARCHITECTURES.items()}
 
 

@@ -229,7 +229,8 @@ def test_planned_bytes_equal_a_real_run(changes, moe_dir, tmp_path):
     overrides = train_overrides(tmp_path, moe_dir, data, **{"dataset.packed": True, "max_steps_per_epoch": 2,
                                                             "memory_breakdown": True, **changes})
     plan = plan_memory(load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG, overrides))
-    measured = json.loads((run_recipe_in_process("lora_single_device", overrides) / "memory_breakdown.json").read_text())
+    out = run_recipe_in_process("lora_single_device", overrides)
+    measured = json.loads((out / "memory_breakdown.json").read_text())
     assert plan.device["parameters"] == measured["device"]["parameters"]
     for category in ("gradients", "optimizer_state"):
         assert plan.device[category] == pytest.approx(measured["device"][category], rel=0.01), category
