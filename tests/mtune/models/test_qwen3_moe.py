@@ -271,3 +271,19 @@ def test_flops_count_the_router_and_top_k_experts():
     experts = 2 * 3 * linear(256, 128)
     expected = 2 * (attention + linear(256, 8) + experts) + linear(256, 512)
     assert flops_per_token(build_model("qwen3_moe", "tiny"), 16).forward == expected
+
+
+def test_plan_names_the_size_of_a_checkpoint_not_downloaded_yet(tmp_path):
+    """``mtune plan`` on the shipped config before ``mtune download``: the size from the directory's name, then from
+    the header's repo id. Mutation seen failing: the size written from the first number only (``30B``)."""
+    from mtune._cli.catalog import find_config
+    from mtune._cli.plan import plan_without_download
+    from mtune.config import load_config
+
+    config = find_config("qwen3_moe/30B_A3B_qlora_single_device")
+    for directory, source in (("Qwen3-30B-A3B", "the name of model.checkpoint_dir"),
+                              ("elsewhere", "the repo id Qwen/Qwen3-30B-A3B in the config's header")):
+        cfg = load_config(config, [f"model.checkpoint_dir={tmp_path / directory}"])
+        assert f"planning qwen3_moe 30B_A3B from its named size, read from {source}" in plan_without_download(
+            cfg, config)
+        assert (cfg.model.family, cfg.model.size) == ("qwen3_moe", "30B_A3B")
