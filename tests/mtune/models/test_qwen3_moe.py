@@ -287,3 +287,22 @@ def test_plan_names_the_size_of_a_checkpoint_not_downloaded_yet(tmp_path):
         assert f"planning qwen3_moe 30B_A3B from its named size, read from {source}" in plan_without_download(
             cfg, config)
         assert (cfg.model.family, cfg.model.size) == ("qwen3_moe", "30B_A3B")
+
+
+def test_fp8_storage_keeps_the_routers():
+    """fp8 storage of frozen linears stores every expert's projections but not the routers (an nn.Linear subclass
+    that returns the routing): the model still runs. Mutation seen failing: routers stored (the block then gets a
+    tensor where it unpacks logits, weights and experts)."""
+    from mtune.modules.fp8_linear import FrozenFp8Linear
+    from mtune.modules.lora import apply_lora
+    from mtune.modules.moe import Router
+    from mtune.training.memory.techniques.weight_storage.fp8 import apply_fp8_weight_storage
+
+    torch.manual_seed(0)
+    model = apply_lora(build_model("qwen3_moe", "tiny", device="cpu"), ["q_proj", "v_proj"], rank=4, alpha=8)
+    stored = apply_fp8_weight_storage(model, "float8_e4m3fn")
+    assert len(stored) == 2 * (2 + 2 + 8 * 3)  # q, v (bases), k, o, 8 experts' 3 projections; no router
+    assert all(type(block.mlp.gate) is Router for block in model.layers)
+    assert isinstance(model.layers[0].mlp.experts[3].up_proj, FrozenFp8Linear)
+    with torch.no_grad():
+        assert torch.isfinite(model(TOKENS.clamp(max=511))).all()
