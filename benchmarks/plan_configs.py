@@ -54,7 +54,8 @@ def ranks_of(config: str) -> int:
 
 
 def plan_one(config: str, workdir: Path, fit: str | None, overrides: tuple[str, ...] = ()) -> dict:
-    family, size = config.split("/")[0], config.split("/")[1].split("_")[0]
+    family, file = config.split("/")
+    size = re.match(r"(.+?)_(full|lora|qlora|dora)(?:_|$)", file).group(1)  # 8B, or 30B_A3B
     recipe, world_size = recipe_of(config), ranks_of(config)
     out = workdir / (config.replace("/", "__") + ".json")
     args = ["plan", "--nproc_per_node", str(world_size), recipe, "--config", config, "device=cuda",

@@ -45,6 +45,7 @@ options:
 
 # Hugging Face repo names of the families' checkpoints -> (family, size); sizes must be in the family's table.
 _REPO_NAMES = [
+    (re.compile(r"Qwen3-(\d+)B-A(\d+)B", re.IGNORECASE), "qwen3_moe", "{}B_A{}B"),
     (re.compile(r"Llama-2-(\d+)b", re.IGNORECASE), "llama2", "{}B"),
     (re.compile(r"Llama-3\.1-(\d+)B", re.IGNORECASE), "llama3_1", "{}B"),
     (re.compile(r"Llama-3\.2-(\d+)B", re.IGNORECASE), "llama3_2", "{}B"),
@@ -60,7 +61,7 @@ def named_size(text: str) -> tuple[str, str] | None:
     for pattern, family, size in _REPO_NAMES:
         match = pattern.search(text)
         if match:
-            return family, size.format(match.group(1))
+            return family, size.format(*match.groups())
     return None
 
 

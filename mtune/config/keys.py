@@ -78,6 +78,9 @@ MODEL_NODES = KeyGroup(
                     Key("checkpoint_dir", str, None, "a Hugging Face model directory, as `mtune download` leaves it"),
                     Key("size", str, None, "instead of checkpoint_dir: build this named size with random weights"),
                     Key("family", str, None, "the family of `size` (llama2, llama3_1, llama3_2, qwen2_5, mistral, tiny)"),
+                    Key("router_aux_loss_coef", float, None,
+                        "MoE models: weight of the router load-balancing loss added to the training loss (null: the "
+                        "checkpoint's own, on only where its output_router_logits is true; 0: off)", at_least=0),
                 ],
             ),
             required=True,

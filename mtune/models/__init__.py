@@ -1,7 +1,8 @@
 """Model families: one arguments dataclass and a table of named sizes each; :func:`build_model` builds any of them.
 
 Family names are those of the config folders (``llama2``, ``llama3``, ``llama3_1``, ``llama3_2``, ``llama3_3``,
-``qwen2``, ``qwen2_5``, ``qwen3``, ``qwen3_5``, ``mistral``, ``phi4``, ``gemma3``, and ``tiny``, which is Llama 3.1's tiny size).
+``qwen2``, ``qwen2_5``, ``qwen3``, ``qwen3_moe``, ``qwen3_5``, ``mistral``, ``phi4``, ``gemma3``, and ``tiny``, which is
+Llama 3.1's tiny size).
 """
 
 import torch
@@ -15,6 +16,7 @@ from mtune.models.phi4 import PHI4_SIZES, Phi4Args
 from mtune.models.qwen2 import QWEN2_5_SIZES, QWEN2_SIZES, Qwen2Args
 from mtune.models.qwen3 import QWEN3_SIZES, Qwen3Args
 from mtune.models.qwen3_5 import QWEN3_5_SIZES, Qwen3_5Args
+from mtune.models.qwen3_moe import QWEN3_MOE_SIZES, Qwen3MoeArgs
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 
 # family name -> (arguments dataclass, sizes)
@@ -27,6 +29,7 @@ FAMILIES: dict[str, tuple[type[DecoderArgs], dict[str, dict]]] = {
     "qwen2": (Qwen2Args, QWEN2_SIZES),
     "qwen2_5": (Qwen2Args, QWEN2_5_SIZES),
     "qwen3": (Qwen3Args, QWEN3_SIZES),
+    "qwen3_moe": (Qwen3MoeArgs, QWEN3_MOE_SIZES),
     "qwen3_5": (Qwen3_5Args, QWEN3_5_SIZES),
     "mistral": (MistralArgs, MISTRAL_SIZES),
     "phi4": (Phi4Args, PHI4_SIZES),

@@ -2,7 +2,8 @@
 
 Reads the layouts several transformers versions write: ``rope_theta`` + ``rope_scaling`` (4.x) or
 ``rope_parameters`` (5.x), ``rope_scaling.type`` (older 4.x) or ``rope_type``, absent ``head_dim`` /
-``num_key_value_heads`` (Llama 2 era configs).
+``num_key_value_heads`` (Llama 2 era configs), ``num_experts`` (4.x, the hub's Qwen3-MoE) or ``num_local_experts``
+(5.x).
 """
 
 from mtune.models.gemma3.hf_config import gemma3_args, gemma3_hf_config
@@ -13,14 +14,16 @@ from mtune.models.phi4 import Phi4Args, longrope
 from mtune.models.qwen2 import Qwen2Args
 from mtune.models.qwen3 import Qwen3Args
 from mtune.models.qwen3_5.hf_config import qwen3_5_args, qwen3_5_hf_config
+from mtune.models.qwen3_moe import Qwen3MoeArgs
 from mtune.modules.transformer import DecoderArgs
 
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text",
-                  "Gemma3ForConditionalGeneration": "gemma3", "Qwen3_5ForCausalLM": "qwen3_5_text",
-                  "Qwen3_5ForConditionalGeneration": "qwen3_5"}
+                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
+                  "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
+                  "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 _HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "phi4": "phi3", "gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}  # written back text-only
+                  "qwen3_moe": "qwen3_moe", "phi4": "phi3", "gemma3": "gemma3_text",
+                  "qwen3_5": "qwen3_5_text"}  # Gemma 3 and Qwen3.5 are written back text-only
 _HF_ARCHITECTURE = {model_type: arch for arch, model_type in _ARCHITECTURES.items()}
 
 
@@ -69,9 +72,27 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     return float(theta), {"rope_type": "llama3", **{k: params[k] for k in keys}}
 
 
+def _moe_fields(config: dict) -> dict:
+    """Qwen3-MoE's expert fields; absent optional ones take ``Qwen3MoeConfig``'s defaults (norm_topk_prob false,
+    every layer sparse, aux loss off)."""
+    n_experts = config.get("num_local_experts", config.get("num_experts"))
+    if n_experts is None:
+        raise KeyError("num_experts")
+    return dict(
+        n_experts=n_experts,
+        top_k=config["num_experts_per_tok"],
+        moe_intermediate_dim=config["moe_intermediate_size"],
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        decoder_sparse_step=config.get("decoder_sparse_step", 1),
+        mlp_only_layers=list(config.get("mlp_only_layers") or []),
+        router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(config.get("output_router_logits", False)),
+    )
+
+
 def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
-    """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral``, ``qwen2`` or
-    ``qwen3``.
+    """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral``, ``qwen2``,
+    ``qwen3``, ``qwen3_moe``, ``phi4`` or ``gemma3``.
 
     Raises ``ValueError`` (one line) for a model type or feature mtune does not implement.
     """
@@ -89,12 +110,12 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
     if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
         raise ValueError("Llama checkpoints with mlp_bias or attention_bias are not supported")
-    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
         raise ValueError(f"{model_type} with use_sliding_window=true is not supported; set it to false")
     if model_type == "phi3" and _rope_params(config).get("partial_rotary_factor",
                                                           config.get("partial_rotary_factor", 1.0)) == 1.0:
         raise ValueError("phi3 without partial_rotary_factor < 1 is Phi-3, not Phi-4-mini; mtune loads Phi-4-mini")
-    if model_type == "qwen3" and config.get("attention_bias"):
+    if model_type in ("qwen3", "qwen3_moe") and config.get("attention_bias"):
         raise ValueError("qwen3 with attention_bias=true is not supported (the published Qwen3 models have none)")
     theta, scaling = _rope(config)
     n_heads = config["num_attention_heads"]
@@ -116,6 +137,8 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         return "qwen2", Qwen2Args(**fields, qkv_bias=True)
     if model_type == "qwen3":
         return "qwen3", Qwen3Args(**fields)
+    if model_type == "qwen3_moe":
+        return "qwen3_moe", Qwen3MoeArgs(**fields, **_moe_fields(config))
     if model_type == "phi3":
         window = config.get("sliding_window")
         partial = _rope_params(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
@@ -160,10 +183,17 @@ def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict
     }
     if model_type == "mistral":
         config["sliding_window"] = args.sliding_window
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         config["use_sliding_window"] = False
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         config["attention_bias"] = False
+    if model_type == "qwen3_moe":
+        # Both names of the expert count, so transformers 4.x (num_experts) and 5.x (num_local_experts) read it.
+        config.update(num_experts=args.n_experts, num_local_experts=args.n_experts,
+                      num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_dim,
+                      norm_topk_prob=args.norm_topk_prob, decoder_sparse_step=args.decoder_sparse_step,
+                      mlp_only_layers=list(args.mlp_only_layers), router_aux_loss_coef=args.router_aux_loss_coef,
+                      output_router_logits=args.output_router_logits)
     if model_type == "phi3":
         # pad_token_id: Phi3Config's default (32000) would lie outside a smaller vocabulary
         config.update(partial_rotary_factor=args.partial_rotary_factor, sliding_window=args.sliding_window,

@@ -18,14 +18,15 @@ class FeedForward(nn.Module):
         dim: model width.
         hidden_dim: the intermediate width (``intermediate_size`` in Hugging Face configs).
         activation: the gate's activation, :func:`torch.nn.functional.silu` or :func:`gelu_tanh`.
+        bias: the three projections carry biases (gpt-oss's experts; none in the dense families).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, activation=F.silu) -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation=F.silu, bias: bool = False) -> None:
         super().__init__()
         self.activation = activation
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))

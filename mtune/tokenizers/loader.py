@@ -90,9 +90,11 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
                 return "mistral", path / name
         raise PathNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
                                 "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
-    if model_type in ("qwen2", "qwen3", "qwen3_5", "qwen3_5_text"):
-        if (path / "tokenizer.json").is_file():  # Qwen3.5's tokenizer.json is read as Qwen3's (docs/tokenizers.md)
-            return {"qwen3_5": "qwen3", "qwen3_5_text": "qwen3"}.get(model_type, model_type), path / "tokenizer.json"
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text"):
+        # Qwen3-MoE ships Qwen3's tokenizer; Qwen3.5's tokenizer.json is read as Qwen3's (docs/tokenizers.md)
+        family = {"qwen3_moe": "qwen3", "qwen3_5": "qwen3", "qwen3_5_text": "qwen3"}.get(model_type, model_type)
+        if (path / "tokenizer.json").is_file():
+            return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(model_type)
     if family is not None:
@@ -100,7 +102,7 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
-                         "qwen2, qwen3, qwen3_5, phi3, gemma3")
+                         "qwen2, qwen3, qwen3_moe, qwen3_5, phi3, gemma3")
 
 
 def _family_of_file(file: Path) -> str:

@@ -17,6 +17,7 @@ from torch import nn
 
 from mtune.data.common import IGNORE_INDEX
 from mtune.errors import MtuneError
+from mtune.modules.moe import router_aux_loss
 from mtune.training.distributed import all_reduce
 
 __all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "step_on_tensors", "evaluate",
@@ -59,7 +60,11 @@ def forward_loss(model: nn.Module, batch: dict, loss_fn: nn.Module) -> tuple[tor
         document_ids=batch.get("document_ids"),
         return_hidden=getattr(loss_fn, "needs_hidden", False),
     )
-    return loss_fn(output, batch["labels"], model.lm_head)
+    summed, count = loss_fn(output, batch["labels"], model.lm_head)
+    aux = router_aux_loss(model)  # MoE models with the load-balancing loss on; None otherwise
+    if aux is not None:  # a mean over the batch's tokens, as transformers adds it to its mean loss
+        summed = summed + aux.to(summed.dtype) * count
+    return summed, count
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:

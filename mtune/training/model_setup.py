@@ -11,6 +11,7 @@ only its rows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,13 +68,28 @@ def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = 
         family, args = load_hf_config(path)
         if verify_checksums:
             check_before_loading(path)
-        return ModelSource(family, args, path)
+        return ModelSource(family, _router_aux_loss(args, model_cfg), path)
     if size:
         family = model_cfg.get("family")
         if not family:
             raise ConfigError("model.size needs model.family (e.g. model.family=llama3_2 model.size=1B)")
-        return ModelSource(family, model_args(family, size), None)
+        return ModelSource(family, _router_aux_loss(model_args(family, size), model_cfg), None)
     raise ConfigError("model: set checkpoint_dir (a Hugging Face model directory) or family + size")
+
+
+def _router_aux_loss(args: DecoderArgs, model_cfg: Mapping[str, Any]) -> DecoderArgs:
+    """``args`` with ``model.router_aux_loss_coef`` applied (MoE families only), and a log line when the
+    load-balancing loss is on."""
+    coef = model_cfg.get("router_aux_loss_coef")
+    if coef is not None:
+        if not hasattr(args, "router_aux_loss_coef"):
+            raise ConfigError(f"model.router_aux_loss_coef={coef}: {args.family} has no router; remove the key "
+                              "(it applies to mixture-of-experts models)")
+        args = dataclasses.replace(args, router_aux_loss_coef=float(coef), output_router_logits=coef > 0)
+    if getattr(args, "output_router_logits", False):
+        log.info("router load-balancing loss on: %g x its value added to the training loss",
+                 args.router_aux_loss_coef)
+    return args
 
 
 def _with_lora(memory: MemoryConfig, lora: LoraConfig | Mapping[str, Any] | None) -> MemoryConfig:

@@ -43,6 +43,11 @@ FAMILY_CONFIGS = {
                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
                                           linear_value_head_dim=64, partial_rotary_factor=0.25,
                                           tie_word_embeddings=True, pad_token_id=0)),
+    # 8 experts of 128 (NF4-friendly projections), 2 per token, renormalised as in every published Qwen3-MoE;
+    # Qwen3's tiny attention.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
+                                         num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=128, norm_topk_prob=True)),
     "phi4": ("Phi3Config", dict(rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=_PHI4_LONGROPE,
                                 original_max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)),
 }
@@ -79,6 +84,8 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.normal_(unit(name) if name.endswith("norm.weight") else 0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)  # transformers starts routers at zero: every expert tied
     return model.eval()
 
 
@@ -100,9 +107,27 @@ def write_tiny_hf_model(
 def mtune_twin(hf_model, family):
     """The mtune tiny model of ``family`` holding ``hf_model``'s weights."""
     model = build_model(family, "tiny", device="cpu")
-    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    state = per_expert_state({k.removeprefix("model."): v for k, v in hf_model.state_dict().items()})
     if model.args.tie_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}
     return model.eval()
+
+
+def per_expert_state(state: dict) -> dict:
+    """A transformers 5 state dict with fused experts (``mlp.experts.gate_up_proj [E, 2h, d]``, ``down_proj [E, d,
+    h]``) in the hub's per-expert keys (``mlp.experts.{e}.{gate,up,down}_proj.weight``); other keys unchanged."""
+    out = {}
+    for key, value in state.items():
+        prefix, _, leaf = key.rpartition(".")
+        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            out[key] = value
+            continue
+        for e, weight in enumerate(value):
+            if leaf == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = weight
+            else:
+                gate, up = weight.chunk(2)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+    return out

@@ -57,9 +57,12 @@ CHECKPOINTS = {
     # Qwen3.5 9B's text model (the multimodal checkpoint's language model); PEFT's count from get_peft_model on
     # transformers' Qwen3_5ForCausalLM (meta) with the config's ten target modules
     "Qwen3.5-9B": ("qwen3_5", "9B", 8_953_803_264, 20_054_016),
+    # Qwen3-MoE: rank-8 LoRA on attention only (PEFT on transformers' meta model of the hub config.json)
+    "Qwen3-30B-A3B": ("qwen3_moe", "30B_A3B", 30_532_122_624, 6_684_672),
 }
 # else the seven of Llama's block
 ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+           "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
            "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                        "up_proj", "down_proj"]}
 
@@ -70,9 +73,11 @@ PREFERENCE = {"llama3_1/8B_lora_dpo_single_device", "llama3_1/8B_full_dpo_distri
               "qwen3/8B_lora_dpo_single_device", "tiny/lora_dpo_single_device", "tiny/full_dpo_single_device",
               "tiny/lora_dpo_distributed", "tiny/full_dpo_distributed"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
-               "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed"}
+               "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed",
+               "qwen3_moe/30B_A3B_lora_distributed"}
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
-                      "gemma3": ["1B", "4B", "12B", "27B"]}  # LoRA and QLoRA, no full single-device
+                      "gemma3": ["1B", "4B", "12B", "27B"],  # LoRA and QLoRA, no full single-device
+                      "qwen3_moe": ["30B_A3B"]}
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}
@@ -88,6 +93,12 @@ TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distribute
 
 # Where the shipped configs put a user's runs (this test only reads the text; nothing is written there).
 USER_RUNS = Path("/tmp") / "mtune"
+
+
+def size_and_method(file: str) -> tuple[str, str]:
+    """``8B_lora_single_device`` -> ``("8B", "lora")``; sizes may hold an underscore (``30B_A3B_qlora_...``)."""
+    size, method = re.match(r"(.+?)_(full|lora|qlora|dora)(?:_|$)", file).groups()
+    return size, method
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +143,7 @@ def test_shipped_training_configs_spell_out_every_key(loaded):
         assert cfg.output_dir == str(USER_RUNS / f"{family}_{file}")
         assert cfg.dtype == "bf16" and cfg.tokenizer.path == cfg.model.checkpoint_dir
         assert ("lora" in cfg) == cfg.recipe.startswith("lora")
-        assert file.split("_")[1] == ("qlora" if cfg.get("lora", {}).get("quantize_base") else
+        assert size_and_method(file)[1] == ("qlora" if cfg.get("lora", {}).get("quantize_base") else
                                       "lora" if "lora" in cfg else "full")
         if file.endswith("_low_memory"):
             assert cfg.optimizer._component_ == "bitsandbytes.optim.PagedAdamW8bit" and cfg.optimizer_in_bwd
@@ -148,7 +159,7 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         if family == "tiny" or cfg.recipe not in TRAINING_RECIPES:
             continue
         ckpt_family, size, published, peft_trainable = CHECKPOINTS[Path(cfg.model.checkpoint_dir).name]
-        assert (ckpt_family, size.split("-")[0]) == (family, file.split("_")[0]), name
+        assert (ckpt_family, size.split("-")[0]) == (family, size_and_method(file)[0]), name
         source = ModelSource(ckpt_family, model_args(ckpt_family, size), None)
         lora = cfg.get("lora")
         model, _ = setup_model(source, device=torch.device("meta"), dtype=torch.bfloat16, lora=lora,
@@ -166,6 +177,11 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         kept = {f"{n}.{child}" for n, m in model.named_modules() for child in getattr(m, "kept_in_model_dtype", ())}
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
+        if family == "qwen3_moe":  # attention adapted; experts frozen (NF4 under QLoRA); routers as they are
+            experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith("_proj")]
+            expert_type = FrozenNF4Linear if lora.quantize_base else torch.nn.Linear
+            assert len(experts) == 48 * 128 * 3 and all(type(m) is expert_type for m in experts), name
+            continue
         assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name
         assert not any(isinstance(m, FrozenNF4Linear) for m in model.modules())  # nothing left unadapted

@@ -48,6 +48,7 @@ from typing import Any
 from torch import nn
 
 from mtune.modules.lora import LoRALinear
+from mtune.modules.moe import MoE
 from mtune.modules.packed_attention import document_boundaries
 from mtune.modules.transformer import DENSE_MASK_UP_TO
 from mtune.training.memory import phases
@@ -168,13 +169,29 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, c
         h = _linear(tally, attn.o_proj, attn_grad, "linear") or stream_grad
     x = h or _trains(block.post_attention_layernorm)
     mlp_start = tally.forward
-    gate_up = any([_linear(tally, m, x, "linear") for m in _present(mlp, "gate_proj", "up_proj", "gate_up_proj")])
-    down = _linear(tally, mlp.down_proj, gate_up, "linear")
+    down = _moe(tally, mlp, x) if isinstance(mlp, MoE) else _mlp(tally, mlp, x)
     if checkpointed == "block":
         tally.recompute += tally.forward - start - (0.0 if tiled else tally.last)
     if tiled:
         tally.recompute += tally.forward - mlp_start
     return h or down
+
+
+def _mlp(tally: _Tally, mlp: nn.Module, x: bool) -> bool:
+    gate_up = any([_linear(tally, m, x, "linear") for m in _present(mlp, "gate_proj", "up_proj", "gate_up_proj")])
+    return _linear(tally, mlp.down_proj, gate_up, "linear")
+
+
+def _moe(tally: _Tally, moe: MoE, x: bool) -> bool:
+    """A token's share of a mixture of experts: the router, ``top_k`` experts (alike in shape and adapters), and
+    the shared expert if any. Its output needs a gradient where any of them trains or the input needs one (the
+    routing weights depend on the input)."""
+    grad = _linear(tally, moe.gate, x, "linear") or x
+    for _ in range(moe.top_k):
+        grad = _mlp(tally, moe.experts[0], x) or grad
+    if moe.shared_expert is not None:
+        grad = _mlp(tally, moe.shared_expert, x) or grad
+    return grad
 
 
 def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *,

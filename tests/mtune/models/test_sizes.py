@@ -32,6 +32,9 @@ KNOWN = {
     ("qwen3", "14B"): 14_768_307_200,
     ("qwen3", "32B"): 32_762_123_264,
     ("qwen3_5", "9B"): 8_953_803_264,  # transformers' count from the same text config (test_qwen3_5.py)
+    # Qwen3-MoE: the model cards' 30.5B / 235B total (3.3B / 22B activated); exact counts of the hub shapes.
+    ("qwen3_moe", "30B_A3B"): 30_532_122_624,
+    ("qwen3_moe", "235B_A22B"): 235_093_634_560,
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
@@ -52,10 +55,11 @@ def test_sizes_build_on_meta_with_published_parameter_counts(family, size):
 @pytest.mark.parametrize("family", sorted({f for f, s in ALL_SIZES if s == "tiny"}))
 def test_tiny_sizes_suit_nf4(family):
     model = build_model(family, "tiny")
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]  # not MoE routers: never NF4
     blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one), Qwen3.5's 4
-    # Phi-4 fuses q/k/v and gate/up; a Qwen3.5 DeltaNet layer has 5 projections where attention has 4
-    per_block = {"phi4": 4, "qwen3_5": 7.5}.get(family, 7)
+    # Phi-4 fuses q/k/v and gate/up; Qwen3-MoE's tiny blocks have 8 experts of 3 projections; a Qwen3.5 DeltaNet
+    # layer has 5 projections where attention has 4
+    per_block = {"phi4": 4, "qwen3_moe": 4 + 8 * 3, "qwen3_5": 7.5}.get(family, 7)
     assert len(linears) == blocks * per_block + 1
     # the linears QLoRA keeps in the model's dtype (Qwen3.5's per-head in_proj_a / in_proj_b) need not suit NF4
     kept = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "kept_in_model_dtype", ())}
@@ -64,7 +68,7 @@ def test_tiny_sizes_suit_nf4(family):
 
 
 @pytest.mark.parametrize("family,size", [("llama3_2", "1B"), ("qwen2_5", "7B"), ("mistral", "7B"), ("llama2", "7B"),
-                                         ("qwen3", "0.6B"), ("qwen3", "8B")])
+                                         ("qwen3", "0.6B"), ("qwen3", "8B"), ("qwen3_moe", "30B_A3B")])
 def test_hf_config_round_trip_and_transformers_agrees_on_size(family, size):
     transformers = pytest.importorskip("transformers")
     args = model_args(family, size)

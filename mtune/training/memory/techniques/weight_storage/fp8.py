@@ -22,6 +22,7 @@ from mtune.config.errors import ConfigError
 from mtune.modules.fp8_linear import (FP8_DTYPES, FrozenFp8Linear, has_fp8_storage, quantize_fp8_weight_,
                                       store_weight_as_fp8)
 from mtune.modules.lora import LoRALinear, has_nf4_weight
+from mtune.modules.moe import Router
 from mtune.training.memory.technique import WeightPhases
 
 __all__ = ["apply_fp8_weight_storage", "module_name_matches", "Fp8Weights"]
@@ -47,7 +48,9 @@ def apply_fp8_weight_storage(model: nn.Module, dtype: str, skip_patterns: Sequen
     if dtype not in FP8_DTYPES:
         raise ConfigError(f"weight_storage_dtype must be one of {', '.join(FP8_DTYPES)} or null, got {dtype!r}")
     torch_dtype = FP8_DTYPES[dtype]
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and not _inside_adapter(name)}
+    # an MoE router (an nn.Linear subclass) is not stored: routing stays in the model's dtype
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not isinstance(m, Router) and not _inside_adapter(name)}
     unmatched = [p for p in skip_patterns if not any(module_name_matches(name, [p]) for name in linears)]
     if unmatched:
         raise ConfigError(f"weight_storage_skip_patterns {unmatched} match no linear layer; module names look like "

@@ -1,0 +1,246 @@
+"""Mixture of experts: a router picks ``top_k`` of ``n_experts`` gated MLPs per token, and the token's output is the
+routing-weighted sum of theirs (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``; the shared expert of Qwen2/3.5-MoE and the
+biased experts of gpt-oss are arguments).
+
+Module names are the checkpoints' (``mlp.gate`` the router, ``mlp.experts.{e}.{gate,up,down}_proj`` each expert, a
+plain :class:`~mtune.modules.feed_forward.FeedForward`), so the hub's per-expert keys load unchanged and every
+transform that works on ``nn.Linear`` (LoRA by name, NF4 bases stored one expert at a time, fp8 storage, FSDP2, the
+planner's byte counts) reaches each expert's projections.
+
+A forward sorts the ``tokens * top_k`` (token, expert) pairs by expert, runs each expert on its contiguous rows and
+scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.expert_compute`), equal to round-off:
+
+* ``grouped``: three ``torch._grouped_mm`` calls over the experts' weights stacked per layer (a transient copy,
+  restacked in backward instead of kept). Used by ``auto`` where it pays and is supported: frozen, unbiased, plain
+  weights (a full fine-tune's trainable experts, LoRA on the experts and NF4 bases go through the loop), bf16 (the
+  only dtype ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and ``compile`` trace it) and 16-byte aligned
+  rows.
+* ``loop``: each expert's own module on its rows (those that got none too, for their zero gradients).
+
+On fake tensors (``mtune plan``) the loop cannot read how many rows each expert got; it assumes **balanced
+routing**: each expert gets ``tokens * top_k / n_experts`` rows (the remainder spread one each); frozen experts, alike
+and keeping no per-expert state, are planned as one expert on all the rows (the same bytes, one call instead of
+``n_experts``). The routed
+activations (``tokens * top_k`` rows) are the same whatever the split, so the planned activation bytes hold; the
+worst case is one expert's temporaries for all ``tokens * top_k`` rows at once (an expert every token picks), which
+the plan does not show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from mtune.modules.feed_forward import FeedForward
+
+__all__ = ["EXPERT_COMPUTE", "Experts", "MoE", "Router", "balanced_counts", "load_balancing_loss", "router_aux_loss"]
+
+EXPERT_COMPUTE = ("auto", "grouped", "loop")
+
+
+class Router(nn.Linear):
+    """The router (``mlp.gate``): ``softmax(x W^T)`` in fp32, the ``top_k`` largest probabilities per token,
+    renormalised to sum to 1 when ``norm_topk_prob`` (which is also gpt-oss's softmax over the top-k logits).
+
+    An ``nn.Linear`` subclass, so it is initialised and counted like one, but never a LoRA target or an NF4 base
+    (those transforms take plain ``nn.Linear`` only): routing stays in the model's dtype.
+    """
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = False, bias: bool = False):
+        super().__init__(dim, n_experts, bias=bias)
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [n, dim]`` -> ``(logits [n, n_experts], weights [n, top_k], experts [n, top_k])``: logits and
+        weights in ``x``'s dtype, experts as int64 indices, the most probable first."""
+        logits = super().forward(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), experts
+
+
+def balanced_counts(rows: int, n_experts: int) -> list[int]:
+    """Rows per expert under balanced routing: ``rows // n_experts`` each, the first ``rows % n_experts`` one more."""
+    base, extra = divmod(rows, n_experts)
+    return [base + (e < extra) for e in range(n_experts)]
+
+
+class Experts(nn.ModuleList):
+    """``n_experts`` gated MLPs (``experts.{e}.gate_proj`` ...), run on rows sorted by expert.
+
+    Args:
+        dim, hidden_dim: each expert's width and intermediate width (``moe_intermediate_size``).
+        activation: the gate's activation (SiLU: SwiGLU).
+        bias: the projections carry biases (gpt-oss).
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, activation: Callable = F.silu, bias: bool = False):
+        super().__init__(FeedForward(dim, hidden_dim, activation, bias=bias) for _ in range(n_experts))
+        self.activation = activation
+
+    def projections(self):
+        return [p for e in self for p in (e.gate_proj, e.up_proj, e.down_proj)]
+
+    def can_group(self, x: torch.Tensor) -> bool:
+        """Whether ``grouped`` computes these experts: plain unbiased linears, frozen (or no gradient wanted), and
+        rows and weights 16-byte aligned."""
+        projections = self.projections()
+        if not hasattr(torch, "_grouped_mm") or any(type(p) is not nn.Linear or p.bias is not None
+                                                    for p in projections):
+            return False
+        trainable = torch.is_grad_enabled() and any(p.weight.requires_grad for p in projections)
+        first = self[0]
+        widths = (first.gate_proj.in_features, first.gate_proj.out_features)
+        return not trainable and all(w * x.element_size() % 16 == 0 for w in widths)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """The experts' ``name`` weights as one ``[n_experts, out, in]`` tensor (a copy)."""
+        return torch.stack([getattr(e, name).weight for e in self])
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """``x [rows, dim]`` sorted by expert, ``counts [n_experts]`` int64 rows each -> ``[rows, dim]``."""
+        if grouped:
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            return _GroupedGLU.apply(x, offsets, self)
+        if is_fake(counts) and not any(p.requires_grad for p in self.parameters()):
+            # planning frozen experts: one expert on every row makes the same tensors, by bytes, as each on its share
+            # (all alike, none keeping per-expert state), in one call instead of n_experts
+            return self[0](x)
+        sizes = balanced_counts(x.shape[0], len(self)) if is_fake(counts) else counts.tolist()
+        # every expert runs, with no rows too: its parameters then get zero gradients, so FSDP2's ranks, which route
+        # differently, reduce the same set of gradients
+        return torch.cat([expert(rows) for expert, rows in zip(self, torch.split(x, sizes))])
+
+
+def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[e-1]:offsets[e]`` of ``x [rows, k]`` times ``weights[e] [k, n]`` -> ``[rows, n]``."""
+    return torch._grouped_mm(x, weights, offs=offsets)
+
+
+class _GroupedGLU(torch.autograd.Function):
+    """The experts' ``down(act(gate(x)) * up(x))`` as three grouped matmuls over frozen weights. Saves the gate and
+    up outputs (as autograd would) but not the stacked weights: backward stacks them again, so a layer's stacked
+    copy lives only while that layer computes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts: Experts) -> torch.Tensor:
+        gate = _gmm(x, experts.stacked("gate_proj").transpose(-2, -1), offsets)
+        up = _gmm(x, experts.stacked("up_proj").transpose(-2, -1), offsets)
+        out = _gmm(experts.activation(gate) * up, experts.stacked("down_proj").transpose(-2, -1), offsets)
+        ctx.save_for_backward(gate, up, offsets)
+        ctx.experts = experts
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up, offsets = ctx.saved_tensors
+        experts = ctx.experts
+        grad_hidden = _gmm(grad_out.contiguous(), experts.stacked("down_proj"), offsets)
+        with torch.enable_grad():
+            gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            grad_gate, grad_up = torch.autograd.grad(experts.activation(gate) * up, (gate, up), grad_hidden)
+        grad_x = _gmm(grad_gate, experts.stacked("gate_proj"), offsets)
+        grad_x = grad_x + _gmm(grad_up, experts.stacked("up_proj"), offsets)
+        return grad_x, None, None
+
+
+class MoE(nn.Module):
+    """The sparse MLP of a block: ``sum_k weight_k * expert_k(x)`` over each token's ``top_k`` experts, plus an
+    optional shared expert every token goes through.
+
+    Args:
+        dim: model width.
+        hidden_dim: each expert's intermediate width (``moe_intermediate_size``).
+        n_experts, top_k: experts in the layer and experts per token (``num_experts``, ``num_experts_per_tok``).
+        norm_topk_prob: renormalise the top-k weights to sum to 1.
+        activation: the experts' gate activation; bias: biased expert projections.
+        shared_expert: an MLP every token also goes through (Qwen2/3.5-MoE's ``shared_expert``), scaled by
+            ``sigmoid(shared_expert_gate(x))`` when a gate (an ``nn.Linear(dim, 1)``) is given.
+        aux_loss_coef: the load-balancing loss's weight (``router_aux_loss_coef``); 0 (default, transformers'
+            ``output_router_logits=false``) keeps no router logits.
+
+    Attributes:
+        expert_compute: ``auto`` (default), ``grouped`` or ``loop`` (see the module docstring).
+        router_logits: the last forward's router logits ``[tokens, n_experts]`` while ``aux_loss_coef > 0``.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = False,
+                 activation: Callable = F.silu, bias: bool = False, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None, aux_loss_coef: float = 0.0) -> None:
+        super().__init__()
+        self.gate = Router(dim, n_experts, top_k, norm_topk_prob)
+        self.experts = Experts(n_experts, dim, hidden_dim, activation, bias)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        self.n_experts, self.top_k, self.aux_loss_coef = n_experts, top_k, aux_loss_coef
+        self.expert_compute = "auto"
+        self.router_logits: torch.Tensor | None = None
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.expert_compute not in EXPERT_COMPUTE:
+            raise ValueError(f"expert_compute={self.expert_compute!r}: use one of {EXPERT_COMPUTE}")
+        if self.expert_compute == "loop":
+            return False
+        can = self.experts.can_group(x)
+        if self.expert_compute == "grouped" and not can:
+            raise ValueError("expert_compute='grouped' needs frozen, unbiased nn.Linear experts with 16-byte aligned "
+                             "widths: use 'auto' or 'loop'")
+        return can and (self.expert_compute == "grouped" or x.dtype == torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [b, s, dim]`` -> ``[b, s, dim]`` in ``x``'s dtype."""
+        flat = x.reshape(-1, x.shape[-1])
+        logits, weights, experts = self.gate(flat)
+        if self.aux_loss_coef > 0:
+            self.router_logits = logits
+        chosen = experts.flatten()  # [tokens * top_k]: token t's k-th expert at t * top_k + k
+        order = torch.argsort(chosen, stable=True)
+        token = order // self.top_k
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen))
+        routed = self.experts(flat[token], counts, self._grouped(flat))  # tokens * top_k rows, by expert
+        routed = routed * weights.flatten()[order, None]
+        out = torch.zeros_like(flat).index_add_(0, token, routed)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return out.view(x.shape)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], n_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss over all MoE layers' rows together, as transformers computes it:
+    ``n_experts * sum_e f_e * P_e``, ``f_e`` the share of (row, top-k slot) picks that went to expert ``e`` divided
+    by the rows (no gradient), ``P_e`` the mean router probability of ``e``; 1 x top_k when perfectly balanced.
+
+    ``router_logits``: one ``[tokens, n_experts]`` tensor per MoE layer. Returns an fp32 scalar.
+    """
+    logits = torch.cat([t.float() for t in router_logits])
+    probs = torch.softmax(logits, dim=-1)
+    picks = torch.topk(probs, top_k, dim=-1).indices.flatten()
+    f = torch.zeros(n_experts, device=logits.device).scatter_add_(0, picks, torch.ones_like(picks, dtype=torch.float))
+    rows = logits.shape[0]
+    return n_experts * torch.sum((f / rows) * probs.mean(dim=0))
+
+
+def router_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """``aux_loss_coef * load_balancing_loss`` over the MoE MLPs of ``model.layers`` (each block's ``mlp``) that
+    kept their router logits in the last forward (None when none did: a dense model, or the loss off)."""
+    mlps = (getattr(block, "mlp", None) for block in getattr(model, "layers", ()))
+    layers = [m for m in mlps if isinstance(m, MoE) and m.aux_loss_coef > 0 and m.router_logits is not None]
+    if not layers:
+        return None
+    first = layers[0]
+    loss = load_balancing_loss([m.router_logits for m in layers], first.n_experts, first.top_k)
+    for m in layers:
+        m.router_logits = None  # the next forward records afresh
+    return first.aux_loss_coef * loss
