@@ -81,6 +81,30 @@ def test_offloaded_plan_matches_real_tensors(tmp_path, tiny_checkpoint, tiny_dat
     assert without.host_peak_bytes == 0 and without.device["activations"] > planned.device["activations"]
 
 
+def test_partly_offloaded_plan_matches_real_tensors_and_lies_between_none_and_all(tmp_path, tiny_checkpoint,
+                                                                                   tiny_data):
+    """``activation_offloading_blocks: 1`` of the tiny model's 2 blocks: fake tensors plan what real ones measure
+    (one block input, batch 32 x 64 x 256 x 4 bytes = 2 MiB, less on the host than offloading both), and the
+    ``--fit`` estimate between 0 blocks and all (`estimate.offload_ends`) has that host exactly and a device total
+    at or above the plan, within 3%. Mutation checked: the estimate's ends both at all blocks fails the host."""
+    from mtune.training.planning.estimate import Estimator
+
+    def config(blocks):
+        return _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+            "device": "cuda", "enable_activation_checkpointing": True, "enable_activation_offloading": True,
+            "activation_offloading_use_streams": False, "batch_size": 32, "activation_offloading_blocks": blocks}))
+
+    cfg = config(1)
+    planned, real = plan_memory(cfg), plan_memory(cfg, fake=False)
+    assert planned.device_peak_bytes == real.device_peak_bytes and planned.host_peak_bytes == real.host_peak_bytes
+    every = plan_memory(config(None))
+    assert every.host_peak_bytes - planned.host_peak_bytes == 32 * 64 * 256 * 4
+    estimated = Estimator(device_memory=None, host_memory=None).estimate(cfg)
+    assert "1 of 2 blocks offloaded" in estimated.estimated
+    assert estimated.host_peak_bytes == planned.host_peak_bytes
+    assert planned.device_peak_bytes <= estimated.device_peak_bytes <= 1.03 * planned.device_peak_bytes
+
+
 @pytest.mark.parametrize("recipe, changes", [
     ("full_single_device", {"~lora": None, "optimizer_offload": "cpu"}),
     ("lora_single_device", {"weight_offloading": "{type: block_level, blocks_per_group: 1}"}),

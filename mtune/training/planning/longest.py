@@ -35,24 +35,17 @@ from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, 
                                                 registry_knobs, with_overrides)
 from mtune.training.planning.cost import one_search
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, fits_budgets, search
+from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, search
+from mtune.training.planning.host import host_figures
 from mtune.training.planning.memory_plan import MemoryPlan
+from mtune.training.planning.reach import PROBES, SHORTEST, STEP, Fitter, at_length
 from mtune.units import format_bytes
 
-__all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE", "STEP",
-           "SHORTEST"]
+__all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE",
+           "STEP", "SHORTEST"]
 
 MAXIMIZE = ("seq_len",)
 """What ``--maximize`` can maximize."""
-
-STEP = 1024
-"""The answer's length is a multiple of this many tokens."""
-
-SHORTEST = 1024
-"""A candidate that does not fit rows of this many tokens is not a long-context answer."""
-
-_PROBES = (8192, 32768)
-"""The two row lengths each maximal candidate is planned at first (the line through them is solved)."""
 
 
 @dataclass
@@ -105,92 +98,10 @@ def _maxima(candidates: list[Candidate]) -> list[Candidate]:
     return [c for c in candidates if not any(below(c.levels, d.levels) for d in candidates)]
 
 
-def _at(cfg, seq_len: int):
-    return with_overrides(cfg, {"tokenizer.max_seq_len": int(seq_len)})
-
-
 def _any_length(cfg):
     """``cfg`` with settings written for one length made to hold at every length planned."""
     overrides = _for_any_length(cfg)
     return with_overrides(cfg, overrides) if overrides else cfg
-
-
-class _Fitter:
-    """Plans a candidate at a length and says whether it fits, as ``--fit`` judges it (device total plus the
-    allocator margin within the device budget, host peak within the host budget)."""
-
-    def __init__(self, estimator: Estimator, device_memory: int, host_memory: int | None, margin: int):
-        self.estimator, self.device_memory, self.host_memory, self.margin = (estimator, device_memory, host_memory,
-                                                                             margin)
-
-    def plan(self, cfg, seq_len: int) -> MemoryPlan:
-        plan = self.estimator.estimate(_at(cfg, seq_len))
-        plan.device_memory, plan.host_memory = self.device_memory, self.host_memory
-        return plan
-
-    def fits(self, plan: MemoryPlan) -> bool:
-        return fits_budgets(plan, self.device_memory, self.host_memory, self.margin)
-
-    def spare(self, plan: MemoryPlan) -> list[int]:
-        """Bytes left per budget (device less the margin; host where there is one)."""
-        spare = plan.fits()
-        return [spare["device"] - self.margin] + ([spare["host"]] if spare["host"] is not None else [])
-
-    def longest(self, cfg, limit: int, say: Callable[[str], None]) -> int:
-        """The longest multiple of :data:`STEP` up to ``limit`` (or ``limit`` itself) at which ``cfg`` fits; 0
-        when not even :data:`SHORTEST`."""
-        short, long_ = (min(p, limit) for p in _PROBES)
-        guess = limit
-        if long_ > short:
-            p, q = self.plan(cfg, short), self.plan(cfg, long_)
-            for s_p, s_q in zip(self.spare(p), self.spare(q)):
-                slope = (s_q - s_p) / (long_ - short)  # spare bytes per token (negative: the peak grows)
-                if slope < 0:
-                    guess = min(guess, int(short + s_p / -slope))
-            say(f"  {format_bytes(p.device_total_bytes)} at {short:,}, {format_bytes(q.device_total_bytes)} at "
-                f"{long_:,} tokens: the line reaches {guess:,}")
-        return self._edge(cfg, max(SHORTEST, guess), limit)
-
-    def _edge(self, cfg, guess: int, limit: int) -> int:
-        """The longest length that fits, from the line's ``guess``: planned there, then walked up or down by 3%
-        (or :data:`STEP`) to the first length on the other side, then bisected to :data:`STEP` tokens (what is
-        not linear in the peak moves the edge a few steps at most)."""
-
-        def at(length: int) -> int:
-            return limit if length >= limit else max(SHORTEST, length // STEP * STEP)
-
-        def fits(length: int) -> bool:
-            return self.fits(self.plan(cfg, length))
-
-        def stride(length: int) -> int:
-            return max(STEP, int(length * 0.03) // STEP * STEP)
-
-        length = at(guess)
-        if fits(length):
-            lo, hi = length, None
-            while lo < limit:
-                nxt = at(lo + stride(lo))
-                if not fits(nxt):
-                    hi = nxt
-                    break
-                lo = nxt
-            if hi is None:
-                return lo
-        else:
-            hi = length
-            while True:
-                if hi <= SHORTEST:
-                    return 0
-                lo = at(hi - stride(hi))
-                if fits(lo):
-                    break
-                hi = lo
-        while hi - lo > STEP:  # lo fits, hi does not
-            mid = at((lo + hi) // 2)
-            if mid in (lo, hi):
-                break
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
 
 
 def _limiting(curve: list[tuple[int, MemoryPlan]]) -> str:
@@ -215,10 +126,10 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
                        f"the {SHORTEST:,} a long-context answer starts at: plan tokenizer.max_seq_len={trained} "
                        "without --maximize")
     base, _ = long_context_base(cfg)
-    fitter = _Fitter(estimator, device_memory, host_memory, margin)
+    fitter = Fitter(estimator, device_memory, host_memory, margin)
     knobs = _one_row_knobs()
     # the choices at a long row (tiling the MLP is offered only where a row is wider than the model)
-    probe = _at(base, min(_PROBES[-1], trained))
+    probe = at_length(base, min(PROBES[-1], trained))
     candidates = candidates_of(probe, schema, knobs, device_memory=device_memory, world_size=world_size)
     lossless = [c for c in candidates if not c.lossy]
     phases = {"never": [lossless], "compete": [candidates]}.get(lossy, [lossless, [c for c in candidates if c.lossy]])
@@ -234,8 +145,8 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
             break
     if not best_len:
         return LongestContext(0, None, trained, reach=reach)
-    at_length = _at(base, best_len)
-    found = search(at_length, schema, device_memory=device_memory, host_memory=host_memory, knobs=knobs,
+    at_best = at_length(base, best_len)
+    found = search(at_best, schema, device_memory=device_memory, host_memory=host_memory, knobs=knobs,
                    world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
     answer = best_of(found)
     lengths = [2 ** k for k in range(12, int(math.log2(best_len)) + 1) if 2 ** k < best_len] + [best_len]
@@ -268,12 +179,12 @@ def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str]
     print("\ncontext -> planned device total (allocator peak + context) with the answer's techniques:")
     for seq_len, plan in result.curve:
         print(f"  {seq_len:>9,} tokens  {format_bytes(plan.device_total_bytes):>10}   host "
-              f"{format_bytes(plan.host_peak_bytes)}")
+              f"{format_bytes(plan.host_need_bytes)}")
     plan = result.curve[-1][1]
     print(f"\nanswer: {result.seq_len:,} tokens per row ({estimator.planned} plans, {seconds:.0f} CPU-s)")
     print(f"  with {describe(changes)}")
     print(f"  device {format_bytes(plan.device_total_bytes)} of {format_bytes(device_memory)} (margin "
-          f"{format_bytes(margin)} kept), host {format_bytes(plan.host_peak_bytes)} of {format_bytes(host_memory)}")
+          f"{format_bytes(margin)} kept), {host_figures(plan, host_memory)}")
     if result.capped:
         print(f"  stopped at the model's trained context, {result.trained_context:,} tokens "
               "(max_position_embeddings; a checkpoint whose config.json sets rope scaling and a larger "
