@@ -11,7 +11,9 @@ peak grows linearly in the row length once the attention kernel keeps no ``s x s
 2. only the candidates that no other candidate out-saves on every knob (the maxima of the search space; the recipe's
    rules exclude some combinations, so there may be several) can reach the longest context: each is planned at
    two lengths and the line through the two peaks solved for the budget (device, and host where its peak grows
-   too), rounded down to :data:`STEP` tokens, then planned there and stepped down until it fits;
+   too), rounded down to :data:`STEP` tokens, then planned there and stepped down until it fits; after the first,
+   a candidate is first planned one step beyond the longest length found so far, and searched only if it fits
+   there (the bracket: the peak grows with the length, so one that does not fit there cannot be longer);
 3. the longest of them, capped at the model's trained context (``max_position_embeddings``: Llama 3.1 131,072), is
    the answer's length; at that length the ordinary ``--fit`` search finds the fastest candidate that fits;
 4. the curve (the answer's planned device total at every power of two up to the length) and the category that
@@ -60,7 +62,10 @@ class LongestContext:
     curve: list[tuple[int, MemoryPlan]] = field(default_factory=list)
     limiting: str = ""
     reach: list[tuple[Candidate, int]] = field(default_factory=list)
-    """Each maximal candidate (every saving the rules allow together) with the longest length it fits."""
+    """Each maximal candidate (every saving the rules allow together) searched, with the longest length it fits."""
+    bounded: list[tuple[Candidate, int]] = field(default_factory=list)
+    """Each maximal candidate not searched: it does not fit the length beside it, one step beyond the longest
+    found before it (or the trained context was reached already)."""
 
 
 def trained_context(cfg) -> int:
@@ -133,11 +138,20 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
     candidates = candidates_of(probe, schema, knobs, device_memory=device_memory, world_size=world_size)
     lossless = [c for c in candidates if not c.lossy]
     phases = {"never": [lossless], "compete": [candidates]}.get(lossy, [lossless, [c for c in candidates if c.lossy]])
-    best_len, reach = 0, []
+    best_len, reach, bounded = 0, [], []
     for phase in phases:
         for candidate in sorted(_maxima(phase), key=lambda c: c.cost):
             progress(f"longest context with {describe(candidate.changes)}:")
-            length = fitter.longest(_any_length(candidate.cfg), trained, progress)
+            variant = _any_length(candidate.cfg)
+            # the bracket: a candidate that does not fit one step beyond the longest found cannot beat it (the
+            # peak grows with the length), so one plan answers it instead of a search
+            beyond = min(best_len + STEP, trained)
+            if best_len and (best_len >= trained or not fitter.fits(fitter.fitting_plan(variant, beyond))):
+                bounded.append((candidate, beyond))
+                progress(f"  does not fit {beyond:,} tokens: no longer than {best_len:,}"
+                         if best_len < trained else "  the trained context is reached already")
+                continue
+            length = fitter.longest(variant, trained, progress)
             reach.append((candidate, length))
             progress(f"  fits {length:,} tokens" if length else f"  does not fit {SHORTEST:,} tokens")
             best_len = max(best_len, length)
@@ -152,7 +166,7 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
     lengths = [2 ** k for k in range(12, int(math.log2(best_len)) + 1) if 2 ** k < best_len] + [best_len]
     curve = [(s, fitter.plan(answer.cfg, s)) for s in lengths]
     return LongestContext(best_len, answer, trained, capped=best_len == trained, curve=curve,
-                          limiting=_limiting(curve), reach=reach)
+                          limiting=_limiting(curve), reach=reach, bounded=bounded)
 
 
 def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], schema, maximize: str,
