@@ -18,7 +18,7 @@ from mtune.training.planning.host import offload_ends
 from mtune.training.planning.memory_plan import MemoryPlan
 from mtune.training.planning.plan import plan_memory
 
-__all__ = ["Estimator", "planned_layers"]
+__all__ = ["Estimator", "planned_layers", "interpolate"]
 
 
 def planned_layers(cfg) -> tuple[int, int]:
@@ -40,6 +40,12 @@ def _lerp(a, b, t: float):
 def _combine(p: MemoryPlan, q: MemoryPlan, t: float, **changes) -> MemoryPlan:
     fields_ = ("device_peak_bytes", "host_peak_bytes", "device", "host", "at_peak", "parameters", "managed_bytes")
     return replace(p, **{name: _lerp(getattr(p, name), getattr(q, name), t) for name in fields_}, **changes)
+
+
+def interpolate(p: MemoryPlan, q: MemoryPlan, t: float, **changes) -> MemoryPlan:
+    """The plan ``t`` of the way from ``p`` to ``q`` (every figure on the line; 0 is ``p``, 1 ``q``), with
+    ``changes`` to its other fields (``estimated``: how it was obtained)."""
+    return _combine(p, q, t, **changes)
 
 
 def _structure_key(cfg) -> str:

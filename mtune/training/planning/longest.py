@@ -16,8 +16,9 @@ peak grows linearly in the row length once the attention kernel keeps no ``s x s
    there (the bracket: the peak grows with the length, so one that does not fit there cannot be longer);
 3. the longest of them, capped at the model's trained context (``max_position_embeddings``: Llama 3.1 131,072), is
    the answer's length; at that length the ordinary ``--fit`` search finds the fastest candidate that fits;
-4. the curve (the answer's planned device total at every power of two up to the length) and the category that
-   grew most along it (what limits the length) are printed, and the config is written as ``--fit`` writes it.
+4. the curve (the answer's device total at every power of two up to the length: the first and the last planned, the
+   others on the line between them) and the category that grew most along it (what limits the length) are
+   printed, and the config is written as ``--fit`` writes it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
                                                 registry_knobs, with_overrides)
 from mtune.training.planning.cost import one_search
-from mtune.training.planning.estimate import Estimator
+from mtune.training.planning.estimate import Estimator, interpolate
 from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, search
 from mtune.training.planning.host import host_figures
 from mtune.training.planning.memory_plan import MemoryPlan
@@ -164,7 +165,12 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
                    world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
     answer = best_of(found)
     lengths = [2 ** k for k in range(12, int(math.log2(best_len)) + 1) if 2 ** k < best_len] + [best_len]
-    curve = [(s, fitter.plan(answer.cfg, s)) for s in lengths]
+    # the ends planned, the powers of two between them on the line through the two (the peak is linear in the
+    # row length: tests/recipes/test_plan_long_context.py): each plan of a long row costs seconds
+    first, last = fitter.plan(answer.cfg, lengths[0]), fitter.plan(answer.cfg, best_len)
+    curve = [(s, first if s == lengths[0] else last if s == best_len else
+              interpolate(first, last, (s - lengths[0]) / (best_len - lengths[0]), estimated="on the line between "
+                          f"the plans at {lengths[0]:,} and {best_len:,} tokens")) for s in lengths]
     return LongestContext(best_len, answer, trained, capped=best_len == trained, curve=curve,
                           limiting=_limiting(curve), reach=reach, bounded=bounded)
 
@@ -193,7 +199,7 @@ def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str]
     print("\ncontext -> planned device total (allocator peak + context) with the answer's techniques:")
     for seq_len, plan in result.curve:
         print(f"  {seq_len:>9,} tokens  {format_bytes(plan.device_total_bytes):>10}   host "
-              f"{format_bytes(plan.host_need_bytes)}")
+              f"{format_bytes(plan.host_need_bytes)}" + ("   (on the line)" if "on the line" in plan.estimated else ""))
     plan = result.curve[-1][1]
     print(f"\nanswer: {result.seq_len:,} tokens per row ({estimator.planned} plans, {seconds:.0f} CPU-s)")
     print(f"  with {describe(changes)}")

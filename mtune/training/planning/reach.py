@@ -116,7 +116,8 @@ class Fitter:
         return best
 
     def _edge(self, cfg, guess: int, limit: int) -> int:
-        """The longest length that fits, from the line's ``guess``: planned there, then walked up or down by 3%
+        """The longest length that fits, from the line's ``guess``: planned there and one step beside it (up where
+        it fits, down where not), which settles it when the line is right to a step; else walked up or down by 3%
         (or :data:`STEP`) to the first length on the other side, then bisected to :data:`STEP` tokens (what is
         not linear in the peak moves the edge a few steps at most)."""
 
@@ -130,8 +131,11 @@ class Fitter:
             return max(STEP, int(length * 0.03) // STEP * STEP)
 
         length = at(guess)
+        # the line is usually right to a step: the length beside the guess settles it with one more plan
         if fits(length):
-            lo, hi = length, None
+            if length >= limit or not fits(at(length + STEP)):
+                return length
+            lo, hi = at(length + STEP), None
             while lo < limit:
                 nxt = at(lo + stride(lo))
                 if not fits(nxt):
@@ -141,6 +145,8 @@ class Fitter:
             if hi is None:
                 return lo
         else:
+            if length > SHORTEST and fits(at(length - STEP)):
+                return at(length - STEP)
             hi = length
             while True:
                 if hi <= SHORTEST:
