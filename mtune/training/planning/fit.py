@@ -110,6 +110,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     device_budget = device_memory - margin
     failed: list[tuple[int, ...]] = []
     ordered: list[Candidate] = []
+    planned_before = estimator.planned  # a shared estimator (--maximize's) has planned for others already
 
     def within_budget(plan) -> bool:
         return fits_budgets(plan, device_memory, host_memory, margin)
@@ -162,7 +163,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
             tier = list(tier)
             ordered.extend(tier)
             for candidate in sorted(tier, key=lambda c: -sum(c.levels)):
-                if fits >= max_fits or estimator.planned >= max_plans or candidate.fits is not None:
+                if fits >= max_fits or estimator.planned - planned_before >= max_plans or candidate.fits is not None:
                     continue
                 if best is not None and _speed_key(candidate) >= _speed_key(best):
                     continue

@@ -34,13 +34,13 @@ from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice
 from mtune.training.model_setup import resolve_model_source
-from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
+from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe, floor_reason,
                                                 registry_knobs, with_overrides)
-from mtune.training.planning.cost import one_search
+from mtune.training.planning.cost import device_floor, model_facts, one_search
 from mtune.training.planning.estimate import Estimator, interpolate
 from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, search
 from mtune.training.planning.host import host_figures
-from mtune.training.planning.memory_plan import MemoryPlan
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
 from mtune.training.planning.reach import PROBES, SHORTEST, STEP, Fitter, at_length
 from mtune.units import format_bytes
 
@@ -104,6 +104,20 @@ def _maxima(candidates: list[Candidate]) -> list[Candidate]:
     return [c for c in candidates if not any(below(c.levels, d.levels) for d in candidates)]
 
 
+def _reaching(candidates: list[Candidate], device_budget: int, host_memory: int | None,
+              world_size: int) -> list[Candidate]:
+    """The candidates whose reach is searched: the maxima of those whose floor fits both budgets, and the maxima of
+    those that hold nothing on the host whatever the length (no weights or states there), which every host admits:
+    where the host cannot hold what a maximum offloads (its frozen weights), a candidate that keeps it on the
+    device may reach further, and with the second set a larger host only adds candidates to search."""
+    context = CUDA_CONTEXT_BYTES if candidates and model_facts(candidates[0].cfg).cuda else 0
+    admitted = [c for c in candidates
+                if floor_reason(c.cfg, device_budget, host_memory, context, world_size) is None]
+    hostless = [c for c in admitted if not any(device_floor(c.cfg, world_size)[1].values())]
+    first = _maxima(admitted)
+    return first + [c for c in _maxima(hostless) if c not in first]
+
+
 def _any_length(cfg):
     """``cfg`` with settings written for one length made to hold at every length planned."""
     overrides = _for_any_length(cfg)
@@ -141,7 +155,8 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
     phases = {"never": [lossless], "compete": [candidates]}.get(lossy, [lossless, [c for c in candidates if c.lossy]])
     best_len, reach, bounded = 0, [], []
     for phase in phases:
-        for candidate in sorted(_maxima(phase), key=lambda c: c.cost):
+        for candidate in sorted(_reaching(phase, device_memory - margin, host_memory, world_size),
+                                key=lambda c: c.cost):
             progress(f"longest context with {describe(candidate.changes)}:")
             variant = _any_length(candidate.cfg)
             # the bracket: a candidate that does not fit one step beyond the longest found cannot beat it (the
@@ -164,6 +179,9 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
     found = search(at_best, schema, device_memory=device_memory, host_memory=host_memory, knobs=knobs,
                    world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
     answer = best_of(found)
+    if answer is None:  # a candidate reached best_len, so the search must find one: say so rather than guess
+        raise FitError(f"--maximize: a candidate fits {best_len:,} tokens but the --fit search there found none "
+                       f"within its {len(found)} candidates (a planner fault: please report it)")
     lengths = [2 ** k for k in range(12, int(math.log2(best_len)) + 1) if 2 ** k < best_len] + [best_len]
     # the ends planned, the powers of two between them on the line through the two (the peak is linear in the
     # row length: tests/recipes/test_plan_long_context.py): each plan of a long row costs seconds
