@@ -25,7 +25,8 @@ training steps; no weight file is read and no real memory is used. The target is
 
 options:
   --device-memory SIZE   the device's memory (24GiB, 80GB, ...): say whether the plan fits and by how much
-  --host-memory SIZE     the host memory offloaded tensors may use (--fit: default this machine's available)
+  --host-memory SIZE     the host memory offloaded tensors may use (--fit: default this machine's total less a
+                         reserve of max(4 GiB, 10%); needed when the config's GPU is not on this machine)
   --fit                  search the memory flags for the fastest config that fits --device-memory (less an
                          allocator margin of max(1 GiB, 5%)) and the host: lossless first (the same numbers),
                          lossy ones only when nothing lossless fits; write it as a ready-to-run YAML (--output,
@@ -91,6 +92,23 @@ def plan_without_download(cfg, config_path: Path) -> str | None:
     model.checkpoint_dir, model.family, model.size = None, found[0], found[1]
     return (f"{checkpoint_dir} has no config.json yet (not downloaded): planning {found[0]} {found[1]} from its "
             f"named size, read from {how}; set model.family=... model.size=... to plan another")
+
+
+def refuse_a_host_not_here(cfg) -> None:
+    """``--fit`` for a GPU that is not on this machine (a CUDA target, no GPU here) without ``--host-memory``: the
+    host budget would be this machine's, which is not the GPU's host, so the command asks for it instead of
+    answering for the wrong machine (docs/plan.md, "Budgets")."""
+    import torch
+
+    from mtune.training.planning.cost import is_cuda_target
+    from mtune.training.planning.fit import default_host_memory
+    from mtune.units import format_bytes
+
+    if is_cuda_target(cfg) and not torch.cuda.is_available():
+        here, _ = default_host_memory()
+        raise UsageError(f"--fit for device={cfg.device}, which is not on this machine (no GPU here): give "
+                         "--host-memory SIZE, the memory of the machine that holds the GPU (this machine's budget "
+                         f"would be {format_bytes(here)}: its total less a reserve of max(4 GiB, 10%))")
 
 
 _VALUED = ("--device-memory", "--host-memory", "--json", "--png", "--nproc_per_node", "--output", "--maximize")
@@ -162,6 +180,8 @@ def plan_command(argv: list[str]) -> int:
     if options["fit"] and options.get("from_data"):
         raise UsageError("--from-data with --fit: --fit searches at tokenizer.max_seq_len; run --from-data alone to "
                          "see the longest batch, then --fit with tokenizer.max_seq_len=N")
+    if options["fit"] and host_memory is None:
+        refuse_a_host_not_here(cfg)
     if options["fit"] and "maximize" in options:
         from mtune.training.planning.longest import longest_command
 

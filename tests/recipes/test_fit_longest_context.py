@@ -80,3 +80,25 @@ def test_what_it_cannot_answer_is_refused(tmp_path, tiny_checkpoint, tiny_data):
         longest_command(cfg, recipe="lora_single_device", config_path=TRAIN_CONFIG, overrides=overrides,
                         schema=module.SCHEMA, maximize="seq_len", device_memory=BUDGET, host_memory=None,
                         world_size=1, output=tmp_path / "y.yaml")
+
+
+def test_a_larger_host_never_gives_a_shorter_answer(tmp_path, long_checkpoint, tiny_data):
+    """A CUDA target (offloaded block inputs take host memory) asked on hosts of 2 and 64 MiB: the longest row does
+    not shrink as the host grows, each answer's host share is within its host (2 MiB holds less than the tiny
+    model's frozen weights: the answer keeps them on the device). Before the candidates that hold nothing on the
+    host were searched beside the maxima (`longest._reaching`), the 2 MiB host answered nothing at all."""
+    from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
+
+    module, _, cfg = _config(tmp_path, long_checkpoint, tiny_data, device="cuda",
+                             activation_offloading_use_streams=False)
+    budget = CUDA_CONTEXT_BYTES + BUDGET
+    estimator = Estimator(device_memory=budget, host_memory=None)  # plans do not depend on the host: shared
+    answers = []
+    for host in (2, 64):
+        result = longest_context(cfg, module.SCHEMA, device_memory=budget, host_memory=host << 20, margin=0,
+                                 estimator=estimator)
+        plan = result.curve[-1][1]
+        assert plan.host_need_bytes <= host << 20 and plan.device_total_bytes <= budget
+        answers.append((result.seq_len, result.candidate.changes.get("activation_offloading_blocks")))
+    lengths = [length for length, _ in answers]
+    assert lengths == sorted(lengths) and lengths[0] > 0, answers

@@ -81,6 +81,51 @@ def test_offloaded_plan_matches_real_tensors(tmp_path, tiny_checkpoint, tiny_dat
     assert without.host_peak_bytes == 0 and without.device["activations"] > planned.device["activations"]
 
 
+def test_partly_offloaded_plan_matches_real_tensors_and_lies_between_none_and_all(tmp_path, tiny_checkpoint,
+                                                                                   tiny_data):
+    """``activation_offloading_blocks: 1`` of the tiny model's 2 blocks: fake tensors plan what real ones measure
+    (one block input, batch 32 x 64 x 256 x 4 bytes = 2 MiB, less on the host than offloading both), and the
+    ``--fit`` estimate between 0 blocks and all (`estimate.offload_ends`) has that host exactly and a device total
+    at or above the plan, within 3%. Mutation checked: the estimate's ends both at all blocks fails the host."""
+    from mtune.training.planning.estimate import Estimator
+
+    def config(blocks):
+        return _config("lora_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+            "device": "cuda", "enable_activation_checkpointing": True, "enable_activation_offloading": True,
+            "activation_offloading_use_streams": False, "batch_size": 32, "activation_offloading_blocks": blocks}))
+
+    cfg = config(1)
+    planned, real = plan_memory(cfg), plan_memory(cfg, fake=False)
+    assert planned.device_peak_bytes == real.device_peak_bytes and planned.host_peak_bytes == real.host_peak_bytes
+    every = plan_memory(config(None))
+    assert every.host_peak_bytes - planned.host_peak_bytes == 32 * 64 * 256 * 4
+    estimated = Estimator(device_memory=None, host_memory=None).estimate(cfg)
+    assert "1 of 2 blocks offloaded" in estimated.estimated
+    assert estimated.host_peak_bytes == planned.host_peak_bytes
+    assert planned.device_peak_bytes <= estimated.device_peak_bytes <= 1.03 * planned.device_peak_bytes
+
+
+def test_the_tiled_mlp_plans_the_same_from_the_tiles_that_differ(tmp_path, tiny_checkpoint, tiny_data, monkeypatch):
+    """On fake tensors the tiled MLP runs only the tiles whose allocations differ (`tiled_mlp._planned`): 9 tiles of
+    66 and 67 tokens (2 x 300 tokens), planned as 5 or 6, give every figure of the plan that runs all 9. Mutation
+    checked: keeping the first tile of each size only (dropping the pair of 67s) gives a temporaries peak 5120
+    bytes lower."""
+    from mtune.modules import tiled_mlp
+
+    cfg = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
+        "~lora": None, "mlp_tiles": 9, "tokenizer.max_seq_len": 300, "batch_size": 2}))
+    ran = []
+    planned = tiled_mlp._planned
+    monkeypatch.setattr(tiled_mlp, "_planned", lambda bounds, x: ran.append(len(planned(bounds, x))) or
+                        planned(bounds, x))
+    short = plan_memory(cfg)
+    assert ran and max(ran) < 9
+    monkeypatch.setattr(tiled_mlp, "_planned", lambda bounds, x: bounds)
+    whole = plan_memory(cfg)
+    assert (short.device, short.host, short.at_peak) == (whole.device, whole.host, whole.at_peak)
+    assert (short.device_peak_bytes, short.host_peak_bytes) == (whole.device_peak_bytes, whole.host_peak_bytes)
+
+
 @pytest.mark.parametrize("recipe, changes", [
     ("full_single_device", {"~lora": None, "optimizer_offload": "cpu"}),
     ("lora_single_device", {"weight_offloading": "{type: block_level, blocks_per_group: 1}"}),

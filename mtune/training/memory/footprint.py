@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["RUN_KINDS", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "FitKnob", "FitChoice", "ModelFacts", "Footprint",
-           "Recompute"]
+           "Recompute", "BlockOffload"]
 
 RUN_KINDS = ("single_device", "distributed")
 """What `MemoryConfig.kind` says: the recipe runs on one device, or sharded with FSDP2."""
@@ -118,6 +118,19 @@ class Recompute:
 
 
 @dataclass(frozen=True)
+class BlockOffload:
+    """What a technique that moves the tensors the model's blocks save to the host does: the first ``blocks`` of
+    ``n_layers`` blocks offload, the rest keep theirs on the device; ``key`` is the config key that sets the count
+    (0: none of the blocks; None: every block). The host's share is a line in the count (each block saves the same
+    bytes), so the planner estimates a count between 0 and all from those two plans, and ``--fit`` offloads as many
+    blocks as the host holds where it cannot hold them all."""
+
+    blocks: int
+    n_layers: int
+    key: str
+
+
+@dataclass(frozen=True)
 class Footprint:
     """What one technique, as configured, does to a run's memory and time: the one value the planner reads (the
     cost model folds every technique's; at most one technique names each home, the rules see to it)."""
@@ -153,3 +166,6 @@ class Footprint:
     recompute: Recompute = Recompute()
     """The forward work backward repeats for the facts' blocks (``n_layers``, ``dim``, ``micro_batch_tokens``): what
     the FLOPs counter reads."""
+    block_offload: BlockOffload | None = None
+    """Which of the facts' blocks save to the host, where the technique moves what blocks save; None: it does
+    not."""

@@ -33,7 +33,7 @@ from typing import Any
 from mtune.config.errors import ConfigError
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
-from mtune.training.memory.technique import Footprint, MemoryTechnique, ModelFacts, Recompute
+from mtune.training.memory.technique import BlockOffload, Footprint, MemoryTechnique, ModelFacts, Recompute
 
 __all__ = [
     # the run's phases, in the order a run meets them
@@ -214,6 +214,12 @@ def dropped_losses(memory: MemoryConfig, other: MemoryConfig) -> list[str]:
     """What ``memory``'s techniques give up that ``other``'s no longer do (a lossy base ``--fit`` found unneeded)."""
     return [mine.lossy for mine, theirs in zip(footprints(memory), footprints(other))
             if mine.lossy and not theirs.lossy]
+
+
+def block_offload(memory: MemoryConfig, facts: ModelFacts) -> BlockOffload | None:
+    """Which of the model's blocks save to the host (`Footprint.block_offload`), or None where no technique moves
+    what blocks save."""
+    return next((f.block_offload for f in footprints(memory, facts) if f.block_offload is not None), None)
 
 
 def repeat_blocks(memory: MemoryConfig) -> list[int]:

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtune.config.schema import Key, KeyGroup, Node
-from mtune.training.memory.footprint import (ADVICE_TIERS, QUALITY_TIERS, RUN_KINDS, FitChoice, FitKnob, Footprint,
-                                             ModelFacts, Recompute, advice)
+from mtune.training.memory.footprint import (ADVICE_TIERS, QUALITY_TIERS, RUN_KINDS, BlockOffload, FitChoice, FitKnob,
+                                             Footprint, ModelFacts, Recompute, advice)
 
 __all__ = ["MemoryTechnique", "WeightPhases", "Settings", "NoSettings", "setting", "FitKnob", "FitChoice", "ModelFacts",
-           "Footprint", "Recompute", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "RUN_KINDS"]
+           "Footprint", "Recompute", "BlockOffload", "ADVICE_TIERS", "QUALITY_TIERS", "advice", "RUN_KINDS"]
 
 # ---- typed settings ---------------------------------------------------------------------------------------------
 

@@ -14,10 +14,11 @@ from mtune.config.keys import accumulation_steps
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts
+from mtune.training.planning.host import offload_ends
 from mtune.training.planning.memory_plan import MemoryPlan
 from mtune.training.planning.plan import plan_memory
 
-__all__ = ["Estimator", "planned_layers"]
+__all__ = ["Estimator", "planned_layers", "interpolate"]
 
 
 def planned_layers(cfg) -> tuple[int, int]:
@@ -39,6 +40,12 @@ def _lerp(a, b, t: float):
 def _combine(p: MemoryPlan, q: MemoryPlan, t: float, **changes) -> MemoryPlan:
     fields_ = ("device_peak_bytes", "host_peak_bytes", "device", "host", "at_peak", "parameters", "managed_bytes")
     return replace(p, **{name: _lerp(getattr(p, name), getattr(q, name), t) for name in fields_}, **changes)
+
+
+def interpolate(p: MemoryPlan, q: MemoryPlan, t: float, **changes) -> MemoryPlan:
+    """The plan ``t`` of the way from ``p`` to ``q`` (every figure on the line; 0 is ``p``, 1 ``q``), with
+    ``changes`` to its other fields (``estimated``: how it was obtained)."""
+    return _combine(p, q, t, **changes)
 
 
 def _structure_key(cfg) -> str:
@@ -100,7 +107,23 @@ class Estimator:
         batch, accumulation = int(cfg.batch_size), accumulation_steps(cfg)
         key = (structure, batch, accumulation)
         if key in self._cache:
-            return self._cache[key]
+            cached = self._cache[key]
+            # a lower bound stands only where it is over the budget asked now (an earlier search may have had a
+            # smaller one); else the plan is made in full
+            if not cached.lower_bound or (over is not None and over(cached)):
+                return cached
+            del self._cache[key]
+        ends = None if self.exact else offload_ends(cfg)
+        if ends is not None:  # between no block offloaded and every block (`offload_ends`), both planned in full
+            t, none, every = ends
+            p, q = self.estimate(none), self.estimate(every)
+            plan = _combine(p, q, t, seconds=0.0, lower_bound=p.lower_bound or q.lower_bound,
+                            estimated=(q.estimated + "; " if q.estimated else "")
+                            + f"{round(t * model_facts(cfg).n_layers)} of {model_facts(cfg).n_layers} blocks "
+                              "offloaded: between 0 and all")
+            self.derived += 1
+            self._cache[key] = plan
+            return plan
         regime = (structure, accumulation > 1)
         points = self._points.setdefault(regime, {})
         if len(points) >= 2 and not self.exact:

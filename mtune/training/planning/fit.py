@@ -32,27 +32,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from mtune.config import load_config
 from mtune.config.errors import ConfigError
 from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.errors import MtuneError
-from mtune.training.memory import phases
-from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts, one_search, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
+from mtune.training.planning.host import (available_host_memory, default_host_memory, fewer_offloaded_blocks,
+                                          host_figures, host_line, host_reserve)
+from mtune.training.planning.answer import close_answer, numerics_line, write_config
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
 from mtune.units import GIB, format_bytes
 
 __all__ = ["search", "best_of", "fit_command", "fit_header", "fits_budgets", "numerics_line", "write_config",
-           "close_answer", "FitError", "allocator_margin", "available_host_memory", "LOSSY_POLICIES"]
+           "close_answer", "FitError", "allocator_margin", "available_host_memory", "default_host_memory",
+           "host_reserve", "fewer_offloaded_blocks", "host_that_fits", "host_line", "host_figures", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +74,11 @@ def allocator_margin(device_memory: int) -> int:
 
 def fits_budgets(plan: MemoryPlan, device_memory: int, host_memory: int | None, margin: int) -> bool:
     """Whether ``plan`` fits as ``--fit`` judges it: the device total plus ``margin`` within ``device_memory``, the
-    host peak within ``host_memory`` (None: unbounded). Records the budgets on the plan."""
+    host's share (`MemoryPlan.host_need_bytes`) within ``host_memory`` (None: unbounded). Records the budgets on the
+    plan."""
     plan.device_memory, plan.host_memory = device_memory, host_memory
     spare = plan.fits()
     return spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
-
-
-def available_host_memory() -> int:
-    """This machine's available memory (``MemAvailable``), the default host budget."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _speed_key(c: Candidate):
@@ -123,6 +110,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     device_budget = device_memory - margin
     failed: list[tuple[int, ...]] = []
     ordered: list[Candidate] = []
+    planned_before = estimator.planned  # a shared estimator (--maximize's) has planned for others already
 
     def within_budget(plan) -> bool:
         return fits_budgets(plan, device_memory, host_memory, margin)
@@ -130,24 +118,38 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     def dominated(levels) -> bool:
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
+    def host_spare(plan) -> int | None:
+        plan.device_memory, plan.host_memory = device_memory, host_memory
+        return plan.fits()["host"]
+
     def consider(candidate: Candidate) -> None:
         reason = floor_reason(candidate.cfg, device_budget, host_memory, context, world_size)
         if reason is not None:
             candidate.reason, candidate.pruned, candidate.fits = reason, True, False
-            failed.append(candidate.levels)
+            if not reason.startswith("host:"):  # a candidate that saves less puts less on the host: no pruning
+                failed.append(candidate.levels)
             return
         if dominated(candidate.levels):
             candidate.pruned, candidate.fits = True, False
             return
         candidate.plan = plan = estimator.estimate(candidate.cfg, over=lambda p: not within_budget(p))
+        fewer = fewer_offloaded_blocks(candidate.cfg, plan, estimator, host_spare)
+        if fewer is not None:  # every block's input is more than the host holds: as many as it holds
+            overrides, candidate.plan = fewer
+            plan = candidate.plan
+            candidate.overrides, candidate._cfg = {**candidate.overrides, **overrides}, None
         candidate.fits = within_budget(plan)
         if progress is not None:
             progress(f"  plan {estimator.planned:>2}: {describe(candidate.changes)}: "
                      f"{'at least ' if plan.lower_bound else ''}{format_bytes(plan.device_total_bytes)} "
-                     f"{'fits' if candidate.fits else 'does not fit'}")
+                     + ("fits" if candidate.fits else "does not fit"
+                        + (f" the host ({format_bytes(plan.host_need_bytes)})"
+                           if plan.fits()["device"] - margin >= 0 else "")))
         if candidate.fits:
             candidate.cost = step_cost(candidate.cfg, plan.paged_bytes(), world_size)
-        else:
+        elif plan.fits()["device"] - margin < 0:
+            # over the device: whatever saves no more on any knob is over it too. Over the host only, it prunes
+            # nothing: a candidate that offloads less holds less there.
             failed.append(candidate.levels)
 
     for number, phase in enumerate(phases):
@@ -161,7 +163,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
             tier = list(tier)
             ordered.extend(tier)
             for candidate in sorted(tier, key=lambda c: -sum(c.levels)):
-                if fits >= max_fits or estimator.planned >= max_plans or candidate.fits is not None:
+                if fits >= max_fits or estimator.planned - planned_before >= max_plans or candidate.fits is not None:
                     continue
                 if best is not None and _speed_key(candidate) >= _speed_key(best):
                     continue
@@ -173,6 +175,22 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
             ordered += [c for p in phases[number + 1:] for c in p]
             break
     return ordered
+
+
+def host_that_fits(cfg, schema, *, device_memory: int, host_memory: int, margin: int, world_size: int,
+                   lossy: str, estimator: Estimator, knobs: list[Knob] | None = None) -> Candidate | None:
+    """The answer ``--fit`` would give with no bound on the host (``lossy`` as the search takes it), or None: what a
+    larger host would make fit; its plan's `MemoryPlan.host_need_bytes` is the host memory it needs (a rank's)."""
+    found = best_of(search(cfg, schema, device_memory=device_memory, host_memory=None, knobs=knobs,
+                           world_size=world_size, lossy=lossy, margin=margin, estimator=estimator))
+    return found if found is not None and found.plan.host_need_bytes > host_memory else None
+
+
+def _host_stopped(candidates: list[Candidate], margin: int) -> bool:
+    """Whether the host budget rejected any candidate (its floor, or its plan within the device but not the
+    host)."""
+    return any((c.reason or "").startswith("host:") or (
+        c.plan is not None and c.fits is False and c.plan.fits()["device"] - margin >= 0) for c in candidates)
 
 
 def best_of(candidates: list[Candidate]) -> Candidate | None:
@@ -198,8 +216,10 @@ def fit_header(recipe: str, config_path: Path, device_memory: int | None, host_m
     its host memory: each is planned against its share."""
     if device_memory is None:
         raise ConfigError("--fit needs --device-memory SIZE (the memory of the device to fit, e.g. 24GiB)")
-    host_stated = "" if host_memory is not None else " (this machine's available memory; --host-memory to change)"
-    host_memory = available_host_memory() if host_memory is None else host_memory
+    host_stated = ""
+    if host_memory is None:
+        host_memory, where = default_host_memory()
+        host_stated = f" ({where})"
     margin = allocator_margin(device_memory)
     ranks = (f", {world_size} ranks on this machine ({format_bytes(host_memory // world_size)} of host memory each)"
              if world_size > 1 else "")
@@ -227,19 +247,29 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
     if rejected:
         print("rejected without planning:")
         print("\n".join(rejected))
+    # Where the host is what stops the lossless answer (nothing fits, or only a lossy one), the search again with no
+    # bound on the host says which answer more host memory would give, and how much, from that answer's own plan.
+    larger_host = None
+    if (best is None or (best.lossy and lossy == "fallback")) and _host_stopped(candidates, margin):
+        larger_host = host_that_fits(cfg, schema, device_memory=device_memory, host_memory=host_memory,
+                                     margin=margin, world_size=world_size,
+                                     lossy="never" if best is not None else lossy, estimator=estimator)
     if best is None:
         what = "nothing lossless fits" if lossy == "never" else "nothing fits"
         print(f"{what} in {format_bytes(device_memory)} (host {format_bytes(host_memory)}): "
               + ("--allow-lossy or without --lossless-only, lossy choices could; " if lossy == "never" else "")
-              + "a smaller model, a shorter tokenizer.max_seq_len, a LoRA recipe, or a larger device")
+              + ("the host is what stops it" if larger_host is not None else
+                 "a smaller model, a shorter tokenizer.max_seq_len, a LoRA recipe, or a larger device"))
+        if larger_host is not None:
+            print("  " + host_line(larger_host, world_size, "the answer"))
         return 1
     plan = best.plan
     print(f"\nanswer: {describe(best.changes)}")
     print(f"  device {format_bytes(plan.device_total_bytes)} of {format_bytes(device_memory)} (allocator peak "
-          f"{format_bytes(plan.device_peak_bytes)} + context; margin {format_bytes(margin)} kept), host "
-          f"{format_bytes(plan.host_peak_bytes)} of {format_bytes(host_memory)}"
-          + (f", managed {format_bytes(plan.managed_bytes)} ({format_bytes(plan.paged_bytes())} paged)"
-             if plan.managed_bytes else ""))
+          f"{format_bytes(plan.device_peak_bytes)} + context; margin {format_bytes(margin)} kept), "
+          + host_figures(plan, host_memory))
+    if larger_host is not None:
+        print("  " + host_line(larger_host, world_size, "lossless, with more host memory: the answer"))
     if plan.estimated:
         print(f"  ({plan.estimated}; `mtune plan` on the written config gives the whole plan)")
     print(f"  micro-batch {best.cfg.batch_size} x {accumulation_steps(best.cfg)} "
@@ -248,37 +278,3 @@ def fit_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], sc
                   else "lossy (--allow-lossy): ")
     return close_answer(cfg, best, best.changes, lossy_head, recipe=recipe, config_path=config_path,
                         overrides=overrides, output=output)
-
-
-def close_answer(cfg, answer: Candidate, changes: dict, lossy_head: str, *, recipe: str, config_path: Path,
-                 overrides: list[str], output: Path) -> int:
-    """The last lines of a ``--fit`` answer (``--maximize`` too): what the answer gives up (after ``lossy_head``,
-    which says why) or how its numbers compare with ``cfg``'s; then the user's config with ``changes`` written to
-    ``output``, and the command that runs it. Returns the exit status, 0."""
-    print(f"  {lossy_head}gives up " + ", ".join(answer.lossy) if answer.lossy
-          else "  " + numerics_line(cfg, answer.cfg))
-    write_config(config_path, overrides, changes, output)
-    print(f"written to {output}; run it with:\n  mtune run {recipe} --config {output}")
-    return 0
-
-
-def numerics_line(cfg, answer_cfg) -> str:
-    """Whether a lossless answer computes the config's own numbers, or more precise ones: a technique that is
-    lossy in ``cfg`` (an NF4 or fp8 base) and not in ``answer_cfg`` was dropped because its memory is not needed."""
-    dropped = phases.dropped_losses(MemoryConfig.from_config(cfg), MemoryConfig.from_config(answer_cfg))
-    if dropped:
-        return (f"more precise than the config: no {', '.join(dropped)} (it fits without: not the same numbers, "
-                "nothing given up)")
-    return "lossless: the same numbers as the config"
-
-
-def write_config(config_path: Path, overrides: list[str], changes: dict, output: Path) -> Path:
-    """The user's config with their overrides and the fit's changes (a node replaced whole), interpolations kept,
-    as YAML."""
-    cfg = load_config(config_path, overrides)
-    for key, value in changes.items():
-        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-    header = f"# Written by `mtune plan --fit` from {config_path}; changed: {describe(changes)}\n"
-    output = Path(output)
-    output.write_text(header + OmegaConf.to_yaml(cfg))
-    return output

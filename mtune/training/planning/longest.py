@@ -11,11 +11,14 @@ peak grows linearly in the row length once the attention kernel keeps no ``s x s
 2. only the candidates that no other candidate out-saves on every knob (the maxima of the search space; the recipe's
    rules exclude some combinations, so there may be several) can reach the longest context: each is planned at
    two lengths and the line through the two peaks solved for the budget (device, and host where its peak grows
-   too), rounded down to :data:`STEP` tokens, then planned there and stepped down until it fits;
+   too), rounded down to :data:`STEP` tokens, then planned there and stepped down until it fits; after the first,
+   a candidate is first planned one step beyond the longest length found so far, and searched only if it fits
+   there (the bracket: the peak grows with the length, so one that does not fit there cannot be longer);
 3. the longest of them, capped at the model's trained context (``max_position_embeddings``: Llama 3.1 131,072), is
    the answer's length; at that length the ordinary ``--fit`` search finds the fastest candidate that fits;
-4. the curve (the answer's planned device total at every power of two up to the length) and the category that
-   grew most along it (what limits the length) are printed, and the config is written as ``--fit`` writes it.
+4. the curve (the answer's device total at every power of two up to the length: the first and the last planned, the
+   others on the line between them) and the category that grew most along it (what limits the length) are
+   printed, and the config is written as ``--fit`` writes it.
 """
 
 from __future__ import annotations
@@ -31,28 +34,21 @@ from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice
 from mtune.training.model_setup import resolve_model_source
-from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe,
+from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe, floor_reason,
                                                 registry_knobs, with_overrides)
-from mtune.training.planning.cost import one_search
-from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, fits_budgets, search
-from mtune.training.planning.memory_plan import MemoryPlan
+from mtune.training.planning.cost import device_floor, model_facts, one_search
+from mtune.training.planning.estimate import Estimator, interpolate
+from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, search
+from mtune.training.planning.host import host_figures
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
+from mtune.training.planning.reach import PROBES, SHORTEST, STEP, Fitter, at_length
 from mtune.units import format_bytes
 
-__all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE", "STEP",
-           "SHORTEST"]
+__all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE",
+           "STEP", "SHORTEST"]
 
 MAXIMIZE = ("seq_len",)
 """What ``--maximize`` can maximize."""
-
-STEP = 1024
-"""The answer's length is a multiple of this many tokens."""
-
-SHORTEST = 1024
-"""A candidate that does not fit rows of this many tokens is not a long-context answer."""
-
-_PROBES = (8192, 32768)
-"""The two row lengths each maximal candidate is planned at first (the line through them is solved)."""
 
 
 @dataclass
@@ -67,7 +63,10 @@ class LongestContext:
     curve: list[tuple[int, MemoryPlan]] = field(default_factory=list)
     limiting: str = ""
     reach: list[tuple[Candidate, int]] = field(default_factory=list)
-    """Each maximal candidate (every saving the rules allow together) with the longest length it fits."""
+    """Each maximal candidate (every saving the rules allow together) searched, with the longest length it fits."""
+    bounded: list[tuple[Candidate, int]] = field(default_factory=list)
+    """Each maximal candidate not searched: it does not fit the length beside it, one step beyond the longest
+    found before it (or the trained context was reached already)."""
 
 
 def trained_context(cfg) -> int:
@@ -105,92 +104,24 @@ def _maxima(candidates: list[Candidate]) -> list[Candidate]:
     return [c for c in candidates if not any(below(c.levels, d.levels) for d in candidates)]
 
 
-def _at(cfg, seq_len: int):
-    return with_overrides(cfg, {"tokenizer.max_seq_len": int(seq_len)})
+def _reaching(candidates: list[Candidate], device_budget: int, host_memory: int | None,
+              world_size: int) -> list[Candidate]:
+    """The candidates whose reach is searched: the maxima of those whose floor fits both budgets, and the maxima of
+    those that hold nothing on the host whatever the length (no weights or states there), which every host admits:
+    where the host cannot hold what a maximum offloads (its frozen weights), a candidate that keeps it on the
+    device may reach further, and with the second set a larger host only adds candidates to search."""
+    context = CUDA_CONTEXT_BYTES if candidates and model_facts(candidates[0].cfg).cuda else 0
+    admitted = [c for c in candidates
+                if floor_reason(c.cfg, device_budget, host_memory, context, world_size) is None]
+    hostless = [c for c in admitted if not any(device_floor(c.cfg, world_size)[1].values())]
+    first = _maxima(admitted)
+    return first + [c for c in _maxima(hostless) if c not in first]
 
 
 def _any_length(cfg):
     """``cfg`` with settings written for one length made to hold at every length planned."""
     overrides = _for_any_length(cfg)
     return with_overrides(cfg, overrides) if overrides else cfg
-
-
-class _Fitter:
-    """Plans a candidate at a length and says whether it fits, as ``--fit`` judges it (device total plus the
-    allocator margin within the device budget, host peak within the host budget)."""
-
-    def __init__(self, estimator: Estimator, device_memory: int, host_memory: int | None, margin: int):
-        self.estimator, self.device_memory, self.host_memory, self.margin = (estimator, device_memory, host_memory,
-                                                                             margin)
-
-    def plan(self, cfg, seq_len: int) -> MemoryPlan:
-        plan = self.estimator.estimate(_at(cfg, seq_len))
-        plan.device_memory, plan.host_memory = self.device_memory, self.host_memory
-        return plan
-
-    def fits(self, plan: MemoryPlan) -> bool:
-        return fits_budgets(plan, self.device_memory, self.host_memory, self.margin)
-
-    def spare(self, plan: MemoryPlan) -> list[int]:
-        """Bytes left per budget (device less the margin; host where there is one)."""
-        spare = plan.fits()
-        return [spare["device"] - self.margin] + ([spare["host"]] if spare["host"] is not None else [])
-
-    def longest(self, cfg, limit: int, say: Callable[[str], None]) -> int:
-        """The longest multiple of :data:`STEP` up to ``limit`` (or ``limit`` itself) at which ``cfg`` fits; 0
-        when not even :data:`SHORTEST`."""
-        short, long_ = (min(p, limit) for p in _PROBES)
-        guess = limit
-        if long_ > short:
-            p, q = self.plan(cfg, short), self.plan(cfg, long_)
-            for s_p, s_q in zip(self.spare(p), self.spare(q)):
-                slope = (s_q - s_p) / (long_ - short)  # spare bytes per token (negative: the peak grows)
-                if slope < 0:
-                    guess = min(guess, int(short + s_p / -slope))
-            say(f"  {format_bytes(p.device_total_bytes)} at {short:,}, {format_bytes(q.device_total_bytes)} at "
-                f"{long_:,} tokens: the line reaches {guess:,}")
-        return self._edge(cfg, max(SHORTEST, guess), limit)
-
-    def _edge(self, cfg, guess: int, limit: int) -> int:
-        """The longest length that fits, from the line's ``guess``: planned there, then walked up or down by 3%
-        (or :data:`STEP`) to the first length on the other side, then bisected to :data:`STEP` tokens (what is
-        not linear in the peak moves the edge a few steps at most)."""
-
-        def at(length: int) -> int:
-            return limit if length >= limit else max(SHORTEST, length // STEP * STEP)
-
-        def fits(length: int) -> bool:
-            return self.fits(self.plan(cfg, length))
-
-        def stride(length: int) -> int:
-            return max(STEP, int(length * 0.03) // STEP * STEP)
-
-        length = at(guess)
-        if fits(length):
-            lo, hi = length, None
-            while lo < limit:
-                nxt = at(lo + stride(lo))
-                if not fits(nxt):
-                    hi = nxt
-                    break
-                lo = nxt
-            if hi is None:
-                return lo
-        else:
-            hi = length
-            while True:
-                if hi <= SHORTEST:
-                    return 0
-                lo = at(hi - stride(hi))
-                if fits(lo):
-                    break
-                hi = lo
-        while hi - lo > STEP:  # lo fits, hi does not
-            mid = at((lo + hi) // 2)
-            if mid in (lo, hi):
-                break
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
 
 
 def _limiting(curve: list[tuple[int, MemoryPlan]]) -> str:
@@ -215,18 +146,28 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
                        f"the {SHORTEST:,} a long-context answer starts at: plan tokenizer.max_seq_len={trained} "
                        "without --maximize")
     base, _ = long_context_base(cfg)
-    fitter = _Fitter(estimator, device_memory, host_memory, margin)
+    fitter = Fitter(estimator, device_memory, host_memory, margin)
     knobs = _one_row_knobs()
     # the choices at a long row (tiling the MLP is offered only where a row is wider than the model)
-    probe = _at(base, min(_PROBES[-1], trained))
+    probe = at_length(base, min(PROBES[-1], trained))
     candidates = candidates_of(probe, schema, knobs, device_memory=device_memory, world_size=world_size)
     lossless = [c for c in candidates if not c.lossy]
     phases = {"never": [lossless], "compete": [candidates]}.get(lossy, [lossless, [c for c in candidates if c.lossy]])
-    best_len, reach = 0, []
+    best_len, reach, bounded = 0, [], []
     for phase in phases:
-        for candidate in sorted(_maxima(phase), key=lambda c: c.cost):
+        for candidate in sorted(_reaching(phase, device_memory - margin, host_memory, world_size),
+                                key=lambda c: c.cost):
             progress(f"longest context with {describe(candidate.changes)}:")
-            length = fitter.longest(_any_length(candidate.cfg), trained, progress)
+            variant = _any_length(candidate.cfg)
+            # the bracket: a candidate that does not fit one step beyond the longest found cannot beat it (the
+            # peak grows with the length), so one plan answers it instead of a search
+            beyond = min(best_len + STEP, trained)
+            if best_len and (best_len >= trained or not fitter.fits(fitter.fitting_plan(variant, beyond))):
+                bounded.append((candidate, beyond))
+                progress(f"  does not fit {beyond:,} tokens: no longer than {best_len:,}"
+                         if best_len < trained else "  the trained context is reached already")
+                continue
+            length = fitter.longest(variant, trained, progress)
             reach.append((candidate, length))
             progress(f"  fits {length:,} tokens" if length else f"  does not fit {SHORTEST:,} tokens")
             best_len = max(best_len, length)
@@ -234,14 +175,22 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
             break
     if not best_len:
         return LongestContext(0, None, trained, reach=reach)
-    at_length = _at(base, best_len)
-    found = search(at_length, schema, device_memory=device_memory, host_memory=host_memory, knobs=knobs,
+    at_best = at_length(base, best_len)
+    found = search(at_best, schema, device_memory=device_memory, host_memory=host_memory, knobs=knobs,
                    world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
     answer = best_of(found)
+    if answer is None:  # a candidate reached best_len, so the search must find one: say so rather than guess
+        raise FitError(f"--maximize: a candidate fits {best_len:,} tokens but the --fit search there found none "
+                       f"within its {len(found)} candidates (a planner fault: please report it)")
     lengths = [2 ** k for k in range(12, int(math.log2(best_len)) + 1) if 2 ** k < best_len] + [best_len]
-    curve = [(s, fitter.plan(answer.cfg, s)) for s in lengths]
+    # the ends planned, the powers of two between them on the line through the two (the peak is linear in the
+    # row length: tests/recipes/test_plan_long_context.py): each plan of a long row costs seconds
+    first, last = fitter.plan(answer.cfg, lengths[0]), fitter.plan(answer.cfg, best_len)
+    curve = [(s, first if s == lengths[0] else last if s == best_len else
+              interpolate(first, last, (s - lengths[0]) / (best_len - lengths[0]), estimated="on the line between "
+                          f"the plans at {lengths[0]:,} and {best_len:,} tokens")) for s in lengths]
     return LongestContext(best_len, answer, trained, capped=best_len == trained, curve=curve,
-                          limiting=_limiting(curve), reach=reach)
+                          limiting=_limiting(curve), reach=reach, bounded=bounded)
 
 
 def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str], schema, maximize: str,
@@ -268,12 +217,12 @@ def longest_command(cfg, *, recipe: str, config_path: Path, overrides: list[str]
     print("\ncontext -> planned device total (allocator peak + context) with the answer's techniques:")
     for seq_len, plan in result.curve:
         print(f"  {seq_len:>9,} tokens  {format_bytes(plan.device_total_bytes):>10}   host "
-              f"{format_bytes(plan.host_peak_bytes)}")
+              f"{format_bytes(plan.host_need_bytes)}" + ("   (on the line)" if "on the line" in plan.estimated else ""))
     plan = result.curve[-1][1]
     print(f"\nanswer: {result.seq_len:,} tokens per row ({estimator.planned} plans, {seconds:.0f} CPU-s)")
     print(f"  with {describe(changes)}")
     print(f"  device {format_bytes(plan.device_total_bytes)} of {format_bytes(device_memory)} (margin "
-          f"{format_bytes(margin)} kept), host {format_bytes(plan.host_peak_bytes)} of {format_bytes(host_memory)}")
+          f"{format_bytes(margin)} kept), {host_figures(plan, host_memory)}")
     if result.capped:
         print(f"  stopped at the model's trained context, {result.trained_context:,} tokens "
               "(max_position_embeddings; a checkpoint whose config.json sets rope scaling and a larger "

@@ -68,6 +68,13 @@ class MemoryPlan:
         return self.managed_bytes - self.managed_resident_bytes()
 
     @property
+    def host_need_bytes(self) -> int:
+        """What the host must hold: its peak less the managed bytes that stay resident on the device (counted in
+        ``host_peak_bytes``, where the driver pages them under pressure, but taking no host memory while resident).
+        The figure ``--fit`` holds within the host budget, and prints as the answer's host."""
+        return self.host_peak_bytes - self.managed_resident_bytes()
+
+    @property
     def device_total_bytes(self) -> int:
         """The device peak plus the CUDA context: what the GPU must hold."""
         return self.device_peak_bytes + self.cuda_context_bytes
@@ -76,8 +83,7 @@ class MemoryPlan:
         """Spare bytes per location (negative: short by that much); None where no budget was given."""
         return {
             "device": None if self.device_memory is None else self.device_memory - self.device_total_bytes,
-            "host": None if self.host_memory is None else (self.host_memory - self.host_peak_bytes
-                                                           + self.managed_resident_bytes()),
+            "host": None if self.host_memory is None else self.host_memory - self.host_need_bytes,
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -96,6 +96,9 @@ class _Record:
     __slots__ = ("nbytes", "category", "where", "ref")
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 class TensorTracker(TorchDispatchMode):
     """Counts live tensor bytes by category and location; see the module docstring.
 
@@ -345,6 +348,8 @@ class TensorTracker(TorchDispatchMode):
 
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
+        if func is _DEVICE:  # a tensor's .device (the autograd engine asks it of every gradient): no storage
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if self._propagating:
             return out

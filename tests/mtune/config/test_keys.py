@@ -51,7 +51,8 @@ def test_memory_config_carries_each_memory_key_under_its_yaml_name():
     # from_config reads every key by its own name: change each one and see it arrive
     changed = {"optimizer_offload": "cpu", "weight_offloading": {"type": "leaf_level", "blocks_per_group": 3},
                "weight_storage_dtype": "float8_e5m2", "weight_storage_skip_patterns": ["model.layers.0.*"],
-               "activation_checkpointing_policy": "selective_op", "attention_kernel": "dense_mask"}
+               "activation_checkpointing_policy": "selective_op", "attention_kernel": "dense_mask",
+               "activation_offloading_blocks": 5}
     flipped = {k.name: changed[k.name] if k.name in changed else not k.default if isinstance(k.default, bool)
                else k.default + 2 for k in MEMORY_KEYS.keys}
     memory = MemoryConfig.from_config(OmegaConf.create({"output_dir": "x", **flipped}))

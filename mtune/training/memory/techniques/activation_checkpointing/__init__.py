@@ -65,12 +65,13 @@ class ActivationCheckpointing(MemoryTechnique):
         this knob). selective_op keeps ~56% of a block's activations (the matmul outputs), more than block
         checkpointing of every 2nd block keeps; with LoRA on a frozen base it can keep more than no checkpointing
         at all (backward needs none of the frozen matmuls' outputs), so it is searched only for full fine-tunes."""
-        block = {"activation_checkpointing_policy": "block", "enable_activation_offloading": False}
+        block = {"activation_checkpointing_policy": "block", "enable_activation_offloading": False,
+                 "activation_offloading_blocks": None}  # every block when offloading: --fit lowers it for the host
         every = {"enable_activation_checkpointing": True, "activation_checkpointing_every_n_layers": 1}
         choices = [FitChoice(0, {"enable_activation_checkpointing": False, **block})]
         if memory.lora is None:
             choices.append(FitChoice(1, {**every, "activation_checkpointing_policy": "selective_op",
-                                         "enable_activation_offloading": False}))
+                                         "enable_activation_offloading": False, "activation_offloading_blocks": None}))
         if facts.n_layers >= 2:
             choices.append(FitChoice(2, {**every, "activation_checkpointing_every_n_layers": 2, **block}))
         choices.append(FitChoice(3, {**every, **block}))

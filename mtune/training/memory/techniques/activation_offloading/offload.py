@@ -128,11 +128,14 @@ def _keep_saved_tensors_in_place(module: nn.Module) -> None:
 
 
 def apply_activation_offloading(
-    model: nn.Module, use_streams: bool = True, min_offload_bytes: int = 1 << 20, placement: Placement | None = None
+    model: nn.Module, use_streams: bool = True, min_offload_bytes: int = 1 << 20, placement: Placement | None = None,
+    blocks: int | None = None,
 ) -> OffloadActivations:
     """The `OffloadActivations` context for `model`; enter it around forward and backward. Inside `model.norm` and
     `model.lm_head` saved tensors stay in place (forward hooks installed here, in place): they run last in forward
-    and first in backward, so offloading them would only add copies."""
+    and first in backward, so offloading them would only add copies. ``blocks``: only the first ``blocks`` of
+    ``model.layers`` offload what they save (a checkpointed block: its input), the later ones keep it in place too;
+    None: every block. The first ones go because their inputs wait longest for backward."""
     placement = placement or Placement.default()
     if not placement.distinct:
         log.info("activation offloading: the model computes in host memory (%s): it saves nothing", placement.compute)
@@ -140,5 +143,8 @@ def apply_activation_offloading(
         module = getattr(model, name, None)
         if module is not None:
             _keep_saved_tensors_in_place(module)
+    if blocks is not None:
+        for block in list(model.layers)[blocks:]:
+            _keep_saved_tensors_in_place(block)
     return OffloadActivations(use_streams=use_streams, min_offload_bytes=min_offload_bytes, model=model,
                               placement=placement)
