@@ -12,7 +12,7 @@ from torch import nn
 from mtune.models.qwen3 import Qwen3Args
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.moe import MoE
-from mtune.modules.transformer import TransformerBlock
+from mtune.modules.pre_norm_block import TransformerBlock
 
 
 @dataclass
