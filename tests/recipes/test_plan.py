@@ -284,11 +284,20 @@ def test_plan_check_plans_a_distributed_run_beside_its_process_group(tmp_path, t
 @pytest.mark.parametrize("recipe, changes", [("lora_distributed", {}),
                                              ("full_distributed", {"~lora": None, "fsdp_reshard_after_forward": False})])
 def test_per_rank_plan_matches_a_two_rank_run(tmp_path, tiny_checkpoint, tiny_data, recipe, changes):
+    """Rank 0's measured peak within 5% of the plan, give or take one block's all-gathered parameters: whether
+    FSDP2's prefetch of the next block has begun at the peak depends on the two processes' timing (seen 2.4 MB low,
+    one block's fp32 parameters, on a loaded machine; the plan is deterministic)."""
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, changes)
-    plan = plan_memory(_config(recipe, overrides), world_size=2)
+    cfg = _config(recipe, overrides)
+    plan = plan_memory(cfg, world_size=2)
     torchrun(recipe, overrides)
     measured = json.loads((tmp_path / "out" / "memory_breakdown.json").read_text())  # rank 0's
-    assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=0.05)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    dim, hidden = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * dim // config["num_attention_heads"]
+    block_bytes = 4 * (2 * dim * dim + 2 * dim * kv + 3 * dim * hidden)  # q, o, k, v, the MLP; fp32
+    assert abs(plan.device_peak_bytes - measured["device_peak_bytes"]) <= (0.05 * measured["device_peak_bytes"]
+                                                                           + block_bytes)
     for category in ("parameters", "optimizer_state"):  # rank 0's shards
         assert plan.device[category] == pytest.approx(measured["device"][category], rel=0.01), category
 
