@@ -27,3 +27,23 @@ def trained_lora_model(base_dir, seed=1, **kwargs):
             elif name.endswith("magnitude"):
                 param.mul_(1 + 0.1 * torch.randn(param.shape, generator=gen))
     return model.eval()
+
+
+def lora_steps(checkpoint_dir, lora: dict, steps: int = 8) -> tuple[torch.nn.Module, list[float]]:
+    """A LoRA (QLoRA in bf16 when ``lora["quantize_base"]``) model on ``checkpoint_dir`` trained ``steps`` AdamW
+    steps (lr 3e-3) on one seeded batch of 4 x 24 tokens; returns the model and each step's loss."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if lora["quantize_base"] else torch.float32
+    model, _ = setup_model(resolve_model_source({"checkpoint_dir": str(checkpoint_dir)}), device=torch.device("cpu"),
+                           dtype=dtype, lora=lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    tokens = torch.randint(0, 512, (4, 24), generator=torch.Generator().manual_seed(7))
+    losses = []
+    for _ in range(steps):
+        out = model(tokens[:, :-1]).float()
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, losses

@@ -13,8 +13,7 @@ from mtune.models import build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
 from mtune.training.checkpointing.peft import save_peft_adapter
-from mtune.training.model_setup import resolve_model_source, setup_model
-from tests._helpers.lora import lora_cfg
+from tests._helpers.lora import lora_cfg, lora_steps
 from tests._helpers.models import mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model
 from tests._helpers.recipes import TRAIN_CONFIG, losses, run_recipe_in_process, train_overrides, write_instruct_data
 from tests._helpers.tokenizers import write_tokenizer_files
@@ -114,21 +113,8 @@ def test_gradients_of_a_step_match_transformers():
 
 @pytest.mark.parametrize("quantize_base", [False, True])
 def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, qwen3_5_dir, tmp_path):
-    torch.manual_seed(0)
     lora = lora_cfg(modules=LINEARS, quantize_base=quantize_base)
-    dtype = torch.bfloat16 if quantize_base else torch.float32
-    model, _ = setup_model(resolve_model_source({"checkpoint_dir": str(qwen3_5_dir)}), device=torch.device("cpu"),
-                           dtype=dtype, lora=lora)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    tokens = torch.randint(0, 512, (4, 24), generator=torch.Generator().manual_seed(7))
-    run = []
-    for _ in range(8):
-        out = model(tokens[:, :-1]).float()
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        run.append(loss.item())
+    model, run = lora_steps(qwen3_5_dir, lora)
     assert run[-1] < run[0] - 0.5, run
     if quantize_base:
         return
