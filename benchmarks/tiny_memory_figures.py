@@ -14,7 +14,8 @@ section's numbers (``scripts/check_figures.py``):
 - ``checkpointing.json``: bytes of distinct storages saved for backward, 8 tiny layers, batch 2 x 64, none / every
   block / every 2nd block (``tests/mtune/training/memory/test_activations.py``); MemTracker's activation bytes at the
   end of forward, 2 layers, none / selective_op / selective_op every 2nd block / block
-  (``tests/mtune/training/memory/test_selective_checkpointing.py``);
+  (``tests/mtune/training/memory/test_selective_checkpointing.py``); and, with LoRA r8 on q, v, o over a frozen base,
+  the activation bytes mtune's TensorTracker (``mtune plan``'s yardstick) counts live at the end of forward;
 - ``optimizers.json``: drift from torch.optim.AdamW after 10 steps on a 2 x (128 x 128) MLP and state bytes over
   AdamW's (``tests/mtune/training/memory/test_optimizers.py``).
 
@@ -142,6 +143,9 @@ def checkpointing() -> list[dict]:
     """Saved-for-backward bytes (8 layers) and MemTracker's activation bytes after forward (2 layers)."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+    from mtune.modules.lora import apply_lora
+    from mtune.training.planning.tracker import TensorTracker
+
     from mtune.training.memory.techniques.activation_checkpointing.checkpoint import apply_activation_checkpointing
 
     gen = torch.Generator().manual_seed(7)
@@ -181,16 +185,33 @@ def checkpointing() -> list[dict]:
                               saved_bytes(apply_activation_checkpointing(copy.deepcopy(plain), every_n_layers=2)))
     rows = [{"name": "saved for backward, 8 layers", "none_bytes": none, "block_bytes": block,
              "every_2nd_block_bytes": every_2nd, "none_over_block_ratio": none / block}]
-    for name in ("full",):  # MemTracker hooks every parameter's gradient: a frozen base cannot be tracked
-        plain = model(2)
-        variants = {"none": plain,
-                    "selective_op": apply_activation_checkpointing(copy.deepcopy(plain), policy="selective_op"),
-                    "selective_op_every_2nd_block": apply_activation_checkpointing(
-                        copy.deepcopy(plain), every_n_layers=2, policy="selective_op"),
-                    "block": apply_activation_checkpointing(copy.deepcopy(plain), policy="block")}
-        row = {"name": f"after forward, 2 layers, {name}"}
-        row.update({f"{k}_bytes": after_forward(m) for k, m in variants.items()})
-        rows.append(row)
+    def tracked_after_forward(m):  # mtune plan's yardstick: live activation storages once forward and loss ran
+        with TensorTracker(model=m) as tracker:
+            loss_sum, n = CrossEntropyLoss()(m(tokens), labels)
+            live = tracker.current()["device"]["activations"]
+            (loss_sum / n).backward()
+        return live
+
+    def variants(plain, every_2nd=True):
+        out = {"none": plain,
+               "selective_op": apply_activation_checkpointing(copy.deepcopy(plain), policy="selective_op"),
+               "block": apply_activation_checkpointing(copy.deepcopy(plain), policy="block")}
+        if every_2nd:
+            out["selective_op_every_2nd_block"] = apply_activation_checkpointing(
+                copy.deepcopy(plain), every_n_layers=2, policy="selective_op")
+        return out
+
+    plain = model(2)
+    row = {"name": "after forward, 2 layers, full (MemTracker)"}
+    row.update({f"{k}_bytes": after_forward(m) for k, m in variants(plain).items()})
+    row["block_input_bytes"] = plain.embed_tokens(tokens).untyped_storage().nbytes()  # what block keeps a block
+    rows.append(row)
+    # MemTracker hooks every parameter's gradient, so a frozen base needs mtune's own tracker
+    lora = model(2)
+    apply_lora(lora, ["q_proj", "v_proj", "o_proj"], rank=8, alpha=16)
+    row = {"name": "after forward, 2 layers, LoRA on q, v, o (TensorTracker)"}
+    row.update({f"{k}_bytes": tracked_after_forward(m) for k, m in variants(lora, every_2nd=False).items()})
+    rows.append(row)
     return rows
 
 
@@ -228,7 +249,7 @@ def optimizers() -> list[dict]:
                       "torchao.optim.AdamW4bit", "bitsandbytes.optim.PagedAdamW"):
         model, opt = train(component)
         rows.append({"name": component, "drift": drift(model, reference, mlp()),
-                     "state_bytes_ratio": optimizer_state_bytes(opt) / optimizer_state_bytes(ref_opt)})
+                     "state_size_ratio": optimizer_state_bytes(opt) / optimizer_state_bytes(ref_opt)})
     return rows
 
 

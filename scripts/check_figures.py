@@ -20,8 +20,9 @@ else in its line (not for a range, which spans records); each string weighs 1 / 
 and the best-named records give the numbers (every number in them, strings included). Only when none is named does
 the whole file count. A number gives only figures of a unit its kind allows: the kind its JSON key, its table
 column or the unit printed after it names (bytes, GiB, MiB, seconds, tok/s, a fraction, a ratio, a rate), none for
-the machine's description (load averages, thread counts, steps). A range's two ends must be values of one key of
-one file: the least and the most of one quantity.
+the machine's description (load averages, thread counts, steps). A run's ``machine``, ``meta`` and ``config``
+objects are not records. A range's two ends must be values of one key of one file: the least and the most of one
+quantity.
 
 A config header (the comment lines above ``recipe:`` in ``recipes/configs/**.yaml``) is sourced from
 ``benchmarks/results/plan_configs.json``'s record of that config unless a header line names another file.
@@ -168,7 +169,9 @@ def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, 
     values: set[tuple[str, str, float]] = set()
     for child_key, child in items:
         values |= _json_records(child, records, child_key)
-    if isinstance(node, dict) and key not in ("machine", "meta"):  # where a run ran names none of its results
+    # where a run ran, and what it was given (its "config": dtype, policy, the row's own name again), name none of
+    # its results: such an object is no record, or a clause naming "fp32" would pick the inputs over the row
+    if isinstance(node, dict) and key not in ("machine", "meta", "config"):
         strings = frozenset(v for v in node.values() if isinstance(v, str) and 2 <= len(v) <= 80
                             and not re.fullmatch(r"[\d\s:.+\-T/Z]+", v))  # a date names no record
         if strings:

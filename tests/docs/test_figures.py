@@ -123,3 +123,16 @@ def test_a_row_labelled_in_inline_code_names_its_record(tiny_repo):
     text = "Peaks (`benchmarks/results/runs.json`):\n\n| case | peak |\n|---|---:|\n| `lora` | {} |\n"
     assert _unsourced(tiny_repo, text.format("1.50 GiB")) == []
     assert _unsourced(tiny_repo, text.format("0.9 GiB")) == ["0.9 GiB"]
+
+
+def test_a_runs_config_names_none_of_its_results(tiny_repo):
+    """A row's ``config`` object holds the run's inputs, not results: it is no record, so prose that names a config
+    value ("fp32") still reaches the row's numbers, and the other row's number still fails. Mutation: ``config``
+    records kept (the key dropped from the excluded ones) made the selective run's 315.8 MiB unsourced."""
+    rows = [{"name": name, "config": {"name": name, "policy": policy, "dtype": "fp32"},
+             "activations_bytes": mib * 2**20}
+            for name, policy, mib in (("selective run", "selective_op", 315.8), ("plain run", "block", 451.8))]
+    (tiny_repo / "benchmarks" / "results" / "cfg.json").write_text(json.dumps({"rows": rows}))
+    text = "# Runs\n\nFrom benchmarks/results/cfg.json: the selective run in fp32 keeps {}.\n"
+    assert _unsourced(tiny_repo, text.format("315.8 MiB")) == []
+    assert _unsourced(tiny_repo, text.format("451.8 MiB")) == ["451.8 MiB"]
