@@ -4,7 +4,7 @@ Each figure here is arithmetic on numbers other benchmarks wrote (no new measure
 file lets ``scripts/check_figures.py`` check the quoted ratio against the files it came from instead of taking
 the doc's word for it. Reads only ``benchmarks/results/``; writes two files, one per doc section, so that a
 paragraph cites only the ratios of its own topic: ``benchmarks/results/derived_head_to_head.json`` (the first two
-lists) and ``benchmarks/results/derived_memory_techniques.json`` (the third):
+lists) and ``benchmarks/results/derived_memory_techniques.json`` (the last two):
 
 - ``eager_to_compiled``: per head-to-head case and dtype, mtune's compiled tokens/s (``h2h_compile``) over its eager
   tokens/s of the fifth run (``h2h_fused_loss``); plus the bf16 full + checkpointing re-run
@@ -12,7 +12,9 @@ lists) and ``benchmarks/results/derived_memory_techniques.json`` (the third):
 - ``segments_over_dense_mask``: per case and dtype of ``h2h_packed_segments``, mtune's tokens/s with per-document
   attention over the same run's ``mtune:dense_mask`` tokens/s.
 - ``optimizer_state_vs_adamw``: per row of ``memory_techniques.json``, its optimizer-state bytes over the fp32
-  AdamW baseline's.
+  AdamW baseline's;
+- ``offloading_totals``: per row of ``memory_techniques_offloading.json``, its device total over the fp32 AdamW
+  baseline's and over the LoRA r8 fp32 row's.
 
     python benchmarks/derived_figures.py     # about a second
 """
@@ -74,13 +76,26 @@ def optimizer_state_vs_adamw() -> list[dict]:
     return [{"name": r["name"], "optimizer_state_ratio": r["optimizer_state"] / base} for r in rows]
 
 
+def offloading_totals() -> list[dict]:
+    """Each row of ``memory_techniques_offloading.json`` (run on its own): its device total over the full fp32 AdamW
+    baseline's and over the plain LoRA r8 fp32 row's of ``memory_techniques.json`` (ratios), and the device bytes
+    a GPU would move to the host in the bf16 + AC + offloading row (``offloadable_activations``) beside its
+    activations."""
+    rows = {r["name"]: r for r in json.loads((RESULTS / "memory_techniques.json").read_text())["rows"]}
+    base, lora = rows["full fp32, AdamW (baseline)"]["total"], rows["LoRA r8 (q,k,v,o)"]["total"]
+    offloading = json.loads((RESULTS / "memory_techniques_offloading.json").read_text())["rows"]
+    return [{"name": r["name"], "total_ratio_to_baseline": r["total"] / base,
+             "total_ratio_to_lora_r8_fp32": r["total"] / lora} for r in offloading]
+
+
 def main(out_dir: Path = RESULTS) -> None:
     """Writes the two files into ``out_dir`` (default ``benchmarks/results/``; a test writes them to a tmp dir)."""
     note = "ratios of committed results files, computed by benchmarks/derived_figures.py"
     outputs = {"derived_head_to_head.json": {"note": note, "eager_to_compiled": eager_to_compiled(),
                                              "segments_over_dense_mask": segments_over_dense_mask()},
                "derived_memory_techniques.json": {"note": note,
-                                                  "optimizer_state_vs_adamw": optimizer_state_vs_adamw()}}
+                                                  "optimizer_state_vs_adamw": optimizer_state_vs_adamw(),
+                                                  "offloading_totals": offloading_totals()}}
     for name, figures in outputs.items():
         path = out_dir / name
         path.write_text(json.dumps(figures, indent=2) + "\n")
