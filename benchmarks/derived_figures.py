@@ -1,10 +1,11 @@
-"""Ratios that docs/benchmarks.md quotes between committed results files, computed from those files.
+"""Ratios and products that the docs quote between committed results files, computed from those files.
 
 Each figure here is arithmetic on numbers other benchmarks wrote (no new measurement): writing it to a results
 file lets ``scripts/check_figures.py`` check the quoted ratio against the files it came from instead of taking
-the doc's word for it. Reads only ``benchmarks/results/``; writes two files, one per doc section, so that a
+the doc's word for it. Reads only ``benchmarks/results/``; writes three files, one per doc, so that a
 paragraph cites only the ratios of its own topic: ``benchmarks/results/derived_head_to_head.json`` (the first two
-lists) and ``benchmarks/results/derived_memory_techniques.json`` (the last two):
+lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
+``benchmarks/results/derived_plan.json`` (the last):
 
 - ``eager_to_compiled``: per head-to-head case and dtype, mtune's compiled tokens/s (``h2h_compile``) over its eager
   tokens/s of the fifth run (``h2h_fused_loss``); plus the bf16 full + checkpointing re-run
@@ -14,7 +15,10 @@ lists) and ``benchmarks/results/derived_memory_techniques.json`` (the last two):
 - ``optimizer_state_vs_adamw``: per row of ``memory_techniques.json``, its optimizer-state bytes over the fp32
   AdamW baseline's;
 - ``offloading_totals``: per row of ``memory_techniques_offloading.json``, its device total over the fp32 AdamW
-  baseline's and over the LoRA r8 fp32 row's.
+  baseline's and over the LoRA r8 fp32 row's;
+- ``derived_plan.json``: the host AdamW step of Llama 3.1 8B (``host_adamw.json``'s bf16 seconds per parameter x
+  the parameters ``plan_configs.json`` counts) and the low-memory full fine-tune's planned allocator peak against
+  torchtune's published 18.9 GiB (cited in the script).
 
     python benchmarks/derived_figures.py     # about a second
 """
@@ -88,6 +92,35 @@ def offloading_totals() -> list[dict]:
              "total_ratio_to_lora_r8_fp32": r["total"] / lora} for r in offloading]
 
 
+# torchtune 0.6.1's published peak for Llama 3.1 8B full fine-tune, low memory (PagedAdamW8bit, optimizer in
+# backward, checkpointing, batch 2 x 2048 packed, RTX 4090), as issue 22 quotes it: a cited figure, not a measurement
+TORCHTUNE_LOW_MEMORY_PEAK_GIB = 18.9
+
+
+def _plan(config: str) -> dict:
+    (record,) = [r for r in json.loads((RESULTS / "plan_configs.json").read_text())["results"]
+                 if r["config"] == config]
+    return record
+
+
+def planner_figures() -> dict:
+    """docs/plan.md's arithmetic on committed files: the host AdamW step of Llama 3.1 8B's parameters at the measured
+    bf16 seconds per parameter (``host_adamw.json`` x ``plan_configs.json``'s parameter count), and the low-memory
+    full fine-tune's planned allocator peak against torchtune's published figure (a fraction: planned / published
+    - 1)."""
+    rows = json.loads((RESULTS / "host_adamw.json").read_text())["rows"]
+    (bf16,) = [r for r in rows if r["dtype"] == "bfloat16"]
+    full = _plan("llama3_1/8B_full_single_device")
+    low = _plan("llama3_1/8B_full_single_device_low_memory")
+    peak_gib = low["device_peak_bytes"] / 2**30
+    return {"host_adamw_8b_step": {"name": "host AdamW step, Llama 3.1 8B, bf16",
+                                   "parameters": full["parameters"]["total"],
+                                   "step_seconds": bf16["seconds_per_param"] * full["parameters"]["total"]},
+            "low_memory_vs_torchtune": {"name": low["config"], "planned_allocator_peak_gib": peak_gib,
+                                        "torchtune_published_gib": TORCHTUNE_LOW_MEMORY_PEAK_GIB,
+                                        "difference_fraction": peak_gib / TORCHTUNE_LOW_MEMORY_PEAK_GIB - 1}}
+
+
 def main(out_dir: Path = RESULTS) -> None:
     """Writes the two files into ``out_dir`` (default ``benchmarks/results/``; a test writes them to a tmp dir)."""
     note = "ratios of committed results files, computed by benchmarks/derived_figures.py"
@@ -95,7 +128,8 @@ def main(out_dir: Path = RESULTS) -> None:
                                              "segments_over_dense_mask": segments_over_dense_mask()},
                "derived_memory_techniques.json": {"note": note,
                                                   "optimizer_state_vs_adamw": optimizer_state_vs_adamw(),
-                                                  "offloading_totals": offloading_totals()}}
+                                                  "offloading_totals": offloading_totals()},
+               "derived_plan.json": {"note": note, **planner_figures()}}
     for name, figures in outputs.items():
         path = out_dir / name
         path.write_text(json.dumps(figures, indent=2) + "\n")

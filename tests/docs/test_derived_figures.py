@@ -19,7 +19,7 @@ def _script():
 
 def test_committed_derived_files_are_the_scripts_output(tmp_path):
     _script().main(tmp_path)
-    for name in ("derived_head_to_head.json", "derived_memory_techniques.json"):
+    for name in ("derived_head_to_head.json", "derived_memory_techniques.json", "derived_plan.json"):
         assert json.loads((tmp_path / name).read_text()) == json.loads((RESULTS / name).read_text()), name
 
 
