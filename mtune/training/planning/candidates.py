@@ -159,7 +159,9 @@ def floor_reason(cfg, device_budget: int, host_budget: int | None, context: int,
 
 NEGLIGIBLE_SAVING = 0.02
 """A floor-only choice that saves less than this share of the device budget (less the CUDA context) on the device
-floor is not searched: it would only add a technique (an optimizer offload for LoRA's few adapter states)."""
+floor is not searched: it would only add a technique (an optimizer offload for LoRA's few adapter states). A choice
+of the search, not a measurement (benchmarks/results/README.md): 2% is under the allocator margin's 5%, so a saving
+it drops could not have decided a fit."""
 
 
 def _worth_searching(cfg, knob: Knob, options: list[FitChoice], device_memory: int | None,

@@ -55,7 +55,8 @@ on a GPU: an 8B model's 32 blocks x ~40 kernels x ~15 us. ``benchmarks/planner_c
 reasoning gives ~0.05 s; the GPU suite is to measure the intercept of step time against micro-batch tokens."""
 HOST_ADAMW_SECONDS_PER_PARAM = 1.2e-9
 """Seconds per parameter of torch's fused AdamW step on the host CPU (``optimizer_offload: cpu``), bf16 parameters:
-measured by ``benchmarks/host_adamw.py`` on this project's 2-core x86_64 machine (docs/plan.md)."""
+measured by ``benchmarks/host_adamw.py`` on this project's 2-core x86_64 machine, 1.234e-9 s/param
+(benchmarks/results/host_adamw.json; docs/plan.md)."""
 
 
 def _node_key(node) -> str | None:

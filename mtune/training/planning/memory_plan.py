@@ -14,7 +14,9 @@ from mtune.units import MIB, format_bytes
 __all__ = ["MemoryPlan", "PlanError", "CUDA_CONTEXT_BYTES", "CUDA_BLOCK_BYTES"]
 
 CUDA_BLOCK_BYTES = 512
-"""The caching allocator rounds every request up to a multiple of 512 bytes; ``max_memory_allocated`` counts that."""
+"""The caching allocator rounds every request up to a multiple of 512 bytes; ``max_memory_allocated`` counts that.
+Cited: ``kMinBlockSize = 512`` in PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` ("all sizes are rounded to at
+least 512 bytes"); benchmarks/results/README.md."""
 CUDA_CONTEXT_BYTES = 512 * MIB
 """What a CUDA process takes on the GPU outside the caching allocator (the context, cuBLAS/cuDNN handles and their
 kernels): about 0.5 GiB with CUDA 12 on an H100/A100 (it varies a little with the driver and the libraries

@@ -25,7 +25,8 @@ import torch
 
 __all__ = ["LAYOUT_STANDINS", "BnbAdamLayout", "Bnb8bitAdamLayout"]
 
-_BLOCK = 256
+_BLOCK = 256  # bitsandbytes' 8-bit optimizer states: one fp32 absmax per 256 values (``blocksize = 256`` in
+# bitsandbytes/optim/optimizer.py's Optimizer2State.init_state); benchmarks/results/README.md
 
 
 class BnbAdamLayout(torch.optim.Optimizer):
