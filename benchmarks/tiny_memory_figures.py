@@ -78,10 +78,10 @@ def nf4() -> list[dict]:
     linears = [m for m in qlora.layers.modules() if isinstance(m, (LoRALinear, FrozenNF4Linear))]
     with torch.no_grad():
         ref, ours = bf16.eval()(tokens).float(), qlora.eval()(tokens).float()
-    return [{"name": "NF4 block linears (tiny Llama 3.1, LoRA r8 on q, v)",
-             "nf4_bytes": sum(nbytes(m.weight) for m in linears),
-             "bf16_bytes": sum(m.weight.numel() * 2 for m in linears),
-             "nf4_over_bf16_ratio": sum(nbytes(m.weight) for m in linears) / sum(m.weight.numel() * 2 for m in linears),
+    nf4_bytes = sum(nbytes(m.weight) for m in linears)
+    bf16_bytes = sum(m.weight.numel() * 2 for m in linears)
+    return [{"name": "NF4 block linears (tiny Llama 3.1, LoRA r8 on q, v)", "nf4_bytes": nf4_bytes,
+             "bf16_bytes": bf16_bytes, "nf4_over_bf16_ratio": nf4_bytes / bf16_bytes,
              "logits_relative_l2_error_vs_bf16": _relative_l2(ours, ref)}]
 
 
