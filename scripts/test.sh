@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command: install mtune with its test extras (editable) and run the whole suite, slow tests
 # included, on two worker processes (MTUNE_TEST_WORKERS; each test still writes only in its own temporary
-# directory), printing the 25 slowest. Extra arguments go to pytest. CI (.ci/run) runs it after checking the
-# README's install without extras (scripts/smoke_install.sh).
+# directory), printing the 25 slowest. Each worker takes one module at a time (--dist loadscope), in the order
+# tests/conftest.py sets (the heaviest directories first), so a module's fixtures are built once. Extra arguments go
+# to pytest. CI (.ci/run) runs it after checking the README's install without extras (scripts/smoke_install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0
@@ -10,4 +11,4 @@ python3 -m pip install -q -e '.[dev]'
 bash scripts/print_versions.sh
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/mtune-inductor-cache}"
 # pytest exits 5 when it collected no test: that is a failure here too.
-python3 -m pytest -q -n "${MTUNE_TEST_WORKERS:-2}" --durations=25 "$@"
+python3 -m pytest -q -n "${MTUNE_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder --durations=25 "$@"

@@ -36,3 +36,18 @@ def _mtune_logger_as_found():
     yield
     _MTUNE_LOGGER.handlers[:] = handlers
     _MTUNE_LOGGER.propagate, _MTUNE_LOGGER.level = propagate, level
+
+
+# The directories whose modules run whole fine-tunes (subprocesses, several ranks), heaviest first. scripts/test.sh
+# hands each worker one module at a time (--dist loadscope: a module's fixtures are built once, on one worker) in
+# the order below, so that the suite does not end on one worker running a long module while the other idles: the
+# README's first command (over a minute) would otherwise be collected last.
+_HEAVY_FIRST = ("tests/test_readme.py", "tests/recipes/", "tests/mtune/models/", "tests/benchmarks/")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return next((i for i, prefix in enumerate(_HEAVY_FIRST) if path.startswith(prefix)), len(_HEAVY_FIRST))
+
+    items.sort(key=rank)  # stable: each module's tests keep their order, and modules their collection order
