@@ -360,3 +360,20 @@ def test_expert_adapters_load_in_peft_on_transformers_fused_experts(modules, lay
     merged = save_merged_model(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")  # per-expert keys
     with torch.no_grad():
         assert (hf_model(merged)(TOKENS).logits - expected).abs().max().item() <= 1e-5
+
+
+def test_fit_floor_counts_the_experts_as_nf4_under_qlora():
+    """``--fit``'s floors read the stored bytes of the frozen weights: the experts' stacked NF4 weights at NF4's rate,
+    not the model dtype's. Oracle: the parameter bytes the planner tracked for the tiny QLoRA config (the golden
+    plan): a floor is at most that, and here 80% of it (the plan also counts each small tensor as a 512-byte
+    allocation). Mutation seen failing: 3-D weights counted in bf16 (the floor then above the plan; on
+    Qwen3-30B-A3B it rejected all 480 candidates of --fit 24GiB)."""
+    from mtune.training.planning.cost import model_facts
+    from tests._helpers.paths import REPO
+    from tests._helpers.shipped import shipped_on_tiny
+
+    config = "qwen3_moe/30B_A3B_qlora_single_device"
+    facts = model_facts(shipped_on_tiny(config)[2])
+    golden = json.loads((REPO / "tests" / "assets" / "plans" / "shipped_flag_sets.json").read_text())[config]
+    floor = facts.frozen_bytes + facts.trainable_bytes
+    assert 0.75 * golden["device"]["parameters"] <= floor <= golden["device"]["parameters"]
