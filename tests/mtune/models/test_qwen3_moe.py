@@ -323,13 +323,15 @@ DENSE_MLP_IN_PEFT = ("peft 0.21 cannot adapt a dense MLP beside experts: for qwe
 def test_expert_adapters_load_in_peft_on_transformers_fused_experts(modules, layers, tmp_path):
     """The expert adapters exported for peft's ``target_parameters`` on transformers 5's fused experts (gate and up
     as one rank-2r gate_up_proj adapter, down_proj its own; nested keys) give mtune's logits within 1e-5 (fp32);
-    the directory loads back into mtune unchanged, and merges into the hub-layout base checkpoint with the same logits.
-    Mutations seen failing: lora_B's columns laid out expert-major
-    (``b.reshape`` without the permute); the gate_up / down keys swapped in the nesting; the up adapter placed in
-    the gate rows."""
+    the directory loads back into mtune unchanged and merges into the hub-layout base checkpoint with the same
+    logits; the sharded export's generator gives the same tensors. Mutations seen failing: lora_B's columns laid out
+    expert-major (``b.reshape`` without the permute); the gate_up / down keys swapped in the nesting; the up adapter
+    placed in the gate rows; gathered_peft_adapter_items naming stacked expert adapters by peft_key."""
     import copy
 
     from mtune.modules.lora import apply_lora
+    from mtune.modules.lora_state import peft_adapter_state_dict
+    from mtune.training.checkpointing.dcp import gathered_peft_adapter_items
     from mtune.training.checkpointing.merge import save_merged_model
     from mtune.training.checkpointing.peft import load_peft_adapter, save_peft_adapter
 
@@ -357,6 +359,9 @@ def test_expert_adapters_load_in_peft_on_transformers_fused_experts(modules, lay
     load_peft_adapter(again, tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(again(TOKENS), expected)
+    gathered = dict(gathered_peft_adapter_items(ours))  # the sharded export's path, here on one process
+    assert gathered.keys() == peft_adapter_state_dict(ours).keys() and all(
+        torch.equal(t, peft_adapter_state_dict(ours)[k]) for k, t in gathered.items())
     merged = save_merged_model(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")  # per-expert keys
     with torch.no_grad():
         assert (hf_model(merged)(TOKENS).logits - expected).abs().max().item() <= 1e-5
