@@ -203,7 +203,8 @@ def test_lora_fine_tune_with_its_tokenizer_and_exports_that_load(quantize_base, 
             keys = set(f.keys())
         experts = {k for k in keys if ".mlp.experts." in k}
         # 2 sparse layers, each a gate_up_proj (nested: base_layer) and a down_proj pair, as peft keys them
-        assert len(experts) == 2 * 2 * 2 and "base_model.model.model.layers.2.mlp.experts.base_layer.lora_B.weight" in keys
+        assert len(experts) == 2 * 2 * 2
+        assert "base_model.model.model.layers.2.mlp.experts.base_layer.lora_B.weight" in keys
         return
     base = hf_model(moe_dir)
     with torch.no_grad():
