@@ -36,21 +36,12 @@ from torch import nn
 
 from mtune.config.errors import ConfigError
 from mtune.config.keys import LORA_TARGETS
+from mtune.modules.expert_linear import ExpertLinear, LoRAExpertLinear
 from mtune.modules.fp8_linear import fp8_linear, is_fp8_stored, quantize_fp8_weight_, stored_weight
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4, linear_maybe_nf4, quantize_nf4
 
-__all__ = [
-    "LoRALinear",
-    "adapters_disabled",
-    "apply_lora",
-    "freeze_base",
-    "reset_lora_parameters",
-    "merge_adapter",
-    "is_adapter_param",
-    "has_nf4_weight",
-    "ADAPTER_PARAM_NAMES",
-    "LORA_TARGETS",
-]
+__all__ = ["LoRALinear", "adapters_disabled", "apply_lora", "freeze_base", "reset_lora_parameters", "merge_adapter",
+           "is_adapter_param", "has_nf4_weight", "ADAPTER_PARAM_NAMES", "LORA_TARGETS"]
 
 ADAPTER_PARAM_NAMES = ("lora_a.weight", "lora_b.weight", "magnitude")
 """Name suffixes of adapter parameters (LoRA A/B, DoRA magnitude): trainable, and absent from base checkpoints."""
@@ -186,7 +177,8 @@ class LoRALinear(nn.Linear):
 
 def has_nf4_weight(module: nn.Module) -> bool:
     """Whether ``module.weight`` is stored as NF4 once loaded: a `FrozenNF4Linear`, or a QLoRA `LoRALinear`."""
-    return isinstance(module, FrozenNF4Linear) or (isinstance(module, LoRALinear) and module.quantize_base)
+    return (isinstance(module, FrozenNF4Linear) or (isinstance(module, LoRALinear) and module.quantize_base)
+            or (isinstance(module, ExpertLinear) and module.nf4))
 
 
 @torch.no_grad()
@@ -245,6 +237,12 @@ def apply_lora(
         if isinstance(parent, LoRALinear):  # its own lora_a / lora_b are not targets
             continue
         for child_name, child in list(parent.named_children()):
+            if type(child) is ExpertLinear:  # every expert's copy of a projection: per-expert adapters
+                child.nf4 = quantize_base
+                if child_name in modules:
+                    setattr(parent, child_name, LoRAExpertLinear(child, **kwargs))
+                    found.add(child_name)
+                continue
             if type(child) is not nn.Linear:
                 continue
             if child_name in modules:
@@ -254,7 +252,7 @@ def apply_lora(
                   and child_name not in getattr(parent, "kept_in_model_dtype", ())):
                 setattr(parent, child_name, FrozenNF4Linear.from_linear(child))
     if not found:
-        raise ConfigError(f"lora.modules {sorted(modules)} matched no nn.Linear in the model")
+        raise ConfigError(f"lora.modules {sorted(modules)} matched no projection in the model")
     freeze_base(model)
     if not any(p.is_meta for p in model.parameters()):
         reset_lora_parameters(model)
@@ -265,7 +263,7 @@ def apply_lora(
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Every `LoRALinear` of ``model`` computes its base linear only (no adapter, no dropout) inside the block: the
     model the adapters started from, e.g. DPO's reference model, at no memory cost."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    layers = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExpertLinear))]
     for layer in layers:
         layer.adapters_enabled = False
     try:
@@ -279,9 +277,9 @@ def reset_lora_parameters(model: nn.Module) -> None:
     """Initializes every adapter (A Kaiming, B zero, DoRA magnitude from the current base weight) and quantizes
     pending NF4 bases. Call after the base weights are loaded, before loading any saved adapter."""
     for module in model.modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, LoRAExpertLinear)):
             module.reset_adapter()
-        elif isinstance(module, FrozenNF4Linear):
+        elif isinstance(module, (FrozenNF4Linear, ExpertLinear)):
             module.quantize_()
         else:
             quantize_fp8_weight_(module)  # fp8 storage (no-op elsewhere)

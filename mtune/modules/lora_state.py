@@ -11,8 +11,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from mtune.modules.expert_linear import ExpertLinear, LoRAExpertLinear
 from mtune.modules.fp8_linear import is_fp8_stored, stored_weight
 from mtune.modules.lora import ADAPTER_PARAM_NAMES, LoRALinear
+from mtune.modules.lora_experts_peft import adapted_experts, expert_mtune_tensors, expert_peft_tensors
 from mtune.modules.nf4_linear import dequantize
 
 __all__ = [
@@ -42,10 +44,17 @@ def peft_key(key: str) -> str:
     return f"{prefix}{module}.{_TO_PEFT[suffix]}"
 
 
+def _expert_keys(model: nn.Module) -> tuple[str, ...]:
+    return tuple(f"{name}." for name, _ in adapted_experts(model))
+
+
 def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter with PEFT's key names, e.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
-    ready for `adapter_model.safetensors`."""
-    return {peft_key(k): v for k, v in lora_state_dict(model).items()}
+    ready for `adapter_model.safetensors`; the experts' adapters as peft holds them on transformers 5's fused
+    experts (`mtune.modules.lora_experts_peft`)."""
+    experts = _expert_keys(model)
+    plain = {peft_key(k): v for k, v in lora_state_dict(model).items() if not k.startswith(experts)}
+    return {**plain, **expert_peft_tensors(model)}
 
 
 def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
@@ -54,7 +63,8 @@ def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.T
     Full base-layer copies that PEFT adds when lm_head is targeted (`...lm_head.base_layer.weight`) are ignored:
     the base weights come from the base model."""
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(".base_layer.weight")}
-    by_peft_name = {peft_key(k): k for k in lora_state_dict(model)}
+    experts = expert_mtune_tensors(state_dict, model)  # takes the experts' entries out of state_dict
+    by_peft_name = {peft_key(k): k for k in lora_state_dict(model) if not k.startswith(_expert_keys(model))}
     missing = set(by_peft_name) - set(state_dict)
     unexpected = set(state_dict) - set(by_peft_name)
     if missing or unexpected:
@@ -62,7 +72,7 @@ def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.T
             f"adapter does not match the model's LoRA layout: missing {sorted(missing)[:3]}, unexpected "
             f"{sorted(unexpected)[:3]}: check lora.modules / lora.use_dora against the adapter's adapter_config.json"
         )
-    model.load_state_dict({by_peft_name[k]: v for k, v in state_dict.items()}, strict=False)
+    model.load_state_dict({**{by_peft_name[k]: v for k, v in state_dict.items()}, **experts}, strict=False)
 
 
 def adapter_config(
@@ -72,9 +82,11 @@ def adapter_config(
     dropout: float = 0.0,
     use_dora: bool = False,
     base_model_name_or_path: str | None = None,
+    experts: dict | None = None,
 ) -> dict:
-    """The `adapter_config.json` contents PEFT needs to load `peft_adapter_state_dict`."""
-    return {
+    """The `adapter_config.json` contents PEFT needs to load `peft_adapter_state_dict`; ``experts``: the fields
+    expert adapters add (`mtune.modules.lora_experts_peft.expert_peft_config`)."""
+    return {**(experts or {}),
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
@@ -103,7 +115,9 @@ def merge_lora_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         if key.endswith(ADAPTER_PARAM_NAMES):
             continue
         module = modules.get(key.rpartition(".")[0])
-        if key.endswith(".weight") and isinstance(module, LoRALinear):
+        if key.endswith(".weight") and isinstance(module, ExpertLinear):  # [n_experts, out, in], NF4 or not
+            merged[key] = module.merged_weight() if isinstance(module, LoRAExpertLinear) else module.plain_weight()
+        elif key.endswith(".weight") and isinstance(module, LoRALinear):
             merged[key] = module.merged_weight()
         elif key.endswith(".weight") and is_fp8_stored(module):
             merged[key] = stored_weight(module).detach()

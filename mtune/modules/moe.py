@@ -2,28 +2,37 @@
 routing-weighted sum of theirs (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``; the shared expert of Qwen2/3.5-MoE and the
 biased experts of gpt-oss are arguments).
 
-Module names are the checkpoints' (``mlp.gate`` the router, ``mlp.experts.{e}.{gate,up,down}_proj`` each expert, a
-plain :class:`~mtune.modules.feed_forward.FeedForward`), so the hub's per-expert keys load unchanged and every
-transform that works on ``nn.Linear`` (LoRA by name, NF4 bases stored one expert at a time, fp8 storage, FSDP2, the
-planner's byte counts) reaches each expert's projections.
+The interface other families build on:
+
+* :class:`MoE` ``(x [b, s, dim]) -> [b, s, dim]`` is the block's ``mlp``; its ``gate`` (:class:`Router`) returns
+  ``(logits, weights, experts)``, its ``experts`` (:class:`Experts`) take the routed rows sorted by expert with the
+  row count of each; with ``aux_loss_coef > 0`` it keeps ``router_logits`` for :func:`router_aux_loss`.
+* :class:`Experts` holds three :class:`~mtune.modules.expert_linear.ExpertLinear` projections, ``gate_proj``,
+  ``up_proj`` and ``down_proj``, each one ``[n_experts, out, in]`` parameter (``weight``; ``bias [n_experts, out]``
+  when biased). Module names are the checkpoints' with the expert index moved out: the hub's
+  ``mlp.experts.{e}.gate_proj.weight`` is row ``e`` of ``mlp.experts.gate_proj.weight`` (loading stacks, saving
+  splits: :func:`~mtune.modules.expert_linear.stacked_key`). LoRA targets them by the same names as a dense MLP's
+  (per-expert adapters, ``LoRAExpertLinear``); QLoRA stores them as NF4; FSDP2 shards them by expert with the block.
+
+Separate gate and up projections rather than transformers 5's fused ``gate_up_proj [n_experts, 2 * hidden, dim]``:
+the checkpoints on the hub (and those transformers 5 saves) hold them separately, ``lora.modules`` names them
+separately, and each stays the tensor NF4 quantizes on its own; a fused layout would save one grouped matmul call.
 
 A forward sorts the ``tokens * top_k`` (token, expert) pairs by expert, runs each expert on its contiguous rows and
 scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.expert_compute`), equal to round-off:
 
-* ``grouped``: three ``torch._grouped_mm`` calls over the experts' weights stacked per layer (a transient copy,
-  restacked in backward instead of kept). Used by ``auto`` where it pays and is supported: frozen, unbiased, plain
-  weights (a full fine-tune's trainable experts, LoRA on the experts and NF4 bases go through the loop), bf16 (the
-  only dtype ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and ``compile`` trace it) and 16-byte aligned
-  rows.
-* ``loop``: each expert's own module on its rows (those that got none too, for their zero gradients).
+* ``grouped``: three ``torch._grouped_mm`` calls over the 3-D weights, read in place. Used by ``auto`` where it pays
+  and is supported: frozen, unbiased, plain weights (a full fine-tune's trainable experts, LoRA on the experts and
+  NF4 bases go through the loop), bf16 (the only dtype ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and
+  ``compile`` trace it) and 16-byte aligned rows.
+* ``loop``: each expert's slice of the weights on its rows (those that got none too, for their zero gradients).
 
 On fake tensors (``mtune plan``) the loop cannot read how many rows each expert got; it assumes **balanced
 routing**: each expert gets ``tokens * top_k / n_experts`` rows (the remainder spread one each); frozen experts, alike
 and keeping no per-expert state, are planned as one expert on all the rows (the same bytes, one call instead of
-``n_experts``). The routed
-activations (``tokens * top_k`` rows) are the same whatever the split, so the planned activation bytes hold; the
-worst case is one expert's temporaries for all ``tokens * top_k`` rows at once (an expert every token picks), which
-the plan does not show.
+``n_experts``). The routed activations (``tokens * top_k`` rows) are the same whatever the split, so the planned
+activation bytes hold; the worst case is one expert's temporaries for all ``tokens * top_k`` rows at once (an expert
+every token picks), which the plan does not show.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from mtune.modules.feed_forward import FeedForward
+from mtune.modules.expert_linear import ExpertLinear
 
 __all__ = ["EXPERT_COMPUTE", "Experts", "MoE", "Router", "balanced_counts", "load_balancing_loss", "router_aux_loss"]
 
@@ -73,8 +82,10 @@ def balanced_counts(rows: int, n_experts: int) -> list[int]:
     return [base + (e < extra) for e in range(n_experts)]
 
 
-class Experts(nn.ModuleList):
-    """``n_experts`` gated MLPs (``experts.{e}.gate_proj`` ...), run on rows sorted by expert.
+class Experts(nn.Module):
+    """``n_experts`` gated MLPs as three :class:`~mtune.modules.expert_linear.ExpertLinear` projections
+    (``gate_proj``, ``up_proj`` ``[n_experts, hidden_dim, dim]``, ``down_proj`` ``[n_experts, dim, hidden_dim]``),
+    run on rows sorted by expert.
 
     Args:
         dim, hidden_dim: each expert's width and intermediate width (``moe_intermediate_size``).
@@ -83,41 +94,48 @@ class Experts(nn.ModuleList):
     """
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int, activation: Callable = F.silu, bias: bool = False):
-        super().__init__(FeedForward(dim, hidden_dim, activation, bias=bias) for _ in range(n_experts))
-        self.activation = activation
+        super().__init__()
+        self.n_experts, self.activation = n_experts, activation
+        self.gate_proj = ExpertLinear(n_experts, dim, hidden_dim, bias)
+        self.up_proj = ExpertLinear(n_experts, dim, hidden_dim, bias)
+        self.down_proj = ExpertLinear(n_experts, hidden_dim, dim, bias)
 
-    def projections(self):
-        return [p for e in self for p in (e.gate_proj, e.up_proj, e.down_proj)]
+    def projections(self) -> list[ExpertLinear]:
+        return [self.gate_proj, self.up_proj, self.down_proj]
 
     def can_group(self, x: torch.Tensor) -> bool:
-        """Whether ``grouped`` computes these experts: plain unbiased linears, frozen (or no gradient wanted), and
-        rows and weights 16-byte aligned."""
+        """Whether ``grouped`` computes these experts: plain (no adapter, no NF4), unbiased, frozen (or no gradient
+        wanted) weights, and rows and weights 16-byte aligned."""
         projections = self.projections()
-        if not hasattr(torch, "_grouped_mm") or any(type(p) is not nn.Linear or p.bias is not None
+        if not hasattr(torch, "_grouped_mm") or any(type(p) is not ExpertLinear or p.bias is not None or p.nf4
                                                     for p in projections):
             return False
         trainable = torch.is_grad_enabled() and any(p.weight.requires_grad for p in projections)
-        first = self[0]
-        widths = (first.gate_proj.in_features, first.gate_proj.out_features)
+        widths = (self.gate_proj.in_features, self.gate_proj.out_features)
         return not trainable and all(w * x.element_size() % 16 == 0 for w in widths)
-
-    def stacked(self, name: str) -> torch.Tensor:
-        """The experts' ``name`` weights as one ``[n_experts, out, in]`` tensor (a copy)."""
-        return torch.stack([getattr(e, name).weight for e in self])
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """``x [rows, dim]`` sorted by expert, ``counts [n_experts]`` int64 rows each -> ``[rows, dim]``."""
         if grouped:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             return _GroupedGLU.apply(x, offsets, self)
-        if is_fake(counts) and not any(p.requires_grad for p in self.parameters()):
+        projections = self.projections()
+        frozen = not any(p.requires_grad for p in self.parameters())
+        if is_fake(counts) and frozen:
             # planning frozen experts: one expert on every row makes the same tensors, by bytes, as each on its share
             # (all alike, none keeping per-expert state), in one call instead of n_experts
-            return self[0](x)
-        sizes = balanced_counts(x.shape[0], len(self)) if is_fake(counts) else counts.tolist()
+            pieces = [p.piece(0) for p in projections]
+            return self._expert(x, projections, pieces)
+        sizes = balanced_counts(x.shape[0], self.n_experts) if is_fake(counts) else counts.tolist()
+        per_expert = zip(*(p.pieces() for p in projections))
         # every expert runs, with no rows too: its parameters then get zero gradients, so FSDP2's ranks, which route
         # differently, reduce the same set of gradients
-        return torch.cat([expert(rows) for expert, rows in zip(self, torch.split(x, sizes))])
+        return torch.cat([self._expert(rows, projections, pieces)
+                          for rows, pieces in zip(torch.split(x, sizes), per_expert)])
+
+    def _expert(self, x: torch.Tensor, projections: list[ExpertLinear], pieces) -> torch.Tensor:
+        gate, up, down = projections
+        return down.run(self.activation(gate.run(x, pieces[0])) * up.run(x, pieces[1]), pieces[2])
 
 
 def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -126,15 +144,14 @@ def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 class _GroupedGLU(torch.autograd.Function):
-    """The experts' ``down(act(gate(x)) * up(x))`` as three grouped matmuls over frozen weights. Saves the gate and
-    up outputs (as autograd would) but not the stacked weights: backward stacks them again, so a layer's stacked
-    copy lives only while that layer computes."""
+    """The experts' ``down(act(gate(x)) * up(x))`` as three grouped matmuls over the frozen 3-D weights, read in
+    place. Saves the gate and up outputs (as autograd would), not their product (recomputed in backward)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts: Experts) -> torch.Tensor:
-        gate = _gmm(x, experts.stacked("gate_proj").transpose(-2, -1), offsets)
-        up = _gmm(x, experts.stacked("up_proj").transpose(-2, -1), offsets)
-        out = _gmm(experts.activation(gate) * up, experts.stacked("down_proj").transpose(-2, -1), offsets)
+        gate = _gmm(x, experts.gate_proj.stacked().transpose(-2, -1), offsets)
+        up = _gmm(x, experts.up_proj.stacked().transpose(-2, -1), offsets)
+        out = _gmm(experts.activation(gate) * up, experts.down_proj.stacked().transpose(-2, -1), offsets)
         ctx.save_for_backward(gate, up, offsets)
         ctx.experts = experts
         return out
@@ -143,12 +160,12 @@ class _GroupedGLU(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         gate, up, offsets = ctx.saved_tensors
         experts = ctx.experts
-        grad_hidden = _gmm(grad_out.contiguous(), experts.stacked("down_proj"), offsets)
+        grad_hidden = _gmm(grad_out.contiguous(), experts.down_proj.stacked(), offsets)
         with torch.enable_grad():
             gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
             grad_gate, grad_up = torch.autograd.grad(experts.activation(gate) * up, (gate, up), grad_hidden)
-        grad_x = _gmm(grad_gate, experts.stacked("gate_proj"), offsets)
-        grad_x = grad_x + _gmm(grad_up, experts.stacked("up_proj"), offsets)
+        grad_x = _gmm(grad_gate, experts.gate_proj.stacked(), offsets)
+        grad_x = grad_x + _gmm(grad_up, experts.up_proj.stacked(), offsets)
         return grad_x, None, None
 
 
@@ -191,8 +208,8 @@ class MoE(nn.Module):
             return False
         can = self.experts.can_group(x)
         if self.expert_compute == "grouped" and not can:
-            raise ValueError("expert_compute='grouped' needs frozen, unbiased nn.Linear experts with 16-byte aligned "
-                             "widths: use 'auto' or 'loop'")
+            raise ValueError("expert_compute='grouped' needs frozen, unbiased, plain (no adapter, no NF4) experts "
+                             "with 16-byte aligned widths: use 'auto' or 'loop'")
         return can and (self.expert_compute == "grouped" or x.dtype == torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

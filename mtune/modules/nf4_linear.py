@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from mtune.config.errors import ConfigError
 
-__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4", "nf4_row_chunk"]
+__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4", "nf4_part", "nf4_row_chunk"]
 
 # torchao >= 0.18 keeps NF4 under quantize_.workflows, older versions under dtypes
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
@@ -52,7 +52,10 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 
 def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
-    """Returns a frozen Parameter holding `weight` as NF4 (dequantizes back to `weight.dtype`)."""
+    """Returns a frozen Parameter holding `weight` as NF4 (dequantizes back to `weight.dtype`). A 3-D weight (every
+    expert's copy of a projection) is quantized as its 2-D ``[-1, in]`` rows: torchao's NF4 takes 2-D only."""
+    if weight.dim() > 2:
+        weight = weight.reshape(-1, weight.shape[-1])
     if weight.numel() % 16384 != 0:
         raise ConfigError(
             f"NF4 needs a weight whose element count is divisible by 16384; got shape {tuple(weight.shape)}: "
@@ -100,6 +103,16 @@ def nf4_row_chunk(weight: torch.Tensor, chunks: int, index: int) -> torch.Tensor
     owned = {name: getattr(piece, name).clone() for name in ("quantized_scalers", "quantization_factor",
                                                              "quantized_data")}
     return nf4.NF4Tensor(*nf4.construct_nf4_args(piece, owned))
+
+
+def nf4_part(weight: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """Rows block ``index`` of ``parts`` equal blocks of an NF4 weight: a view of its codes and scales, as
+    ``torch.chunk(weight, parts)[index]`` gives it, without building the other ``parts - 1`` blocks."""
+    nf4 = _nf4_api()
+    own = {name: getattr(weight, name).view(parts, -1)[index] for name in ("quantized_scalers", "quantization_factor",
+                                                                           "quantized_data")}
+    own["size"] = torch.Size([weight.shape[0] // parts, *weight.shape[1:]])
+    return nf4.NF4Tensor(*nf4.construct_nf4_args(weight, own))
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:

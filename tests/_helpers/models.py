@@ -104,10 +104,10 @@ def write_tiny_hf_model(
     return out
 
 
-def mtune_twin(hf_model, family):
-    """The mtune tiny model of ``family`` holding ``hf_model``'s weights."""
-    model = build_model(family, "tiny", device="cpu")
-    state = per_expert_state({k.removeprefix("model."): v for k, v in hf_model.state_dict().items()})
+def mtune_twin(hf_model, family, **overrides):
+    """The mtune tiny model of ``family`` (``overrides`` of its arguments) holding ``hf_model``'s weights."""
+    model = build_model(family, "tiny", device="cpu", **overrides)
+    state = stacked_expert_state({k.removeprefix("model."): v for k, v in hf_model.state_dict().items()})
     if model.args.tie_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -115,19 +115,17 @@ def mtune_twin(hf_model, family):
     return model.eval()
 
 
-def per_expert_state(state: dict) -> dict:
+def stacked_expert_state(state: dict) -> dict:
     """A transformers 5 state dict with fused experts (``mlp.experts.gate_up_proj [E, 2h, d]``, ``down_proj [E, d,
-    h]``) in the hub's per-expert keys (``mlp.experts.{e}.{gate,up,down}_proj.weight``); other keys unchanged."""
+    h]``) in mtune's stacked layout (``mlp.experts.{gate,up}_proj.weight [E, h, d]``, ``down_proj.weight [E, d,
+    h]``); other keys unchanged."""
     out = {}
     for key, value in state.items():
         prefix, _, leaf = key.rpartition(".")
         if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
             out[key] = value
-            continue
-        for e, weight in enumerate(value):
-            if leaf == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = weight
-            else:
-                gate, up = weight.chunk(2)
-                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        elif leaf == "down_proj":
+            out[f"{prefix}.down_proj.weight"] = value
+        else:
+            out[f"{prefix}.gate_proj.weight"], out[f"{prefix}.up_proj.weight"] = value.chunk(2, dim=1)
     return out

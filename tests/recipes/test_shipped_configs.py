@@ -18,6 +18,7 @@ from mtune._cli.catalog import builtin_configs, builtin_recipes, load_recipe_mod
 from mtune.config import load_config, validate_config
 from mtune.training.memory.registry import MemoryConfig
 from mtune.models import model_args
+from mtune.modules.expert_linear import ExpertLinear
 from mtune.modules.lora import LoRALinear, is_adapter_param
 from mtune.modules.nf4_linear import FrozenNF4Linear
 from mtune.training.model_setup import ModelSource, setup_model
@@ -179,8 +180,8 @@ def test_models_build_on_meta_with_published_sizes(loaded):
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
         if family == "qwen3_moe":  # attention adapted; experts frozen (NF4 under QLoRA); routers as they are
             experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith("_proj")]
-            expert_type = FrozenNF4Linear if lora.quantize_base else torch.nn.Linear
-            assert len(experts) == 48 * 128 * 3 and all(type(m) is expert_type for m in experts), name
+            assert len(experts) == 48 * 3 and all(type(m) is ExpertLinear and m.n_experts == 128 for m in experts)
+            assert all(m.nf4 == bool(lora.quantize_base) for m in experts), name
             continue
         assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name

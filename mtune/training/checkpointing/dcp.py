@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from mtune.errors import PathNotFoundError
 from mtune.modules.lora import is_adapter_param
+from mtune.modules.lora_experts_peft import adapted_experts, expert_peft_tensors
 from mtune.modules.lora_state import peft_key
 from mtune.training.checkpointing.hf import save_hf_checkpoint
 from mtune.training.optimizers import inner_optimizers
@@ -137,9 +138,15 @@ def gathered_state_dict_items(model: nn.Module, adapter_only: bool = False,
 
 def gathered_peft_adapter_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`mtune.modules.lora.peft_adapter_state_dict` for a sharded model: PEFT-named full adapter tensors,
-    yielded on rank 0 (all ranks must iterate). ``dict(...)`` of it is small: adapters only."""
+    yielded on rank 0 (all ranks must iterate). ``dict(...)`` of it is small: adapters only. Expert adapters come
+    last, in peft's ``target_parameters`` form (`mtune.modules.lora_experts_peft`)."""
+    experts = tuple(f"{name}." for name, _ in adapted_experts(model))
     for name, tensor in gathered_state_dict_items(model, adapter_only=True):
-        yield peft_key(name), tensor
+        if not name.startswith(experts):
+            yield peft_key(name), tensor
+    fused = expert_peft_tensors(model)  # gathers: every rank
+    if _is_rank_zero():
+        yield from ((name, tensor.cpu()) for name, tensor in fused.items())
 
 
 def save_gathered_hf_checkpoint(

@@ -18,8 +18,10 @@ from torch import nn
 from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config, text_model_key
+from mtune.modules.expert_linear import per_expert, stacked_key
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
+from mtune.training.checkpointing.placing import held_names, place
 from mtune.units import parse_bytes
 
 CONFIG_NAME = "config.json"
@@ -139,11 +141,14 @@ def locate_tensors(
 
     Returns ``(expected, by_file)``: the model's tensors by mtune name (:func:`expected_tensors`, minus those
     ``not_in_checkpoint(name)`` marks, e.g. LoRA adapters) and, per safetensors file, its ``(mtune name, hf key)``
-    pairs. Missing or unexpected keys raise :class:`CheckpointError` naming them.
+    pairs; an expert's key keeps its index in the name (``experts.3.gate_proj.weight``, row 3 of the model's
+    ``experts.gate_proj.weight``: :func:`~mtune.modules.expert_linear.stacked_key`). Missing or unexpected keys
+    raise :class:`CheckpointError` naming them.
     """
     expected = expected_tensors(model)
     if not_in_checkpoint is not None:
         expected = {k: v for k, v in expected.items() if not not_in_checkpoint(k)}
+    held = held_names(model, expected)
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     listed = set()
@@ -159,30 +164,13 @@ def locate_tensors(
     if skipped:
         log.info("%s: %d tensors of other towers (vision, multi-token prediction) skipped (mtune trains the text "
                  "model)", checkpoint_dir, skipped)
-    missing, unexpected = expected.keys() - listed, listed - expected.keys()
+    missing, unexpected = held - listed, listed - held
     if missing or unexpected:
         raise CheckpointError(
             f"{checkpoint_dir}: checkpoint does not match the model: missing keys [{_short_list(missing)}], "
             f"unexpected keys [{_short_list(unexpected)}]"
         )
     return expected, by_file
-
-
-@torch.no_grad()
-def _place(model: nn.Module, name: str, tensor: torch.Tensor, dtype, device) -> None:
-    """Put ``tensor`` into the parameter ``name``: assigned if the model is on meta, copied otherwise."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    current = getattr(module, leaf)
-    if current.is_meta or (dtype is not None and current.dtype != dtype):
-        # copy=True: safetensors hands out tensors backed by the file's memory map; the model must own its memory.
-        target = device if current.is_meta else current.device
-        value = tensor.to(device=target, dtype=dtype or tensor.dtype, copy=True)
-        if isinstance(current, nn.Parameter):
-            value = nn.Parameter(value, requires_grad=current.requires_grad)
-        setattr(module, leaf, value)
-    else:
-        current.copy_(tensor)
 
 
 def load_hf_checkpoint(
@@ -204,10 +192,12 @@ def load_hf_checkpoint(
     weight to NF4 at once, so the whole model never sits in memory at full precision.
     """
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
+    arrived: dict[str, int] = {}  # experts of each stacked projection read so far
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
-                want = tuple(expected[name].shape)
+                slot = None if name in expected else stacked_key(name)
+                want = tuple(expected[name].shape) if slot is None else tuple(expected[slot[0]].shape[1:])
                 try:
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != want:
@@ -217,9 +207,9 @@ def load_hf_checkpoint(
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{path}: cannot read tensor {key} ({e})") from None
-                _place(model, name, tensor, dtype, device)
+                name, complete = place(model, name, slot, tensor, dtype, device, arrived)
                 del tensor
-                if after_tensor is not None:
+                if after_tensor is not None and complete:
                     after_tensor(model.get_submodule(name.rpartition(".")[0]))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -284,7 +274,8 @@ def save_hf_checkpoint(
             tensor = tensor.full_tensor()
         if saved_dtype is None and tensor.is_floating_point():
             saved_dtype = tensor.dtype
-        writer.add(key, tensor.to("cpu").contiguous())
+        for key, piece in per_expert(key, tensor):  # the experts' stacked projections, one key per expert
+            writer.add(key, piece.to("cpu").contiguous())
     writer.finish()
 
     if saved_dtype is not None:

@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from mtune.errors import MtuneError
+from mtune.modules.expert_linear import LoRAExpertLinear, expert_key
 from mtune.modules.lora import LoRALinear
+from mtune.modules.lora_experts_peft import EXPERT_PATTERN, expert_peft_config, peft_modules, per_expert_factors
 from mtune.modules.lora_state import adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
 from mtune.training.checkpointing.manifest import write_safetensors
 
@@ -95,7 +97,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def lora_layout(model: nn.Module) -> dict[str, Any]:
     """The LoRA settings a model was built with, read from its LoRALinear modules: ``modules`` (sorted HF names),
     ``rank``, ``alpha``, ``dropout``, ``use_dora``. Raises when the model has no adapter."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExpertLinear))]
     if not layers:
         raise AdapterError("the model has no LoRA adapter: build it with a lora node (lora.modules, lora.rank, ...)")
     first = layers[0][1]
@@ -123,8 +125,9 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
         "peft_type": (config.get("peft_type", "LORA") != "LORA", "only LoRA / DoRA adapters are supported"),
         "target_modules": (not isinstance(config.get("target_modules"), list),
                            "must be a list of module names (a regex is not supported)"),
-        "rank_pattern": (bool(config.get("rank_pattern")), "per-module ranks are not supported"),
-        "alpha_pattern": (bool(config.get("alpha_pattern")), "per-module alphas are not supported"),
+        "rank_pattern": (set(config.get("rank_pattern") or {}) - EXPERT_PATTERN, "per-module ranks are not supported"),
+        "alpha_pattern": (set(config.get("alpha_pattern") or {}) - EXPERT_PATTERN,
+                          "per-module alphas are not supported"),
         "modules_to_save": (bool(config.get("modules_to_save")), "fully trained extra modules are not supported"),
         "bias": (config.get("bias", "none") != "none", "trained biases are not supported (need bias: none)"),
         "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), "transposed (Conv1D) weights are not supported"),
@@ -135,12 +138,19 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+def adapter_modules(config: Mapping[str, Any], where: str = "adapter_config.json", model_modules=()) -> list[str]:
+    """``lora.modules`` of an adapter (:func:`~mtune.modules.lora_experts_peft.peft_modules`), errors naming it."""
+    try:
+        return peft_modules(config, model_modules)
+    except ValueError as e:
+        raise AdapterError(f"{where}: {e}") from None
+
 
 def lora_node_from_adapter(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     """The ``lora`` config node that rebuilds the adapters of a saved PEFT adapter (its modules, rank, alpha and
     DoRA; no dropout, a full-precision base), e.g. to load it for generation."""
     config = read_adapter_config(adapter_dir)
-    return dict(modules=config["target_modules"], rank=config["r"], alpha=config["lora_alpha"], dropout=0.0,
+    return dict(modules=adapter_modules(config), rank=config["r"], alpha=config["lora_alpha"], dropout=0.0,
                 use_dora=bool(config.get("use_dora", False)), quantize_base=False)
 
 def _scaling(config: Mapping[str, Any]) -> float:
@@ -153,7 +163,8 @@ def check_adapter_matches(config: Mapping[str, Any], layout: Mapping[str, Any], 
     pairs = [
         ("r", config.get("r"), "lora.rank", layout["rank"]),
         ("lora_alpha", float(config.get("lora_alpha", 8)), "lora.alpha", float(layout["alpha"])),
-        ("target_modules", sorted(config.get("target_modules") or []), "lora.modules", sorted(layout["modules"])),
+        ("target_modules", adapter_modules(config, where, layout["modules"]), "lora.modules",
+         sorted(layout["modules"])),
         ("use_dora", bool(config.get("use_dora", False)), "lora.use_dora", bool(layout["use_dora"])),
         ("use_rslora", bool(config.get("use_rslora", False)), "(mtune scales by alpha/rank)", False),
     ]
@@ -189,13 +200,17 @@ def save_peft_adapter(
         if key in lora_cfg and lora_cfg[key] is not None and lora_cfg[key] != layout[key]:
             raise AdapterError(f"lora.{key}={lora_cfg[key]} but the model's adapters have {key}={layout[key]}")
     dropout = float(lora_cfg.get("dropout") or layout["dropout"])
+    experts = expert_peft_config(model)
+    if experts:
+        dropout = 0.0  # peft refuses dropout on parameter targets; it acts in training only
     tensors = {k: _full(v).to("cpu").contiguous() for k, v in peft_adapter_state_dict(model).items()}
     out = Path(out_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
         return out  # the gathers above needed every rank; rank 0 writes
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, out / ADAPTER_WEIGHTS_NAME, metadata={"format": "pt"})  # hashed as written
-    config = adapter_config(layout["modules"], layout["rank"], layout["alpha"], dropout=dropout,
+    dense = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, LoRALinear)})
+    config = adapter_config(dense, layout["rank"], layout["alpha"], dropout=dropout, experts=experts,
                             use_dora=layout["use_dora"],
                             base_model_name_or_path=None if base_model_name_or_path is None else str(base_model_name_or_path))
     (out / ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -252,7 +267,7 @@ def read_adapter(adapter_dir: str | os.PathLike) -> Adapter:
         if named is not None:
             parts.setdefault(named[0], {})[named[1]] = tensor
     scaling = _scaling(config)
-    layers = {}
+    layers = {name: AdapterLayer(*factors) for name, factors in per_expert_factors(parts, config).items()}
     for name, p in parts.items():
         if "a" not in p or "b" not in p:
             raise AdapterError(f"{adapter_dir / ADAPTER_WEIGHTS_NAME}: module {name} lacks lora_A or lora_B")
@@ -269,7 +284,11 @@ def adapter_from_model(model: nn.Module) -> Adapter:
     """The live model's adapters (no copies, except the gather of FSDP shards: every rank must call this then)."""
     layers = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, LoRAExpertLinear):  # one layer per expert, as the checkpoint holds the weights
+            a, b = _full(module.lora_a.weight), _full(module.lora_b.weight)
+            layers.update((expert_key(f"{name}.weight", e).removesuffix(".weight"),
+                           AdapterLayer(a[e], b[e], module.scaling)) for e in range(module.n_experts))
+        elif isinstance(module, LoRALinear):
             magnitude = None if module.magnitude is None else _full(module.magnitude)
             layers[name] = AdapterLayer(_full(module.lora_a.weight), _full(module.lora_b.weight), module.scaling,
                                         magnitude)

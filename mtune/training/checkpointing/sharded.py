@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mtune.modules.expert_linear import stacked_key
 from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
 from mtune.training.shards import as_param_like, assign_tensors, row_slice
 
@@ -50,9 +51,14 @@ def load_hf_checkpoint_sharded(
     device = torch.device(device)
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
     loaded: dict[str, nn.Parameter | torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}  # this rank's experts of each stacked projection
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
+                slot = None if name in expected else stacked_key(name)
+                if slot is not None:
+                    _read_expert(model, f, key, *slot, expected[slot[0]], experts, arrives_whole, dtype, device)
+                    continue
                 current = expected[name]
                 view = f.get_slice(key)
                 if tuple(view.get_shape()) != tuple(current.shape):
@@ -68,5 +74,24 @@ def load_hf_checkpoint_sharded(
                 else:
                     local = f.get_tensor(key).to(device=device, dtype=dtype, copy=True)
                 loaded[name] = as_param_like(local, current) if isinstance(current, nn.Parameter) else local
+    loaded.update((name, as_param_like(local, expected[name])) for name, local in experts.items())
     assign_tensors(model, loaded)
     return model
+
+
+def _read_expert(model, f, key, name, expert, current, experts, arrives_whole, dtype, device) -> None:
+    """Expert ``expert``'s tensor into this rank's rows (experts) of the stacked projection ``name``; skipped
+    unread when another rank holds that expert."""
+    module_name, _, leaf = name.rpartition(".")
+    if arrives_whole is not None and arrives_whole(model.get_submodule(module_name), leaf) is not None:
+        raise CheckpointError(f"{name}: NF4 experts cannot be loaded into an FSDP2-sharded model yet (their NF4 "
+                              "rows are not split by expert): set lora.quantize_base=false, or train on one device")
+    start, length = row_slice(current) if isinstance(current, DTensor) else (0, current.shape[0])
+    if not start <= expert < start + length:
+        return
+    shape = tuple(f.get_slice(key).get_shape())
+    if shape != tuple(current.shape[1:]):
+        raise CheckpointError(f"tensor {key} has shape {list(shape)}, the model expects {list(current.shape[1:])}")
+    if name not in experts:
+        experts[name] = torch.empty((length, *current.shape[1:]), dtype=dtype, device=device)
+    experts[name][expert - start].copy_(f.get_tensor(key))

@@ -47,6 +47,7 @@ from typing import Any
 
 from torch import nn
 
+from mtune.modules.expert_linear import LoRAExpertLinear
 from mtune.modules.lora import LoRALinear
 from mtune.modules.moe import MoE
 from mtune.modules.packed_attention import document_boundaries
@@ -105,7 +106,7 @@ def _linear(tally: _Tally, linear: nn.Linear, input_grad: bool, part: str) -> bo
     tally.add(part, base, base * (input_grad + weight_grad))
     tally.last = base
     adapter_trains = False
-    if isinstance(linear, LoRALinear):
+    if isinstance(linear, (LoRALinear, LoRAExpertLinear)):
         r = linear.rank
         adapter_trains = linear.lora_a.weight.requires_grad or linear.lora_b.weight.requires_grad
         fwd = 2.0 * r * (fin + fout)
@@ -188,7 +189,7 @@ def _moe(tally: _Tally, moe: MoE, x: bool) -> bool:
     routing weights depend on the input)."""
     grad = _linear(tally, moe.gate, x, "linear") or x
     for _ in range(moe.top_k):
-        grad = _mlp(tally, moe.experts[0], x) or grad
+        grad = _mlp(tally, moe.experts, x) or grad  # each expert's slice of the stacked projections
     if moe.shared_expert is not None:
         grad = _mlp(tally, moe.shared_expert, x) or grad
     return grad

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from mtune.config.keys import accumulation_steps
 from mtune.models import build_model_from_args
+from mtune.modules.expert_linear import ExpertLinear
 from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
@@ -140,9 +141,11 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
         model = _meta_model(cfg)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
         frozen = 0.0
+        # the experts' stacked [n_experts, out, in] weights are stored as NF4 under QLoRA (fp8 storage skips them)
+        nf4_experts = {id(m.weight) for m in model.modules() if isinstance(m, ExpertLinear) and m.nf4}
         for p in model.parameters():
             if not p.requires_grad:
-                per_weight = (stored_2d if stored_2d is not None and p.dim() == 2
+                per_weight = (stored_2d if stored_2d is not None and (p.dim() == 2 or id(p) in nf4_experts)
                               else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes)
                 frozen += p.numel() * per_weight
         return float(trainable), frozen

@@ -5,6 +5,7 @@ import torch
 
 from mtune.models import FAMILIES, build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
+from mtune.modules.expert_linear import ExpertLinear
 
 # Parameter counts as published (model cards / safetensors index totals); tied embeddings counted once.
 KNOWN = {
@@ -57,10 +58,14 @@ def test_tiny_sizes_suit_nf4(family):
     model = build_model(family, "tiny")
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]  # not MoE routers: never NF4
     blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one), Qwen3.5's 4
-    # Phi-4 fuses q/k/v and gate/up; Qwen3-MoE's tiny blocks have 8 experts of 3 projections; a Qwen3.5 DeltaNet
-    # layer has 5 projections where attention has 4
-    per_block = {"phi4": 4, "qwen3_moe": 4 + 8 * 3, "qwen3_5": 7.5}.get(family, 7)
+    # Phi-4 fuses q/k/v and gate/up; Qwen3-MoE's tiny blocks have attention's 4 and 3 stacked expert projections
+    # (ExpertLinear, 8 experts each); a Qwen3.5 DeltaNet layer has 5 projections where attention has 4
+    per_block = {"phi4": 4, "qwen3_moe": 4, "qwen3_5": 7.5}.get(family, 7)
     assert len(linears) == blocks * per_block + 1
+    experts = [m for m in model.modules() if isinstance(m, ExpertLinear)]
+    assert len(experts) == (3 * blocks if family == "qwen3_moe" else 0)
+    # each expert a whole number of NF4 scale blocks (its rows of the projection's NF4 tensor), on 2 ranks too
+    assert all(m.in_features * m.out_features % 32768 == 0 for m in experts)
     # the linears QLoRA keeps in the model's dtype (Qwen3.5's per-head in_proj_a / in_proj_b) need not suit NF4
     kept = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "kept_in_model_dtype", ())}
     assert all(m.weight.numel() % 32768 == 0 for m in linears if id(m) not in kept)

@@ -30,9 +30,9 @@ def per_token(block, x):
         if block.gate.norm_topk_prob:
             weights = weights / weights.sum()
         for w, e in zip(weights.to(x.dtype), chosen.tolist()):
-            expert = block.experts[e]
-            h = F.silu(x[t] @ expert.gate_proj.weight.T) * (x[t] @ expert.up_proj.weight.T)
-            out[t] += w * (h @ expert.down_proj.weight.T)
+            experts = block.experts
+            h = F.silu(x[t] @ experts.gate_proj.weight[e].T) * (x[t] @ experts.up_proj.weight[e].T)
+            out[t] += w * (h @ experts.down_proj.weight[e].T)
     return out
 
 
@@ -45,7 +45,7 @@ def test_both_expert_paths_equal_the_per_token_definition(norm_topk_prob):
     expected = per_token(block, x.view(-1, DIM)).view(x.shape)
     for path in ("loop", "grouped"):
         block.expert_compute = path
-        torch.testing.assert_close(block(x), expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(block(x), expected, rtol=1e-6, atol=1e-5)  # outputs ~40: fp32 round-off
 
 
 def test_grouped_backward_equals_the_loop_and_keeps_no_stacked_weights():

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mtune.config.errors import ConfigError
+from mtune.modules.expert_linear import LoRAExpertLinear
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
 from mtune.modules.nf4_linear import dequantize, is_nf4, nf4_row_chunk, quantize_nf4
 from mtune.training.memory.technique import WeightPhases
@@ -85,7 +86,7 @@ def reset_adapters_sharded(model: nn.Module) -> None:
     ranks. Call after the base weights are loaded, with the same RNG state on every rank; freezes the base."""
     tensors = {}
     for name, module in model.named_modules():
-        if not isinstance(module, LoRALinear):
+        if not isinstance(module, (LoRALinear, LoRAExpertLinear)):
             continue
         local_weight = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
         for leaf, fill in module.adapter_initializers():

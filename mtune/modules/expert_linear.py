@@ -1,0 +1,211 @@
+"""Every expert's copy of one projection in one 3-D parameter, and its LoRA adapter.
+
+:class:`ExpertLinear` holds ``weight [n_experts, out, in]`` (``bias [n_experts, out]`` when biased): one tensor per
+projection per layer instead of ``n_experts`` ``nn.Linear`` modules, so a 128-expert layer is 3 parameters, not 384
+(what made planning Qwen3-30B-A3B on fake tensors slow), the grouped kernel reads the weights in place, and FSDP2's
+``Shard(0)`` splits them by expert. The checkpoints keep one key per expert (``experts.{e}.gate_proj.weight``, the
+hub's layout, which transformers 5's ``save_pretrained`` also writes): :func:`expert_key` and :func:`stacked_key`
+translate.
+
+Under QLoRA the frozen weight is stored as one NF4 tensor of the ``[n_experts * out, in]`` rows (torchao quantizes
+2-D tensors only). Each 64-value block, its codes and its scale lie inside one expert (``out * in`` is a multiple of
+16384), so expert ``e`` is the ``e``-th of ``n_experts`` row blocks (:func:`~mtune.modules.nf4_linear.nf4_part`),
+dequantized alone. Only the mean the scales are centred on before their own 8-bit quantization is the projection's
+rather than the expert's, so values differ from quantizing each expert apart by a rounding of the scales.
+
+:class:`LoRAExpertLinear` adds per-expert low-rank factors ``lora_a.weight [n_experts, rank, in]`` and
+``lora_b.weight [n_experts, out, rank]`` (expert ``e``: ``y = x W_e^T + s (x A_e^T) B_e^T``, ``s = alpha / rank``).
+DoRA is not offered on experts.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import torch
+from torch import nn
+
+from mtune.config.errors import ConfigError
+from mtune.modules.nf4_linear import dequantize, is_nf4, linear_maybe_nf4, nf4_part, quantize_nf4
+
+__all__ = ["ExpertLinear", "LoRAExpertLinear", "expert_key", "per_expert", "stack_experts", "stacked_key"]
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
+_STACKED = re.compile(r"^(.*\.experts)\.([A-Za-z_]\w*\..+)$")
+
+
+def expert_key(name: str, expert: int) -> str:
+    """``layers.0.mlp.experts.gate_proj.weight`` and 3 -> ``layers.0.mlp.experts.3.gate_proj.weight`` (adapter
+    names too: ``...experts.gate_proj.lora_A.weight`` -> ``...experts.3.gate_proj.lora_A.weight``)."""
+    match = _STACKED.match(name)
+    return f"{match[1]}.{expert}.{match[2]}"
+
+
+def stacked_key(name: str) -> tuple[str, int] | None:
+    """A per-expert name -> ``(the stacked parameter's name, expert)``; None for any other name."""
+    match = _PER_EXPERT.match(name)
+    return None if match is None else (f"{match[1]}.{match[3]}", int(match[2]))
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert entries (``...experts.{e}.<rest>``) stacked into one ``[n_experts, ...]`` entry each, in expert
+    order; other entries unchanged. Raises ValueError naming the first projection whose experts are not 0..n-1."""
+    out, groups = {}, {}
+    for name, tensor in tensors.items():
+        slot = stacked_key(name)
+        if slot is None:
+            out[name] = tensor
+        else:
+            groups.setdefault(slot[0], {})[slot[1]] = tensor
+    for name, pieces in groups.items():
+        if sorted(pieces) != list(range(len(pieces))):
+            raise ValueError(f"{name}: experts {sorted(pieces)[:5]}... are not numbered 0 to {len(pieces) - 1}")
+        out[name] = torch.stack([pieces[e] for e in range(len(pieces))])
+    return out
+
+
+def per_expert(name: str, tensor: torch.Tensor):
+    """``(name, tensor)`` as a checkpoint holds it: a stacked projection ``[n_experts, ...]`` (named
+    ``...experts.<projection>.weight``) as one ``(per-expert name, tensor[e])`` per expert, anything else as is."""
+    if _STACKED.match(name) is None:
+        yield name, tensor
+        return
+    for e, piece in enumerate(tensor.unbind(0)):
+        yield expert_key(name, e), piece
+
+
+class _Factor(nn.Module):
+    """A holder for one low-rank factor, so its parameter is named ``lora_a.weight`` / ``lora_b.weight`` as a
+    ``LoRALinear``'s are (the names the adapter checks and exports key on)."""
+
+    def __init__(self, shape: tuple[int, ...], device, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+class ExpertLinear(nn.Module):
+    """``n_experts`` linear maps ``in_features -> out_features``: ``weight [n_experts, out, in]``.
+
+    ``nf4``: store the frozen weight as NF4 once it is loaded (:meth:`quantize_`; set by ``apply_lora`` with
+    ``quantize_base``). :meth:`pieces` and :meth:`run` compute one expert's rows; the grouped kernel reads
+    :meth:`stacked`.
+    """
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(n_experts, out_features, in_features, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(n_experts, out_features, device=device, dtype=dtype)) if bias
+                     else None)
+        self.nf4 = False
+
+    def initializers(self, std: float = 0.02):
+        """``(name, fill)`` as ``TransformerDecoder.initializers`` lists them: normal weights, zero biases."""
+        yield "weight", functools.partial(nn.init.normal_, std=std)
+        if self.bias is not None:
+            yield "bias", nn.init.zeros_
+
+    def quantize_(self) -> None:
+        """Store the weight as NF4 (``[n_experts * out, in]``) when marked ``nf4``; no-op otherwise or on meta."""
+        if self.nf4 and not is_nf4(self.weight) and not self.weight.is_meta:
+            self.weight = quantize_nf4(self.weight)
+
+    def plain_weight(self) -> torch.Tensor:
+        """The weight as a plain ``[n_experts, out, in]`` tensor (NF4 dequantized: a new tensor)."""
+        return dequantize(self.weight).view(self.n_experts, self.out_features, self.in_features)
+
+    def stacked(self) -> torch.Tensor:
+        """The weight for ``torch._grouped_mm``: the parameter itself when plain (no copy)."""
+        return self.plain_weight()
+
+    def pieces(self) -> list[tuple]:
+        """Each expert's tensors, split once per forward (``unbind``: autograd then writes one gradient of the whole
+        parameter, not one per expert): ``(weight [out, in] or its NF4 rows, bias [out] or None)``."""
+        if is_nf4(self.weight):
+            weights = [nf4_part(self.weight, self.n_experts, e) for e in range(self.n_experts)]
+        else:
+            weights = self.weight.unbind(0)
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.n_experts
+        return list(zip(weights, biases))
+
+    def piece(self, expert: int) -> tuple:
+        """Expert ``expert``'s tensors alone, as :meth:`pieces` gives them (for frozen weights: indexing a trainable
+        one would give it a whole-parameter gradient per expert)."""
+        weight = (nf4_part(self.weight, self.n_experts, expert) if is_nf4(self.weight) else self.weight[expert])
+        return weight, None if self.bias is None else self.bias[expert]
+
+    def run(self, x: torch.Tensor, piece: tuple) -> torch.Tensor:
+        """One expert's rows ``x [rows, in]`` -> ``[rows, out]``."""
+        weight, bias = piece[:2]
+        out = linear_maybe_nf4(x, weight)
+        return out if bias is None else out + bias
+
+    def extra_repr(self) -> str:
+        return (f"n_experts={self.n_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"nf4={self.nf4}")
+
+
+class LoRAExpertLinear(ExpertLinear):
+    """:class:`ExpertLinear` with a LoRA adapter per expert (``lora_a.weight [E, rank, in]``, ``lora_b.weight
+    [E, out, rank]``); while ``adapters_enabled`` is false it is its base."""
+
+    adapters_enabled = True
+    use_dora = False
+
+    def __init__(self, base: ExpertLinear, rank: int, alpha: float, dropout: float = 0.0, use_dora: bool = False,
+                 quantize_base: bool = False):
+        if use_dora:
+            raise ConfigError("lora.use_dora=true: DoRA is not offered on experts (nor by peft on 3-D expert "
+                              "parameters): remove gate_proj/up_proj/down_proj from lora.modules or set use_dora=false")
+        nn.Module.__init__(self)
+        self.n_experts, self.in_features, self.out_features = base.n_experts, base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # adopted, not copied
+        self.nf4 = base.nf4 or quantize_base
+        self.quantize_base = self.nf4
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        factory = {"device": self.weight.device, "dtype": self.weight.dtype}
+        self.lora_a = _Factor((self.n_experts, rank, self.in_features), **factory)
+        self.lora_b = _Factor((self.n_experts, self.out_features, rank), **factory)
+        self.magnitude = None
+
+    @staticmethod
+    def adapter_initializers():
+        """``(name, fill)`` of the factors in draw order: each expert's A Kaiming-uniform (as a ``[rank, in]``
+        LoRALinear's A), B zeros."""
+        def kaiming(t):
+            for matrix in t:
+                nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
+        return [("lora_a.weight", kaiming), ("lora_b.weight", nn.init.zeros_)]
+
+    @torch.no_grad()
+    def reset_adapter(self) -> None:
+        for name, fill in self.adapter_initializers():
+            fill(self.get_parameter(name))
+        self.quantize_()
+
+    def pieces(self) -> list[tuple]:
+        if not self.adapters_enabled:
+            return super().pieces()
+        return [(*base, a, b) for base, a, b in zip(super().pieces(), self.lora_a.weight.unbind(0),
+                                                    self.lora_b.weight.unbind(0))]
+
+    def run(self, x: torch.Tensor, piece: tuple) -> torch.Tensor:
+        out = super().run(x, piece)
+        if len(piece) == 2:
+            return out
+        a, b = piece[2:]
+        return torch.addmm(out, self.dropout(x) @ a.t(), b.t(), alpha=self.scaling)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``W_e + s B_e A_e`` for every expert, ``[n_experts, out, in]`` in the base dtype (computed in fp32)."""
+        base = self.plain_weight()
+        delta = torch.bmm(self.lora_b.weight.float(), self.lora_a.weight.float())
+        return (base.float() + self.scaling * delta).to(base.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"

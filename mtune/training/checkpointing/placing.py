@@ -1,0 +1,68 @@
+"""A checkpoint's tensors put into a model as they are read, and the names the checkpoint must hold. The experts'
+stacked projections (``[n_experts, out, in]``, :class:`~mtune.modules.expert_linear.ExpertLinear`) are held one key
+per expert (the hub's layout): each expert's tensor goes into its row."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtune.modules.expert_linear import ExpertLinear, expert_key
+
+__all__ = ["held_names", "place"]
+
+
+def held_names(model: nn.Module, expected: dict[str, torch.Tensor]) -> set[str]:
+    """The names a checkpoint holds for ``expected`` (the model's tensors by name): each stacked projection as one
+    name per expert (``experts.3.gate_proj.weight``), anything else as is."""
+    experts = {f"{name}.{leaf}": m.n_experts for name, m in model.named_modules() if isinstance(m, ExpertLinear)
+               for leaf in ("weight", "bias")}
+    held = set()
+    for name in expected:
+        held.update([expert_key(name, e) for e in range(experts[name])] if name in experts else [name])
+    return held
+
+
+@torch.no_grad()
+def _place_expert(model: nn.Module, name: str, expert: int, tensor: torch.Tensor, dtype, device,
+                  arrived: dict[str, int]) -> bool:
+    """Put one expert's tensor into row ``expert`` of the stacked parameter ``name`` (allocated at its first
+    expert when on meta); returns whether every expert has now arrived."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, leaf)
+    if current.is_meta or (dtype is not None and current.dtype != dtype):
+        value = torch.empty(current.shape, dtype=dtype or tensor.dtype, device=device if current.is_meta
+                            else current.device)
+        setattr(module, leaf, nn.Parameter(value, requires_grad=current.requires_grad))
+        current = getattr(module, leaf)
+    current[expert].copy_(tensor)
+    arrived[name] = arrived.get(name, 0) + 1
+    return arrived[name] == current.shape[0]
+
+
+def place(model: nn.Module, name: str, slot: tuple[str, int] | None, tensor: torch.Tensor, dtype, device,
+          arrived: dict[str, int]) -> tuple[str, bool]:
+    """Put a tensor read as ``name`` into the model (``slot``: the stacked parameter and expert it is a row of);
+    returns the parameter's name and whether it is now whole (every expert arrived)."""
+    if slot is None:
+        _place(model, name, tensor, dtype, device)
+        return name, True
+    return slot[0], _place_expert(model, *slot, tensor, dtype, device, arrived)
+
+
+@torch.no_grad()
+def _place(model: nn.Module, name: str, tensor: torch.Tensor, dtype, device) -> None:
+    """Put ``tensor`` into the parameter ``name``: assigned if the model is on meta, copied otherwise."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, leaf)
+    if current.is_meta or (dtype is not None and current.dtype != dtype):
+        # copy=True: safetensors hands out tensors backed by the file's memory map; the model must own its memory.
+        target = device if current.is_meta else current.device
+        value = tensor.to(device=target, dtype=dtype or tensor.dtype, copy=True)
+        if isinstance(current, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=current.requires_grad)
+        setattr(module, leaf, value)
+    else:
+        current.copy_(tensor)
