@@ -79,11 +79,29 @@ class Qwen3_5Args(DecoderArgs):
         return TransformerBlock(self.dim, self.norm_eps, attention, mlp, norm=GemmaRMSNorm)
 
 
-# Qwen/Qwen3.5-9B's model card: 32 layers as 8 x (3 DeltaNet + 1 gated attention), hidden 4096, DeltaNet 16 q/k and
-# 32 value heads of 128, attention 16 query / 4 KV heads of 256 with 64 rotated dimensions, intermediate 12288,
-# vocabulary 248320 (padded), 262144 positions. The other sizes wait for their configs to be checked.
+# Source: each Qwen/Qwen3.5-<size> checkpoint's config.json text_config (every size: 248320-token vocabulary,
+# attention heads of 256 with 64 rotated dimensions, DeltaNet q/k heads 16 x 128 and value heads of 128, full
+# attention every 4th layer, 262144 positions), written from the published numbers as public code that reads those
+# files quotes them (no network here), and the model cards' layer layouts and hidden sizes. Each count equals what
+# transformers' Qwen3_5ForCausalLM builds from the same text config (tests/mtune/models/test_sizes.py).
 QWEN3_5_SIZES = {
+    # 0.8B: 24 layers (6 x (3 DeltaNet + 1 attention)), hidden 1024, attention 8 / 2 KV heads, DeltaNet 16 value
+    # heads, intermediate 3584, tie_word_embeddings true.
+    "0.8B": dict(dim=1024, n_layers=24, n_heads=8, n_kv_heads=2, intermediate_dim=3584, linear_n_v_heads=16,
+                 tie_embeddings=True),
+    # 2B: 24 layers, hidden 2048, attention 8 / 2 KV heads, DeltaNet 16 value heads (its GGUF conversion says the
+    # same: ssm.time_step_rank 16, inner size 2048), intermediate 6144, tied.
+    "2B": dict(dim=2048, n_layers=24, n_heads=8, n_kv_heads=2, intermediate_dim=6144, linear_n_v_heads=16,
+               tie_embeddings=True),
+    # 4B: 32 layers (8 x (3 + 1)), hidden 2560, attention 16 / 4 KV heads, DeltaNet 32 value heads, intermediate
+    # 9216, tied.
+    "4B": dict(dim=2560, n_layers=32, n_heads=16, n_kv_heads=4, intermediate_dim=9216, tie_embeddings=True),
+    # 9B (the model card): 32 layers, hidden 4096, attention 16 / 4 KV heads, DeltaNet 32 value heads, intermediate
+    # 12288; the card lists the output layer apart from the token embedding, so not tied.
     "9B": dict(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, intermediate_dim=12288),
+    # 27B: 64 layers (16 x (3 + 1)), hidden 5120, attention 24 / 4 KV heads, DeltaNet 48 value heads, intermediate
+    # 17408, not tied.
+    "27B": dict(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, intermediate_dim=17408, linear_n_v_heads=48),
     # NF4-friendly test shape: one block of each kind twice (linear, full, linear, full); 4 DeltaNet value heads of
     # 64 over 2 q/k heads, attention 4 heads of 64 over 2 KV heads, a quarter of each rotated.
     "tiny": dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, intermediate_dim=512,

@@ -142,16 +142,19 @@ def test_unsupported_config_fields_name_the_file(field, value, message, qwen3_5_
         load_hf_config(tmp_path)
 
 
-def test_named_size_builds_as_transformers_builds_it():
-    args = model_args("qwen3_5", "9B")
+@pytest.mark.parametrize("size,full_layers", [("0.8B", 6), ("2B", 6), ("4B", 8), ("9B", 8), ("27B", 16)])
+def test_named_size_builds_as_transformers_builds_it(size, full_layers):
+    """Each named size's config.json, written back, reads as the same args and transformers builds it with our count
+    (tied embeddings counted once). Mutation seen failing: 2B's linear_n_v_heads 32."""
+    args = model_args("qwen3_5", size)
     config = hf_config_from_model_args(args)
     assert model_args_from_hf_config(config)[1] == args
     del config["rope_theta"], config["partial_rotary_factor"]
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    ours = sum(p.numel() for p in build_model("qwen3_5", "9B").parameters())
+    ours = sum(p.numel() for p in build_model("qwen3_5", size).parameters())
     assert ours == sum(p.numel() for p in hf.parameters())
-    assert args.layer_types.count("full_attention") == 8
+    assert args.layer_types.count("full_attention") == full_layers
 
 
 def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path):
