@@ -158,16 +158,16 @@ def test_named_size_builds_as_transformers_builds_it(size, full_layers):
 
 
 def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path):
-    """Through the recipe: packed rows of several documents, the checkpoint's own tokenizer.json (read as Qwen3's),
-    the loss falling; `mtune plan`'s fake tensors (which cannot read where documents end) give the tracked peak within
-    0.1% and the parameters, gradients and optimizer state to the byte."""
+    """Through the recipe: packed rows of several documents, the checkpoint's own tokenizer.json (its Qwen3.5 chat
+    format), the loss falling; `mtune plan`'s fake tensors (which cannot read where documents end) give the tracked
+    peak within 0.1% and the parameters, gradients and optimizer state to the byte."""
     from mtune._cli.catalog import find_recipe, load_recipe_module
     from mtune._cli.run import load_and_check
     from mtune.training.planning.plan import plan_memory
 
-    vocab = write_tokenizer_files(tmp_path / "tok", "qwen3")
+    vocab = write_tokenizer_files(tmp_path / "tok", "qwen3_5")
     checkpoint = write_tiny_hf_model(tmp_path, "qwen3_5", vocab_size=vocab, bos_token_id=None, eos_token_id=vocab - 3)
-    write_tokenizer_files(checkpoint, "qwen3")
+    write_tokenizer_files(checkpoint, "qwen3_5")
     overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
         "dataset.packed": True, "memory_breakdown": True, "max_steps_per_epoch": 4,
         "lora.modules": ["q_proj", "v_proj", "in_proj_qkv", "out_proj", "gate_proj"]})
