@@ -180,3 +180,25 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path
     assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
     for category in ("parameters", "gradients", "optimizer_state"):
         assert plan.device[category] == measured["device"][category], category
+
+
+def test_a_plan_shortened_to_whole_periods_keeps_the_layer_mix():
+    """--fit plans a deep model with a few blocks and extrapolates: the blocks it keeps are whole repetitions of the
+    layer pattern, with ``layer_types`` cut to match (left whole, the args refused the shorter model). Mutations
+    seen failing: ``layer_types`` not cut; the period ignored by ``planned_layers`` (2 and 4 blocks)."""
+    from mtune.models import layer_period, shortened
+    from mtune.training.planning.estimate import planned_layers
+
+    args = model_args("qwen3_5", "9B")
+    assert (layer_period(args), layer_period(model_args("qwen3_5", "tiny")), layer_period(model_args("llama3", "8B")),
+            layer_period(model_args("gemma3", "27B"))) == (4, 2, 1, 6)
+    short = shortened(args, 8)
+    assert short.n_layers == 8 and short.layer_types == ["linear_attention"] * 3 + ["full_attention"] + \
+        ["linear_attention"] * 3 + ["full_attention"]
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+
+    cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")),
+                         find_config("qwen3_5/9B_lora_single_device"),
+                         ["model.checkpoint_dir=null", "model.family=qwen3_5", "model.size=9B", "tokenizer.path=null"])
+    assert planned_layers(cfg) == (4, 8)
