@@ -11,7 +11,8 @@ llama           Llama 3 if ``original/tokenizer.model`` or ``tokenizer.model`` i
 mistral         Mistral v3 sentencepiece ``tokenizer.model`` (or ``tokenizer.model.v3``)
 qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
 qwen3           Qwen3 ``tokenizer.json`` (Qwen2's with ``<think>`` / ``</think>``)
-qwen3_5(_text)  Qwen3.5 ``tokenizer.json`` (Qwen3's ids, Qwen3.5's chat template: family ``qwen3_5``)
+qwen3_5(_moe)   Qwen3.5 ``tokenizer.json`` (Qwen3's ids, Qwen3.5's chat template: family ``qwen3_5``), ``_text``
+                too
 phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
 gemma3(_text)   Gemma 3 ``tokenizer.json`` (family ``gemma3``)
 ==============  =====================================================================================
@@ -92,9 +93,10 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
                 return "mistral", path / name
         raise PathNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
                                 "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
         # Qwen3-MoE ships Qwen3's tokenizer; Qwen3.5 Qwen3's ids with its own chat template (docs/tokenizers.md)
-        family = {"qwen3_moe": "qwen3", "qwen3_5_text": "qwen3_5"}.get(model_type, model_type)
+        family = {"qwen3_moe": "qwen3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+                  "qwen3_5_moe_text": "qwen3_5"}.get(model_type, model_type)
         if (path / "tokenizer.json").is_file():
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")

@@ -78,5 +78,6 @@ def test_model_types_pick_the_qwen3_5_format(tokenizer_dirs, tmp_path):
 
     assert detect_tokenizer(tokenizer_dirs["qwen3_5"])[0] == "qwen3_5"  # model_type qwen3_5_text
     multimodal = shutil.copytree(tokenizer_dirs["qwen3_5"], tmp_path / "mm")
-    (multimodal / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {}}))
-    assert detect_tokenizer(multimodal)[0] == "qwen3_5"
+    for model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text"):  # the multimodal and MoE checkpoints
+        (multimodal / "config.json").write_text(json.dumps({"model_type": model_type, "text_config": {}}))
+        assert detect_tokenizer(multimodal)[0] == "qwen3_5"
