@@ -86,7 +86,7 @@ DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
                       "gemma3": ["1B", "4B", "12B", "27B"],  # LoRA and QLoRA, no full single-device
                       "qwen3_moe": ["30B_A3B"],
-                      "qwen3_5": ["0.8B", "2B", "4B", "9B", "35B_A3B"]}
+                      "qwen3_5": ["0.8B", "2B", "4B", "9B", "27B", "35B_A3B"]}
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}
