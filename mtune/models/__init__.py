@@ -5,6 +5,8 @@ Family names are those of the config folders (``llama2``, ``llama3``, ``llama3_1
 Llama 3.1's tiny size).
 """
 
+from dataclasses import replace
+
 import torch
 
 from mtune.config.errors import ConfigError
@@ -70,3 +72,19 @@ def build_model(
 
 
 __all__ = ["FAMILIES", "model_args", "build_model", "build_model_from_args", "DecoderArgs"]
+
+
+def shortened(args, n_layers: int):
+    """``args`` with its first ``n_layers`` blocks: a per-layer list (``layer_types``: Gemma 3's, Qwen3.5's) cut to
+    match."""
+    types = getattr(args, "layer_types", None)
+    return replace(args, n_layers=n_layers, **({"layer_types": list(types[:n_layers])} if types else {}))
+
+
+def layer_period(args) -> int:
+    """The fewest blocks whose ``layer_types`` repeat through the model (Qwen3.5's 3 DeltaNet + 1 attention: 4;
+    Gemma 3's 5 sliding + 1 global: 6); 1 for a model of one kind. A plan shortened to whole periods keeps the
+    model's mix of layers."""
+    types = list(getattr(args, "layer_types", None) or [])
+    return next((p for p in range(1, len(types)) if all(t == types[i % p] for i, t in enumerate(types))),
+                max(1, len(types)))

@@ -20,7 +20,8 @@ from mtune.modules.transformer import DecoderArgs
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                   "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
                   "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
-                  "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5"}
+                  "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+                  "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
 _HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen3_moe": "qwen3_moe", "phi4": "phi3", "gemma3": "gemma3_text",
                   "qwen3_5": "qwen3_5_text"}  # Gemma 3 and Qwen3.5 are written back text-only
@@ -104,7 +105,7 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         raise ValueError(f"unsupported model_type {found!r}; mtune loads {', '.join(_HF_ARCHITECTURE)} checkpoints")
     if model_type in ("gemma3", "gemma3_text"):
         return "gemma3", gemma3_args(config)
-    if model_type in ("qwen3_5", "qwen3_5_text"):
+    if model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
         return "qwen3_5", qwen3_5_args(config)
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")

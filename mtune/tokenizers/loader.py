@@ -11,7 +11,8 @@ llama           Llama 3 if ``original/tokenizer.model`` or ``tokenizer.model`` i
 mistral         Mistral v3 sentencepiece ``tokenizer.model`` (or ``tokenizer.model.v3``)
 qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
 qwen3           Qwen3 ``tokenizer.json`` (Qwen2's with ``<think>`` / ``</think>``)
-qwen3_5(_text)  Qwen3.5 ``tokenizer.json``, read as Qwen3's (family ``qwen3``)
+qwen3_5(_moe)   Qwen3.5 ``tokenizer.json`` (Qwen3's ids, Qwen3.5's chat template: family ``qwen3_5``), ``_text``
+                too
 phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
 gemma3(_text)   Gemma 3 ``tokenizer.json`` (family ``gemma3``)
 ==============  =====================================================================================
@@ -27,7 +28,7 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3")
 
 
 def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
@@ -44,6 +45,8 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         from mtune.tokenizers.mistral import MistralTokenizer as cls
     elif family == "qwen3":
         from mtune.tokenizers.qwen3 import Qwen3Tokenizer as cls
+    elif family == "qwen3_5":
+        from mtune.tokenizers.qwen3_5 import Qwen3_5Tokenizer as cls
     elif family == "phi4":
         from mtune.tokenizers.phi4 import Phi4Tokenizer as cls
     elif family == "gemma3":
@@ -90,9 +93,10 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
                 return "mistral", path / name
         raise PathNotFoundError(f"{path}: a mistral model without tokenizer.model; mtune reads Mistral's v3 "
                                 "sentencepiece tokenizer.model (tekken tokenizers are not supported)")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text"):
-        # Qwen3-MoE ships Qwen3's tokenizer; Qwen3.5's tokenizer.json is read as Qwen3's (docs/tokenizers.md)
-        family = {"qwen3_moe": "qwen3", "qwen3_5": "qwen3", "qwen3_5_text": "qwen3"}.get(model_type, model_type)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
+        # Qwen3-MoE ships Qwen3's tokenizer; Qwen3.5 Qwen3's ids with its own chat template (docs/tokenizers.md)
+        family = {"qwen3_moe": "qwen3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5",
+                  "qwen3_5_moe_text": "qwen3_5"}.get(model_type, model_type)
         if (path / "tokenizer.json").is_file():
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")

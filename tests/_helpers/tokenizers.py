@@ -90,6 +90,46 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+# Qwen3.5's (Qwen/Qwen3.5-27B tokenizer_config.json; the other sizes ship the same), its image / video content and
+# tool-calling branches left out as above; what is kept is the template's text verbatim.
+QWEN3_5_CHAT_TEMPLATE = (
+    "{%- macro render_content(content, do_vision_count, is_system_content=false) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content is none or content is undefined %}{{- '' }}"
+    "{%- else %}{{- raise_exception('Unexpected content type.') }}{%- endif %}{%- endmacro %}"
+    "{%- if not messages %}{{- raise_exception('No messages provided.') }}{%- endif %}"
+    "{%- if messages[0].role == 'system' %}"
+    "{%- set content = render_content(messages[0].content, false, true)|trim %}"
+    "{{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set content = render_content(message.content, false)|trim %}"
+    "{%- if not(content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if ns.multi_step_tool %}{{- raise_exception('No user query found in messages.') }}{%- endif %}"
+    "{%- for message in messages %}{%- set content = render_content(message.content, true)|trim %}"
+    "{%- if message.role == 'system' %}"
+    "{%- if not loop.first %}{{- raise_exception('System message must be at the beginning.') }}{%- endif %}"
+    "{%- elif message.role == 'user' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- else %}{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}"
+    "{%- set reasoning_content = reasoning_content|trim %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content + '\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- raise_exception('Unexpected message role.') }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+
 # Phi-4-mini-instruct's (microsoft/Phi-4-mini-instruct tokenizer_config.json), its tools branch left out.
 PHI4_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
@@ -120,7 +160,7 @@ QWEN2_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3")
 
 _WORDS = (
     "the model learns to follow instructions and answers questions about data training tokens memory "
@@ -322,6 +362,16 @@ def write_qwen3_tokenizer(model_dir: str | Path) -> int:
         config={"model_type": "qwen3", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2})
 
 
+def write_qwen3_5_tokenizer(model_dir: str | Path) -> int:
+    """Write Qwen3's tiny `tokenizer.json` with Qwen3.5's chat template and a `qwen3_5_text` config. Returns 505."""
+    return _write_tokenizer_json(
+        model_dir, pattern=QWEN2_PATTERN, base_vocab=QWEN2_BASE_VOCAB, added=QWEN3_ADDED, normalizer={"type": "NFC"},
+        not_special=("<think>", "</think>"),
+        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>", "chat_template": QWEN3_5_CHAT_TEMPLATE},
+        config={"model_type": "qwen3_5_text", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2})
+
+
 PHI4_BASE_VOCAB = 500
 PHI4_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>")
 
@@ -362,13 +412,13 @@ def _merge_config(model_dir: Path, fields: dict) -> None:
 
 _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
             "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer,
-            "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer}
+            "qwen3_5": write_qwen3_5_tokenizer, "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer}
 
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
-    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | phi4 | gemma3) to `model_dir`;
-    returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3 / phi4 / gemma3 505) so the model's embedding can match. An existing config.json keeps
-    its own fields (its `vocab_size` included)."""
+    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | qwen3_5 | phi4 | gemma3) to
+    `model_dir`; returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3(_5) / phi4 / gemma3 505)
+    so the model's embedding can match. An existing config.json keeps its own fields (its `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")
     return _WRITERS[family](model_dir)

@@ -55,9 +55,16 @@ CHECKPOINTS = {
     "gemma-3-4b-it": ("gemma3", "4B", 3_880_263_168, 14_901_248),
     "gemma-3-12b-it": ("gemma3", "12B", 11_766_034_176, 32_735_232),
     "gemma-3-27b-it": ("gemma3", "27B", 27_009_346_304, 56_758_272),
-    # Qwen3.5 9B's text model (the multimodal checkpoint's language model); PEFT's count from get_peft_model on
-    # transformers' Qwen3_5ForCausalLM (meta) with the config's ten target modules
+    # Qwen3.5's text models (the multimodal checkpoints' language model); PEFT's counts from get_peft_model on
+    # transformers' Qwen3_5ForCausalLM (meta) with the configs' ten target modules
+    "Qwen3.5-0.8B": ("qwen3_5", "0.8B", 752_393_024, 5_111_808),
+    "Qwen3.5-2B": ("qwen3_5", "2B", 1_881_825_088, 7_815_168),
+    "Qwen3.5-4B": ("qwen3_5", "4B", 4_205_751_296, 15_237_120),
     "Qwen3.5-9B": ("qwen3_5", "9B", 8_953_803_264, 20_054_016),
+    "Qwen3.5-27B": ("qwen3_5", "27B", 26_895_998_464, 54_394_880),
+    # Qwen3.5-MoE: rank-8 LoRA on the attention and DeltaNet linears (PEFT on transformers' meta
+    # Qwen3_5MoeForCausalLM of the default text config, 35B-A3B's)
+    "Qwen3.5-35B-A3B": ("qwen3_5", "35B_A3B", 34_660_610_688, 7_127_040),
     # Qwen3-MoE: rank-8 LoRA on attention only (PEFT on transformers' meta model of the hub config.json)
     "Qwen3-30B-A3B": ("qwen3_moe", "30B_A3B", 30_532_122_624, 6_684_672),
 }
@@ -65,7 +72,8 @@ CHECKPOINTS = {
 ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
            "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
            "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
-                       "up_proj", "down_proj"]}
+                       "up_proj", "down_proj"],
+           "qwen3_5/35B_A3B": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"]}
 
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
@@ -78,7 +86,8 @@ DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "
                "qwen3_moe/30B_A3B_lora_distributed"}
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
                       "gemma3": ["1B", "4B", "12B", "27B"],  # LoRA and QLoRA, no full single-device
-                      "qwen3_moe": ["30B_A3B"]}
+                      "qwen3_moe": ["30B_A3B"],
+                      "qwen3_5": ["0.8B", "2B", "4B", "9B", "27B", "35B_A3B"]}
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}
@@ -173,14 +182,18 @@ def test_models_build_on_meta_with_published_sizes(loaded):
             assert trainable == published, name
             continue
         seven = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        assert (lora.rank, list(lora.modules), lora.use_dora) == (8, ADAPTED.get(family, seven), False)
+        adapted = ADAPTED.get(f"{family}/{size}", ADAPTED.get(family, seven))
+        assert (lora.rank, list(lora.modules), lora.use_dora) == (8, adapted, False)
         assert trainable == peft_trainable, f"{name}: {trainable:,} trainable, PEFT {peft_trainable:,}"
         kept = {f"{n}.{child}" for n, m in model.named_modules() for child in getattr(m, "kept_in_model_dtype", ())}
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
-        if family == "qwen3_moe":  # attention adapted; experts frozen (NF4 under QLoRA); routers as they are
+        if family == "qwen3_moe" or size == "35B_A3B":
+            # attention (and DeltaNet) adapted; experts frozen (NF4 under QLoRA); routers as they are
             experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith("_proj")]
-            assert len(experts) == 48 * 3 and all(type(m) is ExpertLinear and m.n_experts == 128 for m in experts)
+            layers, n_experts = (48, 128) if family == "qwen3_moe" else (40, 256)
+            assert len(experts) == layers * 3, name
+            assert all(type(m) is ExpertLinear and m.n_experts == n_experts for m in experts), name
             assert all(m.nf4 == bool(lora.quantize_base) for m in experts), name
             continue
         assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted

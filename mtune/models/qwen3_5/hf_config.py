@@ -1,7 +1,8 @@
 """Qwen3.5's ``config.json``: the text model alone (``qwen3_5_text``, ``Qwen3_5ForCausalLM``) or the text tower of
 the multimodal checkpoints the hub publishes (``qwen3_5``, ``Qwen3_5ForConditionalGeneration``, fields under
-``text_config``). RoPE fields are read from ``rope_parameters`` (transformers 5) or ``rope_scaling`` + top-level
-``rope_theta`` / ``partial_rotary_factor`` (4.x style); the multimodal position sections (``mrope_section``) change
+``text_config``), and the same two of Qwen3.5-MoE (``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``Qwen3_5Moe*``).
+RoPE fields are read from ``rope_parameters`` (transformers 5) or ``rope_scaling`` + top-level ``rope_theta`` /
+``partial_rotary_factor`` (4.x style); the multimodal position sections (``mrope_section``) change
 nothing for text, whose three position streams are equal.
 """
 
@@ -15,16 +16,24 @@ TEXT_DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=1228
                      linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4)
 
 
+# Qwen3_5MoeTextConfig's defaults (transformers 5.24) where they differ: 35B-A3B's shape.
+MOE_TEXT_DEFAULTS = dict(TEXT_DEFAULTS, hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2,
+                         num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                         shared_expert_intermediate_size=512, router_aux_loss_coef=0.001, output_router_logits=False)
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def text_config(config: dict) -> dict:
-    if config.get("model_type") == "qwen3_5":
-        return {**TEXT_DEFAULTS, "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    defaults = MOE_TEXT_DEFAULTS if config.get("model_type") in MOE_MODEL_TYPES else TEXT_DEFAULTS
+    if config.get("model_type") in ("qwen3_5", "qwen3_5_moe"):
+        return {**defaults, "tie_word_embeddings": config.get("tie_word_embeddings", False),
                 **(config.get("text_config") or {})}
-    return {**TEXT_DEFAULTS, **config}
+    return {**defaults, **config}
 
 
 def qwen3_5_args(config: dict) -> Qwen3_5Args:
-    """The text model of a ``qwen3_5_text`` or ``qwen3_5`` config dict; one-line ``ValueError`` for what mtune does
-    not implement."""
+    """The text model of a ``qwen3_5_text`` / ``qwen3_5`` (or the MoE twins') config dict; one-line ``ValueError``
+    for what mtune does not implement."""
     c = text_config(config)
     if c["hidden_act"] != "silu":
         raise ValueError(f"qwen3_5 hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
@@ -35,7 +44,15 @@ def qwen3_5_args(config: dict) -> Qwen3_5Args:
     if rope_type not in (None, "default"):
         raise ValueError(f"qwen3_5 rope_type {rope_type!r} is not supported (only 'default')")
     n_layers = c["num_hidden_layers"]
+    moe = {}
+    if config.get("model_type") in MOE_MODEL_TYPES:
+        moe = dict(n_experts=c["num_experts"], top_k=c["num_experts_per_tok"],
+                   moe_intermediate_dim=c["moe_intermediate_size"],
+                   shared_expert_intermediate_dim=c["shared_expert_intermediate_size"],
+                   router_aux_loss_coef=float(c["router_aux_loss_coef"]),
+                   output_router_logits=bool(c["output_router_logits"]))
     return Qwen3_5Args(
+        **moe,
         vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=c["num_attention_heads"],
         n_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], intermediate_dim=c["intermediate_size"],
         norm_eps=c["rms_norm_eps"], rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000000.0))),
@@ -48,7 +65,15 @@ def qwen3_5_args(config: dict) -> Qwen3_5Args:
 
 
 def qwen3_5_hf_config(args: Qwen3_5Args, dtype: str) -> dict:
-    """A text-only ``Qwen3_5ForCausalLM`` config.json (RoPE in both layouts)."""
+    """A text-only ``Qwen3_5ForCausalLM`` (``Qwen3_5MoeForCausalLM`` with experts) config.json (RoPE in both
+    layouts)."""
+    moe = {}
+    if args.n_experts:
+        moe = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+               "num_experts": args.n_experts, "num_experts_per_tok": args.top_k,
+               "moe_intermediate_size": args.moe_intermediate_dim,
+               "shared_expert_intermediate_size": args.shared_expert_intermediate_dim,
+               "router_aux_loss_coef": args.router_aux_loss_coef, "output_router_logits": args.output_router_logits}
     return {
         "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": args.vocab_size,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
@@ -62,4 +87,5 @@ def qwen3_5_hf_config(args: Qwen3_5Args, dtype: str) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
                             "partial_rotary_factor": args.partial_rotary_factor},
         "torch_dtype": dtype,
+        **moe,
     }

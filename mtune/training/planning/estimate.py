@@ -16,6 +16,8 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.cost import model_facts
 from mtune.training.planning.host import offload_ends
 from mtune.training.planning.memory_plan import MemoryPlan
+from mtune.models import layer_period
+from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.plan import plan_memory
 
 __all__ = ["Estimator", "planned_layers", "interpolate"]
@@ -23,10 +25,13 @@ __all__ = ["Estimator", "planned_layers", "interpolate"]
 
 def planned_layers(cfg) -> tuple[int, int]:
     """The two block counts planned to extrapolate ``cfg``'s model per layer: a unit of blocks and twice it. The
-    unit is a multiple of two and of every technique's `Footprint.repeat_blocks` (every 2nd block checkpointed, weight
-    offloading's group and the one it prefetches), so that both plans hold whole repetitions in their steady state
-    and every figure grows by the same bytes per unit: two and four blocks for the choices ``--fit`` searches."""
-    unit = math.lcm(2, *phases.repeat_blocks(MemoryConfig.from_config(cfg)))
+    unit is a multiple of two, of every technique's `Footprint.repeat_blocks` (every 2nd block checkpointed, weight
+    offloading's group and the one it prefetches) and of the model's repeating pattern of layer kinds
+    (`layer_period`: Qwen3.5's 4, Gemma 3's 6), so that both plans hold whole repetitions in their steady state
+    and every figure grows by the same bytes per unit: two and four blocks for the choices ``--fit`` searches on a
+    model of one kind."""
+    period = layer_period(resolve_model_source(cfg.model).args)
+    unit = math.lcm(2, period, *phases.repeat_blocks(MemoryConfig.from_config(cfg)))
     return unit, 2 * unit
 
 

@@ -40,7 +40,6 @@ import contextlib
 import logging
 import time
 import warnings
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -49,6 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from mtune.config import instantiate
 from mtune.config.errors import ConfigError
 from mtune.config.keys import accumulation_steps
+from mtune.models import shortened
 from mtune.modules.loss import CrossEntropyLoss
 from mtune.training.loop import step_on_tensors
 from mtune.training.optimizers import build_optimizer, inner_optimizers
@@ -90,7 +90,7 @@ def _target(device: str) -> torch.device:
 
 def _model_source(cfg, n_layers: int | None = None):
     source = resolve_model_source(cfg.model)  # reads config.json only
-    args = source.args if n_layers is None else replace(source.args, n_layers=n_layers)
+    args = source.args if n_layers is None else shortened(source.args, n_layers)
     return ModelSource(source.family, args, None)  # random init under fake tensors: no weight file is read
 
 

@@ -142,29 +142,32 @@ def test_unsupported_config_fields_name_the_file(field, value, message, qwen3_5_
         load_hf_config(tmp_path)
 
 
-def test_named_size_builds_as_transformers_builds_it():
-    args = model_args("qwen3_5", "9B")
+@pytest.mark.parametrize("size,full_layers", [("0.8B", 6), ("2B", 6), ("4B", 8), ("9B", 8), ("27B", 16)])
+def test_named_size_builds_as_transformers_builds_it(size, full_layers):
+    """Each named size's config.json, written back, reads as the same args and transformers builds it with our count
+    (tied embeddings counted once). Mutation seen failing: 2B's linear_n_v_heads 32."""
+    args = model_args("qwen3_5", size)
     config = hf_config_from_model_args(args)
     assert model_args_from_hf_config(config)[1] == args
     del config["rope_theta"], config["partial_rotary_factor"]
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    ours = sum(p.numel() for p in build_model("qwen3_5", "9B").parameters())
+    ours = sum(p.numel() for p in build_model("qwen3_5", size).parameters())
     assert ours == sum(p.numel() for p in hf.parameters())
-    assert args.layer_types.count("full_attention") == 8
+    assert args.layer_types.count("full_attention") == full_layers
 
 
 def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path):
-    """Through the recipe: packed rows of several documents, the checkpoint's own tokenizer.json (read as Qwen3's),
-    the loss falling; `mtune plan`'s fake tensors (which cannot read where documents end) give the tracked peak within
-    0.1% and the parameters, gradients and optimizer state to the byte."""
+    """Through the recipe: packed rows of several documents, the checkpoint's own tokenizer.json (its Qwen3.5 chat
+    format), the loss falling; `mtune plan`'s fake tensors (which cannot read where documents end) give the tracked
+    peak within 0.1% and the parameters, gradients and optimizer state to the byte."""
     from mtune._cli.catalog import find_recipe, load_recipe_module
     from mtune._cli.run import load_and_check
     from mtune.training.planning.plan import plan_memory
 
-    vocab = write_tokenizer_files(tmp_path / "tok", "qwen3")
+    vocab = write_tokenizer_files(tmp_path / "tok", "qwen3_5")
     checkpoint = write_tiny_hf_model(tmp_path, "qwen3_5", vocab_size=vocab, bos_token_id=None, eos_token_id=vocab - 3)
-    write_tokenizer_files(checkpoint, "qwen3")
+    write_tokenizer_files(checkpoint, "qwen3_5")
     overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
         "dataset.packed": True, "memory_breakdown": True, "max_steps_per_epoch": 4,
         "lora.modules": ["q_proj", "v_proj", "in_proj_qkv", "out_proj", "gate_proj"]})
@@ -177,3 +180,25 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path
     assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
     for category in ("parameters", "gradients", "optimizer_state"):
         assert plan.device[category] == measured["device"][category], category
+
+
+def test_a_plan_shortened_to_whole_periods_keeps_the_layer_mix():
+    """--fit plans a deep model with a few blocks and extrapolates: the blocks it keeps are whole repetitions of the
+    layer pattern, with ``layer_types`` cut to match (left whole, the args refused the shorter model). Mutations
+    seen failing: ``layer_types`` not cut; the period ignored by ``planned_layers`` (2 and 4 blocks)."""
+    from mtune.models import layer_period, shortened
+    from mtune.training.planning.estimate import planned_layers
+
+    args = model_args("qwen3_5", "9B")
+    assert (layer_period(args), layer_period(model_args("qwen3_5", "tiny")), layer_period(model_args("llama3", "8B")),
+            layer_period(model_args("gemma3", "27B"))) == (4, 2, 1, 6)
+    short = shortened(args, 8)
+    assert short.n_layers == 8 and short.layer_types == ["linear_attention"] * 3 + ["full_attention"] + \
+        ["linear_attention"] * 3 + ["full_attention"]
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+
+    cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")),
+                         find_config("qwen3_5/9B_lora_single_device"),
+                         ["model.checkpoint_dir=null", "model.family=qwen3_5", "model.size=9B", "tokenizer.path=null"])
+    assert planned_layers(cfg) == (4, 8)

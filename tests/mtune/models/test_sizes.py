@@ -32,7 +32,14 @@ KNOWN = {
     ("qwen3", "8B"): 8_190_735_360,
     ("qwen3", "14B"): 14_768_307_200,
     ("qwen3", "32B"): 32_762_123_264,
-    ("qwen3_5", "9B"): 8_953_803_264,  # transformers' count from the same text config (test_qwen3_5.py)
+    # Qwen3.5 (the text models): transformers' counts from the same text configs (test_qwen3_5.py); the cards'
+    # 0.8B / 2B / 4B / 9B / 27B count the vision tower too
+    ("qwen3_5", "0.8B"): 752_393_024,
+    ("qwen3_5", "2B"): 1_881_825_088,
+    ("qwen3_5", "4B"): 4_205_751_296,
+    ("qwen3_5", "9B"): 8_953_803_264,
+    ("qwen3_5", "27B"): 26_895_998_464,
+    ("qwen3_5", "35B_A3B"): 34_660_610_688,  # Qwen3.5-MoE, the card's 35B
     # Qwen3-MoE: the model cards' 30.5B / 235B total (3.3B / 22B activated); exact counts of the hub shapes.
     ("qwen3_moe", "30B_A3B"): 30_532_122_624,
     ("qwen3_moe", "235B_A22B"): 235_093_634_560,
