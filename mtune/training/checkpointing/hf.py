@@ -157,8 +157,8 @@ def locate_tensors(
             by_file.setdefault(path, []).append((name, key))
             listed.add(name)
     if skipped:
-        log.info("%s: %d tensors of other towers (vision, multi-token prediction) skipped (mtune trains the text "
-                 "model)", checkpoint_dir, skipped)
+        log.info("%s: %d tensors of other towers (vision, audio, multi-token prediction) skipped (mtune trains the "
+                 "text model)", checkpoint_dir, skipped)
     missing, unexpected = expected.keys() - listed, listed - expected.keys()
     if missing or unexpected:
         raise CheckpointError(
