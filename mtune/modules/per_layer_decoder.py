@@ -25,7 +25,8 @@ class PerLayerInputDecoder(TransformerDecoder):
     per_layer_input, k, v) -> (h, k, v)``. ``args`` adds ``per_layer_dim`` (0: no per-layer inputs),
     ``per_layer_vocab_size``, ``kv_source(i)`` (the block whose keys and values block ``i`` reuses, or None) and
     ``final_logit_softcap`` (the head's :class:`~mtune.modules.softcap.SoftcappedLinear`; None: a plain head).
-    Generation with a KV cache is refused (the shared layers have no cache of their own)."""
+    Generation with a KV cache (what mtune's generation and task evaluation use) is refused in one line: the
+    reusing layers have no cache of their own."""
 
     def __init__(self, args) -> None:
         super().__init__(args)
@@ -41,7 +42,7 @@ class PerLayerInputDecoder(TransformerDecoder):
 
     def setup_caches(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
         raise NotImplementedError(f"generation with a KV cache is not supported for {self.args.family} (its last "
-                                  "layers reuse earlier layers' keys and values); generate without a cache")
+                                  "layers reuse earlier layers' keys and values instead of caching their own)")
 
     def per_layer_inputs(self, tokens: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor | None:
         """``[b, s, n_layers, p]`` from the tokens ``[b, s]`` and their scaled embeddings ``[b, s, dim]``."""
