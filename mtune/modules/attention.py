@@ -74,16 +74,23 @@ class Attention(nn.Module):
     def attend(self, q, k, v, cos, sin, mask=None, cache_pos=None, cu_seqlens=None) -> torch.Tensor:
         """The heads' outputs ``[b, s, n_heads * head_dim]`` (before ``o_proj``) for queries, keys and values as
         :meth:`project` returns them: RoPE, the KV cache, then SDPA or attention per segment."""
-        b, s = q.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
-        if cu_seqlens is not None:
-            return segment_attention(q, k, v, cu_seqlens, self.sliding_window)
-        gqa = self.n_kv_heads != self.n_heads
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(b, s, -1)
+        return causal_attention(q, k, v, mask, cu_seqlens, self.sliding_window)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     cu_seqlens: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """The heads' outputs ``[b, s, hq * d]`` of rotated queries ``[b, hq, s, d]`` against keys and values ``[b, hkv,
+    kv_len, d]`` (grouped when ``hkv < hq``): attention per segment of ``cu_seqlens`` (with the sliding ``window``),
+    else SDPA under ``mask`` (None: causal)."""
+    if cu_seqlens is not None:
+        return segment_attention(q, k, v, cu_seqlens, window)
+    b, h, s, _ = q.shape
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != h)
+    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class QKNormAttention(Attention):

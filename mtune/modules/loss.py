@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import checkpoint
 
+from mtune.modules.softcap import SoftcappedLinear
+
 IGNORE_INDEX = -100
 
 __all__ = ["IGNORE_INDEX", "CrossEntropyLoss", "ChunkedCrossEntropyLoss"]
@@ -55,11 +57,13 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
 
     hidden [tokens, dim], weight [vocab, dim] (same dtype), labels [tokens] (-100 ignored); returns an fp32 scalar.
     ``grad_enabled``: the caller's grad mode (forward itself runs with grad off); off, only the loss is computed.
+    ``cap``: soft-cap the logits, ``cap * tanh(logits / cap)`` in fp32 (Gemma 4), their gradient times
+    ``1 - tanh**2``; None: none.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, num_chunks: int,
-                grad_enabled: bool):
+                grad_enabled: bool, cap: float | None = None):
         need_hidden = grad_enabled and ctx.needs_input_grad[0]
         need_weight = grad_enabled and ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -70,6 +74,9 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
             # one [chunk, vocab] fp32 buffer at a time beside at most one other: the logits are upcast and dropped
             # before log_softmax, the upcast copy dropped after it, and every chunk buffer before the next chunk
             logits = torch.mm(h, weight.t()).float()
+            if cap is not None:
+                tanh = logits.div_(cap).tanh_()
+                logits = tanh * cap
             log_probs = torch.log_softmax(logits, dim=-1)
             del logits
             unlabelled = (y == IGNORE_INDEX).unsqueeze(1)
@@ -80,7 +87,11 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
                 continue
             # d(sum of losses)/d logits = softmax - one_hot(target), zero on unlabelled rows
             grad_logits = log_probs.exp_().scatter_add_(1, target, unlabelled.float().sub(1.0))
-            grad_logits = grad_logits.masked_fill_(unlabelled, 0.0).to(hidden.dtype)
+            grad_logits = grad_logits.masked_fill_(unlabelled, 0.0)
+            if cap is not None:
+                grad_logits = grad_logits.mul_(1.0 - tanh.square_())
+                del tanh
+            grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden:
                 torch.mm(grad_logits, weight, out=gh)
             if need_weight:
@@ -107,13 +118,13 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_total)
         if grad_weight is not None:
             grad_weight.mul_(grad_total)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _is_plain_head(lm_head: nn.Module) -> bool:
-    """A bias-free ``nn.Linear`` (tied or not) with no hooks; LoRA, NF4 and offloaded heads (whose hooks bring the
-    weight in) go through their own forward."""
-    return (type(lm_head) is nn.Linear and lm_head.bias is None
+    """A bias-free ``nn.Linear`` (tied or not, soft-capped or not) with no hooks; LoRA, NF4 and offloaded heads
+    (whose hooks bring the weight in) go through their own forward."""
+    return (type(lm_head) in (nn.Linear, SoftcappedLinear) and lm_head.bias is None
             and not lm_head._forward_hooks and not lm_head._forward_pre_hooks)
 
 
@@ -168,7 +179,7 @@ class ChunkedCrossEntropyLoss(nn.Module):
         weight = None if torch.is_autocast_enabled(hidden.device.type) else _plain_projection_weight(lm_head)
         if weight is not None and weight.dtype == flat_hidden.dtype:
             total = _ProjectedCrossEntropy.apply(flat_hidden.contiguous(), weight, flat_labels, self.num_chunks,
-                                                 torch.is_grad_enabled())
+                                                 torch.is_grad_enabled(), getattr(lm_head, "softcap", None))
             return total, (labels != IGNORE_INDEX).sum()
 
         def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

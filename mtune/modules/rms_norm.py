@@ -1,4 +1,4 @@
-"""Root-mean-square layer norm: Llama's, and Gemma's ``(1 + weight)`` form."""
+"""Root-mean-square layer norm: Llama's, Gemma's ``(1 + weight)`` form, and Gemma 4's all-fp32 one."""
 
 import torch
 from torch import nn
@@ -49,3 +49,20 @@ class GemmaRMSNorm(RMSNorm):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2) + eps)`` over the last dimension, in fp32, cast back to ``x``'s dtype (a norm without
+    a weight: Gemma 4's value norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class FP32RMSNorm(RMSNorm):
+    """Gemma 4's RMSNorm: ``x / sqrt(mean(x**2) + eps) * weight`` (a plain weight from ones, as Llama's), with the
+    weight applied in fp32 before the cast back to the input's dtype (Llama's casts first; same in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)

@@ -16,12 +16,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
         scaling: ``None`` for plain RoPE, or Llama 3.1's ``{"rope_type": "llama3", "factor",
             "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``: long wavelengths are
             stretched by ``factor``, short ones kept, and the band between is interpolated smoothly. (LongRoPE's
-            two sets of frequencies: :func:`longrope_inv_freq`.)
+            two sets of frequencies: :func:`longrope_inv_freq`.) Gemma 4's ``{"rope_type": "proportional",
+            "partial_rotary_factor": p}`` (``factor`` optional): the first ``p * head_dim / 2`` frequencies of the
+            whole head's spectrum, the rest zero (those feature pairs pass unrotated), all divided by ``factor``.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None or scaling["rope_type"] == "longrope":
         return inv_freq
+    if scaling["rope_type"] == "proportional":
+        rotated = int(scaling["partial_rotary_factor"] * head_dim // 2)
+        inv_freq = torch.cat([inv_freq[:rotated], inv_freq.new_zeros(head_dim // 2 - rotated)])
+        return inv_freq / scaling.get("factor", 1.0)
     if scaling["rope_type"] == "linear":  # positions divided by ``factor`` (Gemma 3's global layers)
         return inv_freq / scaling["factor"]
     factor = scaling["factor"]

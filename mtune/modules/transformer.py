@@ -21,7 +21,7 @@ from mtune.config.keys import ATTENTION_KERNELS
 from mtune.modules.attention import Attention
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
-from mtune.modules.packed_attention import document_boundaries, kernel_for
+from mtune.modules.packed_attention import DENSE_MASK_UP_TO, document_boundaries, kernel_for
 from mtune.modules.pre_norm_block import TransformerBlock
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import RotaryEmbedding
@@ -32,6 +32,7 @@ class DecoderArgs:
     """Hyper-parameters of a decoder. Each family subclasses this with its own defaults."""
 
     family: ClassVar[str] = "decoder"
+    decoder: ClassVar[type | None] = None  # the decoder's class: None is TransformerDecoder (Gemma 4's subclasses it)
 
     vocab_size: int = 32000
     """Rows of ``embed_tokens`` and ``lm_head``."""
@@ -72,9 +73,8 @@ class DecoderArgs:
         return RotaryEmbedding(self.head_dim, self.rope_theta, self.rope_scaling)
 
     def attention_kinds(self) -> dict[str, "LayerKind | tuple[RotaryEmbedding, int | None]"]:
-        """Each kind of attention layer by name: its rotary tables and sliding window, a :class:`LayerKind` or the
-        pair ``(rope, window)`` (several kinds for per-layer variation, Gemma 3's and Qwen3.5's ``layer_types``, with
-        :meth:`layer_kind` naming each layer's)."""
+        """Each kind of attention layer by name: its rotary tables and sliding window, a :class:`LayerKind` or a
+        pair ``(rope, window)``; several for ``layer_types`` (Gemma 3, 4, Qwen3.5), :meth:`layer_kind` naming each's."""
         return {"attention": (self.rope(), self.sliding_window)}
 
     def layer_kind(self, layer: int) -> str:  # the key of attention_kinds() that block `layer` uses
@@ -105,14 +105,6 @@ class LayerKind(NamedTuple):
     rope: RotaryEmbedding | None
     window: int | None = None
     recurrent: bool = False
-
-
-DENSE_MASK_UP_TO = 256
-"""How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
-``cu_seqlens``, O(s) memory: :mod:`mtune.modules.packed_attention`), ``dense_mask`` (a boolean ``[b, 1, s, s]``
-mask, s² bytes per row: the fallback), or ``auto``: the dense mask for rows of at most :data:`DENSE_MASK_UP_TO`
-tokens (at most 64 KiB a row, and one SDPA call instead of one per document: 16 rows of 64 tokens step 16% faster on
-CPU), segments beyond."""
 
 
 class TransformerDecoder(nn.Module):
@@ -245,12 +237,19 @@ class TransformerDecoder(nn.Module):
                 continue
             inputs[name] = (*kind.rope(input_pos, h.dtype), *self._attention_layout(input_pos, document_ids, caching,
                                                                                      kind.window))
-        for layer, kind in zip(self.layers, self.layer_kinds):
-            h = layer(h, *inputs[kind])
+        stream, h = [h], None  # handed over in a list the callee empties: no frame here holds the embeddings
+        h = self.run_layers(stream, tokens, inputs)
         if caching:
             self._next_pos = int(input_pos[0, -1]) + 1
         h = self.norm(h)
         return h if return_hidden else self.lm_head(h)
+
+    def run_layers(self, stream: list[torch.Tensor], tokens: torch.Tensor, inputs: dict[str, tuple]) -> torch.Tensor:
+        """``[h]`` (``[b, s, dim]``, popped) through every block with its kind's ``inputs`` (``tokens``: subclasses)."""
+        h = stream.pop()
+        for layer, kind in zip(self.layers, self.layer_kinds):
+            h = layer(h, *inputs[kind])
+        return h
 
     def _attention_layout(self, input_pos, document_ids, caching, window=None
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -15,6 +15,7 @@ qwen3_5(_moe)   Qwen3.5 ``tokenizer.json`` (Qwen3's ids, Qwen3.5's chat template
                 too
 phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
 gemma3(_text)   Gemma 3 ``tokenizer.json`` (family ``gemma3``)
+gemma4(_text)   Gemma 4 ``tokenizer.json`` (family ``gemma4``)
 ==============  =====================================================================================
 
 Without ``config.json`` (or given a single file) the kind is inferred from the files themselves.
@@ -28,7 +29,7 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4")
 
 
 def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
@@ -51,6 +52,8 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         from mtune.tokenizers.phi4 import Phi4Tokenizer as cls
     elif family == "gemma3":
         from mtune.tokenizers.gemma3 import Gemma3Tokenizer as cls
+    elif family == "gemma4":
+        from mtune.tokenizers.gemma4 import Gemma4Tokenizer as cls
     else:
         from mtune.tokenizers.qwen2 import Qwen2Tokenizer as cls
     return cls(file, max_seq_len=max_seq_len)
@@ -100,13 +103,14 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
         if (path / "tokenizer.json").is_file():
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
-    family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(model_type)
+    family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4",
+              "gemma4_text": "gemma4"}.get(model_type)
     if family is not None:
         if (path / "tokenizer.json").is_file():
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
-                         "qwen2, qwen3, qwen3_moe, qwen3_5, phi3, gemma3")
+                         "qwen2, qwen3, qwen3_moe, qwen3_5, phi3, gemma3, gemma4")
 
 
 def _family_of_file(file: Path) -> str:
@@ -121,8 +125,10 @@ def _family_of_file(file: Path) -> str:
             return "phi4"
         if "<start_of_turn>" in added:
             return "gemma3"
-        raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>) or Phi-4 (<|assistant|>, "
-                             "<|end|>) or Gemma 3 (<start_of_turn>) tokenizer.json")
+        if "<|turn>" in added:
+            return "gemma4"
+        raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>), Phi-4 "
+                             "(<|assistant|>, <|end|>), Gemma 3 (<start_of_turn>) or Gemma 4 (<|turn>) tokenizer.json")
     from mtune.tokenizers.llama3 import is_tiktoken_file
 
     if is_tiktoken_file(file):

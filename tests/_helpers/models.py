@@ -43,6 +43,15 @@ FAMILY_CONFIGS = {
                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
                                           linear_value_head_dim=64, partial_rotary_factor=0.25,
                                           tie_word_embeddings=True, pad_token_id=0)),
+    # 6 layers (sliding, global) x 3, window 8; global heads of 128 over 1 KV head with keys as values, a quarter of
+    # their frequencies rotated; per-layer inputs of 128; the last two layers reuse layers 2 and 3's keys and values
+    # with double-wide MLPs; logits soft-capped at 30 (mtune's gemma4 tiny size)
+    "gemma4": ("Gemma4TextConfig", dict(rms_norm_eps=1e-6, num_hidden_layers=6, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"] * 3, global_head_dim=128,
+                                        num_global_key_value_heads=1, attention_k_eq_v=True,
+                                        hidden_size_per_layer_input=128, vocab_size_per_layer_input=512,
+                                        num_kv_shared_layers=2, use_double_wide_mlp=True,
+                                        final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0)),
     # 8 experts of 128 (NF4-friendly projections), 2 per token, renormalised as in every published Qwen3-MoE;
     # Qwen3's tiny attention.
     "qwen3_moe": ("Qwen3MoeConfig", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
@@ -86,6 +95,16 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
                 param.normal_(unit(name) if name.endswith("norm.weight") else 0.0, 0.1)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)  # transformers starts routers at zero: every expert tied
+        if family == "gemma4":
+            # Gemma 4 leaves scores unscaled (queries and keys are normed): norm weights near 1 give random heads
+            # scores of +-60, where fp32 round-off alone moves transformers' own eager and SDPA logits 5e-5 apart;
+            # scaled by 0.3 they agree to 2.4e-6 (and mtune's logits are 1.8e-6 from either)
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.mul_(0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer scalar (a buffer there), ones at the start
+                buffer.uniform_(0.5, 1.5)
     return model.eval()
 
 

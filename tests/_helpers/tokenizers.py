@@ -151,6 +151,25 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{'<start_of_turn>model\\n'}}{%- endif -%}"
 )
 
+# Gemma 4's (google/gemma-4-*-it chat_template.jinja), its text branches: a system turn of its own, earlier replies'
+# thought blocks dropped (its strip_thinking macro) and trimmed; tools, thinking and media left out.
+GEMMA4_CHAT_TEMPLATE = (
+    "{%- macro strip_thinking(text) -%}{%- set ns = namespace(result='') -%}"
+    "{%- for part in text.split('<channel|>') -%}{%- if '<|channel>' in part -%}"
+    "{%- set ns.result = ns.result + part.split('<|channel>')[0] -%}{%- else -%}"
+    "{%- set ns.result = ns.result + part -%}{%- endif -%}{%- endfor -%}{{- ns.result | trim -}}{%- endmacro -%}"
+    "{%- set loop_messages = messages -%}{{ bos_token }}"
+    "{%- if messages[0]['role'] in ['system', 'developer'] -%}"
+    "{{- '<|turn>system\n' -}}{{- messages[0]['content'] | trim -}}{{- '<turn|>\n' -}}"
+    "{%- set loop_messages = messages[1:] -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{- '<|turn>' + role + '\n' }}"
+    "{%- if role == 'model' -%}{{- strip_thinking(message['content']) -}}"
+    "{%- else -%}{{- message['content'] | trim -}}{%- endif -%}{{- '<turn|>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|turn>model\n' -}}{%- endif -%}"
+)
+
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
@@ -160,7 +179,7 @@ QWEN2_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4")
 
 _WORDS = (
     "the model learns to follow instructions and answers questions about data training tokens memory "
@@ -401,6 +420,20 @@ def write_gemma3_tokenizer(model_dir: str | Path) -> int:
                 "eos_token_id": PHI4_BASE_VOCAB + 1})
 
 
+GEMMA4_ADDED = ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>")
+
+
+def write_gemma4_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny `tokenizer.json` with Gemma 4's control tokens (byte-level BPE here, as for Gemma 3) and Gemma
+    4's chat template (text branches). Returns 505."""
+    return _write_tokenizer_json(
+        model_dir, pattern=LLAMA3_PATTERN, base_vocab=PHI4_BASE_VOCAB, added=GEMMA4_ADDED,
+        tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+                          "pad_token": "<pad>", "add_bos_token": False, "chat_template": GEMMA4_CHAT_TEMPLATE},
+        config={"model_type": "gemma4_text", "bos_token_id": PHI4_BASE_VOCAB + 2,
+                "eos_token_id": PHI4_BASE_VOCAB + 1})
+
+
 def _merge_config(model_dir: Path, fields: dict) -> None:
     # A model helper may have written config.json already: keep its fields, only fill in missing ones.
     path = model_dir / "config.json"
@@ -412,13 +445,15 @@ def _merge_config(model_dir: Path, fields: dict) -> None:
 
 _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
             "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer,
-            "qwen3_5": write_qwen3_5_tokenizer, "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer}
+            "qwen3_5": write_qwen3_5_tokenizer, "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer,
+            "gemma4": write_gemma4_tokenizer}
 
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
-    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | qwen3_5 | phi4 | gemma3) to
-    `model_dir`; returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3(_5) / phi4 / gemma3 505)
-    so the model's embedding can match. An existing config.json keeps its own fields (its `vocab_size` included)."""
+    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | qwen3_5 | phi4 | gemma3 |
+    gemma4) to `model_dir`; returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3(_5) / phi4 /
+    gemma3 / gemma4 505) so the model's embedding can match. An existing config.json keeps its own fields (its
+    `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")
     return _WRITERS[family](model_dir)

@@ -65,6 +65,11 @@ CHECKPOINTS = {
     # Qwen3.5-MoE: rank-8 LoRA on the attention and DeltaNet linears (PEFT on transformers' meta
     # Qwen3_5MoeForCausalLM of the default text config, 35B-A3B's)
     "Qwen3.5-35B-A3B": ("qwen3_5", "35B_A3B", 34_660_610_688, 7_127_040),
+    # Gemma 4's text models (one frozen scalar a layer beside transformers' count; per-layer input tables included);
+    # PEFT's count from get_peft_model on transformers' Gemma4ForCausalLM (meta) of the same text config
+    "gemma-4-E2B-it": ("gemma4", "E2B", 4_628_569_379, 12_079_104),
+    "gemma-4-E4B-it": ("gemma4", "E4B", 7_463_013_418, 17_440_768),
+    "gemma-4-31B-it": ("gemma4", "31B", 30_697_345_340, 61_214_720),
     # Qwen3-MoE: rank-8 LoRA on attention only (PEFT on transformers' meta model of the hub config.json)
     "Qwen3-30B-A3B": ("qwen3_moe", "30B_A3B", 30_532_122_624, 6_684_672),
 }
@@ -86,7 +91,7 @@ DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "
                "qwen3_moe/30B_A3B_lora_distributed"}
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
                       "gemma3": ["1B", "4B", "12B", "27B"],  # LoRA and QLoRA, no full single-device
-                      "qwen3_moe": ["30B_A3B"],
+                      "qwen3_moe": ["30B_A3B"], "gemma4": ["E2B", "E4B", "31B"],
                       "qwen3_5": ["0.8B", "2B", "4B", "9B", "27B", "35B_A3B"]}
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
@@ -186,7 +191,12 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         assert (lora.rank, list(lora.modules), lora.use_dora) == (8, adapted, False)
         assert trainable == peft_trainable, f"{name}: {trainable:,} trainable, PEFT {peft_trainable:,}"
         kept = {f"{n}.{child}" for n, m in model.named_modules() for child in getattr(m, "kept_in_model_dtype", ())}
-        block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept
+        # Gemma 4's per-layer-input branch: not among the seven targets, frozen (NF4 under QLoRA)
+        per_layer = {n for n, _ in model.named_modules()
+                     if n.endswith(("per_layer_input_gate", "per_layer_projection"))}
+        frozen_type = FrozenNF4Linear if lora.quantize_base else torch.nn.Linear
+        assert all(type(model.get_submodule(n)) is frozen_type for n in per_layer), name
+        block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept | per_layer
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
         if family == "qwen3_moe" or size == "35B_A3B":
             # attention (and DeltaNet) adapted; experts frozen (NF4 under QLoRA); routers as they are
@@ -198,7 +208,8 @@ def test_models_build_on_meta_with_published_sizes(loaded):
             continue
         assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name
-        assert not any(isinstance(m, FrozenNF4Linear) for m in model.modules())  # nothing left unadapted
+        n_nf4 = sum(isinstance(m, FrozenNF4Linear) for m in model.modules())
+        assert n_nf4 == (len(per_layer) if lora.quantize_base else 0), name  # nothing else left unadapted
 
 
 def test_mtune_ls_lists_every_config_under_its_recipe(loaded):

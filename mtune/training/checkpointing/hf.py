@@ -162,8 +162,8 @@ def locate_tensors(
             by_file.setdefault(path, []).append((name, key))
             listed.add(name)
     if skipped:
-        log.info("%s: %d tensors of other towers (vision, multi-token prediction) skipped (mtune trains the text "
-                 "model)", checkpoint_dir, skipped)
+        log.info("%s: %d tensors of other towers (vision, audio, multi-token prediction) skipped (mtune trains the "
+                 "text model)", checkpoint_dir, skipped)
     missing, unexpected = held - listed, listed - held
     if missing or unexpected:
         raise CheckpointError(

@@ -127,8 +127,9 @@ def _trains(module: nn.Module) -> bool:
 
 
 def _present(module: nn.Module, *names: str) -> list[nn.Module]:
-    """The submodules of ``module`` by these names that it has, in this order."""
-    return [getattr(module, name) for name in names if hasattr(module, name)]
+    """The submodules of ``module`` by these names that it has (not None: Gemma 4's global layers set no
+    ``v_proj``), in this order."""
+    return [getattr(module, name) for name in names if getattr(module, name, None) is not None]
 
 
 def _linear_attention(tally: _Tally, mixer: nn.Module, x: bool) -> bool:
@@ -171,6 +172,9 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, c
     x = h or _trains(block.post_attention_layernorm)
     mlp_start = tally.forward
     down = _moe(tally, mlp, x) if isinstance(mlp, MoE) else _mlp(tally, mlp, x)
+    if hasattr(block, "per_layer_input_gate"):  # Gemma 4's third branch, fed by the stream and the layer's input
+        gate = _linear(tally, block.per_layer_input_gate, h or down, "linear")
+        down = _linear(tally, block.per_layer_projection, gate, "linear") or down
     if checkpointed == "block":
         tally.recompute += tally.forward - start - (0.0 if tiled else tally.last)
     if tiled:

@@ -43,6 +43,12 @@ KNOWN = {
     # Qwen3-MoE: the model cards' 30.5B / 235B total (3.3B / 22B activated); exact counts of the hub shapes.
     ("qwen3_moe", "30B_A3B"): 30_532_122_624,
     ("qwen3_moe", "235B_A22B"): 235_093_634_560,
+    # Gemma 4 text: transformers' count of the same text config (test_gemma4.py compares every shape) plus one frozen
+    # scalar per layer (a buffer there); with the vision and audio towers the cards say 5.1B / 8B / 30.7B. E2B and
+    # E4B hold 2.36B / 2.85B of it in their per-layer embedding tables.
+    ("gemma4", "E2B"): 4_628_569_379,
+    ("gemma4", "E4B"): 7_463_013_418,
+    ("gemma4", "31B"): 30_697_345_340,
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
@@ -66,8 +72,10 @@ def test_tiny_sizes_suit_nf4(family):
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]  # not MoE routers: never NF4
     blocks = len(model.layers)  # 2, Gemma 3's 6 (five sliding layers, then a global one), Qwen3.5's 4
     # Phi-4 fuses q/k/v and gate/up; Qwen3-MoE's tiny blocks have attention's 4 and 3 stacked expert projections
-    # (ExpertLinear, 8 experts each); a Qwen3.5 DeltaNet layer has 5 projections where attention has 4
-    per_block = {"phi4": 4, "qwen3_moe": 4, "qwen3_5": 7.5}.get(family, 7)
+    # (ExpertLinear, 8 experts each); a Qwen3.5 DeltaNet layer has 5 projections where attention has 4; Gemma 4's six
+    # blocks have 18 attention projections (the global ones no v_proj, the last two only q and o), 18 MLP and 12
+    # per-layer-input ones, beside the per-layer projection (its soft-capped head is not a plain nn.Linear)
+    per_block = {"phi4": 4, "qwen3_moe": 4, "qwen3_5": 7.5, "gemma4": 8}.get(family, 7)
     assert len(linears) == blocks * per_block + 1
     experts = [m for m in model.modules() if isinstance(m, ExpertLinear)]
     assert len(experts) == (3 * blocks if family == "qwen3_moe" else 0)

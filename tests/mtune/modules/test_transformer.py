@@ -32,11 +32,12 @@ def test_return_hidden_and_tied_head():
         torch.testing.assert_close(model.lm_head(hidden), model(tokens), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama3_1", "mistral", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama3_1", "mistral", "qwen3_5", "gemma4"])
 def test_packed_batch_matches_documents_run_alone(family):
     model = build_model(family, "tiny", device="cpu").eval()
     gen = torch.Generator().manual_seed(2)
-    # 16 > the mistral window of 8; 70 > a Gated DeltaNet chunk of 64 (qwen3_5: its state restarts per document)
+    # 16 > the mistral and gemma4 windows of 8; 70 > a Gated DeltaNet chunk of 64 (qwen3_5: its state restarts per
+    # document); gemma4: keys and values shared across layers stay within their documents
     docs = [torch.randint(0, 512, (n,), generator=gen) for n in (5, 11, 16, 70)]
     tokens = torch.cat(docs)[None]
     input_pos = torch.cat([torch.arange(len(d)) for d in docs])[None]

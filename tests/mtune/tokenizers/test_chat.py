@@ -5,7 +5,7 @@ import pytest
 from mtune.tokenizers import Message, load_tokenizer
 from tests._helpers.tokenizers import CONVERSATIONS
 
-FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3"]
+FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4"]
 # How a trained run (one assistant reply) decodes, with special tokens spelled out.
 REPLY_AS_DECODED = {
     "llama3": lambda reply: reply.strip() + "<|eot_id|>",
@@ -16,6 +16,7 @@ REPLY_AS_DECODED = {
     "qwen3_5": lambda reply: reply.strip() + "<|im_end|>",  # likewise
     "phi4": lambda reply: reply + "<|end|>",
     "gemma3": lambda reply: reply.strip() + "<end_of_turn>",
+    "gemma4": lambda reply: reply.strip() + "<turn|>",
 }
 
 
@@ -132,7 +133,17 @@ def test_truncation_keeps_end_of_turn(family, tokenizer_dirs):
     assert same.tokenize_messages(messages) == full
 
 
-@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma3"])
+def test_gemma4_drops_thought_blocks_of_replies_as_its_template_does(tokenizer_dirs, hf_tokenizers):
+    """The official template renders an earlier reply without its thought block; trained, the reply without it."""
+    tok, hf = load_tokenizer(tokenizer_dirs["gemma4"]), hf_tokenizers["gemma4"]
+    reply = "<|channel>thought\nwork it out<channel|>  It's 12351. "
+    messages = [("user", "12345 + 6?"), ("assistant", reply), ("user", "and + 1?")]
+    result = tok.tokenize_messages([Message(*m) for m in messages], add_generation_prompt=True)
+    assert result.tokens == hf_ids(hf, messages, add_generation_prompt=True)
+    assert [tok.decode(run, skip_special_tokens=False) for run in trained_runs(result)] == ["It's 12351.<turn|>"]
+
+
+@pytest.mark.parametrize("family", ["llama2", "mistral", "gemma3", "gemma4"])
 def test_alternation_errors(family, tokenizer_dirs):
     tok = load_tokenizer(tokenizer_dirs[family])
     with pytest.raises(ValueError, match="must alternate"):

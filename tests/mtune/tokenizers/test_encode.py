@@ -12,7 +12,7 @@ TEXTS = corpus(60, seed=1) + [
 SPELLED_SPECIALS = ("<|eot_id|>", "<|im_end|>", "[INST]", "<s>")
 
 
-@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3"])
+@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3", "gemma4"])
 def test_ids_match_transformers_and_round_trip(family, tokenizer_dirs, hf_tokenizers):
     tok, hf = load_tokenizer(tokenizer_dirs[family]), hf_tokenizers[family]
     for text in TEXTS:

@@ -1,0 +1,67 @@
+"""Gemma 4's decoder: per-layer input embeddings, and keys and values handed from earlier layers to later ones.
+
+Per-layer embeddings (PLE): besides ``embed_tokens``, a second table ``embed_tokens_per_layer`` (``[per_layer_vocab,
+n_layers * p]``, scaled by ``sqrt(p)``) gives each token ``p`` features per layer; a projection of the token
+embeddings (``per_layer_model_projection``, ``[n_layers * p, dim]``, scaled by ``1 / sqrt(dim)``, then
+``per_layer_projection_norm`` over each layer's ``p``) is added and the sum divided by ``sqrt(2)``. Block ``i``
+takes slice ``i`` as its per-layer input (:class:`~mtune.modules.per_layer_block.PerLayerInputBlock`).
+
+Shared keys and values: block ``i`` with ``args.kv_source(i) = j`` attends to the keys and values block ``j`` made;
+the decoder keeps those of each source block until the forward ends (they are live anyway: the later layers' backward
+needs them) and hands them over as tensors, so blocks stay callable with tensors only.
+"""
+
+import torch
+from torch import nn
+
+from mtune.modules.rms_norm import FP32RMSNorm
+from mtune.modules.sandwich_block import ScaledEmbedding
+from mtune.modules.softcap import SoftcappedLinear
+from mtune.modules.transformer import TransformerDecoder
+
+
+class PerLayerInputDecoder(TransformerDecoder):
+    """:class:`TransformerDecoder` for blocks called ``block(h, cos, sin, mask, cache_pos, cu_seqlens,
+    per_layer_input, k, v) -> (h, k, v)``. ``args`` adds ``per_layer_dim`` (0: no per-layer inputs),
+    ``per_layer_vocab_size``, ``kv_source(i)`` (the block whose keys and values block ``i`` reuses, or None) and
+    ``final_logit_softcap`` (the head's :class:`~mtune.modules.softcap.SoftcappedLinear`; None: a plain head).
+    Generation with a KV cache (what mtune's generation and task evaluation use) is refused in one line: the
+    reusing layers have no cache of their own."""
+
+    def __init__(self, args) -> None:
+        super().__init__(args)
+        p = args.per_layer_dim
+        if p:
+            self.embed_tokens_per_layer = ScaledEmbedding(args.per_layer_vocab_size, args.n_layers * p, p**0.5)
+            self.per_layer_model_projection = nn.Linear(args.dim, args.n_layers * p, bias=False)
+            self.per_layer_projection_norm = FP32RMSNorm(p, args.norm_eps)
+        self.kv_sources = [args.kv_source(i) for i in range(args.n_layers)]
+        if args.final_logit_softcap is not None:
+            self.lm_head = SoftcappedLinear(args.dim, args.vocab_size, args.final_logit_softcap)
+            self.tie_weights()
+
+    def setup_caches(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        raise NotImplementedError(f"generation with a KV cache is not supported for {self.args.family} (its last "
+                                  "layers reuse earlier layers' keys and values instead of caching their own)")
+
+    def per_layer_inputs(self, tokens: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor | None:
+        """``[b, s, n_layers, p]`` from the tokens ``[b, s]`` and their scaled embeddings ``[b, s, dim]``."""
+        if not self.args.per_layer_dim:
+            return None
+        b, s = tokens.shape
+        shape = (b, s, self.args.n_layers, self.args.per_layer_dim)
+        projected = self.per_layer_model_projection(embedded) * self.args.dim**-0.5
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        return (projected + self.embed_tokens_per_layer(tokens).reshape(shape)) * 2.0**-0.5
+
+    def run_layers(self, stream: list[torch.Tensor], tokens: torch.Tensor, inputs: dict[str, tuple]) -> torch.Tensor:
+        h = stream.pop()
+        per_layer = self.per_layer_inputs(tokens, h)
+        sources = set(self.kv_sources)
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
+            k, v = kept.get(self.kv_sources[i], (None, None))
+            h, k, v = layer(h, *inputs[kind], None if per_layer is None else per_layer[:, :, i], k, v)
+            if i in sources:
+                kept[i] = (k, v)
+        return h

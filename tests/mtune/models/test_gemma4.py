@@ -1,0 +1,217 @@
+"""Gemma 4 text (dense) against transformers and peft: the hub's config layout beside transformers 5.24's, saving in
+the hub's, the text tower of a multimodal checkpoint (vision and audio skipped), gradients of a step through the
+shared keys and values and the per-layer inputs, the soft-capped chunked loss, LoRA / QLoRA steps whose adapter loads
+in peft, the named sizes, and what it refuses. (The shared tiny-shape logits, checkpoint round trip and packed rows:
+test_transformer.py and test_hf.py; the chat format: tests/mtune/tokenizers/test_chat.py.)"""
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mtune.models import build_model, model_args
+from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
+from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
+from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
+from mtune.training.checkpointing.peft import save_peft_adapter
+from tests._helpers.lora import lora_cfg, lora_steps
+from tests._helpers.models import mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+TOKENS = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(5))
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("gemma4"), "gemma4")
+
+
+def logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_hub_layout_reads_as_transformers_5_layout_and_is_what_mtune_saves(gemma4_dir, tmp_path):
+    """transformers 5.24 saves the global layers' shape per layer (per_layer_config); the hub's files name it
+    global_head_dim / num_global_key_value_heads. Both read as one model, and a model saved without a source
+    checkpoint (hub layout) loads in transformers with the same logits."""
+    config = json.loads((gemma4_dir / "config.json").read_text())
+    assert config["per_layer_config"]["1"] == {"head_dim": 128, "num_key_value_heads": 1}
+    del config["per_layer_config"]
+    config.update(global_head_dim=128, num_global_key_value_heads=1)
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    family, args = load_hf_config(gemma4_dir)
+    assert family == "gemma4" and load_hf_config(tmp_path / "hub") == (family, args)
+    assert (args.global_head_dim, args.global_n_kv_heads, args.keys_are_values) == (128, 1, True)
+    assert [args.kv_source(i) for i in range(6)] == [None] * 4 + [2, 3]
+    assert model_args_from_hf_config(hf_config_from_model_args(args))[1] == args
+
+    model = load_model_from_hf(gemma4_dir).eval()
+    out = save_hf_checkpoint(model.state_dict(), tmp_path / "saved", model_args=args)
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["global_head_dim"], saved["num_global_key_value_heads"]) == (128, 1)
+    assert "per_layer_config" not in saved
+    assert (logits(hf_model(out)) - logits(model)).abs().max().item() <= 1e-5
+
+
+def test_multimodal_checkpoint_loads_its_text_tower_and_saves_it_text_only(tmp_path, caplog):
+    gemma4 = transformers.models.gemma4
+    vision = gemma4.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=4,
+                                       position_embedding_size=64)
+    audio = gemma4.Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     subsampling_conv_channels=[8, 4], output_proj_dims=32)
+    config = gemma4.Gemma4Config(text_config=tiny_hf_config("gemma4").to_dict(), vision_config=vision.to_dict(),
+                                 audio_config=audio.to_dict(), boi_token_id=505, eoi_token_id=506,
+                                 image_token_id=507, video_token_id=508, boa_token_id=509, eoa_token_index=510,
+                                 audio_token_id=511)
+    torch.manual_seed(0)
+    multimodal = gemma4.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in multimodal.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                param.normal_(0.3 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0, 0.03)
+    multimodal.save_pretrained(tmp_path / "mm")
+    with caplog.at_level(logging.INFO, logger="mtune.training.checkpointing.hf"):
+        model = load_model_from_hf(tmp_path / "mm").eval()
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    with safe_open(str(tmp_path / "mm" / "model.safetensors"), "pt") as f:
+        n_other = sum(not k.startswith("model.language_model.") for k in f.keys())  # vision and audio
+    assert len(skipped) == 1 and f"{n_other} tensors of other towers" in skipped[0]
+    ours = logits(model)
+    assert (ours - logits(multimodal)).abs().max().item() <= 1e-5
+    out = save_hf_checkpoint(model, tmp_path / "text", source_dir=tmp_path / "mm")
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("gemma4_text", ["Gemma4ForCausalLM"])
+    assert (logits(hf_model(out)) - ours).abs().max().item() <= 1e-5
+
+
+def test_gradients_of_a_step_match_transformers():
+    """Every parameter's gradient within 1e-5 relative (the shared layers' queries reach back into the keys and
+    values of layers 2 and 3; every layer's per-layer input into both embedding tables). The tied table is compared
+    too: its gradient sums the lookup, the per-layer projection's input and the output head. Tokens avoid the pad id
+    0, whose rows transformers never trains (its embeddings' padding_idx; mtune's tables have none)."""
+    hf = tiny_hf_model("gemma4").train()
+    model = mtune_twin(hf, "gemma4").train()
+    tokens = TOKENS.clamp(min=1)
+    targets = tokens[:, 1:].reshape(-1)
+    for m in (hf, model):
+        out = m(tokens[:, :-1])
+        out = out if isinstance(out, torch.Tensor) else out.logits
+        torch.nn.functional.cross_entropy(out.reshape(-1, 512), targets).backward()
+    theirs = {k.removeprefix("model."): p.grad for k, p in hf.named_parameters()}
+    checked = 0
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            assert name.endswith("layer_scalar")  # a buffer in transformers: never trained
+            continue
+        ref = theirs[name]
+        assert (param.grad - ref).norm() <= 1e-5 * ref.norm() + 1e-8, name
+        checked += 1
+    assert checked == len(theirs)
+
+
+@pytest.mark.parametrize("chunked_path", ["projected", "checkpointed"])
+def test_chunked_loss_soft_caps_as_the_model_does(chunked_path):
+    """The chunked loss equals cross-entropy over the model's soft-capped logits, in value and gradients, both where
+    it computes gradients in forward and where it recomputes each chunk through the head (a hook on it). Checked
+    failing with the cap left out of either path."""
+    model = build_model("gemma4", "tiny", device="cpu")
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(40)  # logits far past the cap of 30, so capping matters
+    labels = torch.randint(0, 512, TOKENS.shape, generator=torch.Generator().manual_seed(6))
+    labels[0, :5] = -100
+    if chunked_path == "checkpointed":
+        model.lm_head.register_forward_hook(lambda *args: None)
+    grads = []
+    for loss_fn in (CrossEntropyLoss(), ChunkedCrossEntropyLoss(num_chunks=3)):
+        model.zero_grad()
+        total, n = loss_fn(model(TOKENS, return_hidden=loss_fn.needs_hidden), labels, model.lm_head)
+        (total / n).backward()
+        grads.append((total.detach(), model.embed_tokens.weight.grad.clone(), model.layers[5].mlp.up_proj.weight.grad))
+    assert ChunkedCrossEntropyLoss.recomputes_projection(model.lm_head) == (chunked_path == "checkpointed")
+    (full, embed, up), (chunked, embed_c, up_c) = grads
+    assert (chunked - full).abs().item() <= 1e-5 * full.abs().item()
+    assert (embed_c - embed).norm() <= 1e-5 * embed.norm() and (up_c - up).norm() <= 1e-5 * up.norm()
+
+
+@pytest.mark.parametrize("quantize_base", [False, True])
+def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, gemma4_dir, tmp_path):
+    lora = lora_cfg(modules=LINEARS, quantize_base=quantize_base)
+    model, run = lora_steps(gemma4_dir, lora)
+    assert run[-1] < run[0] - 1.0, run
+    if quantize_base:
+        return
+    save_peft_adapter(model.eval(), tmp_path / "adapter", lora)
+    adapted = peft.PeftModel.from_pretrained(hf_model(gemma4_dir), tmp_path / "adapter").eval()
+    assert (logits(adapted) - logits(model)).abs().max().item() <= 1e-5
+
+
+def test_generation_with_a_kv_cache_is_refused_in_one_line():
+    model = build_model("gemma4", "tiny", device="cpu")
+    with pytest.raises(NotImplementedError, match="^generation with a KV cache is not supported for gemma4"):
+        model.setup_caches(1, 16)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("enable_moe_block", True, "gemma4 with enable_moe_block=true .26B-A4B. is not supported yet"),
+    ("hidden_activation", "gelu", "gemma4 hidden_activation 'gelu' is not supported"),
+    ("use_bidirectional_attention", "all", "gemma4 with use_bidirectional_attention"),
+    ("num_kv_shared_layers", 5, "num_kv_shared_layers=5: a shared layer's kind has no earlier layer"),
+])
+def test_unsupported_config_fields_name_the_file(field, value, message, gemma4_dir, tmp_path):
+    config = json.loads((gemma4_dir / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/config.json: {message}"):
+        load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("size", ["E2B", "E4B", "31B"])
+def test_named_size_builds_as_transformers_builds_it(size):
+    args = model_args("gemma4", size)
+    config = hf_config_from_model_args(args)
+    assert model_args_from_hf_config(config)[1] == args
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    theirs = {k.removeprefix("model."): tuple(p.shape) for k, p in hf.named_parameters() if k != "lm_head.weight"}
+    ours = {k: tuple(p.shape) for k, p in build_model("gemma4", size).named_parameters() if k != "lm_head.weight"}
+    assert {k: v for k, v in ours.items() if not k.endswith("layer_scalar")} == theirs
+
+
+def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path):
+    """Through the recipe: packed rows, the checkpoint's own Gemma 4 tokenizer.json and chat format, the loss
+    falling; `mtune plan` gives the tracked peak within 0.1% (per-layer tables, shared keys and values, the
+    soft-capped chunked loss included) and the parameters, gradients and optimizer state to the byte."""
+    from mtune._cli.catalog import find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+    from mtune.training.planning.plan import plan_memory
+    from tests._helpers.recipes import TRAIN_CONFIG, losses, run_recipe_in_process, train_overrides, write_instruct_data
+    from tests._helpers.tokenizers import write_tokenizer_files
+
+    vocab = write_tokenizer_files(tmp_path / "tok", "gemma4")
+    checkpoint = write_tiny_hf_model(tmp_path, "gemma4", vocab_size=vocab, bos_token_id=vocab - 3,
+                                     eos_token_id=vocab - 4)
+    write_tokenizer_files(checkpoint, "gemma4")
+    overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
+        "dataset.packed": True, "memory_breakdown": True, "max_steps_per_epoch": 4,
+        "lora.modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]})
+    plan = plan_memory(load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG,
+                                      overrides))
+    out = run_recipe_in_process("lora_single_device", overrides)
+    run = losses(out)
+    assert run[-1] < run[0] - 0.3, run
+    measured = json.loads((out / "memory_breakdown.json").read_text())
+    assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert plan.device[category] == measured["device"][category], category
