@@ -78,15 +78,22 @@ __all__ = ["FAMILIES", "model_args", "build_model", "build_model_from_args", "De
 
 def shortened(args, n_layers: int):
     """``args`` with its first ``n_layers`` blocks: a per-layer list (``layer_types``: Gemma 3's, Qwen3.5's) cut to
-    match."""
-    types = getattr(args, "layer_types", None)
-    return replace(args, n_layers=n_layers, **({"layer_types": list(types[:n_layers])} if types else {}))
+    match, and Gemma 4's KV-sharing tail counted only where it falls among them."""
+    changes = {"n_layers": n_layers}
+    if types := getattr(args, "layer_types", None):
+        changes["layer_types"] = list(types[:n_layers])
+    if shared := getattr(args, "n_kv_shared_layers", 0):
+        changes["n_kv_shared_layers"] = max(0, n_layers - (args.n_layers - shared))
+    return replace(args, **changes)
 
 
 def layer_period(args) -> int:
     """The fewest blocks whose ``layer_types`` repeat through the model (Qwen3.5's 3 DeltaNet + 1 attention: 4;
     Gemma 3's 5 sliding + 1 global: 6); 1 for a model of one kind. A plan shortened to whole periods keeps the
-    model's mix of layers."""
+    model's mix of layers. A model whose last layers differ from the rest (Gemma 4's KV-sharing tail: no K/V
+    projections, double-wide MLPs) has no shorter period than itself: it is planned whole."""
+    if getattr(args, "n_kv_shared_layers", 0):
+        return args.n_layers
     types = list(getattr(args, "layer_types", None) or [])
     return next((p for p in range(1, len(types)) if all(t == types[i % p] for i, t in enumerate(types))),
                 max(1, len(types)))

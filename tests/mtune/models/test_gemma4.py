@@ -215,3 +215,16 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path
     assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
     for category in ("parameters", "gradients", "optimizer_state"):
         assert plan.device[category] == measured["device"][category], category
+
+
+def test_plans_keep_the_kv_sharing_tail():
+    """Gemma 4's last layers reuse earlier keys and values (no K/V projections; E2B's with double-wide MLPs), so no
+    shorter run of blocks repeats through the model: `--fit` plans it whole, and a plan of the first N blocks counts
+    only the sharing layers among them. Mutation seen failing: `layer_period` reading layer_types alone (2 for the
+    tiny model, whose 2-block plan then refused its 2 sharing layers, as `--fit` on gemma4/31B_qlora's flag set did)."""
+    from mtune.models import layer_period, shortened
+
+    tiny, e2b = model_args("gemma4", "tiny"), model_args("gemma4", "E2B")
+    assert (layer_period(tiny), layer_period(e2b), layer_period(model_args("gemma4", "31B"))) == (6, 35, 6)
+    assert [shortened(tiny, n).n_kv_shared_layers for n in (2, 4, 5, 6)] == [0, 0, 1, 2]
+    assert shortened(e2b, 16).n_kv_shared_layers == 1 and shortened(e2b, 15).n_kv_shared_layers == 0
