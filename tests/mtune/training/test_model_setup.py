@@ -24,9 +24,9 @@ def test_qlora_setup_never_materialises_the_whole_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nn.Module, "to_empty", refuse)
     full_precision_alive = []  # after each placement: frozen block weights held in bf16 (placed, not yet NF4)
-    from mtune.training.checkpointing import hf
+    from mtune.training.checkpointing import placing
 
-    original_place = hf._place
+    original_place = placing._place
 
     def watch(model, name, tensor, dtype, device):
         original_place(model, name, tensor, dtype, device)
@@ -34,7 +34,7 @@ def test_qlora_setup_never_materialises_the_whole_model(tmp_path, monkeypatch):
             1 for n, m in model.named_modules()
             if n.startswith("layers.") and n.endswith("proj") and not m.weight.is_meta and not is_nf4(m.weight)))
 
-    monkeypatch.setattr(hf, "_place", watch)
+    monkeypatch.setattr(placing, "_place", watch)
     model, _ = setup_model(source, device=torch.device("cpu"), dtype=torch.bfloat16, lora=lora)
     block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n.endswith("proj")]
     assert len(block_linears) == 14 and all(is_nf4(m.weight) for m in block_linears)
