@@ -53,10 +53,12 @@ def interpolate(p: MemoryPlan, q: MemoryPlan, t: float, **changes) -> MemoryPlan
     return _combine(p, q, t, **changes)
 
 
-def _structure_key(cfg) -> str:
+def _structure_key(cfg, *, batch: bool = False) -> str:
+    """``cfg`` as a key, without its micro-batch and accumulation (``batch``: with them)."""
     node = OmegaConf.to_container(cfg, resolve=True)
-    node.pop("batch_size", None)
-    node.pop("gradient_accumulation_steps", None)
+    if not batch:
+        node.pop("batch_size", None)
+        node.pop("gradient_accumulation_steps", None)
     return repr(sorted(node.items(), key=lambda kv: kv[0]))
 
 
@@ -76,11 +78,18 @@ class Estimator:
         self.derived = 0  # plans derived from others without running
         self._cache: dict[tuple, MemoryPlan] = {}
         self._points: dict[tuple, dict[int, MemoryPlan]] = {}
+        self._planned: dict[tuple, MemoryPlan] = {}
 
     def _plan(self, cfg, n_layers: int | None = None) -> MemoryPlan:
-        self.planned += 1
-        return plan_memory(cfg, device_memory=self.device_memory, host_memory=self.host_memory,
-                           world_size=self.world_size, n_layers=n_layers)
+        """One plan of ``cfg`` with ``n_layers`` blocks, run once per config and depth: a shortened plan that stood
+        as a lower bound is the smaller of the two when the candidate is later planned in full (the host's
+        fewer-blocks rule asks for it), and a copy is returned, so what a caller records on it stays its own."""
+        key = (_structure_key(cfg, batch=True), n_layers)
+        if key not in self._planned:
+            self.planned += 1
+            self._planned[key] = plan_memory(cfg, device_memory=self.device_memory, host_memory=self.host_memory,
+                                             world_size=self.world_size, n_layers=n_layers)
+        return replace(self._planned[key])
 
     def whole(self, cfg) -> MemoryPlan:
         """One plan of ``cfg`` as configured (no shortcut)."""

@@ -115,6 +115,9 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     def within_budget(plan) -> bool:
         return fits_budgets(plan, device_memory, host_memory, margin)
 
+    def within_device(plan) -> bool:
+        return fits_budgets(plan, device_memory, None, margin)
+
     def dominated(levels) -> bool:
         return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
@@ -133,7 +136,10 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
             candidate.pruned, candidate.fits = True, False
             return
         candidate.plan = plan = estimator.estimate(candidate.cfg, over=lambda p: not within_budget(p))
-        fewer = fewer_offloaded_blocks(candidate.cfg, plan, estimator, host_spare)
+        # a lower bound over the device with every block's input offloaded is over it with fewer offloaded too
+        # (each input kept adds to the device): the host's rule is not asked, which would plan the candidate whole
+        fewer = (None if plan.lower_bound and not within_device(plan)
+                 else fewer_offloaded_blocks(candidate.cfg, plan, estimator, host_spare))
         if fewer is not None:  # every block's input is more than the host holds: as many as it holds
             overrides, candidate.plan = fewer
             plan = candidate.plan

@@ -349,6 +349,9 @@ class TensorTracker(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
         if func is _DEVICE:  # a tensor's .device (the autograd engine asks it of every gradient): no storage
+            tensor = args[0]
+            if type(tensor) is FakeTensor and not tensor.fake_mode.in_kernel_invocation:
+                return tensor.fake_device  # FakeTensor's own answer, without two more dispatches to reach it
             return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if self._propagating:
