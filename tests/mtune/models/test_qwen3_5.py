@@ -106,7 +106,12 @@ def test_gradients_of_a_step_match_transformers():
         if name == "embed_tokens.weight":
             continue
         ref = theirs[name]
-        assert (param.grad - ref).norm() <= 1e-5 * ref.norm() + 1e-8, name
+        # The decay's parameters (A_log, dt_bias: 4 values a layer) gather their gradient over every position of
+        # the scan, with cancellation, from gradients ~1000x below the others': measured 1.3e-5 to 6.1e-5 relative
+        # in fp32 (by the thread count: the reduction order), 1.9e-5 to 4.8e-5 in fp64 (transformers' scan runs in
+        # fp32 whatever the input). Every other parameter: 1e-5.
+        tolerance = 1e-4 if name.endswith(("A_log", "dt_bias")) else 1e-5
+        assert (param.grad - ref).norm() <= tolerance * ref.norm(), name
         checked += "linear_attn" in name
     assert checked == 2 * 9  # every DeltaNet parameter of both linear-attention layers was compared
 
