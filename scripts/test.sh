@@ -10,7 +10,7 @@ python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q -e '.[dev]'
 bash scripts/print_versions.sh
 # One intra-op thread per process (unless set): two workers on two cores, and the runs they start, would otherwise
-# each spin up a thread per core and contend (the suite took 802 s so, 464 s with one thread each).
+# each spin up a thread per core and contend (benchmarks/results/test_suite_time.txt: 802 s so, 469.50 s without).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/mtune-inductor-cache}"
 # pytest exits 5 when it collected no test: that is a failure here too.
