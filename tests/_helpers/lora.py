@@ -47,3 +47,16 @@ def lora_steps(checkpoint_dir, lora: dict, steps: int = 8) -> tuple[torch.nn.Mod
         optimizer.zero_grad()
         losses.append(loss.item())
     return model, losses
+
+
+def assert_peft_loads_the_adapter(model, lora: dict, checkpoint_dir, out_dir, tokens, atol: float = 1e-5) -> None:
+    """Save ``model``'s adapter in PEFT format into ``out_dir`` and load it with peft on transformers' model of
+    ``checkpoint_dir``: its logits of ``tokens`` equal mtune's within ``atol``."""
+    import peft
+
+    from mtune.training.checkpointing.peft import save_peft_adapter
+    from tests._helpers.models import load_hf_model, logits_of
+
+    save_peft_adapter(model.eval(), out_dir, lora)
+    adapted = peft.PeftModel.from_pretrained(load_hf_model(checkpoint_dir), out_dir).eval()
+    assert (logits_of(adapted, tokens) - logits_of(model, tokens)).abs().max().item() <= atol

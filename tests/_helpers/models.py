@@ -148,3 +148,17 @@ def stacked_expert_state(state: dict) -> dict:
         else:
             out[f"{prefix}.gate_proj.weight"], out[f"{prefix}.up_proj.weight"] = value.chunk(2, dim=1)
     return out
+
+
+def load_hf_model(path):
+    """transformers' ``*ForCausalLM`` of a saved checkpoint directory, fp32, in eval mode (the oracle's side)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def logits_of(model, tokens):
+    """The logits of ``tokens`` [batch, seq] without gradients: an mtune model's tensor or transformers' ``.logits``."""
+    with torch.no_grad():
+        out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits

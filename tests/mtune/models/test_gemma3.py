@@ -5,6 +5,7 @@ checkpoint round trip: test_transformer.py and test_hf.py.)"""
 
 import json
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -13,9 +14,8 @@ from mtune.models import build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.modules.sandwich_block import ScaledEmbedding
 from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
-from mtune.training.checkpointing.peft import save_peft_adapter
-from tests._helpers.lora import lora_cfg, lora_steps
-from tests._helpers.models import tiny_hf_config, write_tiny_hf_model
+from tests._helpers.lora import assert_peft_loads_the_adapter, lora_cfg, lora_steps
+from tests._helpers.models import load_hf_model, logits_of, tiny_hf_config, write_tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -27,14 +27,7 @@ def gemma3_dir(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("gemma3"), "gemma3")
 
 
-def logits(model, tokens=TOKENS):
-    with torch.no_grad():
-        out = model(tokens)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+logits = partial(logits_of, tokens=TOKENS)
 
 
 def test_hub_layout_of_transformers_4_reads_as_the_same_model(gemma3_dir, tmp_path):
@@ -78,7 +71,7 @@ def test_multimodal_checkpoint_loads_its_text_tower_and_saves_it_text_only(tmp_p
     out = save_hf_checkpoint(model, tmp_path / "text", source_dir=tmp_path / "mm")
     saved = json.loads((out / "config.json").read_text())
     assert (saved["model_type"], saved["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
-    assert (logits(hf_model(out)) - ours).abs().max().item() <= 1e-5
+    assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("size", ["1B", "27B"])
@@ -136,6 +129,4 @@ def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, 
     assert run[-1] < run[0] - 0.5, run
     if quantize_base:
         return
-    save_peft_adapter(model.eval(), tmp_path / "adapter", lora)
-    adapted = peft.PeftModel.from_pretrained(hf_model(gemma3_dir), tmp_path / "adapter").eval()
-    assert (logits(adapted) - logits(model)).abs().max().item() <= 1e-5
+    assert_peft_loads_the_adapter(model, lora, gemma3_dir, tmp_path / "adapter", TOKENS)

@@ -6,6 +6,7 @@ test_transformer.py and test_hf.py; the chat format: tests/mtune/tokenizers/test
 
 import json
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from mtune.models import build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
-from mtune.training.checkpointing.peft import save_peft_adapter
-from tests._helpers.lora import lora_cfg, lora_steps
-from tests._helpers.models import mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model
+from tests._helpers.lora import assert_peft_loads_the_adapter, lora_cfg, lora_steps
+from tests._helpers.models import (
+    load_hf_model, logits_of, mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -30,14 +32,7 @@ def gemma4_dir(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("gemma4"), "gemma4")
 
 
-def logits(model, tokens=TOKENS):
-    with torch.no_grad():
-        out = model(tokens)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+logits = partial(logits_of, tokens=TOKENS)
 
 
 def test_hub_layout_reads_as_transformers_5_layout_and_is_what_mtune_saves(gemma4_dir, tmp_path):
@@ -61,7 +56,7 @@ def test_hub_layout_reads_as_transformers_5_layout_and_is_what_mtune_saves(gemma
     saved = json.loads((out / "config.json").read_text())
     assert (saved["global_head_dim"], saved["num_global_key_value_heads"]) == (128, 1)
     assert "per_layer_config" not in saved
-    assert (logits(hf_model(out)) - logits(model)).abs().max().item() <= 1e-5
+    assert (logits(load_hf_model(out)) - logits(model)).abs().max().item() <= 1e-5
 
 
 def test_multimodal_checkpoint_loads_its_text_tower_and_saves_it_text_only(tmp_path, caplog):
@@ -93,7 +88,7 @@ def test_multimodal_checkpoint_loads_its_text_tower_and_saves_it_text_only(tmp_p
     out = save_hf_checkpoint(model, tmp_path / "text", source_dir=tmp_path / "mm")
     saved = json.loads((out / "config.json").read_text())
     assert (saved["model_type"], saved["architectures"]) == ("gemma4_text", ["Gemma4ForCausalLM"])
-    assert (logits(hf_model(out)) - ours).abs().max().item() <= 1e-5
+    assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
 
 
 def test_gradients_of_a_step_match_transformers():
@@ -152,9 +147,7 @@ def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, 
     assert run[-1] < run[0] - 1.0, run
     if quantize_base:
         return
-    save_peft_adapter(model.eval(), tmp_path / "adapter", lora)
-    adapted = peft.PeftModel.from_pretrained(hf_model(gemma4_dir), tmp_path / "adapter").eval()
-    assert (logits(adapted) - logits(model)).abs().max().item() <= 1e-5
+    assert_peft_loads_the_adapter(model, lora, gemma4_dir, tmp_path / "adapter", TOKENS)
 
 
 def test_generation_with_a_kv_cache_is_refused_in_one_line():

@@ -5,6 +5,7 @@ test_transformer.py and test_hf.py; the Gated DeltaNet against its recurrence: t
 
 import json
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -12,9 +13,10 @@ import torch
 from mtune.models import build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
-from mtune.training.checkpointing.peft import save_peft_adapter
-from tests._helpers.lora import lora_cfg, lora_steps
-from tests._helpers.models import mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model
+from tests._helpers.lora import assert_peft_loads_the_adapter, lora_cfg, lora_steps
+from tests._helpers.models import (
+    load_hf_model, logits_of, mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model,
+)
 from tests._helpers.recipes import TRAIN_CONFIG, losses, run_recipe_in_process, train_overrides, write_instruct_data
 from tests._helpers.tokenizers import write_tokenizer_files
 
@@ -30,14 +32,7 @@ def qwen3_5_dir(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
 
 
-def logits(model, tokens=TOKENS):
-    with torch.no_grad():
-        out = model(tokens)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+logits = partial(logits_of, tokens=TOKENS)
 
 
 def test_multimodal_checkpoint_loads_its_text_model_and_saves_it_text_only(tmp_path, caplog):
@@ -66,7 +61,7 @@ def test_multimodal_checkpoint_loads_its_text_model_and_saves_it_text_only(tmp_p
     out = save_hf_checkpoint(model, tmp_path / "text", source_dir=tmp_path / "mm")
     saved = json.loads((out / "config.json").read_text())
     assert (saved["model_type"], saved["architectures"]) == ("qwen3_5_text", ["Qwen3_5ForCausalLM"])
-    assert (logits(hf_model(out)) - ours).abs().max().item() <= 1e-5
+    assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
 
 
 def test_config_with_rope_fields_at_the_top_level_reads_as_the_same_model(qwen3_5_dir, tmp_path):
@@ -123,9 +118,7 @@ def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, 
     assert run[-1] < run[0] - 0.5, run
     if quantize_base:
         return
-    save_peft_adapter(model.eval(), tmp_path / "adapter", lora)
-    adapted = peft.PeftModel.from_pretrained(hf_model(qwen3_5_dir), tmp_path / "adapter").eval()
-    assert (logits(adapted) - logits(model)).abs().max().item() <= 1e-5
+    assert_peft_loads_the_adapter(model, lora, qwen3_5_dir, tmp_path / "adapter", TOKENS)
 
 
 def test_generation_with_a_kv_cache_is_refused_in_one_line():

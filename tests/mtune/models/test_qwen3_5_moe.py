@@ -10,6 +10,7 @@ Mutations seen failing: the top-k weights not renormalised (logits off); the sha
 
 import json
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from mtune.models import build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
 from mtune.modules.moe import MoE
 from mtune.training.checkpointing.hf import load_hf_config, load_model_from_hf, save_hf_checkpoint
-from mtune.training.checkpointing.peft import save_peft_adapter
-from tests._helpers.lora import lora_cfg, lora_steps
+from tests._helpers.lora import assert_peft_loads_the_adapter, lora_cfg, lora_steps
+from tests._helpers.models import load_hf_model, logits_of
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -57,14 +58,7 @@ def moe_dir(tmp_path_factory):
     return out
 
 
-def logits(model, tokens=TOKENS):
-    with torch.no_grad():
-        out = model(tokens)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+logits = partial(logits_of, tokens=TOKENS)
 
 
 def test_causal_lm_loads_with_transformers_logits_and_saves_back(moe_dir, tmp_path):
@@ -75,12 +69,12 @@ def test_causal_lm_loads_with_transformers_logits_and_saves_back(moe_dir, tmp_pa
     model = load_model_from_hf(moe_dir).eval()
     assert all(isinstance(block.mlp, MoE) and block.mlp.shared_expert_gate is not None for block in model.layers)
     ours = logits(model)
-    assert (ours - logits(hf_model(moe_dir))).abs().max().item() <= 1e-5
+    assert (ours - logits(load_hf_model(moe_dir))).abs().max().item() <= 1e-5
     out = save_hf_checkpoint(model, tmp_path / "saved", source_dir=moe_dir)
     saved = json.loads((out / "config.json").read_text())
     assert (saved["model_type"], saved["architectures"], saved["num_experts"]) == (
         "qwen3_5_moe_text", ["Qwen3_5MoeForCausalLM"], 8)
-    assert (logits(hf_model(out)) - ours).abs().max().item() <= 1e-5
+    assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
 
 
 def test_multimodal_checkpoint_loads_its_text_model(moe_dir, tmp_path, caplog):
@@ -113,9 +107,7 @@ def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, 
         experts = [m for m in model.layers[0].mlp.experts.modules() if isinstance(m, ExpertLinear)]
         assert len(experts) == 3 and all(is_nf4(m.weight) for m in experts)
         return
-    save_peft_adapter(model.eval(), tmp_path / "adapter", lora)
-    adapted = peft.PeftModel.from_pretrained(hf_model(moe_dir), tmp_path / "adapter").eval()
-    assert (logits(adapted) - logits(model)).abs().max().item() <= 1e-5
+    assert_peft_loads_the_adapter(model, lora, moe_dir, tmp_path / "adapter", TOKENS)
 
 
 def test_35b_a3b_builds_as_transformers_builds_it():

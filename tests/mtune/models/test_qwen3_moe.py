@@ -11,7 +11,7 @@ from mtune.models import build_model, model_args
 from mtune.modules.moe import MoE, router_aux_loss
 from mtune.modules.transformer import TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_config, load_model_from_hf, save_hf_checkpoint
-from tests._helpers.models import mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model
+from tests._helpers.models import load_hf_model, mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model
 from tests._helpers.recipes import losses, run_recipe_in_process, torchrun, train_overrides, write_instruct_data
 from tests._helpers.tokenizers import write_tokenizer_files
 
@@ -31,10 +31,6 @@ def moe_dir(tmp_path_factory):
                                **DENSE_AMONG_SPARSE)
     write_tokenizer_files(path, "qwen3")
     return path
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hub_layout(src, dst):
@@ -62,7 +58,7 @@ def test_both_config_layouts_load_the_hub_keys_and_match_transformers(moe_dir, t
     assert (family, args.n_experts, args.top_k, args.norm_topk_prob, args.mlp_only_layers) == (
         "qwen3_moe", 8, 2, True, [1])
     with torch.no_grad():
-        expected = hf_model(moe_dir)(TOKENS).logits
+        expected = load_hf_model(moe_dir)(TOKENS).logits
         for path in (moe_dir, legacy):
             model = load_model_from_hf(path).eval()
             assert [isinstance(block.mlp, MoE) for block in model.layers] == [True, False, True]
@@ -146,12 +142,12 @@ def test_saved_in_the_hub_layout_loads_in_transformers(moe_dir, tmp_path):
         keys = set(f.keys())
     assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.7.down_proj.weight"} <= keys
     with torch.no_grad():
-        assert (hf_model(out)(TOKENS.clamp(max=511)).logits - ours).abs().max().item() <= 1e-5
+        assert (load_hf_model(out)(TOKENS.clamp(max=511)).logits - ours).abs().max().item() <= 1e-5
     legacy = hub_layout(moe_dir, tmp_path / "legacy")
     saved = save_hf_checkpoint(load_model_from_hf(legacy), tmp_path / "again", source_dir=legacy)
     assert json.loads((saved / "config.json").read_text())["num_experts"] == 8
     with torch.no_grad():
-        assert (hf_model(saved)(TOKENS).logits - hf_model(moe_dir)(TOKENS).logits).abs().max().item() <= 1e-6
+        assert (load_hf_model(saved)(TOKENS).logits - load_hf_model(moe_dir)(TOKENS).logits).abs().max().item() <= 1e-6
 
 
 def test_model_key_turns_the_loss_on_and_the_step_adds_it(caplog):
@@ -206,12 +202,12 @@ def test_lora_fine_tune_with_its_tokenizer_and_exports_that_load(quantize_base, 
         assert len(experts) == 2 * 2 * 2
         assert "base_model.model.model.layers.2.mlp.experts.base_layer.lora_B.weight" in keys
         return
-    base = hf_model(moe_dir)
+    base = load_hf_model(moe_dir)
     with torch.no_grad():
         before = base(TOKENS).logits
         reference = peft.PeftModel.from_pretrained(base, out / "final" / "adapter").eval()(TOKENS).logits
     assert (reference - before).abs().max() > 1e-3  # training moved the adapter
-    assert (hf_model(out / "final" / "model")(TOKENS).logits - reference).abs().max().item() <= 1e-5
+    assert (load_hf_model(out / "final" / "model")(TOKENS).logits - reference).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("changes", [{}, {"lora.modules": ["q_proj", "gate_proj"]}, {"dtype": "bf16"}],
@@ -365,7 +361,7 @@ def test_expert_adapters_load_in_peft_on_transformers_fused_experts(modules, lay
         torch.equal(t, peft_adapter_state_dict(ours)[k]) for k, t in gathered.items())
     merged = save_merged_model(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged")  # per-expert keys
     with torch.no_grad():
-        assert (hf_model(merged)(TOKENS).logits - expected).abs().max().item() <= 1e-5
+        assert (load_hf_model(merged)(TOKENS).logits - expected).abs().max().item() <= 1e-5
 
 
 def test_fit_floor_counts_the_experts_as_nf4_under_qlora():
