@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from mtune.training.observe.peak_flops import cpu_model_name  # noqa: E402
 from tests._helpers.recipes import (TRAIN_CONFIG, read_metrics, train_overrides, write_instruct_data,  # noqa: E402
                                     write_tiny_checkpoint)
 
@@ -67,7 +68,7 @@ def _compare(free: dict, held: dict, limit: int) -> dict:
 
 def main() -> None:
     results: dict = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, {_cpu_model()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, {cpu_model_name()}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
         "load_average_before": os.getloadavg(),
         "config": "tests/assets/configs/tiny_train.yaml (tiny llama3_1, 2 blocks, LoRA q/v/o rank 8, fp32, "
@@ -103,15 +104,6 @@ def main() -> None:
     out.write_text(text)
     print(f"json: {out}")
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

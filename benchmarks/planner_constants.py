@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtune.models import build_model
 from mtune.training.planning import cost, fit
+from mtune.training.observe.peak_flops import cpu_model_name
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
 
 GIB = 1 << 30
@@ -114,21 +115,12 @@ def main(argv: list[str]) -> None:
     out = Path(__file__).parent / "results" / "planner_constants.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, {_cpu_model()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, {cpu_model_name()}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
         "kernels": kernels, "micro_batch_on_this_cpu": intercept, "constants": constants}, indent=1) + "\n")
     print(f"json: {out}")
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ The figures depend on the CPU (torch picks different float kernels for each): th
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -21,14 +20,9 @@ from pathlib import Path
 
 import torch
 
+from mtune.training.observe.peak_flops import cpu_model_name
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str]) -> None:
@@ -45,7 +39,7 @@ def main(argv: list[str]) -> None:
     losses = [row for row in rows if "loss" in row]
     record = {
         "command": " ".join(command),
-        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "machine": {"cpu": cpu_model_name(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "load_average_start": load_start, "load_average_end": os.getloadavg()},
         "wall_seconds": wall,
