@@ -47,18 +47,18 @@ class Gemma3Tokenizer(TokenizerJson):
         trained = [False] * (1 + n_header) + [reply] * (len(body) - n_header + 1) + [False] * len(newline)
         return tokens, trained
 
+    def _turns(self, messages: list[Message]) -> list[tuple[str, str]]:
+        """``(role, text)`` of each turn, ``user`` or ``model``: the system message opens the first user turn."""
+        system, turns = check_alternating(messages, self.family)
+        texts = [m.content.strip() for m in turns]
+        if system is not None:
+            texts[0] = system + "\n\n" + texts[0]
+        return [("model" if m.role == "assistant" else "user", text) for m, text in zip(turns, texts)]
+
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
-        system, turns = check_alternating(messages, "gemma3")
         tokens, trained = [self.bos_id], [False]
-        for i, message in enumerate(turns):
-            text = message.content.strip()
-            if i == 0 and system is not None:
-                text = system + "\n\n" + text
-            ids, mask = self._turn("model" if message.role == "assistant" else "user", text)
-            tokens += ids
-            trained += mask
-        if add_generation_prompt:
-            ids, mask = self._turn("model", None)
+        for role, text in self._turns(messages) + ([("model", None)] if add_generation_prompt else []):
+            ids, mask = self._turn(role, text)
             tokens += ids
             trained += mask
         return tokens, trained

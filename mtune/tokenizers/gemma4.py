@@ -41,18 +41,9 @@ class Gemma4Tokenizer(Gemma3Tokenizer):
         self.end_of_turn_id = ids["<turn|>"]
         self.stop_tokens = [self.eos_id, self.end_of_turn_id]
 
-    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
-        system, turns = check_alternating(messages, "gemma4")
-        tokens, trained = [self.bos_id], [False]
-        turns = ([("system", system.strip())] if system is not None else []) + [
+    def _turns(self, messages: list[Message]) -> list[tuple[str, str]]:
+        """The system message as its own turn; replies without their thought blocks."""
+        system, turns = check_alternating(messages, self.family)
+        return ([("system", system.strip())] if system is not None else []) + [
             ("model", without_thoughts(m.content)) if m.role == "assistant" else ("user", m.content.strip())
             for m in turns]
-        for role, text in turns:
-            ids, mask = self._turn(role, text)
-            tokens += ids
-            trained += mask
-        if add_generation_prompt:
-            ids, mask = self._turn("model", None)
-            tokens += ids
-            trained += mask
-        return tokens, trained
