@@ -186,7 +186,11 @@ warm-up and two timed steps; the fit budget and context lengths scaled to it."""
 
 
 def select(part: int | None, names: list[str] | None) -> list[Case]:
-    cases = [c for c in CASES if (part is None or c.part == part) and (not names or c.name in names)]
+    """The cases of ``part`` (every part when None), or only ``names``, in the order named (the first named runs
+    first: a short lease measures what matters most)."""
+    cases = [c for c in CASES if part is None or c.part == part]
+    if names:
+        cases = sorted((c for c in cases if c.name in names), key=lambda c: names.index(c.name))
     unknown = set(names or ()) - {c.name for c in CASES}
     if unknown:
         raise SystemExit(f"unknown case(s): {', '.join(sorted(unknown))}; --list shows them")
@@ -557,7 +561,7 @@ def run_cases(cases: list[Case], *, dry_run: bool, out: Path, args, in_process: 
               f", {row.get('tokens_per_s') or 0:,.0f} tok/s, mfu {row.get('mfu') or 0:.1%}, "
               f"planned {row.get('planned_allocated_gib') or 0:.2f} GiB, allocated {row.get('max_allocated_gib')}")
               + f" [{row['wall_s']:.0f} s]", flush=True)
-    write_results(rows, out)
+        write_results([row], out)  # after each case: a lease that ends mid-part keeps the rows it measured
     print(table(rows))
     return rows
 
