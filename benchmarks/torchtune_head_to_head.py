@@ -319,7 +319,9 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
     if lib == "mtune":
         python, recipe = sys.executable, "lora_single_device" if case["lora"] else "full_single_device"
         # mfu in mtune's own log against the peak this benchmark measured (not a cache taken under other load)
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_PEAK_FLOPS": str(args.peaks[dtype])}
+        # mtune first, then whatever the caller's PYTHONPATH holds (the GPU machine's carried omegaconf/torchao)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "MTUNE_PEAK_FLOPS": str(args.peaks[dtype])}
     else:
         python = args.torchtune_python or str(args.venv / "bin" / "python")
         recipe = "lora_finetune_single_device" if case["lora"] else "full_finetune_single_device"
