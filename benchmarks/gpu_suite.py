@@ -177,6 +177,31 @@ CASES: list[Case] = [
          "8B LoRA, compiled, packed 4096 x 2, attention per document from its boundaries (varlen flash on CUDA)",
          L8B + LORA_RUN + ("attention_kernel=segments",), compile=True, batch_size=2, seq_len=4096,
          needs=("attention_kernel",), minutes=2.5),
+    # ---- part 8: why 8B QLoRA compiled allocated 40.73 GiB where its eager twin allocated 9.89 (H100, 2026-11-26).
+    # Run with part 1's QLoRA case again (now with saved_for_backward_gib): without checkpointing (the same peak
+    # would mean the compiled blocks never recompute), and with the dense mask (no graph break at the varlen kernel)
+    Case("llama3_1_8B_qlora_compiled_no_checkpointing", 8, "llama3_1/8B_qlora_single_device", "lora_single_device",
+         "8B QLoRA, compiled, activation checkpointing off, packed 4096 x 2",
+         L8B + LORA_RUN + ("enable_activation_checkpointing=false",), compile=True, batch_size=2, seq_len=4096,
+         steps=4, minutes=1.0),
+    Case("llama3_1_8B_qlora_compiled_dense_mask", 8, "llama3_1/8B_qlora_single_device", "lora_single_device",
+         "8B QLoRA, compiled, attention_kernel=dense_mask (no graph break in the block), packed 4096 x 2",
+         L8B + LORA_RUN + ("attention_kernel=dense_mask",), compile=True, batch_size=2, seq_len=4096, steps=4,
+         minutes=1.0),
+    Case("llama3_1_8B_lora_compiled_dense_mask", 8, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA, compiled, attention_kernel=dense_mask, packed 4096 x 2 (the varlen kernel's gain, against part 1)",
+         L8B + LORA_RUN + ("attention_kernel=dense_mask",), compile=True, batch_size=2, seq_len=4096, steps=4,
+         minutes=1.0),
+    # ---- part 9: the 2025-2026 families (random weights by family and size, as above)
+    Case("qwen3_8B_lora_compiled_packed4096", 9, "qwen3/8B_lora_single_device", "lora_single_device",
+         "Qwen3 8B LoRA, compiled, packed 4096 x 2", _model("qwen3", "8B") + LORA_RUN, compile=True,
+         batch_size=2, seq_len=4096, minutes=1.0),
+    Case("qwen3_moe_30B_A3B_qlora_packed4096", 9, "qwen3_moe/30B_A3B_qlora_single_device", "lora_single_device",
+         "Qwen3-30B-A3B QLoRA (NF4 experts), eager, packed 4096 x 1", _model("qwen3_moe", "30B_A3B") + LORA_RUN,
+         batch_size=1, seq_len=4096, steps=4, minutes=2.0),
+    Case("qwen3_5_9B_lora_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
+         "Qwen3.5 9B LoRA, eager, Gated DeltaNet in PyTorch (no linear-attention kernels carried), packed 4096 x 1",
+         _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=2.0),
 ]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
@@ -281,6 +306,32 @@ def attention_kernel(names: set[str]) -> str | None:
     return "+".join(found) or None
 
 
+def saved_for_backward_bytes(step, model) -> int:
+    """Bytes of the distinct storages autograd saves for backward during one ``step()``, the model's parameters
+    and buffers (NF4 codes and scales too) left out: the activations a step holds. A checkpointed block saves its
+    input here and the rest under its own hooks, so with block checkpointing this is about one hidden state per
+    block; a compiled block saves what its partitioner keeps (the way to see that a compiled block recomputes)."""
+    import torch
+
+    def storages(t) -> list[tuple[int, int]]:  # (data pointer, bytes) of t's storage, or of a subclass's parts
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            return [part for name in t.__tensor_flatten__()[0] for part in storages(getattr(t, name))]
+        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
+
+    owned = {ptr for t in [*model.parameters(), *model.buffers()] for ptr, _ in storages(t.data)}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        for ptr, nbytes in storages(t):
+            if ptr not in owned:
+                seen[ptr] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
+
+
 def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | None = None) -> dict:
     """Set up as the recipes do, step, time, measure. Returns the row's measured fields."""
     import torch
@@ -368,6 +419,10 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         step()
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})
+    try:  # one more step: what autograd holds for backward outside the checkpointed blocks (not timed)
+        row["saved_for_backward_gib"] = saved_for_backward_bytes(step, model) / api.GIB
+    except Exception as err:  # a diagnostic: its failure is said in the row, not the case's
+        row["saved_for_backward_error"] = f"{type(err).__name__}: {err}"[-300:]
     del model, optimizer, batch
     gc.collect()
     if cuda:
@@ -483,7 +538,7 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
     errors = {lib: summary[lib]["error"] for lib in ("mtune", "torchtune") if "error" in summary.get(lib, {})}
     if errors:
         row.update(status="failed", reason=json.dumps(errors)[-1500:])
-    config = sorted(Path(out).parent.glob("h2h_fixture/runs/mtune_lora_*.yaml"))
+    config = sorted(Path(out).parent.glob("h2h_fixture/**/runs/mtune_lora_*.yaml"))  # --shape adds a level
     if config:  # plan the mtune run the harness made (its own fixture checkpoint: only config.json is read)
         cfg, _ = case_config(api, replace(case, overrides=()), device=device, dry_run=False, seq_len=seq,
                              config_path=str(config[-1]))

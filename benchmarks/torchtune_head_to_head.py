@@ -263,10 +263,15 @@ def worker(lib: str, config: str, recipe: str, result: str) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     cuda = torch.cuda.is_available()
+    peaks = [0, 0]  # the allocator's allocated and reserved peaks, read at every step
 
     def stamp(*_):
         if cuda:
             torch.cuda.synchronize()
+            # a library may reset the peaks between steps (mtune does at every log line): the run's peak is the
+            # largest of the per-step peaks, read the same way for both libraries
+            peaks[0] = max(peaks[0], torch.cuda.max_memory_allocated())
+            peaks[1] = max(peaks[1], torch.cuda.max_memory_reserved())
         stamps.append(time.perf_counter())
 
     register_optimizer_step_post_hook(stamp)
@@ -293,8 +298,8 @@ def worker(lib: str, config: str, recipe: str, result: str) -> None:
         "start": start, "stamps": stamps, "end": time.perf_counter(),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "threads": torch.get_num_threads(),
-        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+        "cuda_max_allocated_bytes": max(peaks[0], torch.cuda.max_memory_allocated()) if cuda else None,
+        "cuda_max_reserved_bytes": max(peaks[1], torch.cuda.max_memory_reserved()) if cuda else None,
     }))
 
 
