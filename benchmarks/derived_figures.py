@@ -5,7 +5,7 @@ file lets ``scripts/check_figures.py`` check the quoted ratio against the files 
 the doc's word for it. Reads only ``benchmarks/results/``; writes three files, one per doc, so that a
 paragraph cites only the ratios of its own topic: ``benchmarks/results/derived_head_to_head.json`` (the first two
 lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
-``benchmarks/results/derived_plan.json`` (the last):
+``benchmarks/results/derived_plan.json`` (the next) and ``benchmarks/results/derived_gpu_suite.json`` (the last):
 
 - ``eager_to_compiled``: per head-to-head case and dtype, mtune's compiled tokens/s (``h2h_compile``) over its eager
   tokens/s of the fifth run (``h2h_fused_loss``); plus the bf16 full + checkpointing re-run
@@ -19,6 +19,8 @@ lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
 - ``derived_plan.json``: the host AdamW step of Llama 3.1 8B (``host_adamw.json``'s bf16 seconds per parameter x
   the parameters ``plan_configs.json`` counts) and the low-memory full fine-tune's planned allocator peak against
   torchtune's published 18.9 GiB (cited in the script).
+- ``derived_gpu_suite.json``: tokens/s quotients of GPU-suite case pairs (compiled over eager, QLoRA over LoRA) and
+  each case's allocator margin (reserved - allocated) and memory beyond the allocator (``gpu_suite_figures``).
 
     python benchmarks/derived_figures.py     # about a second
 """
@@ -121,15 +123,51 @@ def planner_figures() -> dict:
                                         "difference_fraction": peak_gib / TORCHTUNE_LOW_MEMORY_PEAK_GIB - 1}}
 
 
+GPU_PAIRS = {
+    # (numerator case, denominator case): what the quotient of their tokens/s says
+    ("llama3_1_8B_lora_compiled_packed4096", "llama3_1_8B_lora_eager_packed4096"): "compiled over eager",
+    ("llama3_2_1B_lora_compiled", "llama3_2_1B_lora_eager"): "compiled over eager",
+    ("llama3_1_8B_qlora_compiled_packed4096", "llama3_1_8B_qlora_eager_packed4096"): "compiled over eager",
+    ("llama3_1_8B_qlora_compiled_packed4096", "llama3_1_8B_lora_compiled_packed4096"): "QLoRA over LoRA",
+    ("llama3_1_8B_qlora_eager_packed4096", "llama3_1_8B_lora_eager_packed4096"): "QLoRA over LoRA",
+    ("llama3_1_8B_lora_activation_offloading", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
+    ("llama3_1_8B_lora_weight_offloading_block", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
+    ("llama3_1_8B_lora_weight_offloading_leaf", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
+    ("llama3_1_8B_lora_fp8_storage", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
+}
+
+
+def gpu_suite_figures() -> dict:
+    """docs/benchmarks.md's arithmetic on ``gpu_suite.json`` (the latest ``ok`` row of each case on each GPU):
+    tokens/s quotients of case pairs (:data:`GPU_PAIRS`), and per case the allocator's margin (max reserved - max
+    allocated, GiB) and what the card held beyond the allocator (``device_used_gib`` - max reserved: the CUDA
+    context, and managed memory such as paged optimizer states)."""
+    rows = json.loads((RESULTS / "gpu_suite.json").read_text())["rows"]
+    latest = {(r["gpu_name"], r["case"]): r for r in rows if r["status"] == "ok" and r.get("gpu_name")}
+    pairs = [{"name": f"{top} / {bottom}", "gpu_name": gpu, "what": what,
+              "ratio": latest[gpu, top]["tokens_per_s"] / latest[gpu, bottom]["tokens_per_s"]}
+             for (top, bottom), what in GPU_PAIRS.items()
+             for gpu in sorted({g for g, _ in latest}) if (gpu, top) in latest and (gpu, bottom) in latest]
+    margins = [{"name": case, "gpu_name": gpu,
+                "reserved_minus_allocated_gib": r["max_reserved_gib"] - r["max_allocated_gib"],
+                **({"device_used_minus_reserved_gib": r["device_used_gib"] - r["max_reserved_gib"]}
+                   if r.get("device_used_gib") is not None else {})}
+               for (gpu, case), r in latest.items()
+               if r.get("kind", "run") == "run" and r.get("max_reserved_gib") is not None]
+    # head-to-head rows are left out: their allocated peak was read at the end of the run, after mtune's last reset
+    return {"tokens_per_s_pairs": pairs, "allocator_margins": margins}
+
+
 def main(out_dir: Path = RESULTS) -> None:
-    """Writes the two files into ``out_dir`` (default ``benchmarks/results/``; a test writes them to a tmp dir)."""
+    """Writes the files into ``out_dir`` (default ``benchmarks/results/``; a test writes them to a tmp dir)."""
     note = "ratios of committed results files, computed by benchmarks/derived_figures.py"
     outputs = {"derived_head_to_head.json": {"note": note, "eager_to_compiled": eager_to_compiled(),
                                              "segments_over_dense_mask": segments_over_dense_mask()},
                "derived_memory_techniques.json": {"note": note,
                                                   "optimizer_state_vs_adamw": optimizer_state_vs_adamw(),
                                                   "offloading_totals": offloading_totals()},
-               "derived_plan.json": {"note": note, **planner_figures()}}
+               "derived_plan.json": {"note": note, **planner_figures()},
+               "derived_gpu_suite.json": {"note": note, **gpu_suite_figures()}}
     for name, figures in outputs.items():
         path = out_dir / name
         path.write_text(json.dumps(figures, indent=2) + "\n")

@@ -51,7 +51,9 @@ RESULTS = REPO / "benchmarks" / "results"
 CONFIGS = REPO / "recipes" / "configs"
 UNITS = r"GB/s|TFLOP/s|GiB|GB|MiB|MB|KiB|TiB|tok/s|tokens/s|samples/s|×|x faster|%|CPU-s|ms|s\b|min\b"
 NUM = r"\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?"
-FIGURE = re.compile(rf"(?<![\w.])({NUM})\s?(?:(?:–|-|to )({NUM})\s?)?({UNITS})(?!\s?\d)")
+FIGURE = re.compile(rf"(?<![\w.])([-−+]?(?:{NUM}))\s?(?:(?:–|-|to )({NUM})\s?)?({UNITS})(?!\s?\d)")
+"""A figure: a number, signed when a sign touches it (``−0.9%``, ``+2.4%``: a plan's error is matched with its
+sign), or a range of two, then its unit."""
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 SOURCE = re.compile(r"benchmarks/results/[\w./-]*[\w/]|benchmarks/(\w+)\.py"
                     r"|(?<![\w/])results/([\w.-]+\.(?:json|md|txt))")
@@ -276,7 +278,7 @@ def candidate_values(figure: Figure) -> tuple[set[float], bool]:
 def _given(number: str, unit: str, values) -> bool:
     """Whether a number of a compatible kind gives ``number`` (a figure's, in ``unit``) at its printed precision."""
     digits = len(number.split(".")[1]) if "." in number else 0
-    target = float(number.replace(",", ""))
+    target = float(number.replace(",", "").replace("−", "-"))
     tolerance = 0.5 * 10**-digits + 1e-9
     compatible = COMPATIBLE.get(unit, {"any": (1,)})
     return any(abs(value * scale - target) <= tolerance

@@ -19,7 +19,8 @@ def _script():
 
 def test_committed_derived_files_are_the_scripts_output(tmp_path):
     _script().main(tmp_path)
-    for name in ("derived_head_to_head.json", "derived_memory_techniques.json", "derived_plan.json"):
+    for name in ("derived_head_to_head.json", "derived_memory_techniques.json", "derived_plan.json",
+                 "derived_gpu_suite.json"):
         assert json.loads((tmp_path / name).read_text()) == json.loads((RESULTS / name).read_text()), name
 
 
@@ -38,3 +39,16 @@ def test_eager_to_compiled_ratio_from_the_two_runs():
     state = {r["name"]: r["optimizer_state"] for r in memory}
     (row,) = [r for r in _script().optimizer_state_vs_adamw() if r["name"] == "torchao AdamW4bit"]
     assert row["optimizer_state_ratio"] == state["torchao AdamW4bit"] / state["full fp32, AdamW (baseline)"]
+
+
+def test_gpu_suite_pairs_and_margins_from_the_rows():
+    # independent read of gpu_suite.json: 8B QLoRA eager over 8B LoRA eager, and the 8B full compiled row's margin
+    rows = {r["case"]: r for r in json.loads((RESULTS / "gpu_suite.json").read_text())["rows"] if r["status"] == "ok"}
+    figures = _script().gpu_suite_figures()
+    (pair,) = [p for p in figures["tokens_per_s_pairs"]
+               if p["name"] == "llama3_1_8B_qlora_eager_packed4096 / llama3_1_8B_lora_eager_packed4096"]
+    qlora, lora = rows["llama3_1_8B_qlora_eager_packed4096"], rows["llama3_1_8B_lora_eager_packed4096"]
+    assert pair["ratio"] == qlora["tokens_per_s"] / lora["tokens_per_s"]
+    full = rows["llama3_1_8B_full_compiled"]
+    (margin,) = [m for m in figures["allocator_margins"] if m["name"] == "llama3_1_8B_full_compiled"]
+    assert margin["reserved_minus_allocated_gib"] == full["max_reserved_gib"] - full["max_allocated_gib"]

@@ -93,6 +93,19 @@ def test_prose_is_checked_against_the_record_its_clause_names(tiny_repo, sentenc
     assert _unsourced(tiny_repo, text) == unsourced
 
 
+@pytest.mark.parametrize("figure, unsourced", [
+    ("−0.9%", []), ("-0.9%", []),              # the plan's error with its sign, either minus
+    ("+0.9%", ["+0.9%"]), ("0.9%", ["0.9%"]),  # the sign dropped or flipped is another figure
+])
+def test_a_signed_figure_keeps_its_sign(tiny_repo, figure, unsourced):
+    """A plan's error of -0.9% is a different figure from +0.9%. Mutation: the checker as it was, without signs,
+    let "+0.9%" pass and failed both minus signs."""
+    (tiny_repo / "benchmarks" / "results" / "plans.json").write_text(json.dumps({"rows": [
+        {"case": "lora", "plan_error": -0.0088}]}))
+    text = f"# Plans\n\nFrom benchmarks/results/plans.json. LoRA is planned {figure} off.\n"
+    assert _unsourced(tiny_repo, text) == unsourced
+
+
 def test_only_the_nearest_cited_file_counts(tiny_repo):
     """A figure whose paragraph cites another file is not matched against the section's file. Mutation: the union
     of every level's sources instead of the nearest let 812 tok/s pass."""

@@ -23,8 +23,10 @@ kernels): about 0.5 GiB with CUDA 12 on an H100/A100 (it varies a little with th
 loaded). Added to the whole-GPU figure only; ``max_memory_allocated`` does not see it. Stated, not measured: no
 public document gives the size (PyTorch's CUDA semantics notes, "Memory management", say only that memory outside
 the allocator, such as the context, shows in ``nvidia-smi`` and not in ``memory_reserved``; CUDA's lazy loading,
-the default since CUDA 12.2, makes it smaller). It waits for a lent GPU: ``benchmarks/gpu_suite.py`` records
-``device_used_gib`` beside ``max_reserved_gib``, whose difference it is (benchmarks/results/README.md)."""
+the default since CUDA 12.2, makes it smaller). Measured since on one H100 with CUDA 13 and torch 2.11:
+``benchmarks/gpu_suite.py``'s ``device_used_gib`` - ``max_reserved_gib`` is larger there, the same on every row
+without managed or offloaded memory (``benchmarks/results/derived_gpu_suite.json``); moving this constant to it
+re-records every config header and golden plan, which is the next step (docs/benchmarks.md, "GPU suite")."""
 
 class PlanError(MtuneError, RuntimeError):
     """The planner cannot plan this config (it names the key and what to do)."""
