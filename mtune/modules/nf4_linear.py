@@ -11,7 +11,6 @@ models are sized for it.
 from __future__ import annotations
 
 import importlib
-import sys
 from types import ModuleType
 
 import torch
@@ -46,9 +45,11 @@ def _nf4_api() -> ModuleType:
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
-    # an NF4 tensor can only exist once torchao's NF4 module is imported: no need to import it to ask
-    return any(isinstance(tensor, module.NF4Tensor) for module in map(sys.modules.get, _NF4_MODULES)
-               if module is not None)
+    if _nf4 is None:
+        # no NF4 weight was made here yet, so torchao's module may not be imported: ask the class where it lives.
+        # (Not sys.modules: torch.compile guards on its length, and every later import recompiled each block.)
+        return type(tensor).__module__ in _NF4_MODULES
+    return isinstance(tensor, _nf4.NF4Tensor)
 
 
 def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:

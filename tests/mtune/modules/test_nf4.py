@@ -105,3 +105,40 @@ def test_a_fake_weight_gets_the_layout_torchao_quantizes_a_real_one_to(shape, dt
     for attr in ("block_size", "n_blocks", "scaler_block_size", "shape", "dtype", "requires_grad"):
         assert getattr(real, attr) == getattr(fake, attr), attr
     assert tensor_bytes(real) == tensor_bytes(fake)
+
+
+def test_is_nf4_adds_no_guard_that_a_later_import_breaks():
+    """A compiled block asks is_nf4 of each weight; asking through sys.modules made torch.compile guard on its
+    length, so any import between two steps recompiled every block (seen on an H100 as a 2-3 s second step,
+    docs/benchmarks.md). Mutation: the sys.modules lookup back in is_nf4 compiles twice here."""
+    import sys
+    import types
+
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    weight = torch.randn(4, 4)
+
+    @torch.compile(backend=counter)
+    def step(x):
+        return x * 2 if is_nf4(weight) else x + 1
+
+    torch._dynamo.reset()
+    x = torch.randn(4)
+    step(x)
+    sys.modules["_mtune_test_late_import"] = types.ModuleType("_mtune_test_late_import")  # an import between steps
+    try:
+        torch.testing.assert_close(step(x), x + 1)
+    finally:
+        del sys.modules["_mtune_test_late_import"]
+    assert counter.frame_count == 1
+
+
+def test_is_nf4_knows_a_torchao_weight_made_before_mtune_imported_torchao(monkeypatch):
+    """Before mtune made an NF4 weight (its torchao handle unset), a weight torchao made is still NF4 and a plain
+    one is not. Mutation: answering False while the handle is unset fails this."""
+    from mtune.modules import nf4_linear
+
+    weight = nf4_linear.quantize_nf4(torch.randn(128, 128))
+    monkeypatch.setattr(nf4_linear, "_nf4", None)
+    assert is_nf4(weight) and not is_nf4(torch.randn(128, 128))
