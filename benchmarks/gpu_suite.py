@@ -19,6 +19,8 @@ weights by ``model.family`` / ``model.size``, bf16, the batch and sequence lengt
   ``torch.cuda.set_per_process_memory_fraction(SIZE / the card's memory)``.
 - ``longest_context``: the planner finds the longest ``max_seq_len`` (of ``--context-lengths``) whose plan fits the
   card; that runs as ``run``.
+- ``oom_recovery``: ``mtune run`` itself, held by ``device_memory_limit`` to 75% of what the config's plan needs, on
+  a synthetic instruction set: the run must re-plan and finish its steps with the same samples per step.
 
 A case whose config keys are not in its recipe's schema yet is a pending feature: it is skipped with that reason.
 
@@ -88,7 +90,7 @@ class Case:
     recipe: str
     what: str
     overrides: tuple[str, ...] = ()
-    kind: str = "run"  # run | head_to_head | fit | longest_context
+    kind: str = "run"  # run | head_to_head | fit | longest_context | oom_recovery
     compile: bool = False
     batch_size: int = 4
     seq_len: int = 2048
@@ -202,6 +204,11 @@ CASES: list[Case] = [
     Case("qwen3_5_9B_lora_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, Gated DeltaNet in PyTorch (no linear-attention kernels carried), packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=2.0),
+    # ---- part 10: the fit issue's GPU check: a run whose config needs more than device_memory_limit recovers
+    Case("llama3_1_8B_lora_oom_recovery", 10, "llama3_1/8B_lora_single_device", "lora_single_device",
+         "8B LoRA without checkpointing, packed 4096 x 4, held to 75% of its planned peak: oom_recovery re-plans",
+         L8B + LORA_RUN + ("enable_activation_checkpointing=false",), kind="oom_recovery", batch_size=4,
+         seq_len=4096, steps=4, warmup=2, minutes=3.0),
 ]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
@@ -441,6 +448,8 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
            "dry_run": dry_run, "status": "ok"}
     if case.kind == "head_to_head":
         return {**row, **head_to_head(api, case, device=device, dry_run=dry_run, workdir=workdir, args=args)}
+    if case.kind == "oom_recovery":
+        return {**row, **oom_recovery(api, case, device=device, dry_run=dry_run, workdir=workdir)}
     cfg, missing = case_config(api, case, device=device, dry_run=dry_run)
     if missing:
         return {**row, "status": "pending", "reason": f"waits for {case.pending}: the {case.recipe} recipe has no "
@@ -480,6 +489,57 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
         case = replace(case, steps=DRY_RUN["steps"], warmup=DRY_RUN["warmup"])
     row.update(batch_size=int(cfg.batch_size), seq_len=int(cfg.tokenizer.max_seq_len))
     return {**row, **run_case(api, case, cfg, workdir=workdir, memory_fraction=fraction)}
+
+
+OOM_LIMIT_SHARE = 0.75
+"""``oom_recovery`` holds a run to this share of its own plan's device peak (the fit issue's done-when)."""
+
+
+def oom_recovery(api, case: Case, *, device: str, dry_run: bool, workdir: Path) -> dict:
+    """``mtune run`` of the case's config (random weights by family and size; the dry run: the tests' tiny Llama 3.1
+    checkpoint, whose vocabulary fits the tokenizer) on packed rows of a synthetic instruction set with the tests'
+    tiny Llama 3 tokenizer, under ``device_memory_limit`` at :data:`OOM_LIMIT_SHARE` of what its plan says it
+    needs: the re-plan lines, every step's trained tokens (the same when recovery keeps the samples per step), the
+    allocator's peak per logged step against the limit, and how the run ended."""
+    sys.path.insert(0, str(REPO))
+    from tests._helpers.recipes import read_metrics, write_instruct_data, write_tiny_checkpoint
+    from tests._helpers.tokenizers import write_tokenizer_files
+
+    tokenizer, out = workdir / f"{case.name}_tokenizer", workdir / case.name
+    overrides = [o for o in case_config_overrides(case, device, dry_run)
+                 if not o.startswith(("tokenizer.path=", "model."))]
+    if dry_run:
+        tokenizer = write_tiny_checkpoint(workdir / f"{case.name}_checkpoint")
+        overrides.append(f"model.checkpoint_dir={tokenizer}")
+    else:
+        write_tokenizer_files(tokenizer, "llama3")
+        overrides += [o for o in case.overrides if o.startswith("model.")]
+    steps = (DRY_RUN["warmup"] + DRY_RUN["steps"]) if dry_run else case.warmup + case.steps
+    batch, seq = (DRY_RUN["batch_size"], DRY_RUN["seq_len"]) if dry_run else (case.batch_size, case.seq_len)
+    data = write_instruct_data(workdir / f"{case.name}.jsonl", n=batch * seq * steps // 8 + 64)  # 10-20 tokens a row
+    overrides += [f"tokenizer.path={tokenizer}", "dataset._component_=mtune.data.instruct_dataset",
+                  f"dataset.source={data}", "dataset.cache=false", f"max_steps_per_epoch={steps}",
+                  f"output_dir={out}", "overwrite_output_dir=true", "log_every_n_steps=1",
+                  f"compile={str(case.compile).lower()}"]
+    module = api.load_recipe_module(api.find_recipe(case.recipe))
+    planned = api.plan_memory(api.load_and_check(module, api.find_config(case.config), overrides)).device_peak_bytes
+    limit = int(OOM_LIMIT_SHARE * planned)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-m", "mtune", "run", case.recipe, "--config", case.config, *overrides,
+                           f"device_memory_limit={limit}"], capture_output=True, text=True, env=env)
+    (workdir / f"{case.name}.run.log").write_text(done.stdout + done.stderr)
+    rows = read_metrics(out) if (out / "metrics.jsonl").exists() else []
+    peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
+    row = {"batch_size": batch, "seq_len": seq, "planned_allocated_gib": planned / api.GIB,
+           "device_memory_limit_gib": limit / api.GIB, "exit_status": done.returncode,
+           "replans": [line.split("mtune: ", 1)[-1] for line in done.stderr.splitlines() if "oom_recovery:" in line],
+           "steps_done": [r["step"] for r in rows], "trained_tokens": [r.get("trained_tokens") for r in rows],
+           "losses": [r.get("loss") for r in rows], "max_allocated_gib": max(peaks) if peaks and device == "cuda" else None,
+           "fit_config": (out / "mtune_fit.yaml").read_text() if (out / "mtune_fit.yaml").exists() else None}
+    if done.returncode or len(rows) < steps:
+        error = next((line for line in done.stderr.splitlines()[::-1] if line.startswith("error:")), None)
+        row.update(status="failed", reason=error or (done.stdout + done.stderr)[-1500:])
+    return row
 
 
 def case_config_overrides(case: Case, device: str, dry_run: bool) -> list[str]:

@@ -46,7 +46,7 @@ def dry_run(tmp_path_factory):
 def test_every_case_is_data_with_a_known_kind_and_parts_fit_their_budget():
     names = [c.name for c in suite.CASES]
     assert len(names) == len(set(names))
-    assert {c.kind for c in suite.CASES} <= {"run", "head_to_head", "fit", "longest_context"}
+    assert {c.kind for c in suite.CASES} <= {"run", "head_to_head", "fit", "longest_context", "oom_recovery"}
     for part in {c.part for c in suite.CASES}:
         minutes = sum(c.minutes for c in suite.CASES if c.part == part and not c.pending)
         assert minutes <= 8, (part, minutes)
@@ -140,3 +140,15 @@ def test_saved_for_backward_counts_activations_once_and_leaves_parameters_out():
         checkpoint(lambda t: model[1](model[0](t)), x, use_reentrant=False).sum().backward()
 
     assert suite.saved_for_backward_bytes(checkpointed, model) == 4 * 32 * 4  # the region's input only
+
+
+def test_the_oom_recovery_case_runs_mtune_under_three_quarters_of_its_plan_and_finishes(tmp_path):
+    """The fit issue's GPU check, dry: `mtune run` held to 75% of its planned peak re-plans once and ends all its
+    steps. Mutation: the limit at 100% of the plan gives no re-plan and fails this."""
+    out = tmp_path / "oom.json"
+    (row,) = suite.main(["--dry-run", "--in-process", "--raise-errors", "--out", str(out), "--work",
+                         str(tmp_path / "work"), "--cases", "llama3_1_8B_lora_oom_recovery"])
+    assert row["status"] == "ok" and row["exit_status"] == 0, row.get("reason")
+    assert row["device_memory_limit_gib"] == pytest.approx(0.75 * row["planned_allocated_gib"], rel=1e-6)
+    assert len(row["replans"]) >= 1 and "running step 1 again" in row["replans"][0]
+    assert row["steps_done"] == [1, 2, 3] and all(t > 0 for t in row["trained_tokens"])
