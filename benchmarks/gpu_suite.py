@@ -98,6 +98,7 @@ class Case:
     warmup: int = 3  # compile, first touch, plan_check's tracked steps
     needs: tuple[str, ...] = ()  # config keys the case sets that other work is adding: pending until they exist
     pending: str = ""  # what the case waits for, said when it is skipped
+    fla: bool = False  # run with flash-linear-attention importable (--fla-path): Gated DeltaNet on its kernels
     device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
     minutes: float = 1.0  # GPU minutes the case is expected to take (machine start excluded)
 
@@ -204,6 +205,9 @@ CASES: list[Case] = [
     Case("qwen3_5_9B_lora_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, Gated DeltaNet in PyTorch (no linear-attention kernels carried), packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=2.0),
+    Case("qwen3_5_9B_lora_fla_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
+         "Qwen3.5 9B LoRA, eager, Gated DeltaNet on flash-linear-attention's kernel, packed 4096 x 1",
+         _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, fla=True, minutes=2.0),
     # ---- part 10: the fit issue's GPU check: a run whose config needs more than device_memory_limit recovers
     Case("llama3_1_8B_lora_oom_recovery", 10, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA without checkpointing, packed 4096 x 4, held to 75% of its planned peak: oom_recovery re-plans",
@@ -426,6 +430,10 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         step()
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})
+    if any(type(m).__name__ == "GatedDeltaNet" for m in model.modules()):
+        from mtune.modules.gated_deltanet import recurrence_runs
+
+        row["linear_attention"] = recurrence_runs(run.device)
     try:  # one more step: what autograd holds for backward outside the checkpointed blocks (not timed)
         row["saved_for_backward_gib"] = saved_for_backward_bytes(step, model) / api.GIB
     except Exception as err:  # a diagnostic: its failure is said in the row, not the case's
@@ -655,7 +663,10 @@ def run_cases(cases: list[Case], *, dry_run: bool, out: Path, args, in_process: 
     workdir.mkdir(parents=True, exist_ok=True)
     for case in cases:
         spent = time.perf_counter() - start
-        if not dry_run and spent + case.minutes * 60 > args.budget_s:
+        if case.fla and not dry_run and not args.fla_path:
+            row = {"case": case.name, "part": case.part, "status": "skipped",
+                   "reason": "flash-linear-attention not carried: pass --fla-path (scripts/gpu_wheels.sh's .whl/fla)"}
+        elif not dry_run and spent + case.minutes * 60 > args.budget_s:
             row = {"case": case.name, "part": case.part, "status": "skipped",
                    "reason": f"the part's budget: {spent:.0f} s spent, ~{case.minutes * 60:.0f} s needed, "
                              f"{args.budget_s:.0f} s allowed"}
@@ -690,7 +701,10 @@ def run_in_subprocess(case: Case, *, dry_run: bool, workdir: Path, args) -> dict
         if getattr(args, flag):
             command += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     command += ["--context-lengths", *map(str, args.context_lengths)]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ)
+    if case.fla:  # the kernels importable for this case only: its twin without them runs the PyTorch form
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.fla_path, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     (workdir / f"{case.name}.log").write_text(proc.stdout + proc.stderr)
     if result.exists():
         return json.loads(result.read_text())
@@ -714,6 +728,8 @@ def parse_args(argv=None):
     parser.add_argument("--torchtune-python", default=None, help="a python that imports torchtune 0.6.1")
     parser.add_argument("--torchtune-path", default=None,
                         help="PYTHONPATH for torchtune's runs (e.g. /tmp/site_tt:/tmp/site on the GPU machine)")
+    parser.add_argument("--fla-path", default=None,
+                        help="PYTHONPATH holding flash-linear-attention (fla-core) for the cases that use its kernels")
     parser.add_argument("--context-lengths", nargs="+", type=int, default=[8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--raise-errors", action="store_true", help="let a failing case raise (debugging)")
     parser.add_argument("--one-case", nargs=2, metavar=("CASE", "RESULT"), help=argparse.SUPPRESS)

@@ -84,3 +84,54 @@ def test_convolution_sees_only_its_document():
             alone = causal_conv(x[row:row + 1, :, cols], weight)
             torch.testing.assert_close(got[row:row + 1, :, cols], alone)
     torch.testing.assert_close(causal_conv(x, weight, torch.zeros(2, 12, dtype=torch.long)), causal_conv(x, weight))
+
+
+def fla_contract(q, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
+    """flash-linear-attention's ``chunk_gated_delta_rule`` as its docstring states it (its kernels need Triton and
+    CUDA): ``[B, T, H, K]`` queries and keys, ``[B, T, HV, V]`` values with ``HV`` a multiple of ``H`` (value heads
+    grouped over consecutive query/key heads), ``[B, T, HV]`` log decays and write strengths, ``scale`` 1/sqrt(K)
+    by default, and with ``cu_seqlens`` one flattened row (B = 1) whose sequences each start from a zero state.
+    Written from that contract with :func:`token_by_token`, not from mtune's code."""
+    assert q.shape == k.shape and v.shape[:2] == q.shape[:2] and v.shape[2] % q.shape[2] == 0
+    assert cu_seqlens is None or q.shape[0] == 1
+    group = v.shape[2] // q.shape[2]
+    q, k = (t.float().repeat_interleave(group, dim=2) for t in (q, k))
+    if use_qk_l2norm_in_kernel:
+        q, k = (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    heads_first = [t.float().transpose(1, 2) for t in (q, k, v, g, beta)]
+    bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    pieces = [token_by_token(*(t[:, :, start:end] for t in heads_first)) for start, end in zip(bounds, bounds[1:])]
+    return torch.cat(pieces, dim=2).transpose(1, 2).to(v.dtype), None
+
+
+def test_the_fla_kernel_path_gives_the_pytorch_forms_outputs(monkeypatch):
+    """GatedDeltaNet through flash-linear-attention's kernel (here its stated contract, fla_contract) equals the
+    PyTorch form on packed rows: raw queries and keys with the kernel's L2 norm and scale, grouped value heads,
+    each packed document from a zero state. Mutations seen failing: the kernel not asked to normalise, packed rows
+    passed without cu_seqlens, queries repeated over the value heads before the call."""
+    from mtune.modules import gated_deltanet
+    from mtune.modules.gated_deltanet import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(dim=32, n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=8).double()
+    x = torch.randn(2, 40, 32, dtype=torch.float64)
+    cu_seqlens = torch.tensor([0, 13, 40, 57, 80], dtype=torch.int32)  # row 1: 13 + 27 tokens, row 2: 17 + 23
+    packed, rows = layer(x, cu_seqlens=cu_seqlens), layer(x)
+    assert gated_deltanet.fla_kernel(x) is None  # a CPU tensor: the PyTorch form
+    monkeypatch.setattr(gated_deltanet, "fla_kernel", lambda x: fla_contract)
+    # both in fp32 (as each casts), summed in other orders: fp32 round-off of outputs of magnitude ~1
+    torch.testing.assert_close(layer(x, cu_seqlens=cu_seqlens), packed, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(x), rows, rtol=1e-5, atol=1e-6)
+
+
+def test_the_log_says_which_recurrence_runs(monkeypatch):
+    """CPU: the PyTorch form; CUDA without flash-linear-attention: that, and how to get the kernels; with it: the
+    kernel. Mutation: naming the kernel whenever the device is CUDA fails the middle case."""
+    from mtune.modules import gated_deltanet
+
+    assert gated_deltanet.recurrence_runs("cpu") == "the PyTorch chunked form"
+    monkeypatch.setattr(gated_deltanet, "_fla_rule", False)  # flash-linear-attention not importable
+    assert "pip install flash-linear-attention" in gated_deltanet.recurrence_runs("cuda")
+    monkeypatch.setattr(gated_deltanet, "_fla_rule", fla_contract)
+    assert gated_deltanet.recurrence_runs("cuda") == "flash-linear-attention's chunk_gated_delta_rule"

@@ -49,15 +49,18 @@ class AttentionKernel(MemoryTechnique):
         return []
 
     def on_model(self, model: Any, s: AttentionKernelSettings, memory: Any, placement: Any) -> None:
+        from mtune.modules.gated_deltanet import GatedDeltaNet, recurrence_runs
         from mtune.modules.packed_attention import kernel_for
 
         model.attention_kernel = s.attention_kernel
+        param = next(model.parameters())
+        device = placement.compute if placement is not None else param.device
         if s.attention_kernel != "dense_mask":
-            param = next(model.parameters())
-            device = placement.compute if placement is not None else param.device
             runs = kernel_for(device, param.dtype, model.args.sliding_window)
             log.info("attention_kernel=%s: packed rows%s run %s on %s", s.attention_kernel,
                      " over 256 tokens" if s.attention_kernel == "auto" else "", runs, device)
+        if any(isinstance(m, GatedDeltaNet) for m in model.modules()):  # linear attention has kernels of its own
+            log.info("Gated DeltaNet layers: the recurrence runs %s on %s", recurrence_runs(device), device)
 
 
 ATTENTION_KERNEL = AttentionKernel()
