@@ -99,6 +99,7 @@ class Case:
     needs: tuple[str, ...] = ()  # config keys the case sets that other work is adding: pending until they exist
     pending: str = ""  # what the case waits for, said when it is skipped
     fla: bool = False  # run with flash-linear-attention importable (--fla-path): Gated DeltaNet on its kernels
+    env: tuple[tuple[str, str], ...] = ()  # environment of the case's process (e.g. TORCH_LOGS for its log)
     device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
     minutes: float = 1.0  # GPU minutes the case is expected to take (machine start excluded)
 
@@ -108,6 +109,7 @@ def _model(family: str, size: str) -> tuple[str, ...]:
 
 
 L1B, L3B, L8B = _model("llama3_2", "1B"), _model("llama3_2", "3B"), _model("llama3_1", "8B")
+COMPILE_LOGS = (("TORCH_LOGS", "graph_breaks,recompiles"),)  # what dynamo split and recompiled, into the case's log
 LORA_RUN = ("gradient_accumulation_steps=1", "clip_grad_norm=null")
 
 CASES: list[Case] = [
@@ -120,7 +122,7 @@ CASES: list[Case] = [
          minutes=2.5),
     Case("llama3_1_8B_qlora_compiled_packed4096", 1, "llama3_1/8B_qlora_single_device", "lora_single_device",
          "8B QLoRA (NF4 base), compiled, packed 4096 x 2", L8B + LORA_RUN, compile=True, batch_size=2,
-         seq_len=4096, minutes=3.0),
+         seq_len=4096, env=COMPILE_LOGS, minutes=3.0),
     Case("llama3_1_8B_full_low_memory", 2, "llama3_1/8B_full_single_device_low_memory", "full_single_device",
          "8B full, low-memory flags (paged AdamW8bit in backward, checkpointing), packed 2048 x 2", L8B,
          batch_size=2, minutes=2.0),
@@ -186,15 +188,15 @@ CASES: list[Case] = [
     Case("llama3_1_8B_qlora_compiled_no_checkpointing", 8, "llama3_1/8B_qlora_single_device", "lora_single_device",
          "8B QLoRA, compiled, activation checkpointing off, packed 4096 x 2",
          L8B + LORA_RUN + ("enable_activation_checkpointing=false",), compile=True, batch_size=2, seq_len=4096,
-         steps=4, minutes=1.0),
+         steps=4, env=COMPILE_LOGS, minutes=1.0),
     Case("llama3_1_8B_qlora_compiled_dense_mask", 8, "llama3_1/8B_qlora_single_device", "lora_single_device",
          "8B QLoRA, compiled, attention_kernel=dense_mask (no graph break in the block), packed 4096 x 2",
          L8B + LORA_RUN + ("attention_kernel=dense_mask",), compile=True, batch_size=2, seq_len=4096, steps=4,
-         minutes=1.0),
+         env=COMPILE_LOGS, minutes=1.0),
     Case("llama3_1_8B_lora_compiled_dense_mask", 8, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, compiled, attention_kernel=dense_mask, packed 4096 x 2 (the varlen kernel's gain, against part 1)",
          L8B + LORA_RUN + ("attention_kernel=dense_mask",), compile=True, batch_size=2, seq_len=4096, steps=4,
-         minutes=1.0),
+         env=COMPILE_LOGS, minutes=1.0),
     # ---- part 9: the 2025-2026 families (random weights by family and size, as above)
     Case("qwen3_8B_lora_compiled_packed4096", 9, "qwen3/8B_lora_single_device", "lora_single_device",
          "Qwen3 8B LoRA, compiled, packed 4096 x 2", _model("qwen3", "8B") + LORA_RUN, compile=True,
@@ -701,7 +703,7 @@ def run_in_subprocess(case: Case, *, dry_run: bool, workdir: Path, args) -> dict
         if getattr(args, flag):
             command += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     command += ["--context-lengths", *map(str, args.context_lengths)]
-    env = dict(os.environ)
+    env = {**os.environ, **dict(case.env)}
     if case.fla:  # the kernels importable for this case only: its twin without them runs the PyTorch form
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.fla_path, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
