@@ -20,7 +20,8 @@ lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
   the parameters ``plan_configs.json`` counts) and the low-memory full fine-tune's planned allocator peak against
   torchtune's published 18.9 GiB (cited in the script).
 - ``derived_gpu_suite.json``: tokens/s quotients of GPU-suite case pairs (compiled over eager, QLoRA over LoRA) and
-  each case's allocator margin (reserved - allocated) and memory beyond the allocator (``gpu_suite_figures``).
+  each case's allocator margin (reserved - allocated) and memory beyond the allocator, the CUDA context, and the
+  paged optimizer states measured against their plan (``gpu_suite_figures``).
 
     python benchmarks/derived_figures.py     # about a second
 """
@@ -28,6 +29,7 @@ lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -137,6 +139,11 @@ GPU_PAIRS = {
 }
 
 
+PAGED_CASES = ("llama3_1_8B_full_low_memory", "llama3_1_8B_full_paged_adamw8bit")
+"""GPU-suite cases whose optimizer states are paged (bitsandbytes' managed memory): their plan's host figure is the
+paged states, which live on the card beside the allocator."""
+
+
 def gpu_suite_figures() -> dict:
     """docs/benchmarks.md's arithmetic on ``gpu_suite.json`` (the latest ``ok`` row of each case on each GPU):
     tokens/s quotients of case pairs (:data:`GPU_PAIRS`), and per case the allocator's margin (max reserved - max
@@ -155,7 +162,17 @@ def gpu_suite_figures() -> dict:
                for (gpu, case), r in latest.items()
                if r.get("kind", "run") == "run" and r.get("max_reserved_gib") is not None]
     # head-to-head rows are left out: their allocated peak was read at the end of the run, after mtune's last reset
-    return {"tokens_per_s_pairs": pairs, "allocator_margins": margins}
+    # the CUDA context: what the card holds beyond the allocator on rows that plan nothing off the allocator
+    plain = [r["device_used_gib"] - r["max_reserved_gib"] for r in latest.values()
+             if r.get("kind", "run") == "run" and r.get("device_used_gib") is not None and not r.get("planned_host_gib")]
+    context = statistics.median(plain) if plain else None
+    managed = [{"name": case, "gpu_name": gpu, "context_gib": context,
+                "measured_managed_gib": r["device_used_gib"] - r["max_reserved_gib"] - context,
+                "planned_managed_gib": r["planned_host_gib"],
+                "plan_error": r["planned_host_gib"] / (r["device_used_gib"] - r["max_reserved_gib"] - context) - 1}
+               for (gpu, case), r in latest.items() if case in PAGED_CASES and context is not None]
+    return {"tokens_per_s_pairs": pairs, "allocator_margins": margins, "cuda_context_gib": context,
+            "paged_states": managed}
 
 
 def main(out_dir: Path = RESULTS) -> None:

@@ -52,3 +52,18 @@ def test_gpu_suite_pairs_and_margins_from_the_rows():
     full = rows["llama3_1_8B_full_compiled"]
     (margin,) = [m for m in figures["allocator_margins"] if m["name"] == "llama3_1_8B_full_compiled"]
     assert margin["reserved_minus_allocated_gib"] == full["max_reserved_gib"] - full["max_allocated_gib"]
+
+
+def test_paged_states_are_the_cards_use_less_the_allocator_and_the_context():
+    # independent read: the context as the median of used - reserved on rows that plan nothing off the allocator
+    import statistics
+
+    rows = [r for r in json.loads((RESULTS / "gpu_suite.json").read_text())["rows"]
+            if r["status"] == "ok" and r.get("kind") == "run"]
+    context = statistics.median(r["device_used_gib"] - r["max_reserved_gib"] for r in rows if not r["planned_host_gib"])
+    (paged,) = [r for r in rows if r["case"] == "llama3_1_8B_full_paged_adamw8bit"]
+    figures = _script().gpu_suite_figures()
+    (record,) = [m for m in figures["paged_states"] if m["name"] == "llama3_1_8B_full_paged_adamw8bit"]
+    assert figures["cuda_context_gib"] == context
+    assert record["measured_managed_gib"] == paged["device_used_gib"] - paged["max_reserved_gib"] - context
+    assert record["plan_error"] == paged["planned_host_gib"] / record["measured_managed_gib"] - 1
