@@ -49,6 +49,7 @@ KNOWN = {
     ("gemma4", "E2B"): 4_628_569_379,
     ("gemma4", "E4B"): 7_463_013_418,
     ("gemma4", "31B"): 30_697_345_340,
+    ("gemma4", "26B_A4B"): 25_233_141_790,  # the mixture of experts (the card's 25.2B total, 3.8B active)
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
