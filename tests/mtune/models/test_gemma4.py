@@ -111,6 +111,24 @@ def test_moe_checkpoint_loads_with_its_logits_and_saves_its_experts_fused(tmp_pa
         load_hf_checkpoint_sharded(build_model("gemma4", "tiny_moe"), checkpoint, dtype=torch.float32, device="cpu")
 
 
+def test_moe_expert_adapters_merge_into_the_fused_checkpoint(tmp_path):
+    """Adapters on the experts (and q_proj), read back from their PEFT directory, merged into the transformers-saved
+    checkpoint whose experts are fused: transformers' model of the merged checkpoint gives the LoRA model's logits
+    (the recipe's merge from the live model: test_packed_lora_run... below). Mutation seen failing: the gate and up
+    halves of gate_up_proj swapped in the merge."""
+    from mtune.training.checkpointing.merge import save_merged_model
+    from mtune.training.checkpointing.peft import save_peft_adapter
+    from tests._helpers.lora import trained_lora_model
+
+    checkpoint = write_tiny_hf_model(tmp_path, "gemma4_moe")
+    modules = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    model = trained_lora_model(checkpoint, modules=modules)
+    ours = logits(model)
+    save_peft_adapter(model, tmp_path / "adapter", lora_cfg(modules=modules))
+    merged = save_merged_model(checkpoint, tmp_path / "adapter", tmp_path / "merged")  # the live model's: the recipe
+    assert (logits(load_hf_model(merged)) - ours).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
 def test_gradients_of_a_step_match_transformers(family):
     """Every parameter's gradient within 1e-5 relative (the shared layers' queries reach back into the keys and
@@ -179,6 +197,22 @@ def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, 
     assert_peft_loads_the_adapter(model, lora, checkpoint, tmp_path / "adapter", TOKENS)
 
 
+def test_flops_count_the_dense_mlp_the_router_and_top_k_experts():
+    """tiny_moe's forward FLOPs per token, counted by hand: per sliding layer q/k/v/o (256, 128, 128 wide on 256;
+    o 256 -> 256) and attention over 16 keys with 4 heads of 64, per global layer q (512) and k (128, the values too)
+    and o (512 -> 256) with heads of 128; in every layer the dense MLP (3 x 256 x 512), the router (8 x 256) and 2
+    experts of three 128 x 256 projections; then the output head. Mutation seen failing: the experts left out (the
+    dense MLP alone counted, as before the MoE block)."""
+    from mtune.training.observe.flops import flops_per_token
+
+    linear = lambda i, o: 2 * i * o  # noqa: E731
+    sliding = linear(256, 256) + 2 * linear(256, 128) + linear(256, 256) + 4 * 16 * 4 * 64
+    full = linear(256, 512) + linear(256, 128) + linear(512, 256) + 4 * 16 * 4 * 128
+    mlps = 3 * linear(256, 512) + linear(256, 8) + 2 * 3 * linear(256, 128)
+    expected = 2 * (sliding + full) + 4 * mlps + linear(256, 512)
+    assert flops_per_token(build_model("gemma4", "tiny_moe"), 16).forward == expected
+
+
 def test_generation_with_a_kv_cache_is_refused_in_one_line():
     model = build_model("gemma4", "tiny", device="cpu")
     with pytest.raises(NotImplementedError, match="^generation with a KV cache is not supported for gemma4"):
@@ -213,10 +247,12 @@ def test_named_size_builds_as_transformers_builds_it(size):
     assert {k: v for k, v in ours.items() if not k.endswith("layer_scalar")} == theirs
 
 
-def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path):
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(family, tmp_path):
     """Through the recipe: packed rows, the checkpoint's own Gemma 4 tokenizer.json and chat format, the loss
     falling; `mtune plan` gives the tracked peak within 0.1% (per-layer tables, shared keys and values, the
-    soft-capped chunked loss included) and the parameters, gradients and optimizer state to the byte."""
+    soft-capped chunked loss included; for the MoE shape the experts beside the dense MLP, their gate_proj adapters
+    and the routed rows) and the parameters, gradients and optimizer state to the byte."""
     from mtune._cli.catalog import find_recipe, load_recipe_module
     from mtune._cli.run import load_and_check
     from mtune.training.planning.plan import plan_memory
@@ -224,7 +260,7 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path
     from tests._helpers.tokenizers import write_tokenizer_files
 
     vocab = write_tokenizer_files(tmp_path / "tok", "gemma4")
-    checkpoint = write_tiny_hf_model(tmp_path, "gemma4", vocab_size=vocab, bos_token_id=vocab - 3,
+    checkpoint = write_tiny_hf_model(tmp_path, family, vocab_size=vocab, bos_token_id=vocab - 3,
                                      eos_token_id=vocab - 4)
     write_tokenizer_files(checkpoint, "gemma4")
     overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
