@@ -42,17 +42,12 @@ FLAG_SETS = _flag_sets()
 
 def shipped_on_tiny(config: str):
     """``(recipe module, overrides, cfg)``: the shipped ``config`` on its family's tiny model (random weights, a
-    CUDA target, rows of 64 tokens): ``tiny_moe`` for a mixture-of-experts size (``26B_A4B``) where the family has
-    one (Gemma 4, whose dense tiny has no experts), else ``tiny``."""
-    from mtune.models import FAMILIES
-
+    CUDA target, rows of 64 tokens)."""
     family = config.split("/")[0]
-    moe = "_A" in config.split("/")[-1] and "tiny_moe" in FAMILIES.get(family, (None, {}))[1]
-    size = "tiny_moe" if moe else "tiny"
     text = (REPO / "recipes" / "configs" / f"{config}.yaml").read_text()
     recipe = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("recipe:"))
     overrides = ["device=cuda", "tokenizer.path=null", "tokenizer.max_seq_len=64"]
     if family != "tiny":
-        overrides += ["model.checkpoint_dir=null", f"model.family={family}", f"model.size={size}"]
+        overrides += ["model.checkpoint_dir=null", f"model.family={family}", "model.size=tiny"]
     module = load_recipe_module(find_recipe(recipe))
     return module, overrides, load_and_check(module, find_config(config), overrides)
