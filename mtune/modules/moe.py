@@ -46,7 +46,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from mtune.modules.expert_linear import ExpertLinear
 
-__all__ = ["EXPERT_COMPUTE", "Experts", "MoE", "Router", "balanced_counts", "load_balancing_loss", "router_aux_loss"]
+__all__ = ["EXPERT_COMPUTE", "Experts", "MoE", "Router", "balanced_counts", "dispatch", "load_balancing_loss",
+           "router_aux_loss", "use_grouped"]
 
 EXPERT_COMPUTE = ("auto", "grouped", "loop")
 
@@ -91,11 +92,17 @@ class Experts(nn.Module):
         dim, hidden_dim: each expert's width and intermediate width (``moe_intermediate_size``).
         activation: the gate's activation (SiLU: SwiGLU).
         bias: the projections carry biases (gpt-oss).
+        fused_checkpoint: the checkpoint holds the experts as transformers 5's modules do, two whole tensors
+            ``experts.gate_up_proj [n_experts, 2 * hidden_dim, dim]`` (gate rows first) and ``experts.down_proj
+            [n_experts, dim, hidden_dim]`` (Gemma 4 on the hub), rather than one key per expert and projection
+            (``experts.{e}.gate_proj.weight``: Qwen3-MoE, Qwen3.5-MoE); loading splits, saving fuses
+            (``mtune.training.checkpointing.placing``).
     """
 
-    def __init__(self, n_experts: int, dim: int, hidden_dim: int, activation: Callable = F.silu, bias: bool = False):
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, activation: Callable = F.silu, bias: bool = False,
+                 fused_checkpoint: bool = False):
         super().__init__()
-        self.n_experts, self.activation = n_experts, activation
+        self.n_experts, self.activation, self.fused_checkpoint = n_experts, activation, fused_checkpoint
         self.gate_proj = ExpertLinear(n_experts, dim, hidden_dim, bias)
         self.up_proj = ExpertLinear(n_experts, dim, hidden_dim, bias)
         self.down_proj = ExpertLinear(n_experts, hidden_dim, dim, bias)
@@ -202,15 +209,7 @@ class MoE(nn.Module):
         self.router_logits: torch.Tensor | None = None
 
     def _grouped(self, x: torch.Tensor) -> bool:
-        if self.expert_compute not in EXPERT_COMPUTE:
-            raise ValueError(f"expert_compute={self.expert_compute!r}: use one of {EXPERT_COMPUTE}")
-        if self.expert_compute == "loop":
-            return False
-        can = self.experts.can_group(x)
-        if self.expert_compute == "grouped" and not can:
-            raise ValueError("expert_compute='grouped' needs frozen, unbiased, plain (no adapter, no NF4) experts "
-                             "with 16-byte aligned widths: use 'auto' or 'loop'")
-        return can and (self.expert_compute == "grouped" or x.dtype == torch.bfloat16)
+        return use_grouped(self.experts, x, self.expert_compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [b, s, dim]`` -> ``[b, s, dim]`` in ``x``'s dtype."""
@@ -218,20 +217,43 @@ class MoE(nn.Module):
         logits, weights, experts = self.gate(flat)
         if self.aux_loss_coef > 0:
             self.router_logits = logits
-        chosen = experts.flatten()  # [tokens * top_k]: token t's k-th expert at t * top_k + k
-        order = torch.argsort(chosen, stable=True)
-        token = order // self.top_k
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, chosen, torch.ones_like(chosen))
-        routed = self.experts(flat[token], counts, self._grouped(flat))  # tokens * top_k rows, by expert
-        routed = routed * weights.flatten()[order, None]
-        out = torch.zeros_like(flat).index_add_(0, token, routed)
+        out = dispatch(self.experts, flat, weights, experts, self._grouped(flat))
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         return out.view(x.shape)
+
+
+def use_grouped(experts: Experts, x: torch.Tensor, expert_compute: str) -> bool:
+    """Whether ``expert_compute`` (``auto``, ``grouped`` or ``loop``) runs ``experts`` on rows like ``x`` grouped;
+    ValueError for an unknown choice, or ``grouped`` where it cannot run."""
+    if expert_compute not in EXPERT_COMPUTE:
+        raise ValueError(f"expert_compute={expert_compute!r}: use one of {EXPERT_COMPUTE}")
+    if expert_compute == "loop":
+        return False
+    can = experts.can_group(x)
+    if expert_compute == "grouped" and not can:
+        raise ValueError("expert_compute='grouped' needs frozen, unbiased, plain (no adapter, no NF4) experts "
+                         "with 16-byte aligned widths: use 'auto' or 'loop'")
+    return can and (expert_compute == "grouped" or x.dtype == torch.bfloat16)
+
+
+def dispatch(experts: Experts, flat: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+             grouped: bool) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{chosen[t, k]}(flat[t])`` for every token ``t``: ``flat [tokens, dim]``,
+    ``weights`` and ``chosen`` ``[tokens, top_k]`` (a router's output) -> ``[tokens, dim]`` in ``flat``'s dtype.
+    The ``tokens * top_k`` (token, expert) pairs are sorted by expert, run, weighted and scattered back."""
+    top_k = chosen.shape[-1]
+    chosen = chosen.flatten()  # [tokens * top_k]: token t's k-th expert at t * top_k + k
+    order = torch.argsort(chosen, stable=True)
+    token = order // top_k
+    counts = torch.zeros(experts.n_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen))
+    routed = experts(flat[token], counts, grouped)  # tokens * top_k rows, by expert
+    routed = routed * weights.flatten()[order, None]
+    return torch.zeros_like(flat).index_add_(0, token, routed)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], n_experts: int, top_k: int) -> torch.Tensor:

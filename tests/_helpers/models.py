@@ -52,6 +52,15 @@ FAMILY_CONFIGS = {
                                         hidden_size_per_layer_input=128, vocab_size_per_layer_input=512,
                                         num_kv_shared_layers=2, use_double_wide_mlp=True,
                                         final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0)),
+    # Gemma 4 26B-A4B's block (mtune's gemma4 tiny_moe size): 4 layers (sliding, global) x 2, window 8, global heads
+    # of 128 over 1 KV head with keys as values; a dense MLP of 512 beside 8 experts of 128, 2 per token; no per-layer
+    # inputs or shared KV; logits soft-capped at 30
+    "gemma4_moe": ("Gemma4TextConfig", dict(rms_norm_eps=1e-6, num_hidden_layers=4, sliding_window=8,
+                                            layer_types=["sliding_attention", "full_attention"] * 2,
+                                            global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                            hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=8,
+                                            top_k_experts=2, moe_intermediate_size=128, final_logit_softcapping=30.0,
+                                            tie_word_embeddings=True, pad_token_id=0)),
     # 8 experts of 128 (NF4-friendly projections), 2 per token, renormalised as in every published Qwen3-MoE;
     # Qwen3's tiny attention.
     "qwen3_moe": ("Qwen3MoeConfig", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
@@ -91,11 +100,14 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.normal_(unit(name) if name.endswith("norm.weight") else 0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
+            norm = name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight"))  # Gemma 4 MoE's _1 / _2 too
+            if norm or name.endswith(".bias"):
+                param.normal_(unit(name) if norm else 0.0, 0.1)
+            elif name.endswith(("mlp.gate.weight", "router.proj.weight")):
                 param.normal_(0.0, 0.5)  # transformers starts routers at zero: every expert tied
-        if family == "gemma4":
+            elif name.endswith(("router.scale", "router.per_expert_scale")):
+                param.uniform_(0.5, 1.5)  # Gemma 4's router scales, ones at the start
+        if family.startswith("gemma4"):
             # Gemma 4 leaves scores unscaled (queries and keys are normed): norm weights near 1 give random heads
             # scores of +-60, where fp32 round-off alone moves transformers' own eager and SDPA logits 5e-5 apart;
             # scaled by 0.3 they agree to 2.4e-6 (and mtune's logits are 1.8e-6 from either)
@@ -124,8 +136,10 @@ def write_tiny_hf_model(
 
 
 def mtune_twin(hf_model, family, **overrides):
-    """The mtune tiny model of ``family`` (``overrides`` of its arguments) holding ``hf_model``'s weights."""
-    model = build_model(family, "tiny", device="cpu", **overrides)
+    """The mtune tiny model of ``family`` (``overrides`` of its arguments; ``gemma4_moe``: gemma4's ``tiny_moe``)
+    holding ``hf_model``'s weights."""
+    family, size = {"gemma4_moe": ("gemma4", "tiny_moe")}.get(family, (family, "tiny"))
+    model = build_model(family, size, device="cpu", **overrides)
     state = stacked_expert_state({k.removeprefix("model."): v for k, v in hf_model.state_dict().items()})
     if model.args.tie_embeddings:
         state.pop("lm_head.weight", None)
@@ -136,18 +150,47 @@ def mtune_twin(hf_model, family, **overrides):
 
 def stacked_expert_state(state: dict) -> dict:
     """A transformers 5 state dict with fused experts (``mlp.experts.gate_up_proj [E, 2h, d]``, ``down_proj [E, d,
-    h]``) in mtune's stacked layout (``mlp.experts.{gate,up}_proj.weight [E, h, d]``, ``down_proj.weight [E, d,
-    h]``); other keys unchanged."""
+    h]``; Gemma 4's ``experts.*``) in mtune's stacked layout (``mlp.experts.{gate,up}_proj.weight [E, h, d]``,
+    ``down_proj.weight [E, d, h]``); other keys unchanged."""
     out = {}
     for key, value in state.items():
         prefix, _, leaf = key.rpartition(".")
-        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+        if not prefix.endswith("experts") or leaf not in ("gate_up_proj", "down_proj"):
             out[key] = value
         elif leaf == "down_proj":
             out[f"{prefix}.down_proj.weight"] = value
         else:
             out[f"{prefix}.gate_proj.weight"], out[f"{prefix}.up_proj.weight"] = value.chunk(2, dim=1)
     return out
+
+
+def tiny_gemma4_multimodal(text_family: str = "gemma4", seed: int = 0):
+    """A seeded random transformers ``Gemma4ForConditionalGeneration`` (the hub's layout: the text model under
+    ``model.language_model.``, one-layer vision and audio towers beside it) whose text model is ``text_family``'s
+    tiny config, with random norm weights in the text model, in eval mode."""
+    import transformers
+
+    gemma4 = transformers.models.gemma4
+    vision = gemma4.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=4,
+                                       position_embedding_size=64)
+    audio = gemma4.Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     subsampling_conv_channels=[8, 4], output_proj_dims=32)
+    config = gemma4.Gemma4Config(text_config=tiny_hf_config(text_family).to_dict(), vision_config=vision.to_dict(),
+                                 audio_config=audio.to_dict(), boi_token_id=505, eoi_token_id=506,
+                                 image_token_id=507, video_token_id=508, boa_token_id=509, eoa_token_index=510,
+                                 audio_token_id=511)
+    torch.manual_seed(seed)
+    multimodal = gemma4.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in multimodal.named_parameters():
+            if "language_model" not in name:
+                continue
+            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")):
+                param.normal_(0.3 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0, 0.03)
+            elif name.endswith("router.proj.weight"):
+                param.normal_(0.0, 0.5)  # routing that depends on the token (transformers starts it near zero)
+    return multimodal
 
 
 def load_hf_model(path):

@@ -414,8 +414,9 @@ def test_plan_before_download_plans_the_named_size_and_says_so(capsys, tmp_path)
                            "llama3_2 1B from its named size, read from the name of model.checkpoint_dir")
     from mtune._cli.plan import named_size
 
-    assert [named_size(n) for n in ("Qwen3.5-0.8B", "Qwen3.5-35B-A3B", "Qwen3-30B-A3B")] == [
-        ("qwen3_5", "0.8B"), ("qwen3_5", "35B_A3B"), ("qwen3_moe", "30B_A3B")]
+    names = ("Qwen3.5-0.8B", "Qwen3.5-35B-A3B", "Qwen3-30B-A3B", "gemma-4-26B-A4B-it", "gemma-4-E2B-it")
+    assert [named_size(n) for n in names] == [("qwen3_5", "0.8B"), ("qwen3_5", "35B_A3B"), ("qwen3_moe", "30B_A3B"),
+                                              ("gemma4", "26B_A4B"), ("gemma4", "E2B")]
     cfg = load_config(config, [f"model.checkpoint_dir={tmp_path / 'elsewhere'}"])  # the header's repo id
     assert "read from the repo id meta-llama/Llama-3.2-1B-Instruct in the config's header" in plan_without_download(
         cfg, config)

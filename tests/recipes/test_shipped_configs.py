@@ -65,11 +65,14 @@ CHECKPOINTS = {
     # Qwen3.5-MoE: rank-8 LoRA on the attention and DeltaNet linears (PEFT on transformers' meta
     # Qwen3_5MoeForCausalLM of the default text config, 35B-A3B's)
     "Qwen3.5-35B-A3B": ("qwen3_5", "35B_A3B", 34_660_610_688, 7_127_040),
+    "Qwen3.5-122B-A10B": ("qwen3_5", "122B_A10B", 122_111_526_912, 14_548_992),  # its hub text config
     # Gemma 4's text models (one frozen scalar a layer beside transformers' count; per-layer input tables included);
     # PEFT's count from get_peft_model on transformers' Gemma4ForCausalLM (meta) of the same text config
     "gemma-4-E2B-it": ("gemma4", "E2B", 4_628_569_379, 12_079_104),
     "gemma-4-E4B-it": ("gemma4", "E4B", 7_463_013_418, 17_440_768),
     "gemma-4-31B-it": ("gemma4", "31B", 30_697_345_340, 61_214_720),
+    # 26B-A4B: rank-8 LoRA on attention only (the global layers have no v_proj: keys as values)
+    "gemma-4-26B-A4B-it": ("gemma4", "26B_A4B", 25_233_141_790, 5_744_640),
     # Qwen3-MoE: rank-8 LoRA on attention only (PEFT on transformers' meta model of the hub config.json)
     "Qwen3-30B-A3B": ("qwen3_moe", "30B_A3B", 30_532_122_624, 6_684_672),
 }
@@ -78,7 +81,9 @@ ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
            "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
            "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                        "up_proj", "down_proj"],
-           "qwen3_5/35B_A3B": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"]}
+           "qwen3_5/35B_A3B": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"],
+           "qwen3_5/122B_A10B": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"],
+           "gemma4/26B_A4B": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 SINGLE_DEVICE_SIZES = {"llama3_2": ["1B", "3B"], "llama3_1": ["8B"], "qwen2_5": ["0.5B", "1.5B", "7B"],
                        "mistral": ["7B"], "llama2": ["7B"]}
@@ -88,7 +93,7 @@ PREFERENCE = {"llama3_1/8B_lora_dpo_single_device", "llama3_1/8B_full_dpo_distri
               "tiny/lora_dpo_distributed", "tiny/full_dpo_distributed"}
 DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "llama3_1/70B_lora_distributed",
                "llama3_1/70B_qlora_distributed", "qwen2_5/7B_lora_distributed", "qwen3/32B_lora_distributed",
-               "qwen3_moe/30B_A3B_lora_distributed"}
+               "qwen3_moe/30B_A3B_lora_distributed", "qwen3_5/122B_A10B_lora_distributed"}
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
                       "gemma3": ["1B", "4B", "12B", "27B"],  # LoRA and QLoRA, no full single-device
                       "qwen3_moe": ["30B_A3B"], "gemma4": ["E2B", "E4B", "31B"],
@@ -101,7 +106,7 @@ EXPECTED = (
     | {f"{family}/{size}_full_single_device_low_memory" for family, size in LOW_MEMORY.items()}
     | DISTRIBUTED
     | PREFERENCE
-    | {"phi4/mini_lora_single_device"}
+    | {"phi4/mini_lora_single_device", "gemma4/26B_A4B_qlora_single_device"}
 )
 TRAINING_RECIPES = {"full_single_device", "lora_single_device", "full_distributed", "lora_distributed",
                     "lora_dpo_single_device", "full_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"}
@@ -198,13 +203,18 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         assert all(type(model.get_submodule(n)) is frozen_type for n in per_layer), name
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept | per_layer
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
-        if family == "qwen3_moe" or size == "35B_A3B":
-            # attention (and DeltaNet) adapted; experts frozen (NF4 under QLoRA); routers as they are
+        moe = {"qwen3_moe": (48, 128), "35B_A3B": (40, 256), "122B_A10B": (48, 256), "26B_A4B": (30, 128)}
+        if family in moe or size in moe:
+            # attention (and DeltaNet) adapted; experts frozen (NF4 under QLoRA); routers as they are; Gemma 4's
+            # dense MLPs beside the experts frozen too (NF4 under QLoRA)
             experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith("_proj")]
-            layers, n_experts = (48, 128) if family == "qwen3_moe" else (40, 256)
+            layers, n_experts = moe.get(family) or moe[size]
             assert len(experts) == layers * 3, name
             assert all(type(m) is ExpertLinear and m.n_experts == n_experts for m in experts), name
             assert all(m.nf4 == bool(lora.quantize_base) for m in experts), name
+            dense = [m for n, m in model.named_modules()  # the shared expert, or Gemma 4's dense MLP beside
+                     if ".mlp." in n and n.endswith("_proj") and ".experts." not in n]
+            assert all(type(m) is frozen_type for m in dense), name
             continue
         assert all(isinstance(m, LoRALinear) for m in block_linears), name  # all of them are adapted
         assert all(m.quantize_base == bool(lora.quantize_base) for m in block_linears), name

@@ -1,4 +1,4 @@
-"""Gemma 4 text, dense sizes (Google, April 2026): Gemma 3's decoder (four norms a block, GELU-tanh MLP, embeddings
+"""Gemma 4 text (Google, April 2026): Gemma 3's decoder (four norms a block, GELU-tanh MLP, embeddings
 scaled by ``sqrt(dim)``, tied head, sliding and global ``layer_types``) with these differences:
 
 - plain-weight fp32 RMSNorms; queries, keys and values all normed, so scores are unscaled;
@@ -8,7 +8,11 @@ scaled by ``sqrt(dim)``, tied head, sliding and global ``layer_types``) with the
 - per-layer input embeddings (E2B, E4B: ``hidden_size_per_layer_input``), a third residual branch per block;
 - the last ``num_kv_shared_layers`` layers reuse the keys and values of the last earlier layer of their kind, and
   with ``use_double_wide_mlp`` have MLPs twice as wide;
-- a scalar per layer, and final-logit soft-capping.
+- a scalar per layer, and final-logit soft-capping;
+- in the mixture-of-experts size (26B-A4B, ``enable_moe_block``), every block runs ``n_experts`` GELU-tanh experts
+  (``top_k`` per token) beside its dense MLP, each branch with its own norms, routed by a
+  :class:`~mtune.modules.per_layer_block.ScaledRouter` (:class:`~mtune.modules.per_layer_block.PerLayerInputMoEBlock`); the
+  checkpoints hold the experts fused (``experts.gate_up_proj``, ``experts.down_proj``), as transformers 5 does.
 """
 
 from dataclasses import dataclass, field
@@ -16,7 +20,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from mtune.modules.feed_forward import FeedForward, gelu_tanh
-from mtune.modules.per_layer_block import PerLayerInputBlock
+from mtune.modules.moe import Experts
+from mtune.modules.per_layer_block import PerLayerInputBlock, PerLayerInputMoEBlock, ScaledRouter
 from mtune.modules.per_layer_decoder import PerLayerInputDecoder
 from mtune.modules.rms_norm import FP32RMSNorm
 from mtune.modules.rotary import RotaryEmbedding
@@ -65,6 +70,12 @@ class Gemma4Args(DecoderArgs):
     double_wide_mlp: bool = False
     """``use_double_wide_mlp``: the KV-shared layers' MLPs are ``2 * intermediate_dim`` wide."""
     final_logit_softcap: float | None = 30.0
+    n_experts: int = 0
+    """Experts beside every block's dense MLP (``num_experts`` where ``enable_moe_block``); 0: a dense model."""
+    top_k: int = 8
+    """Experts per token (``top_k_experts``), their routing weights renormalised to sum to 1."""
+    moe_intermediate_dim: int = 704
+    """Each expert's intermediate width (``moe_intermediate_size``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,8 +124,12 @@ class Gemma4Args(DecoderArgs):
             attention = NormedKVAttention(self.dim, self.n_heads, n_kv, head_dim, self.norm_eps, window,
                                           keys_are_values=self.keys_are_values and not sliding)
         width = self.intermediate_dim * (2 if self.double_wide_mlp and shared else 1)
-        return PerLayerInputBlock(self.dim, self.norm_eps, attention, FeedForward(self.dim, width, gelu_tanh),
-                                  self.per_layer_dim)
+        mlp = FeedForward(self.dim, width, gelu_tanh)
+        if self.n_experts:
+            router = ScaledRouter(self.dim, self.n_experts, self.top_k, self.norm_eps)
+            experts = Experts(self.n_experts, self.dim, self.moe_intermediate_dim, gelu_tanh, fused_checkpoint=True)
+            return PerLayerInputMoEBlock(self.dim, self.norm_eps, attention, mlp, router, experts, self.per_layer_dim)
+        return PerLayerInputBlock(self.dim, self.norm_eps, attention, mlp, self.per_layer_dim)
 
 
 def _pattern(n_layers: int, every: int) -> list[str]:
@@ -133,6 +148,14 @@ GEMMA4_SIZES = {
                 n_kv_shared_layers=18),
     "31B": dict(dim=5376, n_layers=60, n_heads=32, n_kv_heads=16, intermediate_dim=21504, sliding_window=1024,
                 global_n_kv_heads=4, keys_are_values=True, max_seq_len=262144),
+    # 26B-A4B, the mixture of experts: 30 layers (global every 6th), hidden 2816, 16 heads of 256 over 8 KV heads,
+    # global heads of 512 over 2 KV heads with keys as values, a dense MLP of 2112 beside 128 experts of 704 (8 per
+    # token) in every layer, no per-layer inputs or KV sharing, a 1024-token window, 262144 positions, tied; from
+    # the text_config of google/gemma-4-26B-A4B's config.json (hub, April 2026; read from public repositories that
+    # quote it, as above).
+    "26B_A4B": dict(dim=2816, n_layers=30, n_heads=16, n_kv_heads=8, intermediate_dim=2112, sliding_window=1024,
+                    global_n_kv_heads=2, keys_are_values=True, max_seq_len=262144, n_experts=128, top_k=8,
+                    moe_intermediate_dim=704),
     # Every Gemma 4 difference in one NF4-friendly shape: 6 layers (sliding, global) x 3, the last two reusing the
     # keys and values of layers 2 and 3 with double-wide MLPs; global heads of 128 over 1 KV head with keys as
     # values; per-layer inputs of 128; a window of 8.
@@ -140,4 +163,9 @@ GEMMA4_SIZES = {
                  max_seq_len=512, sliding_window=8, layer_types=[SLIDING, FULL] * 3, global_head_dim=128,
                  global_n_kv_heads=1, keys_are_values=True, per_layer_dim=128, per_layer_vocab_size=512,
                  n_kv_shared_layers=2, double_wide_mlp=True),
+    # 26B-A4B's block in an NF4-friendly shape: 4 layers (sliding, global) x 2, global heads of 128 over 1 KV head with
+    # keys as values; a dense MLP of 512 beside 8 experts of 128 (each projection 128 x 256), 2 per token.
+    "tiny_moe": dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, intermediate_dim=512,
+                     max_seq_len=512, sliding_window=8, layer_types=[SLIDING, FULL] * 2, global_head_dim=128,
+                     global_n_kv_heads=1, keys_are_values=True, n_experts=8, top_k=2, moe_intermediate_dim=128),
 }

@@ -46,12 +46,17 @@ def _global_shape(c: dict, types: list[str]) -> tuple[int, int | None]:
 
 
 def gemma4_args(config: dict) -> Gemma4Args:
-    """The text model of a ``gemma4_text`` or ``gemma4`` config dict; a one-line ``ValueError`` for what mtune does
-    not implement (the MoE sizes, bidirectional attention, biases)."""
+    """The text model of a ``gemma4_text`` or ``gemma4`` config dict (the dense sizes and, with
+    ``enable_moe_block``, the mixture of experts); a one-line ``ValueError`` for what mtune does not implement
+    (bidirectional attention, biases)."""
     c = text_config(config)
+    moe = {}
     if c.get("enable_moe_block"):
-        raise ValueError("gemma4 with enable_moe_block=true (26B-A4B) is not supported yet; mtune loads the dense "
-                         "sizes (E2B, E4B, 31B)")
+        missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not c.get(k)]
+        if missing:
+            raise ValueError(f"gemma4 with enable_moe_block=true needs {', '.join(missing)}")
+        moe = dict(n_experts=c["num_experts"], top_k=c["top_k_experts"],
+                   moe_intermediate_dim=c["moe_intermediate_size"])
     if c.get("use_bidirectional_attention") or c.get("attention_bias"):
         raise ValueError("gemma4 with use_bidirectional_attention or attention_bias is not supported")
     act = c.get("hidden_activation")
@@ -70,6 +75,7 @@ def gemma4_args(config: dict) -> Gemma4Args:
     global_head_dim, global_kv = _global_shape(c, types)
     per_layer_dim = c.get("hidden_size_per_layer_input") or 0
     return Gemma4Args(
+        **moe,
         vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=n_layers, n_heads=c["num_attention_heads"],
         n_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], intermediate_dim=c["intermediate_size"],
         norm_eps=c["rms_norm_eps"], rope_theta=float(rope[FULL]["rope_theta"]),
@@ -80,6 +86,12 @@ def gemma4_args(config: dict) -> Gemma4Args:
         global_n_kv_heads=global_kv, keys_are_values=bool(c["attention_k_eq_v"]), per_layer_dim=per_layer_dim,
         per_layer_vocab_size=c["vocab_size_per_layer_input"], n_kv_shared_layers=c["num_kv_shared_layers"],
         double_wide_mlp=bool(c["use_double_wide_mlp"]), final_logit_softcap=c.get("final_logit_softcapping"))
+
+
+def gemma4_fused_experts(config: dict) -> bool:
+    """Whether the model has experts, which Gemma 4's checkpoints hold fused (``experts.gate_up_proj``,
+    ``experts.down_proj``: transformers 5's modules, no per-expert keys)."""
+    return bool(text_config(config).get("enable_moe_block"))
 
 
 def gemma4_hf_config(args: Gemma4Args, dtype: str) -> dict:
@@ -96,7 +108,9 @@ def gemma4_hf_config(args: Gemma4Args, dtype: str) -> dict:
         "num_global_key_value_heads": args.global_n_kv_heads, "attention_k_eq_v": args.keys_are_values,
         "hidden_size_per_layer_input": args.per_layer_dim, "vocab_size_per_layer_input": args.per_layer_vocab_size,
         "num_kv_shared_layers": args.n_kv_shared_layers, "use_double_wide_mlp": args.double_wide_mlp,
-        "enable_moe_block": False, "attention_bias": False,
+        "enable_moe_block": bool(args.n_experts), "num_experts": args.n_experts or None,
+        "top_k_experts": args.top_k if args.n_experts else None,
+        "moe_intermediate_size": args.moe_intermediate_dim if args.n_experts else None, "attention_bias": False,
         "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": args.rope_local_theta},
                             FULL: {"rope_type": "proportional", "rope_theta": args.rope_theta,
                                    "partial_rotary_factor": args.partial_rotary_factor}},

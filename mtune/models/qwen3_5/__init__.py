@@ -136,6 +136,11 @@ QWEN3_5_SIZES = {
     # config.json: Qwen3_5MoeForConditionalGeneration, text_config model_type qwen3_5_moe_text).
     "35B_A3B": dict(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2, intermediate_dim=512, n_experts=256, top_k=8,
                     moe_intermediate_dim=512, shared_expert_intermediate_dim=512),
+    # 122B-A10B (Qwen3.5-MoE): 48 layers (12 x (3 + 1)), hidden 3072, attention 32 / 2 KV heads, DeltaNet 64 value
+    # heads, 256 experts of 1024 with 8 per token and a shared expert of 1024 in every layer, not tied (the
+    # text_config of Qwen/Qwen3.5-122B-A10B's config.json, quoted by public code that reads it: no network here).
+    "122B_A10B": dict(dim=3072, n_layers=48, n_heads=32, n_kv_heads=2, intermediate_dim=1024, linear_n_v_heads=64,
+                      n_experts=256, top_k=8, moe_intermediate_dim=1024, shared_expert_intermediate_dim=1024),
     # NF4-friendly test shape: one block of each kind twice (linear, full, linear, full); 4 DeltaNet value heads of
     # 64 over 2 q/k heads, attention 4 heads of 64 over 2 KV heads, a quarter of each rotated.
     "tiny": dict(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, intermediate_dim=512,

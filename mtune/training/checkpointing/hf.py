@@ -17,11 +17,13 @@ from torch import nn
 
 from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
-from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config, text_model_key
+from mtune.models.hf_config import (
+    fused_experts_checkpoint, hf_config_from_model_args, model_args_from_hf_config, text_model_key,
+)
 from mtune.modules.expert_linear import per_expert, stacked_key
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
-from mtune.training.checkpointing.placing import held_names, place
+from mtune.training.checkpointing.placing import fuse_experts, fused_experts, held_names, held_shape, place
 from mtune.units import parse_bytes
 
 CONFIG_NAME = "config.json"
@@ -193,11 +195,12 @@ def load_hf_checkpoint(
     """
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
     arrived: dict[str, int] = {}  # experts of each stacked projection read so far
+    fused = fused_experts(model)
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
-                slot = None if name in expected else stacked_key(name)
-                want = tuple(expected[name].shape) if slot is None else tuple(expected[slot[0]].shape[1:])
+                slot = None if name in expected or name in fused else stacked_key(name)
+                want = held_shape(name, slot, expected, fused)
                 try:
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != want:
@@ -207,9 +210,9 @@ def load_hf_checkpoint(
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{path}: cannot read tensor {key} ({e})") from None
-                name, complete = place(model, name, slot, tensor, dtype, device, arrived)
+                whole = place(model, name, slot, tensor, dtype, device, arrived, fused)
                 del tensor
-                if after_tensor is not None and complete:
+                for name in whole if after_tensor is not None else ():
                     after_tensor(model.get_submodule(name.rpartition(".")[0]))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -265,13 +268,19 @@ def save_hf_checkpoint(
 
     max_bytes = parse_bytes(max_shard_size, "max_shard_size", message=_SHARD_SIZE_ERROR)
     writer, saved_dtype = ShardWriter(out, max_bytes), None
-    for name, tensor in items:
-        key = hf_key(name)
-        if tied and key == "lm_head.weight":
-            continue
-        tensor = tensor.detach()
-        if hasattr(tensor, "full_tensor"):  # a DTensor shard: gather it (every rank must call this)
-            tensor = tensor.full_tensor()
+
+    def gathered():
+        for name, tensor in items:
+            key = hf_key(name)
+            if tied and key == "lm_head.weight":
+                continue
+            tensor = tensor.detach()
+            if hasattr(tensor, "full_tensor"):  # a DTensor shard: gather it (every rank must call this)
+                tensor = tensor.full_tensor()
+            yield key, tensor
+
+    # experts the checkpoint holds fused (Gemma 4's) are written so; others one key per expert (per_expert below)
+    for key, tensor in fuse_experts(gathered()) if fused_experts_checkpoint(config) else gathered():
         if saved_dtype is None and tensor.is_floating_point():
             saved_dtype = tensor.dtype
         for key, piece in per_expert(key, tensor):  # the experts' stacked projections, one key per expert

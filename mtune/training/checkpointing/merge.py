@@ -16,6 +16,7 @@ Peak memory is the adapter plus one base tensor (plus whatever the writer buffer
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def merged_hf_weights(
     """
     layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
     listed = checkpoint_keys(base_dir)
-    missing = set(layers) - {k for keys in listed.values() for k in keys}
+    held = {k for keys in listed.values() for k in keys}
+    layers = _fused_expert_layers(layers, held)
+    missing = set(layers) - held
     if missing:
         raise CheckpointError(
             f"{base_dir}: the adapter adapts {sorted(missing)[0]} (and {len(missing) - 1} more), which the base "
@@ -70,12 +73,45 @@ def merged_hf_weights(
     return _stream(listed, layers, dtype)
 
 
+_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fused_expert_layers(layers: dict, held: set[str]) -> dict:
+    """``layers`` with the per-expert adapters of experts a checkpoint holds fused (Gemma 4's ``experts.gate_up_proj
+    [E, 2h, d]``, gate rows first, and ``experts.down_proj``: no per-expert keys) grouped under the fused key, as
+    ``{expert: {"gate" | "up" | "down": layer}}``; the others unchanged."""
+    out = {}
+    for key, layer in layers.items():
+        match = _EXPERT_WEIGHT.match(key)
+        fused = match and f"{match[1]}.{'down_proj' if match[3] == 'down' else 'gate_up_proj'}"
+        if match is None or key in held or fused not in held:
+            out[key] = layer
+        else:
+            out.setdefault(fused, {}).setdefault(int(match[2]), {})[match[3]] = layer
+    return out
+
+
+def _merge_fused(tensor: torch.Tensor, experts: dict, dtype) -> torch.Tensor:
+    """A fused experts tensor ``[E, rows, in]`` with each expert's adapters folded into its rows (gate: the first
+    half of ``gate_up_proj``'s, up: the second; down: all of ``down_proj``'s)."""
+    merged = tensor.to(dtype or tensor.dtype, copy=True)
+    half = tensor.shape[1] // 2
+    rows = {"gate": slice(0, half), "up": slice(half, None), "down": slice(None)}
+    for e, parts in experts.items():
+        for part, layer in parts.items():
+            merged[e, rows[part]] = merge_adapter(tensor[e, rows[part]], layer.a, layer.b, layer.scaling,
+                                                  layer.magnitude, dtype)
+    return merged
+
+
 def _stream(listed, layers, dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for path, keys in listed.items():
         with open_safetensors(path) as f:
             for key in keys:
                 tensor = f.get_tensor(key)
-                if key in layers:
+                if isinstance(layers.get(key), dict):
+                    tensor = _merge_fused(tensor, layers[key], dtype)
+                elif key in layers:
                     layer = layers[key]
                     if tuple(tensor.shape) != (layer.b.shape[0], layer.a.shape[1]):
                         raise CheckpointError(

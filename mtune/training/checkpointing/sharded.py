@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from mtune.modules.expert_linear import stacked_key
 from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
+from mtune.training.checkpointing.placing import fused_experts
 from mtune.training.shards import as_param_like, assign_tensors, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
@@ -50,6 +51,9 @@ def load_hf_checkpoint_sharded(
     """
     device = torch.device(device)
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
+    if fused := fused_experts(model):
+        raise CheckpointError(f"{checkpoint_dir}: experts held fused ({next(iter(fused))}, Gemma 4's layout) cannot be "
+                              "loaded into an FSDP2-sharded model yet: train on one device")
     loaded: dict[str, nn.Parameter | torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # this rank's experts of each stacked projection
     for path, entries in by_file.items():

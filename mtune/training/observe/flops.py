@@ -172,6 +172,11 @@ def _block(tally: _Tally, block: nn.Module, stream_grad: bool, seq_len: float, c
     x = h or _trains(block.post_attention_layernorm)
     mlp_start = tally.forward
     down = _moe(tally, mlp, x) if isinstance(mlp, MoE) else _mlp(tally, mlp, x)
+    if hasattr(block, "experts"):  # Gemma 4 26B-A4B's experts beside the dense MLP, routed on the same input
+        routed = _linear(tally, block.router.proj, x, "linear") or x
+        for _ in range(block.router.proj.top_k):
+            routed = _mlp(tally, block.experts, x) or routed
+        down = down or routed
     if hasattr(block, "per_layer_input_gate"):  # Gemma 4's third branch, fed by the stream and the layer's input
         gate = _linear(tally, block.per_layer_input_gate, h or down, "linear")
         down = _linear(tally, block.per_layer_projection, gate, "linear") or down

@@ -18,7 +18,8 @@ from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
 from tests._helpers.lora import assert_peft_loads_the_adapter, lora_cfg, lora_steps
 from tests._helpers.models import (
-    load_hf_model, logits_of, mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model,
+    load_hf_model, logits_of, mtune_twin, stacked_expert_state, tiny_gemma4_multimodal, tiny_hf_model,
+    write_tiny_hf_model,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -59,23 +60,12 @@ def test_hub_layout_reads_as_transformers_5_layout_and_is_what_mtune_saves(gemma
     assert (logits(load_hf_model(out)) - logits(model)).abs().max().item() <= 1e-5
 
 
-def test_multimodal_checkpoint_loads_its_text_tower_and_saves_it_text_only(tmp_path, caplog):
-    gemma4 = transformers.models.gemma4
-    vision = gemma4.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=4,
-                                       position_embedding_size=64)
-    audio = gemma4.Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     subsampling_conv_channels=[8, 4], output_proj_dims=32)
-    config = gemma4.Gemma4Config(text_config=tiny_hf_config("gemma4").to_dict(), vision_config=vision.to_dict(),
-                                 audio_config=audio.to_dict(), boi_token_id=505, eoi_token_id=506,
-                                 image_token_id=507, video_token_id=508, boa_token_id=509, eoa_token_index=510,
-                                 audio_token_id=511)
-    torch.manual_seed(0)
-    multimodal = gemma4.Gemma4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in multimodal.named_parameters():
-            if name.endswith("norm.weight") and "language_model" in name:
-                param.normal_(0.3 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0, 0.03)
+@pytest.mark.parametrize("text_family", ["gemma4", "gemma4_moe"])
+def test_multimodal_checkpoint_loads_its_text_tower_and_saves_it_text_only(text_family, tmp_path, caplog):
+    """The hub's layout (text model under model.language_model., vision and audio beside it); for the MoE shape
+    (26B-A4B's) the experts are held fused, model.language_model.layers.N.experts.gate_up_proj / down_proj, and are
+    saved so again."""
+    multimodal = tiny_gemma4_multimodal(text_family)
     multimodal.save_pretrained(tmp_path / "mm")
     with caplog.at_level(logging.INFO, logger="mtune.training.checkpointing.hf"):
         model = load_model_from_hf(tmp_path / "mm").eval()
@@ -88,23 +78,74 @@ def test_multimodal_checkpoint_loads_its_text_tower_and_saves_it_text_only(tmp_p
     out = save_hf_checkpoint(model, tmp_path / "text", source_dir=tmp_path / "mm")
     saved = json.loads((out / "config.json").read_text())
     assert (saved["model_type"], saved["architectures"]) == ("gemma4_text", ["Gemma4ForCausalLM"])
+    with safe_open(str(tmp_path / "mm" / "model.safetensors"), "pt") as f:
+        text_keys = {k.replace("model.language_model.", "model.") for k in f.keys() if "language_model" in k}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == text_keys  # the hub's names (fused experts too), no others
     assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
 
 
-def test_gradients_of_a_step_match_transformers():
+def test_moe_checkpoint_loads_with_its_logits_and_saves_its_experts_fused(tmp_path):
+    """26B-A4B's layout on the tiny shape: transformers' save_pretrained holds each layer's experts whole
+    (layers.N.experts.gate_up_proj [8, 256, 256], gate rows first, and down_proj [8, 256, 128]); mtune loads them
+    into its separate gate / up / down projections with transformers' logits, and saving without a source checkpoint
+    writes them fused again in a config transformers reads as the same model. Mutations seen failing: gate and up
+    swapped on loading (placing.place_fused) or on saving (fuse_experts), the per-expert scales left out of the
+    routing weights, the router fed the experts' normed input."""
+    checkpoint = write_tiny_hf_model(tmp_path, "gemma4_moe")
+    model = load_model_from_hf(checkpoint).eval()
+    ours = logits(model)
+    assert (ours - logits(load_hf_model(checkpoint))).abs().max().item() <= 1e-5
+    out = save_hf_checkpoint(model.state_dict(), tmp_path / "saved", model_args=model.args)
+    config = json.loads((out / "config.json").read_text())
+    assert [config[k] for k in ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")] == [
+        True, 8, 2, 128]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert [k for k in f.keys() if ".layers.0.experts." in k] == ["model.layers.0.experts.down_proj",
+                                                                       "model.layers.0.experts.gate_up_proj"]
+    assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
+    from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
+
+    with pytest.raises(CheckpointError, match=r"experts held fused \(layers.0.experts.gate_up_proj, Gemma 4's layout\) "
+                                              "cannot be loaded into an FSDP2-sharded model yet"):
+        load_hf_checkpoint_sharded(build_model("gemma4", "tiny_moe"), checkpoint, dtype=torch.float32, device="cpu")
+
+
+def test_moe_expert_adapters_merge_into_the_fused_checkpoint(tmp_path):
+    """Adapters on the experts (and q_proj), read back from their PEFT directory, merged into the transformers-saved
+    checkpoint whose experts are fused: transformers' model of the merged checkpoint gives the LoRA model's logits
+    (the recipe's merge from the live model: test_packed_lora_run... below). Mutation seen failing: the gate and up
+    halves of gate_up_proj swapped in the merge."""
+    from mtune.training.checkpointing.merge import save_merged_model
+    from mtune.training.checkpointing.peft import save_peft_adapter
+    from tests._helpers.lora import trained_lora_model
+
+    checkpoint = write_tiny_hf_model(tmp_path, "gemma4_moe")
+    modules = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    model = trained_lora_model(checkpoint, modules=modules)
+    ours = logits(model)
+    save_peft_adapter(model, tmp_path / "adapter", lora_cfg(modules=modules))
+    merged = save_merged_model(checkpoint, tmp_path / "adapter", tmp_path / "merged")  # the live model's: the recipe
+    assert (logits(load_hf_model(merged)) - ours).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_gradients_of_a_step_match_transformers(family):
     """Every parameter's gradient within 1e-5 relative (the shared layers' queries reach back into the keys and
-    values of layers 2 and 3; every layer's per-layer input into both embedding tables). The tied table is compared
-    too: its gradient sums the lookup, the per-layer projection's input and the output head. Tokens avoid the pad id
-    0, whose rows transformers never trains (its embeddings' padding_idx; mtune's tables have none)."""
-    hf = tiny_hf_model("gemma4").train()
-    model = mtune_twin(hf, "gemma4").train()
+    values of layers 2 and 3; every layer's per-layer input into both embedding tables; the MoE shape's router,
+    its scales and the experts, whose gate and up gradients are the halves of transformers' gate_up_proj's). The tied
+    table is compared too: its gradient sums the lookup, the per-layer projection's input and the output head. Tokens
+    avoid the pad id 0, whose rows transformers never trains (its embeddings' padding_idx; mtune's tables have
+    none)."""
+    hf = tiny_hf_model(family).train()
+    model = mtune_twin(hf, family).train()
     tokens = TOKENS.clamp(min=1)
     targets = tokens[:, 1:].reshape(-1)
     for m in (hf, model):
         out = m(tokens[:, :-1])
         out = out if isinstance(out, torch.Tensor) else out.logits
         torch.nn.functional.cross_entropy(out.reshape(-1, 512), targets).backward()
-    theirs = {k.removeprefix("model."): p.grad for k, p in hf.named_parameters()}
+    theirs = stacked_expert_state({k.removeprefix("model."): p.grad for k, p in hf.named_parameters()})
     checked = 0
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -140,14 +181,35 @@ def test_chunked_loss_soft_caps_as_the_model_does(chunked_path):
     assert (embed_c - embed).norm() <= 1e-5 * embed.norm() and (up_c - up).norm() <= 1e-5 * up.norm()
 
 
-@pytest.mark.parametrize("quantize_base", [False, True])
-def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, gemma4_dir, tmp_path):
+@pytest.mark.parametrize("family,quantize_base", [("gemma4", False), ("gemma4", True), ("gemma4_moe", False)])
+def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, family, gemma4_dir, tmp_path):
+    """AdamW steps on one batch (8; 4 for the MoE shape) lower the loss by more than 1.0 nat (LoRA on every
+    projection: for the MoE shape the dense MLP's and, per expert, the experts'); the LoRA adapter loads in peft on
+    transformers' model with the same logits. (QLoRA on the MoE shape: the packed recipe run below, as its shipped
+    config trains.)"""
+    checkpoint = gemma4_dir if family == "gemma4" else write_tiny_hf_model(tmp_path, family)
     lora = lora_cfg(modules=LINEARS, quantize_base=quantize_base)
-    model, run = lora_steps(gemma4_dir, lora)
+    model, run = lora_steps(checkpoint, lora, steps=4 if family == "gemma4_moe" else 8)
     assert run[-1] < run[0] - 1.0, run
     if quantize_base:
         return
-    assert_peft_loads_the_adapter(model, lora, gemma4_dir, tmp_path / "adapter", TOKENS)
+    assert_peft_loads_the_adapter(model, lora, checkpoint, tmp_path / "adapter", TOKENS)
+
+
+def test_flops_count_the_dense_mlp_the_router_and_top_k_experts():
+    """tiny_moe's forward FLOPs per token, counted by hand: per sliding layer q/k/v/o (256, 128, 128 wide on 256;
+    o 256 -> 256) and attention over 16 keys with 4 heads of 64, per global layer q (512) and k (128, the values too)
+    and o (512 -> 256) with heads of 128; in every layer the dense MLP (3 x 256 x 512), the router (8 x 256) and 2
+    experts of three 128 x 256 projections; then the output head. Mutation seen failing: the experts left out (the
+    dense MLP alone counted, as before the MoE block)."""
+    from mtune.training.observe.flops import flops_per_token
+
+    linear = lambda i, o: 2 * i * o  # noqa: E731
+    sliding = linear(256, 256) + 2 * linear(256, 128) + linear(256, 256) + 4 * 16 * 4 * 64
+    full = linear(256, 512) + linear(256, 128) + linear(512, 256) + 4 * 16 * 4 * 128
+    mlps = 3 * linear(256, 512) + linear(256, 8) + 2 * 3 * linear(256, 128)
+    expected = 2 * (sliding + full) + 4 * mlps + linear(256, 512)
+    assert flops_per_token(build_model("gemma4", "tiny_moe"), 16).forward == expected
 
 
 def test_generation_with_a_kv_cache_is_refused_in_one_line():
@@ -157,7 +219,8 @@ def test_generation_with_a_kv_cache_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("enable_moe_block", True, "gemma4 with enable_moe_block=true .26B-A4B. is not supported yet"),
+    ("enable_moe_block", True, "gemma4 with enable_moe_block=true needs num_experts, top_k_experts, "
+                               "moe_intermediate_size"),
     ("hidden_activation", "gelu", "gemma4 hidden_activation 'gelu' is not supported"),
     ("use_bidirectional_attention", "all", "gemma4 with use_bidirectional_attention"),
     ("num_kv_shared_layers", 5, "num_kv_shared_layers=5: a shared layer's kind has no earlier layer"),
@@ -170,22 +233,26 @@ def test_unsupported_config_fields_name_the_file(field, value, message, gemma4_d
         load_hf_config(tmp_path)
 
 
-@pytest.mark.parametrize("size", ["E2B", "E4B", "31B"])
+@pytest.mark.parametrize("size", ["E2B", "E4B", "31B", "26B_A4B"])
 def test_named_size_builds_as_transformers_builds_it(size):
     args = model_args("gemma4", size)
     config = hf_config_from_model_args(args)
     assert model_args_from_hf_config(config)[1] == args
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
-    theirs = {k.removeprefix("model."): tuple(p.shape) for k, p in hf.named_parameters() if k != "lm_head.weight"}
+    theirs = stacked_expert_state({k.removeprefix("model."): p for k, p in hf.named_parameters()})  # meta tensors
+    theirs = {k: tuple(p.shape) for k, p in theirs.items() if k != "lm_head.weight"}
     ours = {k: tuple(p.shape) for k, p in build_model("gemma4", size).named_parameters() if k != "lm_head.weight"}
     assert {k: v for k, v in ours.items() if not k.endswith("layer_scalar")} == theirs
 
 
-def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path):
+@pytest.mark.parametrize("family,quantize_base", [("gemma4", False), ("gemma4_moe", True)])
+def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(family, quantize_base, tmp_path):
     """Through the recipe: packed rows, the checkpoint's own Gemma 4 tokenizer.json and chat format, the loss
-    falling; `mtune plan` gives the tracked peak within 0.1% (per-layer tables, shared keys and values, the
-    soft-capped chunked loss included) and the parameters, gradients and optimizer state to the byte."""
+    falling by more than 0.3 nat in 4 steps; `mtune plan` gives the tracked peak within 0.1% (per-layer tables,
+    shared keys and values, the soft-capped chunked loss included) and the parameters, gradients and optimizer state
+    to the byte. The MoE shape runs as 26B-A4B's shipped config does, QLoRA: NF4 experts and dense MLPs beside
+    them, the experts' gate_proj adapters, the routed rows, and the merged model saved with its experts fused."""
     from mtune._cli.catalog import find_recipe, load_recipe_module
     from mtune._cli.run import load_and_check
     from mtune.training.planning.plan import plan_memory
@@ -193,12 +260,12 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path
     from tests._helpers.tokenizers import write_tokenizer_files
 
     vocab = write_tokenizer_files(tmp_path / "tok", "gemma4")
-    checkpoint = write_tiny_hf_model(tmp_path, "gemma4", vocab_size=vocab, bos_token_id=vocab - 3,
+    checkpoint = write_tiny_hf_model(tmp_path, family, vocab_size=vocab, bos_token_id=vocab - 3,
                                      eos_token_id=vocab - 4)
     write_tokenizer_files(checkpoint, "gemma4")
     overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
         "dataset.packed": True, "memory_breakdown": True, "max_steps_per_epoch": 4,
-        "lora.modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]})
+        "lora.modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], "lora.quantize_base": quantize_base})
     plan = plan_memory(load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG,
                                       overrides))
     out = run_recipe_in_process("lora_single_device", overrides)

@@ -40,6 +40,7 @@ KNOWN = {
     ("qwen3_5", "9B"): 8_953_803_264,
     ("qwen3_5", "27B"): 26_895_998_464,
     ("qwen3_5", "35B_A3B"): 34_660_610_688,  # Qwen3.5-MoE, the card's 35B
+    ("qwen3_5", "122B_A10B"): 122_111_526_912,  # Qwen3.5-MoE, the card's 122B
     # Qwen3-MoE: the model cards' 30.5B / 235B total (3.3B / 22B activated); exact counts of the hub shapes.
     ("qwen3_moe", "30B_A3B"): 30_532_122_624,
     ("qwen3_moe", "235B_A22B"): 235_093_634_560,
@@ -49,6 +50,7 @@ KNOWN = {
     ("gemma4", "E2B"): 4_628_569_379,
     ("gemma4", "E4B"): 7_463_013_418,
     ("gemma4", "31B"): 30_697_345_340,
+    ("gemma4", "26B_A4B"): 25_233_141_790,  # the mixture of experts (the card's 25.2B total, 3.8B active)
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
