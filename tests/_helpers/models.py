@@ -57,6 +57,12 @@ FAMILY_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
                                          num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=128, norm_topk_prob=True)),
+    # 8 experts of 128 (gate_up 256 x 256, down 256 x 128), 2 per token; a window of 8 on layer 0, full attention on
+    # layer 1; YaRN x8 from a 64-token context (mtune's gpt_oss tiny size)
+    "gpt_oss": ("GptOssConfig", dict(rms_norm_eps=1e-5, rope_theta=150000.0, intermediate_size=128,
+                                     num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                                     rope_scaling=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                                                       truncate=False, original_max_position_embeddings=64))),
     "phi4": ("Phi3Config", dict(rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=_PHI4_LONGROPE,
                                 original_max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)),
 }
@@ -91,10 +97,10 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith("norm.weight") or name.endswith((".bias", "_bias", ".sinks")):
                 param.normal_(unit(name) if name.endswith("norm.weight") else 0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)  # transformers starts routers at zero: every expert tied
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                param.normal_(0.0, 0.5)  # transformers starts routers at zero (gpt-oss's near it): experts tied
         if family == "gemma4":
             # Gemma 4 leaves scores unscaled (queries and keys are normed): norm weights near 1 give random heads
             # scores of +-60, where fp32 round-off alone moves transformers' own eager and SDPA logits 5e-5 apart;
@@ -126,7 +132,8 @@ def write_tiny_hf_model(
 def mtune_twin(hf_model, family, **overrides):
     """The mtune tiny model of ``family`` (``overrides`` of its arguments) holding ``hf_model``'s weights."""
     model = build_model(family, "tiny", device="cpu", **overrides)
-    state = stacked_expert_state({k.removeprefix("model."): v for k, v in hf_model.state_dict().items()})
+    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    state = whole_expert_state(state) if family == "gpt_oss" else stacked_expert_state(state)
     if model.args.tie_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -147,6 +154,23 @@ def stacked_expert_state(state: dict) -> dict:
             out[f"{prefix}.down_proj.weight"] = value
         else:
             out[f"{prefix}.gate_proj.weight"], out[f"{prefix}.up_proj.weight"] = value.chunk(2, dim=1)
+    return out
+
+
+def whole_expert_state(state: dict) -> dict:
+    """gpt-oss's experts as transformers holds them (``mlp.experts.gate_up_proj [E, d, 2h]``, ``..._bias [E, 2h]``,
+    ``down_proj [E, h, d]``) in mtune's ``[E, out, in]`` rows (``mlp.experts.gate_up_proj.weight`` / ``.bias``);
+    other keys unchanged."""
+    out = {}
+    for key, value in state.items():
+        prefix, _, leaf = key.rpartition(".")
+        projection = leaf.removesuffix("_bias")
+        if not prefix.endswith("mlp.experts") or projection not in ("gate_up_proj", "down_proj"):
+            out[key] = value
+        elif leaf.endswith("_bias"):
+            out[f"{prefix}.{projection}.bias"] = value
+        else:
+            out[f"{prefix}.{projection}.weight"] = value.transpose(1, 2)
     return out
 
 

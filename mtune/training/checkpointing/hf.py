@@ -18,10 +18,10 @@ from torch import nn
 from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config, text_model_key
-from mtune.modules.expert_linear import per_expert, stacked_key
+from mtune.modules.expert_linear import checkpoint_tensors, fused_model_name, stacked_key, transposed_in_checkpoint
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
-from mtune.training.checkpointing.placing import held_names, place
+from mtune.training.checkpointing.placing import fused_experts, held_names, place
 from mtune.units import parse_bytes
 
 CONFIG_NAME = "config.json"
@@ -142,13 +142,15 @@ def locate_tensors(
     Returns ``(expected, by_file)``: the model's tensors by mtune name (:func:`expected_tensors`, minus those
     ``not_in_checkpoint(name)`` marks, e.g. LoRA adapters) and, per safetensors file, its ``(mtune name, hf key)``
     pairs; an expert's key keeps its index in the name (``experts.3.gate_proj.weight``, row 3 of the model's
-    ``experts.gate_proj.weight``: :func:`~mtune.modules.expert_linear.stacked_key`). Missing or unexpected keys
-    raise :class:`CheckpointError` naming them.
+    ``experts.gate_proj.weight``: :func:`~mtune.modules.expert_linear.stacked_key`), or, where the family holds
+    experts whole (:func:`fused_experts`), is named as the model's parameter. Missing or unexpected keys raise
+    :class:`CheckpointError` naming them.
     """
     expected = expected_tensors(model)
     if not_in_checkpoint is not None:
         expected = {k: v for k, v in expected.items() if not not_in_checkpoint(k)}
-    held = held_names(model, expected)
+    fused = fused_experts(model)
+    held = set(expected) if fused else held_names(model, expected)
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     listed = set()
@@ -156,6 +158,8 @@ def locate_tensors(
     for path, keys in checkpoint_keys(checkpoint_dir).items():
         for key in keys:
             name = mtune_name(key)
+            if fused and name is not None:
+                name = fused_model_name(name) or name
             skipped += name is None
             if name is None or (tied and name == "lm_head.weight"):
                 continue  # a vision tower; some tied checkpoints store the shared matrix twice
@@ -192,17 +196,21 @@ def load_hf_checkpoint(
     weight to NF4 at once, so the whole model never sits in memory at full precision.
     """
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
+    fused = fused_experts(model)
     arrived: dict[str, int] = {}  # experts of each stacked projection read so far
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
                 slot = None if name in expected else stacked_key(name)
                 want = tuple(expected[name].shape) if slot is None else tuple(expected[slot[0]].shape[1:])
+                transposed = transposed_in_checkpoint(name, fused)  # a whole expert projection, [E, in, out]
+                want = (want[0], want[2], want[1]) if transposed else want
                 try:
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != want:
                         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
                     tensor = f.get_tensor(key)
+                    tensor = tensor.transpose(1, 2).contiguous() if transposed else tensor
                 except CheckpointError:
                     raise
                 except Exception as e:
@@ -262,6 +270,7 @@ def save_hf_checkpoint(
     else:
         raise CheckpointError(f"{out}: pass source_dir (the checkpoint the weights came from) or model_args")
     tied = bool(config.get("tie_word_embeddings", False))
+    fused = fused_experts(model_args if model_args is not None else model_args_from_hf_config(config)[1])
 
     max_bytes = parse_bytes(max_shard_size, "max_shard_size", message=_SHARD_SIZE_ERROR)
     writer, saved_dtype = ShardWriter(out, max_bytes), None
@@ -274,7 +283,7 @@ def save_hf_checkpoint(
             tensor = tensor.full_tensor()
         if saved_dtype is None and tensor.is_floating_point():
             saved_dtype = tensor.dtype
-        for key, piece in per_expert(key, tensor):  # the experts' stacked projections, one key per expert
+        for key, piece in checkpoint_tensors(key, tensor, fused):  # experts per expert, or whole (gpt-oss)
             writer.add(key, piece.to("cpu").contiguous())
     writer.finish()
 

@@ -1,6 +1,7 @@
 """A checkpoint's tensors put into a model as they are read, and the names the checkpoint must hold. The experts'
 stacked projections (``[n_experts, out, in]``, :class:`~mtune.modules.expert_linear.ExpertLinear`) are held one key
-per expert (the hub's layout): each expert's tensor goes into its row."""
+per expert (the hub's layout): each expert's tensor goes into its row; or, for gpt-oss (:func:`fused_experts`),
+whole and transposed under the parameter's own name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from torch import nn
 
 from mtune.modules.expert_linear import ExpertLinear, expert_key
 
-__all__ = ["held_names", "place"]
+__all__ = ["fused_experts", "held_names", "place"]
+
+
+def fused_experts(model_or_args) -> bool:
+    """Whether the family's checkpoints hold each expert projection whole and transposed (gpt-oss:
+    ``DecoderArgs.fused_expert_checkpoint``) rather than one key per expert (:func:`held_names`)."""
+    args = getattr(model_or_args, "args", model_or_args)
+    return bool(getattr(args, "fused_expert_checkpoint", False))
 
 
 def held_names(model: nn.Module, expected: dict[str, torch.Tensor]) -> set[str]:
