@@ -140,8 +140,8 @@ def _reference(q, k, v, sinks, allowed):
 def test_sink_attention_equals_its_formula_on_every_kernel(window):
     """Causal SDPA (no window), the dense mask and the per-segment kernel (packed documents, some longer than the
     window) against the formula; outputs and the gradients of q, k, v and the sinks within 1e-5. Mutations seen
-    failing: the sink key's value one instead of zero; the band mask of windowed chunks without the sink column;
-    the sink logit scaled by 1/sqrt(d) twice."""
+    failing: the sink key's value one instead of zero; the sink feature not multiplied by sqrt(d) (the sink logit
+    then scaled by 1/sqrt(d))."""
     gen = torch.Generator().manual_seed(0)
     b, s, d = 1, 19, 16
     q, k, v = (torch.randn(b, n, s, d, generator=gen, requires_grad=True) for n in (4, 2, 2))
