@@ -123,21 +123,22 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
 
 def sink_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries ``[b, hq, s, d]`` and keys ``[b, hkv, s, d]`` widened to ``d + p`` features (``p`` in 1..8, keeping
-    the width a multiple of 8 as CUDA's flash kernels want): a query's feature ``d`` holds its head's sink times
-    ``sqrt(d)``, a key's extra features are zeros. The sink key (:func:`_sink_key`: feature ``d`` one, the rest zero)
-    then scores ``sinks[h]`` under the scale ``d ** -0.5`` and every real key what it scored before. ``v`` is
-    returned as it is."""
+    """Queries ``[b, hq, s, d]``, keys and values ``[b, hkv, s, d]`` widened to ``d + p`` features (``p`` in 1..8,
+    keeping the width a multiple of 8 and the three alike, as the flash kernels want; else SDPA falls back to the
+    math kernel and its ``s x s`` scores): a query's feature ``d`` holds its head's sink times ``sqrt(d)``, keys' and
+    values' extra features are zeros. The sink key (:func:`_sink_key`: feature ``d`` one, the rest zero) then scores
+    ``sinks[h]`` under the scale ``d ** -0.5`` and every real key what it scored before; outputs' first ``d``
+    features are the attention's."""
     b, h, s, d = q.shape
     pad = 8 - d % 8
     sink = (sinks.to(q.dtype) * d**0.5).view(1, h, 1, 1).expand(b, h, s, 1)
     q = torch.cat([q, sink, q.new_zeros(b, h, s, pad - 1)], dim=-1)
-    return q, F.pad(k, (0, pad)), v
+    return q, F.pad(k, (0, pad)), F.pad(v, (0, pad))
 
 
 def _sink_key(k: torch.Tensor, v: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sink's key ``[b, hkv, 1, d + p]`` (feature ``d`` one) and value ``[b, hkv, 1, dv]`` (zeros) for widened
-    keys ``k`` and values ``v``."""
+    """The sink's key ``[b, hkv, 1, d + p]`` (feature ``d`` one) and value (zeros) for widened keys ``k`` and values
+    ``v``."""
     key = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[-1])
     key[..., d] = 1
     return key, v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[-1])
@@ -156,9 +157,9 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     if mask is None:  # a query of zeros first: the sink key first in a square causal call
         q = torch.cat([q.new_zeros(q.shape[0], q.shape[1], 1, q.shape[-1]), q], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=gqa)
-        return out[:, :, 1:]
+        return out[:, :, 1:, :d]
     mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=gqa)[..., :d]
 
 
 def _varlen(q, k, v, cu_seqlens, window):
@@ -198,7 +199,6 @@ def _per_segment(q, k, v, cu_seqlens, window, sink_at=None):
     b, h, s, d = q.shape
     sink = sink_at is not None
     scale = sink_at**-0.5 if sink else None
-    dv = v.shape[-1]
     gqa = k.shape[1] != h
     bounds = list(range(0, b * s + 1, s)) if is_fake(cu_seqlens) else cu_seqlens.tolist()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
@@ -234,5 +234,5 @@ def _per_segment(q, k, v, cu_seqlens, window, sink_at=None):
                 keys, values, cols = torch.cat([sink_k, keys], 2), torch.cat([sink_v, values], 2), cols + 1
             pieces.append(F.scaled_dot_product_attention(q_doc[:, :, c:ce], keys, values,
                                                          attn_mask=band[:ce - c, :cols], scale=scale, enable_gqa=gqa))
-    out = torch.cat([p.transpose(1, 2) for p in pieces], dim=1)  # [1, b * s, h, dv]
-    return out.view(b, s, h * dv)
+    out = torch.cat([p.transpose(1, 2) for p in pieces], dim=1)  # [1, b * s, h, d]
+    return out.view(b, s, h * d) if not sink else out[..., :sink_at].reshape(b, s, h * sink_at)
