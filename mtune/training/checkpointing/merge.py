@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mtune.modules.lora import merge_adapter
+from mtune.modules.expert_linear import fused_checkpoint_key, stacked_key
 from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, open_safetensors, save_hf_checkpoint
 from mtune.training.checkpointing.peft import Adapter, adapter_from_model, read_adapter
 
@@ -61,21 +62,41 @@ def merged_hf_weights(
     """
     layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
     listed = checkpoint_keys(base_dir)
+    whole = _whole_experts(layers, {k for keys in listed.values() for k in keys})
     missing = set(layers) - {k for keys in listed.values() for k in keys}
     if missing:
         raise CheckpointError(
             f"{base_dir}: the adapter adapts {sorted(missing)[0]} (and {len(missing) - 1} more), which the base "
             "checkpoint does not hold: pass the base model the adapter was trained on"
         )
-    return _stream(listed, layers, dtype)
+    return _stream(listed, layers, dtype, whole)
 
 
-def _stream(listed, layers, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _whole_experts(layers: dict, held: set[str]) -> dict[str, dict[int, object]]:
+    """The per-expert adapter layers (``model.layers.0.mlp.experts.3.gate_up_proj.weight``) of a checkpoint that
+    holds each expert projection whole and transposed (gpt-oss: ``model.layers.0.mlp.experts.gate_up_proj [E, in,
+    out]``), taken out of ``layers`` and grouped by that key: ``{key: {expert: layer}}``."""
+    whole: dict[str, dict[int, object]] = {}
+    for key in [k for k in layers if k not in held]:
+        slot = stacked_key(key)
+        fused = fused_checkpoint_key(slot[0]) if slot is not None else None
+        if fused in held:
+            whole.setdefault(fused, {})[slot[1]] = layers.pop(key)
+    return whole
+
+
+def _stream(listed, layers, dtype, whole) -> Iterator[tuple[str, torch.Tensor]]:
     for path, keys in listed.items():
         with open_safetensors(path) as f:
             for key in keys:
                 tensor = f.get_tensor(key)
-                if key in layers:
+                if key in whole:  # [E, in, out]: each adapted expert's [out, in] slice merged
+                    merged = tensor.to(dtype or tensor.dtype, copy=True)
+                    for e, layer in whole[key].items():
+                        merged[e] = merge_adapter(tensor[e].t(), layer.a, layer.b, layer.scaling, None,
+                                                  merged.dtype).t()
+                    tensor = merged
+                elif key in layers:
                     layer = layers[key]
                     if tuple(tensor.shape) != (layer.b.shape[0], layer.a.shape[1]):
                         raise CheckpointError(
