@@ -15,8 +15,9 @@ Kernels, chosen per call by :func:`segment_kernel`:
 - ``sdpa_per_segment`` (any device; the CPU's): exact causal SDPA per document, queries ``[1, h, L, d]`` against
   their own keys, so memory is O(s) (the outputs and log-sum-exps) and compute is the sum of L². A document longer
   than the window runs its first ``W`` queries causally, then chunks of ``W`` queries against the ``2W - 1`` keys
-  they can see, under one band mask shared by every chunk (O(W²) once, not per chunk). Reading the boundaries is
-  data-dependent Python, so it is kept out of ``torch.compile`` graphs (a graph break per block).
+  they can see, under one band mask shared by every chunk (O(W²) once, not per chunk). Rows that are whole
+  segments (a sliding window without packing) run together, one call per chunk for the batch. Reading the
+  boundaries is data-dependent Python, so it is kept out of ``torch.compile`` graphs (a graph break per block).
 
 Fake tensors (``mtune plan`` runs the model under ``FakeTensorMode``) have no values to split on: there
 :func:`document_boundaries` gives one segment per row and the same kernel runs on those, which allocates what any
@@ -205,14 +206,22 @@ def _per_segment(q, k, v, cu_seqlens, window, sink_at=None):
     # One split per tensor into documents [L, heads, d] (a view when the rows are laid out [b, s, heads, d], as the
     # projections leave them): its backward writes every document's gradient into one tensor, where slicing the
     # batch per document would build a batch-sized gradient per document.
-    docs = [t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[-1]).split(lengths) for t in (q, k, v)]
+    # Rows that are whole segments (no packing: a sliding window alone) run as one batch of rows, each chunk one
+    # call for all of them, instead of row by row.
+    rows = all(n == s for n in lengths)
+    if rows:
+        docs = [[t] for t in (q, k, v)]  # [b, heads, s, d]
+    else:
+        docs = [t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[-1]).split(lengths) for t in (q, k, v)]
     band = None
     pieces = []
     if sink:
-        sink_k, sink_v = _sink_key(k[:1], v[:1], sink_at)  # [1, hkv, 1, *]
-        no_query = q.new_zeros(1, h, 1, d)
+        n = b if rows else 1
+        sink_k, sink_v = (t.expand(n, -1, -1, -1) for t in _sink_key(k[:1], v[:1], sink_at))  # [n, hkv, 1, *]
+        no_query = q.new_zeros(n, h, 1, d)
     for q_doc, k_doc, v_doc in zip(*docs):
-        q_doc, k_doc, v_doc = (t.transpose(0, 1)[None] for t in (q_doc, k_doc, v_doc))  # [1, heads, L, d]
+        if not rows:
+            q_doc, k_doc, v_doc = (t.transpose(0, 1)[None] for t in (q_doc, k_doc, v_doc))  # [1, heads, L, d]
         n = q_doc.shape[2]
         head = n if window is None else min(n, window)  # the first `window` queries: plain causal
         if sink:  # the sink key first, and a query of zeros before the queries (its output dropped)
@@ -234,5 +243,5 @@ def _per_segment(q, k, v, cu_seqlens, window, sink_at=None):
                 keys, values, cols = torch.cat([sink_k, keys], 2), torch.cat([sink_v, values], 2), cols + 1
             pieces.append(F.scaled_dot_product_attention(q_doc[:, :, c:ce], keys, values,
                                                          attn_mask=band[:ce - c, :cols], scale=scale, enable_gqa=gqa))
-    out = torch.cat([p.transpose(1, 2) for p in pieces], dim=1)  # [1, b * s, h, d]
+    out = torch.cat([p.transpose(1, 2) for p in pieces], dim=1)  # [1, b * s, h, d] (rows: [b, s, h, d])
     return out.view(b, s, h * d) if not sink else out[..., :sink_at].reshape(b, s, h * sink_at)

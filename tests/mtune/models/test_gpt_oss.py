@@ -268,3 +268,28 @@ def test_expert_adapters_load_in_peft_on_transformers_experts(hf_model, oss_dir,
 
     merged = save_merged_model(oss_dir, ours, tmp_path / "merged")
     assert (logits_of(load_hf_model(merged), TOKENS) - expected).abs().max().item() <= 2e-5
+
+
+def test_qlora_stores_experts_of_the_published_width_as_nf4():
+    """gpt-oss's experts (2880 x 5760 and 2880 x 2880 per expert) are not a whole number of torchao's 256-scale
+    groups (16384 values), so their NF4 uses the largest power-of-two group that divides an expert's scales (128
+    and 64 for those; here 2880-wide experts of 1152 and 576 rows, which take the same groups at a tenth of the
+    size): each expert's NF4 rows dequantize to exactly the rows of the whole weight's dequantization, and an
+    expert's matmul through its NF4 part equals the dequantized weight's. Mutation seen failing: the group kept at
+    256 (the expert split then cuts a group: view error)."""
+    from mtune.modules.expert_linear import ExpertLinear
+    from mtune.modules.nf4_linear import linear_maybe_nf4
+
+    torch.manual_seed(0)
+    for hidden, groups in ((1152, 128), (576, 64)):
+        layer = ExpertLinear(2, 2880, hidden, bias=True, dtype=torch.bfloat16)
+        layer.weight.data.normal_(0, 0.02)
+        layer.nf4 = True
+        layer.quantize_()
+        assert layer.weight.scaler_block_size == groups
+        whole = layer.plain_weight()
+        x = torch.randn(3, 2880, dtype=torch.bfloat16)
+        for e in range(2):
+            part = layer.piece(e)[0]
+            assert torch.equal(part.get_original_weight(), whole[e])
+            torch.testing.assert_close(linear_maybe_nf4(x, part), x @ whole[e].t(), rtol=0, atol=0)
