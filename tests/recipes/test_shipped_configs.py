@@ -72,10 +72,15 @@ CHECKPOINTS = {
     "gemma-4-31B-it": ("gemma4", "31B", 30_697_345_340, 61_214_720),
     # Qwen3-MoE: rank-8 LoRA on attention only (PEFT on transformers' meta model of the hub config.json)
     "Qwen3-30B-A3B": ("qwen3_moe", "30B_A3B", 30_532_122_624, 6_684_672),
+    # gpt-oss (bf16 copies of the hub's MXFP4 checkpoints): rank-8 LoRA on attention only (PEFT on transformers'
+    # meta model of the same config)
+    "gpt-oss-20b-BF16": ("gpt_oss", "20B", 20_914_757_184, 3_981_312),
+    "gpt-oss-120b-BF16": ("gpt_oss", "120B", 116_829_156_672, 5_971_968),
 }
 # else the seven of Llama's block
 ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
            "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+           "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj"],
            "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                        "up_proj", "down_proj"],
            "qwen3_5/35B_A3B": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"]}
@@ -198,11 +203,13 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         assert all(type(model.get_submodule(n)) is frozen_type for n in per_layer), name
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept | per_layer
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
-        if family == "qwen3_moe" or size == "35B_A3B":
+        if family in ("qwen3_moe", "gpt_oss") or size == "35B_A3B":
             # attention (and DeltaNet) adapted; experts frozen (NF4 under QLoRA); routers as they are
             experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith("_proj")]
-            layers, n_experts = (48, 128) if family == "qwen3_moe" else (40, 256)
-            assert len(experts) == layers * 3, name
+            layers, n_experts, per_layer = {"qwen3_moe": (48, 128, 3), "gpt_oss/20B": (24, 32, 2),
+                                            "gpt_oss/120B": (36, 128, 2)}.get(f"{family}/{size}" if family == "gpt_oss"
+                                                                              else family, (40, 256, 3))
+            assert len(experts) == layers * per_layer, name
             assert all(type(m) is ExpertLinear and m.n_experts == n_experts for m in experts), name
             assert all(m.nf4 == bool(lora.quantize_base) for m in experts), name
             continue
