@@ -304,3 +304,21 @@ def test_the_sharded_loader_reads_whole_experts(oss_dir):
 
     model = load_hf_checkpoint_sharded(build_model("gpt_oss", "tiny"), oss_dir, dtype=torch.float32, device="cpu")
     assert torch.equal(logits_of(model.eval(), TOKENS), logits_of(load_model_from_hf(oss_dir).eval(), TOKENS))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_dequantizes_as_transformers_does(dtype):
+    """Random MXFP4 expert blocks and scales (every code, scales 2**-20 to 2**12) dequantize to exactly
+    transformers' convert_moe_packed_tensors, as [E, out, in] rows (transformers' is their transpose). Mutations
+    seen failing: the high nibble first; the scale bias 128."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from mtune.models.gpt_oss.mxfp4 import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), generator=gen, dtype=torch.uint8)  # 3 experts, 8 rows of 128
+    scales = torch.randint(107, 140, (3, 8, 4), generator=gen, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, dtype)
+    theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
+    assert ours.shape == (3, 8, 128) and theirs.shape == (3, 128, 8)
+    assert torch.equal(ours, theirs.transpose(1, 2))
