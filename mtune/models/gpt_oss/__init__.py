@@ -11,8 +11,8 @@
 
 The hub's checkpoints hold each expert projection whole (``experts.gate_up_proj [n_experts, dim, 2 * hidden]``,
 ``experts.gate_up_proj_bias``, ``experts.down_proj``, ``experts.down_proj_bias``; as ``save_pretrained`` writes them
-too), which ``fused_expert_checkpoint`` tells the loader. The published ones store those as MXFP4 blocks and scales;
-mtune reads the dequantized (bf16 / fp32) layout only.
+too), which ``fused_expert_checkpoint`` tells the loader. The published ones store those as MXFP4 blocks and scales,
+which the single-device loader dequantizes as they arrive (:mod:`mtune.models.gpt_oss.mxfp4`).
 """
 
 from dataclasses import dataclass, field

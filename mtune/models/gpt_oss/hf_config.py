@@ -1,6 +1,7 @@
 """gpt-oss's ``config.json`` in the layouts it is published and saved in: the hub's (transformers 4.55: ``rope_theta``
 beside ``rope_scaling``, ``num_local_experts``, an MXFP4 ``quantization_config``) and transformers 5's
-(``rope_parameters`` holding the theta). mtune writes both RoPE fields, so either version reads what it saves.
+(``rope_parameters`` holding the theta). mtune writes both RoPE fields, so either version reads what it saves, and no
+``quantization_config``: what it saves is dequantized.
 """
 
 from mtune.models.gpt_oss import FULL, SLIDING, GptOssArgs, alternating_layer_types
@@ -28,13 +29,12 @@ def _rope(config: dict) -> tuple[float, dict | None]:
 
 
 def gpt_oss_args(config: dict) -> GptOssArgs:
-    """The model of a ``gpt_oss`` config dict; a one-line ``ValueError`` for what mtune does not load (MXFP4
-    experts, unbiased attention, other RoPE types)."""
+    """The model of a ``gpt_oss`` config dict; a one-line ``ValueError`` for what mtune does not load (other
+    quantizations than the hub's MXFP4, unbiased attention, other RoPE types)."""
     quantization = (config.get("quantization_config") or {}).get("quant_method")
-    if quantization is not None:
-        raise ValueError(f"gpt_oss with quantization_config {quantization!r}: mtune loads the dequantized "
-                         "checkpoint (bf16 experts) only; dequantize it first (transformers: "
-                         "Mxfp4Config(dequantize=True), then save_pretrained)")
+    if quantization not in (None, "mxfp4"):
+        raise ValueError(f"gpt_oss with quantization_config {quantization!r} is not supported (mtune reads bf16 "
+                         "or fp32 experts, and the hub's MXFP4 ones, dequantized as they load)")
     if not config.get("attention_bias", True):
         raise ValueError("gpt_oss with attention_bias=false is not supported (every published gpt-oss has biases)")
     n_layers = config["num_hidden_layers"]

@@ -18,10 +18,10 @@ from torch import nn
 from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config, text_model_key
-from mtune.modules.expert_linear import checkpoint_tensors, fused_model_name, stacked_key, transposed_in_checkpoint
+from mtune.modules.expert_linear import checkpoint_tensors, stacked_key, transposed_in_checkpoint
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
-from mtune.training.checkpointing.placing import fused_experts, held_names, place
+from mtune.training.checkpointing.placing import fused_experts, fused_name, held_names, place, read_mxfp4
 from mtune.units import parse_bytes
 
 CONFIG_NAME = "config.json"
@@ -158,8 +158,8 @@ def locate_tensors(
     for path, keys in checkpoint_keys(checkpoint_dir).items():
         for key in keys:
             name = mtune_name(key)
-            if fused and name is not None:
-                name = fused_model_name(name) or name
+            if fused and name is not None and (name := fused_name(name)) is None:
+                continue  # MXFP4 scales: read with their blocks
             skipped += name is None
             if name is None or (tied and name == "lm_head.weight"):
                 continue  # a vision tower; some tied checkpoints store the shared matrix twice
@@ -197,6 +197,7 @@ def load_hf_checkpoint(
     """
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
     fused = fused_experts(model)
+    where = {k: p for p, keys in checkpoint_keys(checkpoint_dir).items() for k in keys} if fused else {}
     arrived: dict[str, int] = {}  # experts of each stacked projection read so far
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
@@ -204,13 +205,14 @@ def load_hf_checkpoint(
                 slot = None if name in expected else stacked_key(name)
                 want = tuple(expected[name].shape) if slot is None else tuple(expected[slot[0]].shape[1:])
                 transposed = transposed_in_checkpoint(name, fused)  # a whole expert projection, [E, in, out]
-                want = (want[0], want[2], want[1]) if transposed else want
                 try:
-                    shape = tuple(f.get_slice(key).get_shape())
+                    tensor = read_mxfp4(f, key, lambda k: open_safetensors(where[k]), dtype) if fused else None  # MXFP4
+                    shape = tuple(f.get_slice(key).get_shape() if tensor is None else tensor.shape)
+                    want = (want[0], want[2], want[1]) if transposed and tensor is None else want
                     if shape != want:
                         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
-                    tensor = f.get_tensor(key)
-                    tensor = tensor.transpose(1, 2).contiguous() if transposed else tensor
+                    if tensor is None:
+                        tensor = f.get_tensor(key).transpose(1, 2).contiguous() if transposed else f.get_tensor(key)
                 except CheckpointError:
                     raise
                 except Exception as e:
@@ -262,7 +264,7 @@ def save_hf_checkpoint(
         weights = weights.state_dict()
     items = weights.items() if isinstance(weights, Mapping) else weights
     if source_dir is not None:
-        config = read_hf_config(source_dir)
+        config = {k: v for k, v in read_hf_config(source_dir).items() if k != "quantization_config"}  # dequantized
         if config.get("text_config") is not None:  # a multimodal checkpoint: its text model is what was trained
             config = hf_config_from_model_args(load_hf_config(source_dir)[1])
     elif model_args is not None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtune.modules.expert_linear import ExpertLinear, expert_key
+from mtune.models.gpt_oss.mxfp4 import dequantize_mxfp4
+from mtune.modules.expert_linear import ExpertLinear, expert_key, fused_model_name
 
-__all__ = ["fused_experts", "held_names", "place"]
+__all__ = ["fused_experts", "fused_name", "held_names", "place", "read_mxfp4"]
+
+_BLOCKS, _SCALES = "_blocks", "_scales"
 
 
 def fused_experts(model_or_args) -> bool:
@@ -18,6 +21,29 @@ def fused_experts(model_or_args) -> bool:
     ``DecoderArgs.fused_expert_checkpoint``) rather than one key per expert (:func:`held_names`)."""
     args = getattr(model_or_args, "args", model_or_args)
     return bool(getattr(args, "fused_expert_checkpoint", False))
+
+
+def fused_name(name: str) -> str | None:
+    """A tensor of a checkpoint holding experts whole (gpt-oss) named as the model's: ``...experts.gate_up_proj`` ->
+    ``...experts.gate_up_proj.weight``, ``..._bias`` -> ``.bias``, MXFP4's ``..._blocks`` -> ``.weight``; None for
+    MXFP4's ``..._scales`` (read with their blocks, :func:`read_mxfp4`); any other name as it is."""
+    if ".experts." in name and name.endswith(_SCALES):
+        return None
+    if ".experts." in name and name.endswith(_BLOCKS):
+        name = name.removesuffix(_BLOCKS)
+    return fused_model_name(name) or name
+
+
+def read_mxfp4(f, key: str, open_file, dtype) -> torch.Tensor | None:
+    """The expert weight ``[n_experts, out, in]`` an MXFP4 pair holds, dequantized to ``dtype`` (bf16 when None):
+    ``key`` (``..._blocks``) from the open safetensors file ``f``, its ``..._scales`` from ``open_file(name)`` (a
+    context manager opening the file that holds it); None when ``key`` is not MXFP4 blocks."""
+    if not key.endswith(_BLOCKS) or ".experts." not in key:
+        return None
+    scales_key = key.removesuffix(_BLOCKS) + _SCALES
+    with open_file(scales_key) as g:
+        scales = g.get_tensor(scales_key)
+    return dequantize_mxfp4(f.get_tensor(key), scales, dtype or torch.bfloat16)
 
 
 def held_names(model: nn.Module, expected: dict[str, torch.Tensor]) -> set[str]:

@@ -62,6 +62,9 @@ def load_hf_checkpoint_sharded(
                     _read_expert(model, f, key, *slot, expected[slot[0]], experts, arrives_whole, dtype, device)
                     continue
                 current = expected[name]
+                if fused and key.endswith("_blocks"):
+                    raise CheckpointError(f"{path}: {key}: MXFP4 experts are read on one device only, not into an "
+                                          "FSDP2-sharded model yet: start from a bf16 copy (unsloth/gpt-oss-*-BF16)")
                 view = f.get_slice(key)
                 # a whole expert projection held [n_experts, in, out] (gpt-oss): still split by expert, then turned
                 turn = (lambda t: t.transpose(1, 2).contiguous()) if transposed_in_checkpoint(name, fused) else None

@@ -93,10 +93,12 @@ def test_the_clamp_bites_and_routing_matches(hf_model, oss_dir, monkeypatch):
         return swiglu(gate_up, alpha, limit)
 
     monkeypatch.setattr(clamped_experts, "clamped_swiglu", recorded)
-    model.layers[0].mlp.router.register_forward_hook(lambda m, i, o: seen.setdefault("ours", o))
-    hf_model.model.layers[0].mlp.router.register_forward_hook(lambda m, i, o: seen.setdefault("hf", o))
+    hooks = [model.layers[0].mlp.router.register_forward_hook(lambda m, i, o: seen.__setitem__("ours", o)),
+             hf_model.model.layers[0].mlp.router.register_forward_hook(lambda m, i, o: seen.__setitem__("hf", o))]
     with torch.no_grad():
         model(TOKENS), hf_model(TOKENS)
+    for hook in hooks:  # hf_model is the module's: later tests run it unhooked
+        hook.remove()
     share = (torch.cat(seen["gu"][:8]).abs() > 7).float().mean().item()  # layer 0's 8 experts
     assert 0.02 <= share <= 0.2, share
     _, hf_weights, hf_experts = seen["hf"]
@@ -217,15 +219,15 @@ def test_named_sizes_write_what_transformers_reads_as_the_published_models():
         assert model_args_from_hf_config(config) == ("gpt_oss", args)
 
 
-def test_mxfp4_checkpoints_are_refused_with_the_fix(oss_dir, tmp_path):
-    """A checkpoint with MXFP4 experts (as published) is refused naming the fix, not misread."""
+def test_other_quantizations_are_refused(oss_dir, tmp_path):
+    """A gpt-oss checkpoint quantized otherwise than the hub's MXFP4 is refused by name, not misread."""
     from mtune.training.checkpointing.hf import CheckpointError
 
-    quantized = hub_layout(oss_dir, tmp_path / "mxfp4")
+    quantized = hub_layout(oss_dir, tmp_path / "bnb")
     config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="quantization_config 'mxfp4'.*dequantize"):
+    with pytest.raises(CheckpointError, match="quantization_config 'bitsandbytes' is not supported"):
         load_hf_config(quantized)
 
 
@@ -322,3 +324,36 @@ def test_mxfp4_dequantizes_as_transformers_does(dtype):
     theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
     assert ours.shape == (3, 8, 128) and theirs.shape == (3, 128, 8)
     assert torch.equal(ours, theirs.transpose(1, 2))
+
+
+def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
+    """The tiny checkpoint with its experts as the hub publishes them (MXFP4 ``*_blocks`` / ``*_scales``, an mxfp4
+    ``quantization_config``; here random codes and scales) loads with the logits of the same checkpoint whose experts
+    transformers' convert_moe_packed_tensors dequantized (transformers' model of it, fp32 within 1e-5); a save of it
+    drops the quantization_config and transformers reads it back. Mutation seen failing: the blocks dequantized into
+    transformers' [E, in, out] layout (a shape error naming the key)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state = load_file(str(oss_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    quantized, dense = dict(state), dict(state)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows_in, rows_out = state[key].shape  # transformers: [E, in, out]
+        blocks = torch.randint(0, 256, (experts, rows_out, rows_in // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(119, 124, (experts, rows_out, rows_in // 32), generator=gen, dtype=torch.uint8)
+        del quantized[key]
+        quantized[f"{key}_blocks"], quantized[f"{key}_scales"] = blocks, scales
+        dense[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    config = json.loads((oss_dir / "config.json").read_text())
+    for name, tensors, quantization in (("mxfp4", quantized, {"quant_method": "mxfp4"}), ("dense", dense, None)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}
+                                                                if quantization else config))
+    model = load_model_from_hf(tmp_path / "mxfp4", dtype=torch.float32).eval()
+    expected = logits_of(load_hf_model(tmp_path / "dense"), TOKENS)
+    assert (logits_of(model, TOKENS) - expected).abs().max().item() <= FP32_ATOL
+    saved = save_hf_checkpoint(model, tmp_path / "saved", source_dir=tmp_path / "mxfp4")
+    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
+    assert (logits_of(load_hf_model(saved), TOKENS) - expected).abs().max().item() <= FP32_ATOL
