@@ -298,10 +298,9 @@ def test_qlora_stores_experts_of_the_published_width_as_nf4():
 
 
 def test_the_sharded_loader_reads_whole_experts(oss_dir):
-    """The FSDP2 loader's path (each rank's rows; here one process, unsharded, so every row) turns the whole,
-    transposed experts as the single-device loader does: the same logits. (Two ranks splitting the experts are not
-    run here: a torchrun test costs more than this family's test budget.) Mutation seen failing: the sharded loader
-    left untransposed (a shape error naming the key)."""
+    """The FSDP2 loader's path on one unsharded process (every row) turns the whole, transposed experts as the
+    single-device loader does: the same logits (two ranks: the test below). Mutation seen failing: the sharded
+    loader left untransposed (a shape error naming the key)."""
     from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
 
     model = load_hf_checkpoint_sharded(build_model("gpt_oss", "tiny"), oss_dir, dtype=torch.float32, device="cpu")
@@ -357,3 +356,36 @@ def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
     saved = save_hf_checkpoint(model, tmp_path / "saved", source_dir=tmp_path / "mxfp4")
     assert "quantization_config" not in json.loads((saved / "config.json").read_text())
     assert (logits_of(load_hf_model(saved), TOKENS) - expected).abs().max().item() <= FP32_ATOL
+
+
+def _two_rank_worker(rank: int, tmp: str, ckpt: str) -> None:
+    from mtune.training.checkpointing.dcp import save_gathered_hf_checkpoint
+    from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
+    from mtune.training.distributed import shard_model
+    from mtune.training.model_setup import resolve_model_source, setup_model
+
+    model, _ = setup_model(resolve_model_source({"checkpoint_dir": ckpt}), device=torch.device("cpu"),
+                           dtype=torch.float32, materialize=False)
+    shard_model(model)
+    load_hf_checkpoint_sharded(model, ckpt, dtype=torch.float32, device="cpu")
+    experts = model.layers[0].mlp.experts.gate_up_proj.weight
+    with torch.no_grad():
+        logits = model.eval()(TOKENS)
+    torch.save({"logits": logits, "local_experts": experts.to_local().shape[0]}, f"{tmp}/rank{rank}.pt")
+    save_gathered_hf_checkpoint(model, f"{tmp}/export", source_dir=ckpt)
+
+
+def test_two_ranks_load_their_experts_and_export_them_whole(oss_dir, tmp_path):
+    """FSDP2 on 2 CPU processes: each rank reads its 4 of the 8 experts' rows out of the whole, transposed
+    checkpoint tensors; the sharded model's logits equal one device's (fp32, 1e-5), and the gathered export writes
+    whole experts that transformers loads with the same logits. Mutation seen failing: every rank reading the first
+    experts' rows (rank 1's logits then differ)."""
+    from tests._helpers.distributed import run_on_ranks
+
+    run_on_ranks(_two_rank_worker, tmp_path, str(tmp_path), str(oss_dir))
+    expected = logits_of(load_model_from_hf(oss_dir).eval(), TOKENS)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        assert out["local_experts"] == 4
+        assert (out["logits"] - expected).abs().max().item() <= FP32_ATOL
+    assert (logits_of(load_hf_model(tmp_path / "export"), TOKENS) - expected).abs().max().item() <= FP32_ATOL
