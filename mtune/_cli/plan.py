@@ -51,6 +51,7 @@ _REPO_NAMES = [
     (re.compile(r"Qwen3-(\d+)B-A(\d+)B", re.IGNORECASE), "qwen3_moe", "{}B_A{}B"),
     (re.compile(r"gemma-4-(\d+)B-A(\d+)B", re.IGNORECASE), "gemma4", "{}B_A{}B"),
     (re.compile(r"gemma-4-(E?\d+)B", re.IGNORECASE), "gemma4", "{}B"),
+    (re.compile(r"gpt-oss-(\d+)b", re.IGNORECASE), "gpt_oss", "{}B"),
     (re.compile(r"Llama-2-(\d+)b", re.IGNORECASE), "llama2", "{}B"),
     (re.compile(r"Llama-3\.1-(\d+)B", re.IGNORECASE), "llama3_1", "{}B"),
     (re.compile(r"Llama-3\.2-(\d+)B", re.IGNORECASE), "llama3_2", "{}B"),

@@ -1,7 +1,8 @@
 """Model families: one arguments dataclass and a table of named sizes each; :func:`build_model` builds any of them.
 
 Family names are those of the config folders (``llama2``, ``llama3``, ``llama3_1``, ``llama3_2``, ``llama3_3``,
-``qwen2``, ``qwen2_5``, ``qwen3``, ``qwen3_moe``, ``qwen3_5``, ``mistral``, ``phi4``, ``gemma3``, ``gemma4``, and
+``qwen2``, ``qwen2_5``, ``qwen3``, ``qwen3_moe``, ``qwen3_5``, ``mistral``, ``phi4``, ``gemma3``, ``gemma4``,
+``gpt_oss``, and
 ``tiny``, which is Llama 3.1's tiny size).
 """
 
@@ -12,6 +13,7 @@ import torch
 from mtune.config.errors import ConfigError
 from mtune.models.gemma3 import GEMMA3_SIZES, Gemma3Args
 from mtune.models.gemma4 import GEMMA4_SIZES, Gemma4Args
+from mtune.models.gpt_oss import GPT_OSS_SIZES, GptOssArgs
 from mtune.models.llama2 import LLAMA2_SIZES, Llama2Args
 from mtune.models.llama3 import LLAMA3_1_SIZES, LLAMA3_2_SIZES, LLAMA3_3_SIZES, LLAMA3_SIZES, Llama3Args
 from mtune.models.mistral import MISTRAL_SIZES, MistralArgs
@@ -38,6 +40,7 @@ FAMILIES: dict[str, tuple[type[DecoderArgs], dict[str, dict]]] = {
     "phi4": (Phi4Args, PHI4_SIZES),
     "gemma3": (Gemma3Args, GEMMA3_SIZES),
     "gemma4": (Gemma4Args, GEMMA4_SIZES),
+    "gpt_oss": (GptOssArgs, GPT_OSS_SIZES),
     "tiny": (Llama3Args, {"tiny": LLAMA3_1_SIZES["tiny"]}),
 }
 

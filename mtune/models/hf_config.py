@@ -8,6 +8,7 @@ Reads the layouts several transformers versions write: ``rope_theta`` + ``rope_s
 
 from mtune.models.gemma3.hf_config import gemma3_args, gemma3_hf_config
 from mtune.models.gemma4.hf_config import gemma4_args, gemma4_fused_experts, gemma4_hf_config
+from mtune.models.gpt_oss.hf_config import gpt_oss_args, gpt_oss_hf_config
 from mtune.models.llama2 import Llama2Args
 from mtune.models.llama3 import Llama3Args
 from mtune.models.mistral import MistralArgs
@@ -23,10 +24,11 @@ _ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
                   "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
                   "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-                  "Gemma4ForCausalLM": "gemma4_text", "Gemma4ForConditionalGeneration": "gemma4"}
+                  "Gemma4ForCausalLM": "gemma4_text", "Gemma4ForConditionalGeneration": "gemma4",
+                  "GptOssForCausalLM": "gpt_oss"}
 _HF_MODEL_TYPE = {"llama2": "llama", "llama3": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                   "qwen3_moe": "qwen3_moe", "phi4": "phi3", "gemma3": "gemma3_text",
-                  "qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}  # Gemma 3 / 4, Qwen3.5: written text-only
+                  "qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text", "gpt_oss": "gpt_oss"}  # Gemma 3 / 4, Qwen3.5: written text-only
 _HF_ARCHITECTURE = {model_type: arch for arch, model_type in _ARCHITECTURES.items()}
 
 
@@ -95,7 +97,7 @@ def _moe_fields(config: dict) -> dict:
 
 def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
     """``(family, args)`` for a Hugging Face config dict; family is ``llama2``, ``llama3``, ``mistral``, ``qwen2``,
-    ``qwen3``, ``qwen3_moe``, ``phi4``, ``gemma3``, ``qwen3_5`` or ``gemma4``.
+    ``qwen3``, ``qwen3_moe``, ``phi4``, ``gemma3``, ``qwen3_5``, ``gemma4`` or ``gpt_oss``.
 
     Raises ``ValueError`` (one line) for a model type or feature mtune does not implement.
     """
@@ -111,6 +113,8 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         return "qwen3_5", qwen3_5_args(config)
     if model_type in ("gemma4", "gemma4_text"):
         return "gemma4", gemma4_args(config)
+    if model_type == "gpt_oss":
+        return "gpt_oss", gpt_oss_args(config)
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
     if config.get("mlp_bias") or (model_type == "llama" and config.get("attention_bias")):
@@ -173,6 +177,8 @@ def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict
         return qwen3_5_hf_config(args, dtype)
     if model_type == "gemma4_text":
         return gemma4_hf_config(args, dtype)
+    if model_type == "gpt_oss":
+        return gpt_oss_hf_config(args, dtype)
     rope = dict(args.rope_scaling or {"rope_type": "default"})
     config = {
         "architectures": [_HF_ARCHITECTURE[model_type]],

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtune.modules.kv_cache import KVCache
-from mtune.modules.packed_attention import segment_attention
+from mtune.modules.packed_attention import segment_attention, sink_attention
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import apply_rotary
 
@@ -82,13 +82,16 @@ class Attention(nn.Module):
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     cu_seqlens: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                     cu_seqlens: torch.Tensor | None = None, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The heads' outputs ``[b, s, hq * d]`` of rotated queries ``[b, hq, s, d]`` against keys and values ``[b, hkv,
     kv_len, d]`` (grouped when ``hkv < hq``): attention per segment of ``cu_seqlens`` (with the sliding ``window``),
-    else SDPA under ``mask`` (None: causal)."""
+    else SDPA under ``mask`` (None: causal). ``sinks`` ``[hq]``: a sink logit per head in every softmax (gpt-oss)."""
     if cu_seqlens is not None:
-        return segment_attention(q, k, v, cu_seqlens, window)
+        return segment_attention(q, k, v, cu_seqlens, window, sinks)
     b, h, s, _ = q.shape
+    if sinks is not None:
+        return sink_attention(q, k, v, sinks, mask).transpose(1, 2).reshape(b, s, -1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[1] != h)
     return out.transpose(1, 2).reshape(b, s, -1)
 

@@ -14,6 +14,11 @@ on ``gate_up_proj``: A stacks ``A_gate`` over ``A_up``, B is block-diagonal (``B
 ``alpha / r`` (``rank_pattern`` / ``alpha_pattern``: ``{"gate_up_proj": 2r}``, ``{"gate_up_proj": 2 alpha}``).
 The product is exactly the two adapters' deltas. One of gate / up alone keeps rank ``r`` with zero rows in B for the
 other half.
+
+gpt-oss's experts (:class:`~mtune.modules.clamped_experts.ClampedSwiGLUExperts`) are fused in mtune too: their
+``gate_up_proj`` adapter is transformers' ``gate_up_proj`` parameter's as it is (the features in the same interleaved
+order). transformers holds those parameters ``[E, in, out]`` and marks them ``is_transposed``, so peft keeps the same
+factor layout (``lora_A [E * R, in]``, ``lora_B [out, R * E]``).
 """
 
 from __future__ import annotations
@@ -42,9 +47,19 @@ def adapted_experts(model: nn.Module) -> list[tuple[str, Experts]]:
             if isinstance(m, Experts) and any(isinstance(p, LoRAExpertLinear) for p in m.projections())]
 
 
+def _fused(experts: Experts) -> bool:
+    """Whether the experts keep gate and up in one ``gate_up_proj`` (gpt-oss) rather than apart."""
+    return not hasattr(experts, "gate_proj")
+
+
 def _parts(experts: Experts):
-    """``(gate_up: [(adapter, first row of its half)], down adapter or None)``."""
-    gate, up, down = (p if isinstance(p, LoRAExpertLinear) else None for p in experts.projections())
+    """``(gate_up: [(adapter, first row of its half)], down adapter or None)``; fused experts' ``gate_up_proj``
+    adapter is the one half, from row 0."""
+    adapters = [p if isinstance(p, LoRAExpertLinear) else None for p in experts.projections()]
+    if _fused(experts):
+        (gate_up, down) = adapters
+        return ([(gate_up, 0)] if gate_up is not None else []), down
+    gate, up, down = adapters
     halves = [(p, offset) for p, offset in ((gate, 0), (up, experts.gate_proj.out_features)) if p is not None]
     return halves, down
 
@@ -68,7 +83,9 @@ def expert_peft_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         halves, down = _parts(experts)
         keys = _keys(name, experts)
         factors = {}
-        if halves:
+        if halves and _fused(experts):
+            factors["gate_up_proj"] = _full(halves[0][0].lora_a.weight), _full(halves[0][0].lora_b.weight)
+        elif halves:
             r = halves[0][0].rank
             a = torch.cat([_full(p.lora_a.weight) for p, _ in halves], dim=1)  # [E, R, d]
             b = a.new_zeros(experts.n_experts, 2 * experts.gate_proj.out_features, a.shape[1])
@@ -92,7 +109,7 @@ def expert_peft_config(model: nn.Module) -> dict:
         halves, _ = _parts(experts)
         suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name  # layers.0.mlp.experts -> mlp.experts
         targets.update(f"{suffix}.{param}" for param in _keys(name, experts))
-        if len(halves) == 2:
+        if len(halves) == 2 and not _fused(experts):
             r, alpha = halves[0][0].rank, halves[0][0].alpha
             fields.update(rank_pattern={"gate_up_proj": 2 * r}, alpha_pattern={"gate_up_proj": 2 * alpha})
     return {"target_parameters": sorted(targets), **fields} if targets else {}
@@ -114,8 +131,8 @@ def expert_mtune_tensors(tensors: dict[str, torch.Tensor], model: nn.Module) -> 
                 raise ValueError(f"adapter lacks {e.args[0]} (the experts of {name} are adapted)") from None
             a = a.reshape(n, -1, a.shape[-1])  # [E, R, in]
             b = b.reshape(b.shape[0], -1, n).permute(2, 0, 1)  # [E, out, R]
-            if param == "down_proj":
-                out[f"{name}.down_proj.lora_a.weight"], out[f"{name}.down_proj.lora_b.weight"] = a, b
+            if param == "down_proj" or _fused(experts):
+                out[f"{name}.{param}.lora_a.weight"], out[f"{name}.{param}.lora_b.weight"] = a, b
                 continue
             rest = b.clone()
             r = halves[0][0].rank
@@ -139,8 +156,8 @@ def peft_modules(config: dict, model_modules=()) -> list[str]:
     halves = {"gate_proj", "up_proj"}
     for target in config.get("target_parameters") or []:
         param, rank = target.rpartition(".")[2], (config.get("rank_pattern") or {}).get("gate_up_proj", config["r"])
-        if param == "down_proj":
-            modules.add(param)
+        if param == "down_proj" or (param == "gate_up_proj" and "gate_up_proj" in model_modules):
+            modules.add(param)  # fused experts (gpt-oss): gate_up_proj's adapter is mtune's as it is
         elif param == "gate_up_proj" and rank == 2 * config["r"]:
             modules.update(halves)
         elif param == "gate_up_proj" and rank == config["r"] and len(halves & set(model_modules)) == 1:

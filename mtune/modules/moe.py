@@ -4,7 +4,8 @@ biased experts of gpt-oss are arguments).
 
 The interface other families build on:
 
-* :class:`MoE` ``(x [b, s, dim]) -> [b, s, dim]`` is the block's ``mlp``; its ``gate`` (:class:`Router`) returns
+* :class:`MoE` ``(x [b, s, dim]) -> [b, s, dim]`` is the block's ``mlp``; its ``gate`` (:class:`Router`; gpt-oss
+  names it ``router``: :attr:`MoE.router_layer` either way) returns
   ``(logits, weights, experts)``, its ``experts`` (:class:`Experts`) take the routed rows sorted by expert with the
   row count of each; with ``aux_loss_coef > 0`` it keeps ``router_logits`` for :func:`router_aux_loss`.
 * :class:`Experts` holds three :class:`~mtune.modules.expert_linear.ExpertLinear` projections, ``gate_proj``,
@@ -99,6 +100,8 @@ class Experts(nn.Module):
             (``mtune.training.checkpointing.placing``).
     """
 
+    fused_checkpoint = False  # subclasses with experts of their own layout (gpt-oss's) keep the default
+
     def __init__(self, n_experts: int, dim: int, hidden_dim: int, activation: Callable = F.silu, bias: bool = False,
                  fused_checkpoint: bool = False):
         super().__init__()
@@ -190,6 +193,10 @@ class MoE(nn.Module):
             ``sigmoid(shared_expert_gate(x))`` when a gate (an ``nn.Linear(dim, 1)``) is given.
         aux_loss_coef: the load-balancing loss's weight (``router_aux_loss_coef``); 0 (default, transformers'
             ``output_router_logits=false``) keeps no router logits.
+        experts: the experts module, when not :class:`Experts` of the arguments above (gpt-oss's
+            :class:`~mtune.modules.clamped_experts.ClampedSwiGLUExperts`): rows sorted by expert in, as ``Experts``.
+        router_name, router_bias: the router's attribute (and checkpoint) name, ``gate`` (default) or ``router``
+            (gpt-oss), and whether it has a bias.
 
     Attributes:
         expert_compute: ``auto`` (default), ``grouped`` or ``loop`` (see the module docstring).
@@ -198,15 +205,22 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = False,
                  activation: Callable = F.silu, bias: bool = False, shared_expert: nn.Module | None = None,
-                 shared_expert_gate: nn.Module | None = None, aux_loss_coef: float = 0.0) -> None:
+                 shared_expert_gate: nn.Module | None = None, aux_loss_coef: float = 0.0,
+                 experts: nn.Module | None = None, router_name: str = "gate", router_bias: bool = False) -> None:
         super().__init__()
-        self.gate = Router(dim, n_experts, top_k, norm_topk_prob)
-        self.experts = Experts(n_experts, dim, hidden_dim, activation, bias)
+        self.router_name = router_name
+        setattr(self, router_name, Router(dim, n_experts, top_k, norm_topk_prob, bias=router_bias))
+        self.experts = experts if experts is not None else Experts(n_experts, dim, hidden_dim, activation, bias)
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
         self.n_experts, self.top_k, self.aux_loss_coef = n_experts, top_k, aux_loss_coef
         self.expert_compute = "auto"
         self.router_logits: torch.Tensor | None = None
+
+    @property
+    def router_layer(self) -> Router:
+        """The router, whatever its name (``gate`` or ``router``)."""
+        return getattr(self, self.router_name)
 
     def _grouped(self, x: torch.Tensor) -> bool:
         return use_grouped(self.experts, x, self.expert_compute)
@@ -214,7 +228,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [b, s, dim]`` -> ``[b, s, dim]`` in ``x``'s dtype."""
         flat = x.reshape(-1, x.shape[-1])
-        logits, weights, experts = self.gate(flat)
+        logits, weights, experts = self.router_layer(flat)
         if self.aux_loss_coef > 0:
             self.router_logits = logits
         out = dispatch(self.experts, flat, weights, experts, self._grouped(flat))

@@ -54,24 +54,33 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
     """Returns a frozen Parameter holding `weight` as NF4 (dequantizes back to `weight.dtype`). A 3-D weight (every
-    expert's copy of a projection) is quantized as its 2-D ``[-1, in]`` rows: torchao's NF4 takes 2-D only."""
+    expert's copy of a projection) is quantized as its 2-D ``[-1, in]`` rows: torchao's NF4 takes 2-D only; each
+    expert must then be a whole number of second-level scale blocks (:func:`nf4_part` splits by expert), so its
+    scaler block is the largest power of two up to 256 that divides an expert's scale count (gpt-oss's 2880 x 5760
+    experts: 128; 2880 x 2880: 64), torchao's 256 wherever that fits."""
+    scaler_block = NF4_SCALER_BLOCK
     if weight.dim() > 2:
+        per_expert = weight[0].numel()
+        if per_expert % NF4_BLOCK:
+            raise ConfigError(f"NF4 needs each expert's weights to be a multiple of {NF4_BLOCK} values; got "
+                              f"{tuple(weight.shape[1:])}: set lora.quantize_base=false")
+        scaler_block = next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if per_expert // NF4_BLOCK % b == 0)
         weight = weight.reshape(-1, weight.shape[-1])
-    if weight.numel() % 16384 != 0:
+    elif weight.numel() % 16384 != 0:
         raise ConfigError(
             f"NF4 needs a weight whose element count is divisible by 16384; got shape {tuple(weight.shape)}: "
             "pick model sizes with larger or rounder linear layers, or set lora.quantize_base=false"
         )
     if is_fake(weight):  # mtune plan: no values to quantize, only torchao's layout to build
-        return nn.Parameter(_nf4_layout(weight.detach()), requires_grad=False)
-    return nn.Parameter(_nf4_api().to_nf4(weight.detach()), requires_grad=False)
+        return nn.Parameter(_nf4_layout(weight.detach(), scaler_block), requires_grad=False)
+    return nn.Parameter(_nf4_api().to_nf4(weight.detach(), NF4_BLOCK, scaler_block), requires_grad=False)
 
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 """Values per scale and scales per second-level scale: torchao's ``to_nf4`` defaults, which `quantize_nf4` uses."""
 
 
-def _nf4_layout(weight: torch.Tensor) -> torch.Tensor:
+def _nf4_layout(weight: torch.Tensor, scaler_block: int = NF4_SCALER_BLOCK) -> torch.Tensor:
     """An NF4Tensor laid out as ``to_nf4(weight)`` lays it out (the same inner tensors, shapes and dtypes: a test
     compares them), with uninitialised values: what a fake weight quantizes to, without the quantization's dozens
     of ops per weight (a quarter of a QLoRA plan's time when they ran on fake tensors)."""
@@ -84,9 +93,9 @@ def _nf4_layout(weight: torch.Tensor) -> torch.Tensor:
 
     meta = nf4.SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype,
                                   weight.device, weight.requires_grad)
-    return nf4.NF4Tensor(meta, NF4_BLOCK, blocks, NF4_SCALER_BLOCK,
+    return nf4.NF4Tensor(meta, NF4_BLOCK, blocks, scaler_block,
                          empty(blocks, torch.int8),                       # quantized_scalers
-                         empty(blocks // NF4_SCALER_BLOCK, weight.dtype),  # quantization_factor
+                         empty(blocks // scaler_block, weight.dtype),     # quantization_factor
                          empty((), weight.dtype),                         # scaler_mean
                          empty(n // 2, torch.uint8),                      # quantized_data: two codes a byte
                          nf4=empty(16, weight.dtype))                     # the 16 NF4 values

@@ -15,8 +15,9 @@ Kernels, chosen per call by :func:`segment_kernel`:
 - ``sdpa_per_segment`` (any device; the CPU's): exact causal SDPA per document, queries ``[1, h, L, d]`` against
   their own keys, so memory is O(s) (the outputs and log-sum-exps) and compute is the sum of L². A document longer
   than the window runs its first ``W`` queries causally, then chunks of ``W`` queries against the ``2W - 1`` keys
-  they can see, under one band mask shared by every chunk (O(W²) once, not per chunk). Reading the boundaries is
-  data-dependent Python, so it is kept out of ``torch.compile`` graphs (a graph break per block).
+  they can see, under one band mask shared by every chunk (O(W²) once, not per chunk). Rows that are whole
+  segments (a sliding window without packing) run together, one call per chunk for the batch. Reading the
+  boundaries is data-dependent Python, so it is kept out of ``torch.compile`` graphs (a graph break per block).
 
 Fake tensors (``mtune plan`` runs the model under ``FakeTensorMode``) have no values to split on: there
 :func:`document_boundaries` gives one segment per row and the same kernel runs on those, which allocates what any
@@ -24,6 +25,13 @@ split of the rows does (per-segment outputs and log-sum-exps that add up to one 
 forward and backward, the one shared band mask), so plans stay true; only the FLOPs differ.
 
 The dense mask stays as a fallback: ``TransformerDecoder.attention_kernel = "dense_mask"``.
+
+Attention sinks (gpt-oss: a learned logit per query head that joins every softmax's denominator and adds no value)
+ride on the same kernels as one more key: :func:`sink_inputs` widens queries and keys by a few features so that a
+key of zeros but one feature scores each head's sink exactly, its value zero; each segment (or row) sees that key
+first. A causal call then holds one key more than queries, so a query row of zeros is put first too (it sees only
+the sink key and its output is dropped): the square causal fast path stays. ``varlen_flash`` has no sink argument,
+so layers with sinks run ``sdpa_per_segment``.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["DENSE_MASK_UP_TO", "document_boundaries", "segment_attention", "segment_kernel", "kernel_for",
-           "varlen_available"]
+           "varlen_available", "sink_inputs", "sink_attention"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -68,15 +76,15 @@ def varlen_available() -> bool:
     return torch.cuda.is_available() and _varlen_api() is not None
 
 
-def segment_kernel(q: torch.Tensor, window: int | None = None) -> str:
+def segment_kernel(q: torch.Tensor, window: int | None = None, sinks: bool = False) -> str:
     """The kernel :func:`segment_attention` runs for queries like ``q`` (see the module docstring)."""
-    return kernel_for(q.device, q.dtype, window)
+    return kernel_for(q.device, q.dtype, window, sinks)
 
 
-def kernel_for(device: torch.device | str, dtype: torch.dtype, window: int | None = None) -> str:
+def kernel_for(device: torch.device | str, dtype: torch.dtype, window: int | None = None, sinks: bool = False) -> str:
     """The kernel :func:`segment_attention` runs for queries of ``dtype`` on ``device``: ``varlen_flash`` or
-    ``sdpa_per_segment``."""
-    if torch.device(device).type != "cuda" or dtype not in _HALF:
+    ``sdpa_per_segment`` (always, for layers with attention ``sinks``)."""
+    if sinks or torch.device(device).type != "cuda" or dtype not in _HALF:
         return "sdpa_per_segment"
     api = _varlen_api()
     if api is not None and (window is None or "window_size" in api[1]):
@@ -100,15 +108,59 @@ def document_boundaries(document_ids: torch.Tensor | None, batch: int, seq_len: 
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each segment of ``cu_seqlens``: ``q`` ``[b, hq, s, d]``, ``k, v`` ``[b, hkv, s, d]``
     (grouped-query when ``hkv < hq``) -> ``[b, s, hq * d]``, ready for the output projection. ``window``: each
-    token attends to at most this many tokens of its segment, itself included."""
-    kernel = segment_kernel(q, window)
+    token attends to at most this many tokens of its segment, itself included. ``sinks`` ``[hq]``: each head's
+    sink logit, in every segment's softmax."""
+    kernel = segment_kernel(q, window, sinks is not None)
     b, h, s, d = q.shape
     if kernel == "varlen_flash":
         return _varlen(q, k, v, cu_seqlens, window).view(b, s, h * d)
-    return _per_segment(q, k, v, cu_seqlens, window)
+    if sinks is None:
+        return _per_segment(q, k, v, cu_seqlens, window)
+    return _per_segment(*sink_inputs(q, k, v, sinks), cu_seqlens, window, sink_at=d)
+
+
+def sink_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries ``[b, hq, s, d]``, keys and values ``[b, hkv, s, d]`` widened to ``d + p`` features (``p`` in 1..8,
+    keeping the width a multiple of 8 and the three alike, as the flash kernels want; else SDPA falls back to the
+    math kernel and its ``s x s`` scores): a query's feature ``d`` holds its head's sink times ``sqrt(d)``, keys' and
+    values' extra features are zeros. The sink key (:func:`_sink_key`: feature ``d`` one, the rest zero) then scores
+    ``sinks[h]`` under the scale ``d ** -0.5`` and every real key what it scored before; outputs' first ``d``
+    features are the attention's."""
+    b, h, s, d = q.shape
+    pad = 8 - d % 8
+    sink = (sinks.to(q.dtype) * d**0.5).view(1, h, 1, 1).expand(b, h, s, 1)
+    q = torch.cat([q, sink, q.new_zeros(b, h, s, pad - 1)], dim=-1)
+    return q, F.pad(k, (0, pad)), F.pad(v, (0, pad))
+
+
+def _sink_key(k: torch.Tensor, v: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink's key ``[b, hkv, 1, d + p]`` (feature ``d`` one) and value (zeros) for widened keys ``k`` and values
+    ``v``."""
+    key = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[-1])
+    key[..., d] = 1
+    return key, v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[-1])
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with a sink logit per head through SDPA: ``q`` ``[b, hq, s, d]``, ``k, v`` ``[b, hkv, kv_len, d]``,
+    ``sinks`` ``[hq]``, ``mask`` boolean ``[b, 1, s, kv_len]`` (None: causal, ``kv_len == s``) -> ``[b, hq, s, d]``.
+    Equal to ``softmax([q k^T / sqrt(d), sink])`` without the sink's column, times ``v``."""
+    d = q.shape[-1]
+    gqa = k.shape[1] != q.shape[1]
+    q, k, v = sink_inputs(q, k, v, sinks)
+    key, value = _sink_key(k, v, d)
+    k, v = torch.cat([key, k], dim=2), torch.cat([value, v], dim=2)
+    if mask is None:  # a query of zeros first: the sink key first in a square causal call
+        q = torch.cat([q.new_zeros(q.shape[0], q.shape[1], 1, q.shape[-1]), q], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=gqa)
+        return out[:, :, 1:, :d]
+    mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=gqa)[..., :d]
 
 
 def _varlen(q, k, v, cu_seqlens, window):
@@ -142,28 +194,54 @@ def _band_mask(window: int, like: torch.Tensor) -> torch.Tensor:
 # torch.compiler.disable: it imports torch._dynamo (~85 MiB, a second of start-up) on the first call, not when this
 # module loads, so runs that never pack nor compile never load it.
 @torch._disable_dynamo
-def _per_segment(q, k, v, cu_seqlens, window):
+def _per_segment(q, k, v, cu_seqlens, window, sink_at=None):
+    """``sink_at``: ``q``, ``k`` come widened by :func:`sink_inputs` from heads of ``sink_at`` features (the
+    scores' scale), and each document's keys start with the sink key."""
     b, h, s, d = q.shape
+    sink = sink_at is not None
+    scale = sink_at**-0.5 if sink else None
     gqa = k.shape[1] != h
     bounds = list(range(0, b * s + 1, s)) if is_fake(cu_seqlens) else cu_seqlens.tolist()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     # One split per tensor into documents [L, heads, d] (a view when the rows are laid out [b, s, heads, d], as the
     # projections leave them): its backward writes every document's gradient into one tensor, where slicing the
     # batch per document would build a batch-sized gradient per document.
-    docs = [t.transpose(1, 2).reshape(b * s, t.shape[1], d).split(lengths) for t in (q, k, v)]
+    # Rows that are whole segments (no packing: a sliding window alone) run as one batch of rows, each chunk one
+    # call for all of them, instead of row by row.
+    rows = all(n == s for n in lengths)
+    if rows:
+        docs = [[t] for t in (q, k, v)]  # [b, heads, s, d]
+    else:
+        docs = [t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[-1]).split(lengths) for t in (q, k, v)]
     band = None
     pieces = []
+    if sink:
+        n = b if rows else 1
+        sink_k, sink_v = (t.expand(n, -1, -1, -1) for t in _sink_key(k[:1], v[:1], sink_at))  # [n, hkv, 1, *]
+        no_query = q.new_zeros(n, h, 1, d)
     for q_doc, k_doc, v_doc in zip(*docs):
-        q_doc, k_doc, v_doc = (t.transpose(0, 1)[None] for t in (q_doc, k_doc, v_doc))  # [1, heads, L, d]
+        if not rows:
+            q_doc, k_doc, v_doc = (t.transpose(0, 1)[None] for t in (q_doc, k_doc, v_doc))  # [1, heads, L, d]
         n = q_doc.shape[2]
         head = n if window is None else min(n, window)  # the first `window` queries: plain causal
-        pieces.append(F.scaled_dot_product_attention(q_doc[:, :, :head], k_doc[:, :, :head], v_doc[:, :, :head],
-                                                     is_causal=True, enable_gqa=gqa))
+        if sink:  # the sink key first, and a query of zeros before the queries (its output dropped)
+            out = F.scaled_dot_product_attention(
+                torch.cat([no_query, q_doc[:, :, :head]], 2), torch.cat([sink_k, k_doc[:, :, :head]], 2),
+                torch.cat([sink_v, v_doc[:, :, :head]], 2), is_causal=True, scale=scale, enable_gqa=gqa)[:, :, 1:]
+        else:
+            out = F.scaled_dot_product_attention(q_doc[:, :, :head], k_doc[:, :, :head], v_doc[:, :, :head],
+                                                 is_causal=True, scale=scale, enable_gqa=gqa)
+        pieces.append(out)
         for c in range(head, n, window or 1):  # later queries of a long document: chunks of `window`
             if band is None:
                 band = _band_mask(window, q)
+                if sink:  # the sink key, seen by every query, before each chunk's keys
+                    band = torch.cat([band.new_zeros(window, 1), band], dim=1)
             ce, k0 = min(c + window, n), c - window + 1
-            pieces.append(F.scaled_dot_product_attention(q_doc[:, :, c:ce], k_doc[:, :, k0:ce], v_doc[:, :, k0:ce],
-                                                         attn_mask=band[:ce - c, :ce - k0], enable_gqa=gqa))
-    out = torch.cat([p.transpose(1, 2) for p in pieces], dim=1)  # [1, b * s, h, d]
-    return out.view(b, s, h * d)
+            keys, values, cols = k_doc[:, :, k0:ce], v_doc[:, :, k0:ce], ce - k0
+            if sink:
+                keys, values, cols = torch.cat([sink_k, keys], 2), torch.cat([sink_v, values], 2), cols + 1
+            pieces.append(F.scaled_dot_product_attention(q_doc[:, :, c:ce], keys, values,
+                                                         attn_mask=band[:ce - c, :cols], scale=scale, enable_gqa=gqa))
+    out = torch.cat([p.transpose(1, 2) for p in pieces], dim=1)  # [1, b * s, h, d] (rows: [b, s, h, d])
+    return out.view(b, s, h * d) if not sink else out[..., :sink_at].reshape(b, s, h * sink_at)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE), with Llama 3.1's frequency scaling, Phi-3/4's LongRoPE and partial rotation."""
+"""Rotary position embeddings (RoPE), with Llama 3.1's frequency scaling, Phi-3/4's LongRoPE, YaRN (gpt-oss) and
+partial rotation."""
 
 import math
 
@@ -30,6 +31,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
         return inv_freq / scaling.get("factor", 1.0)
     if scaling["rope_type"] == "linear":  # positions divided by ``factor`` (Gemma 3's global layers)
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling, device)
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -39,6 +42,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     blended = (1 - smooth) * stretched / factor + smooth * stretched
     in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(in_band, blended, stretched)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict, device=None) -> torch.Tensor:
+    """YaRN (gpt-oss): frequencies whose wavelength fits ``beta_fast`` times or more into the original context
+    ``original_max_position_embeddings`` are kept, those fitting ``beta_slow`` times or fewer are divided by
+    ``factor``, and a linear ramp over the dimensions between blends the two. With ``truncate`` (YaRN's default;
+    gpt-oss sets it false) the ramp's ends are rounded out to whole dimensions. ``cos`` and ``sin`` are then scaled
+    by :func:`yarn_attention_factor`."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    base = theta**exponents
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times into the context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32.0), dim_of(scaling.get("beta_slow") or 1.0)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the original frequency, 0: divided by factor
+    return (1.0 / (factor * base)) * (1 - kept) + (1.0 / base) * kept
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's scale of ``cos`` and ``sin``: ``attention_factor`` when given, else ``0.1 ln(factor) + 1`` (or the
+    ratio of two such terms with ``mscale`` and ``mscale_all_dim``), 1 for ``factor <= 1``."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 def longrope_inv_freq(head_dim: int, theta: float, scaling: dict, positions: torch.Tensor) -> torch.Tensor:
@@ -64,13 +106,16 @@ class RotaryEmbedding(nn.Module):
         theta: ``rope_theta``.
         scaling: see :func:`rope_inv_freq`; LongRoPE's (``rope_type: longrope``, with ``short_factor``,
             ``long_factor``, ``original_max_position_embeddings`` and ``attention_factor``) also scales ``cos`` and
-            ``sin`` by ``attention_factor``.
+            ``sin`` by ``attention_factor``; YaRN's (``rope_type: yarn``: ``factor``, ``beta_fast``, ``beta_slow``,
+            ``original_max_position_embeddings``, ``truncate``) by :func:`yarn_attention_factor`.
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.longrope = scaling is not None and scaling["rope_type"] == "longrope"
+        self.scale = (yarn_attention_factor(scaling) if scaling is not None and scaling["rope_type"] == "yarn"
+                      else None)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` LongTensor ``[b, s]`` -> ``cos, sin`` of shape ``[b, s, head_dim]`` in ``dtype``, the angles
@@ -86,6 +131,9 @@ class RotaryEmbedding(nn.Module):
             scale = self.scaling["attention_factor"]
             return ((torch.cat([angles, angles], dim=-1).cos() * scale).to(dtype),
                     (torch.cat([-sin, sin], dim=-1) * scale).to(dtype))
+        if self.scale is not None:  # YaRN: cos and sin scaled in fp32 before the cast, as transformers does
+            return ((torch.cat([angles, angles], dim=-1).cos() * self.scale).to(dtype),
+                    (torch.cat([-sin, sin], dim=-1) * self.scale).to(dtype))
         return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 

@@ -100,11 +100,12 @@ class LayerKind(NamedTuple):
     """What the blocks of one kind need computed once per forward: rotary tables (``rope``; None for a layer that
     uses none), a sliding ``window`` (None: all earlier tokens), and whether the layer is ``recurrent`` (linear
     attention: it reads no mask, and packed documents reach it as segment boundaries, whatever the attention
-    kernel setting, so its state restarts at each)."""
+    kernel setting, so its state restarts at each). ``sinks``: sink logits (gpt-oss), which varlen cannot take."""
 
     rope: RotaryEmbedding | None
     window: int | None = None
     recurrent: bool = False
+    sinks: bool = False
 
 
 class TransformerDecoder(nn.Module):
@@ -236,7 +237,7 @@ class TransformerDecoder(nn.Module):
                 inputs[name] = (None, None, None, None, segments)
                 continue
             inputs[name] = (*kind.rope(input_pos, h.dtype), *self._attention_layout(input_pos, document_ids, caching,
-                                                                                     kind.window))
+                                                                                     kind.window, kind.sinks))
         stream, h = [h], None  # handed over in a list the callee empties: no frame here holds the embeddings
         h = self.run_layers(stream, tokens, inputs)
         if caching:
@@ -251,7 +252,7 @@ class TransformerDecoder(nn.Module):
             h = layer(h, *inputs[kind])
         return h
 
-    def _attention_layout(self, input_pos, document_ids, caching, window=None
+    def _attention_layout(self, input_pos, document_ids, caching, window=None, sinks=False
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """What each block's attention needs, computed once per forward: ``(mask, cache_pos, cu_seqlens)``.
 
@@ -268,7 +269,7 @@ class TransformerDecoder(nn.Module):
             device = input_pos.device
             dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                      else self.embed_tokens.weight.dtype)
-            self.attention_kernels_run.add(kernel_for(device, dtype, window))
+            self.attention_kernels_run.add(kernel_for(device, dtype, window, sinks))
             return None, None, document_boundaries(document_ids, b, s, device)
         mask, cache_pos = self._mask(input_pos, document_ids, caching, window)
         self.attention_kernels_run.add("kv_cache_mask" if caching else "sdpa_causal" if mask is None else "dense_mask")

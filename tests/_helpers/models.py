@@ -66,6 +66,12 @@ FAMILY_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(rms_norm_eps=1e-6, rope_theta=1000000.0, num_attention_heads=8,
                                          num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=128, norm_topk_prob=True)),
+    # 8 experts of 128 (gate_up 256 x 256, down 256 x 128), 2 per token; a window of 8 on layer 0, full attention on
+    # layer 1; YaRN x8 from a 64-token context (mtune's gpt_oss tiny size)
+    "gpt_oss": ("GptOssConfig", dict(rms_norm_eps=1e-5, rope_theta=150000.0, intermediate_size=128,
+                                     num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                                     rope_scaling=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                                                       truncate=False, original_max_position_embeddings=64))),
     "phi4": ("Phi3Config", dict(rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=_PHI4_LONGROPE,
                                 original_max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)),
 }
@@ -101,10 +107,10 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             norm = name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight"))  # Gemma 4 MoE's _1 / _2 too
-            if norm or name.endswith(".bias"):
+            if norm or name.endswith((".bias", "_bias", ".sinks")):
                 param.normal_(unit(name) if norm else 0.0, 0.1)
-            elif name.endswith(("mlp.gate.weight", "router.proj.weight")):
-                param.normal_(0.0, 0.5)  # transformers starts routers at zero: every expert tied
+            elif name.endswith(("mlp.gate.weight", "router.proj.weight", "mlp.router.weight")):
+                param.normal_(0.0, 0.5)  # transformers starts routers at zero (gpt-oss's near it): experts tied
             elif name.endswith(("router.scale", "router.per_expert_scale")):
                 param.uniform_(0.5, 1.5)  # Gemma 4's router scales, ones at the start
         if family.startswith("gemma4"):
@@ -140,7 +146,8 @@ def mtune_twin(hf_model, family, **overrides):
     holding ``hf_model``'s weights."""
     family, size = {"gemma4_moe": ("gemma4", "tiny_moe")}.get(family, (family, "tiny"))
     model = build_model(family, size, device="cpu", **overrides)
-    state = stacked_expert_state({k.removeprefix("model."): v for k, v in hf_model.state_dict().items()})
+    state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
+    state = whole_expert_state(state) if family == "gpt_oss" else stacked_expert_state(state)
     if model.args.tie_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -191,6 +198,23 @@ def tiny_gemma4_multimodal(text_family: str = "gemma4", seed: int = 0):
             elif name.endswith("router.proj.weight"):
                 param.normal_(0.0, 0.5)  # routing that depends on the token (transformers starts it near zero)
     return multimodal
+
+
+def whole_expert_state(state: dict) -> dict:
+    """gpt-oss's experts as transformers holds them (``mlp.experts.gate_up_proj [E, d, 2h]``, ``..._bias [E, 2h]``,
+    ``down_proj [E, h, d]``) in mtune's ``[E, out, in]`` rows (``mlp.experts.gate_up_proj.weight`` / ``.bias``);
+    other keys unchanged."""
+    out = {}
+    for key, value in state.items():
+        prefix, _, leaf = key.rpartition(".")
+        projection = leaf.removesuffix("_bias")
+        if not prefix.endswith("mlp.experts") or projection not in ("gate_up_proj", "down_proj"):
+            out[key] = value
+        elif leaf.endswith("_bias"):
+            out[f"{prefix}.{projection}.bias"] = value
+        else:
+            out[f"{prefix}.{projection}.weight"] = value.transpose(1, 2)
+    return out
 
 
 def load_hf_model(path):

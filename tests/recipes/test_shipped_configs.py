@@ -75,10 +75,15 @@ CHECKPOINTS = {
     "gemma-4-26B-A4B-it": ("gemma4", "26B_A4B", 25_233_141_790, 5_744_640),
     # Qwen3-MoE: rank-8 LoRA on attention only (PEFT on transformers' meta model of the hub config.json)
     "Qwen3-30B-A3B": ("qwen3_moe", "30B_A3B", 30_532_122_624, 6_684_672),
+    # gpt-oss (bf16 copies of the hub's MXFP4 checkpoints): rank-8 LoRA on attention only (PEFT on transformers'
+    # meta model of the same config)
+    "gpt-oss-20b-BF16": ("gpt_oss", "20B", 20_914_757_184, 3_981_312),
+    "gpt-oss-120b-BF16": ("gpt_oss", "120B", 116_829_156_672, 5_971_968),
 }
 # else the seven of Llama's block
 ADAPTED = {"phi4": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
            "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+           "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj"],
            "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                        "up_proj", "down_proj"],
            "qwen3_5/35B_A3B": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"],
@@ -203,13 +208,15 @@ def test_models_build_on_meta_with_published_sizes(loaded):
         assert all(type(model.get_submodule(n)) is frozen_type for n in per_layer), name
         block_linears = [m for n, m in model.named_modules() if n.startswith("layers.") and n not in kept | per_layer
                          and isinstance(m, torch.nn.Linear) and not n.endswith(("lora_a", "lora_b"))]
-        moe = {"qwen3_moe": (48, 128), "35B_A3B": (40, 256), "122B_A10B": (48, 256), "26B_A4B": (30, 128)}
-        if family in moe or size in moe:
+        moe = {"qwen3_moe": (48, 128, 3), "35B_A3B": (40, 256, 3), "122B_A10B": (48, 256, 3),
+               "26B_A4B": (30, 128, 3), "gpt_oss/20B": (24, 32, 2), "gpt_oss/120B": (36, 128, 2)}
+        shape = moe.get(f"{family}/{size}") or moe.get(family) or moe.get(size)  # layers, experts, projections
+        if shape is not None:
             # attention (and DeltaNet) adapted; experts frozen (NF4 under QLoRA); routers as they are; Gemma 4's
             # dense MLPs beside the experts frozen too (NF4 under QLoRA)
             experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith("_proj")]
-            layers, n_experts = moe.get(family) or moe[size]
-            assert len(experts) == layers * 3, name
+            layers, n_experts, projections = shape
+            assert len(experts) == layers * projections, name
             assert all(type(m) is ExpertLinear and m.n_experts == n_experts for m in experts), name
             assert all(m.nf4 == bool(lora.quantize_base) for m in experts), name
             dense = [m for n, m in model.named_modules()  # the shared expert, or Gemma 4's dense MLP beside

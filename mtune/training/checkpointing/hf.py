@@ -20,10 +20,13 @@ from mtune.models import build_model_from_args
 from mtune.models.hf_config import (
     fused_experts_checkpoint, hf_config_from_model_args, model_args_from_hf_config, text_model_key,
 )
-from mtune.modules.expert_linear import per_expert, stacked_key
+from mtune.modules.expert_linear import stacked_key, transposed_in_checkpoint
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
-from mtune.training.checkpointing.placing import fuse_experts, fused_experts, held_names, held_shape, place
+from mtune.training.checkpointing.placing import (
+    as_checkpoint_holds, expected_tensors, fused_experts, fused_name, gate_up_experts, held_names, held_shape, place,
+    read_mxfp4,
+)
 from mtune.units import parse_bytes
 
 CONFIG_NAME = "config.json"
@@ -127,15 +130,6 @@ def checkpoint_keys(checkpoint_dir: str | os.PathLike) -> dict[Path, list[str]]:
     return listed
 
 
-def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by name; a tied lm_head appears once, as embed_tokens."""
-    expected = dict(model.named_parameters())
-    expected.update((k, v) for k, v in model.state_dict(keep_vars=True).items() if k not in expected)
-    if getattr(getattr(model, "args", None), "tie_embeddings", False):
-        expected.pop("lm_head.weight", None)
-    return expected
-
-
 def locate_tensors(
     model: nn.Module, checkpoint_dir: str | os.PathLike, not_in_checkpoint: Callable[[str], bool] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[Path, list[tuple[str, str]]]]:
@@ -144,13 +138,15 @@ def locate_tensors(
     Returns ``(expected, by_file)``: the model's tensors by mtune name (:func:`expected_tensors`, minus those
     ``not_in_checkpoint(name)`` marks, e.g. LoRA adapters) and, per safetensors file, its ``(mtune name, hf key)``
     pairs; an expert's key keeps its index in the name (``experts.3.gate_proj.weight``, row 3 of the model's
-    ``experts.gate_proj.weight``: :func:`~mtune.modules.expert_linear.stacked_key`). Missing or unexpected keys
-    raise :class:`CheckpointError` naming them.
+    ``experts.gate_proj.weight``: :func:`~mtune.modules.expert_linear.stacked_key`), or, where the family holds
+    experts whole (:func:`fused_experts`), is named as the model's parameter. Missing or unexpected keys raise
+    :class:`CheckpointError` naming them.
     """
     expected = expected_tensors(model)
     if not_in_checkpoint is not None:
         expected = {k: v for k, v in expected.items() if not not_in_checkpoint(k)}
-    held = held_names(model, expected)
+    fused = fused_experts(model)
+    held = set(expected) if fused else held_names(model, expected)
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     listed = set()
@@ -158,6 +154,8 @@ def locate_tensors(
     for path, keys in checkpoint_keys(checkpoint_dir).items():
         for key in keys:
             name = mtune_name(key)
+            if fused and name is not None and (name := fused_name(name)) is None:
+                continue  # MXFP4 scales: read with their blocks
             skipped += name is None
             if name is None or (tied and name == "lm_head.weight"):
                 continue  # a vision tower; some tied checkpoints store the shared matrix twice
@@ -194,23 +192,28 @@ def load_hf_checkpoint(
     weight to NF4 at once, so the whole model never sits in memory at full precision.
     """
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
+    fused, gate_up = fused_experts(model), gate_up_experts(model)  # gpt-oss's whole experts, Gemma 4's gate|up
+    where = {k: p for p, keys in checkpoint_keys(checkpoint_dir).items() for k in keys} if fused else {}
     arrived: dict[str, int] = {}  # experts of each stacked projection read so far
-    fused = fused_experts(model)
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
-                slot = None if name in expected or name in fused else stacked_key(name)
-                want = held_shape(name, slot, expected, fused)
+                slot = None if name in expected or name in gate_up else stacked_key(name)
+                want = held_shape(name, slot, expected, gate_up)
+                transposed = transposed_in_checkpoint(name, fused)  # a whole expert projection, [E, in, out]
                 try:
-                    shape = tuple(f.get_slice(key).get_shape())
+                    tensor = read_mxfp4(f, key, lambda k: open_safetensors(where[k]), dtype) if fused else None  # MXFP4
+                    shape = tuple(f.get_slice(key).get_shape() if tensor is None else tensor.shape)
+                    want = (want[0], want[2], want[1]) if transposed and tensor is None else want
                     if shape != want:
                         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
-                    tensor = f.get_tensor(key)
+                    if tensor is None:
+                        tensor = f.get_tensor(key).transpose(1, 2).contiguous() if transposed else f.get_tensor(key)
                 except CheckpointError:
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{path}: cannot read tensor {key} ({e})") from None
-                whole = place(model, name, slot, tensor, dtype, device, arrived, fused)
+                whole = place(model, name, slot, tensor, dtype, device, arrived, gate_up)
                 del tensor
                 for name in whole if after_tensor is not None else ():
                     after_tensor(model.get_submodule(name.rpartition(".")[0]))
@@ -257,7 +260,7 @@ def save_hf_checkpoint(
         weights = weights.state_dict()
     items = weights.items() if isinstance(weights, Mapping) else weights
     if source_dir is not None:
-        config = read_hf_config(source_dir)
+        config = {k: v for k, v in read_hf_config(source_dir).items() if k != "quantization_config"}  # dequantized
         if config.get("text_config") is not None:  # a multimodal checkpoint: its text model is what was trained
             config = hf_config_from_model_args(load_hf_config(source_dir)[1])
     elif model_args is not None:
@@ -265,6 +268,7 @@ def save_hf_checkpoint(
     else:
         raise CheckpointError(f"{out}: pass source_dir (the checkpoint the weights came from) or model_args")
     tied = bool(config.get("tie_word_embeddings", False))
+    fused = fused_experts(model_args if model_args is not None else model_args_from_hf_config(config)[1])
 
     max_bytes = parse_bytes(max_shard_size, "max_shard_size", message=_SHARD_SIZE_ERROR)
     writer, saved_dtype = ShardWriter(out, max_bytes), None
@@ -279,12 +283,10 @@ def save_hf_checkpoint(
                 tensor = tensor.full_tensor()
             yield key, tensor
 
-    # experts the checkpoint holds fused (Gemma 4's) are written so; others one key per expert (per_expert below)
-    for key, tensor in fuse_experts(gathered()) if fused_experts_checkpoint(config) else gathered():
-        if saved_dtype is None and tensor.is_floating_point():
-            saved_dtype = tensor.dtype
-        for key, piece in per_expert(key, tensor):  # the experts' stacked projections, one key per expert
-            writer.add(key, piece.to("cpu").contiguous())
+    for key, piece in as_checkpoint_holds(gathered(), gate_up=fused_experts_checkpoint(config), whole=fused):
+        if saved_dtype is None and piece.is_floating_point():
+            saved_dtype = piece.dtype
+        writer.add(key, piece.to("cpu").contiguous())
     writer.finish()
 
     if saved_dtype is not None:

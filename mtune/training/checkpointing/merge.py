@@ -24,7 +24,12 @@ import torch
 from torch import nn
 
 from mtune.modules.lora import merge_adapter
-from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, open_safetensors, save_hf_checkpoint
+from mtune.modules.expert_linear import fused_checkpoint_key, stacked_key
+from mtune.models.hf_config import fused_experts_checkpoint, model_args_from_hf_config
+from mtune.training.checkpointing.hf import (
+    CheckpointError, checkpoint_keys, open_safetensors, read_hf_config, save_hf_checkpoint,
+)
+from mtune.training.checkpointing.placing import fused_experts
 from mtune.training.checkpointing.peft import Adapter, adapter_from_model, read_adapter
 
 __all__ = ["merged_hf_weights", "save_merged_model"]
@@ -63,37 +68,54 @@ def merged_hf_weights(
     layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
     listed = checkpoint_keys(base_dir)
     held = {k for keys in listed.values() for k in keys}
-    layers = _fused_expert_layers(layers, held)
+    # experts a checkpoint holds whole: gpt-oss's transposed, Gemma 4's gate and up side by side (both name their down
+    # projection ``experts.down_proj``: the family's config says which layout it is)
+    config = read_hf_config(base_dir)
+    whole = _whole_experts(layers, held) if fused_experts(model_args_from_hf_config(config)[1]) else {}
+    layers = _gate_up_expert_layers(layers, held) if fused_experts_checkpoint(config) else layers
     missing = set(layers) - held
     if missing:
         raise CheckpointError(
             f"{base_dir}: the adapter adapts {sorted(missing)[0]} (and {len(missing) - 1} more), which the base "
             "checkpoint does not hold: pass the base model the adapter was trained on"
         )
-    return _stream(listed, layers, dtype)
+    return _stream(listed, layers, dtype, whole)
+
+
+def _whole_experts(layers: dict, held: set[str]) -> dict[str, dict[int, object]]:
+    """The per-expert adapter layers (``model.layers.0.mlp.experts.3.gate_up_proj.weight``) of a checkpoint that
+    holds each expert projection whole and transposed (gpt-oss: ``model.layers.0.mlp.experts.gate_up_proj [E, in,
+    out]``), taken out of ``layers`` and grouped by that key: ``{key: {expert: layer}}``."""
+    whole: dict[str, dict[int, object]] = {}
+    for key in [k for k in layers if k not in held]:
+        slot = stacked_key(key)
+        fused = fused_checkpoint_key(slot[0]) if slot is not None else None
+        if fused in held:
+            whole.setdefault(fused, {})[slot[1]] = layers.pop(key)
+    return whole
 
 
 _EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _fused_expert_layers(layers: dict, held: set[str]) -> dict:
-    """``layers`` with the per-expert adapters of experts a checkpoint holds fused (Gemma 4's ``experts.gate_up_proj
-    [E, 2h, d]``, gate rows first, and ``experts.down_proj``: no per-expert keys) grouped under the fused key, as
-    ``{expert: {"gate" | "up" | "down": layer}}``; the others unchanged."""
+def _gate_up_expert_layers(layers: dict, held: set[str]) -> dict:
+    """``layers`` with the per-expert adapters of experts a checkpoint holds with gate and up side by side (Gemma
+    4's ``experts.gate_up_proj [E, 2h, d]``, gate rows first, and ``experts.down_proj``: no per-expert keys) grouped
+    under that key, as ``{expert: {"gate" | "up" | "down": layer}}``; the others unchanged."""
     out = {}
     for key, layer in layers.items():
         match = _EXPERT_WEIGHT.match(key)
-        fused = match and f"{match[1]}.{'down_proj' if match[3] == 'down' else 'gate_up_proj'}"
-        if match is None or key in held or fused not in held:
+        joined = match and f"{match[1]}.{'down_proj' if match[3] == 'down' else 'gate_up_proj'}"
+        if match is None or key in held or joined not in held:
             out[key] = layer
         else:
-            out.setdefault(fused, {}).setdefault(int(match[2]), {})[match[3]] = layer
+            out.setdefault(joined, {}).setdefault(int(match[2]), {})[match[3]] = layer
     return out
 
 
-def _merge_fused(tensor: torch.Tensor, experts: dict, dtype) -> torch.Tensor:
-    """A fused experts tensor ``[E, rows, in]`` with each expert's adapters folded into its rows (gate: the first
-    half of ``gate_up_proj``'s, up: the second; down: all of ``down_proj``'s)."""
+def _merge_gate_up(tensor: torch.Tensor, experts: dict, dtype) -> torch.Tensor:
+    """A ``[E, rows, in]`` experts tensor of :func:`_gate_up_expert_layers` with each expert's adapters folded into
+    its rows (gate: the first half of ``gate_up_proj``'s, up: the second; down: all of ``down_proj``'s)."""
     merged = tensor.to(dtype or tensor.dtype, copy=True)
     half = tensor.shape[1] // 2
     rows = {"gate": slice(0, half), "up": slice(half, None), "down": slice(None)}
@@ -104,13 +126,19 @@ def _merge_fused(tensor: torch.Tensor, experts: dict, dtype) -> torch.Tensor:
     return merged
 
 
-def _stream(listed, layers, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(listed, layers, dtype, whole) -> Iterator[tuple[str, torch.Tensor]]:
     for path, keys in listed.items():
         with open_safetensors(path) as f:
             for key in keys:
                 tensor = f.get_tensor(key)
-                if isinstance(layers.get(key), dict):
-                    tensor = _merge_fused(tensor, layers[key], dtype)
+                if key in whole:  # [E, in, out]: each adapted expert's [out, in] slice merged
+                    merged = tensor.to(dtype or tensor.dtype, copy=True)
+                    for e, layer in whole[key].items():
+                        merged[e] = merge_adapter(tensor[e].t(), layer.a, layer.b, layer.scaling, None,
+                                                  merged.dtype).t()
+                    tensor = merged
+                elif isinstance(layers.get(key), dict):
+                    tensor = _merge_gate_up(tensor, layers[key], dtype)
                 elif key in layers:
                     layer = layers[key]
                     if tuple(tensor.shape) != (layer.b.shape[0], layer.a.shape[1]):

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mtune.modules.expert_linear import stacked_key
+from mtune.modules.expert_linear import stacked_key, transposed_in_checkpoint
 from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
-from mtune.training.checkpointing.placing import fused_experts
+from mtune.training.checkpointing.placing import fused_experts, gate_up_experts
 from mtune.training.shards import as_param_like, assign_tensors, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
@@ -51,9 +51,10 @@ def load_hf_checkpoint_sharded(
     """
     device = torch.device(device)
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
-    if fused := fused_experts(model):
-        raise CheckpointError(f"{checkpoint_dir}: experts held fused ({next(iter(fused))}, Gemma 4's layout) cannot be "
-                              "loaded into an FSDP2-sharded model yet: train on one device")
+    if gate_up := gate_up_experts(model):
+        raise CheckpointError(f"{checkpoint_dir}: experts held fused ({next(iter(gate_up))}, Gemma 4's layout) cannot "
+                              "be loaded into an FSDP2-sharded model yet: train on one device")
+    fused = fused_experts(model)
     loaded: dict[str, nn.Parameter | torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # this rank's experts of each stacked projection
     for path, entries in by_file.items():
@@ -64,19 +65,26 @@ def load_hf_checkpoint_sharded(
                     _read_expert(model, f, key, *slot, expected[slot[0]], experts, arrives_whole, dtype, device)
                     continue
                 current = expected[name]
+                if fused and key.endswith("_blocks"):
+                    raise CheckpointError(f"{path}: {key}: MXFP4 experts are read on one device only, not into an "
+                                          "FSDP2-sharded model yet: start from a bf16 copy (unsloth/gpt-oss-*-BF16)")
                 view = f.get_slice(key)
-                if tuple(view.get_shape()) != tuple(current.shape):
+                # a whole expert projection held [n_experts, in, out] (gpt-oss): still split by expert, then turned
+                turn = (lambda t: t.transpose(1, 2).contiguous()) if transposed_in_checkpoint(name, fused) else None
+                want = tuple(current.shape) if turn is None else (current.shape[0], current.shape[2], current.shape[1])
+                if tuple(view.get_shape()) != want:
                     raise CheckpointError(f"{path}: tensor {key} has shape {list(view.get_shape())}, the model "
-                                          f"expects {list(current.shape)}")
+                                          f"expects {list(want)}")
+                turn = turn or (lambda t: t)
                 module_name, _, leaf = name.rpartition(".")
                 store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
                 if store is not None:
-                    local = store(f.get_tensor(key).to(device=device, dtype=dtype), current)
+                    local = store(turn(f.get_tensor(key)).to(device=device, dtype=dtype), current)
                 elif isinstance(current, DTensor):
                     start, length = row_slice(current)
-                    local = view[start:start + length].to(device=device, dtype=dtype, copy=True)
+                    local = turn(view[start:start + length]).to(device=device, dtype=dtype, copy=True)
                 else:
-                    local = f.get_tensor(key).to(device=device, dtype=dtype, copy=True)
+                    local = turn(f.get_tensor(key)).to(device=device, dtype=dtype, copy=True)
                 loaded[name] = as_param_like(local, current) if isinstance(current, nn.Parameter) else local
     loaded.update((name, as_param_like(local, expected[name])) for name, local in experts.items())
     assign_tensors(model, loaded)

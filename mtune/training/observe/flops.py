@@ -196,7 +196,7 @@ def _moe(tally: _Tally, moe: MoE, x: bool) -> bool:
     """A token's share of a mixture of experts: the router, ``top_k`` experts (alike in shape and adapters), and
     the shared expert if any. Its output needs a gradient where any of them trains or the input needs one (the
     routing weights depend on the input)."""
-    grad = _linear(tally, moe.gate, x, "linear") or x
+    grad = _linear(tally, moe.router_layer, x, "linear") or x
     for _ in range(moe.top_k):
         grad = _mlp(tally, moe.experts, x) or grad  # each expert's slice of the stacked projections
     if moe.shared_expert is not None:

@@ -51,6 +51,10 @@ KNOWN = {
     ("gemma4", "E4B"): 7_463_013_418,
     ("gemma4", "31B"): 30_697_345_340,
     ("gemma4", "26B_A4B"): 25_233_141_790,  # the mixture of experts (the card's 25.2B total, 3.8B active)
+    # gpt-oss: OpenAI's model card gives 20.91B / 116.83B total (3.6B / 5.1B active); transformers counts the same
+    # from these configs (its GptOssConfig defaults are the 120B; the 20B has 24 layers of 32 experts)
+    ("gpt_oss", "20B"): 20_914_757_184,
+    ("gpt_oss", "120B"): 116_829_156_672,
     ("mistral", "7B"): 7_241_732_096,
     ("mistral", "7B-v0.3"): 7_248_023_552,
 }
@@ -76,11 +80,12 @@ def test_tiny_sizes_suit_nf4(family):
     # Phi-4 fuses q/k/v and gate/up; Qwen3-MoE's tiny blocks have attention's 4 and 3 stacked expert projections
     # (ExpertLinear, 8 experts each); a Qwen3.5 DeltaNet layer has 5 projections where attention has 4; Gemma 4's six
     # blocks have 18 attention projections (the global ones no v_proj, the last two only q and o), 18 MLP and 12
-    # per-layer-input ones, beside the per-layer projection (its soft-capped head is not a plain nn.Linear)
-    per_block = {"phi4": 4, "qwen3_moe": 4, "qwen3_5": 7.5, "gemma4": 8}.get(family, 7)
+    # per-layer-input ones, beside the per-layer projection (its soft-capped head is not a plain nn.Linear); gpt-oss's
+    # blocks attention's 4 and 2 stacked expert projections (gate_up fused)
+    per_block = {"phi4": 4, "qwen3_moe": 4, "qwen3_5": 7.5, "gemma4": 8, "gpt_oss": 4}.get(family, 7)
     assert len(linears) == blocks * per_block + 1
     experts = [m for m in model.modules() if isinstance(m, ExpertLinear)]
-    assert len(experts) == (3 * blocks if family == "qwen3_moe" else 0)
+    assert len(experts) == {"qwen3_moe": 3, "gpt_oss": 2}.get(family, 0) * blocks
     # each expert a whole number of NF4 scale blocks (its rows of the projection's NF4 tensor), on 2 ranks too
     assert all(m.in_features * m.out_features % 32768 == 0 for m in experts)
     # the linears QLoRA keeps in the model's dtype (Qwen3.5's per-head in_proj_a / in_proj_b) need not suit NF4
