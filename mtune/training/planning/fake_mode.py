@@ -1,4 +1,5 @@
-"""The planner's fake tensors: ``FakeTensorMode`` with a cheaper dispatch-cache key.
+"""The planner's dispatch: ``FakeTensorMode`` with a cheaper dispatch-cache key, and both dispatch modes without
+dynamo's guard.
 
 A plan dispatches tens of thousands of ops on fake tensors, nearly every one a hit in FakeTensorMode's dispatch
 cache (the output's metadata stored per op and per input metadata). Building the key is most of a hit's cost: for
@@ -10,6 +11,12 @@ quantized, conjugate, negative and inference bits. The record's other fields fol
 from sizes and strides; layout, sparsity and sparse dims are fixed for a strided tensor), so two calls share a key
 exactly when they share torch's key, and every hit returns what torch's own key would: the same outputs, the same
 bytes (``tests/mtune/training/planning/test_fake_mode.py``). Any other argument is keyed by torch's code.
+
+Every ``TorchDispatchMode`` subclass gets its ``__torch_dispatch__`` wrapped so that ``torch.compile`` does not trace
+into it (``_should_skip_dynamo``): two more Python frames and two eval-frame switches per op and per mode, and a
+plan dispatches each op through two modes (the byte tracker, then the fake mode), and every gradient's ``.device``
+through the tracker. A plan compiles nothing (``compile: true`` is planned eagerly), so :class:`PlannerFakeMode` and
+:class:`PlanningTracker` (the tracker as a plan runs it) drop the wrapper; their dispatch is otherwise their base's.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-__all__ = ["PlannerFakeMode"]
+from mtune.training.planning.tracker import TensorTracker
+
+__all__ = ["PlannerFakeMode", "PlanningTracker"]
 
 _TENSOR = object()
 """Marks a tensor's tuple in a key (no value torch's own flattening appends is this object)."""
@@ -51,3 +60,22 @@ class PlannerFakeMode(FakeTensorMode):
                 self._prep_args_for_hash(result, arg, state, id_hashed_objects)
             else:  # torch's own key for the rest (it raises to bypass the cache where it must)
                 super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled while planning: no guard around each op (see the module docstring)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # FakeTensorMode's own, less its call counter (torch.utils._stats) and dynamo's guard
+        return self.dispatch(func, types, args, kwargs or {})
+
+
+class PlanningTracker(TensorTracker):
+    """`TensorTracker` as a plan runs it: its dispatch without dynamo's guard (see the module docstring)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    # the tracker's own function, unwrapped (functools.wraps keeps it as __wrapped__)
+    __torch_dispatch__ = TensorTracker.__dict__["__torch_dispatch__"].__wrapped__

@@ -70,10 +70,9 @@ from mtune.training.planning.memory_plan import (
     MemoryPlan,
     PlanError,
 )
-from mtune.training.planning.fake_mode import PlannerFakeMode
+from mtune.training.planning.fake_mode import PlannerFakeMode, PlanningTracker
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.planning.preference import packed_pair_fields, planned_preference, row_length, rows_per_sample
-from mtune.training.planning.tracker import TensorTracker
 
 __all__ = ["plan_memory"]
 
@@ -279,7 +278,7 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
     tracker, after a preference run's precompute pass; returns the largest of their peaks."""
     loss_fn = preference.loss if preference else instantiate(cfg.get("loss")) or CrossEntropyLoss()
-    tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
+    tracker = PlanningTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                             device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
     accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)
     first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731

@@ -1,6 +1,6 @@
-"""The planner's fake mode (`mtune.training.planning.fake_mode.PlannerFakeMode`) against torch's own
-``FakeTensorMode``: its cheaper dispatch-cache key tells arguments apart exactly where torch's key does, and a
-plan made with it is the plan torch's mode makes, byte for byte.
+"""The planner's dispatch (`mtune.training.planning.fake_mode`) against torch's own ``FakeTensorMode`` and the
+run's `TensorTracker`: the cheaper dispatch-cache key tells arguments apart exactly where torch's key does, and a
+plan made with `PlannerFakeMode` and `PlanningTracker` is the plan torch's mode and the tracker make, byte for byte.
 
 Mutations seen failing: dropping the dtype, the sizes, the strides, the device, the storage offset, the storage
 bytes, requires_grad, the conjugate, negative or inference bit from the key's tuple makes two of the arguments below share
@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
 import mtune.training.planning.plan as plan_module
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
-from mtune.training.planning.fake_mode import PlannerFakeMode
+from mtune.training.planning.fake_mode import PlannerFakeMode, PlanningTracker
+from mtune.training.planning.tracker import TensorTracker
 from tests._helpers.recipes import TRAIN_CONFIG, train_overrides, write_instruct_data, write_tiny_checkpoint
 
 
@@ -74,11 +75,12 @@ def test_a_plan_is_the_same_with_torchs_mode(tmp_path, monkeypatch):
         "loss._component_": "mtune.modules.loss.ChunkedCrossEntropyLoss", "device": "cuda"})
     cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG, overrides)
 
-    def plan(mode_class):
+    def plan(mode_class, tracker_class):
         monkeypatch.setattr(plan_module, "PlannerFakeMode", mode_class)
+        monkeypatch.setattr(plan_module, "PlanningTracker", tracker_class)
         return {k: v for k, v in dataclasses.asdict(plan_module.plan_memory(cfg)).items() if k != "seconds"}
 
-    ours, torchs = plan(PlannerFakeMode), plan(FakeTensorMode)
+    ours, torchs = plan(PlannerFakeMode, PlanningTracker), plan(FakeTensorMode, TensorTracker)
     assert ours == torchs
     assert ours["host_peak_bytes"] > 0  # the offloaded inputs count on the host: the host path was planned
 
