@@ -3,8 +3,9 @@ run's `TensorTracker`: the cheaper dispatch-cache key tells arguments apart exac
 plan made with `PlannerFakeMode` and `PlanningTracker` is the plan torch's mode and the tracker make, byte for byte.
 
 Mutations seen failing: dropping the dtype, the sizes, the strides, the device, the storage offset, the storage
-bytes, requires_grad, the conjugate, negative or inference bit from the key's tuple makes two of the arguments below share
-a key that torch's key tells apart (``test_key_tells_apart_what_torchs_key_does``)."""
+bytes, requires_grad, the conjugate, negative or inference bit from the key's tuple makes two of the arguments
+below share a key that torch's key tells apart (``test_key_tells_apart_what_torchs_key_does``). The quantized bit
+is kept but not tested (fake quantized tensors cannot be made here)."""
 
 import dataclasses
 
