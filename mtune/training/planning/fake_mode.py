@@ -77,5 +77,7 @@ class PlanningTracker(TensorTracker):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
-    # the tracker's own function, unwrapped (functools.wraps keeps it as __wrapped__)
-    __torch_dispatch__ = TensorTracker.__dict__["__torch_dispatch__"].__wrapped__
+    # the tracker's own function, unwrapped (functools.wraps keeps it as __wrapped__; a torch that does not wrap it
+    # leaves the function itself)
+    __torch_dispatch__ = getattr(TensorTracker.__dict__["__torch_dispatch__"], "__wrapped__",
+                                 TensorTracker.__dict__["__torch_dispatch__"])
