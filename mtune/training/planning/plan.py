@@ -4,15 +4,13 @@
 recipe's own setup functions (:func:`~mtune.training.model_setup.setup_model` on the meta device, or
 :func:`~mtune.training.model_setup.build_sharded_model` for a distributed recipe, then
 :func:`~mtune.training.model_setup.materialize_model` / ``materialize_sharded_model`` and
-:func:`~mtune.training.optimizers.build_optimizer` under ``FakeTensorMode`` (the planner's
-:class:`~mtune.training.planning.fake_mode.PlannerFakeMode`: a cheaper cache key, the same tensors); no step of
-theirs is re-implemented here, and what planning needs differently is a switch of theirs: ``materialize=False``, no
-checkpoint, a fake process group), then runs two optimizer steps of the training loop's own tensor work
-(:func:`~mtune.training.loop.step_on_tensors`) on fake tensors while the run's byte tracker
-(:class:`~mtune.training.planning.tracker.TensorTracker`, as
-:class:`~mtune.training.planning.fake_mode.PlanningTracker`) counts live bytes by category on the device and on the
-host. No weight file is read (only the checkpoint's ``config.json``) and no tensor memory is allocated, so an 8B
-config plans on a laptop.
+:func:`~mtune.training.optimizers.build_optimizer` under ``FakeTensorMode`` (`fake_mode.PlannerFakeMode`: a
+cheaper cache key, the same tensors); no step of theirs is re-implemented here, and what planning needs differently
+is a switch of theirs: ``materialize=False``, no checkpoint, a fake process group), then runs two optimizer steps of
+the training loop's own tensor work (:func:`~mtune.training.loop.step_on_tensors`) on fake tensors while the run's
+byte tracker (:class:`~mtune.training.planning.tracker.TensorTracker`, as `fake_mode.PlanningTracker`) counts live
+bytes by category on the device and on the host. No weight file is read (only the checkpoint's ``config.json``)
+and no tensor memory is allocated, so an 8B config plans on a laptop.
 
 - The batch is ``batch_size`` rows of ``tokenizer.max_seq_len`` tokens (packed rows with their document ids when
   ``dataset.packed``), every token trained: the largest batch the config can produce.
