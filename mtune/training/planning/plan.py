@@ -4,13 +4,13 @@
 recipe's own setup functions (:func:`~mtune.training.model_setup.setup_model` on the meta device, or
 :func:`~mtune.training.model_setup.build_sharded_model` for a distributed recipe, then
 :func:`~mtune.training.model_setup.materialize_model` / ``materialize_sharded_model`` and
-:func:`~mtune.training.optimizers.build_optimizer` under ``FakeTensorMode``; no step of theirs is
-re-implemented here, and what planning needs differently is a switch of theirs: ``materialize=False``, no
-checkpoint, a fake process group), then runs two optimizer steps of the training loop's own tensor work
-(:func:`~mtune.training.loop.step_on_tensors`) on fake tensors while the run's byte tracker
-(:class:`~mtune.training.planning.tracker.TensorTracker`) counts live bytes by category on the device and on the
-host. No weight file is read (only the checkpoint's ``config.json``) and no tensor memory is allocated, so an 8B
-config plans on a laptop.
+:func:`~mtune.training.optimizers.build_optimizer` under ``FakeTensorMode`` (`fake_mode.PlannerFakeMode`: a
+cheaper cache key, the same tensors); no step of theirs is re-implemented here, and what planning needs differently
+is a switch of theirs: ``materialize=False``, no checkpoint, a fake process group), then runs two optimizer steps of
+the training loop's own tensor work (:func:`~mtune.training.loop.step_on_tensors`) on fake tensors while the run's
+byte tracker (:class:`~mtune.training.planning.tracker.TensorTracker`, as `fake_mode.PlanningTracker`) counts live
+bytes by category on the device and on the host. No weight file is read (only the checkpoint's ``config.json``)
+and no tensor memory is allocated, so an 8B config plans on a laptop.
 
 - The batch is ``batch_size`` rows of ``tokenizer.max_seq_len`` tokens (packed rows with their document ids when
   ``dataset.packed``), every token trained: the largest batch the config can produce.
@@ -43,7 +43,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mtune.config import instantiate
 from mtune.config.errors import ConfigError
@@ -71,9 +70,9 @@ from mtune.training.planning.memory_plan import (
     MemoryPlan,
     PlanError,
 )
+from mtune.training.planning.fake_mode import PlannerFakeMode, PlanningTracker
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.planning.preference import packed_pair_fields, planned_preference, row_length, rows_per_sample
-from mtune.training.planning.tracker import TensorTracker
 
 __all__ = ["plan_memory"]
 
@@ -228,7 +227,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     memory, notes = _planned_memory(memory, cuda, fsdp_offload)
     dtype = storage_dtype(str(cfg.dtype))
     source = _model_source(cfg, n_layers)
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
+    mode = PlannerFakeMode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
     group = _fake_process_group(world_size) if sharded and not dist.is_initialized() else contextlib.nullcontext()
     with _quiet_setup(), group:
         if sharded:  # the run's own setup, split where the weights come in: they are made under fake tensors
@@ -279,7 +278,7 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
     tracker, after a preference run's precompute pass; returns the largest of their peaks."""
     loss_fn = preference.loss if preference else instantiate(cfg.get("loss")) or CrossEntropyLoss()
-    tracker = TensorTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
+    tracker = PlanningTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                             device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
     accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)
     first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731

@@ -52,9 +52,10 @@ __all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory"]
 # when one is active); what that allocates is not memory a step uses.
 _PROPAGATE = "_propagate_tensor_meta_non_cached"
 try:
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 except ImportError:  # a torch build without distributed: no DTensor either
-    ShardingPropagator = None
+    DTensor = ShardingPropagator = None
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 LOCATIONS = ("device", "host")
@@ -344,9 +345,7 @@ class TensorTracker(TorchDispatchMode):
                 handle.remove()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(t is DTensor for t in types):
+        if DTensor is not None and DTensor in types:
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
         if func is _DEVICE:  # a tensor's .device (the autograd engine asks it of every gradient): no storage
             tensor = args[0]
@@ -362,13 +361,20 @@ class TensorTracker(TorchDispatchMode):
             category = "temporaries"
         else:
             category = "activations"
-        tree_map_only(torch.Tensor, lambda t: self._register_output(t, category), out)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, or a tuple of them (no pytree walk)
+            self._register_output(out, category)
+        elif type(out) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in out):
+            for t in out:
+                self._register_output(t, category)
+        else:
+            tree_map_only(torch.Tensor, lambda t: self._register_output(t, category), out)
         self._update_peaks()
         self._check_limit()
         return out
 
     def _register_output(self, t: torch.Tensor, category: str) -> None:
-        for part in plain_parts(t):
+        # a fake tensor holds its own bytes (no inner parts): skip plain_parts' generator for the planner's ops
+        for part in (t,) if type(t) is FakeTensor else plain_parts(t):
             if isinstance(part, FakeTensor) and part.fake_mode is not self.fake_mode:
                 continue
             storage = part.untyped_storage()

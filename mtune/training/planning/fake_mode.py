@@ -1,0 +1,83 @@
+"""The planner's dispatch: ``FakeTensorMode`` with a cheaper dispatch-cache key, and both dispatch modes without
+dynamo's guard.
+
+A plan dispatches tens of thousands of ops on fake tensors, nearly every one a hit in FakeTensorMode's dispatch
+cache (the output's metadata stored per op and per input metadata). Building the key is most of a hit's cost: for
+every fake tensor argument torch fills a ``TensorMetadata`` record (17 fields, three sparse checks) and flattens it
+field by field through ``dataclasses.fields`` (torch 2.13, ``FakeTensorMode._prep_args_for_hash``).
+:class:`PlannerFakeMode` keys an ordinary tensor argument (this mode's, strided, no symbolic sizes, no constant) by
+one tuple of the same facts instead: dtype, sizes, strides, device, storage offset, storage bytes, requires_grad,
+quantized, conjugate, negative and inference bits. The record's other fields follow from those (the memory format
+from sizes and strides; layout, sparsity and sparse dims are fixed for a strided tensor), so two calls share a key
+exactly when they share torch's key, and every hit returns what torch's own key would: the same outputs, the same
+bytes (``tests/mtune/training/planning/test_fake_mode.py``). Any other argument is keyed by torch's code.
+
+Every ``TorchDispatchMode`` subclass gets its ``__torch_dispatch__`` wrapped so that ``torch.compile`` does not trace
+into it (``_should_skip_dynamo``): two more Python frames and two eval-frame switches per op and per mode, and a
+plan dispatches each op through two modes (the byte tracker, then the fake mode), and every gradient's ``.device``
+through the tracker. A plan compiles nothing (``compile: true`` is planned eagerly), so :class:`PlannerFakeMode` and
+:class:`PlanningTracker` (the tracker as a plan runs it) drop the wrapper; their dispatch is otherwise their base's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from mtune.training.planning.tracker import TensorTracker
+
+__all__ = ["PlannerFakeMode", "PlanningTracker"]
+
+_TENSOR = object()
+"""Marks a tensor's tuple in a key (no value torch's own flattening appends is this object)."""
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+"""Argument types keyed as torch keys them (their type, then the value), without a call into torch's code."""
+
+
+class PlannerFakeMode(FakeTensorMode):
+    """``FakeTensorMode`` whose dispatch-cache key costs less per tensor argument (see the module docstring)."""
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
+        if isinstance(args, (list, tuple, dict)):
+            result.append(type(args))
+            result.append(f"length_{len(args)}")
+        if isinstance(args, dict):
+            self._prep_args_for_hash(result, args.keys(), state, id_hashed_objects)
+            self._prep_args_for_hash(result, args.values(), state, id_hashed_objects)
+            return
+        strided = torch.strided
+        for arg in args:
+            if (type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None
+                    and arg.layout is strided and not arg._has_symbolic_sizes_strides):
+                result.append((_TENSOR, arg.dtype, tuple(arg.shape), arg.stride(), arg.device, arg.storage_offset(),
+                               arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_quantized, arg.is_conj(),
+                               arg.is_neg(), arg.is_inference()))
+            elif type(arg) in _PLAIN:
+                result.append(type(arg))
+                result.append(arg)
+            elif isinstance(arg, (list, tuple, dict)):
+                self._prep_args_for_hash(result, arg, state, id_hashed_objects)
+            else:  # torch's own key for the rest (it raises to bypass the cache where it must)
+                super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled while planning: no guard around each op (see the module docstring)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # FakeTensorMode's own, less its call counter (torch.utils._stats) and dynamo's guard
+        return self.dispatch(func, types, args, kwargs or {})
+
+
+class PlanningTracker(TensorTracker):
+    """`TensorTracker` as a plan runs it: its dispatch without dynamo's guard (see the module docstring)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    # the tracker's own function, unwrapped (functools.wraps keeps it as __wrapped__; a torch that does not wrap it
+    # leaves the function itself)
+    __torch_dispatch__ = getattr(TensorTracker.__dict__["__torch_dispatch__"], "__wrapped__",
+                                 TensorTracker.__dict__["__torch_dispatch__"])
