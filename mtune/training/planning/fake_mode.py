@@ -21,12 +21,14 @@ through the tracker. A plan compiles nothing (``compile: true`` is planned eager
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from mtune.training.planning.tracker import TensorTracker
 
-__all__ = ["PlannerFakeMode", "PlanningTracker"]
+__all__ = ["PlannerFakeMode", "PlanningTracker", "planner_fake_mode"]
 
 _TENSOR = object()
 """Marks a tensor's tuple in a key (no value torch's own flattening appends is this object)."""
@@ -68,6 +70,16 @@ class PlannerFakeMode(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # FakeTensorMode's own, less its call counter (torch.utils._stats) and dynamo's guard
         return self.dispatch(func, types, args, kwargs or {})
+
+
+def planner_fake_mode(**kwargs) -> FakeTensorMode:
+    """A :class:`PlannerFakeMode` where this torch has the private methods it overrides with the signature they
+    were written against (torch 2.13's), else torch's own ``FakeTensorMode``: the same plans, planned slower. (mtune
+    supports torch from 2.6, whose cache-key function takes other arguments.)"""
+    key = getattr(FakeTensorMode, "_prep_args_for_hash", None)
+    fits = (key is not None and hasattr(FakeTensorMode, "dispatch")
+            and list(inspect.signature(key).parameters) == ["self", "result", "args", "state", "id_hashed_objects"])
+    return (PlannerFakeMode if fits else FakeTensorMode)(**kwargs)
 
 
 class PlanningTracker(TensorTracker):

@@ -70,7 +70,7 @@ from mtune.training.planning.memory_plan import (
     MemoryPlan,
     PlanError,
 )
-from mtune.training.planning.fake_mode import PlannerFakeMode, PlanningTracker
+from mtune.training.planning.fake_mode import PlanningTracker, planner_fake_mode
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.planning.preference import packed_pair_fields, planned_preference, row_length, rows_per_sample
 
@@ -227,7 +227,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     memory, notes = _planned_memory(memory, cuda, fsdp_offload)
     dtype = storage_dtype(str(cfg.dtype))
     source = _model_source(cfg, n_layers)
-    mode = PlannerFakeMode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
+    mode = planner_fake_mode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
     group = _fake_process_group(world_size) if sharded and not dist.is_initialized() else contextlib.nullcontext()
     with _quiet_setup(), group:
         if sharded:  # the run's own setup, split where the weights come in: they are made under fake tensors

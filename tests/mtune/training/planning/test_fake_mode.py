@@ -77,7 +77,7 @@ def test_a_plan_is_the_same_with_torchs_mode(tmp_path, monkeypatch):
     cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG, overrides)
 
     def plan(mode_class, tracker_class):
-        monkeypatch.setattr(plan_module, "PlannerFakeMode", mode_class)
+        monkeypatch.setattr(plan_module, "planner_fake_mode", mode_class)
         monkeypatch.setattr(plan_module, "PlanningTracker", tracker_class)
         return {k: v for k, v in dataclasses.asdict(plan_module.plan_memory(cfg)).items() if k != "seconds"}
 
@@ -93,3 +93,16 @@ def test_views_share_the_storage_they_view():
         views = [x.view(24), x.view(24)]  # the second is a cache hit
     assert m.cache_enabled
     assert all(v.untyped_storage()._cdata == x.untyped_storage()._cdata for v in views)
+
+
+def test_a_torch_whose_cache_key_takes_other_arguments_plans_with_its_own_fake_mode(monkeypatch):
+    """PlannerFakeMode overrides a private torch method; where its signature differs (torch 2.6's takes no
+    id_hashed_objects), the planner uses torch's FakeTensorMode instead of failing at the first op. Mutation:
+    always PlannerFakeMode fails the second assertion."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mtune.training.planning.fake_mode import PlannerFakeMode, planner_fake_mode
+
+    assert type(planner_fake_mode()) is PlannerFakeMode  # this torch: the signature it was written against
+    monkeypatch.setattr(FakeTensorMode, "_prep_args_for_hash", lambda self, result, args, state: None)
+    assert type(planner_fake_mode()) is FakeTensorMode
