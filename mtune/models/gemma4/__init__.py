@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from mtune.models.layer_types import checked_layer_types
 from mtune.modules.feed_forward import FeedForward, gelu_tanh
 from mtune.modules.moe import Experts
 from mtune.modules.per_layer_block import PerLayerInputBlock, PerLayerInputMoEBlock, ScaledRouter
@@ -79,12 +80,7 @@ class Gemma4Args(DecoderArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.layer_types:
-            self.layer_types = layer_types(self.n_layers)
-        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
-        if unknown or len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types must give {SLIDING!r} or {FULL!r} for each of the {self.n_layers} "
-                             f"layers; got {len(self.layer_types)} entries{f', unknown {unknown}' if unknown else ''}")
+        self.layer_types = checked_layer_types(self.layer_types, self.n_layers, (SLIDING, FULL), layer_types)
         first_shared = self.n_layers - self.n_kv_shared_layers
         if self.n_kv_shared_layers and set(self.layer_types[first_shared:]) - set(self.layer_types[:first_shared]):
             raise ValueError(f"num_kv_shared_layers={self.n_kv_shared_layers}: a shared layer's kind has no earlier "

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from mtune.models.layer_types import checked_layer_types
 from mtune.modules.clamped_experts import ClampedSwiGLUExperts
 from mtune.modules.moe import MoE
 from mtune.modules.pre_norm_block import TransformerBlock
@@ -73,12 +74,8 @@ class GptOssArgs(DecoderArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.layer_types:
-            self.layer_types = alternating_layer_types(self.n_layers)
-        unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
-        if unknown or len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types must give {SLIDING!r} or {FULL!r} for each of the {self.n_layers} "
-                             f"layers; got {len(self.layer_types)} entries{f', unknown {unknown}' if unknown else ''}")
+        self.layer_types = checked_layer_types(self.layer_types, self.n_layers, (SLIDING, FULL),
+                                               alternating_layer_types)
 
     def final_norm(self) -> nn.Module:
         return FP32RMSNorm(self.dim, self.norm_eps)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from mtune.models.layer_types import checked_layer_types
 from mtune.modules.attention import GatedAttention
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.gated_deltanet import GatedDeltaNet
@@ -67,12 +68,7 @@ class Qwen3_5Args(DecoderArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.layer_types:
-            self.layer_types = hybrid_layer_types(self.n_layers)
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown or len(self.layer_types) != self.n_layers:
-            raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the {self.n_layers} layers; "
-                             f"got {len(self.layer_types)} entries{f', unknown {unknown}' if unknown else ''}")
+        self.layer_types = checked_layer_types(self.layer_types, self.n_layers, LAYER_TYPES, hybrid_layer_types)
 
     def rope(self) -> RotaryEmbedding:
         return RotaryEmbedding(int(self.head_dim * self.partial_rotary_factor), self.rope_theta, self.rope_scaling)
