@@ -67,6 +67,18 @@ def run_recipe_in_process(recipe: str, overrides: list[str], config: Path = TRAI
     return Path(out)
 
 
+def plan_and_run(recipe: str, overrides: list[str], config: Path = TRAIN_CONFIG):
+    """``mtune plan`` of ``config`` with ``overrides``, then the same run through the recipe in this process:
+    ``(plan, output dir, the run's memory_breakdown.json)`` (``overrides`` set ``memory_breakdown``)."""
+    from mtune._cli.catalog import find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+    from mtune.training.planning.plan import plan_memory
+
+    plan = plan_memory(load_and_check(load_recipe_module(find_recipe(recipe)), config, overrides))
+    out = run_recipe_in_process(recipe, overrides, config)
+    return plan, out, json.loads((out / "memory_breakdown.json").read_text())
+
+
 def read_metrics(output_dir) -> list[dict]:
     lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

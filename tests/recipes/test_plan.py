@@ -14,7 +14,7 @@ from mtune.training.planning.optimizer_layouts import Bnb8bitAdamLayout, BnbAdam
 from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import CATEGORIES
-from tests._helpers.recipes import TRAIN_CONFIG, run_recipe_in_process, torchrun, train_overrides
+from tests._helpers.recipes import TRAIN_CONFIG, plan_and_run, run_recipe_in_process, torchrun, train_overrides
 
 PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
 # name -> (recipe, overrides): every flag of the matrix that runs on one CPU device, combined into seven runs
@@ -55,9 +55,7 @@ def test_planned_peak_matches_a_real_run(tmp_path, tiny_checkpoint, tiny_data, n
     if "bitsandbytes" in str(changes):
         pytest.importorskip("bitsandbytes")
     overrides = _overrides(tmp_path, tiny_checkpoint, tiny_data, changes)
-    plan = plan_memory(_config(recipe, overrides))
-    out = run_recipe_in_process(recipe, overrides)
-    measured = json.loads((out / "memory_breakdown.json").read_text())
+    plan, _, measured = plan_and_run(recipe, overrides)
     assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=0.05)
     assert plan.host_peak_bytes == measured["host_peak_bytes"] == 0  # on a CPU target nothing is offloaded
     for category in ("parameters", "gradients", "optimizer_state"):

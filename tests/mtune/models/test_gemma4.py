@@ -253,10 +253,7 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(family, 
     shared keys and values, the soft-capped chunked loss included) and the parameters, gradients and optimizer state
     to the byte. The MoE shape runs as 26B-A4B's shipped config does, QLoRA: NF4 experts and dense MLPs beside
     them, the experts' gate_proj adapters, the routed rows, and the merged model saved with its experts fused."""
-    from mtune._cli.catalog import find_recipe, load_recipe_module
-    from mtune._cli.run import load_and_check
-    from mtune.training.planning.plan import plan_memory
-    from tests._helpers.recipes import TRAIN_CONFIG, losses, run_recipe_in_process, train_overrides, write_instruct_data
+    from tests._helpers.recipes import losses, plan_and_run, train_overrides, write_instruct_data
     from tests._helpers.tokenizers import write_tokenizer_files
 
     vocab = write_tokenizer_files(tmp_path / "tok", "gemma4")
@@ -266,12 +263,9 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(family, 
     overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
         "dataset.packed": True, "memory_breakdown": True, "max_steps_per_epoch": 4,
         "lora.modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], "lora.quantize_base": quantize_base})
-    plan = plan_memory(load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG,
-                                      overrides))
-    out = run_recipe_in_process("lora_single_device", overrides)
+    plan, out, measured = plan_and_run("lora_single_device", overrides)
     run = losses(out)
     assert run[-1] < run[0] - 0.3, run
-    measured = json.loads((out / "memory_breakdown.json").read_text())
     assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
     for category in ("parameters", "gradients", "optimizer_state"):
         assert plan.device[category] == measured["device"][category], category

@@ -17,7 +17,7 @@ from tests._helpers.lora import assert_peft_loads_the_adapter, lora_cfg, lora_st
 from tests._helpers.models import (
     load_hf_model, logits_of, mtune_twin, tiny_hf_config, tiny_hf_model, write_tiny_hf_model,
 )
-from tests._helpers.recipes import TRAIN_CONFIG, losses, run_recipe_in_process, train_overrides, write_instruct_data
+from tests._helpers.recipes import losses, plan_and_run, train_overrides, write_instruct_data
 from tests._helpers.tokenizers import write_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
@@ -140,10 +140,12 @@ def test_unsupported_config_fields_name_the_file(field, value, message, qwen3_5_
         load_hf_config(tmp_path)
 
 
-@pytest.mark.parametrize("size,full_layers", [("0.8B", 6), ("2B", 6), ("4B", 8), ("9B", 8), ("27B", 16)])
+@pytest.mark.parametrize("size,full_layers", [("0.8B", 6), ("2B", 6), ("4B", 8), ("9B", 8), ("27B", 16),
+                                             ("35B_A3B", 10), ("122B_A10B", 12)])
 def test_named_size_builds_as_transformers_builds_it(size, full_layers):
     """Each named size's config.json, written back, reads as the same args and transformers builds it with our count
-    (tied embeddings counted once). Mutation seen failing: 2B's linear_n_v_heads 32."""
+    (tied embeddings counted once; the mixtures of experts as Qwen3_5MoeForCausalLM). Mutation seen failing: 2B's
+    linear_n_v_heads 32."""
     args = model_args("qwen3_5", size)
     config = hf_config_from_model_args(args)
     assert model_args_from_hf_config(config)[1] == args
@@ -159,22 +161,15 @@ def test_packed_lora_run_with_its_tokenizer_and_the_plan_of_its_tensors(tmp_path
     """Through the recipe: packed rows of several documents, the checkpoint's own tokenizer.json (its Qwen3.5 chat
     format), the loss falling; `mtune plan`'s fake tensors (which cannot read where documents end) give the tracked
     peak within 0.1% and the parameters, gradients and optimizer state to the byte."""
-    from mtune._cli.catalog import find_recipe, load_recipe_module
-    from mtune._cli.run import load_and_check
-    from mtune.training.planning.plan import plan_memory
-
     vocab = write_tokenizer_files(tmp_path / "tok", "qwen3_5")
     checkpoint = write_tiny_hf_model(tmp_path, "qwen3_5", vocab_size=vocab, bos_token_id=None, eos_token_id=vocab - 3)
     write_tokenizer_files(checkpoint, "qwen3_5")
     overrides = train_overrides(tmp_path, checkpoint, write_instruct_data(tmp_path / "data.jsonl"), **{
         "dataset.packed": True, "memory_breakdown": True, "max_steps_per_epoch": 4,
         "lora.modules": ["q_proj", "v_proj", "in_proj_qkv", "out_proj", "gate_proj"]})
-    plan = plan_memory(load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG,
-                                      overrides))
-    out = run_recipe_in_process("lora_single_device", overrides)
+    plan, out, measured = plan_and_run("lora_single_device", overrides)
     run = losses(out)
     assert run[-1] < run[0] - 0.3, run
-    measured = json.loads((out / "memory_breakdown.json").read_text())
     assert plan.device_peak_bytes == pytest.approx(measured["device_peak_bytes"], rel=1e-3)
     for category in ("parameters", "gradients", "optimizer_state"):
         assert plan.device[category] == measured["device"][category], category

@@ -217,17 +217,12 @@ def test_planned_bytes_equal_a_real_run(changes, moe_dir, tmp_path):
     rows, or grouped_mm's fake kernel in bf16) against the tracker of a real run of the same config: every expert's
     weights (and adapters, gradients, states), and the routed rows (tokens x top_k) among the activations.
     Mutation seen failing: on fake tensors the experts skipped (their rows not planned)."""
-    from mtune._cli.catalog import find_recipe, load_recipe_module
-    from mtune._cli.run import load_and_check
-    from mtune.training.planning.plan import plan_memory
-    from tests._helpers.recipes import TRAIN_CONFIG
+    from tests._helpers.recipes import plan_and_run
 
     data = write_instruct_data(tmp_path / "data.jsonl")
     overrides = train_overrides(tmp_path, moe_dir, data, **{"dataset.packed": True, "max_steps_per_epoch": 2,
                                                             "memory_breakdown": True, **changes})
-    plan = plan_memory(load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG, overrides))
-    out = run_recipe_in_process("lora_single_device", overrides)
-    measured = json.loads((out / "memory_breakdown.json").read_text())
+    plan, _, measured = plan_and_run("lora_single_device", overrides)
     assert plan.device["parameters"] == measured["device"]["parameters"]
     for category in ("gradients", "optimizer_state"):
         assert plan.device[category] == pytest.approx(measured["device"][category], rel=0.01), category
