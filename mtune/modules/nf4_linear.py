@@ -52,6 +52,11 @@ def is_nf4(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, _nf4.NF4Tensor)
 
 
+def nf4_tensor_class() -> type | None:
+    """torchao's ``NF4Tensor`` once an NF4 weight was made in this process, else None (no import for it)."""
+    return None if _nf4 is None else _nf4.NF4Tensor
+
+
 def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
     """Returns a frozen Parameter holding `weight` as NF4 (dequantizes back to `weight.dtype`). A 3-D weight (every
     expert's copy of a projection) is quantized as its 2-D ``[-1, in]`` rows: torchao's NF4 takes 2-D only; each

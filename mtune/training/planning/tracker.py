@@ -294,6 +294,13 @@ class TensorTracker(TorchDispatchMode):
                     category_peak[category] = value
 
     # ---------------------------------------------------------------------------------------------- queries
+    def category_now(self) -> str:
+        """The category of a storage an op makes now: ``temporaries`` in backward and in the optimizer step,
+        else ``activations``."""
+        if self._in_optimizer or torch._C._current_graph_task_id() != -1:
+            return "temporaries"
+        return "activations"
+
     def current(self) -> dict[str, dict[str, int]]:
         """Live bytes now, ``{where: {category: bytes}}``."""
         return copy.deepcopy(self._current)
@@ -355,12 +362,7 @@ class TensorTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self._propagating:
             return out
-        if self._in_optimizer:
-            category = "temporaries"
-        elif torch._C._current_graph_task_id() != -1:  # inside backward
-            category = "temporaries"
-        else:
-            category = "activations"
+        category = self.category_now()
         if isinstance(out, torch.Tensor):  # most ops: one tensor, or a tuple of them (no pytree walk)
             self._register_output(out, category)
         elif type(out) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in out):
