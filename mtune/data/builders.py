@@ -98,13 +98,15 @@ def chat_dataset(
 ) -> TokenizedDataset:
     """Multi-turn conversations, OpenAI style (a `messages` column of `{role, content}` with roles system / user /
     assistant) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system).
+    An OpenAI-style assistant message's `thinking` (its reasoning, as gpt-oss's data carries it) goes to the chat
+    formats that render it (gpt-oss's analysis channel); the other families refuse such a row, naming it.
 
     The column is found by name (`messages`, else `conversations`; `column_map: {messages: <column>}` names
     another); each message's style is recognised by its keys. `system_prompt` replaces the data's system messages.
     """
     columns = _column_map(column_map, ("messages", "conversations"))
 
-    def to_messages(row: dict[str, Any]) -> list[tuple[str, str]]:
+    def to_messages(row: dict[str, Any]) -> list[tuple[str, str, str | None]]:
         # The column the user mapped, else whichever of `messages` / `conversations` the row has.
         mapped = [name for name in ("messages", "conversations") if name in (column_map or {})]
         found = mapped or [name for name in ("messages", "conversations") if row.get(name) is not None]
@@ -117,8 +119,11 @@ def chat_dataset(
         messages = [("system", system_prompt)] if system_prompt else []
         for i, message in enumerate(conversation):
             role, content = chat_message(message, column, i)
+            thinking = message.get("thinking") if "role" in message else None  # (a null thinking: none)
+            if thinking is not None and not isinstance(thinking, str):
+                raise RowError(f"{column}[{i}]: thinking must be text, got {type(thinking).__name__}")
             if not (system_prompt and role == "system"):
-                messages.append((role, content))
+                messages.append((role, content, thinking))
         return messages
 
     settings = {"columns": columns, "column_map": column_map, "system_prompt": system_prompt,
@@ -213,8 +218,8 @@ def chat_message(message: Any, column: str, i: int) -> tuple[str, str]:
 
 def _chat_converter(tokenizer, to_messages, train_on_input: bool, max_seq_len: int | None):
     def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
-        messages = [Message(role, content) for role, content in to_messages(row)]
-        try:
+        try:  # (role, content) or (role, content, thinking) per message
+            messages = [Message(*message) for message in to_messages(row)]
             out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len)
         except ValueError as e:  # the chat format refuses this conversation (e.g. roles that do not alternate)
             raise RowError(str(e)) from None

@@ -24,16 +24,22 @@ class TokenizerError(MtuneError, ValueError):
 @dataclass(frozen=True)
 class Message:
     """One turn of a conversation. ``role`` is "system", "user" or "assistant"; ``content`` is plain text (any
-    control-token spelling inside it, e.g. ``<|eot_id|>``, is encoded as ordinary text)."""
+    control-token spelling inside it, e.g. ``<|eot_id|>``, is encoded as ordinary text). ``thinking``: an assistant
+    reply's reasoning, for the families whose template reads it from a field of its own (gpt-oss's ``thinking``);
+    None when the reply has none (the Qwen3 families read reasoning from the content's ``<think>`` block instead)."""
 
     role: str
     content: str
+    thinking: str | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"message role {self.role!r} is not supported; use one of {', '.join(ROLES)}")
         if not isinstance(self.content, str):
             raise TypeError(f"message content must be a str, got {type(self.content).__name__} (role {self.role})")
+        if self.thinking is not None and (self.role != "assistant" or not isinstance(self.thinking, str)):
+            raise ValueError(f"message thinking must be text on an assistant message, got "
+                             f"{type(self.thinking).__name__} on a {self.role} message")
 
 
 @dataclass
@@ -65,6 +71,7 @@ class Tokenizer:
     """
 
     family: str = ""
+    reads_thinking = False  # whether the chat format renders Message.thinking (gpt-oss's analysis channel)
     bos_id: int | None
     eos_id: int
     pad_id: int
@@ -123,6 +130,10 @@ class Tokenizer:
         messages = [m if isinstance(m, Message) else Message(**m) for m in messages]
         if not messages:
             raise ValueError("tokenize_messages got an empty conversation; give at least one message")
+        if not self.reads_thinking and any(m.thinking is not None for m in messages):
+            raise TokenizerError(f"{self.family} chat format: a message has thinking, which only gpt-oss's format "
+                                 "renders; give this family's reasoning the way its template reads it (Qwen3: a "
+                                 "<think>...</think> block at the start of the content)")
         tokens, trained = self._render(messages, add_generation_prompt)
         limit = max_seq_len if max_seq_len is not None else self.max_seq_len
         if limit is None or len(tokens) <= limit:

@@ -16,6 +16,7 @@ qwen3_5(_moe)   Qwen3.5 ``tokenizer.json`` (Qwen3's ids, Qwen3.5's chat template
 phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
 gemma3(_text)   Gemma 3 ``tokenizer.json`` (family ``gemma3``)
 gemma4(_text)   Gemma 4 ``tokenizer.json`` (family ``gemma4``)
+gpt_oss         gpt-oss ``tokenizer.json`` (o200k_harmony) and the harmony chat format (family ``gpt_oss``)
 ==============  =====================================================================================
 
 Without ``config.json`` (or given a single file) the kind is inferred from the files themselves.
@@ -29,13 +30,15 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4", "gpt_oss")
 
 
-def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenizer:
+def load_tokenizer(path: str | Path, max_seq_len: int | None = None, **options) -> Tokenizer:
     """The tokenizer of a model directory (as ``mtune download`` leaves it) or of one tokenizer file.
 
-    ``max_seq_len`` becomes the default length limit of ``encode`` and ``tokenize_messages``.
+    ``max_seq_len`` becomes the default length limit of ``encode`` and ``tokenize_messages``. ``options`` are the
+    family's own settings (e.g. gpt-oss's ``current_date`` and ``reasoning_effort``, Qwen3's ``enable_thinking``);
+    one the family does not take is refused by name.
     """
     family, file = detect_tokenizer(path)
     if family == "llama3":
@@ -54,9 +57,20 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None) -> Tokenize
         from mtune.tokenizers.gemma3 import Gemma3Tokenizer as cls
     elif family == "gemma4":
         from mtune.tokenizers.gemma4 import Gemma4Tokenizer as cls
+    elif family == "gpt_oss":
+        from mtune.tokenizers.gpt_oss import GptOssTokenizer as cls
     else:
         from mtune.tokenizers.qwen2 import Qwen2Tokenizer as cls
-    return cls(file, max_seq_len=max_seq_len)
+    if options:
+        import inspect
+
+        takes = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "path",
+                                                                                             "max_seq_len")]
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            raise TokenizerError(f"tokenizer option {', '.join(unknown)} does not apply to the {family} tokenizer; "
+                                 f"it takes {', '.join(takes) or 'no options'}")
+    return cls(file, max_seq_len=max_seq_len, **options)
 
 
 def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
@@ -104,13 +118,13 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4",
-              "gemma4_text": "gemma4"}.get(model_type)
+              "gemma4_text": "gemma4", "gpt_oss": "gpt_oss"}.get(model_type)
     if family is not None:
         if (path / "tokenizer.json").is_file():
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
     raise TokenizerError(f"{config}: model_type {model_type!r} has no mtune tokenizer; supported: llama, mistral, "
-                         "qwen2, qwen3, qwen3_moe, qwen3_5, phi3, gemma3, gemma4")
+                         "qwen2, qwen3, qwen3_moe, qwen3_5, phi3, gemma3, gemma4, gpt_oss")
 
 
 def _family_of_file(file: Path) -> str:
@@ -121,14 +135,17 @@ def _family_of_file(file: Path) -> str:
             return "qwen3" if "</think>" in added else "qwen2"
         if "<|begin_of_text|>" in added:
             return "llama3"
+        if {"<|start|>", "<|channel|>", "<|message|>"} <= added:
+            return "gpt_oss"
         if "<|assistant|>" in added and "<|end|>" in added:
             return "phi4"
         if "<start_of_turn>" in added:
             return "gemma3"
         if "<|turn>" in added:
             return "gemma4"
-        raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>), Phi-4 "
-                             "(<|assistant|>, <|end|>), Gemma 3 (<start_of_turn>) or Gemma 4 (<|turn>) tokenizer.json")
+        raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>), gpt-oss (<|start|>, "
+                             "<|channel|>, <|message|>), Phi-4 (<|assistant|>, <|end|>), Gemma 3 (<start_of_turn>) or "
+                             "Gemma 4 (<|turn>) tokenizer.json")
     from mtune.tokenizers.llama3 import is_tiktoken_file
 
     if is_tiktoken_file(file):

@@ -170,6 +170,157 @@ GEMMA4_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|turn>model\n' -}}{%- endif -%}"
 )
 
+# gpt-oss's (openai/gpt-oss-120b and -20b chat_template.jinja, as vendored unchanged by llama.cpp in
+# models/templates/openai-gpt-oss-120b.jinja): verbatim but for its three tool-rendering macros
+# (render_typescript_type, render_tool_namespace, render_builtin_tools), left out as for the other families; the
+# branches that call them only run with tools / builtin_tools, which the tests do not pass.
+GPT_OSS_CHAT_TEMPLATE = r"""{#-
+  In addition to the normal inputs of `messages` and `tools`, this template also accepts the
+  following kwargs:
+  - "builtin_tools": A list, can contain "browser" and/or "python".
+  - "model_identity": A string that optionally describes the model identity.
+  - "reasoning_effort": A string that describes the reasoning effort, defaults to "medium".
+ #}
+
+{#- System Message Construction ============================================ #}
+{%- macro build_system_message() -%}
+    {%- if model_identity is not defined %}
+        {%- set model_identity = "You are ChatGPT, a large language model trained by OpenAI." %}
+    {%- endif %}
+    {{- model_identity + "\n" }}
+    {{- "Knowledge cutoff: 2024-06\n" }}
+    {{- "Current date: " + strftime_now("%Y-%m-%d") + "\n\n" }}
+    {%- if reasoning_effort is not defined %}
+        {%- set reasoning_effort = "medium" %}
+    {%- endif %}
+    {{- "Reasoning: " + reasoning_effort + "\n\n" }}
+    {%- if builtin_tools %}
+        {{- "# Tools\n\n" }}
+        {%- set available_builtin_tools = namespace(browser=false, python=false) %}
+        {%- for tool in builtin_tools %}
+            {%- if tool == "browser" %}
+                {%- set available_builtin_tools.browser = true %}
+            {%- elif tool == "python" %}
+                {%- set available_builtin_tools.python = true %}
+            {%- endif %}
+        {%- endfor %}
+        {{- render_builtin_tools(available_builtin_tools.browser, available_builtin_tools.python) }}
+    {%- endif -%}
+    {{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
+    {%- if tools -%}
+        {{- "\nCalls to these tools must go to the commentary channel: 'functions'." }}
+    {%- endif -%}
+{%- endmacro -%}
+
+{#- Main Template Logic ================================================= #}
+{#- Set defaults #}
+
+{#- Render system message #}
+{{- "<|start|>system<|message|>" }}
+{{- build_system_message() }}
+{{- "<|end|>" }}
+
+{#- Extract developer message #}
+{%- if messages[0].role == "developer" or messages[0].role == "system" %}
+    {%- set developer_message = messages[0].content %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set developer_message = "" %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+
+{#- Render developer message #}
+{%- if developer_message or tools %}
+    {{- "<|start|>developer<|message|>" }}
+    {%- if developer_message %}
+        {{- "# Instructions\n\n" }}
+        {{- developer_message }}
+        {{- "\n\n" }}
+    {%- endif %}
+    {%- if tools -%}
+        {{- "# Tools\n\n" }}
+        {{- render_tool_namespace("functions", tools) }}
+    {%- endif -%}
+    {{- "<|end|>" }}
+{%- endif %}
+
+{#- Render messages #}
+{%- set last_tool_call = namespace(name=none) %}
+{%- for message in loop_messages -%}
+    {#- At this point only assistant/user/tool messages should remain #}
+    {%- if message.role == 'assistant' -%}
+        {#- Checks to ensure the messages are being passed in the format we expect #}
+        {%- if "content" in message %}
+            {%- if "<|channel|>analysis<|message|>" in message.content or "<|channel|>final<|message|>" in message.content %}
+                {{- raise_exception("You have passed a message containing <|channel|> tags in the content field. Instead of doing this, you should pass analysis messages (the string between '<|message|>' and '<|end|>') in the 'thinking' field, and final messages (the string between '<|message|>' and '<|end|>') in the 'content' field.") }}
+            {%- endif %}
+        {%- endif %}
+        {%- if "thinking" in message %}
+            {%- if "<|channel|>analysis<|message|>" in message.thinking or "<|channel|>final<|message|>" in message.thinking %}
+                {{- raise_exception("You have passed a message containing <|channel|> tags in the thinking field. Instead of doing this, you should pass analysis messages (the string between '<|message|>' and '<|end|>') in the 'thinking' field, and final messages (the string between '<|message|>' and '<|end|>') in the 'content' field.") }}
+            {%- endif %}
+        {%- endif %}
+        {%- if "tool_calls" in message %}
+            {#- We need very careful handling here - we want to drop the tool call analysis message if the model #}
+            {#- has output a later <|final|> message, but otherwise we want to retain it. This is the only case #}
+            {#- when we render CoT/analysis messages in inference. #}
+            {%- set future_final_message = namespace(found=false) %}
+            {%- for future_message in loop_messages[loop.index:] %}
+                {%- if future_message.role == 'assistant' and "tool_calls" not in future_message %}
+                    {%- set future_final_message.found = true %}
+                {%- endif %}
+            {%- endfor %}
+            {#- We assume max 1 tool call per message, and so we infer the tool call name #}
+            {#- in "tool" messages from the most recent assistant tool call name #}
+            {%- set tool_call = message.tool_calls[0] %}
+            {%- if tool_call.function %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {%- if message.content and message.thinking %}
+                {{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls! Put the analysis message in one or the other, but not both.") }}
+            {%- elif message.content and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.content + "<|end|>" }}
+            {%- elif message.thinking and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=" }}
+            {{- "functions." + tool_call.name + "<|channel|>commentary " }}
+            {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
+            {{- tool_call.arguments|tojson }}
+            {{- "<|call|>" }}
+            {%- set last_tool_call.name = tool_call.name %}
+        {%- elif loop.last and not add_generation_prompt %}
+            {#- Only render the CoT if the final turn is an assistant turn and add_generation_prompt is false #}
+            {#- This is a situation that should only occur in training, never in inference. #}
+            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {#- <|return|> indicates the end of generation, but <|end|> does not #}
+            {#- <|return|> should never be an input to the model, but we include it as the final token #}
+            {#- when training, so the model learns to emit it. #}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
+        {%- else %}
+            {#- CoT is dropped during all previous turns, so we never render it for inference #}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+            {%- set last_tool_call.name = none %}
+        {%- endif %}
+    {%- elif message.role == 'tool' -%}
+        {%- if last_tool_call.name is none %}
+            {{- raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
+        {%- endif %}
+        {{- "<|start|>functions." + last_tool_call.name }}
+        {{- " to=assistant<|channel|>commentary<|message|>" + message.content|tojson + "<|end|>" }}
+    {%- elif message.role == 'user' -%}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif -%}
+{%- endfor -%}
+
+{#- Generation prompt #}
+{%- if add_generation_prompt -%}
+<|start|>assistant
+{%- endif -%}
+"""
+
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
@@ -179,7 +330,7 @@ QWEN2_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4", "gpt_oss")
 
 _WORDS = (
     "the model learns to follow instructions and answers questions about data training tokens memory "
@@ -434,6 +585,38 @@ def write_gemma4_tokenizer(model_dir: str | Path) -> int:
                 "eos_token_id": PHI4_BASE_VOCAB + 1})
 
 
+# o200k's pre-tokenizer pattern (tiktoken's o200k_base, which o200k_harmony extends with the harmony tokens).
+O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
+# The hub's gpt-oss tokenizer.json ends with these 21 tokens at ids 199998-200018 (transformers'
+# convert_gpt_oss_weights_to_hf.py: the harmony tokens, the rest <|reserved_{id}|>); the tiny file keeps their
+# order after its 500-token base, so each sits at 500 + (hub id - 199998).
+GPT_OSS_HUB_IDS = {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|return|>": 200002, "<|constrain|>": 200003,
+                   "<|channel|>": 200005, "<|start|>": 200006, "<|end|>": 200007, "<|message|>": 200008,
+                   "<|call|>": 200012, "<|endofprompt|>": 200018}
+GPT_OSS_FIRST_SPECIAL = 199998
+_GPT_OSS_NAMES = {i: f"<|reserved_{i}|>" for i in range(199998, 200019)} | {i: n for n, i in GPT_OSS_HUB_IDS.items()}
+GPT_OSS_ADDED = tuple(_GPT_OSS_NAMES[i] for i in sorted(_GPT_OSS_NAMES))
+
+
+def write_gpt_oss_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny gpt-oss-style `tokenizer.json` (byte-level BPE with o200k's pattern, the 21 tokens of the hub's
+    file after a 500-token base in the hub's order), `tokenizer_config.json` with the hub's bos / eos / pad and the
+    official template as `chat_template.jinja` beside it, as the checkpoint ships it. Returns the vocab size (521)."""
+    base = PHI4_BASE_VOCAB
+    vocab_size = _write_tokenizer_json(
+        model_dir, pattern=O200K_PATTERN, base_vocab=base, added=GPT_OSS_ADDED,
+        tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>",
+                          "eos_token": "<|return|>", "pad_token": "<|endoftext|>"},
+        config={"model_type": "gpt_oss", "eos_token_id": base + 200002 - GPT_OSS_FIRST_SPECIAL,
+                "pad_token_id": base + 199999 - GPT_OSS_FIRST_SPECIAL})
+    (Path(model_dir) / "chat_template.jinja").write_text(GPT_OSS_CHAT_TEMPLATE)
+    return vocab_size
+
+
 def _merge_config(model_dir: Path, fields: dict) -> None:
     # A model helper may have written config.json already: keep its fields, only fill in missing ones.
     path = model_dir / "config.json"
@@ -446,14 +629,14 @@ def _merge_config(model_dir: Path, fields: dict) -> None:
 _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
             "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer,
             "qwen3_5": write_qwen3_5_tokenizer, "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer,
-            "gemma4": write_gemma4_tokenizer}
+            "gemma4": write_gemma4_tokenizer, "gpt_oss": write_gpt_oss_tokenizer}
 
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
     """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | qwen3_5 | phi4 | gemma3 |
-    gemma4) to `model_dir`; returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3(_5) / phi4 /
-    gemma3 / gemma4 505) so the model's embedding can match. An existing config.json keeps its own fields (its
-    `vocab_size` included)."""
+    gemma4 | gpt_oss) to `model_dir`; returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3(_5) /
+    phi4 / gemma3 / gemma4 505, gpt_oss 521) so the model's embedding can match. An existing config.json keeps its
+    own fields (its `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")
     return _WRITERS[family](model_dir)

@@ -91,3 +91,28 @@ def test_conversation_the_chat_format_refuses_names_the_row(tmp_path):
             {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}]
     with pytest.raises(DataError, match=r"c\.jsonl line 2: Llama 2 chat format: message 1 has role 'user'"):
         chat_dataset(llama2, str(write_rows(rows, tmp_path / "c.jsonl")))
+
+
+def test_reasoning_of_openai_style_messages_reaches_the_formats_that_render_it(tmp_path):
+    """A message's `thinking` (gpt-oss's data, e.g. HuggingFaceH4/Multilingual-Thinking, carries it, null on the
+    other roles): gpt-oss's format renders the last reply's on the analysis channel, trained; labels equal those of
+    the Message list with thinking given directly. Qwen3 reads reasoning from its content and refuses the row.
+    Mutation seen failing: the builder dropping thinking (the labels lose the analysis message)."""
+    from mtune.data import DataError
+
+    gpt_oss = tiny_tokenizer(tmp_path, "gpt_oss", max_seq_len=None)
+    chat = [{"role": "user", "content": "2 + 3?", "thinking": None},
+            {"role": "assistant", "content": "5", "thinking": "add them"}]
+    sample = chat_dataset(gpt_oss, str(write_rows([{"messages": chat}], tmp_path / "t.jsonl")))[0]
+    messages = [Message("user", "2 + 3?"), Message("assistant", "5", thinking="add them")]
+    expected = gpt_oss.tokenize_messages(messages)
+    assert sample["tokens"] == expected.tokens
+    trained = [t for t, label in zip(sample["tokens"][1:], sample["labels"]) if label != IGNORE_INDEX]
+    assert gpt_oss.decode(trained, skip_special_tokens=False) == (
+        "<|channel|>analysis<|message|>add them<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>")
+    qwen3 = tiny_tokenizer(tmp_path, "qwen3")
+    with pytest.raises(DataError, match=r"r\.jsonl line 1: qwen3 chat format: a message has thinking"):
+        chat_dataset(qwen3, str(write_rows([{"messages": chat}], tmp_path / "r.jsonl")))
+    with pytest.raises(DataError, match=r"messages\[1\]: thinking must be text, got int"):
+        chat_dataset(gpt_oss, str(write_rows([{"messages": [chat[0], {**chat[1], "thinking": 3}]}],
+                                             tmp_path / "n.jsonl")))
