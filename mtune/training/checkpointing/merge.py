@@ -24,12 +24,11 @@ import torch
 from torch import nn
 
 from mtune.modules.lora import merge_adapter
-from mtune.modules.expert_linear import fused_checkpoint_key, stacked_key
-from mtune.models.hf_config import fused_experts_checkpoint, model_args_from_hf_config
+from mtune.modules.expert_layout import ExpertLayout, expert_layout, stacked_key, whole_key
+from mtune.models.hf_config import model_args_from_hf_config
 from mtune.training.checkpointing.hf import (
     CheckpointError, checkpoint_keys, open_safetensors, read_hf_config, save_hf_checkpoint,
 )
-from mtune.training.checkpointing.placing import fused_experts
 from mtune.training.checkpointing.peft import Adapter, adapter_from_model, read_adapter
 
 __all__ = ["merged_hf_weights", "save_merged_model"]
@@ -65,14 +64,14 @@ def merged_hf_weights(
     Every adapted module must have a weight in the checkpoint, checked before the first tensor is yielded.
     Feed the result to ``save_hf_checkpoint(..., source_dir=base_dir)``; see :func:`save_merged_model`.
     """
+    # experts a checkpoint holds whole: gpt-oss's transposed, Gemma 4's gate and up side by side (both name their down
+    # projection ``experts.down_proj``: the family's layout says which it is)
+    layout = expert_layout(model_args_from_hf_config(read_hf_config(base_dir))[1])
     layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
     listed = checkpoint_keys(base_dir)
     held = {k for keys in listed.values() for k in keys}
-    # experts a checkpoint holds whole: gpt-oss's transposed, Gemma 4's gate and up side by side (both name their down
-    # projection ``experts.down_proj``: the family's config says which layout it is)
-    config = read_hf_config(base_dir)
-    whole = _whole_experts(layers, held) if fused_experts(model_args_from_hf_config(config)[1]) else {}
-    layers = _gate_up_expert_layers(layers, held) if fused_experts_checkpoint(config) else layers
+    whole = _whole_experts(layers, held) if layout is ExpertLayout.WHOLE_TRANSPOSED else {}
+    layers = _gate_up_expert_layers(layers, held) if layout is ExpertLayout.GATE_UP_SIDE_BY_SIDE else layers
     missing = set(layers) - held
     if missing:
         raise CheckpointError(
@@ -89,7 +88,7 @@ def _whole_experts(layers: dict, held: set[str]) -> dict[str, dict[int, object]]
     whole: dict[str, dict[int, object]] = {}
     for key in [k for k in layers if k not in held]:
         slot = stacked_key(key)
-        fused = fused_checkpoint_key(slot[0]) if slot is not None else None
+        fused = whole_key(slot[0]) if slot is not None else None
         if fused in held:
             whole.setdefault(fused, {})[slot[1]] = layers.pop(key)
     return whole

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from mtune.errors import MtuneError
-from mtune.modules.expert_linear import LoRAExpertLinear, expert_key
+from mtune.modules.expert_layout import expert_key
+from mtune.modules.expert_linear import LoRAExpertLinear
 from mtune.modules.lora import LoRALinear
 from mtune.modules.lora_experts_peft import EXPERT_PATTERN, expert_peft_config, peft_modules, per_expert_factors
 from mtune.modules.lora_state import adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
