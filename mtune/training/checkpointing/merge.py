@@ -34,12 +34,12 @@ from mtune.training.checkpointing.peft import Adapter, adapter_from_model, read_
 __all__ = ["merged_hf_weights", "save_merged_model"]
 
 
-def _as_adapter(adapter: str | os.PathLike | nn.Module | Adapter) -> Adapter:
+def _as_adapter(adapter: str | os.PathLike | nn.Module | Adapter, layout: ExpertLayout) -> Adapter:
     if isinstance(adapter, Adapter):
         return adapter
     if isinstance(adapter, nn.Module):
         return adapter_from_model(adapter)
-    return read_adapter(adapter)
+    return read_adapter(adapter, layout)
 
 
 def _weight_key(module_name: str) -> str:
@@ -67,7 +67,7 @@ def merged_hf_weights(
     # experts a checkpoint holds whole: gpt-oss's transposed, Gemma 4's gate and up side by side (both name their down
     # projection ``experts.down_proj``: the family's layout says which it is)
     layout = expert_layout(model_args_from_hf_config(read_hf_config(base_dir))[1])
-    layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
+    layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter, layout).layers.items()}
     listed = checkpoint_keys(base_dir)
     held = {k for keys in listed.values() for k in keys}
     whole = _whole_experts(layers, held) if layout is ExpertLayout.WHOLE_TRANSPOSED else {}

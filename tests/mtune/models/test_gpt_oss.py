@@ -272,6 +272,44 @@ def test_expert_adapters_load_in_peft_on_transformers_experts(hf_model, oss_dir,
     assert (logits_of(load_hf_model(merged), TOKENS) - expected).abs().max().item() <= 2e-5
 
 
+def test_an_adapter_directory_merges_into_the_whole_experts(hf_model, oss_dir, tmp_path):
+    """The PEFT directory of adapters on gate_up_proj and down_proj (rank 4 per expert) merged into the transformers-
+    saved base checkpoint (experts whole and transposed) writes the tensors peft's merge_and_unload gives on
+    transformers' GptOss model (fp32, 1e-6) and those the run's own merge of the live model writes; a key the merge
+    reads wrong would differ by the adapters' deltas (over 1e-2). Mutation seen failing: the directory's gate_up_proj
+    adapter split into gate and up halves as for Qwen3-MoE (the merge then names model.layers.0.mlp.experts.0
+    .gate_proj.weight, which the checkpoint does not hold)."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from mtune.modules.lora import apply_lora
+    from mtune.training.checkpointing.merge import save_merged_model
+    from mtune.training.checkpointing.peft import save_peft_adapter
+    from tests._helpers.models import mtune_twin
+
+    ours = apply_lora(mtune_twin(hf_model, "gpt_oss"), ["gate_up_proj", "down_proj"], rank=4, alpha=8)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0, 0.05)
+    save_peft_adapter(ours, tmp_path / "adapter")
+    merged = load_file(str(save_merged_model(oss_dir, tmp_path / "adapter", tmp_path / "merged") / "model.safetensors"))
+    live = load_file(str(save_merged_model(oss_dir, ours, tmp_path / "live") / "model.safetensors"))
+    with torch.no_grad():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(hf_model), tmp_path / "adapter").merge_and_unload()
+    expected = {k: v.detach() for k, v in reference.state_dict().items()}
+    base = load_file(str(oss_dir / "model.safetensors"))
+    assert set(merged) == set(base) == set(live)
+    for key in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert (merged[key] - base[key]).abs().max().item() > 1e-2  # the adapters moved it
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(tensor, live[key], rtol=0, atol=1e-6, msg=key)
+
+
 def test_qlora_stores_experts_of_the_published_width_as_nf4():
     """gpt-oss's experts (2880 x 5760 and 2880 x 2880 per expert) are not a whole number of torchao's 256-scale
     groups (16384 values), so their NF4 uses the largest power-of-two group that divides an expert's scales (128
