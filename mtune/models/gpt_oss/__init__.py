@@ -12,8 +12,8 @@
 The hub's checkpoints hold each expert projection whole (``experts.gate_up_proj [n_experts, dim, 2 * hidden]``,
 ``experts.gate_up_proj_bias``, ``experts.down_proj``, ``experts.down_proj_bias``; as ``save_pretrained`` writes them
 too): ``expert_checkpoint_layout`` (whole and transposed, :mod:`mtune.modules.expert_layout`). The published ones
-store those as MXFP4 blocks and scales, which the single-device loader dequantizes as they arrive
-(:mod:`mtune.models.gpt_oss.mxfp4`).
+store those as MXFP4 blocks and scales, which the loaders dequantize as they arrive, the FSDP2 one each rank's
+experts' rows alone (:mod:`mtune.models.gpt_oss.mxfp4`).
 """
 
 from dataclasses import dataclass, field

@@ -18,16 +18,19 @@ __all__ = ["expected_tensors", "held_names", "held_shape", "place", "read_mxfp4"
 _BLOCKS, _SCALES = "_blocks", "_scales"
 
 
-def read_mxfp4(f, key: str, open_file, dtype) -> torch.Tensor | None:
+def read_mxfp4(f, key: str, open_file, dtype, experts: slice | None = None) -> torch.Tensor | None:
     """The expert weight ``[n_experts, out, in]`` an MXFP4 pair holds, dequantized to ``dtype`` (bf16 when None):
     ``key`` (``..._blocks``) from the open safetensors file ``f``, its ``..._scales`` from ``open_file(name)`` (a
-    context manager opening the file that holds it); None when ``key`` is not MXFP4 blocks."""
+    context manager opening the file that holds it); None when ``key`` is not MXFP4 blocks. ``experts``: only
+    those experts' rows are read (``[len, out, in]``; an FSDP2 rank's), equal bit for bit to the same rows of the
+    whole (the dequantization is elementwise)."""
     if not key.endswith(_BLOCKS) or ".experts." not in key:
         return None
     scales_key = key.removesuffix(_BLOCKS) + _SCALES
     with open_file(scales_key) as g:
-        scales = g.get_tensor(scales_key)
-    return dequantize_mxfp4(f.get_tensor(key), scales, dtype or torch.bfloat16)
+        scales = g.get_tensor(scales_key) if experts is None else g.get_slice(scales_key)[experts]
+    blocks = f.get_tensor(key) if experts is None else f.get_slice(key)[experts]
+    return dequantize_mxfp4(blocks, scales, dtype or torch.bfloat16)
 
 
 def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

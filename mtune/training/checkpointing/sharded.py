@@ -10,7 +10,8 @@ those pieces through NF4Tensor's ``fsdp_pre_all_gather`` hooks.
 
 Experts arrive as the family's :class:`~mtune.modules.expert_layout.ExpertLayout` holds them: a rank reads the keys
 of its own experts (one key per expert), or its experts' rows of each whole projection (gpt-oss: turned after
-reading). MXFP4 experts and gate and up side by side (Gemma 4) are refused for now.
+reading; MXFP4 blocks and scales read for those experts alone and dequantized, equal bit for bit to one device's
+load). Gate and up side by side (Gemma 4) are refused for now.
 
 The helpers that turn a full tensor into this rank's shard live in :mod:`mtune.training.shards` (the sharded
 initialisation and LoRA's sharded adapters use them too).
@@ -28,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from mtune.modules.expert_layout import (
     ExpertLayout, expert_layout, from_checkpoint, side_by_side_parts, stacked_key, transposed_in_checkpoint,
 )
-from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
+from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, locate_tensors, open_safetensors
+from mtune.training.checkpointing.placing import read_mxfp4
 from mtune.training.shards import as_param_like, assign_tensors, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
@@ -60,6 +62,12 @@ def load_hf_checkpoint_sharded(
         raise CheckpointError(f"{checkpoint_dir}: experts held fused ({next(iter(gate_up))}, Gemma 4's layout) cannot "
                               "be loaded into an FSDP2-sharded model yet: train on one device")
     layout = expert_layout(model)
+    where = ({k: p for p, keys in checkpoint_keys(checkpoint_dir).items() for k in keys}
+             if layout is ExpertLayout.WHOLE_TRANSPOSED else {})  # MXFP4 scales may sit in another file
+
+    def open_scales(key):
+        return open_safetensors(where[key])
+
     loaded: dict[str, nn.Parameter | torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # this rank's experts of each stacked projection
     for path, entries in by_file.items():
@@ -76,7 +84,7 @@ def load_hf_checkpoint_sharded(
                 if store is None and isinstance(current, DTensor):
                     start, length = row_slice(current)
                     rows = slice(start, start + length)
-                local = _read(f, path, key, name, current, layout, rows)
+                local = _read(f, path, key, name, current, layout, rows, open_scales, dtype)
                 if store is not None:
                     local = store(local.to(device=device, dtype=dtype), current)
                 else:
@@ -87,20 +95,23 @@ def load_hf_checkpoint_sharded(
     return model
 
 
-def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: slice | None) -> torch.Tensor:
+def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: slice | None, open_scales,
+          dtype) -> torch.Tensor:
     """The model's tensor ``name`` (or its first-dim ``rows``: a rank's experts or rows) read from ``key`` in the
-    model's orientation: turned when held transposed. CheckpointError when the checkpoint's shape is not the
-    model's."""
-    if layout is ExpertLayout.WHOLE_TRANSPOSED and key.endswith("_blocks"):
-        raise CheckpointError(f"{path}: {key}: MXFP4 experts are read on one device only, not into an "
-                              "FSDP2-sharded model yet: start from a bf16 copy (unsloth/gpt-oss-*-BF16)")
+    model's orientation: turned when held transposed, dequantized (to ``dtype``) when MXFP4 blocks, reading only
+    those rows of blocks and scales. CheckpointError when the checkpoint's shape is not the model's."""
     view = f.get_slice(key)
     shape = tuple(view.get_shape())
+    mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED and key.endswith("_blocks") and ".experts." in key
+    if mxfp4:  # [E, out, groups, 16] uint8: 32 values a group
+        shape = (*shape[:-2], shape[-2] * 32)
     want = tuple(current.shape)
-    if transposed_in_checkpoint(name, layout):  # a whole expert projection, [E, in, out]
+    if transposed_in_checkpoint(name, layout) and not mxfp4:  # a whole expert projection, [E, in, out]
         want = (want[0], want[2], want[1])
     if shape != want:
         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
+    if mxfp4:
+        return read_mxfp4(f, key, open_scales, dtype, rows)
     # a whole expert projection held [n_experts, in, out] (gpt-oss) is still split by expert, then turned
     return from_checkpoint(name, f.get_tensor(key) if rows is None else view[rows], layout)
 

@@ -363,16 +363,11 @@ def test_mxfp4_dequantizes_as_transformers_does(dtype):
     assert torch.equal(ours, theirs.transpose(1, 2))
 
 
-def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
-    """The tiny checkpoint with its experts as the hub publishes them (MXFP4 ``*_blocks`` / ``*_scales``, an mxfp4
-    ``quantization_config``; here random codes and scales) loads with the logits of the same checkpoint whose experts
-    transformers' convert_moe_packed_tensors dequantized (transformers' model of it, fp32 within 1e-5); a save of it
-    drops the quantization_config and transformers reads it back. Mutation seen failing: the blocks dequantized into
-    transformers' [E, in, out] layout (a shape error naming the key)."""
-    from safetensors.torch import load_file, save_file
+def _mxfp4_experts(state: dict) -> tuple[dict, dict]:
+    """``state`` (a transformers-saved gpt-oss) with its expert weights as the hub publishes them (random MXFP4
+    ``*_blocks`` / ``*_scales``), and with those dequantized by transformers' convert_moe_packed_tensors (fp32)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    state = load_file(str(oss_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
     quantized, dense = dict(state), dict(state)
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -382,6 +377,18 @@ def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
         del quantized[key]
         quantized[f"{key}_blocks"], quantized[f"{key}_scales"] = blocks, scales
         dense[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    return quantized, dense
+
+
+def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
+    """The tiny checkpoint with its experts as the hub publishes them (MXFP4 ``*_blocks`` / ``*_scales``, an mxfp4
+    ``quantization_config``; here random codes and scales) loads with the logits of the same checkpoint whose experts
+    transformers' convert_moe_packed_tensors dequantized (transformers' model of it, fp32 within 1e-5); a save of it
+    drops the quantization_config and transformers reads it back. Mutation seen failing: the blocks dequantized into
+    transformers' [E, in, out] layout (a shape error naming the key)."""
+    from safetensors.torch import load_file, save_file
+
+    quantized, dense = _mxfp4_experts(load_file(str(oss_dir / "model.safetensors")))
     config = json.loads((oss_dir / "config.json").read_text())
     for name, tensors, quantization in (("mxfp4", quantized, {"quant_method": "mxfp4"}), ("dense", dense, None)):
         (tmp_path / name).mkdir()
@@ -427,3 +434,49 @@ def test_two_ranks_load_their_experts_and_export_them_whole(oss_dir, tmp_path):
         assert out["local_experts"] == 4
         assert (out["logits"] - expected).abs().max().item() <= FP32_ATOL
     assert (logits_of(load_hf_model(tmp_path / "export"), TOKENS) - expected).abs().max().item() <= FP32_ATOL
+
+
+def _mxfp4_rank_worker(rank: int, tmp: str, ckpt: str) -> None:
+    from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
+    from mtune.training.distributed import shard_model
+
+    model = build_model("gpt_oss", "tiny")  # on meta
+    shard_model(model)
+    load_hf_checkpoint_sharded(model, ckpt, dtype=torch.bfloat16, device="cpu")
+    experts = {name: p.to_local() for name, p in model.named_parameters() if ".experts." in name}
+    with torch.no_grad():
+        logits = model.eval()(TOKENS)
+    torch.save({"logits": logits, "experts": experts}, f"{tmp}/rank{rank}.pt")
+
+
+def test_two_ranks_dequantize_their_experts_of_the_hubs_mxfp4_checkpoint(oss_dir, tmp_path):
+    """FSDP2 on 2 CPU processes from the hub's layout (MXFP4 blocks in one file, their scales in another, an index
+    naming both): each rank's rows of every expert parameter (its 4 of the 8 experts) equal the single-device load's
+    bit for bit (bf16), and both ranks' logits equal one device's exactly. Mutation seen failing: every rank reading
+    the first experts' blocks and scales (rank 1's rows differ)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests._helpers.distributed import run_on_ranks
+
+    quantized, _ = _mxfp4_experts(load_file(str(oss_dir / "model.safetensors")))
+    ckpt = tmp_path / "mxfp4"
+    ckpt.mkdir()
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in quantized.items() if k.endswith("_blocks")},
+             "model-00002-of-00002.safetensors": {k: v for k, v in quantized.items() if not k.endswith("_blocks")}}
+    for name, tensors in files.items():
+        save_file(tensors, str(ckpt / name), metadata={"format": "pt"})
+    weight_map = {key: name for name, tensors in files.items() for key in tensors}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((oss_dir / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+
+    run_on_ranks(_mxfp4_rank_worker, tmp_path, str(tmp_path), str(ckpt))
+    one = load_model_from_hf(ckpt, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = one(TOKENS)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len(out["experts"]) == 8  # 2 layers x gate_up / down x weight / bias
+        for name, local in out["experts"].items():
+            assert local.shape[0] == 4 and torch.equal(local, one.get_parameter(name)[4 * rank:4 * rank + 4]), name
+        assert torch.equal(out["logits"], expected)
