@@ -30,8 +30,8 @@ from torch import nn
 
 from mtune.modules.moe import Experts
 
-__all__ = ["ExpertLayout", "as_checkpoint_holds", "expert_key", "expert_layout", "from_checkpoint",
-           "join_side_by_side", "per_expert", "side_by_side_parts", "stacked_key",
+__all__ = ["MXFP4_BLOCKS", "MXFP4_SCALES", "ExpertLayout", "as_checkpoint_holds", "expert_key", "expert_layout",
+           "from_checkpoint", "join_side_by_side", "mxfp4_part", "per_expert", "side_by_side_parts", "stacked_key",
            "transposed_in_checkpoint", "whole_key", "whole_model_name", "whole_name"]
 
 
@@ -57,7 +57,7 @@ _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
 _STACKED = re.compile(r"^(.*\.experts)\.([A-Za-z_]\w*\..+)$")
 _WHOLE = re.compile(r"^(.*\.experts)\.([A-Za-z_]\w*)$")
 _SIDE_BY_SIDE_PART = re.compile(r"^(.*\.experts)\.(gate|up|down)_proj\.weight$")
-_BLOCKS, _SCALES = "_blocks", "_scales"
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 
 
 def expert_key(name: str, expert: int) -> str:
@@ -111,11 +111,20 @@ def whole_name(name: str) -> str | None:
     """A tensor of a whole, transposed checkpoint named as the model's: ``...experts.gate_up_proj`` ->
     ``...experts.gate_up_proj.weight``, ``..._bias`` -> ``.bias``, MXFP4's ``..._blocks`` -> ``.weight``; None for
     MXFP4's ``..._scales`` (read with their blocks); any other name as it is."""
-    if ".experts." in name and name.endswith(_SCALES):
+    part = mxfp4_part(name)
+    if part == "scales":
         return None
-    if ".experts." in name and name.endswith(_BLOCKS):
-        name = name.removesuffix(_BLOCKS)
+    if part == "blocks":
+        name = name.removesuffix(MXFP4_BLOCKS)
     return whole_model_name(name) or name
+
+
+def mxfp4_part(key: str) -> str | None:
+    """``"blocks"`` or ``"scales"`` for the halves of an expert weight's MXFP4 pair (``...experts
+    .gate_up_proj_blocks``, ``..._scales``: the published gpt-oss checkpoints), None for any other key."""
+    if ".experts." not in key:
+        return None
+    return "blocks" if key.endswith(MXFP4_BLOCKS) else "scales" if key.endswith(MXFP4_SCALES) else None
 
 
 def transposed_in_checkpoint(name: str, layout: ExpertLayout) -> bool:

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from mtune.models.gpt_oss.mxfp4 import dequantize_mxfp4
-from mtune.modules.expert_layout import ExpertLayout, expert_key, expert_layout, side_by_side_parts
+from mtune.modules.expert_layout import (
+    MXFP4_BLOCKS, MXFP4_SCALES, ExpertLayout, expert_key, expert_layout, mxfp4_part, side_by_side_parts,
+)
 from mtune.modules.expert_linear import ExpertLinear
 
 __all__ = ["expected_tensors", "held_names", "held_shape", "place", "read_mxfp4"]
-
-_BLOCKS, _SCALES = "_blocks", "_scales"
 
 
 def read_mxfp4(f, key: str, open_file, dtype, experts: slice | None = None) -> torch.Tensor | None:
@@ -24,9 +24,9 @@ def read_mxfp4(f, key: str, open_file, dtype, experts: slice | None = None) -> t
     context manager opening the file that holds it); None when ``key`` is not MXFP4 blocks. ``experts``: only
     those experts' rows are read (``[len, out, in]``; an FSDP2 rank's), equal bit for bit to the same rows of the
     whole (the dequantization is elementwise)."""
-    if not key.endswith(_BLOCKS) or ".experts." not in key:
+    if mxfp4_part(key) != "blocks":
         return None
-    scales_key = key.removesuffix(_BLOCKS) + _SCALES
+    scales_key = key.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES
     with open_file(scales_key) as g:
         scales = g.get_tensor(scales_key) if experts is None else g.get_slice(scales_key)[experts]
     blocks = f.get_tensor(key) if experts is None else f.get_slice(key)[experts]

@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mtune.modules.expert_layout import (
-    ExpertLayout, expert_layout, from_checkpoint, side_by_side_parts, stacked_key, transposed_in_checkpoint,
+    ExpertLayout, expert_layout, from_checkpoint, mxfp4_part, side_by_side_parts, stacked_key,
+    transposed_in_checkpoint,
 )
 from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, locate_tensors, open_safetensors
 from mtune.training.checkpointing.placing import read_mxfp4
@@ -102,7 +103,7 @@ def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: sli
     those rows of blocks and scales. CheckpointError when the checkpoint's shape is not the model's."""
     view = f.get_slice(key)
     shape = tuple(view.get_shape())
-    mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED and key.endswith("_blocks") and ".experts." in key
+    mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED and mxfp4_part(key) == "blocks"
     if mxfp4:  # [E, out, groups, 16] uint8: 32 values a group
         shape = (*shape[:-2], shape[-2] * 32)
     want = tuple(current.shape)
