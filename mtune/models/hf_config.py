@@ -7,7 +7,7 @@ Reads the layouts several transformers versions write: ``rope_theta`` + ``rope_s
 """
 
 from mtune.models.gemma3.hf_config import gemma3_args, gemma3_hf_config
-from mtune.models.gemma4.hf_config import gemma4_args, gemma4_fused_experts, gemma4_hf_config
+from mtune.models.gemma4.hf_config import gemma4_args, gemma4_hf_config
 from mtune.models.gpt_oss.hf_config import gpt_oss_args, gpt_oss_hf_config
 from mtune.models.llama2 import Llama2Args
 from mtune.models.llama3 import Llama3Args
@@ -158,12 +158,6 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         return "mistral", MistralArgs(**fields, sliding_window=config.get("sliding_window"))
     is_llama3 = fields["vocab_size"] >= 128000 or scaling is not None
     return ("llama3", Llama3Args(**fields)) if is_llama3 else ("llama2", Llama2Args(**fields))
-
-
-def fused_experts_checkpoint(config: dict) -> bool:
-    """Whether checkpoints of ``config`` hold each layer's experts fused, ``experts.gate_up_proj`` and
-    ``experts.down_proj`` whole (Gemma 4's MoE), rather than one key per expert and projection."""
-    return config.get("model_type") in ("gemma4", "gemma4_text") and gemma4_fused_experts(config)
 
 
 def hf_config_from_model_args(args: DecoderArgs, dtype: str = "float32") -> dict:

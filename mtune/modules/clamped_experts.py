@@ -10,8 +10,8 @@ gradients where it bites, as ``torch.clamp`` does in transformers.
 Each projection is an :class:`~mtune.modules.expert_linear.ExpertLinear` (``gate_up_proj`` ``[n_experts, 2 *
 hidden, dim]``, ``down_proj`` ``[n_experts, dim, hidden]``, as ``[out, in]`` rows), so LoRA adapts and QLoRA stores
 them as it does Qwen3-MoE's; the checkpoints hold them transposed and whole (``experts.gate_up_proj`` ``[n_experts,
-dim, 2 * hidden]`` and ``experts.gate_up_proj_bias``), which :func:`~mtune.modules.expert_linear.fused_checkpoint_key`
-names.
+dim, 2 * hidden]`` and ``experts.gate_up_proj_bias``): ``GptOssArgs.expert_checkpoint_layout``, translated by
+:mod:`mtune.modules.expert_layout`.
 """
 
 import torch

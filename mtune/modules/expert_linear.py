@@ -3,11 +3,8 @@
 :class:`ExpertLinear` holds ``weight [n_experts, out, in]`` (``bias [n_experts, out]`` when biased): one tensor per
 projection per layer instead of ``n_experts`` ``nn.Linear`` modules, so a 128-expert layer is 3 parameters, not 384
 (what made planning Qwen3-30B-A3B on fake tensors slow), the grouped kernel reads the weights in place, and FSDP2's
-``Shard(0)`` splits them by expert. The checkpoints keep one key per expert (``experts.{e}.gate_proj.weight``, the
-hub's layout, which transformers 5's ``save_pretrained`` also writes): :func:`expert_key` and :func:`stacked_key`
-translate. gpt-oss's checkpoints hold each projection whole instead, transposed (``experts.gate_up_proj [n_experts,
-in, out]``, ``experts.gate_up_proj_bias``): :func:`fused_checkpoint_key`, :func:`fused_model_name` and
-:func:`checkpoint_tensors` translate that layout.
+``Shard(0)`` splits them by expert. How a family's checkpoints lay them out (one key per expert, whole and
+transposed, or gate and up side by side) and the translation both ways: :mod:`mtune.modules.expert_layout`.
 
 Under QLoRA the frozen weight is stored as one NF4 tensor of the ``[n_experts * out, in]`` rows (torchao quantizes
 2-D tensors only). Each 64-value block, its codes and its scale lie inside one expert (``out * in`` is a multiple of
@@ -24,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import torch
 from torch import nn
@@ -32,94 +28,7 @@ from torch import nn
 from mtune.config.errors import ConfigError
 from mtune.modules.nf4_linear import dequantize, is_nf4, linear_maybe_nf4, nf4_part, quantize_nf4
 
-__all__ = ["ExpertLinear", "LoRAExpertLinear", "checkpoint_tensors", "expert_key", "fused_checkpoint_key",
-           "fused_model_name", "per_expert", "stack_experts", "stacked_key", "transposed_in_checkpoint"]
-
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
-_STACKED = re.compile(r"^(.*\.experts)\.([A-Za-z_]\w*\..+)$")
-_FUSED = re.compile(r"^(.*\.experts)\.([A-Za-z_]\w*)$")
-
-
-def expert_key(name: str, expert: int) -> str:
-    """``layers.0.mlp.experts.gate_proj.weight`` and 3 -> ``layers.0.mlp.experts.3.gate_proj.weight`` (adapter
-    names too: ``...experts.gate_proj.lora_A.weight`` -> ``...experts.3.gate_proj.lora_A.weight``)."""
-    match = _STACKED.match(name)
-    return f"{match[1]}.{expert}.{match[2]}"
-
-
-def stacked_key(name: str) -> tuple[str, int] | None:
-    """A per-expert name -> ``(the stacked parameter's name, expert)``; None for any other name."""
-    match = _PER_EXPERT.match(name)
-    return None if match is None else (f"{match[1]}.{match[3]}", int(match[2]))
-
-
-def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert entries (``...experts.{e}.<rest>``) stacked into one ``[n_experts, ...]`` entry each, in expert
-    order; other entries unchanged. Raises ValueError naming the first projection whose experts are not 0..n-1."""
-    out, groups = {}, {}
-    for name, tensor in tensors.items():
-        slot = stacked_key(name)
-        if slot is None:
-            out[name] = tensor
-        else:
-            groups.setdefault(slot[0], {})[slot[1]] = tensor
-    for name, pieces in groups.items():
-        if sorted(pieces) != list(range(len(pieces))):
-            raise ValueError(f"{name}: experts {sorted(pieces)[:5]}... are not numbered 0 to {len(pieces) - 1}")
-        out[name] = torch.stack([pieces[e] for e in range(len(pieces))])
-    return out
-
-
-def per_expert(name: str, tensor: torch.Tensor):
-    """``(name, tensor)`` as a checkpoint holds it: a stacked projection ``[n_experts, ...]`` (named
-    ``...experts.<projection>.weight``) as one ``(per-expert name, tensor[e])`` per expert, anything else as is."""
-    if _STACKED.match(name) is None:
-        yield name, tensor
-        return
-    for e, piece in enumerate(tensor.unbind(0)):
-        yield expert_key(name, e), piece
-
-
-def fused_checkpoint_key(name: str) -> str | None:
-    """A stacked projection's tensor as checkpoints holding experts whole key it (gpt-oss):
-    ``layers.0.mlp.experts.gate_up_proj.weight`` -> ``layers.0.mlp.experts.gate_up_proj``, ``...gate_up_proj.bias``
-    -> ``...gate_up_proj_bias``; None for any other name."""
-    match = _STACKED.match(name)
-    if match is None:
-        return None
-    projection, _, leaf = match[2].partition(".")
-    return {"weight": f"{match[1]}.{projection}", "bias": f"{match[1]}.{projection}_bias"}.get(leaf)
-
-
-def fused_model_name(key: str) -> str | None:
-    """The inverse of :func:`fused_checkpoint_key` (``...experts.down_proj_bias`` -> ``...experts.down_proj.bias``);
-    None for a name that is not a whole expert projection."""
-    match = _FUSED.match(key)
-    if match is None:
-        return None
-    projection = match[2]
-    if projection.endswith("_bias"):
-        return f"{match[1]}.{projection.removesuffix('_bias')}.bias"
-    return f"{match[1]}.{projection}.weight"
-
-
-def transposed_in_checkpoint(name: str, fused: bool) -> bool:
-    """Whether the model's tensor ``name`` is held transposed (``[n_experts, in, out]``): a stacked weight in a
-    fused-expert checkpoint."""
-    return fused and name.endswith(".weight") and fused_checkpoint_key(name) is not None
-
-
-def checkpoint_tensors(name: str, tensor: torch.Tensor, fused: bool):
-    """``(name, tensor)`` as a checkpoint holds it: a stacked projection one key per expert (:func:`per_expert`),
-    or with ``fused`` whole under :func:`fused_checkpoint_key`, weights transposed; anything else as is."""
-    if not fused:
-        yield from per_expert(name, tensor)
-        return
-    key = fused_checkpoint_key(name)
-    if key is None:
-        yield name, tensor
-    else:
-        yield key, tensor.transpose(1, 2) if transposed_in_checkpoint(name, fused) else tensor
+__all__ = ["ExpertLinear", "LoRAExpertLinear"]
 
 
 class _Factor(nn.Module):

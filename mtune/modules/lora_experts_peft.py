@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtune.modules.expert_layout import ExpertLayout
 from mtune.modules.expert_linear import LoRAExpertLinear
 from mtune.modules.moe import Experts
 
@@ -169,12 +170,15 @@ def peft_modules(config: dict, model_modules=()) -> list[str]:
     return sorted(modules)
 
 
-def per_expert_factors(parts: dict[str, dict[str, torch.Tensor]], config: dict) -> dict[str, tuple]:
+def per_expert_factors(parts: dict[str, dict[str, torch.Tensor]], config: dict,
+                       layout: ExpertLayout = ExpertLayout.PER_EXPERT) -> dict[str, tuple]:
     """The expert adapters among ``parts`` (module name -> ``{"a": lora_A, "b": lora_B}``, as read from an adapter
     file: ``layers.0.mlp.experts`` / ``layers.0.mlp.experts.base_layer``) as ``(A [R, in], B [out, R], scaling)`` per
-    expert and projection, named as the checkpoints' per-expert modules (``layers.0.mlp.experts.3.gate_proj``), for
-    merging into a base checkpoint; those entries are removed from ``parts``. Exact whatever B's blocks hold: the
-    gate's delta is the gate rows of B times A."""
+    expert and projection, named as the model's per-expert modules (``layers.0.mlp.experts.3.gate_proj``), for
+    merging into a base checkpoint of ``layout``; those entries are removed from ``parts``. Exact whatever B's blocks
+    hold: the gate's delta is the gate rows of B times A. A whole, transposed layout's family (gpt-oss) keeps gate
+    and up in one projection, as peft's parameter: its ``gate_up_proj`` adapter stays whole
+    (``layers.0.mlp.experts.3.gate_up_proj``)."""
     targets = {t.rpartition(".")[2] for t in config.get("target_parameters") or []}
     out = {}
     for name in [n for n in parts if targets and n.endswith((".experts", ".experts.base_layer"))]:
@@ -186,7 +190,9 @@ def per_expert_factors(parts: dict[str, dict[str, torch.Tensor]], config: dict) 
         a = p["a"].reshape(n, rank, -1)
         b = p["b"].reshape(p["b"].shape[0], rank, n).permute(2, 0, 1)
         h = b.shape[1] // 2
-        rows = ({"down_proj": slice(None)} if param == "down_proj"
-                else {"gate_proj": slice(0, h), "up_proj": slice(h, None)})
+        if param == "down_proj" or layout is ExpertLayout.WHOLE_TRANSPOSED:
+            rows = {param: slice(None)}
+        else:
+            rows = {"gate_proj": slice(0, h), "up_proj": slice(h, None)}
         out.update((f"{base}.{e}.{proj}", (a[e], b[e, part], scaling)) for e in range(n) for proj, part in rows.items())
     return out

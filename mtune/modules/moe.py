@@ -12,7 +12,7 @@ The interface other families build on:
   ``up_proj`` and ``down_proj``, each one ``[n_experts, out, in]`` parameter (``weight``; ``bias [n_experts, out]``
   when biased). Module names are the checkpoints' with the expert index moved out: the hub's
   ``mlp.experts.{e}.gate_proj.weight`` is row ``e`` of ``mlp.experts.gate_proj.weight`` (loading stacks, saving
-  splits: :func:`~mtune.modules.expert_linear.stacked_key`). LoRA targets them by the same names as a dense MLP's
+  splits: :func:`~mtune.modules.expert_layout.stacked_key`). LoRA targets them by the same names as a dense MLP's
   (per-expert adapters, ``LoRAExpertLinear``); QLoRA stores them as NF4; FSDP2 shards them by expert with the block.
 
 Separate gate and up projections rather than transformers 5's fused ``gate_up_proj [n_experts, 2 * hidden, dim]``:
@@ -93,19 +93,14 @@ class Experts(nn.Module):
         dim, hidden_dim: each expert's width and intermediate width (``moe_intermediate_size``).
         activation: the gate's activation (SiLU: SwiGLU).
         bias: the projections carry biases (gpt-oss).
-        fused_checkpoint: the checkpoint holds the experts as transformers 5's modules do, two whole tensors
-            ``experts.gate_up_proj [n_experts, 2 * hidden_dim, dim]`` (gate rows first) and ``experts.down_proj
-            [n_experts, dim, hidden_dim]`` (Gemma 4 on the hub), rather than one key per expert and projection
-            (``experts.{e}.gate_proj.weight``: Qwen3-MoE, Qwen3.5-MoE); loading splits, saving fuses
-            (``mtune.training.checkpointing.placing``).
+
+    How a family's checkpoints lay these out (one key per expert, or gate and up side by side as transformers 5's
+    modules hold them) is the family's ``DecoderArgs.expert_checkpoint_layout`` (:mod:`mtune.modules.expert_layout`).
     """
 
-    fused_checkpoint = False  # subclasses with experts of their own layout (gpt-oss's) keep the default
-
-    def __init__(self, n_experts: int, dim: int, hidden_dim: int, activation: Callable = F.silu, bias: bool = False,
-                 fused_checkpoint: bool = False):
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, activation: Callable = F.silu, bias: bool = False):
         super().__init__()
-        self.n_experts, self.activation, self.fused_checkpoint = n_experts, activation, fused_checkpoint
+        self.n_experts, self.activation = n_experts, activation
         self.gate_proj = ExpertLinear(n_experts, dim, hidden_dim, bias)
         self.up_proj = ExpertLinear(n_experts, dim, hidden_dim, bias)
         self.down_proj = ExpertLinear(n_experts, hidden_dim, dim, bias)

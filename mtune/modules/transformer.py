@@ -1,12 +1,11 @@
 """The decoder-only transformer shared by every family: embedding, a stack of blocks, final norm, output head.
 
-The stack is chosen per family: :meth:`DecoderArgs.block` builds block ``i`` from the parts in
-:mod:`mtune.modules` (Llama's pre-norm block of attention and SwiGLU MLP by default; a family's arguments class
-overrides :meth:`DecoderArgs.attention` or :meth:`DecoderArgs.block` to pick another attention, MLP or norm layout).
-The decoder itself reads no family flag.
+Each family picks the stack: :meth:`DecoderArgs.block` builds block ``i`` from the parts in :mod:`mtune.modules`
+(Llama's pre-norm block of attention and SwiGLU MLP by default; a family's arguments override :meth:`~DecoderArgs
+.attention` or :meth:`~DecoderArgs.block` for another attention, MLP or norm). The decoder reads no family flag.
 
 Module names are Hugging Face's (``embed_tokens``, ``layers[i].self_attn.q_proj``, ``lm_head``...), so checkpoints
-map by stripping ``model.`` and adapters target modules by their HF names.
+map by stripping ``model.`` and adapters target modules by their HF names (experts: ``expert_checkpoint_layout``).
 """
 
 import functools
@@ -19,6 +18,7 @@ from torch import nn
 
 from mtune.config.keys import ATTENTION_KERNELS
 from mtune.modules.attention import Attention
+from mtune.modules.expert_layout import ExpertLayout
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
 from mtune.modules.packed_attention import DENSE_MASK_UP_TO, document_boundaries, kernel_for
@@ -33,6 +33,7 @@ class DecoderArgs:
 
     family: ClassVar[str] = "decoder"
     decoder: ClassVar[type | None] = None  # the decoder's class: None is TransformerDecoder (Gemma 4's subclasses it)
+    expert_checkpoint_layout: ClassVar[ExpertLayout] = ExpertLayout.PER_EXPERT  # how its checkpoints hold experts
 
     vocab_size: int = 32000
     """Rows of ``embed_tokens`` and ``lm_head``."""
@@ -149,9 +150,8 @@ class TransformerDecoder(nn.Module):
     def initializers(self, std: float = 0.02) -> Iterator[tuple[str, Callable[[torch.Tensor], object]]]:
         """``(parameter name, fill)`` for every parameter, in the order :meth:`init_weights` draws from torch's RNG:
         normal(0, std) for linear and embedding weights (adapters' included), zeros for biases, ones for norms.
-        ``fill(t)`` fills a tensor of the parameter's full shape in place. A tied ``lm_head.weight`` is listed again
-        (it is drawn twice). The sharded setup fills full tensors with these and keeps each rank's rows, so a sharded
-        model starts from the same values as a single-device one."""
+        ``fill(t)`` fills a tensor of the parameter's full shape in place; a tied ``lm_head.weight`` is listed (drawn)
+        twice. The sharded setup fills full tensors with these and keeps each rank's rows: a single device's values."""
         normal = functools.partial(nn.init.normal_, std=std)
         for name, module in self.named_modules():
             prefix = f"{name}." if name else ""

@@ -12,14 +12,17 @@ scaled by ``sqrt(dim)``, tied head, sliding and global ``layer_types``) with the
 - in the mixture-of-experts size (26B-A4B, ``enable_moe_block``), every block runs ``n_experts`` GELU-tanh experts
   (``top_k`` per token) beside its dense MLP, each branch with its own norms, routed by a
   :class:`~mtune.modules.per_layer_block.ScaledRouter` (:class:`~mtune.modules.per_layer_block.PerLayerInputMoEBlock`); the
-  checkpoints hold the experts fused (``experts.gate_up_proj``, ``experts.down_proj``), as transformers 5 does.
+  checkpoints hold the experts as transformers 5 does, ``experts.gate_up_proj`` (gate and up side by side) and
+  ``experts.down_proj`` (``expert_checkpoint_layout``).
 """
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from torch import nn
 
 from mtune.models.layer_types import checked_layer_types
+from mtune.modules.expert_layout import ExpertLayout
 from mtune.modules.feed_forward import FeedForward, gelu_tanh
 from mtune.modules.moe import Experts
 from mtune.modules.per_layer_block import PerLayerInputBlock, PerLayerInputMoEBlock, ScaledRouter
@@ -42,6 +45,7 @@ def layer_types(n_layers: int, pattern: int = 6) -> list[str]:
 class Gemma4Args(DecoderArgs):
     family = "gemma4"
     decoder = PerLayerInputDecoder
+    expert_checkpoint_layout: ClassVar[ExpertLayout] = ExpertLayout.GATE_UP_SIDE_BY_SIDE
     vocab_size: int = 262144
     n_heads: int = 8
     n_kv_heads: int = 1
@@ -123,7 +127,7 @@ class Gemma4Args(DecoderArgs):
         mlp = FeedForward(self.dim, width, gelu_tanh)
         if self.n_experts:
             router = ScaledRouter(self.dim, self.n_experts, self.top_k, self.norm_eps)
-            experts = Experts(self.n_experts, self.dim, self.moe_intermediate_dim, gelu_tanh, fused_checkpoint=True)
+            experts = Experts(self.n_experts, self.dim, self.moe_intermediate_dim, gelu_tanh)
             return PerLayerInputMoEBlock(self.dim, self.norm_eps, attention, mlp, router, experts, self.per_layer_dim)
         return PerLayerInputBlock(self.dim, self.norm_eps, attention, mlp, self.per_layer_dim)
 

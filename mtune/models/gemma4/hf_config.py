@@ -88,12 +88,6 @@ def gemma4_args(config: dict) -> Gemma4Args:
         double_wide_mlp=bool(c["use_double_wide_mlp"]), final_logit_softcap=c.get("final_logit_softcapping"))
 
 
-def gemma4_fused_experts(config: dict) -> bool:
-    """Whether the model has experts, which Gemma 4's checkpoints hold fused (``experts.gate_up_proj``,
-    ``experts.down_proj``: transformers 5's modules, no per-expert keys)."""
-    return bool(text_config(config).get("enable_moe_block"))
-
-
 def gemma4_hf_config(args: Gemma4Args, dtype: str) -> dict:
     """A text-only ``Gemma4ForCausalLM`` config.json in the hub's layout (``global_head_dim``,
     ``num_global_key_value_heads``), which transformers 5.24 reads as the same model."""

@@ -11,8 +11,9 @@
 
 The hub's checkpoints hold each expert projection whole (``experts.gate_up_proj [n_experts, dim, 2 * hidden]``,
 ``experts.gate_up_proj_bias``, ``experts.down_proj``, ``experts.down_proj_bias``; as ``save_pretrained`` writes them
-too), which ``fused_expert_checkpoint`` tells the loader. The published ones store those as MXFP4 blocks and scales,
-which the single-device loader dequantizes as they arrive (:mod:`mtune.models.gpt_oss.mxfp4`).
+too): ``expert_checkpoint_layout`` (whole and transposed, :mod:`mtune.modules.expert_layout`). The published ones
+store those as MXFP4 blocks and scales, which the loaders dequantize as they arrive, the FSDP2 one each rank's
+experts' rows alone (:mod:`mtune.models.gpt_oss.mxfp4`).
 """
 
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from torch import nn
 
 from mtune.models.layer_types import checked_layer_types
 from mtune.modules.clamped_experts import ClampedSwiGLUExperts
+from mtune.modules.expert_layout import ExpertLayout
 from mtune.modules.moe import MoE
 from mtune.modules.pre_norm_block import TransformerBlock
 from mtune.modules.rms_norm import FP32RMSNorm
@@ -44,7 +46,7 @@ def _yarn(factor: float = 32.0, original: int = 4096) -> dict:
 @dataclass
 class GptOssArgs(DecoderArgs):
     family = "gpt_oss"
-    fused_expert_checkpoint: ClassVar[bool] = True
+    expert_checkpoint_layout: ClassVar[ExpertLayout] = ExpertLayout.WHOLE_TRANSPOSED
     vocab_size: int = 201088
     dim: int = 2880
     n_heads: int = 64

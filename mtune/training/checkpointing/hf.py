@@ -17,16 +17,14 @@ from torch import nn
 
 from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
-from mtune.models.hf_config import (
-    fused_experts_checkpoint, hf_config_from_model_args, model_args_from_hf_config, text_model_key,
+from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config, text_model_key
+from mtune.modules.expert_layout import (
+    ExpertLayout, as_checkpoint_holds, expert_layout, from_checkpoint, side_by_side_parts, stacked_key,
+    transposed_in_checkpoint, whole_name,
 )
-from mtune.modules.expert_linear import stacked_key, transposed_in_checkpoint
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
-from mtune.training.checkpointing.placing import (
-    as_checkpoint_holds, expected_tensors, fused_experts, fused_name, gate_up_experts, held_names, held_shape, place,
-    read_mxfp4,
-)
+from mtune.training.checkpointing.placing import expected_tensors, held_names, held_shape, place, read_mxfp4
 from mtune.units import parse_bytes
 
 CONFIG_NAME = "config.json"
@@ -138,15 +136,15 @@ def locate_tensors(
     Returns ``(expected, by_file)``: the model's tensors by mtune name (:func:`expected_tensors`, minus those
     ``not_in_checkpoint(name)`` marks, e.g. LoRA adapters) and, per safetensors file, its ``(mtune name, hf key)``
     pairs; an expert's key keeps its index in the name (``experts.3.gate_proj.weight``, row 3 of the model's
-    ``experts.gate_proj.weight``: :func:`~mtune.modules.expert_linear.stacked_key`), or, where the family holds
-    experts whole (:func:`fused_experts`), is named as the model's parameter. Missing or unexpected keys raise
-    :class:`CheckpointError` naming them.
+    ``experts.gate_proj.weight``: :func:`~mtune.modules.expert_layout.stacked_key`), or, where the family holds
+    experts whole (``ExpertLayout.WHOLE_TRANSPOSED``), is named as the model's parameter. Missing or unexpected keys
+    raise :class:`CheckpointError` naming them.
     """
     expected = expected_tensors(model)
     if not_in_checkpoint is not None:
         expected = {k: v for k, v in expected.items() if not not_in_checkpoint(k)}
-    fused = fused_experts(model)
-    held = set(expected) if fused else held_names(model, expected)
+    whole = expert_layout(model) is ExpertLayout.WHOLE_TRANSPOSED
+    held = held_names(model, expected)
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     listed = set()
@@ -154,7 +152,7 @@ def locate_tensors(
     for path, keys in checkpoint_keys(checkpoint_dir).items():
         for key in keys:
             name = mtune_name(key)
-            if fused and name is not None and (name := fused_name(name)) is None:
+            if whole and name is not None and (name := whole_name(name)) is None:
                 continue  # MXFP4 scales: read with their blocks
             skipped += name is None
             if name is None or (tied and name == "lm_head.weight"):
@@ -192,23 +190,24 @@ def load_hf_checkpoint(
     weight to NF4 at once, so the whole model never sits in memory at full precision.
     """
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
-    fused, gate_up = fused_experts(model), gate_up_experts(model)  # gpt-oss's whole experts, Gemma 4's gate|up
-    where = {k: p for p, keys in checkpoint_keys(checkpoint_dir).items() for k in keys} if fused else {}
+    layout, gate_up = expert_layout(model), side_by_side_parts(model)
+    whole = layout is ExpertLayout.WHOLE_TRANSPOSED  # gpt-oss's experts: maybe MXFP4 pairs, in two files
+    where = {k: p for p, keys in checkpoint_keys(checkpoint_dir).items() for k in keys} if whole else {}
     arrived: dict[str, int] = {}  # experts of each stacked projection read so far
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
                 slot = None if name in expected or name in gate_up else stacked_key(name)
                 want = held_shape(name, slot, expected, gate_up)
-                transposed = transposed_in_checkpoint(name, fused)  # a whole expert projection, [E, in, out]
+                transposed = transposed_in_checkpoint(name, layout)  # a whole expert projection, [E, in, out]
                 try:
-                    tensor = read_mxfp4(f, key, lambda k: open_safetensors(where[k]), dtype) if fused else None  # MXFP4
+                    tensor = read_mxfp4(f, key, lambda k: open_safetensors(where[k]), dtype) if whole else None
                     shape = tuple(f.get_slice(key).get_shape() if tensor is None else tensor.shape)
                     want = (want[0], want[2], want[1]) if transposed and tensor is None else want
                     if shape != want:
                         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
                     if tensor is None:
-                        tensor = f.get_tensor(key).transpose(1, 2).contiguous() if transposed else f.get_tensor(key)
+                        tensor = from_checkpoint(name, f.get_tensor(key), layout)
                 except CheckpointError:
                     raise
                 except Exception as e:
@@ -268,7 +267,7 @@ def save_hf_checkpoint(
     else:
         raise CheckpointError(f"{out}: pass source_dir (the checkpoint the weights came from) or model_args")
     tied = bool(config.get("tie_word_embeddings", False))
-    fused = fused_experts(model_args if model_args is not None else model_args_from_hf_config(config)[1])
+    layout = expert_layout(model_args if model_args is not None else model_args_from_hf_config(config)[1])
 
     max_bytes = parse_bytes(max_shard_size, "max_shard_size", message=_SHARD_SIZE_ERROR)
     writer, saved_dtype = ShardWriter(out, max_bytes), None
@@ -283,7 +282,7 @@ def save_hf_checkpoint(
                 tensor = tensor.full_tensor()
             yield key, tensor
 
-    for key, piece in as_checkpoint_holds(gathered(), gate_up=fused_experts_checkpoint(config), whole=fused):
+    for key, piece in as_checkpoint_holds(gathered(), layout):
         if saved_dtype is None and piece.is_floating_point():
             saved_dtype = piece.dtype
         writer.add(key, piece.to("cpu").contiguous())

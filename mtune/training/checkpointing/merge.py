@@ -10,6 +10,11 @@ in that precision (or ``dtype``). So a QLoRA run, whose live base weights are NF
 people serve: the base it merges into is the original, not the 4-bit copy it trained against (docs/checkpoints.md
 gives the measured distance between the two).
 
+Experts arrive as the base family's layout holds them (:mod:`mtune.modules.expert_layout`): each expert's adapter is
+folded into its row of a per-expert key, its rows of a whole, transposed projection (gpt-oss) or its gate / up rows
+of a side-by-side ``gate_up_proj`` (Gemma 4). The hub's MXFP4 experts (gpt-oss) are dequantized (to ``dtype``, bf16
+when None) and written whole, so the merged model is a plain checkpoint (its config drops ``quantization_config``).
+
 Peak memory is the adapter plus one base tensor (plus whatever the writer buffers up to ``max_shard_size``).
 """
 
@@ -24,23 +29,23 @@ import torch
 from torch import nn
 
 from mtune.modules.lora import merge_adapter
-from mtune.modules.expert_linear import fused_checkpoint_key, stacked_key
-from mtune.models.hf_config import fused_experts_checkpoint, model_args_from_hf_config
+from mtune.modules.expert_layout import MXFP4_BLOCKS, ExpertLayout, expert_layout, mxfp4_part, stacked_key, whole_key
+from mtune.models.hf_config import model_args_from_hf_config
 from mtune.training.checkpointing.hf import (
     CheckpointError, checkpoint_keys, open_safetensors, read_hf_config, save_hf_checkpoint,
 )
-from mtune.training.checkpointing.placing import fused_experts
 from mtune.training.checkpointing.peft import Adapter, adapter_from_model, read_adapter
+from mtune.training.checkpointing.placing import read_mxfp4
 
 __all__ = ["merged_hf_weights", "save_merged_model"]
 
 
-def _as_adapter(adapter: str | os.PathLike | nn.Module | Adapter) -> Adapter:
+def _as_adapter(adapter: str | os.PathLike | nn.Module | Adapter, layout: ExpertLayout) -> Adapter:
     if isinstance(adapter, Adapter):
         return adapter
     if isinstance(adapter, nn.Module):
         return adapter_from_model(adapter)
-    return read_adapter(adapter)
+    return read_adapter(adapter, layout)
 
 
 def _weight_key(module_name: str) -> str:
@@ -65,21 +70,24 @@ def merged_hf_weights(
     Every adapted module must have a weight in the checkpoint, checked before the first tensor is yielded.
     Feed the result to ``save_hf_checkpoint(..., source_dir=base_dir)``; see :func:`save_merged_model`.
     """
-    layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter).layers.items()}
+    # experts a checkpoint holds whole: gpt-oss's transposed, Gemma 4's gate and up side by side (both name their down
+    # projection ``experts.down_proj``: the family's layout says which it is)
+    layout = expert_layout(model_args_from_hf_config(read_hf_config(base_dir))[1])
+    layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter, layout).layers.items()}
     listed = checkpoint_keys(base_dir)
     held = {k for keys in listed.values() for k in keys}
-    # experts a checkpoint holds whole: gpt-oss's transposed, Gemma 4's gate and up side by side (both name their down
-    # projection ``experts.down_proj``: the family's config says which layout it is)
-    config = read_hf_config(base_dir)
-    whole = _whole_experts(layers, held) if fused_experts(model_args_from_hf_config(config)[1]) else {}
-    layers = _gate_up_expert_layers(layers, held) if fused_experts_checkpoint(config) else layers
+    # the hub's MXFP4 experts (gpt-oss) are written dequantized, under the whole key their blocks stand for
+    if layout is ExpertLayout.WHOLE_TRANSPOSED:
+        held |= {k.removesuffix(MXFP4_BLOCKS) for k in held if mxfp4_part(k) == "blocks"}
+    whole = _whole_experts(layers, held) if layout is ExpertLayout.WHOLE_TRANSPOSED else {}
+    layers = _gate_up_expert_layers(layers, held) if layout is ExpertLayout.GATE_UP_SIDE_BY_SIDE else layers
     missing = set(layers) - held
     if missing:
         raise CheckpointError(
             f"{base_dir}: the adapter adapts {sorted(missing)[0]} (and {len(missing) - 1} more), which the base "
             "checkpoint does not hold: pass the base model the adapter was trained on"
         )
-    return _stream(listed, layers, dtype, whole)
+    return _stream(listed, layers, dtype, whole, layout)
 
 
 def _whole_experts(layers: dict, held: set[str]) -> dict[str, dict[int, object]]:
@@ -89,7 +97,7 @@ def _whole_experts(layers: dict, held: set[str]) -> dict[str, dict[int, object]]
     whole: dict[str, dict[int, object]] = {}
     for key in [k for k in layers if k not in held]:
         slot = stacked_key(key)
-        fused = fused_checkpoint_key(slot[0]) if slot is not None else None
+        fused = whole_key(slot[0]) if slot is not None else None
         if fused in held:
             whole.setdefault(fused, {})[slot[1]] = layers.pop(key)
     return whole
@@ -126,11 +134,20 @@ def _merge_gate_up(tensor: torch.Tensor, experts: dict, dtype) -> torch.Tensor:
     return merged
 
 
-def _stream(listed, layers, dtype, whole) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(listed, layers, dtype, whole, layout) -> Iterator[tuple[str, torch.Tensor]]:
+    mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED
+    where = {k: path for path, keys in listed.items() for k in keys} if mxfp4 else {}
     for path, keys in listed.items():
         with open_safetensors(path) as f:
             for key in keys:
-                tensor = f.get_tensor(key)
+                if mxfp4 and mxfp4_part(key) is not None:
+                    if mxfp4_part(key) == "scales":
+                        continue  # read with their blocks
+                    # [E, out, in] dequantized (to dtype, bf16 when None), held [E, in, out] as the whole layout does
+                    tensor = read_mxfp4(f, key, lambda k: open_safetensors(where[k]), dtype).transpose(1, 2)
+                    key = key.removesuffix(MXFP4_BLOCKS)
+                else:
+                    tensor = f.get_tensor(key)
                 if key in whole:  # [E, in, out]: each adapted expert's [out, in] slice merged
                     merged = tensor.to(dtype or tensor.dtype, copy=True)
                     for e, layer in whole[key].items():

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from mtune.errors import MtuneError
-from mtune.modules.expert_linear import LoRAExpertLinear, expert_key
+from mtune.modules.expert_layout import ExpertLayout, expert_key
+from mtune.modules.expert_linear import LoRAExpertLinear
 from mtune.modules.lora import LoRALinear
 from mtune.modules.lora_experts_peft import EXPERT_PATTERN, expert_peft_config, peft_modules, per_expert_factors
 from mtune.modules.lora_state import adapter_config, load_peft_adapter_state_dict, peft_adapter_state_dict
@@ -257,8 +258,10 @@ def _module_name(peft_key: str) -> tuple[str, str] | None:
     return None
 
 
-def read_adapter(adapter_dir: str | os.PathLike) -> Adapter:
-    """An :class:`Adapter` from a PEFT directory (tensors as stored; rsLoRA scaling alpha/sqrt(r) honoured)."""
+def read_adapter(adapter_dir: str | os.PathLike, layout: ExpertLayout = ExpertLayout.PER_EXPERT) -> Adapter:
+    """An :class:`Adapter` from a PEFT directory (tensors as stored; rsLoRA scaling alpha/sqrt(r) honoured); expert
+    adapters one layer per expert and projection as the base checkpoint's ``layout`` family names them
+    (:func:`~mtune.modules.lora_experts_peft.per_expert_factors`)."""
     adapter_dir = Path(adapter_dir)
     config = read_adapter_config(adapter_dir)
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -267,7 +270,7 @@ def read_adapter(adapter_dir: str | os.PathLike) -> Adapter:
         if named is not None:
             parts.setdefault(named[0], {})[named[1]] = tensor
     scaling = _scaling(config)
-    layers = {name: AdapterLayer(*factors) for name, factors in per_expert_factors(parts, config).items()}
+    layers = {name: AdapterLayer(*factors) for name, factors in per_expert_factors(parts, config, layout).items()}
     for name, p in parts.items():
         if "a" not in p or "b" not in p:
             raise AdapterError(f"{adapter_dir / ADAPTER_WEIGHTS_NAME}: module {name} lacks lora_A or lora_B")

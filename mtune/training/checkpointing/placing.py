@@ -1,103 +1,36 @@
 """A checkpoint's tensors put into a model as they are read, and the names the checkpoint must hold. The experts'
-stacked projections (``[n_experts, out, in]``, :class:`~mtune.modules.expert_linear.ExpertLinear`) are held one key
-per expert (Qwen3-MoE's and Qwen3.5-MoE's hub layout): each expert's tensor goes into its row. Two families hold
-them otherwise: gpt-oss (:func:`fused_experts`) whole and transposed under the parameter's own name; Gemma 4
-(:func:`gate_up_experts`) as transformers 5's modules hold them, ``experts.gate_up_proj [n_experts, 2 * hidden,
-dim]``, split into ``gate_proj`` and ``up_proj`` on loading and joined again on saving (:func:`fuse_experts`), and
-``experts.down_proj``, the ``down_proj`` weight as it is."""
+stacked projections (``[n_experts, out, in]``, :class:`~mtune.modules.expert_linear.ExpertLinear`) arrive as the
+family's :class:`~mtune.modules.expert_layout.ExpertLayout` holds them: one key per expert (each goes into its row),
+whole (gpt-oss: turned by :func:`~mtune.modules.expert_layout.from_checkpoint`, or MXFP4 pairs dequantized by
+:func:`read_mxfp4`), or gate and up side by side (Gemma 4: split along dim 1 into ``gate_proj`` and ``up_proj``)."""
 
 from __future__ import annotations
-
-import re
-from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from mtune.models.gpt_oss.mxfp4 import dequantize_mxfp4
-from mtune.modules.expert_linear import ExpertLinear, checkpoint_tensors, expert_key, fused_model_name
-from mtune.modules.moe import Experts
+from mtune.modules.expert_layout import (
+    MXFP4_BLOCKS, MXFP4_SCALES, ExpertLayout, expert_key, expert_layout, mxfp4_part, side_by_side_parts,
+)
+from mtune.modules.expert_linear import ExpertLinear
 
-__all__ = ["as_checkpoint_holds", "expected_tensors", "fuse_experts", "fused_experts", "fused_name", "gate_up_experts",
-           "held_names", "held_shape", "place", "read_mxfp4"]
-
-_GATE_UP_PART = re.compile(r"^(.*\.experts)\.(gate|up|down)_proj\.weight$")
-
-_BLOCKS, _SCALES = "_blocks", "_scales"
+__all__ = ["expected_tensors", "held_names", "held_shape", "place", "read_mxfp4"]
 
 
-def fused_experts(model_or_args) -> bool:
-    """Whether the family's checkpoints hold each expert projection whole and transposed (gpt-oss:
-    ``DecoderArgs.fused_expert_checkpoint``) rather than one key per expert (:func:`held_names`)."""
-    args = getattr(model_or_args, "args", model_or_args)
-    return bool(getattr(args, "fused_expert_checkpoint", False))
-
-
-def fused_name(name: str) -> str | None:
-    """A tensor of a checkpoint holding experts whole (gpt-oss) named as the model's: ``...experts.gate_up_proj`` ->
-    ``...experts.gate_up_proj.weight``, ``..._bias`` -> ``.bias``, MXFP4's ``..._blocks`` -> ``.weight``; None for
-    MXFP4's ``..._scales`` (read with their blocks, :func:`read_mxfp4`); any other name as it is."""
-    if ".experts." in name and name.endswith(_SCALES):
-        return None
-    if ".experts." in name and name.endswith(_BLOCKS):
-        name = name.removesuffix(_BLOCKS)
-    return fused_model_name(name) or name
-
-
-def read_mxfp4(f, key: str, open_file, dtype) -> torch.Tensor | None:
+def read_mxfp4(f, key: str, open_file, dtype, experts: slice | None = None) -> torch.Tensor | None:
     """The expert weight ``[n_experts, out, in]`` an MXFP4 pair holds, dequantized to ``dtype`` (bf16 when None):
     ``key`` (``..._blocks``) from the open safetensors file ``f``, its ``..._scales`` from ``open_file(name)`` (a
-    context manager opening the file that holds it); None when ``key`` is not MXFP4 blocks."""
-    if not key.endswith(_BLOCKS) or ".experts." not in key:
+    context manager opening the file that holds it); None when ``key`` is not MXFP4 blocks. ``experts``: only
+    those experts' rows are read (``[len, out, in]``; an FSDP2 rank's), equal bit for bit to the same rows of the
+    whole (the dequantization is elementwise)."""
+    if mxfp4_part(key) != "blocks":
         return None
-    scales_key = key.removesuffix(_BLOCKS) + _SCALES
+    scales_key = key.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES
     with open_file(scales_key) as g:
-        scales = g.get_tensor(scales_key)
-    return dequantize_mxfp4(f.get_tensor(key), scales, dtype or torch.bfloat16)
-
-
-def gate_up_experts(model: nn.Module) -> dict[str, list[str]]:
-    """For the experts a checkpoint holds with gate and up side by side (Gemma 4's ``Experts.fused_checkpoint``):
-    the checkpoint's name (``layers.0.experts.gate_up_proj``) -> the stacked weights it holds along dim 1
-    (``[layers.0.experts.gate_proj.weight, layers.0.experts.up_proj.weight]``; ``down_proj`` alone)."""
-    fused = {}
-    for name, m in model.named_modules():
-        if isinstance(m, Experts) and m.fused_checkpoint:
-            fused[f"{name}.gate_up_proj"] = [f"{name}.gate_proj.weight", f"{name}.up_proj.weight"]
-            fused[f"{name}.down_proj"] = [f"{name}.down_proj.weight"]
-    return fused
-
-
-def fuse_experts(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs with every experts' stacked weights as :func:`gate_up_experts` checkpoints hold them:
-    ``...experts.gate_proj.weight`` and ``...experts.up_proj.weight`` (the first kept until the second comes) as one
-    ``...experts.gate_up_proj``, ``...experts.down_proj.weight`` as ``...experts.down_proj``; others unchanged.
-    ValueError naming the experts when one of gate and up never comes."""
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in items:
-        match = _GATE_UP_PART.match(name)
-        if match is None:
-            yield name, tensor
-        elif match[2] == "down":
-            yield f"{match[1]}.down_proj", tensor
-        else:
-            halves = waiting.setdefault(match[1], {})
-            halves[match[2]] = tensor
-            if len(halves) == 2:
-                del waiting[match[1]]
-                yield f"{match[1]}.gate_up_proj", torch.cat([halves["gate"], halves["up"]], dim=1)
-    if waiting:
-        raise ValueError(f"{next(iter(waiting))}: only one of gate_proj and up_proj was given, so its fused "
-                         "gate_up_proj cannot be written")
-
-
-def as_checkpoint_holds(items: Iterable[tuple[str, torch.Tensor]], *, gate_up: bool,
-                        whole: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf key, tensor)`` pairs as the family's checkpoints hold its experts: gate and up side by side
-    (``gate_up``, Gemma 4: :func:`fuse_experts`), whole and transposed (``whole``, gpt-oss), or one key per expert
-    (:func:`~mtune.modules.expert_linear.checkpoint_tensors`); every other tensor as it is."""
-    for key, tensor in fuse_experts(items) if gate_up else items:
-        yield from checkpoint_tensors(key, tensor, whole)
+        scales = g.get_tensor(scales_key) if experts is None else g.get_slice(scales_key)[experts]
+    blocks = f.get_tensor(key) if experts is None else f.get_slice(key)[experts]
+    return dequantize_mxfp4(blocks, scales, dtype or torch.bfloat16)
 
 
 def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -110,11 +43,15 @@ def expected_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def held_names(model: nn.Module, expected: dict[str, torch.Tensor]) -> set[str]:
-    """The names a checkpoint holds for ``expected`` (the model's tensors by name): each stacked projection as one
-    name per expert (``experts.3.gate_proj.weight``), anything else as is."""
+    """The names a checkpoint holds for ``expected`` (the model's tensors by name), as the model's layout holds
+    them and the loaders name what they read: each stacked projection as one name per expert
+    (``experts.3.gate_proj.weight``), under the side-by-side tensor that holds it, or (whole) as the model names it;
+    anything else as is."""
+    if expert_layout(model) is ExpertLayout.WHOLE_TRANSPOSED:
+        return set(expected)
     experts = {f"{name}.{leaf}": m.n_experts for name, m in model.named_modules() if isinstance(m, ExpertLinear)
                for leaf in ("weight", "bias")}
-    gate_up = {part: key for key, parts in gate_up_experts(model).items() for part in parts}
+    gate_up = {part: key for key, parts in side_by_side_parts(model).items() for part in parts}
     held = set()
     for name in expected:
         if name in gate_up:
@@ -145,7 +82,8 @@ def _place_expert(model: nn.Module, name: str, expert: int, tensor: torch.Tensor
 def held_shape(name: str, slot: tuple[str, int] | None, expected: dict[str, torch.Tensor],
                gate_up: dict[str, list[str]]) -> tuple[int, ...]:
     """The shape the checkpoint's tensor ``name`` must have: its parameter's, one expert's row of it (``slot``), or
-    a :func:`gate_up_experts` tensor's (``[n_experts, the parts' rows together, in]``)."""
+    a side-by-side tensor's (``gate_up``: :func:`~mtune.modules.expert_layout.side_by_side_parts`; ``[n_experts,
+    the parts' rows together, in]``)."""
     if name in gate_up:
         first = expected[gate_up[name][0]].shape
         return first[0], sum(expected[part].shape[1] for part in gate_up[name]), first[2]
@@ -155,8 +93,8 @@ def held_shape(name: str, slot: tuple[str, int] | None, expected: dict[str, torc
 def place(model: nn.Module, name: str, slot: tuple[str, int] | None, tensor: torch.Tensor, dtype, device,
           arrived: dict[str, int], gate_up: dict[str, list[str]]) -> list[str]:
     """Put a tensor read as ``name`` into the model (``slot``: the stacked parameter and expert it is a row of; a
-    name in ``gate_up``: the stacked weights it holds side by side along dim 1); returns the parameters it made
-    whole (a stacked one once its last expert has arrived)."""
+    name in ``gate_up``: the stacked weights it holds side by side along dim 1, split here); returns the parameters
+    it made whole (a stacked one once its last expert has arrived)."""
     if name in gate_up:
         sizes = [model.get_parameter(part).shape[1] for part in gate_up[name]]
         for part, piece in zip(gate_up[name], tensor.split(sizes, dim=1)):

@@ -8,6 +8,11 @@ against the mean of *all* of them, so each frozen QLoRA weight is read whole, qu
 single-device QLoRA) and only then chunked; torchao's NF4Tensor chunks into NF4 pieces, and FSDP2 all-gathers
 those pieces through NF4Tensor's ``fsdp_pre_all_gather`` hooks.
 
+Experts arrive as the family's :class:`~mtune.modules.expert_layout.ExpertLayout` holds them: a rank reads the keys
+of its own experts (one key per expert), or its experts' rows of each whole projection (gpt-oss: turned after
+reading; MXFP4 blocks and scales read for those experts alone and dequantized, equal bit for bit to one device's
+load). Gate and up side by side (Gemma 4) are refused for now.
+
 The helpers that turn a full tensor into this rank's shard live in :mod:`mtune.training.shards` (the sharded
 initialisation and LoRA's sharded adapters use them too).
 """
@@ -21,9 +26,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mtune.modules.expert_linear import stacked_key, transposed_in_checkpoint
-from mtune.training.checkpointing.hf import CheckpointError, locate_tensors, open_safetensors
-from mtune.training.checkpointing.placing import fused_experts, gate_up_experts
+from mtune.modules.expert_layout import (
+    ExpertLayout, expert_layout, from_checkpoint, mxfp4_part, side_by_side_parts, stacked_key,
+    transposed_in_checkpoint,
+)
+from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, locate_tensors, open_safetensors
+from mtune.training.checkpointing.placing import read_mxfp4
 from mtune.training.shards import as_param_like, assign_tensors, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
@@ -51,10 +59,16 @@ def load_hf_checkpoint_sharded(
     """
     device = torch.device(device)
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
-    if gate_up := gate_up_experts(model):
+    if gate_up := side_by_side_parts(model):
         raise CheckpointError(f"{checkpoint_dir}: experts held fused ({next(iter(gate_up))}, Gemma 4's layout) cannot "
                               "be loaded into an FSDP2-sharded model yet: train on one device")
-    fused = fused_experts(model)
+    layout = expert_layout(model)
+    where = ({k: p for p, keys in checkpoint_keys(checkpoint_dir).items() for k in keys}
+             if layout is ExpertLayout.WHOLE_TRANSPOSED else {})  # MXFP4 scales may sit in another file
+
+    def open_scales(key):
+        return open_safetensors(where[key])
+
     loaded: dict[str, nn.Parameter | torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # this rank's experts of each stacked projection
     for path, entries in by_file.items():
@@ -65,30 +79,42 @@ def load_hf_checkpoint_sharded(
                     _read_expert(model, f, key, *slot, expected[slot[0]], experts, arrives_whole, dtype, device)
                     continue
                 current = expected[name]
-                if fused and key.endswith("_blocks"):
-                    raise CheckpointError(f"{path}: {key}: MXFP4 experts are read on one device only, not into an "
-                                          "FSDP2-sharded model yet: start from a bf16 copy (unsloth/gpt-oss-*-BF16)")
-                view = f.get_slice(key)
-                # a whole expert projection held [n_experts, in, out] (gpt-oss): still split by expert, then turned
-                turn = (lambda t: t.transpose(1, 2).contiguous()) if transposed_in_checkpoint(name, fused) else None
-                want = tuple(current.shape) if turn is None else (current.shape[0], current.shape[2], current.shape[1])
-                if tuple(view.get_shape()) != want:
-                    raise CheckpointError(f"{path}: tensor {key} has shape {list(view.get_shape())}, the model "
-                                          f"expects {list(want)}")
-                turn = turn or (lambda t: t)
                 module_name, _, leaf = name.rpartition(".")
                 store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
-                if store is not None:
-                    local = store(turn(f.get_tensor(key)).to(device=device, dtype=dtype), current)
-                elif isinstance(current, DTensor):
+                rows = None
+                if store is None and isinstance(current, DTensor):
                     start, length = row_slice(current)
-                    local = turn(view[start:start + length]).to(device=device, dtype=dtype, copy=True)
+                    rows = slice(start, start + length)
+                local = _read(f, path, key, name, current, layout, rows, open_scales, dtype)
+                if store is not None:
+                    local = store(local.to(device=device, dtype=dtype), current)
                 else:
-                    local = turn(f.get_tensor(key)).to(device=device, dtype=dtype, copy=True)
+                    local = local.to(device=device, dtype=dtype, copy=True)
                 loaded[name] = as_param_like(local, current) if isinstance(current, nn.Parameter) else local
     loaded.update((name, as_param_like(local, expected[name])) for name, local in experts.items())
     assign_tensors(model, loaded)
     return model
+
+
+def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: slice | None, open_scales,
+          dtype) -> torch.Tensor:
+    """The model's tensor ``name`` (or its first-dim ``rows``: a rank's experts or rows) read from ``key`` in the
+    model's orientation: turned when held transposed, dequantized (to ``dtype``) when MXFP4 blocks, reading only
+    those rows of blocks and scales. CheckpointError when the checkpoint's shape is not the model's."""
+    view = f.get_slice(key)
+    shape = tuple(view.get_shape())
+    mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED and mxfp4_part(key) == "blocks"
+    if mxfp4:  # [E, out, groups, 16] uint8: 32 values a group
+        shape = (*shape[:-2], shape[-2] * 32)
+    want = tuple(current.shape)
+    if transposed_in_checkpoint(name, layout) and not mxfp4:  # a whole expert projection, [E, in, out]
+        want = (want[0], want[2], want[1])
+    if shape != want:
+        raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
+    if mxfp4:
+        return read_mxfp4(f, key, open_scales, dtype, rows)
+    # a whole expert projection held [n_experts, in, out] (gpt-oss) is still split by expert, then turned
+    return from_checkpoint(name, f.get_tensor(key) if rows is None else view[rows], layout)
 
 
 def _read_expert(model, f, key, name, expert, current, experts, arrives_whole, dtype, device) -> None:

@@ -90,7 +90,7 @@ def test_moe_checkpoint_loads_with_its_logits_and_saves_its_experts_fused(tmp_pa
     (layers.N.experts.gate_up_proj [8, 256, 256], gate rows first, and down_proj [8, 256, 128]); mtune loads them
     into its separate gate / up / down projections with transformers' logits, and saving without a source checkpoint
     writes them fused again in a config transformers reads as the same model. Mutations seen failing: gate and up
-    swapped on loading (placing.place) or on saving (fuse_experts), the per-expert scales left out of the
+    swapped on loading (placing.place) or on saving (join_side_by_side), the per-expert scales left out of the
     routing weights, the router fed the experts' normed input."""
     checkpoint = write_tiny_hf_model(tmp_path, "gemma4_moe")
     model = load_model_from_hf(checkpoint).eval()

@@ -272,6 +272,52 @@ def test_expert_adapters_load_in_peft_on_transformers_experts(hf_model, oss_dir,
     assert (logits_of(load_hf_model(merged), TOKENS) - expected).abs().max().item() <= 2e-5
 
 
+def _expert_adapters(hf_model, adapter_dir):
+    """mtune's twin of ``hf_model`` with random rank-4 adapters on both expert projections, saved as PEFT's
+    directory in ``adapter_dir``."""
+    from mtune.modules.lora import apply_lora
+    from mtune.training.checkpointing.peft import save_peft_adapter
+    from tests._helpers.models import mtune_twin
+
+    ours = apply_lora(mtune_twin(hf_model, "gpt_oss"), ["gate_up_proj", "down_proj"], rank=4, alpha=8)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0, 0.05)
+    save_peft_adapter(ours, adapter_dir)
+    return ours
+
+
+def test_an_adapter_directory_merges_into_the_whole_experts(hf_model, oss_dir, tmp_path):
+    """The PEFT directory of adapters on gate_up_proj and down_proj (rank 4 per expert) merged into the transformers-
+    saved base checkpoint (experts whole and transposed) writes the tensors peft's merge_and_unload gives on
+    transformers' GptOss model (fp32, 1e-6) and those the run's own merge of the live model writes; a key the merge
+    reads wrong would differ by the adapters' deltas (over 1e-2). Mutation seen failing: the directory's gate_up_proj
+    adapter split into gate and up halves as for Qwen3-MoE (the merge then names model.layers.0.mlp.experts.0
+    .gate_proj.weight, which the checkpoint does not hold)."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from mtune.training.checkpointing.merge import save_merged_model
+
+    ours = _expert_adapters(hf_model, tmp_path / "adapter")
+    merged = load_file(str(save_merged_model(oss_dir, tmp_path / "adapter", tmp_path / "merged") / "model.safetensors"))
+    live = load_file(str(save_merged_model(oss_dir, ours, tmp_path / "live") / "model.safetensors"))
+    with torch.no_grad():
+        reference = peft.PeftModel.from_pretrained(copy.deepcopy(hf_model), tmp_path / "adapter").merge_and_unload()
+    expected = {k: v.detach() for k, v in reference.state_dict().items()}
+    base = load_file(str(oss_dir / "model.safetensors"))
+    assert set(merged) == set(base) == set(live)
+    for key in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert (merged[key] - base[key]).abs().max().item() > 1e-2  # the adapters moved it
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(tensor, live[key], rtol=0, atol=1e-6, msg=key)
+
+
 def test_qlora_stores_experts_of_the_published_width_as_nf4():
     """gpt-oss's experts (2880 x 5760 and 2880 x 2880 per expert) are not a whole number of torchao's 256-scale
     groups (16384 values), so their NF4 uses the largest power-of-two group that divides an expert's scales (128
@@ -325,16 +371,11 @@ def test_mxfp4_dequantizes_as_transformers_does(dtype):
     assert torch.equal(ours, theirs.transpose(1, 2))
 
 
-def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
-    """The tiny checkpoint with its experts as the hub publishes them (MXFP4 ``*_blocks`` / ``*_scales``, an mxfp4
-    ``quantization_config``; here random codes and scales) loads with the logits of the same checkpoint whose experts
-    transformers' convert_moe_packed_tensors dequantized (transformers' model of it, fp32 within 1e-5); a save of it
-    drops the quantization_config and transformers reads it back. Mutation seen failing: the blocks dequantized into
-    transformers' [E, in, out] layout (a shape error naming the key)."""
-    from safetensors.torch import load_file, save_file
+def _mxfp4_experts(state: dict) -> tuple[dict, dict]:
+    """``state`` (a transformers-saved gpt-oss) with its expert weights as the hub publishes them (random MXFP4
+    ``*_blocks`` / ``*_scales``), and with those dequantized by transformers' convert_moe_packed_tensors (fp32)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    state = load_file(str(oss_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
     quantized, dense = dict(state), dict(state)
     for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -344,12 +385,37 @@ def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
         del quantized[key]
         quantized[f"{key}_blocks"], quantized[f"{key}_scales"] = blocks, scales
         dense[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    return quantized, dense
+
+
+def _write_checkpoint(out, files: dict[str, dict], config: dict):
+    """A checkpoint directory in ``out``: ``files`` (file name -> tensors; an index when there are several) and
+    ``config``."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for name, tensors in files.items():
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+    if len(files) > 1:
+        weight_map = {key: name for name, tensors in files.items() for key in tensors}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_the_hubs_mxfp4_experts_load_dequantized(oss_dir, tmp_path):
+    """The tiny checkpoint with its experts as the hub publishes them (MXFP4 ``*_blocks`` / ``*_scales``, an mxfp4
+    ``quantization_config``; here random codes and scales) loads with the logits of the same checkpoint whose experts
+    transformers' convert_moe_packed_tensors dequantized (transformers' model of it, fp32 within 1e-5); a save of it
+    drops the quantization_config and transformers reads it back. Mutation seen failing: the blocks dequantized into
+    transformers' [E, in, out] layout (a shape error naming the key)."""
+    from safetensors.torch import load_file
+
+    quantized, dense = _mxfp4_experts(load_file(str(oss_dir / "model.safetensors")))
     config = json.loads((oss_dir / "config.json").read_text())
-    for name, tensors, quantization in (("mxfp4", quantized, {"quant_method": "mxfp4"}), ("dense", dense, None)):
-        (tmp_path / name).mkdir()
-        save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
-        (tmp_path / name / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}
-                                                                if quantization else config))
+    _write_checkpoint(tmp_path / "mxfp4", {"model.safetensors": quantized},
+                      {**config, "quantization_config": {"quant_method": "mxfp4"}})
+    _write_checkpoint(tmp_path / "dense", {"model.safetensors": dense}, config)
     model = load_model_from_hf(tmp_path / "mxfp4", dtype=torch.float32).eval()
     expected = logits_of(load_hf_model(tmp_path / "dense"), TOKENS)
     assert (logits_of(model, TOKENS) - expected).abs().max().item() <= FP32_ATOL
@@ -389,3 +455,76 @@ def test_two_ranks_load_their_experts_and_export_them_whole(oss_dir, tmp_path):
         assert out["local_experts"] == 4
         assert (out["logits"] - expected).abs().max().item() <= FP32_ATOL
     assert (logits_of(load_hf_model(tmp_path / "export"), TOKENS) - expected).abs().max().item() <= FP32_ATOL
+
+
+def _mxfp4_in_two_files(oss_dir, out):
+    """The hub's layout of ``oss_dir`` in ``out``: MXFP4 experts (:func:`_mxfp4_experts`), their blocks in one file
+    and everything else in another, an index naming both, an mxfp4 ``quantization_config``; returns ``(out, the
+    dequantized twin's tensors)``."""
+    from safetensors.torch import load_file
+
+    quantized, dense = _mxfp4_experts(load_file(str(oss_dir / "model.safetensors")))
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in quantized.items() if k.endswith("_blocks")},
+             "model-00002-of-00002.safetensors": {k: v for k, v in quantized.items() if not k.endswith("_blocks")}}
+    config = json.loads((oss_dir / "config.json").read_text())
+    return _write_checkpoint(out, files, {**config, "quantization_config": {"quant_method": "mxfp4"}}), dense
+
+
+def _mxfp4_rank_worker(rank: int, tmp: str, ckpt: str) -> None:
+    from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
+    from mtune.training.distributed import shard_model
+
+    model = build_model("gpt_oss", "tiny")  # on meta
+    shard_model(model)
+    load_hf_checkpoint_sharded(model, ckpt, dtype=torch.bfloat16, device="cpu")
+    experts = {name: p.to_local() for name, p in model.named_parameters() if ".experts." in name}
+    with torch.no_grad():
+        logits = model.eval()(TOKENS)
+    torch.save({"logits": logits, "experts": experts}, f"{tmp}/rank{rank}.pt")
+
+
+def test_two_ranks_dequantize_their_experts_of_the_hubs_mxfp4_checkpoint(oss_dir, tmp_path):
+    """FSDP2 on 2 CPU processes from the hub's layout (MXFP4 blocks in one file, their scales in another, an index
+    naming both): each rank's rows of every expert parameter (its 4 of the 8 experts) equal the single-device load's
+    bit for bit (bf16), and both ranks' logits equal one device's exactly. Mutation seen failing: every rank reading
+    the first experts' blocks and scales (rank 1's rows differ)."""
+    from tests._helpers.distributed import run_on_ranks
+
+    ckpt = _mxfp4_in_two_files(oss_dir, tmp_path / "mxfp4")[0]
+
+    run_on_ranks(_mxfp4_rank_worker, tmp_path, str(tmp_path), str(ckpt))
+    one = load_model_from_hf(ckpt, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        expected = one(TOKENS)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len(out["experts"]) == 8  # 2 layers x gate_up / down x weight / bias
+        for name, local in out["experts"].items():
+            assert local.shape[0] == 4 and torch.equal(local, one.get_parameter(name)[4 * rank:4 * rank + 4]), name
+        assert torch.equal(out["logits"], expected)
+
+
+def test_an_adapter_merges_into_the_hubs_mxfp4_experts_dequantized(hf_model, oss_dir, tmp_path):
+    """The expert adapters' directory merged into the hub's layout (MXFP4 blocks and scales in two files) writes,
+    in fp32, exactly what merging it into the dequantized twin (transformers' convert_moe_packed_tensors) writes:
+    the experts whole and transposed under their plain keys, no blocks or scales, and a config without the
+    quantization_config. Mutation seen failing: the dequantized [E, out, in] experts written untransposed (the
+    merge then folds the adapters into the wrong features: a shape error on down_proj)."""
+    from safetensors.torch import load_file
+
+    from mtune.training.checkpointing.merge import save_merged_model
+
+    _expert_adapters(hf_model, tmp_path / "adapter")
+    ckpt, dense = _mxfp4_in_two_files(oss_dir, tmp_path / "mxfp4")
+    twin = _write_checkpoint(tmp_path / "dense", {"model.safetensors": dense},
+                             json.loads((oss_dir / "config.json").read_text()))
+    merged = save_merged_model(ckpt, tmp_path / "adapter", tmp_path / "merged", dtype=torch.float32)
+    expected = load_file(str(save_merged_model(twin, tmp_path / "adapter", tmp_path / "twin_merged",
+                                               dtype=torch.float32) / "model.safetensors"))
+    got = {}
+    for path in merged.glob("*.safetensors"):
+        got.update(load_file(str(path)))
+    assert set(got) == set(expected) and not any(k.endswith(("_blocks", "_scales")) for k in got)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
