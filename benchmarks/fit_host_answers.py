@@ -52,14 +52,20 @@ def _bytes(text: str) -> float:
 
 
 def ask(method: str, budget: str, host: str, maximize: bool) -> dict:
-    """One question in its own process: the parsed answer, and the child's CPU-seconds (os.wait4's rusage)."""
+    """One question of Llama 3.1 8B (``method``: full, lora or qlora) in its own process (:func:`ask_config`)."""
     recipe, config = CONFIGS[method]
+    return {"method": method, **ask_config(recipe, config, RANDOM_8B, budget, host, maximize)}
+
+
+def ask_config(recipe: str, config: str, overrides: list[str], budget: str, host: str, maximize: bool) -> dict:
+    """``mtune plan --fit`` of one config in its own process: the parsed answer, and the child's CPU-seconds
+    (os.wait4's rusage)."""
     logs = Path("/tmp") / f"mtune_fit_host_{os.getpid()}"  # apart from another run's logs
     logs.mkdir(exist_ok=True)
-    out = logs / f"{method}_{budget}_{host}_{int(maximize)}.yaml"
+    out = logs / f"{config.replace('/', '_')}_{budget}_{host}_{int(maximize)}.yaml"
     options = ["--fit", *(["--maximize", "seq_len"] if maximize else []), "--device-memory", budget,
                "--host-memory", host, "--output", str(out)]
-    cmd = [sys.executable, "-m", "mtune", "plan", *options, recipe, "--config", config, *RANDOM_8B]
+    cmd = [sys.executable, "-m", "mtune", "plan", *options, recipe, "--config", config, *overrides]
     log = logs / (out.stem + ".txt")
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -74,8 +80,8 @@ def ask(method: str, budget: str, host: str, maximize: bool) -> dict:
     figures = re.search(r"^  device (\S+ \S+) of .*?host (\S+ \S+) of (\S+ \S+)", text, re.M)
     hint = re.search(r"fits with --host-memory (\d+)GiB or more \(its plan's host share ([^)]*)\): (.*)$", text, re.M)
     nothing = re.search(r"^nothing.*$", text, re.M)
-    row = {"method": method, "device_memory": budget, "host_memory": host, "maximize": maximize,
-           "command": "mtune plan " + " ".join(options[:-2]) + f" {recipe} --config {config} " + " ".join(RANDOM_8B),
+    row = {"device_memory": budget, "host_memory": host, "maximize": maximize,
+           "command": "mtune plan " + " ".join(options[:-2]) + f" {recipe} --config {config} " + " ".join(overrides),
            "answer": (techniques.group(1) if tokens and techniques else answer.group(1)) if answer else None,
            "seq_len": int(tokens.group(1).replace(",", "")) if tokens else None,
            "device": figures.group(1) if figures else None, "host": figures.group(2) if figures else None,

@@ -28,6 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from mtune.modules.nf4_linear import nf4_tensor_class
 from mtune.training.planning.tracker import LOCATIONS, TensorTracker
 
 __all__ = ["AllocationReplay", "replayed_nf4_dequantization"]
@@ -134,8 +135,6 @@ def replayed_nf4_dequantization(tracker: TensorTracker):
     """While the block runs, NF4 dequantization of the planner's fake weights under ``tracker`` is replayed (see
     the module docstring); a real weight, or one dequantized where the tracker is not counting, runs as it is.
     Yields the `AllocationReplay` (its ``replayed`` count)."""
-    from mtune.modules.nf4_linear import nf4_tensor_class
-
     nf4 = nf4_tensor_class()
     replay = AllocationReplay(tracker)
     if nf4 is None:  # no torchao: nothing is NF4
