@@ -1,9 +1,9 @@
 """``mtune plan --from-data``: the lengths of the rows a config's dataset really produces, and the longest batch.
 
 The plan's default batch is every row ``tokenizer.max_seq_len`` tokens long, the most the config allows. Here the
-config's own data setup (the recipe's `setup_tokenizer` and `setup_data`, the dataset cache
-included) builds the training set, and :func:`data_lengths` reports tokens per row (min, median, p95, max; before
-padding) and the padded length of the longest batch the loader can make:
+config's own data setup (the recipe's `setup_tokenizer` and `setup_data`, the dataset cache included) builds the
+training set, and :func:`data_lengths` reports tokens per row (min, median, p95, max; before padding) and the padded
+length of the longest batch the loader can make:
 
 - unpacked rows are padded to the longest in their batch, so the longest batch has ``batch_size`` rows of the
   longest sample's length (every batch can hold it);
