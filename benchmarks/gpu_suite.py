@@ -62,10 +62,9 @@ def mtune_api() -> SimpleNamespace:
     from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
     from mtune._cli.main import main as cli_main
     from mtune._cli.run import load_and_check
-    from mtune.config import instantiate
-    from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
+    from mtune.modules.loss import ChunkedCrossEntropyLoss
     from mtune.training.context import setup_run
-    from mtune.training.loop import train_step
+    from mtune.training.loop import build_loss, train_step
     from mtune.training.optimizers import build_optimizer, inner_optimizers
     from mtune.training.memory.registry import MemoryConfig
     from mtune.training.model_setup import resolve_model_source, setup_model
@@ -368,7 +367,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     model, activation_context = api.setup_model(source, device=run.device, dtype=run.dtype, lora=cfg.get("lora"),
                                                 memory=memory, placement=run.placement)
     optimizer = api.build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
-    loss_fn = api.instantiate(cfg.get("loss")) or api.CrossEntropyLoss()
+    loss_fn = api.build_loss(cfg.get("loss"))
     row["setup_s"] = time.perf_counter() - setup_start
     # plan_check's tracker over the first steps, exactly as TrainingSession sets it up (off under compile)
     tracking = bool(cfg.get("plan_check")) and not cfg.get("compile")

@@ -23,27 +23,28 @@ SUPPORTS_DISTRIBUTED = True
 
 
 def main(cfg: DictConfig) -> None:
-    from mtune.tokenizers import load_tokenizer
     from mtune.training.context import setup_run
-    from mtune.training.data_setup import setup_data
+    from mtune.training.data_setup import setup_data, setup_tokenizer
     from mtune.training.distributed import destroy_distributed, init_distributed
+    from mtune.training.loop import build_loss
     from mtune.training.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_sharded_model
     from mtune.training.session import TrainingSession
 
-    # ---- setup: process group, device and dtype, tokenizer, sharded model, data, optimizer
+    # ---- setup: process group, device and dtype, tokenizer, sharded model, data, optimizer, loss
     rank, world_size, _ = init_distributed(cfg.distributed_backend)
     run = setup_run(cfg, rank=rank, world_size=world_size)
     memory = MemoryConfig.from_config(cfg)
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
+    tokenizer = setup_tokenizer(cfg.tokenizer, source.checkpoint_dir)
     model, activation_context = setup_sharded_model(
         source, device=run.device, dtype=run.dtype, seed=run.seed, memory=memory,
         fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward)
     data = setup_data(cfg, tokenizer, rank=rank, world_size=world_size)
     optimizer = build_optimizer(cfg.optimizer, model, memory)
+    loss_fn = build_loss(cfg.loss)  # null: cross-entropy over every labelled token
     session = TrainingSession.from_config(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, data=data,
-                                          base_checkpoint_dir=source.checkpoint_dir,
+                                          loss_fn=loss_fn, base_checkpoint_dir=source.checkpoint_dir,
                                           activation_context=activation_context)
 
     # ---- train

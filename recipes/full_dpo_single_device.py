@@ -22,9 +22,8 @@ SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, PREFE
 
 
 def main(cfg: DictConfig) -> None:
-    from mtune.tokenizers import load_tokenizer
     from mtune.training.context import setup_run
-    from mtune.training.data_setup import setup_data
+    from mtune.training.data_setup import setup_data, setup_tokenizer
     from mtune.training.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_model
     from mtune.training.reference import setup_preference
@@ -34,7 +33,7 @@ def main(cfg: DictConfig) -> None:
     run = setup_run(cfg)
     memory = MemoryConfig.from_config(cfg)
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
+    tokenizer = setup_tokenizer(cfg.tokenizer, source.checkpoint_dir)
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
                                             placement=run.placement)
     data = setup_data(cfg, tokenizer)

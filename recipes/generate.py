@@ -18,15 +18,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtune.config import RecipeSchema
-from mtune.config.errors import ConfigError
 from mtune.config.keys import GENERATE_KEYS, MODEL_NODES
 from mtune.config.rules import GENERATE_RULES
 from mtune.modules.generation import generate_stream, stream_text
-from mtune.tokenizers import load_tokenizer
 from mtune.tokenizers.prompt import chat_messages, prompt_tokens
-from mtune.training.checkpointing.manifest import check_before_loading
-from mtune.training.checkpointing.peft import load_peft_adapter, lora_node_from_adapter
+from mtune.training.checkpointing.peft import lora_node_from_adapter
 from mtune.training.context import configure_logging, resolve_device
+from mtune.training.data_setup import setup_tokenizer
 from mtune.training.precision import resolve_dtype
 from mtune.training.memory.registry import GENERATION_MEMORY_KEYS, MemoryConfig
 from mtune.training.model_setup import resolve_model_source, setup_model
@@ -44,22 +42,13 @@ def main(cfg: DictConfig) -> str:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    adapter_dir = cfg.adapter_dir
-    lora = lora_node_from_adapter(adapter_dir) if adapter_dir else None
+    lora = lora_node_from_adapter(cfg.adapter_dir) if cfg.adapter_dir else None  # built, then loaded from there
     memory = MemoryConfig(**{key.name: cfg[key.name] for key in GENERATION_MEMORY_KEYS.keys})
-    model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False)
-    if adapter_dir:
-        if cfg.verify_checksums:
-            check_before_loading(adapter_dir)
-        load_peft_adapter(model, adapter_dir)
-        log.info("adapter: loaded %s", adapter_dir)
+    model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False,
+                           verify_checksums=cfg.verify_checksums)
     model.eval()
 
-    tokenizer_cfg = cfg.get("tokenizer") or {}
-    tokenizer_path = tokenizer_cfg.get("path") or source.checkpoint_dir
-    if tokenizer_path is None:
-        raise ConfigError("tokenizer.path is needed when the model has random weights (model.size)")
-    tokenizer = load_tokenizer(tokenizer_path, max_seq_len=tokenizer_cfg.get("max_seq_len"))
+    tokenizer = setup_tokenizer(cfg.get("tokenizer"), source.checkpoint_dir)
     messages = cfg.messages
     if messages is not None:
         messages = OmegaConf.to_container(messages, resolve=True) if OmegaConf.is_config(messages) else messages

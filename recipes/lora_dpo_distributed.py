@@ -29,9 +29,8 @@ SUPPORTS_DISTRIBUTED = True
 
 
 def main(cfg: DictConfig) -> None:
-    from mtune.tokenizers import load_tokenizer
     from mtune.training.context import setup_run
-    from mtune.training.data_setup import setup_data
+    from mtune.training.data_setup import setup_data, setup_tokenizer
     from mtune.training.distributed import destroy_distributed, init_distributed
     from mtune.training.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_sharded_model
@@ -43,7 +42,7 @@ def main(cfg: DictConfig) -> None:
     run = setup_run(cfg, rank=rank, world_size=world_size)
     memory = MemoryConfig.from_config(cfg)  # the lora node included
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
+    tokenizer = setup_tokenizer(cfg.tokenizer, source.checkpoint_dir)
     model, activation_context = setup_sharded_model(
         source, device=run.device, dtype=run.dtype, seed=run.seed, memory=memory,
         fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward)

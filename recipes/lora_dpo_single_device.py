@@ -23,11 +23,8 @@ SCHEMA = RecipeSchema([RUN_KEYS, MEMORY_KEYS, MODEL_NODES, TRAINING_NODES, LORA_
 
 
 def main(cfg: DictConfig) -> None:
-    from mtune.tokenizers import load_tokenizer
-    from mtune.training.checkpointing.manifest import check_before_loading
-    from mtune.training.checkpointing.peft import load_peft_adapter
     from mtune.training.context import setup_run
-    from mtune.training.data_setup import setup_data
+    from mtune.training.data_setup import setup_data, setup_tokenizer
     from mtune.training.optimizers import build_optimizer
     from mtune.training.model_setup import resolve_model_source, setup_model
     from mtune.training.reference import setup_preference
@@ -37,13 +34,9 @@ def main(cfg: DictConfig) -> None:
     run = setup_run(cfg)
     memory = MemoryConfig.from_config(cfg)  # the lora node included
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
+    tokenizer = setup_tokenizer(cfg.tokenizer, source.checkpoint_dir)
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
-                                            placement=run.placement)
-    if memory.lora.adapter_dir:
-        if cfg.verify_checksums:
-            check_before_loading(memory.lora.adapter_dir)
-        load_peft_adapter(model, memory.lora.adapter_dir)  # continue from an existing adapter
+                                            placement=run.placement, verify_checksums=cfg.verify_checksums)
     data = setup_data(cfg, tokenizer)
     optimizer = build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     # the preference loss and its reference model (precomputed: the pass over the pairs runs here)

@@ -1,9 +1,10 @@
-"""A run's data: the training and held-out loaders from the config, and the step plan they make (how many optimizer
-steps per epoch, how many epochs, how many samples per step)."""
+"""A run's data: the tokenizer, the training and held-out loaders from the config, and the step plan they make (how
+many optimizer steps per epoch, how many epochs, how many samples per step)."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,8 +13,9 @@ from mtune.config import ConfigError, instantiate
 from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.config.validate import warmup_problem
 from mtune.data import build_dataloader
+from mtune.tokenizers import Tokenizer, load_tokenizer
 
-__all__ = ["StepPlan", "setup_data"]
+__all__ = ["StepPlan", "setup_data", "setup_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,14 @@ class StepPlan:
                 log.warning("%s (max_steps_per_epoch cut this run short: it runs, all of it in warmup)", problem)
         elif problem:
             raise ConfigError(problem)
+
+
+def setup_tokenizer(node: Mapping[str, Any] | None, checkpoint_dir: str | os.PathLike | None) -> Tokenizer:
+    """The tokenizer of the config's ``tokenizer`` node (``path``, ``max_seq_len``; None: both unset): ``path``, else
+    the model's ``checkpoint_dir``. Neither (random weights, no ``tokenizer.path``): `load_tokenizer`'s one-line
+    error naming ``tokenizer.path``."""
+    node = node or {}
+    return load_tokenizer(node.get("path") or checkpoint_dir, max_seq_len=node.get("max_seq_len"))
 
 
 def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):

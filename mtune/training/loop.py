@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mtune.config import instantiate
 from mtune.data.common import IGNORE_INDEX
 from mtune.errors import MtuneError
+from mtune.modules.loss import CrossEntropyLoss
 from mtune.modules.moe import router_aux_loss
 from mtune.training.distributed import all_reduce
 
-__all__ = ["StepResult", "NonFiniteLossError", "micro_batch_groups", "train_step", "step_on_tensors", "evaluate",
-           "forward_loss", "loss_metrics"]
+__all__ = ["StepResult", "NonFiniteLossError", "build_loss", "micro_batch_groups", "train_step", "step_on_tensors",
+           "evaluate", "forward_loss", "loss_metrics"]
 
 
 class NonFiniteLossError(MtuneError, RuntimeError):
@@ -36,6 +38,12 @@ class StepResult:
     grad_norm: float | None  # before clipping; None without clip_grad_norm
     stepped: bool  # False when fp16 loss scaling skipped the step
     metrics: dict = field(default_factory=dict)  # the loss's own (preference losses: rewards/*, logps/*)
+
+
+def build_loss(node) -> nn.Module:
+    """The loss a config's ``loss`` node names (``_component_``, e.g. ``mtune.modules.loss.ChunkedCrossEntropyLoss``),
+    or the library's token-summed :class:`~mtune.modules.loss.CrossEntropyLoss` when the node is null."""
+    return instantiate(node) or CrossEntropyLoss()
 
 
 def micro_batch_groups(batches: Iterable[dict], accumulation_steps: int) -> Iterator[list[dict]]:

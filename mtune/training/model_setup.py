@@ -4,7 +4,7 @@ second copy of the model in memory.
 Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
 :func:`mtune.training.memory.phases.prepare_model`) -> stream the base weights from the Hugging Face
 checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 or fp8-stored weight as it arrives), or
-initialise randomly -> initialise adapters (the recipe may then load a saved PEFT adapter). The FSDP2 path
+initialise randomly -> initialise adapters, or load the saved PEFT adapter of ``lora.adapter_dir``. The FSDP2 path
 (:func:`setup_sharded_model`) shards between the memory techniques and the weights, and each rank loads or draws
 only its rows.
 """
@@ -27,6 +27,7 @@ from mtune.models import build_model_from_args, model_args
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
 from mtune.training.checkpointing.manifest import check_before_loading
+from mtune.training.checkpointing.peft import load_peft_adapter
 from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
 from mtune.training.distributed import shard_model
 from mtune.training.memory import phases
@@ -107,6 +108,7 @@ def setup_model(
     materialize: bool = True,
     placement: Placement | None = None,
     trainable: bool = True,
+    verify_checksums: bool = False,
 ):
     """Build, transform and load the model. Returns ``(model, activation_context)``: the context to enter around
     forward and backward (activation offloading), or None.
@@ -115,8 +117,9 @@ def setup_model(
     default applies none); ``lora`` a ``lora`` node given beside it (None: ``memory``'s). With
     ``materialize=False`` the model stays on the meta device (planning, or FSDP sharding before the weights are
     loaded). ``placement`` is where offloaded tensors go (default: ``device`` and the CPU). ``trainable=False``
-    freezes every weight first (generation), so ``weight_offloading`` may move all of them.
-    """
+    freezes every weight first (generation), so ``weight_offloading`` may move all of them. With ``lora.adapter_dir``
+    the adapters then load that saved PEFT adapter, its files checked first when ``verify_checksums`` (against the
+    checksums of the mtune checkpoint holding it: `check_before_loading`)."""
     memory = _with_lora(memory, lora)
     placement = placement or Placement(device)
     model = build_model_from_args(source.args, dtype=dtype)  # on the meta device
@@ -126,6 +129,11 @@ def setup_model(
     if not materialize:
         return model, step_context
     materialize_model(model, source, device=device, dtype=dtype, memory=memory, trainable=trainable)
+    if memory.lora is not None and memory.lora.adapter_dir:  # continue from a saved adapter
+        if verify_checksums:
+            check_before_loading(memory.lora.adapter_dir)
+        load_peft_adapter(model, memory.lora.adapter_dir)
+        log.info("adapter: loaded %s", memory.lora.adapter_dir)
     return model, step_context
 
 
@@ -137,11 +145,8 @@ def materialize_model(model: TransformerDecoder, source: ModelSource, *, device:
     host), then what follows once all are in (fresh adapters and a frozen base). ``mtune plan`` runs this under
     ``FakeTensorMode`` with ``source.checkpoint_dir=None``, so it reads no weight file and allocates nothing."""
     memory = _with_lora(memory, lora)
-
-    def after_tensor(module: nn.Module) -> None:
-        phases.on_weights(model, module, memory)
-
-    load_weights(model, source, device=device, dtype=dtype, after_tensor=after_tensor,
+    load_weights(model, source, device=device, dtype=dtype,
+                 after_tensor=lambda module: phases.on_weights(model, module, memory),
                  not_in_checkpoint=phases.added(memory))
     phases.after_weights(model, memory)
     if not trainable:

@@ -1,6 +1,6 @@
 """The per-step machinery every training recipe shares, so that a recipe's own loop is four lines::
 
-    session = TrainingSession.from_config(cfg, run, model=..., tokenizer=..., optimizer=..., data=...)
+    session = TrainingSession.from_config(cfg, run, model=..., tokenizer=..., optimizer=..., data=..., loss_fn=...)
     for micro_batches in session.batches():     # from the resume point; honours epochs and max_steps_per_epoch
         result = session.train_step(micro_batches)
         session.end_step(result)                 # lr schedule, metrics, eval, checkpoints, stop signals
@@ -25,7 +25,7 @@ from torch import nn
 
 from mtune.config import instantiate
 from mtune.config.keys import accumulation_steps
-from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
+from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.training.checkpointing.checkpoint_dir import read_checkpoint_state
 from mtune.training.checkpointing.checkpointer import Checkpointer, DistributedCheckpointer
 from mtune.training.context import RunContext
@@ -77,17 +77,18 @@ class TrainingSession:
         self._resumed_from: tuple[Any, int] | None = None  # (checkpoint, step) when this run resumed
 
     @classmethod
-    def from_config(cls, cfg, run: RunContext, *, model: nn.Module, tokenizer, optimizer, data,
-                    base_checkpoint_dir, activation_context=None, loss_fn=None, task_eval=None) -> "TrainingSession":
+    def from_config(cls, cfg, run: RunContext, *, model: nn.Module, tokenizer, optimizer, data, loss_fn,
+                    base_checkpoint_dir, activation_context=None, task_eval=None) -> "TrainingSession":
         """The session of a training recipe, from its config and the parts it set up: builds the LR schedule, the
-        loss (default cross-entropy), the checkpointer (sharded DCP state when a process group is up, a LoRA adapter
-        with a ``lora`` node) and the task metric, then resumes when ``resume_from_checkpoint`` asks.
+        checkpointer (sharded DCP state when a process group is up, a LoRA adapter with a ``lora`` node) and the
+        task metric, then resumes when ``resume_from_checkpoint`` asks.
 
         Args:
             data: ``(train_loader, val_loader, plan)`` from :func:`setup_data`.
             base_checkpoint_dir: the checkpoint the model started from (None for random weights).
             activation_context: from ``setup_model`` (activation offloading), or None.
-            loss_fn, task_eval: built by the recipe instead of from ``loss`` / ``task_eval`` (preference recipes).
+            loss_fn: the recipe's loss (``build_loss(cfg.loss)``, or a preference recipe's objective).
+            task_eval: built by the recipe instead of from ``task_eval`` (preference recipes: held-out rewards).
         """
         train_loader, val_loader, plan = data
         plan.check_warmup((cfg.get("lr_scheduler") or {}).get("num_warmup_steps"), warn=run.is_main)
@@ -109,8 +110,7 @@ class TrainingSession:
             world_size=run.world_size)
         lr_scheduler = instantiate(cfg.lr_scheduler, optimizer, num_training_steps=length.schedule_steps)
         length.apply(lr_scheduler, path)
-        loss_fn, task_eval = loss_fn or instantiate(cfg.loss) or CrossEntropyLoss(), task_eval or instantiate(
-            cfg.get("task_eval"))
+        task_eval = task_eval or instantiate(cfg.get("task_eval"))
         session = cls(cfg, run, model=model, tokenizer=tokenizer, optimizer=optimizer, lr_scheduler=lr_scheduler,
                       loss_fn=loss_fn, train_loader=train_loader, val_loader=val_loader, plan=plan,
                       checkpointer=checkpointer, activation_context=activation_context, task_eval=task_eval)

@@ -149,10 +149,10 @@ def adapter_modules(config: Mapping[str, Any], where: str = "adapter_config.json
 
 def lora_node_from_adapter(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     """The ``lora`` config node that rebuilds the adapters of a saved PEFT adapter (its modules, rank, alpha and
-    DoRA; no dropout, a full-precision base), e.g. to load it for generation."""
+    DoRA; no dropout, a full-precision base) and loads them from ``adapter_dir``, e.g. for generation."""
     config = read_adapter_config(adapter_dir)
     return dict(modules=adapter_modules(config), rank=config["r"], alpha=config["lora_alpha"], dropout=0.0,
-                use_dora=bool(config.get("use_dora", False)), quantize_base=False)
+                use_dora=bool(config.get("use_dora", False)), quantize_base=False, adapter_dir=str(adapter_dir))
 
 def _scaling(config: Mapping[str, Any]) -> float:
     rank, alpha = config["r"], config["lora_alpha"]

@@ -1,9 +1,9 @@
 """``mtune plan --from-data``: the lengths of the rows a config's dataset really produces, and the longest batch.
 
 The plan's default batch is every row ``tokenizer.max_seq_len`` tokens long, the most the config allows. Here the
-config's own data setup (the recipe's tokenizer and `mtune.training.session.setup_data`, the dataset cache
-included) builds the training set, and :func:`data_lengths` reports tokens per row (min, median, p95, max; before
-padding) and the padded length of the longest batch the loader can make:
+config's own data setup (the recipe's `setup_tokenizer` and `setup_data`, the dataset cache included) builds the
+training set, and :func:`data_lengths` reports tokens per row (min, median, p95, max; before padding) and the padded
+length of the longest batch the loader can make:
 
 - unpacked rows are padded to the longest in their batch, so the longest batch has ``batch_size`` rows of the
   longest sample's length (every batch can hold it);
@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtune.tokenizers import load_tokenizer
-from mtune.training.data_setup import setup_data
+from mtune.training.data_setup import setup_data, setup_tokenizer
 from mtune.training.model_setup import resolve_model_source
 
 __all__ = ["DataLengths", "data_lengths"]
@@ -69,8 +68,7 @@ def data_lengths(cfg) -> DataLengths:
     """Build ``cfg``'s training set as a run would (its tokenizer, ``dataset`` node and the recipe's data setup)
     and measure it (see the module docstring)."""
     source = resolve_model_source(cfg.model)
-    tokenizer = load_tokenizer(cfg.tokenizer.path or source.checkpoint_dir, max_seq_len=cfg.tokenizer.max_seq_len)
-    train_loader, _, _ = setup_data(cfg, tokenizer)
+    train_loader, _, _ = setup_data(cfg, setup_tokenizer(cfg.tokenizer, source.checkpoint_dir))
     dataset = train_loader.dataset
     packed = bool(getattr(dataset, "packed", False))
     stored, real = _row_lengths(dataset, packed)

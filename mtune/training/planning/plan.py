@@ -44,12 +44,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from mtune.config import instantiate
 from mtune.config.errors import ConfigError
 from mtune.config.keys import accumulation_steps
 from mtune.models import shortened
-from mtune.modules.loss import CrossEntropyLoss
-from mtune.training.loop import step_on_tensors
+from mtune.training.loop import build_loss, step_on_tensors
 from mtune.training.optimizers import build_optimizer, inner_optimizers
 from mtune.training.placement import Placement
 from mtune.training.precision import autocast, storage_dtype
@@ -278,7 +276,7 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
                seq_len=None, preference=None):
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
     tracker, after a preference run's precompute pass; returns the largest of their peaks."""
-    loss_fn = preference.loss if preference else instantiate(cfg.get("loss")) or CrossEntropyLoss()
+    loss_fn = preference.loss if preference else build_loss(cfg.get("loss"))
     tracker = PlanningTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                             device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
     accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mtune.modules.loss import CrossEntropyLoss
-from mtune.training.loop import NonFiniteLossError, micro_batch_groups, train_step
+from mtune.training.loop import NonFiniteLossError, build_loss, micro_batch_groups, train_step
 from mtune.training.memory.oom import OutOfMemory, memory_advice, oom_guard
 
 
@@ -109,3 +109,12 @@ def test_out_of_memory_ends_with_the_exact_fit_command():
     size = "SIZE" if not torch.cuda.is_available() else f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f}GiB"
     assert str(err.value).endswith(f"mtune plan --fit --device-memory {size} lora_single_device --config "
                                    "'my config.yaml' batch_size=8 lora.rank=16")
+
+
+def test_build_loss_is_the_config_s_component_else_cross_entropy():
+    """Mutation seen failing: build_loss ignoring its node (always cross-entropy)."""
+    from mtune.modules.loss import ChunkedCrossEntropyLoss
+
+    assert type(build_loss(None)) is CrossEntropyLoss
+    chunked = build_loss({"_component_": "mtune.modules.loss.ChunkedCrossEntropyLoss", "num_chunks": 3})
+    assert type(chunked) is ChunkedCrossEntropyLoss and chunked.num_chunks == 3

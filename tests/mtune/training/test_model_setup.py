@@ -102,3 +102,32 @@ def test_random_weights_arrive_one_module_at_a_time_with_init_weights_values(tie
             param, want = param.get_original_weight(), want.get_original_weight()
         assert torch.equal(param, want), name
     assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+
+
+def test_setup_model_continues_from_lora_adapter_dir_and_refuses_a_damaged_one(tmp_path):
+    """``lora.adapter_dir`` gives the adapters the saved tensors (oracle: the saving model's own adapters, trained
+    away from a fresh init); with verify_checksums a byte changed in the checkpoint is refused before loading.
+    Mutations seen failing: setup_model without its adapter block (fresh adapters); without the checksum check."""
+    from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
+    from mtune.training.checkpointing.manifest import DamagedCheckpointError
+    from mtune.training.checkpointing.peft import save_peft_adapter
+
+    source = resolve_model_source({"family": "llama3_1", "size": "tiny"})
+    lora = {"modules": ["q_proj", "v_proj"], "rank": 4, "alpha": 8, "use_dora": True}
+    saved, _ = setup_model(source, device=torch.device("cpu"), dtype=torch.float32, lora=lora)
+    trained = {name: torch.randn_like(p) for name, p in saved.named_parameters() if p.requires_grad}
+    saved.load_state_dict(trained, strict=False)
+    step = CheckpointWriter(tmp_path).save(step=1, epoch=0, config={}, kind="lora",
+                                           write_fn=lambda tmp: save_peft_adapter(saved, tmp / "adapter"))
+    node = {**lora, "adapter_dir": str(step / "adapter")}
+    model, _ = setup_model(source, device=torch.device("cpu"), dtype=torch.float32, lora=node, verify_checksums=True)
+    loaded = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert loaded.keys() == trained.keys()
+    for name, want in trained.items():
+        assert torch.equal(loaded[name], want), name
+    weights = step / "adapter" / "adapter_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-8:] = bytes(8)  # the last tensor's tail, not the header: still a readable file
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(DamagedCheckpointError, match="adapter_model.safetensors: checksum mismatch"):
+        setup_model(source, device=torch.device("cpu"), dtype=torch.float32, lora=node, verify_checksums=True)
