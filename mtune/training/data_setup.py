@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from mtune.config import ConfigError, instantiate
 from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.config.validate import warmup_problem
@@ -61,11 +63,14 @@ class StepPlan:
 
 
 def setup_tokenizer(node: Mapping[str, Any] | None, checkpoint_dir: str | os.PathLike | None) -> Tokenizer:
-    """The tokenizer of the config's ``tokenizer`` node (``path``, ``max_seq_len``; None: both unset): ``path``, else
-    the model's ``checkpoint_dir``. Neither (random weights, no ``tokenizer.path``): `load_tokenizer`'s one-line
-    error naming ``tokenizer.path``."""
+    """The tokenizer of the config's ``tokenizer`` node (``path``, ``max_seq_len``, ``options``; None: all unset):
+    ``path``, else the model's ``checkpoint_dir``, with the family's ``options`` (gpt-oss's ``reasoning_effort``...).
+    Neither path (random weights, no ``tokenizer.path``): `load_tokenizer`'s one-line error naming
+    ``tokenizer.path``."""
     node = node or {}
-    return load_tokenizer(node.get("path") or checkpoint_dir, max_seq_len=node.get("max_seq_len"))
+    options = node.get("options") or {}
+    options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else dict(options)
+    return load_tokenizer(node.get("path") or checkpoint_dir, max_seq_len=node.get("max_seq_len"), **options)
 
 
 def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
