@@ -22,15 +22,15 @@ OUTSIDE = 6 * MIB  # what the loss saves, offloaded too (planned: 0 blocks offlo
 DEVICE = CUDA_CONTEXT_BYTES + 49454080 + 4096
 
 
-def _search(tmp_path, checkpoint, data, host_memory, estimator=None):
+def _search(tmp_path, checkpoint, data, host_memory, estimator=None, device_memory=DEVICE):
     module = load_recipe_module(find_recipe("lora_single_device"))
     cfg = load_and_check(module, TRAIN_CONFIG, train_overrides(tmp_path, checkpoint, data, **{
         "dataset.packed": True, "tokenizer.max_seq_len": 64, "batch_size": 32, "device": "cuda",
         "activation_offloading_use_streams": False}))
     knobs = [k for k in KNOBS if k.name == "activation_checkpointing"] + [Knob("micro_batch",
                                                                                lambda c: [FitChoice(0, {})])]
-    estimator = estimator or Estimator(device_memory=DEVICE, host_memory=host_memory)
-    found = search(cfg, module.SCHEMA, device_memory=DEVICE, host_memory=host_memory, knobs=knobs, margin=0,
+    estimator = estimator or Estimator(device_memory=device_memory, host_memory=host_memory)
+    found = search(cfg, module.SCHEMA, device_memory=device_memory, host_memory=host_memory, knobs=knobs, margin=0,
                    estimator=estimator)
     return cfg, module, knobs, estimator, found
 
@@ -57,3 +57,31 @@ def test_a_host_too_small_names_the_host_its_answer_needs(tmp_path, tiny_checkpo
     line = host_line(larger, 1, "the answer")
     assert "--host-memory 1GiB or more (its plan's host share 10.0 MiB)" in line
     assert "enable_activation_offloading=true" in line
+
+
+def test_a_candidate_the_host_kept_inputs_on_the_device_for_prunes_nothing(tmp_path, tiny_checkpoint, tiny_data,
+                                                                          monkeypatch):
+    """A candidate over the device only because the host's room kept blocks' inputs on it (`fewer_offloaded_blocks`
+    applied) says nothing of those it out-saves: one that offloads less elsewhere (weights on the host) leaves the
+    host room for more inputs. Llama 3.1 8B QLoRA ``--maximize`` at 40 GiB with a 23 GiB host met it: leaf-level
+    weight offloading with 18 inputs offloaded was over the device, pruned the same without weight offloading (24
+    offloaded, within it) and the search at the reached length found nothing. Here the host's rule is stubbed to
+    say so of the cheapest tier's most-saving member (every second block checkpointed); the plain config, which it
+    out-saves, must still be planned and answered. Mutation seen failing: recording that failure for pruning
+    answers full checkpointing instead."""
+    import dataclasses
+
+    import mtune.training.planning.fit as fit_module
+
+    def host_rule(cfg, plan, estimator, host_spare):
+        if cfg.enable_activation_checkpointing and cfg.activation_checkpointing_every_n_layers == 2:
+            return {"activation_offloading_blocks": 0}, dataclasses.replace(
+                plan, device_peak_bytes=plan.device_peak_bytes + DEVICE)
+        return None
+
+    monkeypatch.setattr(fit_module, "fewer_offloaded_blocks", host_rule)
+    _, _, _, _, found = _search(tmp_path, tiny_checkpoint, tiny_data, None, device_memory=2 * DEVICE)
+    answer = best_of(found)
+    assert answer is not None and answer.changes == {}
+    every_second = [c for c in found if c.changes.get("activation_checkpointing_every_n_layers") == 2]
+    assert every_second and every_second[0].fits is False and every_second[0].pruned is False

@@ -140,9 +140,10 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         # (each input kept adds to the device): the host's rule is not asked, which would plan the candidate whole
         fewer = (None if plan.lower_bound and not within_device(plan)
                  else fewer_offloaded_blocks(candidate.cfg, plan, estimator, host_spare))
+        host_kept = False  # whether the host's room decided how many blocks' inputs stay on the device
         if fewer is not None:  # every block's input is more than the host holds: as many as it holds
             overrides, candidate.plan = fewer
-            plan = candidate.plan
+            plan, host_kept = candidate.plan, bool(overrides)
             candidate.overrides, candidate._cfg = {**candidate.overrides, **overrides}, None
         candidate.fits = within_budget(plan)
         if progress is not None:
@@ -153,9 +154,10 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
                            if plan.fits()["device"] - margin >= 0 else "")))
         if candidate.fits:
             candidate.cost = step_cost(candidate.cfg, plan.paged_bytes(), world_size)
-        elif plan.fits()["device"] - margin < 0:
+        elif plan.fits()["device"] - margin < 0 and not host_kept:
             # over the device: whatever saves no more on any knob is over it too. Over the host only, it prunes
-            # nothing: a candidate that offloads less holds less there.
+            # nothing: a candidate that offloads less holds less there; nor over the device where the host's room
+            # kept blocks' inputs on it: one that offloads less elsewhere leaves the host room for more of them.
             failed.append(candidate.levels)
 
     for number, phase in enumerate(phases):
