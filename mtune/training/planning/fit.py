@@ -39,7 +39,7 @@ from pathlib import Path
 from mtune.config.errors import ConfigError
 from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.errors import MtuneError
-from mtune.training.planning.cost import device_floor, model_facts, one_search, step_cost
+from mtune.training.planning.cost import model_facts, one_search, step_cost
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
 from mtune.training.planning.host import (available_host_memory, default_host_memory, fewer_offloaded_blocks,
                                           host_figures, host_line, host_reserve)
@@ -108,10 +108,7 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         phases = [lossless, sorted(lossy_ones, key=lambda c: (c.quality_cost, *_speed_key(c)))]
     context = CUDA_CONTEXT_BYTES if model_facts(cfg).cuda else 0
     device_budget = device_memory - margin
-    # (levels of a candidate over the device, and None, or where the host's room kept blocks' inputs on the device,
-    # the host bytes its floor holds: it prunes only those it out-saves that hold as much there, as they leave the
-    # inputs no more room)
-    failed: list[tuple[tuple[int, ...], float | None]] = []
+    failed: list[tuple[int, ...]] = []
     ordered: list[Candidate] = []
     planned_before = estimator.planned  # a shared estimator (--maximize's) has planned for others already
 
@@ -121,12 +118,8 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
     def within_device(plan) -> bool:
         return fits_budgets(plan, device_memory, None, margin)
 
-    def host_floor(candidate: Candidate) -> float:
-        return sum(device_floor(candidate.cfg, world_size)[1].values())
-
-    def dominated(candidate: Candidate) -> bool:
-        return any(all(a <= b for a, b in zip(candidate.levels, levels)) and (held is None or host_floor(candidate)
-                                                                              >= held) for levels, held in failed)
+    def dominated(levels) -> bool:
+        return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
 
     def host_spare(plan) -> int | None:
         plan.device_memory, plan.host_memory = device_memory, host_memory
@@ -137,9 +130,9 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         if reason is not None:
             candidate.reason, candidate.pruned, candidate.fits = reason, True, False
             if not reason.startswith("host:"):  # a candidate that saves less puts less on the host: no pruning
-                failed.append((candidate.levels, None))
+                failed.append(candidate.levels)
             return
-        if dominated(candidate):
+        if dominated(candidate.levels):
             candidate.pruned, candidate.fits = True, False
             return
         candidate.plan = plan = estimator.estimate(candidate.cfg, over=lambda p: not within_budget(p))
@@ -161,12 +154,11 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
                            if plan.fits()["device"] - margin >= 0 else "")))
         if candidate.fits:
             candidate.cost = step_cost(candidate.cfg, plan.paged_bytes(), world_size)
-        elif plan.fits()["device"] - margin < 0:
+        elif plan.fits()["device"] - margin < 0 and not host_kept:
             # over the device: whatever saves no more on any knob is over it too. Over the host only, it prunes
-            # nothing: a candidate that offloads less holds less there. Over the device where the host's room kept
-            # blocks' inputs on it, only those holding as much on the host: one that offloads less weight or state
-            # there leaves the host room for more inputs.
-            failed.append((candidate.levels, host_floor(candidate) if host_kept else None))
+            # nothing: a candidate that offloads less holds less there; nor over the device where the host's room
+            # kept blocks' inputs on it: one that offloads less elsewhere leaves the host room for more of them.
+            failed.append(candidate.levels)
 
     for number, phase in enumerate(phases):
         fits, best = 0, None
