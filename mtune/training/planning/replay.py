@@ -13,9 +13,9 @@ at them and every category's peak come out exactly as if the ops had run (``test
 test_replay.py`` plans with and without it).
 
 Recorded only where that holds: every storage the call makes is counted under the category the call runs in (one
-category: an op's category follows from where the step is, which one call does not change), its output owns its
-whole storage (no view into a larger one) and was made by the call. A call that breaks either runs as it is, every
-time.
+category: an op's category follows from where the step is, which one call does not change), it frees no storage it
+did not make, and its output owns its whole storage (no view into a larger one) and was made by the call. A call
+that breaks any of these runs as it is, every time.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def replayed_nf4_dequantization(tracker: TensorTracker):
     Yields the `AllocationReplay` (its ``replayed`` count)."""
     nf4 = nf4_tensor_class()
     replay = AllocationReplay(tracker)
-    if nf4 is None:  # no torchao: nothing is NF4
+    if nf4 is None:  # no NF4 weight was made in this process: nothing to replay
         yield replay
         return
     original = nf4.get_original_weight
