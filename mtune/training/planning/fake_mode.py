@@ -12,6 +12,10 @@ from sizes and strides; layout, sparsity and sparse dims are fixed for a strided
 exactly when they share torch's key, and every hit returns what torch's own key would: the same outputs, the same
 bytes (``tests/mtune/training/planning/test_fake_mode.py``). Any other argument is keyed by torch's code.
 
+A hit then builds the output's fake tensor: torch enters two generator-based context managers around the
+``empty_strided`` (and a view's ``set_``) that makes it; :class:`PlannerFakeMode` enters the same guards and sets the
+same flags directly (where there is no shape environment, as in a plan), and builds the same tensor.
+
 Every ``TorchDispatchMode`` subclass gets its ``__torch_dispatch__`` wrapped so that ``torch.compile`` does not trace
 into it (``_should_skip_dynamo``): two more Python frames and two eval-frame switches per op and per mode, and a
 plan dispatches each op through two modes (the byte tracker, then the fake mode), and every gradient's ``.device``
@@ -25,6 +29,7 @@ import inspect
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.meta_utils import is_sparse_any
 
 from mtune.training.planning.tracker import TensorTracker
 
@@ -62,6 +67,37 @@ class PlannerFakeMode(FakeTensorMode):
                 self._prep_args_for_hash(result, arg, state, id_hashed_objects)
             else:  # torch's own key for the rest (it raises to bypass the cache where it must)
                 super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+        # torch's own steps for a new output without a shape environment (the planner's), less the generator-based
+        # context managers around them: the same guards and flags, entered directly
+        metadata = entry.metadata
+        if self.shape_env is not None or metadata is None or entry.inplace_idx is not None or is_sparse_any(metadata):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        outer = self.in_kernel_invocation
+        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+            self.in_kernel_invocation = True
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
+                                            layout=metadata.layout, device="meta",
+                                            requires_grad=metadata.requires_grad)
+            finally:
+                self.in_kernel_invocation = outer
+        if metadata.is_conj:
+            torch._C._set_conj(empty, True)
+        if metadata.is_neg:
+            torch._C._set_neg(empty, True)
+        if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
+            storage = args[entry.view_idx].untyped_storage()
+            with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+                self.in_kernel_invocation = True
+                torch._C._set_meta_in_tls_dispatch_include(True)
+                try:
+                    empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
+                finally:
+                    self.in_kernel_invocation = outer
+        return FakeTensor(self, empty, metadata.device)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
