@@ -11,7 +11,9 @@ those pieces through NF4Tensor's ``fsdp_pre_all_gather`` hooks.
 Experts arrive as the family's :class:`~mtune.modules.expert_layout.ExpertLayout` holds them: a rank reads the keys
 of its own experts (one key per expert), or its experts' rows of each whole projection (gpt-oss: turned after
 reading; MXFP4 blocks and scales read for those experts alone and dequantized, equal bit for bit to one device's
-load). Gate and up side by side (Gemma 4) are refused for now.
+load), or its experts' rows of each side-by-side tensor (Gemma 4: ``experts.gate_up_proj [n_experts, 2 * hidden,
+dim]`` split along dim 1 into ``gate_proj`` and ``up_proj``, ``experts.down_proj`` as ``down_proj``). NF4 experts
+(QLoRA with a quantized expert base) are refused for now.
 
 The helpers that turn a full tensor into this rank's shard live in :mod:`mtune.training.shards` (the sharded
 initialisation and LoRA's sharded adapters use them too).
@@ -31,7 +33,7 @@ from mtune.modules.expert_layout import (
     transposed_in_checkpoint,
 )
 from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, locate_tensors, open_safetensors
-from mtune.training.checkpointing.placing import read_mxfp4
+from mtune.training.checkpointing.placing import held_shape, read_mxfp4
 from mtune.training.shards import as_param_like, assign_tensors, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
@@ -59,10 +61,7 @@ def load_hf_checkpoint_sharded(
     """
     device = torch.device(device)
     expected, by_file = locate_tensors(model, checkpoint_dir, not_in_checkpoint)
-    if gate_up := side_by_side_parts(model):
-        raise CheckpointError(f"{checkpoint_dir}: experts held fused ({next(iter(gate_up))}, Gemma 4's layout) cannot "
-                              "be loaded into an FSDP2-sharded model yet: train on one device")
-    layout = expert_layout(model)
+    layout, gate_up = expert_layout(model), side_by_side_parts(model)
     where = ({k: p for p, keys in checkpoint_keys(checkpoint_dir).items() for k in keys}
              if layout is ExpertLayout.WHOLE_TRANSPOSED else {})  # MXFP4 scales may sit in another file
 
@@ -74,6 +73,10 @@ def load_hf_checkpoint_sharded(
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
+                if name in gate_up:
+                    loaded.update(_read_side_by_side(model, f, path, key, name, gate_up, expected, arrives_whole,
+                                                     dtype, device))
+                    continue
                 slot = None if name in expected else stacked_key(name)
                 if slot is not None:
                     _read_expert(model, f, key, *slot, expected[slot[0]], experts, arrives_whole, dtype, device)
@@ -117,13 +120,44 @@ def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: sli
     return from_checkpoint(name, f.get_tensor(key) if rows is None else view[rows], layout)
 
 
-def _read_expert(model, f, key, name, expert, current, experts, arrives_whole, dtype, device) -> None:
-    """Expert ``expert``'s tensor into this rank's rows (experts) of the stacked projection ``name``; skipped
-    unread when another rank holds that expert."""
+def _read_side_by_side(model, f, path, key: str, name: str, gate_up: dict[str, list[str]], expected, arrives_whole,
+                       dtype, device) -> dict[str, nn.Parameter]:
+    """This rank's experts' rows of the side-by-side tensor ``name`` (``experts.gate_up_proj [n_experts, 2 * hidden,
+    dim]``, or ``experts.down_proj``), split along dim 1 into the stacked weights it holds (``gate_up[name]``: gate
+    then up), each ``[local experts, rows, in]`` in ``dtype`` on ``device`` as its parameter's local shard."""
+    parts = gate_up[name]
+    for part in parts:
+        _refuse_nf4_experts(model, part, arrives_whole)
+    view = f.get_slice(key)
+    shape, want = tuple(view.get_shape()), held_shape(name, None, expected, gate_up)
+    if shape != want:
+        raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
+    current = expected[parts[0]]
+    if isinstance(current, DTensor):
+        start, length = row_slice(current)
+        tensor = view[start:start + length]  # the expert dim: only this rank's experts are read
+    else:
+        tensor = f.get_tensor(key)
+    pieces = tensor.split([expected[part].shape[1] for part in parts], dim=1)
+    # copy=True and contiguous: a piece is a strided view of the read rows (or of the file's memory map)
+    return {part: as_param_like(piece.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True),
+                                expected[part])
+            for part, piece in zip(parts, pieces)}
+
+
+def _refuse_nf4_experts(model, name: str, arrives_whole) -> None:
+    """CheckpointError when the stacked projection ``name`` would be stored as NF4 (read whole and quantized whole):
+    its NF4 rows are not split by expert."""
     module_name, _, leaf = name.rpartition(".")
     if arrives_whole is not None and arrives_whole(model.get_submodule(module_name), leaf) is not None:
         raise CheckpointError(f"{name}: NF4 experts cannot be loaded into an FSDP2-sharded model yet (their NF4 "
                               "rows are not split by expert): set lora.quantize_base=false, or train on one device")
+
+
+def _read_expert(model, f, key, name, expert, current, experts, arrives_whole, dtype, device) -> None:
+    """Expert ``expert``'s tensor into this rank's rows (experts) of the stacked projection ``name``; skipped
+    unread when another rank holds that expert."""
+    _refuse_nf4_experts(model, name, arrives_whole)
     start, length = row_slice(current) if isinstance(current, DTensor) else (0, current.shape[0])
     if not start <= expert < start + length:
         return

@@ -89,9 +89,10 @@ def test_moe_checkpoint_loads_with_its_logits_and_saves_its_experts_fused(tmp_pa
     """26B-A4B's layout on the tiny shape: transformers' save_pretrained holds each layer's experts whole
     (layers.N.experts.gate_up_proj [8, 256, 256], gate rows first, and down_proj [8, 256, 128]); mtune loads them
     into its separate gate / up / down projections with transformers' logits, and saving without a source checkpoint
-    writes them fused again in a config transformers reads as the same model. Mutations seen failing: gate and up
-    swapped on loading (placing.place) or on saving (join_side_by_side), the per-expert scales left out of the
-    routing weights, the router fed the experts' normed input."""
+    writes them fused again in a config transformers reads as the same model; the FSDP2 loader refuses them as NF4
+    in one line (the sharded load itself: below). Mutations seen failing: gate and up swapped on loading
+    (placing.place) or on saving (join_side_by_side), the per-expert scales left out of the routing weights, the
+    router fed the experts' normed input, the sharded loader's NF4 check skipped for side-by-side tensors."""
     checkpoint = write_tiny_hf_model(tmp_path, "gemma4_moe")
     model = load_model_from_hf(checkpoint).eval()
     ours = logits(model)
@@ -106,9 +107,40 @@ def test_moe_checkpoint_loads_with_its_logits_and_saves_its_experts_fused(tmp_pa
     assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
     from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
 
-    with pytest.raises(CheckpointError, match=r"experts held fused \(layers.0.experts.gate_up_proj, Gemma 4's layout\) "
-                                              "cannot be loaded into an FSDP2-sharded model yet"):
-        load_hf_checkpoint_sharded(build_model("gemma4", "tiny_moe"), checkpoint, dtype=torch.float32, device="cpu")
+    with pytest.raises(CheckpointError, match=r"layers.0.experts.down_proj.weight: NF4 experts cannot be loaded into "
+                                              "an FSDP2-sharded model yet"):  # every weight stored whole, as QLoRA's
+        load_hf_checkpoint_sharded(build_model("gemma4", "tiny_moe"), checkpoint, dtype=torch.float32, device="cpu",
+                                   arrives_whole=lambda module, leaf: lambda whole, current: whole)
+
+
+def _sharded_moe_rank_worker(rank: int, tmp: str, ckpt: str) -> None:
+    from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
+    from mtune.training.distributed import shard_model
+
+    model = build_model("gemma4", "tiny_moe")  # on meta
+    shard_model(model)
+    load_hf_checkpoint_sharded(model, ckpt, dtype=torch.float32, device="cpu")
+    experts = {name: p.to_local() for name, p in model.named_parameters() if ".experts." in name}
+    torch.save(experts, f"{tmp}/rank{rank}.pt")
+
+
+def test_two_ranks_read_their_experts_rows_of_the_fused_checkpoint(tmp_path):
+    """FSDP2 on 2 CPU processes from transformers' save_pretrained of the MoE shape (experts.gate_up_proj [8, 256,
+    256] gate rows first, experts.down_proj [8, 256, 128]): each rank's rows of every expert weight (its 4 of the 8
+    experts, gate / up / down of each layer) equal the single-device load's exactly. Mutations seen failing: gate
+    and up split the wrong way round, every rank reading the first experts' rows (rank 1 differs)."""
+    from tests._helpers.distributed import run_on_ranks
+
+    checkpoint = write_tiny_hf_model(tmp_path / "hf", "gemma4_moe")
+    run_on_ranks(_sharded_moe_rank_worker, tmp_path, str(tmp_path), str(checkpoint))
+    one = load_model_from_hf(checkpoint, dtype=torch.float32)
+    n_layers = one.args.n_layers
+    for rank in range(2):
+        experts = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len([n for n in experts if n.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight"))]) \
+            == 3 * n_layers
+        for name, local in experts.items():
+            assert local.shape[0] == 4 and torch.equal(local, one.get_parameter(name)[4 * rank:4 * rank + 4]), name
 
 
 def test_moe_expert_adapters_merge_into_the_fused_checkpoint(tmp_path):
