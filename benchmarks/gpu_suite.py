@@ -209,6 +209,10 @@ CASES: list[Case] = [
     Case("qwen3_5_9B_lora_fla_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, Gated DeltaNet on flash-linear-attention's kernel, packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, fla=True, minutes=2.0),
+    # ---- part 11: the 2026 families' GPU row beside Qwen3.5's (part 9): gpt-oss
+    Case("gpt_oss_20B_lora_packed4096", 11, "gpt_oss/20B_lora_single_device", "lora_single_device",
+         "gpt-oss 20B LoRA, eager, bf16 experts, attention sinks (packed rows per segment), packed 4096 x 1",
+         _model("gpt_oss", "20B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=2.0),
     # ---- part 10: the fit issue's GPU check: a run whose config needs more than device_memory_limit recovers
     Case("llama3_1_8B_lora_oom_recovery", 10, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA without checkpointing, packed 4096 x 4, held to 75% of its planned peak: oom_recovery re-plans",
