@@ -12,9 +12,10 @@ from sizes and strides; layout, sparsity and sparse dims are fixed for a strided
 exactly when they share torch's key, and every hit returns what torch's own key would: the same outputs, the same
 bytes (``tests/mtune/training/planning/test_fake_mode.py``). Any other argument is keyed by torch's code.
 
-A hit then builds the output's fake tensor: torch enters two generator-based context managers around the
-``empty_strided`` (and a view's ``set_``) that makes it; :class:`PlannerFakeMode` enters the same guards and sets the
-same flags directly (where there is no shape environment, as in a plan), and builds the same tensor.
+A hit then builds the output's fake tensor: torch enters generator-based context managers around the
+``empty_strided`` (and again around a view's ``set_``) that makes it; :class:`PlannerFakeMode` enters the same guards
+and sets the same flags directly, once (where there is no shape environment, as in a plan), and builds the same
+tensor.
 
 Every ``TorchDispatchMode`` subclass gets its ``__torch_dispatch__`` wrapped so that ``torch.compile`` does not trace
 into it (``_should_skip_dynamo``): two more Python frames and two eval-frame switches per op and per mode, and a
@@ -75,6 +76,8 @@ class PlannerFakeMode(FakeTensorMode):
         if self.shape_env is not None or metadata is None or entry.inplace_idx is not None or is_sparse_any(metadata):
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
         outer = self.in_kernel_invocation
+        # one guarded block for all of it: torch makes the view's set_ in a second one, and the conjugate / negative
+        # bits and the storage lookup outside, but those are flag setters and a getter that dispatch nothing
         with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
             self.in_kernel_invocation = True
             torch._C._set_meta_in_tls_dispatch_include(True)
@@ -82,21 +85,15 @@ class PlannerFakeMode(FakeTensorMode):
                 empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype,
                                             layout=metadata.layout, device="meta",
                                             requires_grad=metadata.requires_grad)
+                if metadata.is_conj:
+                    torch._C._set_conj(empty, True)
+                if metadata.is_neg:
+                    torch._C._set_neg(empty, True)
+                if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
+                    empty.set_(args[entry.view_idx].untyped_storage(), metadata.storage_offset, metadata.shape,
+                               metadata.stride)
             finally:
                 self.in_kernel_invocation = outer
-        if metadata.is_conj:
-            torch._C._set_conj(empty, True)
-        if metadata.is_neg:
-            torch._C._set_neg(empty, True)
-        if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
-            storage = args[entry.view_idx].untyped_storage()
-            with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
-                self.in_kernel_invocation = True
-                torch._C._set_meta_in_tls_dispatch_include(True)
-                try:
-                    empty.set_(storage, metadata.storage_offset, metadata.shape, metadata.stride)
-                finally:
-                    self.in_kernel_invocation = outer
         return FakeTensor(self, empty, metadata.device)
 
     @classmethod
