@@ -31,7 +31,8 @@ from torch import nn
 from mtune.modules.moe import Experts
 
 __all__ = ["MXFP4_BLOCKS", "MXFP4_SCALES", "ExpertLayout", "as_checkpoint_holds", "expert_key", "expert_layout",
-           "from_checkpoint", "join_side_by_side", "mxfp4_part", "per_expert", "side_by_side_parts", "stacked_key",
+           "from_checkpoint", "join_side_by_side", "mxfp4_part", "per_expert", "side_by_side_key", "side_by_side_parts",
+           "stacked_key",
            "transposed_in_checkpoint", "whole_key", "whole_model_name", "whole_name"]
 
 
@@ -155,27 +156,38 @@ def side_by_side_parts(model: nn.Module) -> dict[str, list[str]]:
     return parts
 
 
+def side_by_side_key(name: str) -> tuple[str, str] | None:
+    """A stacked weight as the side-by-side layout holds it: ``...experts.gate_proj.weight`` ->
+    ``("...experts.gate_up_proj", "gate")`` (``up`` likewise), ``...experts.down_proj.weight`` ->
+    ``("...experts.down_proj", "down")``; None for any other name."""
+    match = _SIDE_BY_SIDE_PART.match(name)
+    if match is None:
+        return None
+    return f"{match[1]}.{'down_proj' if match[2] == 'down' else 'gate_up_proj'}", match[2]
+
+
 def join_side_by_side(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs with every experts' stacked weights as the side-by-side layout holds them:
     ``...experts.gate_proj.weight`` and ``...experts.up_proj.weight`` (the first kept until the second comes) as one
     ``...experts.gate_up_proj``, ``...experts.down_proj.weight`` as ``...experts.down_proj``; others unchanged.
     ValueError naming the experts when one of gate and up never comes."""
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # by the gate_up_proj key
     for name, tensor in items:
-        match = _SIDE_BY_SIDE_PART.match(name)
-        if match is None:
+        held = side_by_side_key(name)
+        if held is None:
             yield name, tensor
-        elif match[2] == "down":
-            yield f"{match[1]}.down_proj", tensor
+        elif held[1] == "down":
+            yield held[0], tensor
         else:
-            halves = waiting.setdefault(match[1], {})
-            halves[match[2]] = tensor
+            halves = waiting.setdefault(held[0], {})
+            halves[held[1]] = tensor
             if len(halves) == 2:
-                del waiting[match[1]]
-                yield f"{match[1]}.gate_up_proj", torch.cat([halves["gate"], halves["up"]], dim=1)
+                del waiting[held[0]]
+                yield held[0], torch.cat([halves["gate"], halves["up"]], dim=1)
     if waiting:
-        raise ValueError(f"{next(iter(waiting))}: only one of gate_proj and up_proj was given, so its fused "
-                         "gate_up_proj cannot be written")
+        experts = next(iter(waiting)).removesuffix(".gate_up_proj")
+        raise ValueError(f"{experts}: only one of gate_proj and up_proj was given, so its fused gate_up_proj "
+                         "cannot be written")
 
 
 # ------------------------------------------------------------------------------------------------------- saving

@@ -21,7 +21,6 @@ Peak memory is the adapter plus one base tensor (plus whatever the writer buffer
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +28,9 @@ import torch
 from torch import nn
 
 from mtune.modules.lora import merge_adapter
-from mtune.modules.expert_layout import MXFP4_BLOCKS, ExpertLayout, expert_layout, mxfp4_part, stacked_key, whole_key
+from mtune.modules.expert_layout import (
+    MXFP4_BLOCKS, ExpertLayout, expert_layout, mxfp4_part, side_by_side_key, stacked_key, whole_key,
+)
 from mtune.models.hf_config import model_args_from_hf_config
 from mtune.training.checkpointing.hf import (
     CheckpointError, checkpoint_keys, open_safetensors, read_hf_config, save_hf_checkpoint,
@@ -103,21 +104,18 @@ def _whole_experts(layers: dict, held: set[str]) -> dict[str, dict[int, object]]
     return whole
 
 
-_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
 def _gate_up_expert_layers(layers: dict, held: set[str]) -> dict:
     """``layers`` with the per-expert adapters of experts a checkpoint holds with gate and up side by side (Gemma
     4's ``experts.gate_up_proj [E, 2h, d]``, gate rows first, and ``experts.down_proj``: no per-expert keys) grouped
     under that key, as ``{expert: {"gate" | "up" | "down": layer}}``; the others unchanged."""
     out = {}
     for key, layer in layers.items():
-        match = _EXPERT_WEIGHT.match(key)
-        joined = match and f"{match[1]}.{'down_proj' if match[3] == 'down' else 'gate_up_proj'}"
-        if match is None or key in held or joined not in held:
+        slot = stacked_key(key)
+        joined = side_by_side_key(slot[0]) if slot is not None else None
+        if joined is None or key in held or joined[0] not in held:
             out[key] = layer
         else:
-            out.setdefault(joined, {}).setdefault(int(match[2]), {})[match[3]] = layer
+            out.setdefault(joined[0], {}).setdefault(slot[1], {})[joined[1]] = layer
     return out
 
 
