@@ -212,10 +212,10 @@ def load_hf_checkpoint(
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{path}: cannot read tensor {key} ({e})") from None
-                whole = place(model, name, slot, tensor, dtype, device, arrived, gate_up)
+                completed = place(model, name, slot, tensor, dtype, device, arrived, gate_up)
                 del tensor
-                for name in whole if after_tensor is not None else ():
-                    after_tensor(model.get_submodule(name.rpartition(".")[0]))
+                for parameter in completed if after_tensor is not None else ():
+                    after_tensor(model.get_submodule(parameter.rpartition(".")[0]))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model
