@@ -30,7 +30,8 @@ from torch import nn
 
 from mtune.modules.moe import Experts
 
-__all__ = ["MXFP4_BLOCKS", "MXFP4_SCALES", "ExpertLayout", "as_checkpoint_holds", "expert_key", "expert_layout",
+__all__ = ["MXFP4_BLOCKS", "MXFP4_SCALES", "ExpertLayout", "as_checkpoint_holds", "checkpoint_shape", "expert_key",
+           "expert_layout",
            "from_checkpoint", "join_side_by_side", "mxfp4_part", "per_expert", "side_by_side_key", "side_by_side_parts",
            "stacked_key",
            "transposed_in_checkpoint", "whole_key", "whole_model_name", "whole_name"]
@@ -132,6 +133,12 @@ def transposed_in_checkpoint(name: str, layout: ExpertLayout) -> bool:
     """Whether the model's tensor ``name`` is held transposed (``[n_experts, in, out]``): a stacked weight in the
     whole, transposed layout (not its MXFP4 form, whose blocks are laid out as the model's rows)."""
     return layout is ExpertLayout.WHOLE_TRANSPOSED and name.endswith(".weight") and whole_key(name) is not None
+
+
+def checkpoint_shape(name: str, shape: tuple[int, ...], layout: ExpertLayout) -> tuple[int, ...]:
+    """The shape ``layout`` holds the model's tensor ``name`` of ``shape`` in: ``[n_experts, in, out]`` where
+    :func:`transposed_in_checkpoint`, else ``shape`` itself."""
+    return (shape[0], shape[2], shape[1]) if transposed_in_checkpoint(name, layout) else tuple(shape)
 
 
 def from_checkpoint(name: str, tensor: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

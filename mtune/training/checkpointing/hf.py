@@ -19,8 +19,8 @@ from mtune.errors import MtuneError
 from mtune.models import build_model_from_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config, text_model_key
 from mtune.modules.expert_layout import (
-    ExpertLayout, as_checkpoint_holds, expert_layout, from_checkpoint, side_by_side_parts, stacked_key,
-    transposed_in_checkpoint, whole_name,
+    ExpertLayout, as_checkpoint_holds, checkpoint_shape, expert_layout, from_checkpoint, side_by_side_parts,
+    stacked_key, whole_name,
 )
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
@@ -199,11 +199,10 @@ def load_hf_checkpoint(
             for name, key in entries:
                 slot = None if name in expected or name in gate_up else stacked_key(name)
                 want = held_shape(name, slot, expected, gate_up)
-                transposed = transposed_in_checkpoint(name, layout)  # a whole expert projection, [E, in, out]
                 try:
                     tensor = read_mxfp4(f, key, lambda k: open_safetensors(where[k]), dtype) if whole else None
                     shape = tuple(f.get_slice(key).get_shape() if tensor is None else tensor.shape)
-                    want = (want[0], want[2], want[1]) if transposed and tensor is None else want
+                    want = checkpoint_shape(name, want, layout) if tensor is None else want  # MXFP4: the model's
                     if shape != want:
                         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
                     if tensor is None:

@@ -29,8 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mtune.modules.expert_layout import (
-    ExpertLayout, expert_layout, from_checkpoint, mxfp4_part, side_by_side_parts, stacked_key,
-    transposed_in_checkpoint,
+    ExpertLayout, checkpoint_shape, expert_layout, from_checkpoint, mxfp4_part, side_by_side_parts, stacked_key,
 )
 from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, locate_tensors, open_safetensors
 from mtune.training.checkpointing.placing import held_shape, read_mxfp4
@@ -109,9 +108,7 @@ def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: sli
     mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED and mxfp4_part(key) == "blocks"
     if mxfp4:  # [E, out, groups, 16] uint8: 32 values a group
         shape = (*shape[:-2], shape[-2] * 32)
-    want = tuple(current.shape)
-    if transposed_in_checkpoint(name, layout) and not mxfp4:  # a whole expert projection, [E, in, out]
-        want = (want[0], want[2], want[1])
+    want = tuple(current.shape) if mxfp4 else checkpoint_shape(name, tuple(current.shape), layout)
     if shape != want:
         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
     if mxfp4:
