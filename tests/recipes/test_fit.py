@@ -174,9 +174,9 @@ def test_the_fast_estimates_match_whole_plans(tmp_path, tiny_checkpoint, tiny_da
 
 def test_a_tie_goes_to_the_fewer_techniques_even_when_the_most_saving_one_fits(tmp_path, tiny_checkpoint, tiny_data,
                                                                                monkeypatch):
-    from mtune.training.planning import candidates as candidates_module, fit as fit_module
+    from mtune.training.planning import candidates as candidates_module, judge as judge_module
 
-    for module_ in (candidates_module, fit_module):  # every candidate costs the same: one tier per micro-batch
+    for module_ in (candidates_module, judge_module):  # every candidate costs the same: one tier per micro-batch
         monkeypatch.setattr(module_, "step_cost", lambda cfg, paged_bytes=0.0, world_size=1: 1e-6)
     module = load_recipe_module(find_recipe("lora_single_device"))
     cfg = load_and_check(module, TRAIN_CONFIG, _tiny(tmp_path, tiny_checkpoint, tiny_data, {}))

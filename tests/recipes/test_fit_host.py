@@ -59,29 +59,60 @@ def test_a_host_too_small_names_the_host_its_answer_needs(tmp_path, tiny_checkpo
     assert "enable_activation_offloading=true" in line
 
 
-def test_a_candidate_the_host_kept_inputs_on_the_device_for_prunes_nothing(tmp_path, tiny_checkpoint, tiny_data,
-                                                                          monkeypatch):
-    """A candidate over the device only because the host's room kept blocks' inputs on it (`fewer_offloaded_blocks`
-    applied) says nothing of those it out-saves: one that offloads less elsewhere (weights on the host) leaves the
-    host room for more inputs. Llama 3.1 8B QLoRA ``--maximize`` at 40 GiB with a 23 GiB host met it: leaf-level
-    weight offloading with 18 inputs offloaded was over the device, pruned the same without weight offloading (24
-    offloaded, within it) and the search at the reached length found nothing. Here the host's rule is stubbed to
-    say so of the cheapest tier's most-saving member (every second block checkpointed); the plain config, which it
-    out-saves, must still be planned and answered. Mutation seen failing: recording that failure for pruning
-    answers full checkpointing instead."""
+def _judged(tmp_path, checkpoint, data, monkeypatch, order):
+    """The tiny config's candidates over weight offloading and activation checkpointing, put to a `Judge` in
+    ``order`` (functions picking one each) after the one with leaf-level weight offloading and every block's input
+    offloaded was judged over the device because the host's room kept its inputs there (the host's rule stubbed
+    to say so: its real plan fits)."""
     import dataclasses
 
-    import mtune.training.planning.fit as fit_module
+    import mtune.training.planning.judge as judge_module
+    from mtune.training.planning.candidates import candidates_of
+    from mtune.training.planning.judge import Judge
+
+    def offloads_weights(cfg) -> bool:
+        return (cfg.get("weight_offloading") or {}).get("type") == "leaf_level"
 
     def host_rule(cfg, plan, estimator, host_spare):
-        if cfg.enable_activation_checkpointing and cfg.activation_checkpointing_every_n_layers == 2:
+        if offloads_weights(cfg) and cfg.enable_activation_offloading:
             return {"activation_offloading_blocks": 0}, dataclasses.replace(
-                plan, device_peak_bytes=plan.device_peak_bytes + DEVICE)
+                plan, device_peak_bytes=plan.device_peak_bytes + 10 * DEVICE)
         return None
 
-    monkeypatch.setattr(fit_module, "fewer_offloaded_blocks", host_rule)
-    _, _, _, _, found = _search(tmp_path, tiny_checkpoint, tiny_data, None, device_memory=2 * DEVICE)
-    answer = best_of(found)
-    assert answer is not None and answer.changes == {}
-    every_second = [c for c in found if c.changes.get("activation_checkpointing_every_n_layers") == 2]
-    assert every_second and every_second[0].fits is False and every_second[0].pruned is False
+    monkeypatch.setattr(judge_module, "fewer_offloaded_blocks", host_rule)
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    cfg = load_and_check(module, TRAIN_CONFIG, train_overrides(tmp_path, checkpoint, data, **{
+        "dataset.packed": True, "tokenizer.max_seq_len": 64, "batch_size": 32, "device": "cuda",
+        "activation_offloading_use_streams": False}))
+    knobs = [k for k in KNOBS if k.name in ("weight_offloading", "activation_checkpointing")] + [
+        Knob("micro_batch", lambda c: [FitChoice(0, {})])]
+    candidates = candidates_of(cfg, module.SCHEMA, knobs)
+    judge = Judge(cfg, Estimator(device_memory=2 * DEVICE, host_memory=None), knobs=knobs, device_memory=2 * DEVICE,
+                  host_memory=None, margin=0, world_size=1)
+    kept = next(c for c in candidates if offloads_weights(c.cfg) and c.cfg.enable_activation_offloading)
+    judge.consider(kept)
+    assert kept.fits is False and judge.failed_kept and not judge.failed
+    picked = [next(c for c in candidates if pick(c.cfg)) for pick in order]
+    for candidate in picked:
+        judge.consider(candidate)
+    return picked
+
+
+def test_a_candidate_the_host_kept_inputs_on_the_device_for_prunes_only_those_offloading_as_much(
+        tmp_path, tiny_checkpoint, tiny_data, monkeypatch):
+    """A candidate over the device only because the host's room kept blocks' inputs on it (`fewer_offloaded_blocks`
+    applied) says something only of those it out-saves that offload as much (`Knob.offloads`: the weights here):
+    they have no more room for inputs on the host and save less elsewhere. One that offloads less leaves the host
+    room for more inputs and may fit: Llama 3.1 8B QLoRA ``--maximize`` at 40 GiB with a 23 GiB host met it
+    (leaf-level weight offloading with 18 inputs offloaded over the device; block-level with 20, and none with
+    24, within it). Here: leaf-level weight offloading with every block checkpointed and none offloaded is pruned
+    unplanned; no weight offloading with every input offloaded is planned and fits. Mutations seen failing: the
+    kept failure pruning whatever the offloading knobs' levels (the second pruned); not pruning at all (the first
+    planned)."""
+    same_host, more_room = _judged(tmp_path, tiny_checkpoint, tiny_data, monkeypatch, [
+        lambda c: (c.get("weight_offloading") or {}).get("type") == "leaf_level"
+        and c.enable_activation_checkpointing and not c.enable_activation_offloading
+        and c.activation_checkpointing_every_n_layers == 1,
+        lambda c: not c.get("weight_offloading") and c.enable_activation_offloading])
+    assert same_host.pruned and same_host.plan is None and same_host.fits is False
+    assert not more_room.pruned and more_room.plan is not None and more_room.fits is True

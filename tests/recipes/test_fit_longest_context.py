@@ -102,3 +102,35 @@ def test_a_larger_host_never_gives_a_shorter_answer(tmp_path, long_checkpoint, t
         answers.append((result.seq_len, result.candidate.changes.get("activation_offloading_blocks")))
     lengths = [length for length, _ in answers]
     assert lengths == sorted(lengths) and lengths[0] > 0, answers
+
+
+def test_the_search_at_the_reached_length_answers_as_the_cheapest_first_search(tmp_path, long_checkpoint, tiny_data):
+    """At the reached length ``--maximize`` searches from the most saving candidates down
+    (`longest._search_maxima_first`), first judging the candidate whose reach found the length; its answer must be
+    the cheapest-first ``--fit`` search's, left to plan every candidate it reaches (no cap), whichever candidate is
+    judged first (here the most saving one, which fits and is not the answer). Asked of the tiny model's 8K-token
+    packed rows on a CUDA target near its edge (`test_fit_host` judges the host's rule of pruning). Mutation seen
+    failing: a fit closing the candidates of its cost that rank before it (fewer techniques: the ties rule), not
+    only the costlier ones."""
+    from mtune.training.planning.fit import best_of, search
+    from mtune.training.planning.longest import _one_row_knobs, _search_maxima_first, long_context_base
+    from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
+    from mtune.training.planning.reach import at_length
+
+    module, _, cfg = _config(tmp_path, long_checkpoint, tiny_data, device="cuda",
+                             activation_offloading_use_streams=False)
+    at = at_length(long_context_base(cfg)[0], 8192)
+    budget = CUDA_CONTEXT_BYTES + BUDGET
+    estimator = Estimator(device_memory=budget, host_memory=None)  # the plans are the same: shared
+    answers = []
+    for find, extra in ((search, {"max_plans": 10**6, "max_fits": 10**6}), (_search_maxima_first, {}),
+                        (_search_maxima_first, {"first": "the most saving"})):
+        if extra.get("first"):
+            extra = {"first": max(found, key=lambda c: sum(c.levels)).levels}
+        found = find(at, module.SCHEMA, knobs=_one_row_knobs(), estimator=estimator, device_memory=budget,
+                     host_memory=None, margin=0, lossy="fallback", world_size=1, **extra)
+        answer = best_of(found)
+        answers.append(None if answer is None else answer.changes)
+    assert answers[0] is not None and answers[0] == answers[1] == answers[2], answers
+    seeded = next(c for c in found if c.levels == extra["first"])
+    assert seeded.fits and seeded.changes != answers[0]  # judged first: it fits, and is not the answer

@@ -48,10 +48,13 @@ class FitKnob:
     """A technique's dimension of the ``mtune plan --fit`` search: its ``name`` (in the answer's levels) and
     whether all its choices save is in the floor ``--fit`` computes before planning (weights, states, gradients),
     none in activations (``floor_only``): such a choice whose floor saving is negligible for the budget is not
-    searched."""
+    searched. ``offloads``: its higher levels save the device by moving bytes to the host, so a lower level leaves
+    the host room for more of what is offloaded as far as the host holds it (blocks' inputs): ``--fit`` prunes by
+    such a candidate's failure only the candidates at its level of this knob."""
 
     name: str
     floor_only: bool = False
+    offloads: bool = False
 
 
 class FitChoice:

@@ -10,7 +10,7 @@ line in :mod:`mtune.training.memory.registry`) has
 - **declarations**: whether it acts (:meth:`enabled`), its rules (:meth:`rules`), one planner value
   (:meth:`footprint`: where its tensors live, what it moves and steps on the host, the work backward repeats,
   whether it changes the numbers), its ``--fit`` dimension (``fit_knob``) and options (:meth:`fit_choices`),
-  settings that hold at any row length (:meth:`for_any_length`) and its out-of-memory advice (:meth:`oom_advice`,
+  settings that hold at any row length (:meth:`length_overrides`) and its out-of-memory advice (:meth:`oom_advice`,
   in the named tiers of `ADVICE_TIERS`);
 - **run phases**, optional hooks that `mtune.training.memory.phases` calls in the registry's order: on the meta
   model (:meth:`on_model`; it may return the context the step enters around forward and backward), on FSDP2's
@@ -208,9 +208,11 @@ class MemoryTechnique:
         """The options ``--fit`` tries for the user's settings, level 0 first."""
         return [FitChoice(0, {})]
 
-    def for_any_length(self, s: Any, memory: Any) -> dict:
-        """Overrides that make its setting hold at every row length (``--maximize seq_len`` plans one config at many
-        lengths): e.g. a tile count written for one length as ``auto``. Empty: the setting holds already."""
+    def length_overrides(self, s: Any, memory: Any, facts: ModelFacts, any_length: bool) -> dict:
+        """For ``--maximize seq_len``, which plans one config at many row lengths: with ``any_length``, overrides
+        that make its setting hold at every length (a tile count written for one length as ``auto``); without,
+        the reverse at the config's own length (``auto``'s count written out, as ``--fit``'s candidate has it: the
+        same plan under one cache key). Empty: nothing to change."""
         return {}
 
     def oom_advice(self, s: Any, memory: Any) -> list[tuple[int, str]]:

@@ -35,6 +35,8 @@ class Knob:
     choices: Callable[[Any], list[FitChoice]]
     floor_only: bool = False
     """What its choices save is all in the floor (`FitKnob.floor_only`)."""
+    offloads: bool = False
+    """Its higher levels move bytes to the host (`FitKnob.offloads`)."""
 
 
 def _technique_knob(technique: MemoryTechnique) -> Knob:
@@ -42,7 +44,7 @@ def _technique_knob(technique: MemoryTechnique) -> Knob:
         memory = MemoryConfig.from_config(cfg)
         return technique.fit_choices(memory[technique], memory, model_facts(cfg))
 
-    return Knob(technique.fit_knob.name, choices, technique.fit_knob.floor_only)
+    return Knob(technique.fit_knob.name, choices, technique.fit_knob.floor_only, technique.fit_knob.offloads)
 
 
 def _micro_batch(cfg) -> list[FitChoice]:

@@ -39,18 +39,19 @@ from pathlib import Path
 from mtune.config.errors import ConfigError
 from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.errors import MtuneError
-from mtune.training.planning.cost import model_facts, one_search, step_cost
-from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, floor_reason
+from mtune.training.planning.cost import one_search
+from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, registry_knobs
 from mtune.training.planning.host import (available_host_memory, default_host_memory, fewer_offloaded_blocks,
                                           host_figures, host_line, host_reserve)
+from mtune.training.planning.judge import Judge, fits_budgets
 from mtune.training.planning.answer import close_answer, numerics_line, write_config
 from mtune.training.planning.estimate import Estimator
-from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
 from mtune.units import GIB, format_bytes
 
-__all__ = ["search", "best_of", "fit_command", "fit_header", "fits_budgets", "numerics_line", "write_config",
-           "close_answer", "FitError", "allocator_margin", "available_host_memory", "default_host_memory",
-           "host_reserve", "fewer_offloaded_blocks", "host_that_fits", "host_line", "host_figures", "LOSSY_POLICIES"]
+__all__ = ["search", "search_phases", "speed_key", "best_of", "fit_command", "fit_header", "fits_budgets",
+           "numerics_line", "write_config", "close_answer", "FitError", "allocator_margin", "available_host_memory",
+           "default_host_memory", "host_reserve", "fewer_offloaded_blocks", "host_that_fits", "host_line",
+           "host_figures", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +73,22 @@ def allocator_margin(device_memory: int) -> int:
     return int(max(GIB, 0.05 * device_memory))
 
 
-def fits_budgets(plan: MemoryPlan, device_memory: int, host_memory: int | None, margin: int) -> bool:
-    """Whether ``plan`` fits as ``--fit`` judges it: the device total plus ``margin`` within ``device_memory``, the
-    host's share (`MemoryPlan.host_need_bytes`) within ``host_memory`` (None: unbounded). Records the budgets on the
-    plan."""
-    plan.device_memory, plan.host_memory = device_memory, host_memory
-    spare = plan.fits()
-    return spare["device"] - margin >= 0 and (spare["host"] is None or spare["host"] >= 0)
-
-
-def _speed_key(c: Candidate):
+def speed_key(c: Candidate):
     """Cost to 3 significant digits; ties to the larger micro-batch, the fewer techniques, the lower levels."""
     return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques, sum(c.levels[:-1]))
+
+
+def search_phases(candidates: list[Candidate], lossy: str) -> list[list[Candidate]]:
+    """``candidates`` in the phases a search considers them in, each in its order: lossless by speed, then lossy
+    by what they give up (``fallback``); lossless only (``never``); all by speed (``compete``)."""
+    if lossy not in LOSSY_POLICIES:
+        raise FitError(f"lossy={lossy!r}: one of {LOSSY_POLICIES}")
+    lossless = sorted((c for c in candidates if not c.lossy), key=speed_key)
+    if lossy == "compete":
+        return [sorted(candidates, key=speed_key)]
+    if lossy == "never":
+        return [lossless]
+    return [lossless, sorted((c for c in candidates if c.lossy), key=lambda c: (c.quality_cost, *speed_key(c)))]
 
 
 @one_search()
@@ -93,73 +98,15 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
            estimator: Estimator | None = None) -> list[Candidate]:
     """Every candidate of ``knobs`` over ``cfg`` that ``schema``'s rules accept, in the order searched, each
     rejected by its floor, pruned, planned or left (``fits`` None), as the module docstring says."""
-    if lossy not in LOSSY_POLICIES:
-        raise FitError(f"lossy={lossy!r}: one of {LOSSY_POLICIES}")
     margin = allocator_margin(device_memory) if margin is None else margin
     estimator = estimator or Estimator(device_memory=device_memory, host_memory=host_memory, world_size=world_size)
-    candidates = candidates_of(cfg, schema, knobs, device_memory=device_memory, world_size=world_size)
-    lossless = sorted((c for c in candidates if not c.lossy), key=_speed_key)
-    lossy_ones = [c for c in candidates if c.lossy]
-    if lossy == "compete":
-        phases = [sorted(candidates, key=_speed_key)]
-    elif lossy == "never":
-        phases = [lossless]
-    else:
-        phases = [lossless, sorted(lossy_ones, key=lambda c: (c.quality_cost, *_speed_key(c)))]
-    context = CUDA_CONTEXT_BYTES if model_facts(cfg).cuda else 0
-    device_budget = device_memory - margin
-    failed: list[tuple[int, ...]] = []
+    knobs = registry_knobs() if knobs is None else knobs
+    phases = search_phases(candidates_of(cfg, schema, knobs, device_memory=device_memory, world_size=world_size),
+                           lossy)
+    judge = Judge(cfg, estimator, knobs=knobs, device_memory=device_memory, host_memory=host_memory, margin=margin,
+                  world_size=world_size, progress=progress)
     ordered: list[Candidate] = []
     planned_before = estimator.planned  # a shared estimator (--maximize's) has planned for others already
-
-    def within_budget(plan) -> bool:
-        return fits_budgets(plan, device_memory, host_memory, margin)
-
-    def within_device(plan) -> bool:
-        return fits_budgets(plan, device_memory, None, margin)
-
-    def dominated(levels) -> bool:
-        return any(all(a <= b for a, b in zip(levels, fail)) for fail in failed)
-
-    def host_spare(plan) -> int | None:
-        plan.device_memory, plan.host_memory = device_memory, host_memory
-        return plan.fits()["host"]
-
-    def consider(candidate: Candidate) -> None:
-        reason = floor_reason(candidate.cfg, device_budget, host_memory, context, world_size)
-        if reason is not None:
-            candidate.reason, candidate.pruned, candidate.fits = reason, True, False
-            if not reason.startswith("host:"):  # a candidate that saves less puts less on the host: no pruning
-                failed.append(candidate.levels)
-            return
-        if dominated(candidate.levels):
-            candidate.pruned, candidate.fits = True, False
-            return
-        candidate.plan = plan = estimator.estimate(candidate.cfg, over=lambda p: not within_budget(p))
-        # a lower bound over the device with every block's input offloaded is over it with fewer offloaded too
-        # (each input kept adds to the device): the host's rule is not asked, which would plan the candidate whole
-        fewer = (None if plan.lower_bound and not within_device(plan)
-                 else fewer_offloaded_blocks(candidate.cfg, plan, estimator, host_spare))
-        host_kept = False  # whether the host's room decided how many blocks' inputs stay on the device
-        if fewer is not None:  # every block's input is more than the host holds: as many as it holds
-            overrides, candidate.plan = fewer
-            plan, host_kept = candidate.plan, bool(overrides)
-            candidate.overrides, candidate._cfg = {**candidate.overrides, **overrides}, None
-        candidate.fits = within_budget(plan)
-        if progress is not None:
-            progress(f"  plan {estimator.planned:>2}: {describe(candidate.changes)}: "
-                     f"{'at least ' if plan.lower_bound else ''}{format_bytes(plan.device_total_bytes)} "
-                     + ("fits" if candidate.fits else "does not fit"
-                        + (f" the host ({format_bytes(plan.host_need_bytes)})"
-                           if plan.fits()["device"] - margin >= 0 else "")))
-        if candidate.fits:
-            candidate.cost = step_cost(candidate.cfg, plan.paged_bytes(), world_size)
-        elif plan.fits()["device"] - margin < 0 and not host_kept:
-            # over the device: whatever saves no more on any knob is over it too. Over the host only, it prunes
-            # nothing: a candidate that offloads less holds less there; nor over the device where the host's room
-            # kept blocks' inputs on it: one that offloads less elsewhere leaves the host room for more of them.
-            failed.append(candidate.levels)
-
     for number, phase in enumerate(phases):
         fits, best = 0, None
         # Candidates of equal cost and micro-batch form a tier, considered from the most saving (highest levels)
@@ -167,18 +114,18 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         # only the members that rank before it (fewer techniques, lower levels: the ties rule) to consider. A
         # candidate's cost before planning is a lower bound of its cost after (planning can only add paging
         # traffic), so the search of a phase ends when the next candidate cannot beat the best fit found.
-        for _, tier in itertools.groupby(phase, key=lambda c: (_speed_key(c)[0], c.levels[-1])):
+        for _, tier in itertools.groupby(phase, key=lambda c: (speed_key(c)[0], c.levels[-1])):
             tier = list(tier)
             ordered.extend(tier)
             for candidate in sorted(tier, key=lambda c: -sum(c.levels)):
                 if fits >= max_fits or estimator.planned - planned_before >= max_plans or candidate.fits is not None:
                     continue
-                if best is not None and _speed_key(candidate) >= _speed_key(best):
+                if best is not None and speed_key(candidate) >= speed_key(best):
                     continue
-                consider(candidate)
+                judge.consider(candidate)
                 if candidate.fits:
                     fits += 1
-                    best = candidate if best is None or _speed_key(candidate) < _speed_key(best) else best
+                    best = candidate if best is None or speed_key(candidate) < speed_key(best) else best
         if fits and lossy != "compete":
             ordered += [c for p in phases[number + 1:] for c in p]
             break
@@ -205,7 +152,7 @@ def best_of(candidates: list[Candidate]) -> Candidate | None:
     """The fitting candidate of lowest cost (lossless before lossy unless they competed: the search stopped at the
     first phase with a fit)."""
     fitting = [c for c in candidates if c.fits]
-    return min(fitting, key=_speed_key) if fitting else None
+    return min(fitting, key=speed_key) if fitting else None
 
 
 def _rejections(candidates: list[Candidate]) -> list[str]:

@@ -13,9 +13,11 @@ peak grows linearly in the row length once the attention kernel keeps no ``s x s
    two lengths and the line through the two peaks solved for the budget (device, and host where its peak grows
    too), rounded down to :data:`STEP` tokens, then planned there and stepped down until it fits; after the first,
    a candidate is first planned one step beyond the longest length found so far, and searched only if it fits
-   there (the bracket: the peak grows with the length, so one that does not fit there cannot be longer);
+   there (the bracket: the peak grows with the length, so one that does not fit there cannot be longer), its line
+   drawn through that plan instead of the second probe's;
 3. the longest of them, capped at the model's trained context (``max_position_embeddings``: Llama 3.1 131,072), is
-   the answer's length; at that length the ordinary ``--fit`` search finds the fastest candidate that fits;
+   the answer's length; at that length the ``--fit`` search's answer (the fastest candidate that fits) is found
+   from the most saving candidates down (few fit there: each maximum judged rules out what it out-saves);
 4. the curve (the answer's device total at every power of two up to the length: the first and the last planned, the
    others on the line between them) and the category that grew most along it (what limits the length) are
    printed, and the config is written as ``--fit`` writes it.
@@ -30,18 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtune.config.keys import samples_per_step
-from mtune.training.memory import registry
-from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.planning.candidates import (Candidate, Knob, candidates_of, changed_keys, describe, floor_reason,
                                                 registry_knobs, with_overrides)
 from mtune.training.planning.cost import device_floor, model_facts, one_search
 from mtune.training.planning.estimate import Estimator, interpolate
-from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, search
+from mtune.training.planning.fit import FitError, best_of, close_answer, fit_header, search_phases, speed_key
+from mtune.training.planning.judge import Judge, dominates
 from mtune.training.planning.host import host_figures
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
-from mtune.training.planning.reach import PROBES, SHORTEST, STEP, Fitter, at_length
+from mtune.training.planning.reach import PROBES, SHORTEST, STEP, Fitter, at_length, length_overrides
 from mtune.units import format_bytes
 
 __all__ = ["LongestContext", "longest_context", "longest_command", "long_context_base", "trained_context", "MAXIMIZE",
@@ -85,9 +86,8 @@ def long_context_base(cfg) -> tuple[object, dict]:
 
 
 def _for_any_length(cfg) -> dict:
-    """Every technique's `MemoryTechnique.for_any_length` overrides for ``cfg``."""
-    memory = MemoryConfig.from_config(cfg)
-    return {k: v for t in registry.TECHNIQUES for k, v in t.for_any_length(memory[t], memory).items()}
+    """Every technique's `MemoryTechnique.length_overrides` for ``cfg`` at any length."""
+    return length_overrides(cfg, any_length=True)
 
 
 def _one_row_knobs() -> list[Knob]:
@@ -98,10 +98,8 @@ def _one_row_knobs() -> list[Knob]:
 def _maxima(candidates: list[Candidate]) -> list[Candidate]:
     """The candidates no other candidate out-saves on every knob (levels: higher saves more)."""
 
-    def below(a, b) -> bool:
-        return a != b and all(x <= y for x, y in zip(a, b))
-
-    return [c for c in candidates if not any(below(c.levels, d.levels) for d in candidates)]
+    return [c for c in candidates if not any(d.levels != c.levels and dominates(d.levels, c.levels)
+                                             for d in candidates)]
 
 
 def _reaching(candidates: list[Candidate], device_budget: int, host_memory: int | None,
@@ -135,6 +133,43 @@ def _limiting(curve: list[tuple[int, MemoryPlan]]) -> str:
             f" of the device peak {format_bytes(last.device_peak_bytes)})")
 
 
+def _search_maxima_first(cfg, schema, *, knobs: list[Knob], estimator: Estimator, device_memory: int,
+                         host_memory: int | None, margin: int, lossy: str, world_size: int,
+                         first: tuple[int, ...] | None = None,
+                         over: list[tuple[int, ...]] = ()) -> list[Candidate]:
+    """The ``--fit`` search's answer at the reached length, found from the most saving candidates down: the
+    cheapest of the open candidates that no other open one out-saves is judged first (after the candidate of knob
+    levels ``first``, where given: the one whose reach found the length, which fits there). One that fits closes
+    every candidate not cheaper than it; one over the device prunes every candidate it out-saves. At the reached
+    length few candidates fit, so judging the maxima first rules out the cheaper ones with a plan per maximum,
+    where the cheapest-first order planned most of them (Llama 3.1 8B LoRA at 40 GiB: 36 plans). Returns the
+    candidates, each judged or left (``fits`` None); the answer is the same cheapest fit as ``search`` finds
+    whatever the order (pruning rests on the same rule: memory grows as a knob saves less). ``over``: the knob
+    levels of candidates the reach planned over a budget at this length or a shorter one (the peak grows with the
+    length), each pruning as a failure for which the host's room may have kept inputs on the device
+    (`Judge.failed_kept`: what it out-saves at its levels of the offloading knobs)."""
+    judge = Judge(cfg, estimator, knobs=knobs, device_memory=device_memory, host_memory=host_memory, margin=margin,
+                  world_size=world_size)
+    judge.failed_kept += over
+    phases = search_phases(candidates_of(cfg, schema, knobs, device_memory=device_memory, world_size=world_size),
+                           lossy)
+    for number, phase in enumerate(phases):
+        best = None
+        seed = [c for c in phase if c.levels == first]
+        while True:
+            open_ = [c for c in phase if c.fits is None and (best is None or speed_key(c) < speed_key(best))]
+            tops = _maxima(open_)
+            if not tops:
+                break
+            candidate = seed.pop() if seed else min(tops, key=speed_key)
+            judge.consider(candidate)
+            if candidate.fits and (best is None or speed_key(candidate) < speed_key(best)):
+                best = candidate
+        if best is not None and lossy != "compete":
+            return [c for p in phases[:number + 1] for c in p]
+    return [c for p in phases for c in p]
+
+
 @one_search()
 def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None, margin: int,
                     estimator: Estimator, lossy: str = "fallback", world_size: int = 1,
@@ -154,6 +189,7 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
     lossless = [c for c in candidates if not c.lossy]
     phases = {"never": [lossless], "compete": [candidates]}.get(lossy, [lossless, [c for c in candidates if c.lossy]])
     best_len, reach, bounded = 0, [], []
+    too_long: list[tuple[tuple[int, ...], int]] = []  # (a candidate's knob levels, a length it was planned over)
     for phase in phases:
         for candidate in sorted(_reaching(phase, device_memory - margin, host_memory, world_size),
                                 key=lambda c: c.cost):
@@ -164,11 +200,13 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
             beyond = min(best_len + STEP, trained)
             if best_len and (best_len >= trained or not fitter.fits(fitter.fitting_plan(variant, beyond))):
                 bounded.append((candidate, beyond))
+                too_long += [(candidate.levels, beyond)] if best_len < trained else []
                 progress(f"  does not fit {beyond:,} tokens: no longer than {best_len:,}"
                          if best_len < trained else "  the trained context is reached already")
                 continue
-            length = fitter.longest(variant, trained, progress)
+            length = fitter.longest(variant, trained, progress, planned=beyond if best_len else None)
             reach.append((candidate, length))
+            too_long.append((candidate.levels, length + STEP if length else SHORTEST))  # the edge planned it
             progress(f"  fits {length:,} tokens" if length else f"  does not fit {SHORTEST:,} tokens")
             best_len = max(best_len, length)
         if best_len:
@@ -176,8 +214,11 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
     if not best_len:
         return LongestContext(0, None, trained, reach=reach)
     at_best = at_length(base, best_len)
-    found = search(at_best, schema, device_memory=device_memory, host_memory=host_memory, knobs=knobs,
-                   world_size=world_size, lossy=lossy, margin=margin, estimator=estimator)
+    reached = min((c for c, length in reach if length == best_len), key=speed_key)
+    found = _search_maxima_first(at_best, schema, knobs=knobs, estimator=estimator, device_memory=device_memory,
+                                 host_memory=host_memory, margin=margin, lossy=lossy, world_size=world_size,
+                                 first=reached.levels,
+                                 over=[levels for levels, length in too_long if length <= best_len])
     answer = best_of(found)
     if answer is None:  # a candidate reached best_len, so the search must find one: say so rather than guess
         raise FitError(f"--maximize: a candidate fits {best_len:,} tokens but the --fit search there found none "

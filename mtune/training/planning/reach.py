@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mtune.training.memory import registry
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.candidates import with_overrides
+from mtune.training.planning.cost import model_facts
 from mtune.training.planning.estimate import Estimator
 from mtune.training.planning.fit import fits_budgets
 from mtune.training.planning.host import block_offload, fewer_offloaded_blocks
 from mtune.training.planning.memory_plan import MemoryPlan
 from mtune.units import format_bytes
 
-__all__ = ["Fitter", "at_length", "STEP", "SHORTEST", "PROBES"]
+__all__ = ["Fitter", "at_length", "length_overrides", "STEP", "SHORTEST", "PROBES"]
 
 STEP = 1024
 """The answer's length is a multiple of this many tokens."""
@@ -28,6 +31,21 @@ PROBES = (8192, 32768)
 def at_length(cfg, seq_len: int):
     """``cfg`` with rows of ``seq_len`` tokens."""
     return with_overrides(cfg, {"tokenizer.max_seq_len": int(seq_len)})
+
+
+def length_overrides(cfg, any_length: bool) -> dict:
+    """Every technique's `MemoryTechnique.length_overrides` for ``cfg``: made to hold at any length, or written out
+    for its own rows."""
+    memory, facts = MemoryConfig.from_config(cfg), model_facts(cfg)
+    return {k: v for t in registry.TECHNIQUES for k, v in t.length_overrides(memory[t], memory, facts,
+                                                                             any_length).items()}
+
+
+def _written_out(cfg):
+    """``cfg`` with its length-free settings written out for its rows: the config ``--fit``'s search plans at
+    that length (one cache key for both)."""
+    overrides = length_overrides(cfg, any_length=False)
+    return with_overrides(cfg, overrides) if overrides else cfg
 
 
 def _offloads_every_block(cfg) -> bool:
@@ -47,7 +65,7 @@ class Fitter:
                                                                              margin)
 
     def plan(self, cfg, seq_len: int) -> MemoryPlan:
-        plan = self.estimator.estimate(at_length(cfg, seq_len))
+        plan = self.estimator.estimate(_written_out(at_length(cfg, seq_len)))
         plan.device_memory, plan.host_memory = self.device_memory, self.host_memory
         return plan
 
@@ -58,7 +76,7 @@ class Fitter:
     def fitting_plan(self, cfg, seq_len: int) -> MemoryPlan:
         """``cfg``'s plan at ``seq_len``, with fewer blocks offloaded where the host cannot hold every block's."""
         plan = self.plan(cfg, seq_len)
-        fewer = fewer_offloaded_blocks(at_length(cfg, seq_len), plan, self.estimator, self.host_spare)
+        fewer = fewer_offloaded_blocks(_written_out(at_length(cfg, seq_len)), plan, self.estimator, self.host_spare)
         if fewer is not None:
             plan = fewer[1]
             plan.device_memory, plan.host_memory = self.device_memory, self.host_memory
@@ -72,10 +90,12 @@ class Fitter:
         spare = plan.fits()
         return [spare["device"] - self.margin] + ([spare["host"]] if spare["host"] is not None else [])
 
-    def longest(self, cfg, limit: int, say: Callable[[str], None]) -> int:
+    def longest(self, cfg, limit: int, say: Callable[[str], None], planned: int | None = None) -> int:
         """The longest multiple of :data:`STEP` up to ``limit`` (or ``limit`` itself) at which ``cfg`` fits; 0
-        when not even :data:`SHORTEST`."""
-        short, long_ = (min(p, limit) for p in PROBES)
+        when not even :data:`SHORTEST`. ``planned``: a length beyond the first probe at which ``cfg`` was planned
+        already (and fits), the line's far end instead of the second probe: nearer the edge, and no plan."""
+        far = planned if planned is not None and planned > PROBES[0] else PROBES[1]
+        short, long_ = (min(p, limit) for p in (PROBES[0], far))
         guess = limit
         if long_ > short:
             p, q = self.plan(cfg, short), self.plan(cfg, long_)

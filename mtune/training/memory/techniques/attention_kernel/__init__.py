@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtune.config.keys import ATTENTION_KERNELS
-from mtune.training.memory.technique import MemoryTechnique, Settings, advice, setting
+from mtune.training.memory.technique import MemoryTechnique, ModelFacts, Settings, advice, setting
 
 __all__ = ["AttentionKernel", "ATTENTION_KERNEL", "AttentionKernelSettings"]
 
@@ -38,9 +38,9 @@ class AttentionKernel(MemoryTechnique):
     def enabled(self, s: AttentionKernelSettings, memory: Any) -> bool:
         return True  # the model is told the choice even when it is the default
 
-    def for_any_length(self, s: AttentionKernelSettings, memory: Any) -> dict:
-        """The dense mask grows as s²: long rows take the segments kernel (the same numbers)."""
-        return {"attention_kernel": "segments"} if s.attention_kernel == "dense_mask" else {}
+    def length_overrides(self, s: AttentionKernelSettings, memory: Any, facts: ModelFacts, any_length: bool) -> dict:
+        """The dense mask grows as s²: long rows take the segments kernel (the same numbers), written as it is."""
+        return {"attention_kernel": "segments"} if any_length and s.attention_kernel == "dense_mask" else {}
 
     def oom_advice(self, s: AttentionKernelSettings, memory: Any) -> list[tuple[int, str]]:
         """The dense mask of packed rows costs s² bytes a row (1 GiB at 32K tokens)."""

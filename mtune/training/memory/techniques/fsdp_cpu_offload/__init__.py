@@ -25,7 +25,7 @@ class FsdpCpuOffload(MemoryTechnique):
     name = "fsdp_cpu_offload"
     Settings = FsdpCpuOffloadSettings
     # may change on resume: the checkpoint holds the same sharded tensors wherever they lived
-    fit_knob = FitKnob("fsdp_cpu_offload", floor_only=True)
+    fit_knob = FitKnob("fsdp_cpu_offload", floor_only=True, offloads=True)
 
     def enabled(self, s: FsdpCpuOffloadSettings, memory: Any) -> bool:
         return memory.distributed and s.fsdp_cpu_offload

@@ -47,7 +47,7 @@ class OptimizerOffload(MemoryTechnique):
     name = "optimizer_offload"
     Settings = OptimizerOffloadSettings
     # may change on resume: the optimizer's state_dict is the plain optimizer's, stepped by the same implementation
-    fit_knob = FitKnob("optimizer_offload", floor_only=True)
+    fit_knob = FitKnob("optimizer_offload", floor_only=True, offloads=True)
 
     def enabled(self, s: OptimizerOffloadSettings, memory: Any) -> bool:
         return s.optimizer_offload is not None

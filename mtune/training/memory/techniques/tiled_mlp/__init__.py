@@ -72,10 +72,13 @@ class TiledMLP(MemoryTechnique):
             choices.append(FitChoice(1, {"mlp_tiles": tiles}))
         return choices
 
-    def for_any_length(self, s: TiledMLPSettings, memory: Any) -> dict:
-        """A tile count is written for one row length (``--fit`` writes ``auto``'s count out); ``auto`` keeps
-        tiles of at most the model's width at every length."""
-        return {"mlp_tiles": "auto"} if s.mlp_tiles not in (1, "auto") else {}
+    def length_overrides(self, s: TiledMLPSettings, memory: Any, facts: ModelFacts, any_length: bool) -> dict:
+        """A tile count is written for one row length (``--fit`` writes ``auto``'s count out, as `fit_choices`);
+        ``auto`` keeps tiles of at most the model's width at every length."""
+        if any_length:
+            return {"mlp_tiles": "auto"} if s.mlp_tiles not in (1, "auto") else {}
+        tiles = s.tiles(facts.micro_batch_tokens, facts.dim) if s.mlp_tiles == "auto" else 1
+        return {"mlp_tiles": tiles} if tiles > 1 else {}
 
     def oom_advice(self, s: TiledMLPSettings, memory: Any) -> list[tuple[int, str]]:
         """For long micro-batches, where the MLP's intermediates are the largest activations of a block."""

@@ -69,7 +69,7 @@ class WeightOffloadingSettings(Settings):
 class WeightOffloadingTechnique(MemoryTechnique):
     name = "weight_offloading"
     Settings = WeightOffloadingSettings
-    fit_knob = FitKnob("weight_offloading", floor_only=True)
+    fit_knob = FitKnob("weight_offloading", floor_only=True, offloads=True)
 
     def enabled(self, s: WeightOffloadingSettings, memory: Any) -> bool:
         return s.weight_offloading is not None
