@@ -194,8 +194,8 @@ def test_refuses_what_it_cannot_render(tokenizer_dirs, hf):
     # the template drops a later system message without a word; mtune refuses it
     with pytest.raises(TokenizerError, match="message 2 is a system message; only the first message may be one"):
         tok.tokenize_messages([Message("user", "q"), Message("assistant", "a"), Message("system", "late")])
-    with pytest.raises(ValueError, match="role 'tool' is not supported"):
-        Message("tool", "x")
+    with pytest.raises(ValueError, match="role 'developer' is not supported"):
+        Message("developer", "x")
     with pytest.raises(ValueError, match="thinking must be text on an assistant message, got str on a user"):
         Message("user", "q", thinking="t")
     with pytest.raises(TokenizerError, match="current_date='26/11/2026' is not a YYYY-MM-DD date"):
