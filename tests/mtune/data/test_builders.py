@@ -116,3 +116,35 @@ def test_reasoning_of_openai_style_messages_reaches_the_formats_that_render_it(t
     with pytest.raises(DataError, match=r"messages\[1\]: thinking must be text, got int"):
         chat_dataset(gpt_oss, str(write_rows([{"messages": [chat[0], {**chat[1], "thinking": 3}]}],
                                              tmp_path / "n.jsonl")))
+
+
+def test_tool_calling_rows_reach_the_formats_that_render_them(tmp_path):
+    """OpenAI / Hugging Face tool-calling rows (a `tools` column, `tool_calls` with a null content, `tool` messages):
+    gpt-oss's sample equals tokenize_messages of the same messages and tools, and trains the call and the answer; the
+    tools also come from a mapped column holding their JSON text; a family without tool calling refuses the row,
+    naming it and the family. Mutation seen failing: the builder not passing the row's tools (the ids lose the
+    developer message's tool namespace)."""
+    import json
+
+    from mtune.data import DataError
+    from tests._helpers.tool_calls import ONE_CALL, WEATHER
+
+    gpt_oss = tiny_tokenizer(tmp_path, "gpt_oss", max_seq_len=None)
+    messages = [m | {"content": None} if m.get("tool_calls") else m for m in ONE_CALL]
+    path = write_rows([{"tools": [WEATHER], "messages": messages}], tmp_path / "tools.jsonl")
+    sample = chat_dataset(gpt_oss, str(path))[0]
+    expected = gpt_oss.tokenize_messages(ONE_CALL, tools=[WEATHER])
+    assert sample["tokens"] == expected.tokens
+    trained = [t for t, label in zip(sample["tokens"][1:], sample["labels"]) if label != IGNORE_INDEX]
+    assert gpt_oss.decode(trained, skip_special_tokens=False) == (
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>'
+        "<|channel|>final<|message|>It is 18 °C and sunny in Paris.<|return|>")
+    as_text = write_rows([{"functions": json.dumps([WEATHER]), "messages": messages}], tmp_path / "text.jsonl")
+    assert chat_dataset(gpt_oss, str(as_text), column_map={"tools": "functions"})[0]["tokens"] == expected.tokens
+    llama3 = tiny_tokenizer(tmp_path, "llama3")
+    with pytest.raises(DataError, match=r"tools\.jsonl line 1: llama3 chat format: the conversation uses tool call"):
+        chat_dataset(llama3, str(path))
+    bad = [messages[0], messages[1], {**messages[2], "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]
+    with pytest.raises(DataError, match=r"bad\.jsonl line 1: messages\[2\]: assistant message tool_calls\[0\] "
+                                        "arguments is not valid JSON"):
+        chat_dataset(gpt_oss, str(write_rows([{"messages": bad}], tmp_path / "bad.jsonl")))
