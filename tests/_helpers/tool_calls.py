@@ -91,7 +91,7 @@ def write_tool_calling_rows(path: str | Path, n_rows: int = 8) -> Path:
         rows.append({"tools": [WEATHER], "messages": [
             {"role": "user", "content": f"What's the weather in {city}?"},
             {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": city})]},
-            {"role": "tool", "content": f"{10 + i} degrees"},
+            {"role": "tool", "content": json.dumps({"temperature_c": 10 + i})},
             {"role": "assistant", "content": f"It is {10 + i} degrees in {city}."}]})
     path = Path(path)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
