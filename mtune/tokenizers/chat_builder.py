@@ -47,7 +47,12 @@ class ChatBuilder:
     def _flush(self) -> None:
         if not self._pending:
             return
-        ids, starts = self._tokenizer.encode_text_with_starts("".join(self._pending))
+        text = "".join(self._pending)
+        if all(flag == self._flags[0] for flag in self._flags):  # one flag for the whole run: no offsets needed
+            ids = self._tokenizer.encode_text(text)
+            self.trained.extend([self._flags[0]] * len(ids))
+        else:
+            ids, starts = self._tokenizer.encode_text_with_starts(text)
+            self.trained.extend(self._flags[bisect_right(self._starts, start) - 1] for start in starts)
         self.tokens.extend(ids)
-        self.trained.extend(self._flags[bisect_right(self._starts, start) - 1] for start in starts)
         self._pending, self._starts, self._flags, self._length = [], [], [], 0
