@@ -7,11 +7,12 @@ enums, optional fields, defaults, descriptions, oneOf); arguments given as JSON 
 checked as text: what the model writes (calls included), never the tool definitions or results.
 
 Mutations seen failing: gpt-oss's nested-object whitespace written without the template's newline and 16 spaces
-(3 tests); "?" written on required parameters; integer arrays written as ``integer[]`` (not ``number[]``); the tool result's
-content not JSON-quoted; the analysis message kept before a call that a final answer follows; tool calls not
-trained; tool results trained; Qwen3's newline before the first call written without text before it; Qwen3.5's
-boolean arguments written as JSON (``true``) instead of Python text (``True``); the Qwen tool tags encoded as text
-instead of their tokens; the consecutive tool results each opening a user turn.
+(3 tests); "?" written on required parameters; integer arrays written as ``integer[]`` (not ``number[]``); the
+tool result's content not JSON-quoted; the analysis message kept before a call that a final answer follows; tool
+calls not trained; tool results trained; Qwen3's newline before the first call written without text before it;
+Qwen3.5's boolean arguments written as JSON (``true``) instead of Python text (``True``); the Qwen tool tags encoded
+as text instead of their tokens; the consecutive tool results each opening a user turn; ChatBuilder flagging a
+mixed run by its last piece (9 tokenizer tests).
 """
 
 import datetime
@@ -96,6 +97,8 @@ def test_one_call_its_result_and_the_answer(family, tokenizers):
     # the conversation so far, awaiting the answer: the same ids as the template's generation prompt
     prompt = tok.tokenize_messages([Message(**m) for m in ONE_CALL[:4]], tools=TOOLS, add_generation_prompt=True)
     assert prompt.tokens == hf_ids(hf, ONE_CALL[:4], TOOLS, add_generation_prompt=True)
+    direct = ONE_CALL[:2] + [{"role": "assistant", "content": "I can't tell."}]  # tools offered, none called
+    assert tok.tokenize_messages(direct, tools=TOOLS).tokens == hf_ids(hf, direct, TOOLS)
     if family != "gpt_oss":  # the template's own tags are the tokenizer's tokens
         assert hf.convert_tokens_to_ids("<tool_call>") in result.tokens
         assert hf.convert_tokens_to_ids("<tool_response>") in result.tokens
