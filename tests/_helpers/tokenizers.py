@@ -15,9 +15,11 @@ from pathlib import Path
 from mtune.tokenizers.bpe_to_tiktoken import train_byte_level_bpe, write_tiktoken_file
 from mtune.tokenizers.llama3 import CHAT_TEMPLATE as LLAMA3_CHAT_TEMPLATE
 
-# The official chat templates, written out from the model cards' tokenizer_config.json (tool-calling branches of
-# the Qwen 2.5 and Mistral v0.3 templates left out: mtune renders system/user/assistant turns only). Llama 3's is
-# mtune.tokenizers.llama3.CHAT_TEMPLATE, which the tiny built-in model's files carry too.
+# The official chat templates, written out from the model cards' tokenizer_config.json, tool-calling branches left
+# out where mtune renders system/user/assistant turns only. Llama 3's is mtune.tokenizers.llama3.CHAT_TEMPLATE,
+# which the tiny built-in model's files carry too. The families that render tool calling (gpt-oss, Qwen3, Qwen3.5)
+# have their full templates in tests/assets/chat_templates/ (gpt-oss's tiny files always; Qwen's through
+# write_qwen_tools_tokenizer).
 LLAMA2_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
     "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
@@ -59,7 +61,7 @@ QWEN2_5_CHAT_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Qwen3's (Qwen/Qwen3-8B tokenizer_config.json), its tool-calling branches left out as above.
+# Qwen3's (Qwen/Qwen3-8B tokenizer_config.json), its tool-calling branches left out (full: qwen3.jinja of the assets).
 QWEN3_CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
