@@ -64,7 +64,7 @@ def _parameter_value(value) -> str:
 def qwen3_5_calls(tokenizer, out: ChatBuilder, calls: tuple[ToolCall, ...], after_text: bool) -> None:
     """Qwen3.5's calls, trained: the first after a blank line when text comes before it, the others on a new line,
     each ``<function=...>`` with one ``<parameter=...>`` block per argument. Arguments given as JSON text are
-    parsed and written like a dict (the template would write no parameters for text)."""
+    parsed and written like a dict (the template itself raises on text: it iterates ``arguments|items``)."""
     for i, call in enumerate(calls):
         prefix = "\n" if i else ("\n\n" if after_text else "")
         body = "".join(f"<parameter={name}>\n{_parameter_value(value)}\n</parameter>\n"

@@ -404,9 +404,9 @@ CHAT_TEMPLATES = Path(__file__).parents[1] / "assets" / "chat_templates"
 def write_qwen_tools_tokenizer(model_dir: str | Path, family: str) -> int:
     """Write the tiny Qwen3 (`family` qwen3) or Qwen3.5 (qwen3_5) `tokenizer.json` with the four tool tags added
     after `</think>` (not special, as in the hub's files) and the family's full official template, tool-calling
-    branches included: tests/assets/chat_templates/qwen3.jinja (Qwen/Qwen3-0.6B's, as vendored unchanged by
-    llama.cpp in models/templates/Qwen-Qwen3-0.6B.jinja) or qwen3_5.jinja (Qwen3.5's, whose lines without tools
-    are those of QWEN3_5_CHAT_TEMPLATE). Returns the vocab size (509)."""
+    branches included: tests/assets/chat_templates/qwen3.jinja (Qwen/Qwen3-0.6B's) or qwen3_5.jinja (Qwen3.5's,
+    whose lines without tools are those of QWEN3_5_CHAT_TEMPLATE); their sources are in that folder's README.md.
+    Returns the vocab size (509)."""
     model_type = {"qwen3": "qwen3", "qwen3_5": "qwen3_5_text"}[family]
     return _write_tokenizer_json(
         model_dir, pattern=QWEN2_PATTERN, base_vocab=QWEN2_BASE_VOCAB, added=QWEN3_ADDED + QWEN_TOOL_TAGS,

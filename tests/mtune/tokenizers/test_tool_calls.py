@@ -166,10 +166,14 @@ def test_gpt_oss_typescript_namespace():
 @pytest.mark.parametrize("family", ["gpt_oss", *QWEN])
 def test_arguments_given_as_json_text(family, tokenizers):
     """OpenAI's API gives arguments as JSON text. Qwen3's template writes such text verbatim (mtune too); gpt-oss's
-    would write it as a JSON string and Qwen3.5's would write no parameters: mtune writes the object, as both do
-    for a dict."""
+    would write it as a JSON string and Qwen3.5's raises (``|items`` on a string): mtune writes the object, as both
+    do for a dict. (The Qwen3.5 raise also pins the asset to the official template: a patched copy that writes no
+    parameters for text instead, once used here, fails this test.)"""
     tok, hf = tokenizers[family]
     text_args = with_string_arguments(ONE_CALL)
+    if family == "qwen3_5":
+        with pytest.raises(TypeError, match="Can only get item pairs from a mapping"):
+            hf_ids(hf, text_args, [WEATHER])
     result = tok.tokenize_messages(text_args, tools=[WEATHER])
     assert result.tokens == hf_ids(hf, text_args if family == "qwen3" else ONE_CALL, [WEATHER])
     if family == "qwen3":
