@@ -23,7 +23,7 @@ from typing import Any
 from mtune.data.common import IGNORE_INDEX, DataError
 from mtune.data.sources import load_source
 from mtune.data.tokenized import MissingColumn, RowError, TokenizedDataset, build_tokenized, labels_from_mask
-from mtune.tokenizers.base import ROLES, Message
+from mtune.tokenizers.base import REASONING_FIELDS, ROLES, Message
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
@@ -97,8 +97,9 @@ def chat_dataset(
 ) -> TokenizedDataset:
     """Multi-turn conversations, OpenAI style (a `messages` column of `{role, content}` with roles system / user /
     assistant / tool) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system).
-    An OpenAI-style assistant message's `thinking` (its reasoning, as gpt-oss's data carries it) goes to the chat
-    formats that render it (gpt-oss's analysis channel); the other families refuse such a row, naming it.
+    An OpenAI-style assistant message's reasoning, under `thinking` (gpt-oss's data) or `reasoning_content` (Qwen's
+    templates, OpenAI-compatible servers), goes to the chat formats that render it (gpt-oss's analysis channel,
+    Qwen3's and Qwen3.5's thinking block); the other families refuse such a row, naming it and the family.
 
     Tool calling, OpenAI / Hugging Face style: an assistant message's `tool_calls` (content may be null), `tool`
     messages with the results (`name`, `tool_call_id` optional) and the row's `tools` column (the tool definitions,
@@ -123,14 +124,13 @@ def chat_dataset(
         messages = [Message("system", system_prompt)] if system_prompt else []
         for i, message in enumerate(conversation):
             role, content = chat_message(message, column, i)
-            # OpenAI-style fields beyond role/content; a null one (as in columnar data) is absent
-            extra = {key: message[key] for key in ("thinking", "tool_calls", "name", "tool_call_id")
+            # OpenAI-style fields beyond role/content (the reasoning under either name); a null one (as in columnar
+            # data) is absent
+            extra = {key: message[key] for key in (*REASONING_FIELDS, "tool_calls", "name", "tool_call_id")
                      if "role" in message and message.get(key) is not None}
-            if not isinstance(extra.get("thinking", ""), str):
-                raise RowError(f"{column}[{i}]: thinking must be text, got {type(extra['thinking']).__name__}")
             if not (system_prompt and role == "system"):
                 try:
-                    messages.append(Message(role, content, **extra))
+                    messages.append(Message.from_dict({"role": role, "content": content, **extra}))
                 except (TypeError, ValueError) as e:
                     raise RowError(f"{column}[{i}]: {e}") from None
         return messages

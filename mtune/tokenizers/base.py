@@ -16,6 +16,7 @@ from mtune.errors import MtuneError
 from mtune.tokenizers.tools import ToolCall, parse_tool_calls, parse_tools
 
 ROLES = ("system", "user", "assistant", "tool")
+REASONING_FIELDS = ("thinking", "reasoning_content")  # the names chat data gives a reply's reasoning under
 
 
 class TokenizerError(MtuneError, ValueError):
@@ -26,9 +27,10 @@ class TokenizerError(MtuneError, ValueError):
 class Message:
     """One turn of a conversation. ``role`` is "system", "user", "assistant" or "tool"; ``content`` is plain text
     (any control-token spelling inside it, e.g. ``<|eot_id|>``, is encoded as ordinary text; an assistant message
-    that only calls tools may give None, read as ""). ``thinking``: an assistant reply's reasoning, for the families
-    whose template reads it from a field of its own (gpt-oss's ``thinking``); None when the reply has none (the
-    Qwen3 families read reasoning from the content's ``<think>`` block instead).
+    that only calls tools may give None, read as ""). ``thinking``: an assistant reply's reasoning given apart from
+    its content, None when it has none. The templates name that field differently, gpt-oss's ``thinking``, Qwen3's
+    and Qwen3.5's ``reasoning_content`` (:meth:`from_dict` reads either name); each family renders it where its
+    template does, and the families whose template has no such field refuse it (``Tokenizer.reads_thinking``).
 
     Tool calling (rendered by the families whose ``reads_tools`` is true, see :mod:`mtune.tokenizers.tools`):
     ``tool_calls``, an assistant message's calls (``ToolCall`` objects, or their OpenAI / Hugging Face dicts, arguments
@@ -60,6 +62,24 @@ class Message:
             if not isinstance(getattr(self, field), (str, type(None))):
                 raise ValueError(f"message {field} must be text, got {type(getattr(self, field)).__name__}")
 
+    @classmethod
+    def from_dict(cls, message: dict) -> "Message":
+        """A message in the OpenAI / Hugging Face dict form. Its reasoning may be under ``thinking`` (gpt-oss's
+        data) or ``reasoning_content`` (Qwen's templates, OpenAI-compatible servers); a null one is absent, and a
+        message giving both is refused rather than one of them dropped."""
+        fields = dict(message)
+        given = [key for key in REASONING_FIELDS if fields.get(key) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{fields.get('role')} message has both {' and '.join(given)}; give its reasoning in "
+                             "one of them")
+        for key in REASONING_FIELDS:
+            fields.pop(key, None)
+        if given:
+            if not isinstance(message[given[0]], str):
+                raise ValueError(f"{given[0]} must be text, got {type(message[given[0]]).__name__}")
+            fields["thinking"] = message[given[0]]
+        return cls(**fields)
+
 
 @dataclass
 class TokenizedConversation:
@@ -90,7 +110,7 @@ class Tokenizer:
     """
 
     family: str = ""
-    reads_thinking = False  # whether the chat format renders Message.thinking (gpt-oss's analysis channel)
+    reads_thinking = False  # whether the template has a reasoning field, rendered from Message.thinking
     reads_tools = False  # whether it renders tool calling: tools, Message.tool_calls and tool messages
     bos_id: int | None
     eos_id: int
@@ -151,13 +171,13 @@ class Tokenizer:
         offers (OpenAI format, see :mod:`mtune.tokenizers.tools`), for the families that render tool calling; the
         others refuse a conversation with tools, tool calls or tool messages.
         """
-        messages = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        messages = [m if isinstance(m, Message) else Message.from_dict(m) for m in messages]
         if not messages:
             raise ValueError("tokenize_messages got an empty conversation; give at least one message")
         if not self.reads_thinking and any(m.thinking is not None for m in messages):
-            raise TokenizerError(f"{self.family} chat format: a message has thinking, which only gpt-oss's format "
-                                 "renders; give this family's reasoning the way its template reads it (Qwen3: a "
-                                 "<think>...</think> block at the start of the content)")
+            raise TokenizerError(f"{self.family} chat format: a message has reasoning (thinking / reasoning_content), "
+                                 "which this family's chat template has no field for (gpt-oss, Qwen3 and Qwen3.5 "
+                                 "render it); put it in the content or drop the field")
         tools = parse_tools(tools)
         if tools or any(m.tool_calls or m.role == "tool" for m in messages):
             if not self.reads_tools:

@@ -7,9 +7,12 @@ message with its reasoning in a thinking block (empty when the reply has none)::
     <|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{reply}<|im_end|>\\n
 
 Replies before the last user message lose their reasoning (``<|im_start|>assistant\\n{reply}<|im_end|>``). A reply's
-reasoning is written in its content as the template reads it: ``<think>\\n...\\n</think>\\n\\n`` before the answer.
-``<think>`` and ``</think>`` are single tokens; the thinking block is part of the trained reply. A user message that
-only wraps a tool's output in ``<tool_response>...</tool_response>`` does not count as the last user message.
+reasoning is read as the template reads it: from the message's own field (``Message.thinking``, the template's
+``reasoning_content``), else from a ``<think>\\n...\\n</think>\\n\\n`` block before the answer in its content (the
+content is searched for it only when the field is absent: with both, the content is written as it is after the
+field's reasoning, its block included, whose tags are then text like any spelling in a message). ``<think>`` and
+``</think>`` are single tokens; the thinking block is part of the trained reply. A user message that only wraps a
+tool's output in ``<tool_response>...</tool_response>`` does not count as the last user message.
 
 Tool calling (``tools``, an assistant message's ``tool_calls``, ``tool`` messages) is rendered as the template does,
 see :mod:`mtune.tokenizers.qwen_tools`: the calls are trained with their reply, tool definitions and results are not.
@@ -29,9 +32,12 @@ from mtune.tokenizers.qwen_tools import (QWEN3_TOOLS_HEAD, QWEN3_TOOLS_TAIL, TOO
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def split_reasoning(content: str) -> tuple[str, str]:
-    """``(reasoning, answer)`` of an assistant message as Qwen3's template splits it (no ``</think>``: no
-    reasoning)."""
+def split_reasoning(content: str, thinking: str | None = None) -> tuple[str, str]:
+    """``(reasoning, answer)`` of an assistant message as Qwen3's and Qwen3.5's templates find them: ``thinking``
+    (the message's ``reasoning_content``) and the content untouched when it is given, else the content split at its
+    ``</think>`` (no ``</think>``: no reasoning)."""
+    if thinking is not None:
+        return thinking, content
     if THINK_END not in content:
         return "", content
     reasoning = content.split(THINK_END)[0].rstrip("\n").split(THINK_START)[-1].lstrip("\n")
@@ -44,6 +50,7 @@ class Qwen3Tokenizer(Qwen2Tokenizer):
     thinking block, as the template's ``enable_thinking=false`` does (the model then answers without reasoning)."""
 
     family = "qwen3"
+    reads_thinking = True  # the template's reasoning_content
     reads_tools = True
 
     def __init__(self, path: str | Path, max_seq_len: int | None = None, system_prompt: str | None = None,
@@ -107,7 +114,7 @@ class Qwen3Tokenizer(Qwen2Tokenizer):
             if i == 0 and system is not None:
                 continue
             if message.role == "assistant":
-                reasoning, answer = split_reasoning(message.content)
+                reasoning, answer = split_reasoning(message.content, message.thinking)
                 if i > last_query and (i == len(messages) - 1 or reasoning):
                     self._reply(out, reasoning.strip("\n"), answer.lstrip("\n"))
                 else:

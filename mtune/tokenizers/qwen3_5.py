@@ -15,10 +15,11 @@ Qwen3's in four ways this module follows:
 - a conversation needs a user message (one that is not a ``<tool_response>``: such a message does not count as the
   last query either), and a system message only comes first (the template raises otherwise).
 
-Replies before the last user message lose their reasoning, as in Qwen3. The thinking block is trained with the
-reply. Tool calling is rendered as the template does (see :mod:`mtune.tokenizers.qwen_tools`: Qwen3.5 writes a call
-as ``<function=...>`` with one ``<parameter=...>`` block per argument): the calls are trained with their reply, tool
-definitions and results are not.
+Replies before the last user message lose their reasoning, as in Qwen3; a reply's reasoning is read as in Qwen3
+(``Message.thinking``, the template's ``reasoning_content``, else a ``<think>`` block in the content). The thinking
+block is trained with the reply. Tool calling is rendered as the template does (see
+:mod:`mtune.tokenizers.qwen_tools`: Qwen3.5 writes a call as ``<function=...>`` with one ``<parameter=...>`` block
+per argument): the calls are trained with their reply, tool definitions and results are not.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Qwen3_5Tokenizer(Qwen3Tokenizer):
         for i, message in enumerate(messages):
             content = message.content.strip()
             if message.role == "assistant":
-                reasoning, answer = split_reasoning(content)
+                reasoning, answer = split_reasoning(content, message.thinking)
                 self._reply(out, reasoning.strip() if i > queries[-1] else None, answer)
                 qwen3_5_calls(self, out, message.tool_calls, after_text=bool(answer.strip()))
                 self._end_reply(out)
