@@ -92,8 +92,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
-# Qwen3.5's (Qwen/Qwen3.5-27B tokenizer_config.json; the other sizes ship the same), its image / video content and
-# tool-calling branches left out as above; what is kept is the template's text verbatim.
+# Qwen3.5's (Qwen/Qwen3.5-27B tokenizer_config.json; Qwen3.5-4B's is the same, see the assets' README.md), its image /
+# video content and tool-calling branches left out as above; what is kept is the template's text verbatim.
 QWEN3_5_CHAT_TEMPLATE = (
     "{%- macro render_content(content, do_vision_count, is_system_content=false) %}"
     "{%- if content is string %}{{- content }}"
