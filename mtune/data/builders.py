@@ -23,9 +23,8 @@ from typing import Any
 from mtune.data.common import IGNORE_INDEX, DataError
 from mtune.data.sources import load_source
 from mtune.data.tokenized import MissingColumn, RowError, TokenizedDataset, build_tokenized, labels_from_mask
-from mtune.tokenizers.base import Message
+from mtune.tokenizers.base import REASONING_FIELDS, ROLES, Message
 
-ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -97,16 +96,22 @@ def chat_dataset(
     load_dataset_kwargs: Mapping[str, Any] | None = None,
 ) -> TokenizedDataset:
     """Multi-turn conversations, OpenAI style (a `messages` column of `{role, content}` with roles system / user /
-    assistant) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system).
-    An OpenAI-style assistant message's `thinking` (its reasoning, as gpt-oss's data carries it) goes to the chat
-    formats that render it (gpt-oss's analysis channel); the other families refuse such a row, naming it.
+    assistant / tool) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system).
+    An OpenAI-style assistant message's reasoning, under `thinking` (gpt-oss's data) or `reasoning_content` (Qwen's
+    templates, OpenAI-compatible servers), goes to the chat formats that render it (gpt-oss's analysis channel,
+    Qwen3's and Qwen3.5's thinking block); the other families refuse such a row, naming it and the family.
+
+    Tool calling, OpenAI / Hugging Face style: an assistant message's `tool_calls` (content may be null), `tool`
+    messages with the results (`name`, `tool_call_id` optional) and the row's `tools` column (the tool definitions,
+    a list or its JSON text; `column_map: {tools: <column>}` names another) go to the chat formats that render them
+    (gpt-oss, Qwen3, Qwen3.5); the other families refuse such a row, naming it and the family.
 
     The column is found by name (`messages`, else `conversations`; `column_map: {messages: <column>}` names
     another); each message's style is recognised by its keys. `system_prompt` replaces the data's system messages.
     """
-    columns = _column_map(column_map, ("messages", "conversations"))
+    columns = _column_map(column_map, ("messages", "conversations", "tools"))
 
-    def to_messages(row: dict[str, Any]) -> list[tuple[str, str, str | None]]:
+    def to_messages(row: dict[str, Any]) -> list[Message]:
         # The column the user mapped, else whichever of `messages` / `conversations` the row has.
         mapped = [name for name in ("messages", "conversations") if name in (column_map or {})]
         found = mapped or [name for name in ("messages", "conversations") if row.get(name) is not None]
@@ -116,21 +121,28 @@ def chat_dataset(
         conversation = row[column]
         if not isinstance(conversation, list) or not conversation:
             raise RowError(f"column {column!r} must be a non-empty list of messages")
-        messages = [("system", system_prompt)] if system_prompt else []
+        messages = [Message("system", system_prompt)] if system_prompt else []
         for i, message in enumerate(conversation):
             role, content = chat_message(message, column, i)
-            thinking = message.get("thinking") if "role" in message else None  # (a null thinking: none)
-            if thinking is not None and not isinstance(thinking, str):
-                raise RowError(f"{column}[{i}]: thinking must be text, got {type(thinking).__name__}")
+            # OpenAI-style fields beyond role/content (the reasoning under either name); a null one (as in columnar
+            # data) is absent
+            extra = {key: message[key] for key in (*REASONING_FIELDS, "tool_calls", "name", "tool_call_id")
+                     if "role" in message and message.get(key) is not None}
             if not (system_prompt and role == "system"):
-                messages.append((role, content, thinking))
+                try:
+                    messages.append(Message.from_dict({"role": role, "content": content, **extra}))
+                except (TypeError, ValueError) as e:
+                    raise RowError(f"{column}[{i}]: {e}") from None
         return messages
+
+    def to_tools(row: dict[str, Any]) -> Any:
+        return row.get(columns["tools"])
 
     settings = {"columns": columns, "column_map": column_map, "system_prompt": system_prompt,
                 "train_on_input": train_on_input}
     source_rows = load_source(source, data_files, split, revision, load_dataset_kwargs=load_dataset_kwargs)
     max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
-    convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len)
+    convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len, to_tools)
     return build_tokenized(
         tokenizer, source_rows, convert, name="chat", settings=settings, max_seq_len=max_seq_len,
         packed=packed, cache=cache,
@@ -211,16 +223,22 @@ def chat_message(message: Any, column: str, i: int) -> tuple[str, str]:
             raise RowError(f"{column}[{i}]: from={message['from']!r} is not one of {', '.join(SHAREGPT_ROLES)}")
     else:
         raise RowError(f"{column}[{i}]: a message needs role/content (OpenAI) or from/value (ShareGPT) keys")
+    if content is None and message.get("tool_calls"):  # an assistant message that only calls tools
+        content = ""
     if not isinstance(content, str):
         raise RowError(f"{column}[{i}]: content must be text, got {type(content).__name__}")
     return role, content
 
 
-def _chat_converter(tokenizer, to_messages, train_on_input: bool, max_seq_len: int | None):
+def _chat_converter(tokenizer, to_messages, train_on_input: bool, max_seq_len: int | None, to_tools=None):
+    """A row's (tokens, labels, truncated): ``to_messages(row)`` gives its messages (Message objects or (role,
+    content) tuples), ``to_tools(row)`` the tool definitions it offers (None: no tools)."""
+
     def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
-        try:  # (role, content) or (role, content, thinking) per message
-            messages = [Message(*message) for message in to_messages(row)]
-            out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len)
+        tools = to_tools(row) if to_tools is not None else None
+        try:
+            messages = [m if isinstance(m, Message) else Message(*m) for m in to_messages(row)]
+            out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len, tools=tools)
         except ValueError as e:  # the chat format refuses this conversation (e.g. roles that do not alternate)
             raise RowError(str(e)) from None
         trained = [True] * len(out.tokens) if train_on_input else out.trained

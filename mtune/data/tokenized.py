@@ -24,7 +24,7 @@ from mtune.data.common import (
 from mtune.data.packing import pack_samples
 from mtune.data.sources import RowSource
 
-CACHE_FORMAT = 1  # bump when the stored layout or the tokenization rules change
+CACHE_FORMAT = 2  # bump when the stored layout or the tokenization rules change (2: Qwen reasoning_content read)
 
 
 class MissingColumn(Exception):

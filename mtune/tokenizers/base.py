@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from mtune.errors import MtuneError
+from mtune.tokenizers.tools import ToolCall, parse_tool_calls, parse_tools
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+REASONING_FIELDS = ("thinking", "reasoning_content")  # the names chat data gives a reply's reasoning under
 
 
 class TokenizerError(MtuneError, ValueError):
@@ -23,23 +25,60 @@ class TokenizerError(MtuneError, ValueError):
 
 @dataclass(frozen=True)
 class Message:
-    """One turn of a conversation. ``role`` is "system", "user" or "assistant"; ``content`` is plain text (any
-    control-token spelling inside it, e.g. ``<|eot_id|>``, is encoded as ordinary text). ``thinking``: an assistant
-    reply's reasoning, for the families whose template reads it from a field of its own (gpt-oss's ``thinking``);
-    None when the reply has none (the Qwen3 families read reasoning from the content's ``<think>`` block instead)."""
+    """One turn of a conversation. ``role`` is "system", "user", "assistant" or "tool"; ``content`` is plain text
+    (any control-token spelling inside it, e.g. ``<|eot_id|>``, is encoded as ordinary text; an assistant message
+    that only calls tools may give None, read as ""). ``thinking``: an assistant reply's reasoning given apart from
+    its content, None when it has none. The templates name that field differently, gpt-oss's ``thinking``, Qwen3's
+    and Qwen3.5's ``reasoning_content`` (:meth:`from_dict` reads either name); each family renders it where its
+    template does, and the families whose template has no such field refuse it (``Tokenizer.reads_thinking``).
+
+    Tool calling (rendered by the families whose ``reads_tools`` is true, see :mod:`mtune.tokenizers.tools`):
+    ``tool_calls``, an assistant message's calls (``ToolCall`` objects, or their OpenAI / Hugging Face dicts, arguments
+    as a dict or its JSON text); a ``tool`` message's ``content`` is a call's result, ``name`` the tool's name and
+    ``tool_call_id`` the call it answers (both optional, as the templates read them)."""
 
     role: str
-    content: str
+    content: str | None
     thinking: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    name: str | None = None
+    tool_call_id: str | None = None
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"message role {self.role!r} is not supported; use one of {', '.join(ROLES)}")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"message tool_calls are only read on assistant messages, got them on a {self.role} "
+                             "message")
+        object.__setattr__(self, "tool_calls", parse_tool_calls(self.tool_calls or None, f"{self.role} message"))
+        if self.content is None and self.tool_calls:
+            object.__setattr__(self, "content", "")
         if not isinstance(self.content, str):
             raise TypeError(f"message content must be a str, got {type(self.content).__name__} (role {self.role})")
         if self.thinking is not None and (self.role != "assistant" or not isinstance(self.thinking, str)):
             raise ValueError(f"message thinking must be text on an assistant message, got "
                              f"{type(self.thinking).__name__} on a {self.role} message")
+        for field in ("name", "tool_call_id"):
+            if not isinstance(getattr(self, field), (str, type(None))):
+                raise ValueError(f"message {field} must be text, got {type(getattr(self, field)).__name__}")
+
+    @classmethod
+    def from_dict(cls, message: dict) -> "Message":
+        """A message in the OpenAI / Hugging Face dict form. Its reasoning may be under ``thinking`` (gpt-oss's
+        data) or ``reasoning_content`` (Qwen's templates, OpenAI-compatible servers); a null one is absent, and a
+        message giving both is refused rather than one of them dropped."""
+        fields = dict(message)
+        given = [key for key in REASONING_FIELDS if fields.get(key) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{fields.get('role')} message has both {' and '.join(given)}; give its reasoning in "
+                             "one of them")
+        for key in REASONING_FIELDS:
+            fields.pop(key, None)
+        if given:
+            if not isinstance(message[given[0]], str):
+                raise ValueError(f"{given[0]} must be text, got {type(message[given[0]]).__name__}")
+            fields["thinking"] = message[given[0]]
+        return cls(**fields)
 
 
 @dataclass
@@ -71,7 +110,8 @@ class Tokenizer:
     """
 
     family: str = ""
-    reads_thinking = False  # whether the chat format renders Message.thinking (gpt-oss's analysis channel)
+    reads_thinking = False  # whether the template has a reasoning field, rendered from Message.thinking
+    reads_tools = False  # whether it renders tool calling: tools, Message.tool_calls and tool messages
     bos_id: int | None
     eos_id: int
     pad_id: int
@@ -92,6 +132,8 @@ class Tokenizer:
         raise NotImplementedError
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+        """The conversation's ids and trained flags. A family whose ``reads_tools`` is true also takes
+        ``tools=`` (a list of tool definitions, or None)."""
         raise NotImplementedError
 
     def _fingerprint_extra(self) -> str:
@@ -119,22 +161,32 @@ class Tokenizer:
         return TokenizedText(cut, True)
 
     def tokenize_messages(self, messages: Sequence[Message], max_seq_len: int | None = None,
-                          add_generation_prompt: bool = False) -> TokenizedConversation:
+                          add_generation_prompt: bool = False, tools: Any = None) -> TokenizedConversation:
         """Render ``messages`` in the family's chat format, as its official chat template does.
 
         Only assistant replies (their end-of-turn token included) are marked trained. With ``max_seq_len`` (default:
         the tokenizer's) a longer conversation is cut and its last token replaced by the end-of-turn token, which is
         trained when the cut fell inside an assistant reply. ``add_generation_prompt`` appends the assistant header
-        where the family has one (Llama 3, Qwen2), for generation.
+        where the family has one (Llama 3, Qwen2), for generation. ``tools``: the tool definitions the conversation
+        offers (OpenAI format, see :mod:`mtune.tokenizers.tools`), for the families that render tool calling; the
+        others refuse a conversation with tools, tool calls or tool messages.
         """
-        messages = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        messages = [m if isinstance(m, Message) else Message.from_dict(m) for m in messages]
         if not messages:
             raise ValueError("tokenize_messages got an empty conversation; give at least one message")
         if not self.reads_thinking and any(m.thinking is not None for m in messages):
-            raise TokenizerError(f"{self.family} chat format: a message has thinking, which only gpt-oss's format "
-                                 "renders; give this family's reasoning the way its template reads it (Qwen3: a "
-                                 "<think>...</think> block at the start of the content)")
-        tokens, trained = self._render(messages, add_generation_prompt)
+            raise TokenizerError(f"{self.family} chat format: a message has reasoning (thinking / reasoning_content), "
+                                 "which this family's chat template has no field for (gpt-oss, Qwen3 and Qwen3.5 "
+                                 "render it); put it in the content or drop the field")
+        tools = parse_tools(tools)
+        if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+            if not self.reads_tools:
+                raise TokenizerError(f"{self.family} chat format: the conversation uses tool calling (tools, "
+                                     "tool_calls or tool messages), which mtune renders only for gpt-oss, Qwen3 and "
+                                     "Qwen3.5; drop these rows or fine-tune one of those families")
+            tokens, trained = self._render(messages, add_generation_prompt, tools=tools)
+        else:
+            tokens, trained = self._render(messages, add_generation_prompt)
         limit = max_seq_len if max_seq_len is not None else self.max_seq_len
         if limit is None or len(tokens) <= limit:
             return TokenizedConversation(tokens, trained, False)

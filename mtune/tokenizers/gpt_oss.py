@@ -16,14 +16,29 @@ the conversation's last reply ends with ``<|return|>`` and keeps its reasoning (
 ``thinking`` field, on the analysis channel); earlier replies end with ``<|end|>`` and lose theirs, and with
 ``add_generation_prompt`` every reply is an earlier one and ``<|start|>assistant`` follows.
 
+Tool calling, as the template renders it: the ``tools`` become a ``# Tools`` section of the developer message (the
+TypeScript-like ``namespace functions`` of :mod:`mtune.tokenizers.gpt_oss_tools`) and the system message gains
+"Calls to these tools must go to the commentary channel: 'functions'."; an assistant message's tool call is::
+
+    <|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{arguments as JSON}<|call|>
+
+(the official template writes ``commentary json`` as text; the harmony library's ``<|constrain|>json`` token is not
+what the template, and so transformers, produces), after an analysis message with the message's content or thinking
+when no final answer follows later in the conversation. A ``tool`` message, the result of the latest call, is
+``<|start|>functions.{name} to=assistant<|channel|>commentary<|message|>{content as a JSON string}<|end|>``. Harmony
+has one call per message: a message with several calls is refused (the template renders only the first), and so are
+a tool message with no call before it and one whose ``name`` is not that call's. Arguments given as JSON text are
+written as their object (the template would write the text as a JSON string).
+
 What mtune does not take from the template: the date is a setting (``current_date``, default
 :data:`DEFAULT_DATE`), not the day the data is tokenized (the template calls ``strftime_now``), so the same data gives
-the same ids every day; the tools branches (``tools``, ``builtin_tools``, ``tool_calls``, the ``tool`` role) are not
-rendered; a ``system`` message after the first is refused (the template drops it without a word).
+the same ids every day; ``builtin_tools`` (browser, python) are not rendered; a ``system`` message after the first is
+refused (the template drops it without a word).
 
 Trained tokens: everything a reply's model generates after the ``<|start|>assistant`` that prompts it: the channel
-headers, the reasoning, the content and the closing ``<|end|>`` / ``<|return|>`` (with reasoning, the
-``<|start|>assistant`` between the analysis and the final message too).
+headers, the reasoning, the content, a tool call (`` to=functions...`` to ``<|call|>``) and the closing ``<|end|>`` /
+``<|return|>`` / ``<|call|>`` (with reasoning, the ``<|start|>assistant`` between the analysis and the next message
+too). Tool definitions and tool results are not trained.
 """
 
 from __future__ import annotations
@@ -32,7 +47,10 @@ import datetime
 from pathlib import Path
 
 from mtune.tokenizers.base import Message, TokenizerError
+from mtune.tokenizers.chat_builder import ChatBuilder
+from mtune.tokenizers.gpt_oss_tools import tool_namespace
 from mtune.tokenizers.tokenizer_json import TokenizerJson
+from mtune.tokenizers.tools import tojson
 
 # The harmony control tokens gpt-oss's chat format uses (o200k_harmony: ids 199998-200012 in the hub's file; mtune
 # reads each id from the file's added tokens).
@@ -44,6 +62,7 @@ DEFAULT_DATE = "2025-08-05"  # gpt-oss's release day
 REASONING_EFFORTS = ("low", "medium", "high")
 # A reply written in harmony itself: the template refuses these in content and thinking, and so does mtune.
 CHANNEL_TAGS = ("<|channel|>analysis<|message|>", "<|channel|>final<|message|>")
+TOOLS_SYSTEM_NOTE = "\nCalls to these tools must go to the commentary channel: 'functions'."
 
 
 class GptOssTokenizer(TokenizerJson):
@@ -61,6 +80,7 @@ class GptOssTokenizer(TokenizerJson):
     control_tokens = HARMONY_TOKENS
     description = "gpt-oss (harmony)"
     reads_thinking = True
+    reads_tools = True
 
     def __init__(self, path: str | Path, max_seq_len: int | None = None, current_date: str = DEFAULT_DATE,
                  reasoning_effort: str = "medium", model_identity: str = MODEL_IDENTITY):
@@ -96,49 +116,87 @@ class GptOssTokenizer(TokenizerJson):
                 f"Reasoning: {self.reasoning_effort}\n\n# Valid channels: analysis, commentary, final. Channel must "
                 "be included for every message.")
 
-    def _header(self, role: str) -> list[int]:
-        """``<|start|>{role}<|message|>``."""
-        return [self.start_id] + self.encode_text(role) + [self.message_id]
+    def _render(self, messages: list[Message], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
+        out = ChatBuilder(self)
 
-    def _channel(self, channel: str) -> list[int]:
-        """``<|channel|>{channel}<|message|>``: what the model writes after ``<|start|>assistant``."""
-        return [self.channel_id] + self.encode_text(channel) + [self.message_id]
+        def header(role: str) -> None:  # <|start|>{role}<|message|>
+            out.token(self.start_id), out.text(role), out.token(self.message_id)
 
-    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
-        tokens: list[int] = []
-        trained: list[bool] = []
+        def channel(name: str) -> None:  # <|channel|>{name}<|message|>: written by the model, so trained
+            out.token(self.channel_id, True), out.text(name, True), out.token(self.message_id, True)
 
-        def add(ids: list[int], train: bool) -> None:
-            tokens.extend(ids)
-            trained.extend([train] * len(ids))
-
-        add(self._header("system") + self.encode_text(self.system_text()) + [self.end_id], False)
+        header("system")
+        out.text(self.system_text() + (TOOLS_SYSTEM_NOTE if tools else ""))
+        out.token(self.end_id)
         first = 1 if messages[0].role == "system" else 0
-        if first and messages[0].content:
-            add(self._header("developer") + self.encode_text(f"# Instructions\n\n{messages[0].content}\n\n")
-                + [self.end_id], False)
+        if (first and messages[0].content) or tools:
+            header("developer")
+            if first and messages[0].content:
+                out.text(f"# Instructions\n\n{messages[0].content}\n\n")
+            if tools:
+                out.text("# Tools\n\n" + tool_namespace(tools))
+            out.token(self.end_id)
+        last_call = None  # the name of the latest tool call: a tool message answers it
         for i in range(first, len(messages)):
             message = messages[i]
             if message.role == "system":
                 raise TokenizerError(f"gpt_oss chat format: message {i} is a system message; only the first message "
                                      "may be one (it becomes the developer message)")
             if message.role == "user":
-                add(self._header("user") + self.encode_text(message.content) + [self.end_id], False)
+                header("user"), out.text(message.content), out.token(self.end_id)
+                continue
+            if message.role == "tool":
+                if last_call is None:
+                    raise TokenizerError(f"gpt_oss chat format: message {i} is a tool message, but no assistant "
+                                         "message before it calls a tool")
+                if message.name is not None and message.name != last_call:
+                    raise TokenizerError(f"gpt_oss chat format: message {i} is the result of tool {message.name!r}, "
+                                         f"but the call before it is to {last_call!r}")
+                out.token(self.start_id), out.text(f"functions.{last_call} to=assistant")
+                out.token(self.channel_id), out.text("commentary"), out.token(self.message_id)
+                out.text(tojson(message.content)), out.token(self.end_id)
                 continue
             for field, text in (("content", message.content), ("thinking", message.thinking or "")):
                 if any(tag in text for tag in CHANNEL_TAGS):
                     raise TokenizerError(f"gpt_oss chat format: message {i}'s {field} holds harmony channel tags "
                                          "(<|channel|>...<|message|>); give the reasoning as thinking and the "
                                          "final answer as content, without tags")
+            out.token(self.start_id), out.text("assistant")  # the prompt of the reply: not trained
+            if message.tool_calls:
+                last_call = self._tool_call(out, channel, messages, i)
+                continue
             last = i == len(messages) - 1 and not add_generation_prompt
-            add([self.start_id] + self.encode_text("assistant"), False)  # the prompt of the reply: not trained
-            reply = []
             if last and message.thinking is not None:
-                reply = (self._channel("analysis") + self.encode_text(message.thinking) + [self.end_id, self.start_id]
-                         + self.encode_text("assistant"))
-            reply += (self._channel("final") + self.encode_text(message.content)
-                      + [self.return_id if last else self.end_id])
-            add(reply, True)
+                channel("analysis"), out.text(message.thinking, True)
+                out.token(self.end_id, True), out.token(self.start_id, True), out.text("assistant", True)
+            channel("final"), out.text(message.content, True)
+            out.token(self.return_id if last else self.end_id, True)
+            if not last:
+                last_call = None
         if add_generation_prompt:
-            add([self.start_id] + self.encode_text("assistant"), False)
-        return tokens, trained
+            out.token(self.start_id), out.text("assistant")
+        return out.result()
+
+    def _tool_call(self, out: ChatBuilder, channel, messages: list[Message], i: int) -> str:
+        """Message ``i``'s tool call, after its ``<|start|>assistant``: an analysis message first when the message
+        has content or thinking and no final answer follows later (the template drops it otherwise), then
+        `` to=functions.{name}<|channel|>commentary json<|message|>{arguments}<|call|>``. Returns the tool's name."""
+        message = messages[i]
+        if len(message.tool_calls) > 1:
+            raise TokenizerError(f"gpt_oss chat format: message {i} makes {len(message.tool_calls)} tool calls; "
+                                 "harmony has one call per assistant message (the template renders only the first): "
+                                 "give each call its own assistant message, followed by its tool message")
+        if message.content and message.thinking:
+            raise TokenizerError(f"gpt_oss chat format: message {i} calls a tool and has both content and thinking; "
+                                 "give its reasoning in one of them (both become its analysis message)")
+        answered = any(m.role == "assistant" and not m.tool_calls for m in messages[i + 1:])
+        analysis = message.content or message.thinking
+        if analysis and not answered:
+            channel("analysis"), out.text(analysis, True)
+            out.token(self.end_id, True), out.token(self.start_id, True), out.text("assistant", True)
+        call = message.tool_calls[0]
+        out.text(f" to=functions.{call.name}", True)
+        channel("commentary json")
+        out.text(tojson(call.arguments), True), out.token(self.call_id, True)
+        return call.name

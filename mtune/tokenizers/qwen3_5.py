@@ -15,14 +15,19 @@ Qwen3's in four ways this module follows:
 - a conversation needs a user message (one that is not a ``<tool_response>``: such a message does not count as the
   last query either), and a system message only comes first (the template raises otherwise).
 
-Replies before the last user message lose their reasoning, as in Qwen3. The thinking block is trained with the
-reply; the tool-calling branches of the template (``tools``, ``tool_calls``, the ``tool`` role) are not rendered.
+Replies before the last user message lose their reasoning, as in Qwen3; a reply's reasoning is read as in Qwen3
+(``Message.thinking``, the template's ``reasoning_content``, else a ``<think>`` block in the content). The thinking
+block is trained with the reply. Tool calling is rendered as the template does (see
+:mod:`mtune.tokenizers.qwen_tools`: Qwen3.5 writes a call as ``<function=...>`` with one ``<parameter=...>`` block
+per argument): the calls are trained with their reply, tool definitions and results are not.
 """
 
 from __future__ import annotations
 
 from mtune.tokenizers.base import Message, TokenizerError
+from mtune.tokenizers.chat_builder import ChatBuilder
 from mtune.tokenizers.qwen3 import Qwen3Tokenizer, split_reasoning
+from mtune.tokenizers.qwen_tools import QWEN3_5_TOOLS_HEAD, QWEN3_5_TOOLS_TAIL, qwen3_5_calls, tool_results, tools_text
 
 
 def is_tool_response(content: str) -> bool:
@@ -35,7 +40,8 @@ class Qwen3_5Tokenizer(Qwen3Tokenizer):
 
     family = "qwen3_5"
 
-    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+    def _render(self, messages: list[Message], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
         if messages[0].role != "system" and self.system_prompt is not None:
             messages = [Message("system", self.system_prompt)] + list(messages)
         if any(m.role == "system" for m in messages[1:]):
@@ -46,27 +52,29 @@ class Qwen3_5Tokenizer(Qwen3Tokenizer):
         if not queries:
             raise TokenizerError("qwen3_5 chat format: the conversation has no user message (Qwen3.5's chat "
                                  "template requires one that is not a <tool_response>)")
-        tokens: list[int] = []
-        trained: list[bool] = []
+        out = ChatBuilder(self)
+        system = messages[0].content.strip() if messages[0].role == "system" else None
+        if tools:
+            out.token(self.im_start_id), out.text("system\n")
+            self._tagged(out, tools_text(QWEN3_5_TOOLS_HEAD, tools, QWEN3_5_TOOLS_TAIL))
+            out.text("\n\n" + system if system else ""), out.token(self.im_end_id), out.text("\n")
+        elif system is not None:
+            self._plain_turn(out, "system", system)
         for i, message in enumerate(messages):
             content = message.content.strip()
             if message.role == "assistant":
-                reasoning, answer = split_reasoning(content)
-                if i > queries[-1]:
-                    ids, mask = self._thinking_reply(reasoning.strip(), answer)
-                else:
-                    ids, mask = self._turn("assistant", answer)
-            else:
-                ids, mask = self._turn(message.role, content)
-            tokens += ids
-            trained += mask
+                reasoning, answer = split_reasoning(content, message.thinking)
+                self._reply(out, reasoning.strip() if i > queries[-1] else None, answer)
+                qwen3_5_calls(self, out, message.tool_calls, after_text=bool(answer.strip()))
+                self._end_reply(out)
+            elif message.role == "tool":
+                tool_results(self, out, messages, i, content, opens=i > 0 and messages[i - 1].role != "tool")
+            elif message.role == "user":
+                self._plain_turn(out, "user", content)
         if add_generation_prompt:
-            ids, _ = self._turn("assistant", None)
-            ids = ids + [self.think_start_id]
+            out.token(self.im_start_id), out.text("assistant\n"), out.token(self.think_start_id)
             if self.enable_thinking:
-                ids += self.encode_text("\n")
+                out.text("\n")
             else:
-                ids += self.encode_text("\n\n") + [self.think_end_id] + self.encode_text("\n\n")
-            tokens += ids
-            trained += [False] * len(ids)
-        return tokens, trained
+                out.text("\n\n"), out.token(self.think_end_id), out.text("\n\n")
+        return out.result()

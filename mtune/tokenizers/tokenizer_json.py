@@ -42,5 +42,10 @@ class TokenizerJson(Tokenizer):
     def encode_text(self, text: str) -> list[int]:
         return self._text.encode(text, add_special_tokens=False).ids
 
+    def encode_text_with_starts(self, text: str) -> tuple[list[int], list[int]]:
+        """``encode_text(text)`` and, per token, the index of the first character of ``text`` it covers."""
+        encoding = self._text.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -15,9 +15,11 @@ from pathlib import Path
 from mtune.tokenizers.bpe_to_tiktoken import train_byte_level_bpe, write_tiktoken_file
 from mtune.tokenizers.llama3 import CHAT_TEMPLATE as LLAMA3_CHAT_TEMPLATE
 
-# The official chat templates, written out from the model cards' tokenizer_config.json (tool-calling branches of
-# the Qwen 2.5 and Mistral v0.3 templates left out: mtune renders system/user/assistant turns only). Llama 3's is
-# mtune.tokenizers.llama3.CHAT_TEMPLATE, which the tiny built-in model's files carry too.
+# The official chat templates, written out from the model cards' tokenizer_config.json, tool-calling branches left
+# out where mtune renders system/user/assistant turns only. Llama 3's is mtune.tokenizers.llama3.CHAT_TEMPLATE,
+# which the tiny built-in model's files carry too. The families that render tool calling (gpt-oss, Qwen3, Qwen3.5)
+# have their full templates in tests/assets/chat_templates/ (gpt-oss's tiny files always; Qwen's through
+# write_qwen_tools_tokenizer).
 LLAMA2_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
     "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
@@ -59,7 +61,7 @@ QWEN2_5_CHAT_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Qwen3's (Qwen/Qwen3-8B tokenizer_config.json), its tool-calling branches left out as above.
+# Qwen3's (Qwen/Qwen3-8B tokenizer_config.json), its tool-calling branches left out (full: qwen3.jinja of the assets).
 QWEN3_CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
@@ -90,8 +92,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
-# Qwen3.5's (Qwen/Qwen3.5-27B tokenizer_config.json; the other sizes ship the same), its image / video content and
-# tool-calling branches left out as above; what is kept is the template's text verbatim.
+# Qwen3.5's (Qwen/Qwen3.5-27B tokenizer_config.json; Qwen3.5-4B's is the same, see the assets' README.md), its image /
+# video content and tool-calling branches left out as above; what is kept is the template's text verbatim.
 QWEN3_5_CHAT_TEMPLATE = (
     "{%- macro render_content(content, do_vision_count, is_system_content=false) %}"
     "{%- if content is string %}{{- content }}"
@@ -170,156 +172,9 @@ GEMMA4_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|turn>model\n' -}}{%- endif -%}"
 )
 
-# gpt-oss's (openai/gpt-oss-120b and -20b chat_template.jinja, as vendored unchanged by llama.cpp in
-# models/templates/openai-gpt-oss-120b.jinja): verbatim but for its three tool-rendering macros
-# (render_typescript_type, render_tool_namespace, render_builtin_tools), left out as for the other families; the
-# branches that call them only run with tools / builtin_tools, which the tests do not pass.
-GPT_OSS_CHAT_TEMPLATE = r"""{#-
-  In addition to the normal inputs of `messages` and `tools`, this template also accepts the
-  following kwargs:
-  - "builtin_tools": A list, can contain "browser" and/or "python".
-  - "model_identity": A string that optionally describes the model identity.
-  - "reasoning_effort": A string that describes the reasoning effort, defaults to "medium".
- #}
-
-{#- System Message Construction ============================================ #}
-{%- macro build_system_message() -%}
-    {%- if model_identity is not defined %}
-        {%- set model_identity = "You are ChatGPT, a large language model trained by OpenAI." %}
-    {%- endif %}
-    {{- model_identity + "\n" }}
-    {{- "Knowledge cutoff: 2024-06\n" }}
-    {{- "Current date: " + strftime_now("%Y-%m-%d") + "\n\n" }}
-    {%- if reasoning_effort is not defined %}
-        {%- set reasoning_effort = "medium" %}
-    {%- endif %}
-    {{- "Reasoning: " + reasoning_effort + "\n\n" }}
-    {%- if builtin_tools %}
-        {{- "# Tools\n\n" }}
-        {%- set available_builtin_tools = namespace(browser=false, python=false) %}
-        {%- for tool in builtin_tools %}
-            {%- if tool == "browser" %}
-                {%- set available_builtin_tools.browser = true %}
-            {%- elif tool == "python" %}
-                {%- set available_builtin_tools.python = true %}
-            {%- endif %}
-        {%- endfor %}
-        {{- render_builtin_tools(available_builtin_tools.browser, available_builtin_tools.python) }}
-    {%- endif -%}
-    {{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
-    {%- if tools -%}
-        {{- "\nCalls to these tools must go to the commentary channel: 'functions'." }}
-    {%- endif -%}
-{%- endmacro -%}
-
-{#- Main Template Logic ================================================= #}
-{#- Set defaults #}
-
-{#- Render system message #}
-{{- "<|start|>system<|message|>" }}
-{{- build_system_message() }}
-{{- "<|end|>" }}
-
-{#- Extract developer message #}
-{%- if messages[0].role == "developer" or messages[0].role == "system" %}
-    {%- set developer_message = messages[0].content %}
-    {%- set loop_messages = messages[1:] %}
-{%- else %}
-    {%- set developer_message = "" %}
-    {%- set loop_messages = messages %}
-{%- endif %}
-
-{#- Render developer message #}
-{%- if developer_message or tools %}
-    {{- "<|start|>developer<|message|>" }}
-    {%- if developer_message %}
-        {{- "# Instructions\n\n" }}
-        {{- developer_message }}
-        {{- "\n\n" }}
-    {%- endif %}
-    {%- if tools -%}
-        {{- "# Tools\n\n" }}
-        {{- render_tool_namespace("functions", tools) }}
-    {%- endif -%}
-    {{- "<|end|>" }}
-{%- endif %}
-
-{#- Render messages #}
-{%- set last_tool_call = namespace(name=none) %}
-{%- for message in loop_messages -%}
-    {#- At this point only assistant/user/tool messages should remain #}
-    {%- if message.role == 'assistant' -%}
-        {#- Checks to ensure the messages are being passed in the format we expect #}
-        {%- if "content" in message %}
-            {%- if "<|channel|>analysis<|message|>" in message.content or "<|channel|>final<|message|>" in message.content %}
-                {{- raise_exception("You have passed a message containing <|channel|> tags in the content field. Instead of doing this, you should pass analysis messages (the string between '<|message|>' and '<|end|>') in the 'thinking' field, and final messages (the string between '<|message|>' and '<|end|>') in the 'content' field.") }}
-            {%- endif %}
-        {%- endif %}
-        {%- if "thinking" in message %}
-            {%- if "<|channel|>analysis<|message|>" in message.thinking or "<|channel|>final<|message|>" in message.thinking %}
-                {{- raise_exception("You have passed a message containing <|channel|> tags in the thinking field. Instead of doing this, you should pass analysis messages (the string between '<|message|>' and '<|end|>') in the 'thinking' field, and final messages (the string between '<|message|>' and '<|end|>') in the 'content' field.") }}
-            {%- endif %}
-        {%- endif %}
-        {%- if "tool_calls" in message %}
-            {#- We need very careful handling here - we want to drop the tool call analysis message if the model #}
-            {#- has output a later <|final|> message, but otherwise we want to retain it. This is the only case #}
-            {#- when we render CoT/analysis messages in inference. #}
-            {%- set future_final_message = namespace(found=false) %}
-            {%- for future_message in loop_messages[loop.index:] %}
-                {%- if future_message.role == 'assistant' and "tool_calls" not in future_message %}
-                    {%- set future_final_message.found = true %}
-                {%- endif %}
-            {%- endfor %}
-            {#- We assume max 1 tool call per message, and so we infer the tool call name #}
-            {#- in "tool" messages from the most recent assistant tool call name #}
-            {%- set tool_call = message.tool_calls[0] %}
-            {%- if tool_call.function %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {%- if message.content and message.thinking %}
-                {{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls! Put the analysis message in one or the other, but not both.") }}
-            {%- elif message.content and not future_final_message.found %}
-                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.content + "<|end|>" }}
-            {%- elif message.thinking and not future_final_message.found %}
-                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
-            {%- endif %}
-            {{- "<|start|>assistant to=" }}
-            {{- "functions." + tool_call.name + "<|channel|>commentary " }}
-            {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
-            {{- tool_call.arguments|tojson }}
-            {{- "<|call|>" }}
-            {%- set last_tool_call.name = tool_call.name %}
-        {%- elif loop.last and not add_generation_prompt %}
-            {#- Only render the CoT if the final turn is an assistant turn and add_generation_prompt is false #}
-            {#- This is a situation that should only occur in training, never in inference. #}
-            {%- if "thinking" in message %}
-                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
-            {%- endif %}
-            {#- <|return|> indicates the end of generation, but <|end|> does not #}
-            {#- <|return|> should never be an input to the model, but we include it as the final token #}
-            {#- when training, so the model learns to emit it. #}
-            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
-        {%- else %}
-            {#- CoT is dropped during all previous turns, so we never render it for inference #}
-            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
-            {%- set last_tool_call.name = none %}
-        {%- endif %}
-    {%- elif message.role == 'tool' -%}
-        {%- if last_tool_call.name is none %}
-            {{- raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
-        {%- endif %}
-        {{- "<|start|>functions." + last_tool_call.name }}
-        {{- " to=assistant<|channel|>commentary<|message|>" + message.content|tojson + "<|end|>" }}
-    {%- elif message.role == 'user' -%}
-        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
-    {%- endif -%}
-{%- endfor -%}
-
-{#- Generation prompt #}
-{%- if add_generation_prompt -%}
-<|start|>assistant
-{%- endif -%}
-"""
+# gpt-oss's (openai/gpt-oss-120b and -20b chat_template.jinja), verbatim as vendored unchanged by llama.cpp in
+# models/templates/openai-gpt-oss-120b.jinja: tests/assets/chat_templates/gpt_oss.jinja, tools macros included.
+GPT_OSS_CHAT_TEMPLATE = (Path(__file__).parents[1] / "assets" / "chat_templates" / "gpt_oss.jinja").read_text()
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -540,6 +395,26 @@ def write_qwen3_5_tokenizer(model_dir: str | Path) -> int:
         tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
                           "pad_token": "<|endoftext|>", "chat_template": QWEN3_5_CHAT_TEMPLATE},
         config={"model_type": "qwen3_5_text", "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2})
+
+
+QWEN_TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+CHAT_TEMPLATES = Path(__file__).parents[1] / "assets" / "chat_templates"
+
+
+def write_qwen_tools_tokenizer(model_dir: str | Path, family: str) -> int:
+    """Write the tiny Qwen3 (`family` qwen3) or Qwen3.5 (qwen3_5) `tokenizer.json` with the four tool tags added
+    after `</think>` (not special, as in the hub's files) and the family's full official template, tool-calling
+    branches included: tests/assets/chat_templates/qwen3.jinja (Qwen/Qwen3-0.6B's) or qwen3_5.jinja (Qwen3.5's,
+    whose lines without tools are those of QWEN3_5_CHAT_TEMPLATE); their sources are in that folder's README.md.
+    Returns the vocab size (509)."""
+    model_type = {"qwen3": "qwen3", "qwen3_5": "qwen3_5_text"}[family]
+    return _write_tokenizer_json(
+        model_dir, pattern=QWEN2_PATTERN, base_vocab=QWEN2_BASE_VOCAB, added=QWEN3_ADDED + QWEN_TOOL_TAGS,
+        normalizer={"type": "NFC"}, not_special=("<think>", "</think>") + QWEN_TOOL_TAGS,
+        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>",
+                          "chat_template": (CHAT_TEMPLATES / f"{family}.jinja").read_text()},
+        config={"model_type": model_type, "bos_token_id": None, "eos_token_id": QWEN2_BASE_VOCAB + 2})
 
 
 PHI4_BASE_VOCAB = 500

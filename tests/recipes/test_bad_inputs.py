@@ -149,7 +149,8 @@ def test_a_chat_turn_with_an_unknown_role_is_one_line(capsys):
     code, out, err = _cli(capsys, "run", "generate", "--config", "tiny/generate", "~adapter_dir",
                           "messages=[{role: bot, content: hi}]")
     assert code == 1 and "Traceback" not in err and out == ""
-    assert err.splitlines()[-1] == "error: messages[0].role: 'bot' is not a chat role; use one of system, user, assistant"
+    assert err.splitlines()[-1] == ("error: messages[0].role: 'bot' is not a chat role; use one of system, user, "
+                                    "assistant, tool")
 
 
 def test_a_config_for_another_recipe_says_so_first(capsys, tmp_path):

@@ -94,10 +94,13 @@ def test_conversation_the_chat_format_refuses_names_the_row(tmp_path):
 
 
 def test_reasoning_of_openai_style_messages_reaches_the_formats_that_render_it(tmp_path):
-    """A message's `thinking` (gpt-oss's data, e.g. HuggingFaceH4/Multilingual-Thinking, carries it, null on the
-    other roles): gpt-oss's format renders the last reply's on the analysis channel, trained; labels equal those of
-    the Message list with thinking given directly. Qwen3 reads reasoning from its content and refuses the row.
-    Mutation seen failing: the builder dropping thinking (the labels lose the analysis message)."""
+    """A message's reasoning, under `thinking` (gpt-oss's data, e.g. HuggingFaceH4/Multilingual-Thinking, null on the
+    other roles) or `reasoning_content` (Qwen's templates, OpenAI-compatible servers): gpt-oss's format renders the
+    last reply's on the analysis channel, Qwen3.5's in the reply's thinking block, both trained; each sample equals
+    tokenize_messages of the Message list with thinking given directly, whichever name the row used. A family whose
+    template has no reasoning field (Llama 3) refuses the row, naming it and the family; a message with both names
+    is refused. Mutations seen failing: the builder dropping thinking (the labels lose the analysis message); the
+    builder reading `thinking` only (the Qwen3.5 sample loses its thinking block)."""
     from mtune.data import DataError
 
     gpt_oss = tiny_tokenizer(tmp_path, "gpt_oss", max_seq_len=None)
@@ -110,9 +113,52 @@ def test_reasoning_of_openai_style_messages_reaches_the_formats_that_render_it(t
     trained = [t for t, label in zip(sample["tokens"][1:], sample["labels"]) if label != IGNORE_INDEX]
     assert gpt_oss.decode(trained, skip_special_tokens=False) == (
         "<|channel|>analysis<|message|>add them<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>")
-    qwen3 = tiny_tokenizer(tmp_path, "qwen3")
-    with pytest.raises(DataError, match=r"r\.jsonl line 1: qwen3 chat format: a message has thinking"):
-        chat_dataset(qwen3, str(write_rows([{"messages": chat}], tmp_path / "r.jsonl")))
+    qwen3_5 = tiny_tokenizer(tmp_path, "qwen3_5", max_seq_len=None)
+    qwen_chat = [{"role": "user", "content": "2 + 3?", "reasoning_content": None},
+                 {"role": "assistant", "content": "5", "reasoning_content": "add them"}]
+    for name, rows in (("q", qwen_chat), ("g", chat)):  # either name, the same sample
+        sample = chat_dataset(qwen3_5, str(write_rows([{"messages": rows}], tmp_path / f"{name}.jsonl")))[0]
+        assert sample["tokens"] == qwen3_5.tokenize_messages(messages).tokens
+        trained = [t for t, label in zip(sample["tokens"][1:], sample["labels"]) if label != IGNORE_INDEX]
+        assert qwen3_5.decode(trained, skip_special_tokens=False) == "<think>\nadd them\n</think>\n\n5<|im_end|>"
+    llama3 = tiny_tokenizer(tmp_path, "llama3")
+    with pytest.raises(DataError, match=r"r\.jsonl line 1: llama3 chat format: a message has reasoning"):
+        chat_dataset(llama3, str(write_rows([{"messages": qwen_chat}], tmp_path / "r.jsonl")))
+    with pytest.raises(DataError, match=r"messages\[1\]: assistant message has both thinking and reasoning_content"):
+        chat_dataset(qwen3_5, str(write_rows([{"messages": [chat[0], {**chat[1], "reasoning_content": "x"}]}],
+                                             tmp_path / "b.jsonl")))
     with pytest.raises(DataError, match=r"messages\[1\]: thinking must be text, got int"):
         chat_dataset(gpt_oss, str(write_rows([{"messages": [chat[0], {**chat[1], "thinking": 3}]}],
                                              tmp_path / "n.jsonl")))
+
+
+def test_tool_calling_rows_reach_the_formats_that_render_them(tmp_path):
+    """OpenAI / Hugging Face tool-calling rows (a `tools` column, `tool_calls` with a null content, `tool` messages):
+    gpt-oss's sample equals tokenize_messages of the same messages and tools, and trains the call and the answer; the
+    tools also come from a mapped column holding their JSON text; a family without tool calling refuses the row,
+    naming it and the family. Mutation seen failing: the builder not passing the row's tools (the ids lose the
+    developer message's tool namespace)."""
+    import json
+
+    from mtune.data import DataError
+    from tests._helpers.tool_calls import ONE_CALL, WEATHER
+
+    gpt_oss = tiny_tokenizer(tmp_path, "gpt_oss", max_seq_len=None)
+    messages = [m | {"content": None} if m.get("tool_calls") else m for m in ONE_CALL]
+    path = write_rows([{"tools": [WEATHER], "messages": messages}], tmp_path / "tools.jsonl")
+    sample = chat_dataset(gpt_oss, str(path))[0]
+    expected = gpt_oss.tokenize_messages(ONE_CALL, tools=[WEATHER])
+    assert sample["tokens"] == expected.tokens
+    trained = [t for t, label in zip(sample["tokens"][1:], sample["labels"]) if label != IGNORE_INDEX]
+    assert gpt_oss.decode(trained, skip_special_tokens=False) == (
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "unit": "celsius"}<|call|>'
+        "<|channel|>final<|message|>It is 18 °C and sunny in Paris.<|return|>")
+    as_text = write_rows([{"functions": json.dumps([WEATHER]), "messages": messages}], tmp_path / "text.jsonl")
+    assert chat_dataset(gpt_oss, str(as_text), column_map={"tools": "functions"})[0]["tokens"] == expected.tokens
+    llama3 = tiny_tokenizer(tmp_path, "llama3")
+    with pytest.raises(DataError, match=r"tools\.jsonl line 1: llama3 chat format: the conversation uses tool call"):
+        chat_dataset(llama3, str(path))
+    bad = [messages[0], messages[1], {**messages[2], "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]
+    with pytest.raises(DataError, match=r"bad\.jsonl line 1: messages\[2\]: assistant message tool_calls\[0\] "
+                                        "arguments is not valid JSON"):
+        chat_dataset(gpt_oss, str(write_rows([{"messages": bad}], tmp_path / "bad.jsonl")))

@@ -93,9 +93,9 @@ def test_bad_data_is_named(tok, tmp_path, case):
 
 
 def test_bad_chat_messages_are_named(tok, tmp_path):
-    path = write_rows([{"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}],
+    path = write_rows([{"messages": [{"role": "user", "content": "hi"}, {"role": "function", "content": "x"}]}],
                       tmp_path / "chat.jsonl")
-    with pytest.raises(DataError, match=r"chat\.jsonl line 1: messages\[1\]: role 'tool' is not one of"):
+    with pytest.raises(DataError, match=r"chat\.jsonl line 1: messages\[1\]: role 'function' is not one of"):
         chat_dataset(tok, str(path))
     path = write_rows([{"dialog": []}], tmp_path / "other.jsonl")
     with pytest.raises(DataError, match=r"no column 'messages'.*available columns: dialog"):

@@ -148,5 +148,5 @@ def test_alternation_errors(family, tokenizer_dirs):
     tok = load_tokenizer(tokenizer_dirs[family])
     with pytest.raises(ValueError, match="must alternate"):
         tok.tokenize_messages([Message("user", "a"), Message("user", "b")])
-    with pytest.raises(ValueError, match="role 'tool' is not supported"):
-        Message("tool", "x")
+    with pytest.raises(ValueError, match="role 'ipython' is not supported"):
+        Message("ipython", "x")

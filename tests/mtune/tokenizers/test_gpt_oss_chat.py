@@ -194,8 +194,8 @@ def test_refuses_what_it_cannot_render(tokenizer_dirs, hf):
     # the template drops a later system message without a word; mtune refuses it
     with pytest.raises(TokenizerError, match="message 2 is a system message; only the first message may be one"):
         tok.tokenize_messages([Message("user", "q"), Message("assistant", "a"), Message("system", "late")])
-    with pytest.raises(ValueError, match="role 'tool' is not supported"):
-        Message("tool", "x")
+    with pytest.raises(ValueError, match="role 'developer' is not supported"):
+        Message("developer", "x")
     with pytest.raises(ValueError, match="thinking must be text on an assistant message, got str on a user"):
         Message("user", "q", thinking="t")
     with pytest.raises(TokenizerError, match="current_date='26/11/2026' is not a YYYY-MM-DD date"):
@@ -205,9 +205,9 @@ def test_refuses_what_it_cannot_render(tokenizer_dirs, hf):
     with pytest.raises(TokenizerError, match="option enable_thinking does not apply to the gpt_oss tokenizer; it "
                                              "takes current_date, reasoning_effort, model_identity"):
         load_tokenizer(tokenizer_dirs["gpt_oss"], enable_thinking=False)
-    # the other families read reasoning from their content: a thinking field is refused, not dropped
-    with pytest.raises(TokenizerError, match="qwen3 chat format: a message has thinking"):
-        load_tokenizer(tokenizer_dirs["qwen3"]).tokenize_messages(as_messages(REASONED[:3]))
+    # a family whose template has no reasoning field refuses one, rather than drop it
+    with pytest.raises(TokenizerError, match="llama3 chat format: a message has reasoning"):
+        load_tokenizer(tokenizer_dirs["llama3"]).tokenize_messages(as_messages(REASONED[:3]))
 
 
 def test_found_by_model_type_and_by_its_tokens(tokenizer_dirs, tmp_path):

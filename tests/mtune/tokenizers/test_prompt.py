@@ -15,7 +15,8 @@ def test_chat_messages():
 @pytest.mark.parametrize("turn, message", [
     ({"role": "user"}, "messages[1]: expected {role: ..., content: ...}, got {'role': 'user'}"),
     ("hi", "messages[1]: expected {role: ..., content: ...}, got 'hi'"),
-    ({"role": "bot", "content": "x"}, "messages[1].role: 'bot' is not a chat role; use one of system, user, assistant"),
+    ({"role": "bot", "content": "x"},
+     "messages[1].role: 'bot' is not a chat role; use one of system, user, assistant, tool"),
     ({"role": "user", "content": 3}, "messages[1].content: expected text, got int 3 (quote it)"),
 ])
 def test_malformed_turns_are_named(turn, message):
