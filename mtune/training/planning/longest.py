@@ -18,9 +18,10 @@ peak grows linearly in the row length once the attention kernel keeps no ``s x s
 3. the longest of them, capped at the model's trained context (``max_position_embeddings``: Llama 3.1 131,072), is
    the answer's length; at that length the ``--fit`` search's answer (the fastest candidate that fits) is found
    from the most saving candidates down (few fit there: each maximum judged rules out what it out-saves);
-4. the curve (the answer's device total at every power of two up to the length: the first and the last planned, the
-   others on the line between them) and the category that grew most along it (what limits the length) are
-   printed, and the config is written as ``--fit`` writes it.
+4. the curve (the answer's device total at every power of two from the first probe's 8,192 tokens up to the
+   length: the first and the last planned, the others on the line between them; at the low end its settings made
+   to hold at every length, as the reach planned them) and the category that grew most along it (what limits the
+   length) are printed, and the config is written as ``--fit`` writes it.
 """
 
 from __future__ import annotations
@@ -223,10 +224,15 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
     if answer is None:  # a candidate reached best_len, so the search must find one: say so rather than guess
         raise FitError(f"--maximize: a candidate fits {best_len:,} tokens but the --fit search there found none "
                        f"within its {len(found)} candidates (a planner fault: please report it)")
-    lengths = [2 ** k for k in range(12, int(math.log2(best_len)) + 1) if 2 ** k < best_len] + [best_len]
+    low = PROBES[0] if best_len > PROBES[0] else 4096
+    lengths = [2 ** k for k in range(int(math.log2(low)), int(math.log2(best_len)) + 1) if 2 ** k < best_len]
+    lengths.append(best_len)
     # the ends planned, the powers of two between them on the line through the two (the peak is linear in the
-    # row length: tests/recipes/test_plan_long_context.py): each plan of a long row costs seconds
-    first, last = fitter.plan(answer.cfg, lengths[0]), fitter.plan(answer.cfg, best_len)
+    # row length: tests/recipes/test_plan_long_context.py): each plan of a long row costs seconds. The low end
+    # has the answer's settings made to hold at every length (`auto`'s tiles), as the reach planned its
+    # candidates: where the answer is the reach's own candidate, its first probe, planned already
+    last = fitter.plan(answer.cfg, best_len)
+    first = fitter.plan(_any_length(answer.cfg), lengths[0]) if len(lengths) > 1 else last
     curve = [(s, first if s == lengths[0] else last if s == best_len else
               interpolate(first, last, (s - lengths[0]) / (best_len - lengths[0]), estimated="on the line between "
                           f"the plans at {lengths[0]:,} and {best_len:,} tokens")) for s in lengths]
