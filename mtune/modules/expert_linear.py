@@ -66,7 +66,22 @@ class ExpertLinear(nn.Module):
     def quantize_(self) -> None:
         """Store the weight as NF4 (``[n_experts * out, in]``) when marked ``nf4``; no-op otherwise or on meta."""
         if self.nf4 and not is_nf4(self.weight) and not self.weight.is_meta:
-            self.weight = quantize_nf4(self.weight)
+            self.weight = quantize_nf4(self.weight.view(self.weight_shape))  # by expert, also when held as rows
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        """``(n_experts, out, in)``: the weight as checkpoints and initializers hold it, whatever form it is stored
+        in (NF4, or its ``[n_experts * out, in]`` rows under FSDP2: :meth:`hold_nf4_rows_`)."""
+        return self.n_experts, self.out_features, self.in_features
+
+    def hold_nf4_rows_(self) -> None:
+        """Hold a weight marked ``nf4`` and not yet stored as the ``[n_experts * out, in]`` rows its NF4 form has
+        (on meta or not), before FSDP2 shards it: FSDP2 keeps the shape it shards (its shards, padding and
+        all-gathers) and torchao's NF4 is 2-D only. Its ``Shard(0)`` then splits the rows by expert all the same."""
+        if self.nf4 and not is_nf4(self.weight) and self.weight.dim() == 3:
+            weight = self.weight
+            self.weight = nn.Parameter(weight.detach().reshape(-1, self.in_features),
+                                       requires_grad=weight.requires_grad)
 
     def plain_weight(self) -> torch.Tensor:
         """The weight as a plain ``[n_experts, out, in]`` tensor (NF4 dequantized: a new tensor)."""

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mtune.config.errors import ConfigError
+from mtune.modules.expert_linear import ExpertLinear
 
 __all__ = ["init_distributed", "destroy_distributed", "shard_model", "all_reduce"]
 
@@ -95,7 +96,23 @@ def shard_model(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         **options,
     }
+    _hold_nf4_expert_rows(model)
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
+
+
+def _hold_nf4_expert_rows(model: nn.Module) -> None:
+    """Every expert projection QLoRA stores as NF4 held as its ``[n_experts * out, in]`` rows before sharding
+    (:meth:`~mtune.modules.expert_linear.ExpertLinear.hold_nf4_rows_`). A rank's rows must be whole experts (each
+    expert's NF4 codes and scales are a block of their own), so the ranks must divide the experts; ConfigError
+    naming the weight otherwise."""
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    for name, module in model.named_modules():
+        if isinstance(module, ExpertLinear) and module.nf4:
+            if module.n_experts % ranks:
+                raise ConfigError(f"{name}.weight: its {module.n_experts} experts do not split evenly over {ranks} "
+                                  "ranks, which NF4 experts (lora.quantize_base=true) under FSDP2 need: launch a "
+                                  "number of processes that divides the experts, or set lora.quantize_base=false")
+            module.hold_nf4_rows_()

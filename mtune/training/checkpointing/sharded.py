@@ -13,7 +13,10 @@ of its own experts (one key per expert), or its experts' rows of each whole proj
 reading; MXFP4 blocks and scales read for those experts alone and dequantized, equal bit for bit to one device's
 load), or its experts' rows of each side-by-side tensor (Gemma 4: ``experts.gate_up_proj [n_experts, 2 * hidden,
 dim]`` split along dim 1 into ``gate_proj`` and ``up_proj``, ``experts.down_proj`` as ``down_proj``). NF4 experts
-(QLoRA with a quantized expert base) are refused for now.
+(QLoRA with a quantized expert base) are the exception here too: the mean their scales are centred on is the whole
+projection's, so every rank reads every expert of a projection (per-expert keys gathered on the host until the last
+arrives), quantizes the stack as one device does and keeps its experts' rows of the NF4 tensor, which FSDP2 holds
+as ``[n_experts * out, in]`` (`mtune.training.distributed.shard_model`).
 
 The helpers that turn a full tensor into this rank's shard live in :mod:`mtune.training.shards` (the sharded
 initialisation and LoRA's sharded adapters use them too).
@@ -33,7 +36,7 @@ from mtune.modules.expert_layout import (
 )
 from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, locate_tensors, open_safetensors
 from mtune.training.checkpointing.placing import held_shape, read_mxfp4
-from mtune.training.shards import as_param_like, assign_tensors, row_slice
+from mtune.training.shards import as_param_like, assign_tensors, full_shape, local_rows, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
 
@@ -67,27 +70,37 @@ def load_hf_checkpoint_sharded(
     def open_scales(key):
         return open_safetensors(where[key])
 
+    def stored_whole(name: str) -> Callable | None:
+        module_name, _, leaf = name.rpartition(".")
+        return arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
+
     loaded: dict[str, nn.Parameter | torch.Tensor] = {}
-    experts: dict[str, torch.Tensor] = {}  # this rank's experts of each stacked projection
+    experts: dict[str, torch.Tensor] = {}  # this rank's experts (all of them, for NF4) of each stacked projection
+    arrived: dict[str, int] = {}  # experts read into each NF4 projection so far
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
                 if name in gate_up:
-                    loaded.update(_read_side_by_side(model, f, path, key, name, gate_up, expected, arrives_whole,
+                    loaded.update(_read_side_by_side(model, f, path, key, name, gate_up, expected, stored_whole,
                                                      dtype, device))
                     continue
                 slot = None if name in expected else stacked_key(name)
                 if slot is not None:
-                    _read_expert(model, f, key, *slot, expected[slot[0]], experts, arrives_whole, dtype, device)
+                    stacked, store = slot[0], stored_whole(slot[0])
+                    current, shape = expected[stacked], full_shape(model, stacked, expected[stacked])
+                    _read_expert(f, key, *slot, current, shape, experts, store is not None, dtype, device)
+                    if store is not None:
+                        arrived[stacked] = arrived.get(stacked, 0) + 1
+                        if arrived[stacked] == shape[0]:  # its last expert: quantized whole, then this rank's rows
+                            loaded[stacked] = as_param_like(store(experts.pop(stacked).to(device), current), current)
                     continue
                 current = expected[name]
-                module_name, _, leaf = name.rpartition(".")
-                store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
+                store = stored_whole(name)
                 rows = None
                 if store is None and isinstance(current, DTensor):
                     start, length = row_slice(current)
                     rows = slice(start, start + length)
-                local = _read(f, path, key, name, current, layout, rows, open_scales, dtype)
+                local = _read(f, path, key, name, full_shape(model, name, current), layout, rows, open_scales, dtype)
                 if store is not None:
                     local = store(local.to(device=device, dtype=dtype), current)
                 else:
@@ -98,17 +111,18 @@ def load_hf_checkpoint_sharded(
     return model
 
 
-def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: slice | None, open_scales,
-          dtype) -> torch.Tensor:
-    """The model's tensor ``name`` (or its first-dim ``rows``: a rank's experts or rows) read from ``key`` in the
-    model's orientation: turned when held transposed, dequantized (to ``dtype``) when MXFP4 blocks, reading only
-    those rows of blocks and scales. CheckpointError when the checkpoint's shape is not the model's."""
+def _read(f, path, key: str, name: str, model_shape: tuple[int, ...], layout: ExpertLayout, rows: slice | None,
+          open_scales, dtype) -> torch.Tensor:
+    """The model's tensor ``name`` of full shape ``model_shape`` (or its first-dim ``rows``: a rank's experts or
+    rows) read from ``key`` in the model's orientation: turned when held transposed, dequantized (to ``dtype``) when
+    MXFP4 blocks, reading only those rows of blocks and scales. CheckpointError when the checkpoint's shape is not
+    the model's."""
     view = f.get_slice(key)
     shape = tuple(view.get_shape())
     mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED and mxfp4_part(key) == "blocks"
     if mxfp4:  # [E, out, groups, 16] uint8: 32 values a group
         shape = (*shape[:-2], shape[-2] * 32)
-    want = tuple(current.shape) if mxfp4 else checkpoint_shape(name, tuple(current.shape), layout)
+    want = model_shape if mxfp4 else checkpoint_shape(name, model_shape, layout)
     if shape != want:
         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
     if mxfp4:
@@ -117,50 +131,51 @@ def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: sli
     return from_checkpoint(name, f.get_tensor(key) if rows is None else view[rows], layout)
 
 
-def _read_side_by_side(model, f, path, key: str, name: str, gate_up: dict[str, list[str]], expected, arrives_whole,
+def _read_side_by_side(model, f, path, key: str, name: str, gate_up: dict[str, list[str]], expected, stored_whole,
                        dtype, device) -> dict[str, nn.Parameter]:
     """This rank's experts' rows of the side-by-side tensor ``name`` (``experts.gate_up_proj [n_experts, 2 * hidden,
     dim]``, or ``experts.down_proj``), split along dim 1 into the stacked weights it holds (``gate_up[name]``: gate
-    then up), each ``[local experts, rows, in]`` in ``dtype`` on ``device`` as its parameter's local shard."""
+    then up), each ``[local experts, rows, in]`` in ``dtype`` on ``device`` as its parameter's local shard. Stored
+    whole (NF4 experts: ``stored_whole(part)``), the tensor is read whole and each part handed to its store."""
     parts = gate_up[name]
-    for part in parts:
-        _refuse_nf4_experts(model, part, arrives_whole)
+    full = {part: torch.empty(full_shape(model, part, expected[part]), device="meta") for part in parts}
+    stores = {part: stored_whole(part) for part in parts}
     view = f.get_slice(key)
-    shape, want = tuple(view.get_shape()), held_shape(name, None, expected, gate_up)
+    shape, want = tuple(view.get_shape()), held_shape(name, None, full, gate_up)
     if shape != want:
         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
     current = expected[parts[0]]
-    if isinstance(current, DTensor):
+    whole = not isinstance(current, DTensor) or any(store is not None for store in stores.values())
+    if whole:
+        tensor = f.get_tensor(key)
+    else:
         start, length = row_slice(current)
         tensor = view[start:start + length]  # the expert dim: only this rank's experts are read
+    out = {}
+    for part, piece in zip(parts, tensor.split([full[part].shape[1] for part in parts], dim=1)):
+        # copy=True and contiguous: a piece is a strided view of the read rows (or of the file's memory map)
+        local = piece.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        if stores[part] is not None:
+            local = stores[part](local, expected[part])
+        elif whole:
+            local = local_rows(local, expected[part])
+        out[part] = as_param_like(local, expected[part])
+    return out
+
+
+def _read_expert(f, key, name, expert, current, shape: tuple[int, ...], experts, every: bool, dtype, device) -> None:
+    """Expert ``expert``'s tensor into the stacked projection ``name`` of full ``shape``: this rank's rows of it,
+    kept in ``experts[name]`` on ``device`` (skipped unread when another rank holds that expert), or, when
+    ``every`` expert is kept (it is stored whole: NF4), the full stack on the host until its last expert arrives."""
+    if every:
+        start, length, device = 0, shape[0], "cpu"  # the device gets it once quantized, a rank's rows of it
     else:
-        tensor = f.get_tensor(key)
-    pieces = tensor.split([expected[part].shape[1] for part in parts], dim=1)
-    # copy=True and contiguous: a piece is a strided view of the read rows (or of the file's memory map)
-    return {part: as_param_like(piece.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True),
-                                expected[part])
-            for part, piece in zip(parts, pieces)}
-
-
-def _refuse_nf4_experts(model, name: str, arrives_whole) -> None:
-    """CheckpointError when the stacked projection ``name`` would be stored as NF4 (read whole and quantized whole):
-    its NF4 rows are not split by expert."""
-    module_name, _, leaf = name.rpartition(".")
-    if arrives_whole is not None and arrives_whole(model.get_submodule(module_name), leaf) is not None:
-        raise CheckpointError(f"{name}: NF4 experts cannot be loaded into an FSDP2-sharded model yet (their NF4 "
-                              "rows are not split by expert): set lora.quantize_base=false, or train on one device")
-
-
-def _read_expert(model, f, key, name, expert, current, experts, arrives_whole, dtype, device) -> None:
-    """Expert ``expert``'s tensor into this rank's rows (experts) of the stacked projection ``name``; skipped
-    unread when another rank holds that expert."""
-    _refuse_nf4_experts(model, name, arrives_whole)
-    start, length = row_slice(current) if isinstance(current, DTensor) else (0, current.shape[0])
+        start, length = row_slice(current) if isinstance(current, DTensor) else (0, shape[0])
     if not start <= expert < start + length:
         return
-    shape = tuple(f.get_slice(key).get_shape())
-    if shape != tuple(current.shape[1:]):
-        raise CheckpointError(f"tensor {key} has shape {list(shape)}, the model expects {list(current.shape[1:])}")
+    got = tuple(f.get_slice(key).get_shape())
+    if got != tuple(shape[1:]):
+        raise CheckpointError(f"tensor {key} has shape {list(got)}, the model expects {list(shape[1:])}")
     if name not in experts:
-        experts[name] = torch.empty((length, *current.shape[1:]), dtype=dtype, device=device)
+        experts[name] = torch.empty((length, *shape[1:]), dtype=dtype, device=device)
     experts[name][expert - start].copy_(f.get_tensor(key))
