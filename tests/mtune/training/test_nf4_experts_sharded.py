@@ -6,6 +6,7 @@ Why every rank reads every expert: torchao centres a weight's 64-value scales on
 quantizing them to 8 bits, so one rank quantizing only its experts gets other scales
 (`test_quantizing_a_ranks_experts_alone_gives_other_scales`)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,8 @@ from tests._helpers.models import write_tiny_hf_model
 CPU = torch.device("cpu")
 LORA = dict(modules=["q_proj", "v_proj"], rank=4, alpha=8, quantize_base=True)
 PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+# random weights with experts of 32 x 256: 128 scales each, so a scaler block of 128 (the 2-D rows' would be 256)
+RANDOM = ModelSource("qwen3_moe", dataclasses.replace(model_args("qwen3_moe", "tiny"), moe_intermediate_dim=32), None)
 
 
 def _nf4_experts(model) -> dict[str, dict]:
@@ -42,8 +45,8 @@ def _worker(rank: int, tmp: str, checkpoints: dict) -> None:
         model, _ = setup_sharded_model(resolve_model_source({"checkpoint_dir": ckpt}), device=CPU,
                                        dtype=torch.bfloat16, seed=0, lora=LORA, fsdp_reshard_after_forward=True)
         out[label] = _nf4_experts(model)
-    model, _ = setup_sharded_model(ModelSource("qwen3_moe", model_args("qwen3_moe", "tiny"), None), device=CPU,
-                                   dtype=torch.bfloat16, seed=5, lora=LORA, fsdp_reshard_after_forward=True)
+    model, _ = setup_sharded_model(RANDOM, device=CPU, dtype=torch.bfloat16, seed=5, lora=LORA,
+                                   fsdp_reshard_after_forward=True)
     out["random"] = _nf4_experts(model)
     torch.save(out, f"{tmp}/rank{rank}.pt")
 
@@ -79,8 +82,7 @@ def shards(tmp_path_factory):
 
 def _single_device(label, ckpt):
     torch.manual_seed(5)
-    source = (ModelSource("qwen3_moe", model_args("qwen3_moe", "tiny"), None) if ckpt is None
-              else resolve_model_source({"checkpoint_dir": ckpt}))
+    source = RANDOM if ckpt is None else resolve_model_source({"checkpoint_dir": ckpt})
     return setup_model(source, device=CPU, dtype=torch.bfloat16, lora=LORA)[0]
 
 
@@ -88,7 +90,7 @@ def _single_device(label, ckpt):
 def test_each_ranks_nf4_experts_are_its_rows_of_one_devices(shards, label):
     """Mutations seen failing: every rank keeping the first experts' rows (rank 1 differs, every layout); each
     rank quantizing its experts alone (the scales differ); the stack quantized as its 2-D rows (torchao's scaler
-    block of 256 instead of the per-expert one: gpt-oss's 64)."""
+    block of 256 instead of the experts' 128: random weights)."""
     checkpoints, ranks = shards
     single = _nf4_experts(_single_device(label, checkpoints.get(label)))
     assert single and all(set(rank[label]) == set(single) for rank in ranks)
@@ -97,6 +99,7 @@ def test_each_ranks_nf4_experts_are_its_rows_of_one_devices(shards, label):
             got = rank[label][name]
             rows = whole["shape"][0] // 2
             assert got["shape"] == (rows, whole["shape"][1]) and got["scaler_block"] == whole["scaler_block"], name
+            assert label != "random" or got["scaler_block"] == 128
             for part in PARTS:
                 expected = whole[part] if part == "scaler_mean" else whole[part].view(2, -1)[r]
                 assert torch.equal(got[part], expected), (label, name, r, part)
