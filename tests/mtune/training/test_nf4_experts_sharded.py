@@ -16,6 +16,9 @@ from safetensors.torch import load_file, save_file
 from mtune.models import model_args
 from mtune.modules.expert_linear import ExpertLinear
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
+from mtune.training.checkpointing.dcp import gathered_state_dict_items
+from mtune.training.memory import phases
+from mtune.training.memory.registry import MemoryConfig
 from mtune.training.model_setup import ModelSource, resolve_model_source, setup_model, setup_sharded_model
 from tests._helpers.distributed import run_on_ranks
 from tests._helpers.models import write_tiny_hf_model
@@ -45,6 +48,10 @@ def _worker(rank: int, tmp: str, checkpoints: dict) -> None:
         model, _ = setup_sharded_model(resolve_model_source({"checkpoint_dir": ckpt}), device=CPU,
                                        dtype=torch.bfloat16, seed=0, lora=LORA, fsdp_reshard_after_forward=True)
         out[label] = _nf4_experts(model)
+        if label == "side_by_side":  # a gathered save dequantizes each rank's NF4 rows: whole [E, out, in] experts
+            plain = phases.plain_form(MemoryConfig(lora=LORA))
+            out["gathered"] = {name: tensor for name, tensor in gathered_state_dict_items(model, plain=plain)
+                               if ".experts." in name}
     model, _ = setup_sharded_model(RANDOM, device=CPU, dtype=torch.bfloat16, seed=5, lora=LORA,
                                    fsdp_reshard_after_forward=True)
     out["random"] = _nf4_experts(model)
@@ -115,3 +122,15 @@ def test_quantizing_a_ranks_experts_alone_gives_other_scales():
     assert torch.equal(whole.quantized_data.view(2, -1)[1], alone.quantized_data)  # codes: per 64 values
     assert whole.scaler_mean != alone.scaler_mean
     assert not torch.equal(whole.quantized_scalers.view(2, -1)[1], alone.quantized_scalers)
+
+
+def test_a_gathered_save_writes_whole_dequantized_experts(shards):
+    """Rank 0's gathered tensors of the NF4 experts (dequantized rows, all-gathered) are one device's
+    ``[E, out, in]`` dequantized weights exactly. Mutation seen failing: the gathered rows left 2-D."""
+    checkpoints, ranks = shards
+    single = _single_device("side_by_side", checkpoints["side_by_side"])
+    gathered = ranks[0]["gathered"]
+    experts = {f"{name}.weight": m for name, m in single.named_modules() if isinstance(m, ExpertLinear)}
+    assert set(experts) <= set(gathered)
+    for name, module in experts.items():
+        assert torch.equal(gathered[name], module.plain_weight()), name
