@@ -134,3 +134,22 @@ def test_a_gathered_save_writes_whole_dequantized_experts(shards):
     assert set(experts) <= set(gathered)
     for name, module in experts.items():
         assert torch.equal(gathered[name], module.plain_weight()), name
+
+
+def test_ranks_that_do_not_divide_the_experts_are_refused_in_one_line():
+    """3 ranks cannot each hold whole experts of 8 (an expert's NF4 scales are a block of their own): shard_model
+    says so, naming the weight and the key, before anything is read."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from mtune.config.errors import ConfigError
+    from mtune.training.distributed import shard_model
+
+    model, _ = setup_model(RANDOM, device=CPU, dtype=torch.bfloat16, lora=LORA, materialize=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        with pytest.raises(ConfigError, match=r"^layers\.0\.mlp\.experts\.gate_proj\.weight: its 8 experts do not "
+                                              r"split evenly over 3 ranks, .*lora\.quantize_base=false$"):
+            shard_model(model)
+    finally:
+        dist.destroy_process_group()
