@@ -10,7 +10,9 @@ Under QLoRA the frozen weight is stored as one NF4 tensor of the ``[n_experts * 
 2-D tensors only). Each 64-value block, its codes and its scale lie inside one expert (``out * in`` is a multiple of
 16384), so expert ``e`` is the ``e``-th of ``n_experts`` row blocks (:func:`~mtune.modules.nf4_linear.nf4_part`),
 dequantized alone. Only the mean the scales are centred on before their own 8-bit quantization is the projection's
-rather than the expert's, so values differ from quantizing each expert apart by a rounding of the scales.
+rather than the expert's, so values differ from quantizing each expert apart by a rounding of the scales. Under
+FSDP2 the weight is held as those rows before sharding (:meth:`ExpertLinear.hold_nf4_rows_`), each rank keeping its
+experts' rows of the whole projection's NF4 tensor.
 
 :class:`LoRAExpertLinear` adds per-expert low-rank factors ``lora_a.weight [n_experts, rank, in]`` and
 ``lora_b.weight [n_experts, out, rank]`` (expert ``e``: ``y = x W_e^T + s (x A_e^T) B_e^T``, ``s = alpha / rank``).

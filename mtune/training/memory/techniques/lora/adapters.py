@@ -49,8 +49,9 @@ def quantize_on_arrival(module: nn.Module) -> None:
 
 
 def nf4_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The whole weight quantized to NF4 (its scales are quantized against the mean of all of them), then this
-    rank's rows of it as ``fully_shard`` splits NF4: bit-equal to one device's rows."""
+    """The whole weight quantized to NF4 (its scales are quantized against the mean of all of them; an expert
+    projection's ``[n_experts, out, in]`` stack by expert, as one device does), then this rank's rows of it as
+    ``fully_shard`` splits NF4 (an expert projection's: its experts' rows): bit-equal to one device's rows."""
     nf4 = quantize_nf4(full).data
     if not isinstance(param, DTensor):
         return nf4
