@@ -252,17 +252,15 @@ def test_lora_on_two_ranks_matches_one_device(moe_dir, tmp_path):
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=3e-5)
 
 
-def test_qlora_with_nf4_experts_on_two_ranks_matches_one_device_and_resumes(moe_dir, tmp_path):
+def test_qlora_with_nf4_experts_on_two_ranks_matches_one_device(moe_dir, tmp_path):
     """QLoRA (every frozen weight NF4, the experts' too, each rank holding its 4 experts' NF4 rows) on 2 CPU
     processes (batch 2 each) against one device (batch 4): the same losses and adapters, adapters on the experts
-    too; resumed from step 2 on 2 ranks, the same last loss bit for bit (the NF4 bases are not in the checkpoint:
-    reloaded from the base). Mutation seen failing: every rank keeping the first experts' NF4 rows (losses differ
-    by ~0.1)."""
+    too (resuming such a run: tests/mtune/training/test_nf4_experts_sharded.py). Mutation seen failing: every rank
+    keeping the first experts' NF4 rows (losses off by 0.115)."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint import FileSystemReader
 
     data = write_instruct_data(tmp_path / "data.jsonl")
-    schedule = ["max_steps_per_epoch=3", "save_every_n_steps=2", "lora.quantize_base=true",
+    schedule = ["max_steps_per_epoch=3", "lora.quantize_base=true",
                 "lora.modules=[q_proj,v_proj,gate_proj,down_proj]"]
     torchrun("lora_distributed", train_overrides(tmp_path / "dist", moe_dir, data, batch_size=2) + schedule)
     single = run_recipe_in_process("lora_single_device", train_overrides(tmp_path / "single", moe_dir, data)
@@ -275,12 +273,6 @@ def test_qlora_with_nf4_experts_on_two_ranks_matches_one_device_and_resumes(moe_
     assert expected.keys() == got.keys() and any(".mlp.experts.base_layer.lora_A." in key for key in got)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=3e-5)
-    saved = FileSystemReader(distributed / "step_2" / "distributed_state").read_metadata().state_dict_metadata
-    assert any(".experts.gate_proj.lora_a." in key for key in saved)
-    assert not [key for key in saved if key.startswith("model.") and ".lora_" not in key]  # no NF4 base in it
-    torchrun("lora_distributed", train_overrides(tmp_path / "resumed", moe_dir, data, batch_size=2) + schedule
-             + [f"resume_from_checkpoint={distributed / 'step_2'}"])
-    assert losses(tmp_path / "resumed" / "out") == losses(distributed)[2:]
 
 
 def test_flops_count_the_router_and_top_k_experts():

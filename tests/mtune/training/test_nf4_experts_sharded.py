@@ -11,12 +11,18 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from mtune.models import model_args
 from mtune.modules.expert_linear import ExpertLinear
 from mtune.modules.nf4_linear import is_nf4, quantize_nf4
-from mtune.training.checkpointing.dcp import gathered_state_dict_items
+from mtune.modules.loss import CrossEntropyLoss
+from mtune.training.checkpointing.dcp import (
+    gathered_state_dict_items, load_distributed_state, save_distributed_state,
+)
+from mtune.training.loop import train_step
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.model_setup import ModelSource, resolve_model_source, setup_model, setup_sharded_model
@@ -24,7 +30,7 @@ from tests._helpers.distributed import run_on_ranks
 from tests._helpers.models import write_tiny_hf_model
 
 CPU = torch.device("cpu")
-LORA = dict(modules=["q_proj", "v_proj"], rank=4, alpha=8, quantize_base=True)
+LORA = dict(modules=["q_proj", "gate_proj"], rank=4, alpha=8, quantize_base=True)  # experts adapted too
 PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
 # random weights with experts of 32 x 256: 128 scales each, so a scaler block of 128 (the 2-D rows' would be 256)
 RANDOM = ModelSource("qwen3_moe", dataclasses.replace(model_args("qwen3_moe", "tiny"), moe_intermediate_dim=32), None)
@@ -42,12 +48,35 @@ def _nf4_experts(model) -> dict[str, dict]:
     return out
 
 
+def _step_save_and_resume(model, tmp: str, ckpt: str) -> dict:
+    """One AdamW step on ``model`` (adapters on the experts too), its adapter-only DCP state saved and loaded into a
+    fresh sharded model (other adapter draws, the NF4 bases re-read): what a resumed run starts from."""
+    tokens = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    adamw = torch.optim.AdamW(trained, lr=1e-2)
+    train_step(model, [{"tokens": tokens, "labels": tokens.roll(-1, 1)}], CrossEntropyLoss(), adamw, device=CPU,
+               world_size=2)
+    save_distributed_state(f"{tmp}/dcp", model, adamw, adapter_only=True)
+    fresh, _ = setup_sharded_model(resolve_model_source({"checkpoint_dir": ckpt}), device=CPU, dtype=torch.bfloat16,
+                                   seed=1, lora=LORA, fsdp_reshard_after_forward=True)
+    fresh_adamw = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    load_distributed_state(f"{tmp}/dcp", fresh, fresh_adamw, adapter_only=True)
+
+    def local(m, opt):
+        return ({n: p.to_local().clone() for n, p in m.named_parameters() if p.requires_grad},
+                [s["exp_avg"].to_local().clone() for s in opt.state.values()])
+
+    return {"saved": local(model, adamw), "resumed": local(fresh, fresh_adamw), "nf4": _nf4_experts(fresh)}
+
+
 def _worker(rank: int, tmp: str, checkpoints: dict) -> None:
     out = {}
     for label, ckpt in checkpoints.items():
         model, _ = setup_sharded_model(resolve_model_source({"checkpoint_dir": ckpt}), device=CPU,
                                        dtype=torch.bfloat16, seed=0, lora=LORA, fsdp_reshard_after_forward=True)
         out[label] = _nf4_experts(model)
+        if label == "per_expert":
+            out["resume"] = _step_save_and_resume(model, tmp, ckpt)
         if label == "side_by_side":  # a gathered save dequantizes each rank's NF4 rows: whole [E, out, in] experts
             plain = phases.plain_form(MemoryConfig(lora=LORA))
             out["gathered"] = {name: tensor for name, tensor in gathered_state_dict_items(model, plain=plain)
@@ -84,7 +113,7 @@ def shards(tmp_path_factory):
                    "side_by_side": write_tiny_hf_model(tmp, "gemma4_moe")}
     run_on_ranks(_worker, tmp, str(tmp), {k: str(v) for k, v in checkpoints.items()})
     ranks = [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
-    return checkpoints, ranks
+    return checkpoints, ranks, tmp / "dcp"
 
 
 def _single_device(label, ckpt):
@@ -98,7 +127,7 @@ def test_each_ranks_nf4_experts_are_its_rows_of_one_devices(shards, label):
     """Mutations seen failing: every rank keeping the first experts' rows (rank 1 differs, every layout); each
     rank quantizing its experts alone (the scales differ); the stack quantized as its 2-D rows (torchao's scaler
     block of 256 instead of the experts' 128: random weights)."""
-    checkpoints, ranks = shards
+    checkpoints, ranks, _ = shards
     single = _nf4_experts(_single_device(label, checkpoints.get(label)))
     assert single and all(set(rank[label]) == set(single) for rank in ranks)
     for name, whole in single.items():
@@ -127,7 +156,7 @@ def test_quantizing_a_ranks_experts_alone_gives_other_scales():
 def test_a_gathered_save_writes_whole_dequantized_experts(shards):
     """Rank 0's gathered tensors of the NF4 experts (dequantized rows, all-gathered) are one device's
     ``[E, out, in]`` dequantized weights exactly. Mutation seen failing: the gathered rows left 2-D."""
-    checkpoints, ranks = shards
+    checkpoints, ranks, _ = shards
     single = _single_device("side_by_side", checkpoints["side_by_side"])
     gathered = ranks[0]["gathered"]
     experts = {f"{name}.weight": m for name, m in single.named_modules() if isinstance(m, ExpertLinear)}
@@ -136,20 +165,46 @@ def test_a_gathered_save_writes_whole_dequantized_experts(shards):
         assert torch.equal(gathered[name], module.plain_weight()), name
 
 
-def test_ranks_that_do_not_divide_the_experts_are_refused_in_one_line():
-    """3 ranks cannot each hold whole experts of 8 (an expert's NF4 scales are a block of their own): shard_model
-    says so, naming the weight and the key, before anything is read."""
+@pytest.mark.parametrize("world, n_experts, message", [
+    (4, 6, r"^layers\.0\.mlp\.experts\.gate_proj\.weight: its 6 experts do not split evenly over 4 ranks, "),
+    (3, 8, r"^layers\.0\.self_attn\.q_proj\.weight \[512, 256\]: its 512 rows and 8 NF4 blocks of 16384 values do "
+           r"not both split evenly over 3 ranks, "),
+], ids=["experts", "dense"])
+def test_nf4_weights_the_ranks_cannot_split_are_refused_in_one_line(world, n_experts, message):
+    """4 ranks cannot each hold whole experts of 6 (an expert's NF4 scales are a block of their own), nor 3 ranks
+    whole 16384-value blocks of a dense weight (FSDP2 splits NF4's second-level factors with its rows: gpt-oss
+    120B's [512, 2880] k_proj has 90): shard_model says so, naming the weight and the key, before anything is read.
+    Mutation seen failing: either check skipped."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from mtune.config.errors import ConfigError
     from mtune.training.distributed import shard_model
 
-    model, _ = setup_model(RANDOM, device=CPU, dtype=torch.bfloat16, lora=LORA, materialize=False)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    source = dataclasses.replace(RANDOM, args=dataclasses.replace(RANDOM.args, n_experts=n_experts))
+    model, _ = setup_model(source, device=CPU, dtype=torch.bfloat16, lora=LORA, materialize=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        with pytest.raises(ConfigError, match=r"^layers\.0\.mlp\.experts\.gate_proj\.weight: its 8 experts do not "
-                                              r"split evenly over 3 ranks, .*lora\.quantize_base=false$"):
+        with pytest.raises(ConfigError, match=message + r".*lora\.quantize_base=false$"):
             shard_model(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_resumed_run_gets_its_adapters_and_optimizer_back_over_re_read_nf4_experts(shards):
+    """After a step, the adapter-only DCP state (no NF4 base in it) loaded into a fresh sharded model: each rank's
+    adapters (the experts' too) and AdamW moments equal the saved ones, and its NF4 experts are again its rows of one
+    device's. Mutation seen failing: every rank keeping the first experts' NF4 rows."""
+    checkpoints, ranks, dcp = shards
+    single = _nf4_experts(_single_device("per_expert", checkpoints["per_expert"]))
+    for r, rank in enumerate(ranks):
+        (saved, saved_moments), (resumed, resumed_moments) = rank["resume"]["saved"], rank["resume"]["resumed"]
+        assert saved.keys() == resumed.keys() and any(".experts.gate_proj.lora_a." in n for n in saved)
+        assert all(torch.equal(resumed[n], saved[n]) for n in saved)
+        assert len(saved_moments) == len(saved) and all(map(torch.equal, resumed_moments, saved_moments))
+        for name, whole in single.items():
+            for part in PARTS:
+                expected = whole[part] if part == "scaler_mean" else whole[part].view(2, -1)[r]
+                assert torch.equal(rank["resume"]["nf4"][name][part], expected), (name, r, part)
+    saved = FileSystemReader(dcp).read_metadata().state_dict_metadata
+    assert not [key for key in saved if key.startswith("model.") and ".lora_" not in key]  # no NF4 base in it
