@@ -2,9 +2,11 @@
 bit for bit, its experts' rows of the single-device NF4 weight, for every checkpoint layout (per-expert keys spread
 over several files, whole and transposed, gpt-oss's MXFP4 blocks, gate and up side by side) and for random weights.
 
-Why every rank reads every expert: torchao centres a weight's 64-value scales on the mean of *all* of them before
-quantizing them to 8 bits, so one rank quantizing only its experts gets other scales
-(`test_quantizing_a_ranks_experts_alone_gives_other_scales`)."""
+Each rank reads only its own experts, yet torchao centres a weight's 64-value scales on the mean of *all* of them
+before quantizing them to 8 bits, so a rank quantizing its experts alone would get other scales
+(`test_quantizing_a_ranks_experts_alone_gives_other_scales`): the ranks all-gather their first-level scales for that
+mean (`quantize_nf4_expert_shard`). Random weights are drawn whole on every rank (the RNG stream of one device) and
+quantized whole."""
 
 import dataclasses
 import json
@@ -44,6 +46,7 @@ def _nf4_experts(model) -> dict[str, dict]:
             weight = module.weight.to_local() if hasattr(module.weight, "to_local") else module.weight
             assert is_nf4(weight), name
             out[name] = {"shape": tuple(weight.shape), "scaler_block": weight.scaler_block_size,
+                         "n_blocks": weight.n_blocks, "stride": weight.stride(), "nf4": weight.nf4.clone(),
                          **{part: getattr(weight, part).clone() for part in PARTS}}
     return out
 
@@ -134,7 +137,10 @@ def test_each_ranks_nf4_experts_are_its_rows_of_one_devices(shards, label):
         for r, rank in enumerate(ranks):
             got = rank[label][name]
             rows = whole["shape"][0] // 2
-            assert got["shape"] == (rows, whole["shape"][1]) and got["scaler_block"] == whole["scaler_block"], name
+            assert got["shape"] == (rows, whole["shape"][1]) and got["stride"] == whole["stride"], name
+            # a chunk keeps the whole weight's block count (FSDP2's all-gather passes the shard's on)
+            assert (got["scaler_block"], got["n_blocks"]) == (whole["scaler_block"], whole["n_blocks"]), name
+            assert torch.equal(got["nf4"], whole["nf4"]), name
             assert label != "random" or got["scaler_block"] == 128
             for part in PARTS:
                 expected = whole[part] if part == "scaler_mean" else whole[part].view(2, -1)[r]
