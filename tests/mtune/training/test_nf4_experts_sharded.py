@@ -111,7 +111,9 @@ def _mxfp4(src, dst):
 def shards(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nf4_experts")
     oss = write_tiny_hf_model(tmp, "gpt_oss")
-    checkpoints = {"per_expert": write_tiny_hf_model(tmp, "qwen3_moe", sharded=True, shard_size="400KB"),
+    # per-expert keys over several files, experts of 32 x 256 (scaler block 128, not torchao's 256)
+    checkpoints = {"per_expert": write_tiny_hf_model(tmp, "qwen3_moe", sharded=True, shard_size="200KB",
+                                                     moe_intermediate_size=32),
                    "whole_transposed": oss, "mxfp4": _mxfp4(oss, tmp / "mxfp4"),
                    "side_by_side": write_tiny_hf_model(tmp, "gemma4_moe")}
     run_on_ranks(_worker, tmp, str(tmp), {k: str(v) for k, v in checkpoints.items()})
@@ -127,9 +129,10 @@ def _single_device(label, ckpt):
 
 @pytest.mark.parametrize("label", ["per_expert", "whole_transposed", "mxfp4", "side_by_side", "random"])
 def test_each_ranks_nf4_experts_are_its_rows_of_one_devices(shards, label):
-    """Mutations seen failing: every rank keeping the first experts' rows (rank 1 differs, every layout); each
-    rank quantizing its experts alone (the scales differ); the stack quantized as its 2-D rows (torchao's scaler
-    block of 256 instead of the experts' 128: random weights)."""
+    """Mutations seen failing: every rank reading (or keeping) the first experts (rank 1 differs, every layout);
+    each rank's scales centred on the mean of its own (the scales differ); the shard's own block count; torchao's
+    scaler block of 256 instead of the experts' 128 (per_expert on the rows path; random weights on the whole
+    path, quantized as its 2-D rows)."""
     checkpoints, ranks, _ = shards
     single = _nf4_experts(_single_device(label, checkpoints.get(label)))
     assert single and all(set(rank[label]) == set(single) for rank in ranks)
@@ -141,7 +144,7 @@ def test_each_ranks_nf4_experts_are_its_rows_of_one_devices(shards, label):
             # a chunk keeps the whole weight's block count (FSDP2's all-gather passes the shard's on)
             assert (got["scaler_block"], got["n_blocks"]) == (whole["scaler_block"], whole["n_blocks"]), name
             assert torch.equal(got["nf4"], whole["nf4"]), name
-            assert label != "random" or got["scaler_block"] == 128
+            assert label not in ("random", "per_expert") or got["scaler_block"] == 128
             for part in PARTS:
                 expected = whole[part] if part == "scaler_mean" else whole[part].view(2, -1)[r]
                 assert torch.equal(got[part], expected), (label, name, r, part)
