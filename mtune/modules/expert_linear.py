@@ -10,7 +10,9 @@ Under QLoRA the frozen weight is stored as one NF4 tensor of the ``[n_experts * 
 2-D tensors only). Each 64-value block, its codes and its scale lie inside one expert (``out * in`` is a multiple of
 16384), so expert ``e`` is the ``e``-th of ``n_experts`` row blocks (:func:`~mtune.modules.nf4_linear.nf4_part`),
 dequantized alone. Only the mean the scales are centred on before their own 8-bit quantization is the projection's
-rather than the expert's, so values differ from quantizing each expert apart by a rounding of the scales.
+rather than the expert's, so values differ from quantizing each expert apart by a rounding of the scales. Under
+FSDP2 the weight is held as those rows before sharding (:meth:`ExpertLinear.hold_nf4_rows_`), each rank keeping its
+experts' rows of the whole projection's NF4 tensor.
 
 :class:`LoRAExpertLinear` adds per-expert low-rank factors ``lora_a.weight [n_experts, rank, in]`` and
 ``lora_b.weight [n_experts, out, rank]`` (expert ``e``: ``y = x W_e^T + s (x A_e^T) B_e^T``, ``s = alpha / rank``).
@@ -66,7 +68,22 @@ class ExpertLinear(nn.Module):
     def quantize_(self) -> None:
         """Store the weight as NF4 (``[n_experts * out, in]``) when marked ``nf4``; no-op otherwise or on meta."""
         if self.nf4 and not is_nf4(self.weight) and not self.weight.is_meta:
-            self.weight = quantize_nf4(self.weight)
+            self.weight = quantize_nf4(self.weight.view(self.weight_shape))  # by expert, also when held as rows
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        """``(n_experts, out, in)``: the weight as checkpoints and initializers hold it, whatever form it is stored
+        in (NF4, or its ``[n_experts * out, in]`` rows under FSDP2: :meth:`hold_nf4_rows_`)."""
+        return self.n_experts, self.out_features, self.in_features
+
+    def hold_nf4_rows_(self) -> None:
+        """Hold a weight marked ``nf4`` and not yet stored as the ``[n_experts * out, in]`` rows its NF4 form has
+        (on meta or not), before FSDP2 shards it: FSDP2 keeps the shape it shards (its shards, padding and
+        all-gathers) and torchao's NF4 is 2-D only. Its ``Shard(0)`` then splits the rows by expert all the same."""
+        if self.nf4 and not is_nf4(self.weight) and self.weight.dim() == 3:
+            weight = self.weight
+            self.weight = nn.Parameter(weight.detach().reshape(-1, self.in_features),
+                                       requires_grad=weight.requires_grad)
 
     def plain_weight(self) -> torch.Tensor:
         """The weight as a plain ``[n_experts, out, in]`` tensor (NF4 dequantized: a new tensor)."""

@@ -14,13 +14,15 @@ import importlib
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mtune.config.errors import ConfigError
 
-__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "dequantize", "linear_maybe_nf4", "nf4_part", "nf4_row_chunk"]
+__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "quantize_nf4_expert_shard", "dequantize", "linear_maybe_nf4",
+           "nf4_part", "nf4_row_chunk"]
 
 # torchao >= 0.18 keeps NF4 under quantize_.workflows, older versions under dtypes
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
@@ -65,11 +67,7 @@ def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
     experts: 128; 2880 x 2880: 64), torchao's 256 wherever that fits."""
     scaler_block = NF4_SCALER_BLOCK
     if weight.dim() > 2:
-        per_expert = weight[0].numel()
-        if per_expert % NF4_BLOCK:
-            raise ConfigError(f"NF4 needs each expert's weights to be a multiple of {NF4_BLOCK} values; got "
-                              f"{tuple(weight.shape[1:])}: set lora.quantize_base=false")
-        scaler_block = next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if per_expert // NF4_BLOCK % b == 0)
+        scaler_block = _expert_scaler_block(weight)
         weight = weight.reshape(-1, weight.shape[-1])
     elif weight.numel() % 16384 != 0:
         raise ConfigError(
@@ -83,6 +81,52 @@ def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 """Values per scale and scales per second-level scale: torchao's ``to_nf4`` defaults, which `quantize_nf4` uses."""
+
+
+def _expert_scaler_block(weight: torch.Tensor) -> int:
+    """The scaler block of a 3-D expert stack ``[n_experts, out, in]`` (see :func:`quantize_nf4`)."""
+    per_expert = weight[0].numel()
+    if per_expert % NF4_BLOCK:
+        raise ConfigError(f"NF4 needs each expert's weights to be a multiple of {NF4_BLOCK} values; got "
+                          f"{tuple(weight.shape[1:])}: set lora.quantize_base=false")
+    return next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if per_expert // NF4_BLOCK % b == 0)
+
+
+@torch.no_grad()
+def quantize_nf4_expert_shard(local: torch.Tensor, group) -> torch.Tensor:
+    """This rank's experts ``local [n_experts / ranks, out, in]`` of an expert stack split by expert over the
+    process ``group`` (equal shares, in rank order) as the NF4 rows ``quantize_nf4(whole)`` gives this rank
+    (:func:`nf4_row_chunk`), bit for bit, though no rank reads another's experts. A collective: every rank calls it.
+
+    Codes and 64-value scales are per block, so this rank's own; the 8-bit quantization of the scales centres them
+    on the mean of the whole stack's, taken here over the scales all-gathered from the ranks (1/32 of the experts'
+    bytes in the weight dtype); each second-level block of 256 (or fewer) scales lies inside one expert.
+    """
+    nf4 = _nf4_api()
+    experts, out, inp = local.shape
+    scaler_block = _expert_scaler_block(local)
+    flat = local.detach().contiguous().reshape(-1)
+    scales = nf4.get_block_absmax(flat, NF4_BLOCK)  # torchao's first-level scales of these blocks, [n / 64]
+    every = [torch.empty_like(scales) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, scales, group=group)
+    mean = torch.cat(every).mean()  # torchao's scaler_mean: the same tensor, the same reduction
+    centred = scales - mean
+    blocks = centred.numel() // scaler_block
+    factor = 256 / (2 * nf4.get_block_absmax(centred, scaler_block))  # per second-level block
+    quantized = (centred.view(blocks, scaler_block) * factor[:, None]).round().clamp(-128, 127)
+    table = _nf4_table(local.dtype, local.device)
+    codes = nf4.NF4Tensor.convert_to_norm_float_weight(flat, flat.numel() // NF4_BLOCK, NF4_BLOCK, table)
+    rows = torch.Size([experts * out, inp])
+    meta = nf4.SubclassTensorArgs(rows, (inp, 1), 0, local.dtype, local.device, False)
+    # n_blocks as the whole weight's: a chunk of it keeps that count, and FSDP2's all-gather passes it on
+    return nf4.NF4Tensor(meta, NF4_BLOCK, len(every) * flat.numel() // NF4_BLOCK, scaler_block,
+                         quantized.flatten().to(torch.int8), factor.contiguous(), mean, codes, nf4=table)
+
+
+def _nf4_table(dtype: torch.dtype, device) -> torch.Tensor:
+    """torchao's 16 NF4 values in ``dtype`` on ``device``, as ``to_nf4`` makes them (read off a tiny quantization:
+    torchao builds the table inside ``from_tensor``)."""
+    return _nf4_api().to_nf4(torch.ones(NF4_BLOCK * NF4_SCALER_BLOCK, dtype=dtype, device=device)).nf4
 
 
 def _nf4_layout(weight: torch.Tensor, scaler_block: int = NF4_SCALER_BLOCK) -> torch.Tensor:

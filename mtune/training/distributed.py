@@ -19,6 +19,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mtune.config.errors import ConfigError
+from mtune.modules.expert_linear import ExpertLinear
+from mtune.modules.lora import has_nf4_weight
+from mtune.modules.nf4_linear import NF4_BLOCK, NF4_SCALER_BLOCK
 
 __all__ = ["init_distributed", "destroy_distributed", "shard_model", "all_reduce"]
 
@@ -95,7 +98,34 @@ def shard_model(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         **options,
     }
+    _prepare_nf4(model)
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
+
+
+def _prepare_nf4(model: nn.Module) -> None:
+    """Every weight QLoRA stores as NF4 checked to split evenly over the ranks, and every expert projection among
+    them held as its ``[n_experts * out, in]`` rows before sharding
+    (:meth:`~mtune.modules.expert_linear.ExpertLinear.hold_nf4_rows_`). FSDP2 splits an NF4 weight's codes, scales
+    and second-level factors alike, so a rank's rows must be whole blocks of 64 x 256 values (a dense weight's) or
+    whole experts (each expert's codes and scales are a block of their own). ConfigError naming the weight
+    otherwise, before anything is read."""
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    for name, module in model.named_modules():
+        if not has_nf4_weight(module):
+            continue
+        if isinstance(module, ExpertLinear):
+            if module.n_experts % ranks:
+                raise ConfigError(f"{name}.weight: its {module.n_experts} experts do not split evenly over {ranks} "
+                                  "ranks, which NF4 experts (lora.quantize_base=true) under FSDP2 need: launch a "
+                                  "number of processes that divides the experts, or set lora.quantize_base=false")
+            module.hold_nf4_rows_()
+            continue
+        rows, blocks = module.weight.shape[0], module.weight.numel() // (NF4_BLOCK * NF4_SCALER_BLOCK)
+        if rows % ranks or blocks % ranks:
+            raise ConfigError(f"{name}.weight {list(module.weight.shape)}: its {rows} rows and {blocks} NF4 blocks "
+                              f"of {NF4_BLOCK * NF4_SCALER_BLOCK} values do not both split evenly over {ranks} ranks, "
+                              "which an NF4 weight (lora.quantize_base=true) under FSDP2 needs: launch a number of "
+                              "processes that divides both, or set lora.quantize_base=false")

@@ -33,7 +33,7 @@ from mtune.training.distributed import shard_model
 from mtune.training.memory import phases
 from mtune.training.memory.registry import LoraConfig, MemoryConfig
 from mtune.training.placement import Placement
-from mtune.training.shards import as_param_like, assign_tensors, local_rows
+from mtune.training.shards import as_param_like, assign_tensors, full_shape, local_rows
 
 __all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_model", "setup_sharded_model",
            "build_sharded_model", "materialize_sharded_model", "init_weights_sharded"]
@@ -287,7 +287,7 @@ and split by it. Parameters a technique adds (``not_in_checkpoint(name)``: adapt
     tensors = {}
     for name, fill in model.initializers():
         param = model.get_parameter(name)
-        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        full = torch.empty(full_shape(model, name, param), dtype=param.dtype, device=device)
         fill(full)  # every draw init_weights makes (adapters, a tied lm_head again): the RNG stream of one device
         if name not in params or not_in_checkpoint(name):
             continue

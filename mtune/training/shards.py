@@ -10,8 +10,20 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mtune.modules.expert_linear import ExpertLinear
 
-__all__ = ["row_slice", "local_rows", "as_param_like", "assign_tensors"]
+
+__all__ = ["row_slice", "local_rows", "as_param_like", "assign_tensors", "full_shape"]
+
+
+def full_shape(model: nn.Module, name: str, tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the full tensor the model's ``tensor`` (named ``name``) stands for, as checkpoints and
+    initializers hold it: its own, except an expert projection held as its NF4 rows (``[n_experts * out, in]``)
+    under FSDP2, which stands for ``[n_experts, out, in]``."""
+    module_name, _, leaf = name.rpartition(".")
+    if leaf == "weight" and isinstance(module := model.get_submodule(module_name), ExpertLinear):
+        return module.weight_shape
+    return tuple(tensor.shape)
 
 
 def row_slice(param: DTensor) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from mtune.modules.lora_experts_peft import adapted_experts, expert_peft_tensors
 from mtune.modules.lora_state import peft_key
 from mtune.training.checkpointing.hf import save_hf_checkpoint
 from mtune.training.optimizers import inner_optimizers
+from mtune.training.shards import full_shape
 
 __all__ = [
     "save_distributed_state",
@@ -124,13 +125,14 @@ def gathered_state_dict_items(model: nn.Module, adapter_only: bool = False,
     Every rank must run the generator to the end (each tensor is an all-gather); other ranks yield nothing. The
     writing rank holds one full tensor at a time (plus what its consumer keeps). ``plain`` turns a stored shard
     into the plain tensor it stands for (`mtune.training.memory.phases.plain_form`: NF4 bases dequantized, in
-    their original dtype). ``adapter_only`` yields only the LoRA / DoRA parameters.
+    their original dtype; NF4 experts held as rows come back ``[n_experts, out, in]``). ``adapter_only`` yields only
+    the LoRA / DoRA parameters.
     """
     rank0 = _is_rank_zero()
     for name, tensor in model.state_dict().items():
         if adapter_only and not is_adapter_param(name):
             continue
-        full = _gather(tensor, plain)
+        full = _gather(tensor, plain).view(full_shape(model, name, tensor))  # NF4 experts' rows: [E, out, in]
         if rank0:
             yield name, full.cpu()
         del full

@@ -13,7 +13,11 @@ of its own experts (one key per expert), or its experts' rows of each whole proj
 reading; MXFP4 blocks and scales read for those experts alone and dequantized, equal bit for bit to one device's
 load), or its experts' rows of each side-by-side tensor (Gemma 4: ``experts.gate_up_proj [n_experts, 2 * hidden,
 dim]`` split along dim 1 into ``gate_proj`` and ``up_proj``, ``experts.down_proj`` as ``down_proj``). NF4 experts
-(QLoRA with a quantized expert base) are refused for now.
+(QLoRA with a quantized expert base) are read the same way, each rank its own experts, though their scales are
+centred on the mean of the whole projection's: the store all-gathers the ranks' first-level scales for it (a
+collective, so every rank stores the stacks in the checkpoint's order, each once its own experts are in) and keeps
+this rank's rows of the NF4 tensor one device would make, which FSDP2 holds as ``[n_experts * out, in]``
+(`mtune.training.distributed.shard_model`).
 
 The helpers that turn a full tensor into this rank's shard live in :mod:`mtune.training.shards` (the sharded
 initialisation and LoRA's sharded adapters use them too).
@@ -33,7 +37,7 @@ from mtune.modules.expert_layout import (
 )
 from mtune.training.checkpointing.hf import CheckpointError, checkpoint_keys, locate_tensors, open_safetensors
 from mtune.training.checkpointing.placing import held_shape, read_mxfp4
-from mtune.training.shards import as_param_like, assign_tensors, row_slice
+from mtune.training.shards import as_param_like, assign_tensors, full_shape, local_rows, row_slice
 
 __all__ = ["load_hf_checkpoint_sharded"]
 
@@ -53,7 +57,8 @@ def load_hf_checkpoint_sharded(
     Each rank reads, one tensor at a time, only its own rows of each weight (safetensors ``get_slice``), casts
     them to ``dtype`` on ``device`` and keeps them as its shard. A weight for which ``arrives_whole(module, leaf)``
     returns a function (QLoRA's NF4 bases) is read whole and handed to it with the parameter: it stores the whole
-    tensor and returns this rank's rows, equal to one device's.
+    tensor and returns this rank's rows, equal to one device's; a sharded expert stack is handed this rank's
+    experts alone (``rank_experts=True``), every rank in the same order.
     ``not_in_checkpoint(name)`` marks parameters the checkpoint does not hold (LoRA adapters); they stay as they
     are (meta) until the adapters are initialised. Missing / unexpected keys and wrong shapes raise
     :class:`~mtune.training.checkpointing.hf.CheckpointError` before anything is read.
@@ -67,48 +72,108 @@ def load_hf_checkpoint_sharded(
     def open_scales(key):
         return open_safetensors(where[key])
 
+    def stored_whole(name: str) -> Callable | None:
+        module_name, _, leaf = name.rpartition(".")
+        return arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
+
+    def by_experts(name: str) -> bool:  # a sharded expert stack stored from each rank's own experts (NF4)
+        return (isinstance(expected.get(name), DTensor) and stored_whole(name) is not None
+                and len(full_shape(model, name, expected[name])) == 3)
+
+    # Expert stacks stored by experts are quantized with a collective (their scales' mean is the whole stack's), so
+    # every rank stores them in one order, the checkpoint's (the same on every rank), each once its own experts are in.
+    order = list(dict.fromkeys(target for entries in by_file.values() for name, _ in entries
+                               for target in gate_up.get(name, [(stacked_key(name) or (name,))[0]])
+                               if by_experts(target)))
+    ready: dict[str, torch.Tensor] = {}  # this rank's experts of a stack in order, read but not yet stored
+
+    def store_ready() -> None:
+        while order and order[0] in ready:
+            name = order.pop(0)
+            local = stored_whole(name)(ready.pop(name), expected[name], rank_experts=True)
+            loaded[name] = as_param_like(local, expected[name])
+
     loaded: dict[str, nn.Parameter | torch.Tensor] = {}
-    experts: dict[str, torch.Tensor] = {}  # this rank's experts of each stacked projection
+    experts: dict[str, torch.Tensor] = {}  # this rank's experts (all of them, to store whole) of each stack
+    arrived: dict[str, int] = {}  # experts read into each projection stored whole or by experts so far
     for path, entries in by_file.items():
         with open_safetensors(path) as f:
             for name, key in entries:
                 if name in gate_up:
-                    loaded.update(_read_side_by_side(model, f, path, key, name, gate_up, expected, arrives_whole,
-                                                     dtype, device))
+                    kept, by_rank = _read_side_by_side(model, f, path, key, name, gate_up, expected, stored_whole,
+                                                       by_experts, dtype, device)
+                    loaded.update(kept)
+                    ready.update(by_rank)
+                    store_ready()
                     continue
                 slot = None if name in expected else stacked_key(name)
                 if slot is not None:
-                    _read_expert(model, f, key, *slot, expected[slot[0]], experts, arrives_whole, dtype, device)
+                    stacked, store = slot[0], stored_whole(slot[0])
+                    current, shape = expected[stacked], full_shape(model, stacked, expected[stacked])
+                    if by_experts(stacked):
+                        start, length = _own_experts(current, shape[0])
+                    elif store is not None:  # stored whole (an unsharded NF4 stack): every expert, on the host
+                        start, length = 0, shape[0]
+                    else:
+                        start, length = row_slice(current) if isinstance(current, DTensor) else (0, shape[0])
+                    read = _read_expert(f, key, *slot, start, length, shape, experts, dtype,
+                                        "cpu" if store is not None and not by_experts(stacked) else device)
+                    if not read or store is None:
+                        continue
+                    arrived[stacked] = arrived.get(stacked, 0) + 1
+                    if arrived[stacked] < length:
+                        continue
+                    if by_experts(stacked):  # its last own expert
+                        ready[stacked] = experts.pop(stacked)
+                        store_ready()
+                    else:
+                        loaded[stacked] = as_param_like(store(experts.pop(stacked).to(device), current), current)
                     continue
                 current = expected[name]
-                module_name, _, leaf = name.rpartition(".")
-                store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None
+                store = stored_whole(name)
                 rows = None
-                if store is None and isinstance(current, DTensor):
+                if by_experts(name):
+                    start, length = _own_experts(current, full_shape(model, name, current)[0])
+                    rows = slice(start, start + length)
+                elif store is None and isinstance(current, DTensor):
                     start, length = row_slice(current)
                     rows = slice(start, start + length)
-                local = _read(f, path, key, name, current, layout, rows, open_scales, dtype)
+                local = _read(f, path, key, name, full_shape(model, name, current), layout, rows, open_scales, dtype)
+                if by_experts(name):
+                    ready[name] = local.to(device=device, dtype=dtype)
+                    store_ready()
+                    continue
                 if store is not None:
                     local = store(local.to(device=device, dtype=dtype), current)
                 else:
                     local = local.to(device=device, dtype=dtype, copy=True)
                 loaded[name] = as_param_like(local, current) if isinstance(current, nn.Parameter) else local
+    if order:
+        raise CheckpointError(f"{checkpoint_dir}: {order[0]}: not every expert of this rank was read")
     loaded.update((name, as_param_like(local, expected[name])) for name, local in experts.items())
     assign_tensors(model, loaded)
     return model
 
 
-def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: slice | None, open_scales,
-          dtype) -> torch.Tensor:
-    """The model's tensor ``name`` (or its first-dim ``rows``: a rank's experts or rows) read from ``key`` in the
-    model's orientation: turned when held transposed, dequantized (to ``dtype``) when MXFP4 blocks, reading only
-    those rows of blocks and scales. CheckpointError when the checkpoint's shape is not the model's."""
+def _own_experts(current: DTensor, n_experts: int) -> tuple[int, int]:
+    """First expert and count of this rank's experts of a stack held as its NF4 rows (the ranks divide the
+    experts: `mtune.training.distributed.shard_model`)."""
+    ranks, rank = current.device_mesh.size(), current.device_mesh.get_local_rank()
+    return rank * (n_experts // ranks), n_experts // ranks
+
+
+def _read(f, path, key: str, name: str, model_shape: tuple[int, ...], layout: ExpertLayout, rows: slice | None,
+          open_scales, dtype) -> torch.Tensor:
+    """The model's tensor ``name`` of full shape ``model_shape`` (or its first-dim ``rows``: a rank's experts or
+    rows) read from ``key`` in the model's orientation: turned when held transposed, dequantized (to ``dtype``) when
+    MXFP4 blocks, reading only those rows of blocks and scales. CheckpointError when the checkpoint's shape is not
+    the model's."""
     view = f.get_slice(key)
     shape = tuple(view.get_shape())
     mxfp4 = layout is ExpertLayout.WHOLE_TRANSPOSED and mxfp4_part(key) == "blocks"
     if mxfp4:  # [E, out, groups, 16] uint8: 32 values a group
         shape = (*shape[:-2], shape[-2] * 32)
-    want = tuple(current.shape) if mxfp4 else checkpoint_shape(name, tuple(current.shape), layout)
+    want = model_shape if mxfp4 else checkpoint_shape(name, model_shape, layout)
     if shape != want:
         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
     if mxfp4:
@@ -117,50 +182,53 @@ def _read(f, path, key: str, name: str, current, layout: ExpertLayout, rows: sli
     return from_checkpoint(name, f.get_tensor(key) if rows is None else view[rows], layout)
 
 
-def _read_side_by_side(model, f, path, key: str, name: str, gate_up: dict[str, list[str]], expected, arrives_whole,
-                       dtype, device) -> dict[str, nn.Parameter]:
+def _read_side_by_side(model, f, path, key: str, name: str, gate_up: dict[str, list[str]], expected, stored_whole,
+                       by_experts, dtype, device) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
     """This rank's experts' rows of the side-by-side tensor ``name`` (``experts.gate_up_proj [n_experts, 2 * hidden,
     dim]``, or ``experts.down_proj``), split along dim 1 into the stacked weights it holds (``gate_up[name]``: gate
-    then up), each ``[local experts, rows, in]`` in ``dtype`` on ``device`` as its parameter's local shard."""
+    then up), each ``[local experts, rows, in]`` in ``dtype`` on ``device``. Returns ``(parameters made, this rank's
+    experts of the parts stored by experts)``: a part stored by experts (``by_experts(part)``: NF4) is left to the
+    caller; one stored whole (``stored_whole(part)``, unsharded) is read whole and handed to its store."""
     parts = gate_up[name]
-    for part in parts:
-        _refuse_nf4_experts(model, part, arrives_whole)
+    full = {part: torch.empty(full_shape(model, part, expected[part]), device="meta") for part in parts}
+    stores = {part: stored_whole(part) for part in parts}
     view = f.get_slice(key)
-    shape, want = tuple(view.get_shape()), held_shape(name, None, expected, gate_up)
+    shape, want = tuple(view.get_shape()), held_shape(name, None, full, gate_up)
     if shape != want:
         raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)}, the model expects {list(want)}")
     current = expected[parts[0]]
-    if isinstance(current, DTensor):
-        start, length = row_slice(current)
-        tensor = view[start:start + length]  # the expert dim: only this rank's experts are read
-    else:
+    ranked = {part for part in parts if by_experts(part)}
+    whole = not ranked and (not isinstance(current, DTensor) or any(store is not None for store in stores.values()))
+    if whole:
         tensor = f.get_tensor(key)
-    pieces = tensor.split([expected[part].shape[1] for part in parts], dim=1)
-    # copy=True and contiguous: a piece is a strided view of the read rows (or of the file's memory map)
-    return {part: as_param_like(piece.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True),
-                                expected[part])
-            for part, piece in zip(parts, pieces)}
+    else:  # the expert dim: only this rank's experts are read
+        start, length = _own_experts(current, shape[0]) if ranked else row_slice(current)
+        tensor = view[start:start + length]
+    kept, by_rank = {}, {}
+    for part, piece in zip(parts, tensor.split([full[part].shape[1] for part in parts], dim=1)):
+        # copy=True and contiguous: a piece is a strided view of the read rows (or of the file's memory map)
+        local = piece.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        if part in ranked:
+            by_rank[part] = local
+            continue
+        if stores[part] is not None:
+            local = stores[part](local, expected[part])
+        elif whole:
+            local = local_rows(local, expected[part])
+        kept[part] = as_param_like(local, expected[part])
+    return kept, by_rank
 
 
-def _refuse_nf4_experts(model, name: str, arrives_whole) -> None:
-    """CheckpointError when the stacked projection ``name`` would be stored as NF4 (read whole and quantized whole):
-    its NF4 rows are not split by expert."""
-    module_name, _, leaf = name.rpartition(".")
-    if arrives_whole is not None and arrives_whole(model.get_submodule(module_name), leaf) is not None:
-        raise CheckpointError(f"{name}: NF4 experts cannot be loaded into an FSDP2-sharded model yet (their NF4 "
-                              "rows are not split by expert): set lora.quantize_base=false, or train on one device")
-
-
-def _read_expert(model, f, key, name, expert, current, experts, arrives_whole, dtype, device) -> None:
-    """Expert ``expert``'s tensor into this rank's rows (experts) of the stacked projection ``name``; skipped
-    unread when another rank holds that expert."""
-    _refuse_nf4_experts(model, name, arrives_whole)
-    start, length = row_slice(current) if isinstance(current, DTensor) else (0, current.shape[0])
+def _read_expert(f, key, name, expert, start: int, length: int, shape: tuple[int, ...], experts, dtype,
+                 device) -> bool:
+    """Expert ``expert``'s tensor into ``experts[name]``, the experts ``start`` to ``start + length`` of the stacked
+    projection ``name`` of full ``shape`` (in ``dtype`` on ``device``); False, unread, for another rank's expert."""
     if not start <= expert < start + length:
-        return
-    shape = tuple(f.get_slice(key).get_shape())
-    if shape != tuple(current.shape[1:]):
-        raise CheckpointError(f"tensor {key} has shape {list(shape)}, the model expects {list(current.shape[1:])}")
+        return False
+    got = tuple(f.get_slice(key).get_shape())
+    if got != tuple(shape[1:]):
+        raise CheckpointError(f"tensor {key} has shape {list(got)}, the model expects {list(shape[1:])}")
     if name not in experts:
-        experts[name] = torch.empty((length, *current.shape[1:]), dtype=dtype, device=device)
+        experts[name] = torch.empty((length, *shape[1:]), dtype=dtype, device=device)
     experts[name][expert - start].copy_(f.get_tensor(key))
+    return True

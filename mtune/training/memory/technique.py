@@ -154,8 +154,9 @@ class WeightPhases:
 
     def stored_whole(self, module: Any, leaf: str) -> Any:
         """FSDP2 loading reads each rank's rows of a weight only; for a weight this technique stores from the whole
-        tensor (NF4: its scales span every row), ``store(full, param) -> this rank's rows`` as it stores them.
-        None: the rows as they come."""
+        tensor (NF4: its scales span every row), ``store(full, param) -> this rank's rows`` as it stores them; for a
+        sharded expert stack (3-D in checkpoints), ``store(own experts, param, rank_experts=True)``, a collective
+        each rank calls in the same order. None: the rows as they come."""
         return None
 
     def all_arrived(self, model: Any, sharded: bool, materialized: Any) -> None:

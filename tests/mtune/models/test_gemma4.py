@@ -89,10 +89,10 @@ def test_moe_checkpoint_loads_with_its_logits_and_saves_its_experts_fused(tmp_pa
     """26B-A4B's layout on the tiny shape: transformers' save_pretrained holds each layer's experts whole
     (layers.N.experts.gate_up_proj [8, 256, 256], gate rows first, and down_proj [8, 256, 128]); mtune loads them
     into its separate gate / up / down projections with transformers' logits, and saving without a source checkpoint
-    writes them fused again in a config transformers reads as the same model; the FSDP2 loader refuses them as NF4
-    in one line (the sharded load itself: below). Mutations seen failing: gate and up swapped on loading
+    writes them fused again in a config transformers reads as the same model (the sharded load: below; as NF4:
+    tests/mtune/training/test_nf4_experts_sharded.py). Mutations seen failing: gate and up swapped on loading
     (placing.place) or on saving (join_side_by_side), the per-expert scales left out of the routing weights, the
-    router fed the experts' normed input, the sharded loader's NF4 check skipped for side-by-side tensors."""
+    router fed the experts' normed input."""
     checkpoint = write_tiny_hf_model(tmp_path, "gemma4_moe")
     model = load_model_from_hf(checkpoint).eval()
     ours = logits(model)
@@ -105,12 +105,6 @@ def test_moe_checkpoint_loads_with_its_logits_and_saves_its_experts_fused(tmp_pa
         assert [k for k in f.keys() if ".layers.0.experts." in k] == ["model.layers.0.experts.down_proj",
                                                                        "model.layers.0.experts.gate_up_proj"]
     assert (logits(load_hf_model(out)) - ours).abs().max().item() <= 1e-5
-    from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
-
-    with pytest.raises(CheckpointError, match=r"layers.0.experts.down_proj.weight: NF4 experts cannot be loaded into "
-                                              "an FSDP2-sharded model yet"):  # every weight stored whole, as QLoRA's
-        load_hf_checkpoint_sharded(build_model("gemma4", "tiny_moe"), checkpoint, dtype=torch.float32, device="cpu",
-                                   arrives_whole=lambda module, leaf: lambda whole, current: whole)
 
 
 def _sharded_moe_rank_worker(rank: int, tmp: str, ckpt: str) -> None:

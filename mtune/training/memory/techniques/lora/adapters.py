@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from mtune.config.errors import ConfigError
 from mtune.modules.expert_linear import LoRAExpertLinear
 from mtune.modules.lora import LoRALinear, freeze_base, has_nf4_weight, is_adapter_param, reset_lora_parameters
-from mtune.modules.nf4_linear import dequantize, is_nf4, nf4_row_chunk, quantize_nf4
+from mtune.modules.nf4_linear import dequantize, is_nf4, nf4_row_chunk, quantize_nf4, quantize_nf4_expert_shard
 from mtune.training.memory.technique import WeightPhases
 from mtune.training.shards import as_param_like, assign_tensors, local_rows
 
@@ -48,10 +48,15 @@ def quantize_on_arrival(module: nn.Module) -> None:
         module.weight = quantize_nf4(module.weight)
 
 
-def nf4_rows(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The whole weight quantized to NF4 (its scales are quantized against the mean of all of them), then this
-    rank's rows of it as ``fully_shard`` splits NF4: bit-equal to one device's rows."""
-    nf4 = quantize_nf4(full).data
+def nf4_rows(tensor: torch.Tensor, param: torch.Tensor, *, rank_experts: bool = False) -> torch.Tensor:
+    """This rank's rows of ``param`` as NF4, bit-equal to one device's rows. ``tensor`` is the whole weight (an
+    expert projection's ``[n_experts, out, in]`` stack), quantized whole (its scales are quantized against the mean
+    of all of them) and then split as ``fully_shard`` splits NF4; or, ``rank_experts``, only this rank's experts of
+    a sharded stack, quantized against the whole stack's mean all the same (a collective:
+    :func:`~mtune.modules.nf4_linear.quantize_nf4_expert_shard`)."""
+    if rank_experts:
+        return quantize_nf4_expert_shard(tensor, param.device_mesh.get_group())
+    nf4 = quantize_nf4(tensor).data
     if not isinstance(param, DTensor):
         return nf4
     return nf4_row_chunk(nf4, param.device_mesh.size(), param.device_mesh.get_local_rank())
