@@ -516,3 +516,14 @@ def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")
     return _WRITERS[family](model_dir)
 
+
+def trained_text_runs(tok, result) -> list[str]:
+    """A tokenized conversation's trained tokens decoded with ``tok``, one string per run of them."""
+    runs, current = [], []
+    for token, trained in zip(result.tokens + [None], result.trained + [False]):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(tok.decode(current, skip_special_tokens=False))
+            current = []
+    return runs

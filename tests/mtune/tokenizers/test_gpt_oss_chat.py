@@ -17,7 +17,8 @@ import pytest
 from mtune.tokenizers import Message, detect_tokenizer, load_tokenizer
 from mtune.tokenizers.base import TokenizerError
 from mtune.tokenizers.gpt_oss import DEFAULT_DATE, GptOssTokenizer
-from tests._helpers.tokenizers import CONVERSATIONS, GPT_OSS_FIRST_SPECIAL, GPT_OSS_HUB_IDS, PHI4_BASE_VOCAB
+from tests._helpers.tokenizers import (CONVERSATIONS, GPT_OSS_FIRST_SPECIAL, GPT_OSS_HUB_IDS, PHI4_BASE_VOCAB,
+                                     trained_text_runs)
 
 REASONED = [
     {"role": "system", "content": "Be exact."},
@@ -55,18 +56,6 @@ def as_messages(messages):
     return [Message(**m) if isinstance(m, dict) else Message(*m) for m in messages]
 
 
-def trained_text(tok, result):
-    """The trained tokens, one string per run of them."""
-    runs, current = [], []
-    for token, trained in zip(result.tokens + [None], result.trained + [False]):
-        if trained:
-            current.append(token)
-        elif current:
-            runs.append(tok.decode(current, skip_special_tokens=False))
-            current = []
-    return runs
-
-
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 def test_conversations_and_their_prompts_match_the_template(name, tokenizer_dirs, hf):
     tok = load_tokenizer(tokenizer_dirs["gpt_oss"])
@@ -77,7 +66,7 @@ def test_conversations_and_their_prompts_match_the_template(name, tokenizer_dirs
     replies = [content for role, content in messages if role == "assistant"]
     expected = [f"<|channel|>final<|message|>{reply}<|end|>" for reply in replies]
     expected[-1] = expected[-1].removesuffix("<|end|>") + "<|return|>"
-    assert trained_text(tok, result) == expected
+    assert trained_text_runs(tok, result) == expected
     # each prefix ending with a user turn, as a generation prompt: the template's ids, which the conversation
     # continues, the prompt <|start|>assistant not trained
     for end, (role, _) in enumerate(messages):
@@ -105,7 +94,7 @@ def test_reasoning_only_on_the_last_reply_and_never_in_a_prompt(n, tokenizer_dir
     last = "<|channel|>analysis<|message|>{}<|end|><|start|>assistant<|channel|>final<|message|>{}<|return|>"
     expected = ([last.format("add them", "It's 5.")] if n == 3 else
                 ["<|channel|>final<|message|>It's 5.<|end|>", last.format("four and four", "It's 8.")])
-    assert trained_text(tok, result) == expected
+    assert trained_text_runs(tok, result) == expected
     # with a generation prompt the last reply is an earlier one: its reasoning goes, it ends with <|end|>
     prompt = tok.tokenize_messages(as_messages(messages), add_generation_prompt=True)
     assert prompt.tokens == hf_ids(hf, messages, add_generation_prompt=True)

@@ -24,7 +24,7 @@ from mtune.tokenizers.base import TokenizerError
 from mtune.tokenizers.gpt_oss import DEFAULT_DATE
 from mtune.tokenizers.gpt_oss_tools import tool_namespace
 from mtune.tokenizers.tools import ToolCall
-from tests._helpers.tokenizers import CONVERSATIONS, write_qwen_tools_tokenizer
+from tests._helpers.tokenizers import CONVERSATIONS, trained_text_runs, write_qwen_tools_tokenizer
 from tests._helpers.tool_calls import (NESTED, ONE_CALL, PARALLEL, SEARCH, SEQUENTIAL, TOOLS, WEATHER, call,
                                        with_string_arguments)
 
@@ -64,18 +64,6 @@ def hf_ids(hf, messages, tools, **kwargs):
     return hf(text, add_special_tokens=False)["input_ids"]
 
 
-def trained_runs(tok, result):
-    """The trained tokens as text, one string per run of them."""
-    runs, current = [], []
-    for token, trained in zip(result.tokens + [None], result.trained + [False]):
-        if trained:
-            current.append(token)
-        elif current:
-            runs.append(tok.decode(current, skip_special_tokens=False))
-            current = []
-    return runs
-
-
 QWEN3_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 QWEN3_5_PARIS = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
                  "celsius\n</parameter>\n</function>\n</tool_call>")
@@ -93,7 +81,7 @@ def test_one_call_its_result_and_the_answer(family, tokenizers):
     tok, hf = tokenizers[family]
     result = tok.tokenize_messages(ONE_CALL, tools=TOOLS)
     assert result.tokens == hf_ids(hf, ONE_CALL, TOOLS)
-    assert trained_runs(tok, result) == ONE_CALL_TRAINED[family]
+    assert trained_text_runs(tok, result) == ONE_CALL_TRAINED[family]
     # the conversation so far, awaiting the answer: the same ids as the template's generation prompt
     prompt = tok.tokenize_messages([Message(**m) for m in ONE_CALL[:4]], tools=TOOLS, add_generation_prompt=True)
     assert prompt.tokens == hf_ids(hf, ONE_CALL[:4], TOOLS, add_generation_prompt=True)
@@ -109,7 +97,7 @@ def test_two_parallel_calls_and_their_results(family, tokenizers):
     tok, hf = tokenizers[family]
     result = tok.tokenize_messages(PARALLEL, tools=[WEATHER])
     assert result.tokens == hf_ids(hf, PARALLEL, [WEATHER])
-    calls = trained_runs(tok, result)[0]
+    calls = trained_text_runs(tok, result)[0]
     assert calls.count("<tool_call>") == 2 and "Oslo" in calls and calls.endswith("</tool_call><|im_end|>")
     user_turns = tok.decode(result.tokens, skip_special_tokens=False).split("<|im_start|>user")
     assert len(user_turns) == 3 and user_turns[2].count("<tool_response>") == 2  # both results in one user turn
@@ -124,7 +112,7 @@ def test_gpt_oss_takes_calls_one_per_message(tokenizers):
     assert "now Oslo" not in text  # a call's analysis is dropped when a final answer follows ...
     unanswered = tok.tokenize_messages(SEQUENTIAL[:4], tools=[WEATHER])  # ... and kept when none does
     assert unanswered.tokens == hf_ids(hf, SEQUENTIAL[:4], [WEATHER])
-    assert trained_runs(tok, unanswered)[-1].startswith("<|channel|>analysis<|message|>now Oslo<|end|><|start|>"
+    assert trained_text_runs(tok, unanswered)[-1].startswith("<|channel|>analysis<|message|>now Oslo<|end|><|start|>"
                                                         "assistant to=functions.get_weather")
     # two calls in one message: the template renders the first only; mtune refuses rather than drop the second
     with pytest.raises(TokenizerError, match="message 1 makes 2 tool calls; harmony has one call per assistant"):
@@ -140,7 +128,7 @@ def test_nested_schema_and_arguments(family, tokenizers):
     tok, hf = tokenizers[family]
     result = tok.tokenize_messages(NESTED, tools=TOOLS)
     assert result.tokens == hf_ids(hf, NESTED, TOOLS)
-    assert "Ana" in trained_runs(tok, result)[0]
+    assert "Ana" in trained_text_runs(tok, result)[0]
 
 
 def test_gpt_oss_typescript_namespace():
@@ -177,7 +165,7 @@ def test_arguments_given_as_json_text(family, tokenizers):
     result = tok.tokenize_messages(text_args, tools=[WEATHER])
     assert result.tokens == hf_ids(hf, text_args if family == "qwen3" else ONE_CALL, [WEATHER])
     if family == "qwen3":
-        assert '"arguments": {"city":"Paris","unit":"celsius"}}' in trained_runs(tok, result)[0]
+        assert '"arguments": {"city":"Paris","unit":"celsius"}}' in trained_text_runs(tok, result)[0]
     compact = '{"city":"Paris","unit":"celsius"}'
     assert Message(**text_args[2]).tool_calls == (ToolCall("get_weather", PARIS_ARGS, compact),)
 
