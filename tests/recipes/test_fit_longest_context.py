@@ -134,3 +134,26 @@ def test_the_search_at_the_reached_length_answers_as_the_cheapest_first_search(t
     assert answers[0] is not None and answers[0] == answers[1] == answers[2], answers
     seeded = next(c for c in found if c.levels == extra["first"])
     assert seeded.fits and seeded.changes != answers[0]  # judged first: it fits, and is not the answer
+
+
+def test_only_a_reach_planned_over_the_device_prunes_at_the_reached_length():
+    """A maximal candidate the reach planned over a budget prunes at the reached length only where it was over the
+    device (`longest._over_device`): over the host alone, a candidate that offloads less may fit; and only from a
+    plan made already (no plan is run for it). Mutations seen failing: the device check dropped (the host-only
+    failure counted), the planned-already check dropped."""
+    from types import SimpleNamespace
+
+    from mtune.training.planning.longest import _over_device
+
+    class Fitter:
+        def __init__(self, device_spare: int, plans_run: int = 0):
+            self.margin, self.estimator = 10, SimpleNamespace(planned=3)
+            self.device_spare, self.plans_run = device_spare, plans_run
+
+        def fitting_plan(self, variant, length):
+            self.estimator.planned += self.plans_run
+            return SimpleNamespace(fits=lambda: {"device": self.device_spare, "host": -1})
+
+    assert _over_device(Fitter(5), None, 1024)  # 5 bytes spare, less than the margin: over the device
+    assert not _over_device(Fitter(20), None, 1024)  # within the device, over the host alone
+    assert not _over_device(Fitter(5, plans_run=2), None, 1024)  # not planned before

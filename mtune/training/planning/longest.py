@@ -134,6 +134,14 @@ def _limiting(curve: list[tuple[int, MemoryPlan]]) -> str:
             f" of the device peak {format_bytes(last.device_peak_bytes)})")
 
 
+def _over_device(fitter: Fitter, variant, length: int) -> bool:
+    """Whether ``variant``'s plan at ``length`` (planned already: a cache hit, else False without planning) is over
+    the device: a failure over the host alone says nothing of a candidate that offloads less."""
+    planned = fitter.estimator.planned
+    plan = fitter.fitting_plan(variant, length)
+    return fitter.estimator.planned == planned and plan.fits()["device"] - fitter.margin < 0
+
+
 def _search_maxima_first(cfg, schema, *, knobs: list[Knob], estimator: Estimator, device_memory: int,
                          host_memory: int | None, margin: int, lossy: str, world_size: int,
                          first: tuple[int, ...] | None = None,
@@ -146,8 +154,8 @@ def _search_maxima_first(cfg, schema, *, knobs: list[Knob], estimator: Estimator
     where the cheapest-first order planned most of them (Llama 3.1 8B LoRA at 40 GiB: 36 plans). Returns the
     candidates, each judged or left (``fits`` None); the answer is the same cheapest fit as ``search`` finds
     whatever the order (pruning rests on the same rule: memory grows as a knob saves less). ``over``: the knob
-    levels of candidates the reach planned over a budget at this length or a shorter one (the peak grows with the
-    length), each pruning as a failure for which the host's room may have kept inputs on the device
+    levels of candidates the reach planned over the device at this length or a shorter one (the peak grows with
+    the length), each pruning as a failure for which the host's room may have kept inputs on the device
     (`Judge.failed_kept`: what it out-saves at its levels of the offloading knobs)."""
     judge = Judge(cfg, estimator, knobs=knobs, device_memory=device_memory, host_memory=host_memory, margin=margin,
                   world_size=world_size)
@@ -201,13 +209,16 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
             beyond = min(best_len + STEP, trained)
             if best_len and (best_len >= trained or not fitter.fits(fitter.fitting_plan(variant, beyond))):
                 bounded.append((candidate, beyond))
-                too_long += [(candidate.levels, beyond)] if best_len < trained else []
+                too_long += [(candidate.levels, beyond)] if best_len < trained and _over_device(fitter, variant,
+                                                                                                beyond) else []
                 progress(f"  does not fit {beyond:,} tokens: no longer than {best_len:,}"
                          if best_len < trained else "  the trained context is reached already")
                 continue
             length = fitter.longest(variant, trained, progress, planned=beyond if best_len else None)
             reach.append((candidate, length))
-            too_long.append((candidate.levels, length + STEP if length else SHORTEST))  # the edge planned it
+            over_at = length + STEP if length else SHORTEST  # the edge planned it
+            too_long += [(candidate.levels, over_at)] if over_at <= trained and _over_device(fitter, variant,
+                                                                                             over_at) else []
             progress(f"  fits {length:,} tokens" if length else f"  does not fit {SHORTEST:,} tokens")
             best_len = max(best_len, length)
         if best_len:
