@@ -144,8 +144,11 @@ def test_only_a_reach_planned_over_the_device_prunes_at_the_reached_length():
     from types import SimpleNamespace
 
     from mtune.training.planning.longest import _over_device
+    from mtune.training.planning.reach import Fitter as RealFitter
 
     class Fitter:
+        within_device = RealFitter.within_device  # the real judgement of a plan's device spare
+
         def __init__(self, device_spare: int, plans_run: int = 0):
             self.margin, self.estimator = 10, SimpleNamespace(planned=3)
             self.device_spare, self.plans_run = device_spare, plans_run

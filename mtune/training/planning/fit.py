@@ -41,8 +41,8 @@ from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.errors import MtuneError
 from mtune.training.planning.cost import one_search
 from mtune.training.planning.candidates import Candidate, Knob, candidates_of, describe, registry_knobs
-from mtune.training.planning.host import (available_host_memory, default_host_memory, fewer_offloaded_blocks,
-                                          host_figures, host_line, host_reserve)
+from mtune.training.planning.host import (available_host_memory, default_host_memory, host_figures, host_line,
+                                          host_reserve)
 from mtune.training.planning.judge import Judge, fits_budgets
 from mtune.training.planning.answer import close_answer, numerics_line, write_config
 from mtune.training.planning.estimate import Estimator
@@ -50,7 +50,7 @@ from mtune.units import GIB, format_bytes
 
 __all__ = ["search", "search_phases", "speed_key", "best_of", "fit_command", "fit_header", "fits_budgets",
            "numerics_line", "write_config", "close_answer", "FitError", "allocator_margin", "available_host_memory",
-           "default_host_memory", "host_reserve", "fewer_offloaded_blocks", "host_that_fits", "host_line",
+           "default_host_memory", "host_reserve", "host_that_fits", "host_line",
            "host_figures", "LOSSY_POLICIES"]
 
 log = logging.getLogger(__name__)

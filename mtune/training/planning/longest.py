@@ -139,7 +139,7 @@ def _over_device(fitter: Fitter, variant, length: int) -> bool:
     the device: a failure over the host alone says nothing of a candidate that offloads less."""
     planned = fitter.estimator.planned
     plan = fitter.fitting_plan(variant, length)
-    return fitter.estimator.planned == planned and plan.fits()["device"] - fitter.margin < 0
+    return fitter.estimator.planned == planned and not fitter.within_device(plan)
 
 
 def _search_maxima_first(cfg, schema, *, knobs: list[Knob], estimator: Estimator, device_memory: int,
@@ -207,10 +207,11 @@ def longest_context(cfg, schema, *, device_memory: int, host_memory: int | None,
             # the bracket: a candidate that does not fit one step beyond the longest found cannot beat it (the
             # peak grows with the length), so one plan answers it instead of a search
             beyond = min(best_len + STEP, trained)
-            if best_len and (best_len >= trained or not fitter.fits(fitter.fitting_plan(variant, beyond))):
+            bracket = fitter.fitting_plan(variant, beyond) if 0 < best_len < trained else None
+            if best_len and (bracket is None or not fitter.fits(bracket)):
                 bounded.append((candidate, beyond))
-                too_long += [(candidate.levels, beyond)] if best_len < trained and _over_device(fitter, variant,
-                                                                                                beyond) else []
+                too_long += [(candidate.levels, beyond)] if bracket is not None and not fitter.within_device(
+                    bracket) else []
                 progress(f"  does not fit {beyond:,} tokens: no longer than {best_len:,}"
                          if best_len < trained else "  the trained context is reached already")
                 continue

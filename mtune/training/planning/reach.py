@@ -58,14 +58,18 @@ class Fitter:
     """Plans a candidate at a length and says whether it fits, as ``--fit`` judges it (device total plus the
     allocator margin within the device budget, host share within the host budget). A candidate that offloads every
     block's input where the host cannot hold them all offloads as many as it holds
-    (`~mtune.training.planning.fit.fewer_offloaded_blocks`), as ``--fit`` does."""
+    (`~mtune.training.planning.host.fewer_offloaded_blocks`), as ``--fit`` does."""
 
     def __init__(self, estimator: Estimator, device_memory: int, host_memory: int | None, margin: int):
         self.estimator, self.device_memory, self.host_memory, self.margin = (estimator, device_memory, host_memory,
                                                                              margin)
 
     def plan(self, cfg, seq_len: int) -> MemoryPlan:
-        plan = self.estimator.estimate(_written_out(at_length(cfg, seq_len)))
+        return self._plan_of(_written_out(at_length(cfg, seq_len)))
+
+    def _plan_of(self, at) -> MemoryPlan:
+        """The plan of ``at`` (a config at its length), with the budgets recorded on it."""
+        plan = self.estimator.estimate(at)
         plan.device_memory, plan.host_memory = self.device_memory, self.host_memory
         return plan
 
@@ -75,8 +79,9 @@ class Fitter:
 
     def fitting_plan(self, cfg, seq_len: int) -> MemoryPlan:
         """``cfg``'s plan at ``seq_len``, with fewer blocks offloaded where the host cannot hold every block's."""
-        plan = self.plan(cfg, seq_len)
-        fewer = fewer_offloaded_blocks(_written_out(at_length(cfg, seq_len)), plan, self.estimator, self.host_spare)
+        at = _written_out(at_length(cfg, seq_len))
+        plan = self._plan_of(at)
+        fewer = fewer_offloaded_blocks(at, plan, self.estimator, self.host_spare)
         if fewer is not None:
             plan = fewer[1]
             plan.device_memory, plan.host_memory = self.device_memory, self.host_memory
@@ -84,6 +89,11 @@ class Fitter:
 
     def fits(self, plan: MemoryPlan) -> bool:
         return fits_budgets(plan, self.device_memory, self.host_memory, self.margin)
+
+    def within_device(self, plan: MemoryPlan) -> bool:
+        """Whether ``plan`` (one of this fitter's: its budgets recorded) fits the device less the margin, whatever
+        the host."""
+        return plan.fits()["device"] - self.margin >= 0
 
     def spare(self, plan: MemoryPlan) -> list[int]:
         """Bytes left per budget (device less the margin; host where there is one)."""
