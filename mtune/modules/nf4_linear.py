@@ -5,7 +5,8 @@ to 8 bits per 256), about 0.26x the bytes of bf16. The forward dequantizes to th
 normal matmul, so compute happens in the model dtype. NF4 weights are frozen: they never receive gradients.
 
 torchao needs each weight's element count divisible by 16384 (`quantize_nf4` says so when it is not); the tiny test
-models are sized for it.
+models are sized for it. Under FSDP2 a weight whose 256-scale blocks do not split over the ranks quantizes its scales
+in smaller blocks (`dense_scaler_block`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from mtune.config.errors import ConfigError
 
-__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "quantize_nf4_expert_shard", "dequantize", "linear_maybe_nf4",
-           "nf4_part", "nf4_row_chunk"]
+__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "quantize_nf4_expert_shard", "dense_scaler_block", "dequantize",
+           "linear_maybe_nf4", "nf4_part", "nf4_row_chunk"]
 
 # torchao >= 0.18 keeps NF4 under quantize_.workflows, older versions under dtypes
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
@@ -59,12 +60,13 @@ def nf4_tensor_class() -> type | None:
     return None if _nf4 is None else _nf4.NF4Tensor
 
 
-def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
+def quantize_nf4(weight: torch.Tensor, ranks: int = 1) -> nn.Parameter:
     """Returns a frozen Parameter holding `weight` as NF4 (dequantizes back to `weight.dtype`). A 3-D weight (every
     expert's copy of a projection) is quantized as its 2-D ``[-1, in]`` rows: torchao's NF4 takes 2-D only; each
     expert must then be a whole number of second-level scale blocks (:func:`nf4_part` splits by expert), so its
     scaler block is the largest power of two up to 256 that divides an expert's scale count (gpt-oss's 2880 x 5760
-    experts: 128; 2880 x 2880: 64), torchao's 256 wherever that fits."""
+    experts: 128; 2880 x 2880: 64), torchao's 256 wherever that fits. A 2-D weight that FSDP2 splits by rows over
+    ``ranks`` has the scaler block :func:`dense_scaler_block` gives (256 on one device)."""
     scaler_block = NF4_SCALER_BLOCK
     if weight.dim() > 2:
         scaler_block = _expert_scaler_block(weight)
@@ -74,6 +76,8 @@ def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
             f"NF4 needs a weight whose element count is divisible by 16384; got shape {tuple(weight.shape)}: "
             "pick model sizes with larger or rounder linear layers, or set lora.quantize_base=false"
         )
+    else:
+        scaler_block = dense_scaler_block(weight.shape, ranks)
     if is_fake(weight):  # mtune plan: no values to quantize, only torchao's layout to build
         return nn.Parameter(_nf4_layout(weight.detach(), scaler_block), requires_grad=False)
     return nn.Parameter(_nf4_api().to_nf4(weight.detach(), NF4_BLOCK, scaler_block), requires_grad=False)
@@ -81,6 +85,24 @@ def quantize_nf4(weight: torch.Tensor) -> nn.Parameter:
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 """Values per scale and scales per second-level scale: torchao's ``to_nf4`` defaults, which `quantize_nf4` uses."""
+
+
+def dense_scaler_block(shape: tuple[int, ...] | torch.Size, ranks: int = 1) -> int:
+    """The scaler block (scales per 8-bit second-level block) of a 2-D NF4 weight ``[out, in]`` that FSDP2 splits
+    by rows over ``ranks``: each rank's rows must hold whole second-level blocks (FSDP2 splits the codes, the
+    scales and the blocks' factors alike), so torchao's 256 where the scales of ``out / ranks`` rows divide by it,
+    else the largest power of two that divides them: gpt-oss's ``[512, 2880]`` k_proj and v_proj on 8 ranks, 2880
+    scales a rank, 64; Gemma 4 26B-A4B's ``[2112, 2816]`` MLP on 2 ranks, 46464 scales a rank, 128. Smaller blocks
+    only make the scales' own quantization finer (a factor per block more), but they are other values than one
+    device's 256 give: the run's log says which weights. ConfigError where the rows or the 64-value blocks do not
+    split."""
+    rows, cols = shape
+    if rows % ranks or rows // ranks * cols % NF4_BLOCK:
+        raise ConfigError(f"an NF4 weight {list(shape)} does not split into whole {NF4_BLOCK}-value blocks over "
+                          f"{ranks} ranks: launch a number of processes that divides its {rows} rows, or set "
+                          "lora.quantize_base=false")
+    scales = rows // ranks * cols // NF4_BLOCK
+    return next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if scales % b == 0)
 
 
 def _expert_scaler_block(weight: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ Checkpoints of sharded models (DCP resume state, gathered Hugging Face export) a
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -21,9 +22,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from mtune.config.errors import ConfigError
 from mtune.modules.expert_linear import ExpertLinear
 from mtune.modules.lora import has_nf4_weight
-from mtune.modules.nf4_linear import NF4_BLOCK, NF4_SCALER_BLOCK
+from mtune.modules.nf4_linear import NF4_SCALER_BLOCK, dense_scaler_block
 
 __all__ = ["init_distributed", "destroy_distributed", "shard_model", "all_reduce"]
+
+log = logging.getLogger(__name__)
 
 
 def all_reduce(value: torch.Tensor, op=None) -> torch.Tensor:
@@ -109,10 +112,12 @@ def _prepare_nf4(model: nn.Module) -> None:
     """Every weight QLoRA stores as NF4 checked to split evenly over the ranks, and every expert projection among
     them held as its ``[n_experts * out, in]`` rows before sharding
     (:meth:`~mtune.modules.expert_linear.ExpertLinear.hold_nf4_rows_`). FSDP2 splits an NF4 weight's codes, scales
-    and second-level factors alike, so a rank's rows must be whole blocks of 64 x 256 values (a dense weight's) or
-    whole experts (each expert's codes and scales are a block of their own). ConfigError naming the weight
-    otherwise, before anything is read."""
+    and second-level factors alike, so a rank's rows must be whole experts (each expert's codes and scales are a
+    block of their own) or, for a dense weight, whole 64-value blocks and whole second-level blocks: where torchao's
+    256 scales a block do not split, the weight takes smaller blocks (`dense_scaler_block`), logged once with the
+    weights it concerns. ConfigError naming the weight otherwise, before anything is read."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
+    smaller: dict[tuple[tuple[int, ...], int], list[str]] = {}  # (shape, scaler block) -> the weights
     for name, module in model.named_modules():
         if not has_nf4_weight(module):
             continue
@@ -123,9 +128,16 @@ def _prepare_nf4(model: nn.Module) -> None:
                                   "number of processes that divides the experts, or set lora.quantize_base=false")
             module.hold_nf4_rows_()
             continue
-        rows, blocks = module.weight.shape[0], module.weight.numel() // (NF4_BLOCK * NF4_SCALER_BLOCK)
-        if rows % ranks or blocks % ranks:
-            raise ConfigError(f"{name}.weight {list(module.weight.shape)}: its {rows} rows and {blocks} NF4 blocks "
-                              f"of {NF4_BLOCK * NF4_SCALER_BLOCK} values do not both split evenly over {ranks} ranks, "
-                              "which an NF4 weight (lora.quantize_base=true) under FSDP2 needs: launch a number of "
-                              "processes that divides both, or set lora.quantize_base=false")
+        shape = tuple(module.weight.shape)
+        try:
+            scaler_block = dense_scaler_block(shape, ranks)
+        except ConfigError as error:
+            raise ConfigError(f"{name}.weight: {error}") from None
+        if scaler_block != NF4_SCALER_BLOCK:
+            smaller.setdefault((shape, scaler_block), []).append(name)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for (shape, scaler_block), names in smaller.items():
+            kinds = ", ".join(sorted({name.split(".", 2)[-1] for name in names}))  # without layers.<i>.
+            log.info(f"NF4 on {ranks} ranks: {len(names)} weights {list(shape)} ({kinds}) quantize their scales in "
+                     f"blocks of {scaler_block}, not {NF4_SCALER_BLOCK}, whose blocks do not split over the ranks: "
+                     "finer, and other values than one device's")

@@ -176,14 +176,14 @@ def test_a_gathered_save_writes_whole_dequantized_experts(shards):
 
 @pytest.mark.parametrize("world, n_experts, message", [
     (4, 6, r"^layers\.0\.mlp\.experts\.gate_proj\.weight: its 6 experts do not split evenly over 4 ranks, "),
-    (3, 8, r"^layers\.0\.self_attn\.q_proj\.weight \[512, 256\]: its 512 rows and 8 NF4 blocks of 16384 values do "
-           r"not both split evenly over 3 ranks, "),
+    (3, 8, r"^layers\.0\.self_attn\.q_proj\.weight: an NF4 weight \[512, 256\] does not split into whole "
+           r"64-value blocks over 3 ranks: "),
 ], ids=["experts", "dense"])
 def test_nf4_weights_the_ranks_cannot_split_are_refused_in_one_line(world, n_experts, message):
     """4 ranks cannot each hold whole experts of 6 (an expert's NF4 scales are a block of their own), nor 3 ranks
-    whole 16384-value blocks of a dense weight (FSDP2 splits NF4's second-level factors with its rows: gpt-oss
-    120B's [512, 2880] k_proj has 90): shard_model says so, naming the weight and the key, before anything is read.
-    Mutation seen failing: either check skipped."""
+    whole rows of a dense weight of 512 (smaller second-level blocks, `test_nf4_dense_sharded`, cannot help there):
+    shard_model says so, naming the weight and the key, before anything is read. Mutation seen failing: either
+    check skipped."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 

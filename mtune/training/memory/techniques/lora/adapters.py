@@ -53,13 +53,15 @@ def nf4_rows(tensor: torch.Tensor, param: torch.Tensor, *, rank_experts: bool = 
     expert projection's ``[n_experts, out, in]`` stack), quantized whole (its scales are quantized against the mean
     of all of them) and then split as ``fully_shard`` splits NF4; or, ``rank_experts``, only this rank's experts of
     a sharded stack, quantized against the whole stack's mean all the same (a collective:
-    :func:`~mtune.modules.nf4_linear.quantize_nf4_expert_shard`)."""
+    :func:`~mtune.modules.nf4_linear.quantize_nf4_expert_shard`). The exception: a dense weight whose 256-scale
+    blocks do not split over the ranks has smaller ones (`~mtune.modules.nf4_linear.dense_scaler_block`), so its
+    rows are those of ``quantize_nf4(tensor, ranks)``, not one device's."""
     if rank_experts:
         return quantize_nf4_expert_shard(tensor, param.device_mesh.get_group())
-    nf4 = quantize_nf4(tensor).data
     if not isinstance(param, DTensor):
-        return nf4
-    return nf4_row_chunk(nf4, param.device_mesh.size(), param.device_mesh.get_local_rank())
+        return quantize_nf4(tensor).data
+    ranks = param.device_mesh.size()
+    return nf4_row_chunk(quantize_nf4(tensor, ranks).data, ranks, param.device_mesh.get_local_rank())
 
 
 def check_shardable(lora) -> None:
