@@ -1,8 +1,9 @@
 """Gemma 4 text (dense) against transformers and peft: the hub's config layout beside transformers 5.24's, saving in
 the hub's, the text tower of a multimodal checkpoint (vision and audio skipped), gradients of a step through the
 shared keys and values and the per-layer inputs, the soft-capped chunked loss, LoRA / QLoRA steps whose adapter loads
-in peft, generation with the KV cache, the named sizes, and what it refuses. (The shared tiny-shape logits, checkpoint
-round trip and packed rows: test_transformer.py and test_hf.py; the chat format: tests/mtune/tokenizers/test_chat.py.)"""
+in peft, generation with the KV cache, the named sizes, and what it refuses. (The shared tiny-shape logits,
+checkpoint round trip and packed rows: test_transformer.py and test_hf.py; the chat format:
+tests/mtune/tokenizers/test_chat.py.)"""
 
 import json
 import logging
