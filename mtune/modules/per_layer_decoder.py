@@ -9,11 +9,17 @@ takes slice ``i`` as its per-layer input (:class:`~mtune.modules.per_layer_block
 Shared keys and values: block ``i`` with ``args.kv_source(i) = j`` attends to the keys and values block ``j`` made;
 the decoder keeps those of each source block until the forward ends (they are live anyway: the later layers' backward
 needs them) and hands them over as tensors, so blocks stay callable with tensors only.
+
+Generation with a KV cache: only the layers that make keys and values get a cache. A source layer writes the new
+tokens' keys (normed, rotated) and values (normed) into it and hands on the whole cache, which the reusing layers
+attend to under the mask of their kind (sliding or global: the same as their source's), exactly as in training,
+where the source hands on the keys and values of the whole sequence.
 """
 
 import torch
 from torch import nn
 
+from mtune.modules.kv_cache import KVCache
 from mtune.modules.rms_norm import FP32RMSNorm
 from mtune.modules.sandwich_block import ScaledEmbedding
 from mtune.modules.softcap import SoftcappedLinear
@@ -25,8 +31,8 @@ class PerLayerInputDecoder(TransformerDecoder):
     per_layer_input, k, v) -> (h, k, v)``. ``args`` adds ``per_layer_dim`` (0: no per-layer inputs),
     ``per_layer_vocab_size``, ``kv_source(i)`` (the block whose keys and values block ``i`` reuses, or None) and
     ``final_logit_softcap`` (the head's :class:`~mtune.modules.softcap.SoftcappedLinear`; None: a plain head).
-    Generation with a KV cache (what mtune's generation and task evaluation use) is refused in one line: the
-    reusing layers have no cache of their own."""
+    With caches set up (generation, task evaluation), the reusing layers have none of their own: they attend to their
+    source layer's cache, handed over as in training."""
 
     def __init__(self, args) -> None:
         super().__init__(args)
@@ -41,8 +47,16 @@ class PerLayerInputDecoder(TransformerDecoder):
             self.tie_weights()
 
     def setup_caches(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
-        raise NotImplementedError(f"generation with a KV cache is not supported for {self.args.family} (its last "
-                                  "layers reuse earlier layers' keys and values instead of caching their own)")
+        """A :class:`KVCache` ``[batch_size, kv_heads, max_seq_len, head_dim]`` for each layer that makes its own keys
+        and values (its own head count and size: the global layers' may differ); none for the layers that reuse
+        them. Positions then continue from the last call."""
+        param = self.embed_tokens.weight
+        dtype = dtype or param.dtype
+        for layer, source in zip(self.layers, self.kv_sources):
+            attn = layer.self_attn
+            attn.kv_cache = None if source is not None else KVCache(batch_size, max_seq_len, attn.n_kv_heads,
+                                                                     attn.head_dim, dtype, param.device)
+        self._next_pos = 0
 
     def per_layer_inputs(self, tokens: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor | None:
         """``[b, s, n_layers, p]`` from the tokens ``[b, s]`` and their scaled embeddings ``[b, s, dim]``."""

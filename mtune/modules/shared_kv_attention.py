@@ -5,13 +5,16 @@ its scores need no ``1 / sqrt(head_dim)``. A layer with its own keys and values 
 them, rotated and normed, beside its output; the last ``num_kv_shared_layers`` layers (:class:`SharedKVAttention`)
 have no key or value projections and attend to those of the last earlier layer of their kind (sliding or global),
 which the decoder hands them (:class:`~mtune.modules.per_layer_decoder.PerLayerInputDecoder`). Both are called
-``attn(x, cos, sin, mask, cache_pos, cu_seqlens, k, v) -> (out, k, v)``, tensors only.
+``attn(x, cos, sin, mask, cache_pos, cu_seqlens, k, v) -> (out, k, v)``, tensors only. When decoding, a layer with
+its own keys and values writes them into its ``kv_cache`` and returns the whole cache, which the reusing layers
+(whose ``kv_cache`` stays None) attend to under the mask against it.
 """
 
 import torch
 from torch import nn
 
 from mtune.modules.attention import causal_attention
+from mtune.modules.kv_cache import KVCache
 from mtune.modules.rms_norm import FP32RMSNorm, rms_normalize
 from mtune.modules.rotary import apply_rotary
 
@@ -24,9 +27,10 @@ class SharedKVAttention(nn.Module):
         dim: model width; n_heads, n_kv_heads, head_dim: the layout (``q_proj`` is ``[n_heads * head_dim, dim]``).
         norm_eps: the norms' epsilon.
         sliding_window: each token attends to at most this many tokens, itself included (None: all earlier ones).
+    Attributes:
+        kv_cache: None; the decoder's ``setup_caches`` gives layers that make keys and values a
+            :class:`~mtune.modules.kv_cache.KVCache`, and leaves this class's at None (it reads its source's).
     """
-
-    kv_cache = None  # generation with a cache is refused by the decoder; the attribute says there is none
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float,
                  sliding_window: int | None = None) -> None:
@@ -38,6 +42,7 @@ class SharedKVAttention(nn.Module):
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.q_norm = FP32RMSNorm(head_dim, norm_eps)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.kv_cache: KVCache | None = None
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Normed, rotated queries ``[b, n_heads, s, head_dim]``, scaled by ``sqrt(head_dim)`` so that the kernels'
@@ -58,7 +63,8 @@ class NormedKVAttention(SharedKVAttention):
     """:class:`SharedKVAttention` that makes its own keys and values: ``k_proj`` then ``k_norm`` and RoPE; ``v_proj``
     then an RMS norm without weight. ``keys_are_values`` (``attention_k_eq_v``, Gemma 4's global layers of 31B):
     no ``v_proj``; the values are ``k_proj``'s output, normed without weight and not rotated. Returns the keys and
-    values it attended to, for layers that reuse them."""
+    values it attended to, for layers that reuse them: with a ``kv_cache``, the whole cache after writing this call's
+    tokens at ``cache_pos``."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float,
                  sliding_window: int | None = None, keys_are_values: bool = False) -> None:
@@ -73,4 +79,6 @@ class NormedKVAttention(SharedKVAttention):
         values = keys if self.v_proj is None else self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
         k = apply_rotary(self.k_norm(keys).transpose(1, 2), cos, sin)
         v = rms_normalize(values, self.norm_eps).transpose(1, 2)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(cache_pos, k, v)
         return super().forward(x, cos, sin, mask, cache_pos, cu_seqlens, k, v)

@@ -76,6 +76,19 @@ def test_greedy_text_equals_transformers(kind, model_dir, capsys):
     assert text == reference
 
 
+def test_gemma4_chat_equals_transformers(tmp_path, capsys):
+    """Gemma 4 through the recipe (its tiny shape: the last two layers reuse earlier layers' cached keys and values;
+    per-layer inputs; the checkpoint's own tokenizer.json and chat format): the greedy text of a chat equals
+    transformers'. Mutation seen failing: the reusing layers handed the caches of layers 0 and 1 while decoding."""
+    vocab = write_tokenizer_files(tmp_path / "tok", "gemma4")
+    path = write_tiny_hf_model(tmp_path, "gemma4", vocab_size=vocab, bos_token_id=vocab - 3, eos_token_id=vocab - 4)
+    write_tokenizer_files(path, "gemma4")
+    keys = {"model": {"checkpoint_dir": str(path)}, "tokenizer": {"path": str(path)}, "messages": MESSAGES}
+    text = run(capsys, **keys)
+    assert len(text) > 10
+    assert text == hf_text(path, messages=MESSAGES)
+
+
 def test_text_streams_and_sampling_is_seeded(model_dir, capsys):
     path, _ = model_dir
     keys = {"model": {"checkpoint_dir": str(path)}, "tokenizer": {"path": str(path)}, "prompt": PROMPT, "temperature": 1.0, "top_k": 50, "top_p": 0.9}
