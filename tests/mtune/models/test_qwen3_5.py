@@ -156,7 +156,9 @@ def test_decoding_state_and_logits_match_token_by_token_and_the_full_forward(unt
     in calls of 1, 3 and 12 tokens (steps, steps, chunks from the state) gives the full no-cache forward's logits;
     after reset_caches the same caches generate the same tokens again. Mutations seen failing: the step's decay
     dropped (states 0.036 apart); the convolution's inputs not carried; reset_caches not zeroing the recurrent
-    state (the zero check; without it, the states compared)."""
+    state (the zero check; without it, the states compared); the decoder's cache slots skipping the recurrent layers
+    (no state set up: generation and this test fail); caches_are_enabled reading layer 0's self_attn only (a
+    DeltaNet layer on Qwen3.5: caches never used)."""
     _, model = untied
     deltanets = [layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn")]
     more = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(6))
@@ -176,9 +178,9 @@ def test_decoding_state_and_logits_match_token_by_token_and_the_full_forward(unt
             torch.testing.assert_close(d.decoding_state.recurrent, recurrent, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-4)
         model.reset_caches()
-        first = greedy(model, TOKENS, 12)
+        first = greedy(model, TOKENS, 8)
         model.reset_caches()
-        assert torch.equal(greedy(model, TOKENS, 12), first)
+        assert torch.equal(greedy(model, TOKENS, 8), first)
     model.remove_caches()
     assert not model.caches_are_enabled() and all(d.decoding_state is None for d in deltanets)
 
