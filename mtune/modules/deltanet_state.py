@@ -4,13 +4,13 @@ A DeltaNet layer needs no KV cache: everything later tokens read of earlier ones
 the causal convolution's last ``taps - 1`` inputs and each value head's ``[k_head_dim, v_head_dim]`` state. So a
 decoding step costs the same at token 10 and at token 100,000 (no attention over a growing cache), and the state's
 memory does not grow with the context: ``b x (channels x (taps - 1))`` values in the model's dtype plus ``b x
-n_v_heads x k_head_dim x v_head_dim`` fp32 values per layer (Qwen3.5 9B: 24 layers of 32 x 128 x 128, 48 MiB per
-row in all).
+n_v_heads x k_head_dim x v_head_dim`` fp32 values per layer (Qwen3.5 9B: 24 layers of 32 x 128 x 128 fp32, 48 MiB
+a row, and 1.1 MiB of bf16 convolution inputs; ``test_qwen3_5.py`` counts them).
 
 The prompt runs the chunked form from the carried state (:func:`~mtune.modules.gated_deltanet
-.chunked_gated_delta_rule` with ``initial_state``); calls of a few tokens (:data:`STEPPED_UP_TO`) run
-:func:`gated_delta_steps`, the rule itself. Both are PyTorch on every device: flash-linear-attention's kernel serves
-training only.
+.chunked_gated_delta_rule` with ``state``); calls of a few tokens (:data:`STEPPED_UP_TO`) run
+:func:`gated_delta_steps`, the rule itself; both update the state in place. Both are PyTorch on every device:
+flash-linear-attention's kernel serves training only.
 """
 
 import torch
