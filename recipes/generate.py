@@ -5,8 +5,9 @@
 
 `prompt` is plain text to continue; `messages` is a chat, rendered in the tokenizer's chat format with the assistant
 header appended. Greedy with `temperature: 0`; otherwise sampled (`top_k`, `top_p`) from a generator seeded with
-`seed`. Decoding uses the model's KV cache. `weight_offloading` keeps the weights in host memory and brings one
-group of blocks (or one module) to the device at a time, for models larger than the device. The generated text goes to stdout token by token; logs go to stderr.
+`seed`. Decoding uses the model's KV cache (and Qwen3.5's linear-attention layers their recurrent state).
+`weight_offloading` keeps the weights in host memory and brings one group of blocks (or one module) to the device at
+a time, for models larger than the device. The generated text goes to stdout token by token; logs go to stderr.
 """
 
 from __future__ import annotations

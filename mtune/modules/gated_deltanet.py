@@ -20,7 +20,8 @@ boundaries, so ``mtune plan``'s fake tensors plan them exactly).
 On CUDA, when flash-linear-attention is installed (``pip install flash-linear-attention``: Triton kernels, pure
 Python), the recurrence runs its ``chunk_gated_delta_rule`` instead (packed documents as ``cu_seqlens``, value
 heads grouped over query/key heads in the kernel); the convolution stays PyTorch's. ``mtune plan`` plans the
-PyTorch form (the kernels do not run on fake tensors), which keeps more for backward than the kernel does.
+PyTorch form (the kernels do not run on fake tensors), which keeps more for backward than the kernel does;
+generation (:mod:`~mtune.modules.deltanet_state`) runs the PyTorch forms on every device.
 """
 
 import importlib
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from mtune.modules.deltanet_state import STEPPED_UP_TO, DeltaNetState, gated_delta_steps
 from mtune.modules.rms_norm import RMSNorm
 
 CHUNK_SIZE = 64
@@ -89,8 +91,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                             documents: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """Outputs of the gated delta rule from a zero state, in fp32.
+                             documents: torch.Tensor | None = None, chunk_size: int = CHUNK_SIZE,
+                             state: torch.Tensor | None = None) -> torch.Tensor:
+    """Outputs of the gated delta rule from a zero state (or ``state``), in fp32.
 
     Args:
         q, k: ``[b, heads, s, k_head_dim]``, already normalised and (``q``) scaled.
@@ -99,6 +102,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         beta: ``[b, heads, s]``, write strengths.
         documents: int ``[b, s]``, each token's document (packed rows: one run of equal ids per document); each
             document starts from a zero state. None: each row is one document.
+        state: ``[b, heads, k_head_dim, v_head_dim]`` fp32, the state the row's first document continues (generation:
+            what earlier calls left), overwritten with the state leaving the row (its last document's); None: zeros.
 
     Returns:
         ``[b, heads, s, v_head_dim]`` fp32.
@@ -118,16 +123,19 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     pad = -s % chunk_size
     if documents is None:
         documents = torch.zeros(b, s, dtype=torch.long, device=q.device)
-    if pad:  # padded tokens have no decay (g=0), no write (beta=0) and a document of their own
+    if pad:  # padded tokens continue the last document with no decay (g=0) and no write (beta=0): state unchanged
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-        documents = F.pad(documents, (0, pad), value=-1)
+        documents = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1)
     n = (s + pad) // chunk_size
     q, k, v = (t.reshape(b, h, n, chunk_size, -1) for t in (q, k, v))
     g, beta = g.reshape(b, h, n, chunk_size), beta.reshape(b, h, n, chunk_size)
     doc = documents.reshape(b, 1, n, chunk_size)
     # whether each token's document began before its chunk (so it reads the entering state)
-    previous = F.pad(documents, (1, 0), value=-2)[:, :-1].reshape(b, 1, n, chunk_size)[..., :1]
+    previous = F.pad(documents, (1, 0), value=-2)[:, :-1]
+    if state is not None:
+        previous[:, 0] = documents[:, 0]  # the row's first document continues the entering state
+    previous = previous.reshape(b, 1, n, chunk_size)[..., :1]
     carries = (doc == previous).float()
     last = doc[..., -1:]
 
@@ -153,7 +161,7 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     def per_chunk(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return t.flatten(0, 1).unbind(1)
 
-    state = q.new_zeros(b * h, dk, dv)
+    carried, state = state, q.new_zeros(b * h, dk, dv) if state is None else state.reshape(b * h, dk, dv)
     outputs = []
     for u_c, w_c, q_c, scores_c, k_end_c, decay_c in zip(
             per_chunk(u), per_chunk(w), per_chunk(q_decayed), per_chunk(scores),
@@ -161,6 +169,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         delta = torch.baddbmm(u_c, w_c, state, alpha=-1)
         outputs.append(torch.baddbmm(scores_c @ delta, q_c, state))
         state = torch.baddbmm(state * decay_c, k_end_c, delta)
+    if carried is not None:
+        carried.copy_(state.view(b, h, dk, dv))
     return torch.stack(outputs, dim=1).view(b, h, n * chunk_size, dv)[:, :, :s]
 
 
@@ -203,7 +213,8 @@ class GatedDeltaNet(nn.Module):
     and ``softplus`` into every later token's state, where a quantization error compounds.
 
     Called like an attention module (``(x, cos, sin, mask, cache_pos, cu_seqlens)``): it uses no rotary tables or
-    mask, only ``cu_seqlens`` (packed documents).
+    mask, only ``cu_seqlens`` (packed documents). Generating, it keeps a :class:`~mtune.modules.deltanet_state
+    .DeltaNetState` instead of a KV cache (:meth:`setup_state`), and each call continues the sequence it holds.
     """
 
     kept_in_model_dtype = ("in_proj_a", "in_proj_b")
@@ -227,6 +238,12 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(n_v_heads))
         self.norm = GatedRMSNorm(v_head_dim, norm_eps)
         self.out_proj = nn.Linear(value_width, dim, bias=False)
+        self.decoding_state: DeltaNetState | None = None  # generation's carried state (setup_state); None: training
+
+    def setup_state(self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        """Start a zero decoding state of ``batch_size`` rows (convolution inputs in ``dtype``)."""
+        self.decoding_state = DeltaNetState(batch_size, self.conv_width, self.conv1d.kernel_size[0], self.n_v_heads,
+                                            self.k_head_dim, self.v_head_dim, dtype, device)
 
     def initializers(self, std: float) -> list[tuple[str, object]]:
         """How :meth:`TransformerDecoder.init_weights` fills the parameters that are not linears or norms: the
@@ -238,9 +255,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cos=None, sin=None, mask=None, cache_pos=None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[b, s, dim]`` -> ``[b, s, dim]``; ``cu_seqlens``: int ``[n + 1]`` document starts in the flattened
-        ``b * s`` tokens (each document then starts from a zero state)."""
-        if cache_pos is not None:
-            raise NotImplementedError("generation with a KV cache is not supported for Gated DeltaNet layers")
+        ``b * s`` tokens (each document then starts from a zero state). With a decoding state, ``x`` continues the
+        rows it holds (``cache_pos`` is not read)."""
+        if cu_seqlens is not None and self.decoding_state is not None:
+            raise ValueError("packed documents (cu_seqlens) cannot be combined with a Gated DeltaNet decoding state")
         b, s, _ = x.shape
         documents = None
         if cu_seqlens is not None:  # each flattened token's segment, by the segments' ends
@@ -253,10 +271,12 @@ class GatedDeltaNet(nn.Module):
 
     def _mix(self, x: torch.Tensor, documents: torch.Tensor | None,
              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """The convolution and the recurrence, each document from a zero state: ``[b, s, dim]`` -> ``[b, s,
-        n_v_heads, v_head_dim]`` in ``x``'s dtype."""
+        """The convolution and the recurrence, each document from a zero state (or the decoding state, updated):
+        ``[b, s, dim]`` -> ``[b, s, n_v_heads, v_head_dim]`` in ``x``'s dtype."""
         b, s, _ = x.shape
-        qkv = causal_conv(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight, documents)
+        state = self.decoding_state
+        qkv = (causal_conv(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight, documents) if state is None else
+               state.convolve(self.in_proj_qkv(x).transpose(1, 2), self.conv1d.weight))
         qkv = F.silu(qkv).transpose(1, 2)
         key_width = self.n_k_heads * self.k_head_dim
         q, k, v = qkv.split([key_width, key_width, self.n_v_heads * self.v_head_dim], dim=-1)
@@ -264,13 +284,17 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(b, s, self.n_v_heads, self.v_head_dim)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        kernel = fla_kernel(x)
+        kernel = fla_kernel(x) if state is None else None  # decoding runs the PyTorch forms (deltanet_state.py)
         if kernel is not None:
             return fla_gated_delta_rule(kernel, q, k, v, g, beta, cu_seqlens).to(x.dtype)
         group = self.n_v_heads // self.n_k_heads
         q, k = (t.repeat_interleave(group, dim=2) for t in (q, k))
         q = l2_normalize(q.float()) * self.k_head_dim**-0.5
         k = l2_normalize(k.float())
-        out = chunked_gated_delta_rule(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       g.transpose(1, 2), beta.transpose(1, 2), documents)
+        q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
+        if state is None:
+            out = chunked_gated_delta_rule(q, k, v, g, beta, documents)
+        else:  # a few tokens step the rule; a prompt runs the chunks, both from the carried state and updating it
+            rule = gated_delta_steps if s <= STEPPED_UP_TO else chunked_gated_delta_rule
+            out = rule(q, k, v, g, beta, state=state.recurrent)
         return out.transpose(1, 2).to(x.dtype)

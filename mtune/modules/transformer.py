@@ -174,32 +174,35 @@ class TransformerDecoder(nn.Module):
 
     # ----------------------------------------------------------------- caches
     def setup_caches(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
-        """Allocate a KV cache per layer for generation; positions then continue from the last call."""
-        if any(kind.recurrent for kind in self.kinds.values()):
-            raise NotImplementedError(f"generation with a KV cache is not supported for {self.args.family} (its "
-                                      "linear-attention layers keep a recurrent state, not a KV cache)")
+        """Allocate each layer's cache for generation: keys and values per attention layer, a state of constant size
+        per recurrent layer (its mixer's ``setup_state``); positions then continue from the last call."""
         param = self.embed_tokens.weight
         dtype = dtype or param.dtype
-        for layer in self.layers:
-            attn = layer.self_attn
-            attn.kv_cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, dtype, param.device)
+        for mixer, slot in self._cache_slots():
+            if slot == "kv_cache":
+                mixer.kv_cache = KVCache(batch_size, max_seq_len, mixer.n_kv_heads, mixer.head_dim, dtype, param.device)
+            else:
+                mixer.setup_state(batch_size, dtype, param.device)
         self._next_pos = 0
 
+    def _cache_slots(self) -> Iterator[tuple[nn.Module, str]]:  # each block's mixer and its cache's attribute
+        for layer, kind in zip(self.layers, self.layer_kinds):
+            mixer = getattr(layer, getattr(layer, "mixer_name", "self_attn"))
+            yield mixer, "decoding_state" if self.kinds[kind].recurrent else "kv_cache"
+
     def caches_are_enabled(self) -> bool:
-        attention = getattr(self.layers[0], "self_attn", None)
-        return attention is not None and attention.kv_cache is not None
+        return any(getattr(mixer, slot) is not None for mixer, slot in self._cache_slots())
 
     def reset_caches(self) -> None:
-        """Empty the caches (keeping them allocated) so the next call starts at position 0."""
-        for layer in self.layers:
-            if getattr(layer, "self_attn", None) is not None and layer.self_attn.kv_cache is not None:
-                layer.self_attn.kv_cache.reset()
+        """Empty the caches (keeping them allocated; recurrent states zeroed) so the next call starts at position 0."""
+        for mixer, slot in self._cache_slots():
+            if getattr(mixer, slot) is not None:
+                getattr(mixer, slot).reset()
         self._next_pos = 0
 
     def remove_caches(self) -> None:
-        for layer in self.layers:
-            if getattr(layer, "self_attn", None) is not None:
-                layer.self_attn.kv_cache = None
+        for mixer, slot in self._cache_slots():
+            setattr(mixer, slot, None)
         self._next_pos = 0
 
     # ---------------------------------------------------------------- forward
@@ -230,9 +233,6 @@ class TransformerDecoder(nn.Module):
         inputs = {}  # per kind of layer: cos, sin, mask, cache_pos, cu_seqlens
         for name, kind in self.kinds.items():
             if kind.recurrent:
-                if caching:
-                    raise NotImplementedError("generation with a KV cache is not supported for models with "
-                                              "linear-attention layers")
                 segments = None if document_ids is None else document_boundaries(document_ids, b, s, tokens.device)
                 inputs[name] = (None, None, None, None, segments)
                 continue
@@ -280,7 +280,7 @@ class TransformerDecoder(nn.Module):
         if caching:
             if document_ids is not None:
                 raise ValueError("document_ids (packed sequences) cannot be combined with a KV cache")
-            cache_len = self.layers[0].self_attn.kv_cache.k.shape[2]
+            cache_len = next(m.kv_cache for m, slot in self._cache_slots() if slot == "kv_cache").k.shape[2]
             q_pos = input_pos[:, None, :, None]
             k_pos = torch.arange(cache_len, device=input_pos.device)
             mask = k_pos <= q_pos

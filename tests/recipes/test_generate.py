@@ -114,3 +114,16 @@ def test_text_streams_and_sampling_is_seeded(model_dir, capsys):
     text, count = stream_text(tok, (torch.tensor([t]) for t in ids), out)
     assert text == tok.decode(ids) and out.getvalue() == text + "\n" and count == len(ids)
     assert out.chunks >= len(ids) // 2  # written as it grows, not at the end
+
+
+def test_qwen3_5_chat_text_equals_transformers(tmp_path, capsys):
+    """Qwen3.5, whose Gated DeltaNet layers decode from a carried state: the recipe's greedy reply to a chat, in the
+    checkpoint's own chat format, is transformers' (an untied tiny model: tied, it only repeats a token). Mutation
+    seen failing: the decode step's decay dropped."""
+    vocab = write_tokenizer_files(tmp_path / "tok", "qwen3_5")
+    path = write_tiny_hf_model(tmp_path, "qwen3_5", vocab_size=vocab, bos_token_id=None, eos_token_id=vocab - 3,
+                               tie_word_embeddings=False)
+    write_tokenizer_files(path, "qwen3_5")
+    text = run(capsys, model={"checkpoint_dir": str(path)}, tokenizer={"path": str(path)}, messages=MESSAGES)
+    assert text == hf_text(path, messages=MESSAGES)
+    assert len(set(text.split())) > 3

@@ -12,6 +12,7 @@ import torch
 
 from mtune.models import build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
+from mtune.modules.generation import generate
 from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
 from tests._helpers.lora import assert_peft_loads_the_adapter, lora_cfg, lora_steps
 from tests._helpers.models import (
@@ -121,10 +122,82 @@ def test_lora_steps_lower_the_loss_and_the_adapter_loads_in_peft(quantize_base, 
     assert_peft_loads_the_adapter(model, lora, qwen3_5_dir, tmp_path / "adapter", TOKENS)
 
 
-def test_generation_with_a_kv_cache_is_refused_in_one_line():
-    model = build_model("qwen3_5", "tiny", device="cpu")
-    with pytest.raises(NotImplementedError, match="^generation with a KV cache is not supported for qwen3_5"):
-        model.setup_caches(1, 16)
+@pytest.fixture(scope="module")
+def untied():
+    """The tiny Qwen3.5 with its own output head, transformers' and mtune's twin: with tied embeddings these random
+    models predict their input token again, and greedy generation only repeats it."""
+    hf = tiny_hf_model("qwen3_5", tie_word_embeddings=False)
+    return hf, mtune_twin(hf, "qwen3_5", tie_embeddings=False)
+
+
+def greedy(model, prompt, steps):
+    """``steps`` greedy tokens ``[b, steps]`` through the model's caches as they stand (set up by the caller)."""
+    nxt, out = model(prompt)[:, -1].argmax(-1), []
+    for _ in range(steps):
+        out.append(nxt)
+        nxt = model(nxt[:, None])[:, -1].argmax(-1)
+    return torch.stack(out, 1)
+
+
+def test_greedy_generation_matches_transformers(untied):
+    """An 80-token prompt (two DeltaNet chunks: the state carried between them into decoding), 24 new tokens, token
+    for token as transformers' generate. Mutations seen failing: the step's decay dropped, the convolution's
+    inputs not carried (a decode step convolving from zeros)."""
+    hf, model = untied
+    ref = hf.generate(TOKENS, attention_mask=torch.ones_like(TOKENS), max_new_tokens=24, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    ours = generate(model, TOKENS, max_new_tokens=24)
+    assert torch.equal(ours, ref) and not model.caches_are_enabled()
+    assert min(len(set(row.tolist())) for row in ours[:, 80:]) >= 8  # not one token repeated
+
+
+def test_decoding_state_and_logits_match_token_by_token_and_the_full_forward(untied):
+    """The state a prompt leaves (chunks) equals the one it leaves fed a token at a time (steps); decoding on from it
+    in calls of 1, 3 and 12 tokens (steps, steps, chunks from the state) gives the full no-cache forward's logits;
+    after reset_caches the same caches generate the same tokens again. Mutations seen failing: the step's decay
+    dropped (states 0.036 apart); the convolution's inputs not carried; reset_caches not zeroing the recurrent
+    state (the zero check; without it, the states compared); the decoder's cache slots skipping the recurrent layers
+    (no state set up: generation and this test fail); caches_are_enabled reading layer 0's self_attn only (a
+    DeltaNet layer on Qwen3.5: caches never used)."""
+    _, model = untied
+    deltanets = [layer.linear_attn for layer in model.layers if hasattr(layer, "linear_attn")]
+    more = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        full = model(torch.cat([TOKENS, more], 1))
+        model.setup_caches(2, 128)
+        assert model.caches_are_enabled()
+        logits = [model(TOKENS)]
+        prompt_state = [(d.decoding_state.conv.clone(), d.decoding_state.recurrent.clone()) for d in deltanets]
+        logits += [model(more[:, a:b]) for a, b in [(0, 1), (1, 4), (4, 16)]]
+        model.reset_caches()
+        assert not any(d.decoding_state.conv.any() or d.decoding_state.recurrent.any() for d in deltanets)
+        for t in range(TOKENS.shape[1]):
+            model(TOKENS[:, t:t + 1])
+        for d, (conv, recurrent) in zip(deltanets, prompt_state, strict=True):
+            torch.testing.assert_close(d.decoding_state.conv, conv, rtol=0, atol=1e-6)
+            torch.testing.assert_close(d.decoding_state.recurrent, recurrent, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-4)
+        model.reset_caches()
+        first = greedy(model, TOKENS, 8)
+        model.reset_caches()
+        assert torch.equal(greedy(model, TOKENS, 8), first)
+    model.remove_caches()
+    assert not model.caches_are_enabled() and all(d.decoding_state is None for d in deltanets)
+
+
+def test_a_row_of_the_state_holds_what_its_size_says():
+    """Qwen3.5 9B's decoding state per row, on the meta device: 24 DeltaNet layers of 32 heads x 128 x 128 fp32
+    (2 MiB each) and 3 carried inputs of 8192 channels in bf16, constant in the context's length; its 8 attention
+    layers' KV caches grow with it."""
+    model = build_model("qwen3_5", "9B")
+    model.setup_caches(1, 1024, torch.bfloat16)
+    sizes = {name: buf.numel() * buf.element_size() for name, buf in model.named_buffers()}
+    recurrent = sum(v for k, v in sizes.items() if k.endswith("decoding_state.recurrent"))
+    conv = sum(v for k, v in sizes.items() if k.endswith("decoding_state.conv"))
+    kv = sum(v for k, v in sizes.items() if "kv_cache" in k)
+    assert (recurrent, conv) == (24 * 32 * 128 * 128 * 4, 24 * 8192 * 3 * 2) == (48 * 2**20, 1179648)
+    assert kv == 8 * 2 * 4 * 1024 * 256 * 2  # 8 layers, keys and values, 4 KV heads, 1024 positions of 256
+    model.remove_caches()
 
 
 @pytest.mark.parametrize("field,value,message", [
