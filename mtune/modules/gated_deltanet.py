@@ -32,6 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mtune.modules.deltanet_state import STEPPED_UP_TO, DeltaNetState, gated_delta_steps
+from mtune.modules.gated_delta_scan import gated_delta_scan
 from mtune.modules.rms_norm import RMSNorm
 
 CHUNK_SIZE = 64
@@ -156,22 +157,13 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     k_to_end = k * ((decay[..., -1:] - decay).exp() * (doc == last))[..., None]
     chunk_decay = (decay[..., -1:].exp() * carries[..., -1:])[..., None]
 
-    # The scan, on [b * h, ...] views so each line is one fused batched matmul (few ops a chunk: mtune plan traces
-    # every one of them on fake tensors).
-    def per_chunk(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return t.flatten(0, 1).unbind(1)
-
-    carried, state = state, q.new_zeros(b * h, dk, dv) if state is None else state.reshape(b * h, dk, dv)
-    outputs = []
-    for u_c, w_c, q_c, scores_c, k_end_c, decay_c in zip(
-            per_chunk(u), per_chunk(w), per_chunk(q_decayed), per_chunk(scores),
-            per_chunk(k_to_end.transpose(-1, -2)), per_chunk(chunk_decay.expand(b, h, n, 1, 1))):
-        delta = torch.baddbmm(u_c, w_c, state, alpha=-1)
-        outputs.append(torch.baddbmm(scores_c @ delta, q_c, state))
-        state = torch.baddbmm(state * decay_c, k_end_c, delta)
-    if carried is not None:
-        carried.copy_(state.view(b, h, dk, dv))
-    return torch.stack(outputs, dim=1).view(b, h, n * chunk_size, dv)[:, :, :s]
+    # the scan over chunks, on [b * h, ...] views: the one sequential part (its own backward: gated_delta_scan.py)
+    rows = [t.flatten(0, 1) for t in (u, w, q_decayed, scores, k_to_end.transpose(-1, -2),
+                                      chunk_decay.expand(b, h, n, 1, 1))]
+    out, leaving = gated_delta_scan(*rows, None if state is None else state.reshape(b * h, dk, dv))
+    if state is not None:
+        state.copy_(leaving.view(b, h, dk, dv))
+    return out.view(b, h, n * chunk_size, dv)[:, :, :s]
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
