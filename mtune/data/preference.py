@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from mtune.data.builders import chat_message
 from mtune.data.collate import collate_padded
 from mtune.data.common import IGNORE_INDEX, DataError, is_main_process, log
+from mtune.data.messages import chat_message
 from mtune.data.packing import pack_pairs
 from mtune.data.sources import load_source
 from mtune.data.tokenized import RowError, TokenizedDataset, labels_from_mask

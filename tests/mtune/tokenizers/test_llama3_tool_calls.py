@@ -13,16 +13,17 @@ Mutations seen failing: the tool result written as its text instead of its JSON 
 """
 
 import datetime
-import re
 
 import pytest
 
 from mtune.tokenizers import Message, load_tokenizer
 from mtune.tokenizers.base import TokenizerError
 from tests._helpers.tokenizers import CHAT_TEMPLATES, trained_text_runs, write_llama3_tokenizer
-from tests._helpers.tool_calls import NESTED, ONE_CALL, PARALLEL, QUESTION, TOOLS, WEATHER, call, with_string_arguments
+from tests._helpers.tool_calls import (NESTED, ONE_CALL, PARALLEL, QUESTION, TOOLS, WEATHER, call, template_ids_and_mask,
+                                       with_string_arguments)
 
 RELEASES = ("3.1", "3.2")
+REPLY_OPEN = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 PARIS_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}<|eot_id|>'
 # Two calls one after the other, each answered, then the reply; the user's message padded with spaces (trimmed).
 TWO_STEPS = [QUESTION | {"content": "  Weather in Paris and in Oslo?\n"},
@@ -60,21 +61,10 @@ def pinned_day(monkeypatch):
     monkeypatch.setattr(chat_utils, "datetime", Day)
 
 
-def template_ids_and_mask(hf, messages, tools, **kwargs):
-    """The template's ids, and its trained mask read off its text (independent of mtune's renderer)."""
-    text = hf.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
-    header = "<|start_header_id|>assistant<|end_header_id|>\n\n"
-    bodies = [(m.end(), text.find("<|eot_id|>", m.end()) + len("<|eot_id|>"))
-              for m in re.finditer(re.escape(header), text)]
-    encoded = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [any(a <= start < b for a, b in bodies if b > a) for start, _ in encoded["offset_mapping"]]
-    return encoded["input_ids"], mask
-
-
 def assert_matches(tok, hf, messages, tools, template_messages=None, **kwargs):
     result = tok.tokenize_messages(messages, tools=tools, add_generation_prompt=kwargs.get("add_generation_prompt",
                                                                                           False))
-    ids, mask = template_ids_and_mask(hf, template_messages or messages, tools, **kwargs)
+    ids, mask = template_ids_and_mask(hf, template_messages or messages, tools, REPLY_OPEN, "<|eot_id|>", **kwargs)
     assert result.tokens == ids
     assert result.trained == mask
     return result
