@@ -17,9 +17,9 @@ from mtune.tokenizers.llama3 import CHAT_TEMPLATE as LLAMA3_CHAT_TEMPLATE
 
 # The official chat templates, written out from the model cards' tokenizer_config.json, tool-calling branches left
 # out where mtune renders system/user/assistant turns only. Llama 3's is mtune.tokenizers.llama3.CHAT_TEMPLATE,
-# which the tiny built-in model's files carry too. The families that render tool calling (gpt-oss, Qwen3, Qwen3.5)
-# have their full templates in tests/assets/chat_templates/ (gpt-oss's tiny files always; Qwen's through
-# write_qwen_tools_tokenizer).
+# which the tiny built-in model's files carry too. The families that render tool calling (gpt-oss, Qwen3, Qwen3.5,
+# Llama 3.1+) have their full templates in tests/assets/chat_templates/ (gpt-oss's tiny files always; Qwen's through
+# write_qwen_tools_tokenizer; Llama 3.1's and 3.2's through write_llama3_tokenizer's chat_template).
 LLAMA2_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
     "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
