@@ -258,7 +258,15 @@ def _tokenize(tokenizer, prefix: list[Message], reply: Message, max_seq_len: int
         prompt = tokenizer.tokenize_messages(messages[:-1], add_generation_prompt=True, tools=tools).tokens
     except ValueError as e:  # the chat format refuses the conversation (roles that do not alternate)
         raise RowError(str(e)) from None
-    start = len(prompt) if out.tokens[:len(prompt)] == prompt else 0
+    if out.tokens[:len(prompt)] == prompt:
+        start = len(prompt)
+    else:  # the prompt renders otherwise without the reply (gpt-oss keeps a call's reasoning when no answer follows):
+        # the reply is the conversation's last run of trained tokens
+        start = len(out.trained)
+        while start > 0 and not out.trained[start - 1]:
+            start -= 1
+        while start > 0 and out.trained[start - 1]:
+            start -= 1
     trained = [m and i >= start for i, m in enumerate(out.trained)]
     return out.tokens, labels_from_mask(out.tokens, trained), out.truncated
 

@@ -65,6 +65,23 @@ def test_tool_pairs_equal_the_template_and_label_the_last_reply(case, qwen3, tmp
         assert "<tool_call>" in tok.decode(labelled, skip_special_tokens=False)
 
 
+def test_gpt_oss_labels_the_last_reply_when_its_prompt_renders_otherwise(tmp_path):
+    """Without the answer, gpt-oss's template keeps a call's reasoning as an analysis message (no final answer follows
+    it), so the prompt is no prefix of the conversation: the reply is then found as the last run of trained tokens
+    (mutation seen failing: the whole conversation's trained tokens labelled, the earlier call included)."""
+    tok = tiny_tokenizer(tmp_path, "gpt_oss", max_seq_len=None)
+    prefix = [QUESTION, {"role": "assistant", "content": "", "thinking": "need the weather", "tool_calls": [PARIS]},
+              {"role": "tool", "content": "18"}]
+    row = {"tools": [WEATHER], "prompt": prefix, "chosen": "It is 18 C.", "rejected": "It is cold."}
+    pair = preference_dataset(tok, str(write_rows([row], tmp_path / "pairs.jsonl")))[0]
+    for side, answer in (("chosen", "It is 18 C."), ("rejected", "It is cold.")):
+        tokens, labels = pair[side]["tokens"], pair[side]["labels"]
+        conversation = prefix + [{"role": "assistant", "content": answer}]
+        assert tokens == tok.tokenize_messages(conversation, tools=[WEATHER]).tokens
+        labelled = [t for t, label in zip(tokens[1:], labels) if label != IGNORE_INDEX]
+        assert tok.decode(labelled, skip_special_tokens=False) == f"<|channel|>final<|message|>{answer}<|return|>"
+
+
 def test_a_family_without_tool_calling_refuses_the_pair(tmp_path):
     with pytest.raises(DataError, match=r"pairs\.jsonl line 1: phi4 chat format: the conversation uses tool calling"):
         preference_dataset(tiny_tokenizer(tmp_path, "phi4"), str(write_rows([SHARED_CALL], tmp_path / "pairs.jsonl")))
