@@ -95,8 +95,9 @@ MODEL_NODES = KeyGroup(
                     Key("max_seq_len", int, None, "truncate samples to this many tokens (null: no limit)", at_least=1),
                     Key("options", dict, None,
                         "the tokenizer family's own settings (gpt-oss: reasoning_effort, current_date, "
-                        "model_identity; Qwen3 / Qwen3.5: enable_thinking; null: the family's defaults); one the "
-                        "family does not take is refused"),
+                        "model_identity; Qwen3 / Qwen3.5: enable_thinking; Llama 3: date_string, "
+                        "tools_in_user_message; null: the family's defaults); one the family does not take is "
+                        "refused"),
                 ],
             ),
             required=True,

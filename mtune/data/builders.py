@@ -23,9 +23,8 @@ from typing import Any
 from mtune.data.common import IGNORE_INDEX, DataError
 from mtune.data.sources import load_source
 from mtune.data.tokenized import MissingColumn, RowError, TokenizedDataset, build_tokenized, labels_from_mask
-from mtune.tokenizers.base import REASONING_FIELDS, ROLES, Message
-
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+from mtune.data.messages import conversation_messages, is_sharegpt, sharegpt_tools
+from mtune.tokenizers.base import Message
 
 
 def instruct_dataset(
@@ -96,7 +95,8 @@ def chat_dataset(
     load_dataset_kwargs: Mapping[str, Any] | None = None,
 ) -> TokenizedDataset:
     """Multi-turn conversations, OpenAI style (a `messages` column of `{role, content}` with roles system / user /
-    assistant / tool) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system).
+    assistant / tool) or ShareGPT style (a `conversations` column of `{from, value}` with human / gpt / system, and
+    the tool roles function_call / observation, see :mod:`mtune.data.messages`).
     An OpenAI-style assistant message's reasoning, under `thinking` (gpt-oss's data) or `reasoning_content` (Qwen's
     templates, OpenAI-compatible servers), goes to the chat formats that render it (gpt-oss's analysis channel,
     Qwen3's and Qwen3.5's thinking block); the other families refuse such a row, naming it and the family.
@@ -104,39 +104,31 @@ def chat_dataset(
     Tool calling, OpenAI / Hugging Face style: an assistant message's `tool_calls` (content may be null), `tool`
     messages with the results (`name`, `tool_call_id` optional) and the row's `tools` column (the tool definitions,
     a list or its JSON text; `column_map: {tools: <column>}` names another) go to the chat formats that render them
-    (gpt-oss, Qwen3, Qwen3.5); the other families refuse such a row, naming it and the family.
+    (Llama 3.1+, gpt-oss, Qwen3, Qwen3.5); the other families refuse such a row, naming it and the family. ShareGPT
+    rows call tools with `function_call` turns and answer with `observation` turns; their `tools` may be bare
+    `{name, description, parameters}` definitions (LLaMA-Factory's form), which are wrapped in OpenAI's.
 
     The column is found by name (`messages`, else `conversations`; `column_map: {messages: <column>}` names
     another); each message's style is recognised by its keys. `system_prompt` replaces the data's system messages.
     """
     columns = _column_map(column_map, ("messages", "conversations", "tools"))
 
-    def to_messages(row: dict[str, Any]) -> list[Message]:
+    def conversation_column(row: dict[str, Any]) -> str:
         # The column the user mapped, else whichever of `messages` / `conversations` the row has.
         mapped = [name for name in ("messages", "conversations") if name in (column_map or {})]
         found = mapped or [name for name in ("messages", "conversations") if row.get(name) is not None]
         column = columns[found[0]] if found else "messages"
         if row.get(column) is None:
             raise MissingColumn(found[0] if found else "messages", column)
-        conversation = row[column]
-        if not isinstance(conversation, list) or not conversation:
-            raise RowError(f"column {column!r} must be a non-empty list of messages")
-        messages = [Message("system", system_prompt)] if system_prompt else []
-        for i, message in enumerate(conversation):
-            role, content = chat_message(message, column, i)
-            # OpenAI-style fields beyond role/content (the reasoning under either name); a null one (as in columnar
-            # data) is absent
-            extra = {key: message[key] for key in (*REASONING_FIELDS, "tool_calls", "name", "tool_call_id")
-                     if "role" in message and message.get(key) is not None}
-            if not (system_prompt and role == "system"):
-                try:
-                    messages.append(Message.from_dict({"role": role, "content": content, **extra}))
-                except (TypeError, ValueError) as e:
-                    raise RowError(f"{column}[{i}]: {e}") from None
-        return messages
+        return column
+
+    def to_messages(row: dict[str, Any]) -> list[Message]:
+        column = conversation_column(row)
+        return conversation_messages(row[column], column, system_prompt)
 
     def to_tools(row: dict[str, Any]) -> Any:
-        return row.get(columns["tools"])
+        tools = row.get(columns["tools"])
+        return sharegpt_tools(tools, columns["tools"]) if is_sharegpt(row[conversation_column(row)]) else tools
 
     settings = {"columns": columns, "column_map": column_map, "system_prompt": system_prompt,
                 "train_on_input": train_on_input}
@@ -210,24 +202,6 @@ def _text(row: dict[str, Any], columns: dict[str, str], role: str, required: boo
     if not isinstance(value, str):
         raise RowError(f"column {column!r} must be text, got {type(value).__name__}")
     return value
-
-
-def chat_message(message: Any, column: str, i: int) -> tuple[str, str]:
-    if isinstance(message, dict) and "role" in message:  # OpenAI style
-        role, content = message["role"], message.get("content")
-        if role not in ROLES:
-            raise RowError(f"{column}[{i}]: role {role!r} is not one of {', '.join(ROLES)}")
-    elif isinstance(message, dict) and "from" in message:  # ShareGPT style
-        role, content = SHAREGPT_ROLES.get(message["from"]), message.get("value")
-        if role is None:
-            raise RowError(f"{column}[{i}]: from={message['from']!r} is not one of {', '.join(SHAREGPT_ROLES)}")
-    else:
-        raise RowError(f"{column}[{i}]: a message needs role/content (OpenAI) or from/value (ShareGPT) keys")
-    if content is None and message.get("tool_calls"):  # an assistant message that only calls tools
-        content = ""
-    if not isinstance(content, str):
-        raise RowError(f"{column}[{i}]: content must be text, got {type(content).__name__}")
-    return role, content
 
 
 def _chat_converter(tokenizer, to_messages, train_on_input: bool, max_seq_len: int | None, to_tools=None):

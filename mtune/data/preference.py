@@ -5,7 +5,14 @@
 - `prompt`, `chosen`, `rejected` strings: the prompt is the user's message, the responses the assistant's;
 - `chosen`, `rejected` message lists (OpenAI `{role, content}` or ShareGPT `{from, value}`) that share every message
   but the last, an assistant reply: the shared prefix is the prompt (a `prompt` column beside them is not read);
-- `prompt` a message list and `chosen` / `rejected` strings or lists of one assistant message.
+- `prompt` a message list and `chosen` / `rejected` strings, single assistant messages or lists of one (a
+  ShareGPT message dict each is LLaMA-Factory's preference layout, with the prompt in `conversations`:
+  `column_map: {prompt: conversations}`).
+
+Messages are read as chat_dataset reads them (:mod:`mtune.data.messages`): OpenAI tool calls and tool messages,
+ShareGPT ``function_call`` / ``observation`` turns, with the tool definitions in a ``tools`` column that the two
+conversations share (bare ShareGPT definitions wrapped as there). A response may be a tool call: the pair then
+compares what the model calls. Tool calling goes to the chat formats that render it; the others refuse the row.
 
 Only the final response is trained on (labelled); prompt and padding carry -100. A bad row stops the build with its
 place ("pairs.jsonl line 7"): a missing field, a chosen response identical to the rejected one, an empty response,
@@ -29,9 +36,9 @@ from typing import Any
 
 import torch
 
-from mtune.data.builders import chat_message
 from mtune.data.collate import collate_padded
 from mtune.data.common import IGNORE_INDEX, DataError, is_main_process, log
+from mtune.data.messages import conversation_messages, is_sharegpt, sharegpt_tools
 from mtune.data.packing import pack_pairs
 from mtune.data.sources import load_source
 from mtune.data.tokenized import RowError, TokenizedDataset, labels_from_mask
@@ -40,7 +47,7 @@ from mtune.tokenizers.base import Message
 __all__ = ["preference_dataset", "PreferenceDataset", "PackedPreferenceDataset", "collate_preference",
            "collate_packed_pairs"]
 
-_COLUMNS = ("prompt", "chosen", "rejected")
+_COLUMNS = ("prompt", "chosen", "rejected", "tools")
 
 
 class PreferenceDataset(torch.utils.data.Dataset):
@@ -146,7 +153,7 @@ def preference_dataset(
     packed: bool = False,
 ) -> PreferenceDataset | PackedPreferenceDataset:
     """Preference pairs from JSON / JSONL / Parquet / CSV files or the hub (see the module docstring for the
-    layouts). ``column_map``: ``{prompt|chosen|rejected: the data's column}``; ``system_prompt``: a system message
+    layouts). ``column_map``: ``{prompt|chosen|rejected|tools: the data's column}``; ``system_prompt``: a system message
     before every prompt; ``max_seq_len``: truncation of each response's conversation (default: the tokenizer's);
     ``packed``: whole pairs packed into rows of ``2 x max_seq_len`` tokens (:class:`PackedPreferenceDataset`), and
     ``batch_size`` then counts rows."""
@@ -162,8 +169,8 @@ def preference_dataset(
     for row in rows.read():
         n_rows += 1
         try:
-            prefix, responses = _pair(row.data, columns, system_prompt)
-            samples = {side: _tokenize(tokenizer, prefix, responses[side], max_seq_len) for side in halves}
+            prefix, responses, tools = _pair(row.data, columns, system_prompt)
+            samples = {side: _tokenize(tokenizer, prefix, responses[side], max_seq_len, tools) for side in halves}
         except RowError as e:
             raise DataError(f"{row.where}: {e}") from None
         truncated += any(s[2] for s in samples.values())
@@ -195,7 +202,7 @@ def preference_dataset(
 
 
 def _pair(row: dict[str, Any], columns: dict[str, str], system_prompt: str | None):
-    """``(prompt messages, {"chosen": reply, "rejected": reply})`` of one row, or RowError."""
+    """``(prompt messages, {"chosen": reply, "rejected": reply}, tools)`` of one row, or RowError."""
     for name in ("chosen", "rejected"):
         if row.get(columns[name]) is None:
             raise RowError(f"missing field {columns[name]!r}")
@@ -203,50 +210,63 @@ def _pair(row: dict[str, Any], columns: dict[str, str], system_prompt: str | Non
     if isinstance(chosen, list) and isinstance(rejected, list) and (prompt is None or max(len(chosen),
                                                                                          len(rejected)) > 1):
         # whole conversations (a prompt column beside them, as in UltraFeedback, repeats their first message)
-        chosen = [chat_message(m, columns["chosen"], i) for i, m in enumerate(chosen)]
-        rejected = [chat_message(m, columns["rejected"], i) for i, m in enumerate(rejected)]
+        conversation = chosen
+        chosen = conversation_messages(chosen, columns["chosen"]) if chosen else []
+        rejected = conversation_messages(rejected, columns["rejected"]) if rejected else []
         if not chosen or not rejected or chosen[:-1] != rejected[:-1]:
             raise RowError("chosen and rejected must be message lists that share every message but the last")
         prefix, replies = chosen[:-1], {"chosen": chosen[-1], "rejected": rejected[-1]}
     else:
         if prompt is None:
             raise RowError(f"missing field {columns['prompt']!r} (or give chosen and rejected as message lists)")
+        conversation = prompt
         if isinstance(prompt, str):
-            prefix = [("user", prompt)]
+            prefix = [Message("user", prompt)]
         elif isinstance(prompt, list):
-            prefix = [chat_message(m, columns["prompt"], i) for i, m in enumerate(prompt)]
+            prefix = conversation_messages(prompt, columns["prompt"])
         else:
             raise RowError(f"field {columns['prompt']!r} must be text or a message list")
         replies = {side: _reply(value, columns[side]) for side, value in (("chosen", chosen), ("rejected", rejected))}
-    for side, (role, content) in replies.items():
-        if role != "assistant":
-            raise RowError(f"the {side} response must be an assistant message, got role {role!r}")
-        if not content.strip():
+    for side, reply in replies.items():
+        if reply.role != "assistant":
+            raise RowError(f"the {side} response must be an assistant message, got role {reply.role!r}")
+        if not reply.content.strip() and not reply.tool_calls:
             raise RowError(f"the {side} response is empty")
     if replies["chosen"] == replies["rejected"]:
         raise RowError("chosen and rejected are identical")
     if system_prompt:
-        prefix = [("system", system_prompt)] + [m for m in prefix if m[0] != "system"]
-    return prefix, replies
+        prefix = [Message("system", system_prompt)] + [m for m in prefix if m.role != "system"]
+    tools = row.get(columns["tools"])
+    return prefix, replies, sharegpt_tools(tools, columns["tools"]) if is_sharegpt(conversation) else tools
 
 
-def _reply(value: Any, column: str) -> tuple[str, str]:
+def _reply(value: Any, column: str) -> Message:
     if isinstance(value, str):
-        return "assistant", value
+        return Message("assistant", value)
+    if isinstance(value, dict):
+        value = [value]
     if isinstance(value, list) and len(value) == 1:
-        return chat_message(value[0], column, 0)
-    raise RowError(f"field {column!r} must be text or a list of one assistant message")
+        return conversation_messages(value, column)[0]
+    raise RowError(f"field {column!r} must be text, one assistant message or a list of one")
 
 
-def _tokenize(tokenizer, prefix, reply, max_seq_len):
+def _tokenize(tokenizer, prefix: list[Message], reply: Message, max_seq_len: int | None, tools: Any = None):
     """``(tokens, labels, truncated)``: the conversation, labelled on the final reply only."""
-    messages = [Message(role, content) for role, content in [*prefix, reply]]
+    messages = [*prefix, reply]
     try:
-        out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len)
+        out = tokenizer.tokenize_messages(messages, max_seq_len=max_seq_len, tools=tools)
+        prompt = tokenizer.tokenize_messages(messages[:-1], add_generation_prompt=True, tools=tools).tokens
     except ValueError as e:  # the chat format refuses the conversation (roles that do not alternate)
         raise RowError(str(e)) from None
-    prompt = tokenizer.tokenize_messages(messages[:-1], add_generation_prompt=True).tokens
-    start = len(prompt) if out.tokens[:len(prompt)] == prompt else 0
+    if out.tokens[:len(prompt)] == prompt:
+        start = len(prompt)
+    else:  # the prompt renders otherwise without the reply (gpt-oss keeps a call's reasoning when no answer follows):
+        # the reply is the conversation's last run of trained tokens
+        start = len(out.trained)
+        while start > 0 and not out.trained[start - 1]:
+            start -= 1
+        while start > 0 and out.trained[start - 1]:
+            start -= 1
     trained = [m and i >= start for i, m in enumerate(out.trained)]
     return out.tokens, labels_from_mask(out.tokens, trained), out.truncated
 

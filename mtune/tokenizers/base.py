@@ -182,8 +182,8 @@ class Tokenizer:
         if tools or any(m.tool_calls or m.role == "tool" for m in messages):
             if not self.reads_tools:
                 raise TokenizerError(f"{self.family} chat format: the conversation uses tool calling (tools, "
-                                     "tool_calls or tool messages), which mtune renders only for gpt-oss, Qwen3 and "
-                                     "Qwen3.5; drop these rows or fine-tune one of those families")
+                                     "tool_calls or tool messages), which mtune renders only for Llama 3.1+, gpt-oss, "
+                                     "Qwen3 and Qwen3.5; drop these rows or fine-tune one of those families")
             tokens, trained = self._render(messages, add_generation_prompt, tools=tools)
         else:
             tokens, trained = self._render(messages, add_generation_prompt)

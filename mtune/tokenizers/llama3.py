@@ -1,10 +1,12 @@
-"""Llama 3 / 3.1 / 3.2 tokenizer: tiktoken over Meta's rank file, 256 special tokens after the base vocabulary.
+"""Llama 3 / 3.1 / 3.2 / 3.3 tokenizer: tiktoken over Meta's rank file, 256 special tokens after the base vocabulary.
 
 Chat format (the official template; message content is trimmed of surrounding whitespace, as the template does)::
 
     <|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\n{system}<|eot_id|>
     <|start_header_id|>user<|end_header_id|>\\n\\n{user}<|eot_id|>
     <|start_header_id|>assistant<|end_header_id|>\\n\\n{reply}<|eot_id|>
+
+Tool calling is rendered as the Llama 3.1 / 3.2 / 3.3 Instruct templates do, see :mod:`mtune.tokenizers.llama3_tools`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mtune.tokenizers.base import Message, Tokenizer, TokenizerError
+from mtune.tokenizers.llama3_tools import DEFAULT_DATE, tool_turns
 
 # Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
 PATTERN = (
@@ -146,11 +149,17 @@ class Llama3Tokenizer(Tokenizer):
     skip_special_tokens=False)`` prints, are the checkpoint's own (its ``tokenizer.json`` / ``tokenizer_config.json``,
     listed in ``special_token_sources``); a bare rank file with neither beside it gets generated names in Llama 3.1's
     layout, which differ from other releases' (see :func:`special_token_names`).
+
+    Tool-calling settings (the module docstring; both part of the fingerprint): ``date_string``, the "Today Date"
+    written in a tool conversation's system turn (default :data:`DEFAULT_DATE`), and ``tools_in_user_message``
+    (default True: the tools go into the first user message, as the templates' default; False: into the system turn).
     """
 
     family = "llama3"
+    reads_tools = True
 
-    def __init__(self, path: str | Path, max_seq_len: int | None = None):
+    def __init__(self, path: str | Path, max_seq_len: int | None = None, date_string: str = DEFAULT_DATE,
+                 tools_in_user_message: bool = True):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 
@@ -173,6 +182,17 @@ class Llama3Tokenizer(Tokenizer):
         self.python_tag_id = base + _PYTHON_TAG
         self.stop_tokens = [self.eos_id, self.eom_id, self.eot_id]
         self.vocab_size = self.num_base_tokens + NUM_SPECIAL_TOKENS
+        if not isinstance(date_string, str) or not date_string:
+            raise TokenizerError(f"llama3 tokenizer: date_string must be non-empty text such as {DEFAULT_DATE!r}, got "
+                                 f"{date_string!r}")
+        if not isinstance(tools_in_user_message, bool):
+            raise TokenizerError(f"llama3 tokenizer: tools_in_user_message must be true or false, got "
+                                 f"{tools_in_user_message!r}")
+        self.date_string = date_string
+        self.tools_in_user_message = tools_in_user_message
+
+    def _fingerprint_extra(self) -> str:
+        return f"date_string={self.date_string} tools_in_user_message={self.tools_in_user_message}"
 
     def encode_text(self, text: str) -> list[int]:
         # disallowed_special=() : text that spells a special token is encoded as text, never as the token.
@@ -187,13 +207,24 @@ class Llama3Tokenizer(Tokenizer):
     def _header(self, role: str) -> list[int]:
         return [self.start_header_id, *self.encode_text(role), self.end_header_id, *self.encode_text("\n\n")]
 
-    def _render(self, messages: list[Message], add_generation_prompt: bool) -> tuple[list[int], list[bool]]:
+    def _turn(self, role: str, body: str, trained: bool) -> tuple[list[int], list[bool]]:
+        """``<|start_header_id|>{role}<|end_header_id|>\\n\\n{body}<|eot_id|>``, the body and its end trained or not.
+        The header's ``\\n\\n`` is encoded apart from the body: the pre-tokenizer always ends a piece there, since
+        every body the templates write starts with a non-space (contents are trimmed, results JSON-quoted)."""
+        header = self._header(role)
+        body_ids = self.encode_text(body) + [self.eot_id]
+        return header + body_ids, [False] * len(header) + [trained] * len(body_ids)
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
+        tool_calling = tools is not None or any(m.tool_calls or m.role == "tool" for m in messages)
+        turns = tool_turns(messages, tools, self.date_string, self.tools_in_user_message) if tool_calling else [
+            (m.role, m.content.strip(), m.role == "assistant") for m in messages]
         tokens, trained = [self.bos_id], [False]
-        for message in messages:
-            header = self._header(message.role)
-            body = self.encode_text(message.content.strip()) + [self.eot_id]
-            tokens += header + body
-            trained += [False] * len(header) + [message.role == "assistant"] * len(body)
+        for role, body, is_trained in turns:
+            ids, flags = self._turn(role, body, is_trained)
+            tokens += ids
+            trained += flags
         if add_generation_prompt:
             header = self._header("assistant")
             tokens += header

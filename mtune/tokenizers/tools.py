@@ -22,10 +22,11 @@ from typing import Any
 __all__ = ["ToolCall", "parse_tool_calls", "parse_tools", "tojson"]
 
 
-def tojson(value: Any) -> str:
+def tojson(value: Any, indent: int | None = None) -> str:
     """JSON text as the chat templates' ``tojson`` filter writes it under transformers: ``json.dumps`` with
-    non-ASCII kept, ``", "`` / ``": "`` separators and the keys in their given order."""
-    return json.dumps(value, ensure_ascii=False)
+    non-ASCII kept, ``", "`` / ``": "`` separators (``","`` at line ends with ``indent``) and the keys in their
+    given order."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 def _json_object(value: Any, what: str) -> dict:

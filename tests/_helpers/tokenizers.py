@@ -17,9 +17,9 @@ from mtune.tokenizers.llama3 import CHAT_TEMPLATE as LLAMA3_CHAT_TEMPLATE
 
 # The official chat templates, written out from the model cards' tokenizer_config.json, tool-calling branches left
 # out where mtune renders system/user/assistant turns only. Llama 3's is mtune.tokenizers.llama3.CHAT_TEMPLATE,
-# which the tiny built-in model's files carry too. The families that render tool calling (gpt-oss, Qwen3, Qwen3.5)
-# have their full templates in tests/assets/chat_templates/ (gpt-oss's tiny files always; Qwen's through
-# write_qwen_tools_tokenizer).
+# which the tiny built-in model's files carry too. The families that render tool calling (gpt-oss, Qwen3, Qwen3.5,
+# Llama 3.1+) have their full templates in tests/assets/chat_templates/ (gpt-oss's tiny files always; Qwen's through
+# write_qwen_tools_tokenizer; Llama 3.1's and 3.2's through write_llama3_tokenizer's chat_template).
 LLAMA2_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
     "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
@@ -314,10 +314,12 @@ def llama3_special_token_names(release: str = "3.2") -> list[str]:
     return named + [f"<|reserved_special_token_{k}|>" for k in range(first, first + LLAMA3_NUM_SPECIAL - len(named))]
 
 
-def write_llama3_tokenizer(model_dir: str | Path, release: str = "3.2") -> int:
+def write_llama3_tokenizer(model_dir: str | Path, release: str = "3.2", chat_template: str | None = None) -> int:
     """Write a tiny Llama 3 tokenizer: `original/tokenizer.model` as a tiktoken rank file (512 ranks, in the
     `tokenizers` trainer's merge order) plus the 256 special tokens after it, named as in Llama `release`'s
-    tokenizer.json (3.2 or 3.1). Returns the vocab size (768)."""
+    tokenizer.json (3.2 or 3.1), and `chat_template` in its tokenizer_config.json (default: Llama 3's,
+    LLAMA3_CHAT_TEMPLATE; the full 3.1 / 3.2 templates are tests/assets/chat_templates/llama3_1.jinja and
+    llama3_2.jinja). Returns the vocab size (768)."""
     model_dir = Path(model_dir)
     write_tiktoken_file(_byte_level_bpe(LLAMA3_PATTERN, LLAMA3_BASE_VOCAB), model_dir / "original" / "tokenizer.model")
     vocab_size = LLAMA3_BASE_VOCAB + LLAMA3_NUM_SPECIAL
@@ -330,7 +332,7 @@ def write_llama3_tokenizer(model_dir: str | Path, release: str = "3.2") -> int:
     _write_json(model_dir / "tokenizer.json", spec)
     _write_json(model_dir / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-        "chat_template": LLAMA3_CHAT_TEMPLATE,
+        "chat_template": chat_template or LLAMA3_CHAT_TEMPLATE,
     })
     _merge_config(model_dir, {"model_type": "llama", "bos_token_id": LLAMA3_BASE_VOCAB,
                               "eos_token_id": LLAMA3_BASE_VOCAB + 9, "vocab_size": vocab_size})

@@ -96,3 +96,20 @@ def write_tool_calling_rows(path: str | Path, n_rows: int = 8) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def template_ids_and_mask(hf, messages: list[dict], tools, reply_open: str, reply_close: str,
+                          last_reply_only: bool = False, **kwargs):
+    """The ids transformers' ``apply_chat_template(messages, tools=tools, **kwargs)`` gives, and the trained mask read
+    off the template's text, independently of mtune's renderer: a token is trained when it starts inside a reply,
+    after a ``reply_open`` (e.g. ``<|im_start|>assistant\\n``) and up to the ``reply_close`` after it, included
+    (with ``last_reply_only``, the last reply's tokens only, as preference pairs train)."""
+    import re
+
+    text = hf.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+    replies = [(m.end(), text.find(reply_close, m.end()) + len(reply_close))
+               for m in re.finditer(re.escape(reply_open), text)]
+    replies = replies[-1:] if last_reply_only else replies
+    encoded = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [any(a <= start < b for a, b in replies if b > a) for start, _ in encoded["offset_mapping"]]
+    return encoded["input_ids"], mask

@@ -181,11 +181,11 @@ def test_conversations_without_tools_still_match_the_full_template(family, name,
 
 
 def test_bad_tool_data_is_refused_in_one_line(tokenizer_dirs, tokenizers):
-    llama = load_tokenizer(tokenizer_dirs["llama3"])
-    with pytest.raises(TokenizerError, match="^llama3 chat format: the conversation uses tool calling"):
-        llama.tokenize_messages(ONE_CALL)
-    with pytest.raises(TokenizerError, match="^llama3 chat format: the conversation uses tool calling"):
-        llama.tokenize_messages(ONE_CALL[:2], tools=[WEATHER])
+    phi4 = load_tokenizer(tokenizer_dirs["phi4"])
+    with pytest.raises(TokenizerError, match="^phi4 chat format: the conversation uses tool calling"):
+        phi4.tokenize_messages(ONE_CALL)
+    with pytest.raises(TokenizerError, match="^phi4 chat format: the conversation uses tool calling"):
+        phi4.tokenize_messages(ONE_CALL[:2], tools=[WEATHER])
     with pytest.raises(ValueError, match=r"assistant message tool_calls\[0\] arguments is not valid JSON"):
         Message("assistant", "", tool_calls=[call("f", "{city: Paris}")])
     with pytest.raises(ValueError, match=r"tool_calls\[0\] arguments must be a JSON object .* got list"):
