@@ -97,10 +97,12 @@ def dense_scaler_block(shape: tuple[int, ...] | torch.Size, ranks: int = 1) -> i
     device's 256 give: the run's log says which weights. ConfigError where the rows or the 64-value blocks do not
     split."""
     rows, cols = shape
-    if rows % ranks or rows // ranks * cols % NF4_BLOCK:
-        raise ConfigError(f"an NF4 weight {list(shape)} does not split into whole {NF4_BLOCK}-value blocks over "
-                          f"{ranks} ranks: launch a number of processes that divides its {rows} rows, or set "
-                          "lora.quantize_base=false")
+    if rows % ranks:
+        raise ConfigError(f"an NF4 weight {list(shape)}: its {rows} rows do not split evenly over {ranks} ranks: "
+                          "launch a number of processes that divides them, or set lora.quantize_base=false")
+    if rows // ranks * cols % NF4_BLOCK:
+        raise ConfigError(f"an NF4 weight {list(shape)}: a rank's {rows // ranks} rows are not whole {NF4_BLOCK}-value "
+                          f"blocks over {ranks} ranks: launch fewer processes, or set lora.quantize_base=false")
     scales = rows // ranks * cols // NF4_BLOCK
     return next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if scales % b == 0)
 

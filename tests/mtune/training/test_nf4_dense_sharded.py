@@ -46,9 +46,12 @@ def test_the_scaler_block_is_the_largest_that_splits_over_the_ranks(shape, ranks
 
 
 def test_rows_the_ranks_cannot_split_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^an NF4 weight \[512, 2880\] does not split into whole 64-value blocks "
-                                          r"over 3 ranks: .*lora\.quantize_base=false$"):
+    with pytest.raises(ConfigError, match=r"^an NF4 weight \[512, 2880\]: its 512 rows do not split evenly over 3 "
+                                          r"ranks: .*lora\.quantize_base=false$"):
         dense_scaler_block((512, 2880), 3)
+    with pytest.raises(ConfigError, match=r"^an NF4 weight \[64, 80\]: a rank's 2 rows are not whole 64-value blocks "
+                                          r"over 32 ranks: .*lora\.quantize_base=false$"):
+        dense_scaler_block((64, 80), 32)
 
 
 def _local(weight):

@@ -176,8 +176,8 @@ def test_a_gathered_save_writes_whole_dequantized_experts(shards):
 
 @pytest.mark.parametrize("world, n_experts, message", [
     (4, 6, r"^layers\.0\.mlp\.experts\.gate_proj\.weight: its 6 experts do not split evenly over 4 ranks, "),
-    (3, 8, r"^layers\.0\.self_attn\.q_proj\.weight: an NF4 weight \[512, 256\] does not split into whole "
-           r"64-value blocks over 3 ranks: "),
+    (3, 8, r"^layers\.0\.self_attn\.q_proj\.weight: an NF4 weight \[512, 256\]: its 512 rows do not split "
+           r"evenly over 3 ranks: "),
 ], ids=["experts", "dense"])
 def test_nf4_weights_the_ranks_cannot_split_are_refused_in_one_line(world, n_experts, message):
     """4 ranks cannot each hold whole experts of 6 (an expert's NF4 scales are a block of their own), nor 3 ranks
