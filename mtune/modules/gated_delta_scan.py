@@ -24,8 +24,10 @@ __all__ = ["gated_delta_scan", "planned_chunks"]
 
 
 def planned_chunks(n: int, like: torch.Tensor) -> range:
-    """The chunks the loops run: all ``n``, but on fake tensors the first two (every chunk allocates and frees the
-    same temporaries, into buffers allocated before the loop, so the peaks are the same)."""
+    """The chunks the loops run: all ``n``, but on the planner's fake tensors the first two (every chunk allocates
+    and frees the same temporaries, into buffers allocated before the loop, so the peaks are the same). Keyed on the
+    tensor's type, not ``is_fake``: torch.compile traces with fake tensors too, and its graph must hold every chunk
+    (``test_gated_deltanet.py``)."""
     return range(min(n, 2)) if isinstance(like, FakeTensor) else range(n)
 
 

@@ -135,3 +135,22 @@ def test_the_log_says_which_recurrence_runs(monkeypatch):
     assert "pip install flash-linear-attention" in gated_deltanet.recurrence_runs("cuda")
     monkeypatch.setattr(gated_deltanet, "_fla_rule", fla_contract)
     assert gated_deltanet.recurrence_runs("cuda") == "flash-linear-attention's chunk_gated_delta_rule"
+
+
+def test_the_scan_runs_every_chunk_under_torch_compile():
+    """On fake tensors the scan runs two chunks (what `mtune plan` needs); under torch.compile, whose tracing uses
+    fake tensors too, every chunk must run: 5 chunks of 16, outputs and gradients as eager's. (aot_eager: dynamo and
+    AOTAutograd's tracing, no code generation.) Mutation seen failing: the two-chunk rule keyed on torch's
+    ``is_fake``, which is true inside compile's tracing too."""
+    q, k, v, g, beta = (t.float() for t in inputs(80, seed=4))
+    eager_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    compiled_in = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    torch._dynamo.reset()
+    eager = chunked_gated_delta_rule(*eager_in, chunk_size=16)
+    compiled = torch.compile(chunked_gated_delta_rule, backend="aot_eager", fullgraph=True)(*compiled_in, chunk_size=16)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+    weight = torch.randn(eager.shape, generator=torch.Generator().manual_seed(0))
+    (eager * weight).sum().backward()
+    (compiled * weight).sum().backward()
+    for ours, ref in zip(compiled_in, eager_in):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=0, atol=1e-5)
