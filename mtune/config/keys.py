@@ -95,8 +95,10 @@ MODEL_NODES = KeyGroup(
                     Key("max_seq_len", int, None, "truncate samples to this many tokens (null: no limit)", at_least=1),
                     Key("options", dict, None,
                         "the tokenizer family's own settings (gpt-oss: reasoning_effort, current_date, "
-                        "model_identity; Qwen3 / Qwen3.5: enable_thinking; Llama 3: date_string, "
-                        "tools_in_user_message; null: the family's defaults); one the family does not take is "
+                        "model_identity; Qwen3 / Qwen3.5: enable_thinking; Llama 3: date_header (auto | always | "
+                        "never: the Llama 3.1+ templates' system turn with its date lines on conversations without "
+                        "tool calling; auto: when the checkpoint's chat template has it), date_string (the date in "
+                        "it), tools_in_user_message; null: the family's defaults); one the family does not take is "
                         "refused"),
                 ],
             ),

@@ -1,12 +1,17 @@
 """Llama 3 / 3.1 / 3.2 / 3.3 tokenizer: tiktoken over Meta's rank file, 256 special tokens after the base vocabulary.
 
-Chat format (the official template; message content is trimmed of surrounding whitespace, as the template does)::
+Chat format of Llama 3 (its official template; message content is trimmed of surrounding whitespace, as the template
+does)::
 
     <|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\n{system}<|eot_id|>
     <|start_header_id|>user<|end_header_id|>\\n\\n{user}<|eot_id|>
     <|start_header_id|>assistant<|end_header_id|>\\n\\n{reply}<|eot_id|>
 
-Tool calling is rendered as the Llama 3.1 / 3.2 / 3.3 Instruct templates do, see :mod:`mtune.tokenizers.llama3_tools`.
+The Llama 3.1 / 3.2 / 3.3 Instruct templates open every conversation with a system turn of their own,
+``Cutting Knowledge Date: December 2023\\nToday Date: {date_string}\\n\\n{system}`` (the system message's text, if
+any, after the date lines); mtune writes it when the checkpoint's chat template has those lines (``date_header``
+"auto", see :func:`checkpoint_chat_template`) or when told to ("always"), and renders tool calling as those
+templates do, that turn included: see :mod:`mtune.tokenizers.llama3_tools`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mtune.tokenizers.base import Message, Tokenizer, TokenizerError
-from mtune.tokenizers.llama3_tools import DEFAULT_DATE, tool_turns
+from mtune.tokenizers.llama3_tools import DATE_LINES_MARK, DEFAULT_DATE, template_turns
 
 # Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
 PATTERN = (
@@ -25,6 +30,8 @@ PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 NUM_SPECIAL_TOKENS = 256
+# date_header: whether conversations without tool calling get the Llama 3.1+ templates' system turn (the date lines).
+DATE_HEADER_SETTINGS = ("auto", "always", "never")
 # The official Jinja chat template of Llama 3 instruct models (their tokenizer_config.json, tool-calling branches
 # left out), for model directories mtune writes (the tiny built-in model); transformers renders the same format.
 CHAT_TEMPLATE = (
@@ -71,8 +78,7 @@ def special_token_names(tokenizer_file: Path, num_base: int) -> tuple[dict[int, 
     neither file exists (a bare rank file) or neither names an id are the generated names used (Llama 3.1's,
     :func:`special_tokens`). Ids outside the 256 slots after the base vocabulary are ignored.
     """
-    folder = tokenizer_file.parent
-    folders = [folder, folder.parent] if folder.name == "original" else [folder]
+    folders = _model_dirs(tokenizer_file)
     ids = range(num_base, num_base + NUM_SPECIAL_TOKENS)
     names: dict[int, str] = {}
     sources: list[Path] = []
@@ -97,6 +103,34 @@ def special_token_names(tokenizer_file: Path, num_base: int) -> tuple[dict[int, 
         if i not in names:
             names[i] = name if name not in taken else f"<|unnamed_special_token_{i - num_base}|>"
     return names, sources
+
+
+def _model_dirs(tokenizer_file: Path) -> list[Path]:
+    """Where a checkpoint's tokenizer_config.json and friends are looked for: beside ``tokenizer_file`` and, when that
+    sits in ``original/`` (Meta's rank file), in the model directory above it."""
+    folder = tokenizer_file.parent
+    return [folder, folder.parent] if folder.name == "original" else [folder]
+
+
+def checkpoint_chat_template(tokenizer_file: Path) -> tuple[str | None, Path | None]:
+    """The checkpoint's chat template and the file it was read from, or (None, None) when it has none.
+
+    Read as transformers reads it: ``chat_template.jinja`` wins over the ``chat_template`` of
+    ``tokenizer_config.json`` (the default one, when that is a list of named templates); both looked for beside
+    ``tokenizer_file`` and, from ``original/``, in the model directory above it (the nearer folder first).
+    """
+    for model_dir in _model_dirs(tokenizer_file):
+        jinja = model_dir / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8"), jinja
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(template, list):
+                template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+            if template:
+                return template, config_path
+    return None, None
 
 
 def _added_tokens(path: Path) -> dict[int, str]:
@@ -150,16 +184,20 @@ class Llama3Tokenizer(Tokenizer):
     listed in ``special_token_sources``); a bare rank file with neither beside it gets generated names in Llama 3.1's
     layout, which differ from other releases' (see :func:`special_token_names`).
 
-    Tool-calling settings (the module docstring; both part of the fingerprint): ``date_string``, the "Today Date"
-    written in a tool conversation's system turn (default :data:`DEFAULT_DATE`), and ``tools_in_user_message``
-    (default True: the tools go into the first user message, as the templates' default; False: into the system turn).
+    Chat-format settings (the module docstring; all part of the fingerprint): ``date_header``, whether a conversation
+    without tool calling opens with the Llama 3.1+ templates' system turn: "auto" (default) when the checkpoint's chat
+    template (:func:`checkpoint_chat_template`, its file in ``chat_template_source``) has its date lines, "always",
+    "never" (Llama 3's format; a tool-calling conversation has that turn whatever the setting, as Llama 3 has no tool
+    format); the outcome is ``dated_system_turn``. ``date_string``, the "Today Date" written in that turn (default
+    :data:`DEFAULT_DATE`), and ``tools_in_user_message`` (default True: the tools go into the first user message, as
+    the templates' default; False: into the system turn).
     """
 
     family = "llama3"
     reads_tools = True
 
     def __init__(self, path: str | Path, max_seq_len: int | None = None, date_string: str = DEFAULT_DATE,
-                 tools_in_user_message: bool = True):
+                 tools_in_user_message: bool = True, date_header: str = "auto"):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 
@@ -188,11 +226,21 @@ class Llama3Tokenizer(Tokenizer):
         if not isinstance(tools_in_user_message, bool):
             raise TokenizerError(f"llama3 tokenizer: tools_in_user_message must be true or false, got "
                                  f"{tools_in_user_message!r}")
+        if date_header not in DATE_HEADER_SETTINGS:
+            raise TokenizerError(f"llama3 tokenizer: date_header must be one of {', '.join(DATE_HEADER_SETTINGS)}, got "
+                                 f"{date_header!r}")
         self.date_string = date_string
         self.tools_in_user_message = tools_in_user_message
+        self.date_header = date_header
+        template, self.chat_template_source = checkpoint_chat_template(path)
+        self.dated_system_turn = date_header == "always" or (
+            date_header == "auto" and template is not None and DATE_LINES_MARK in template)
 
     def _fingerprint_extra(self) -> str:
-        return f"date_string={self.date_string} tools_in_user_message={self.tools_in_user_message}"
+        # date_header by its outcome, which sets the ids: "auto" reads a file the fingerprint does not hash, and
+        # "always" on a 3.1 checkpoint gives the ids "auto" does.
+        return (f"date_string={self.date_string} tools_in_user_message={self.tools_in_user_message} "
+                f"dated_system_turn={self.dated_system_turn}")
 
     def encode_text(self, text: str) -> list[int]:
         # disallowed_special=() : text that spells a special token is encoded as text, never as the token.
@@ -218,8 +266,10 @@ class Llama3Tokenizer(Tokenizer):
     def _render(self, messages: list[Message], add_generation_prompt: bool,
                 tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
         tool_calling = tools is not None or any(m.tool_calls or m.role == "tool" for m in messages)
-        turns = tool_turns(messages, tools, self.date_string, self.tools_in_user_message) if tool_calling else [
-            (m.role, m.content.strip(), m.role == "assistant") for m in messages]
+        if tool_calling or self.dated_system_turn:
+            turns = template_turns(messages, tools, self.date_string, self.tools_in_user_message)
+        else:
+            turns = [(m.role, m.content.strip(), m.role == "assistant") for m in messages]
         tokens, trained = [self.bos_id], [False]
         for role, body, is_trained in turns:
             ids, flags = self._turn(role, body, is_trained)

@@ -1,5 +1,5 @@
-"""Tool calling, as the Llama 3.1 / 3.2 / 3.3 Instruct templates render it (``apply_chat_template(messages,
-tools=...)``; Llama 3 itself has no tool format)::
+"""The Llama 3.1 / 3.2 / 3.3 Instruct templates' format: their system turn, written for every conversation, and tool
+calling as they render it (``apply_chat_template(messages, tools=...)``; Llama 3 itself has neither)::
 
     <|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n
     Cutting Knowledge Date: December 2023\\nToday Date: {date_string}\\n\\n{system}<|eot_id|>
@@ -9,9 +9,10 @@ tools=...)``; Llama 3 itself has no tool format)::
     <|start_header_id|>ipython<|end_header_id|>\\n\\n{the result as a JSON string}<|eot_id|>
     <|start_header_id|>assistant<|end_header_id|>\\n\\n{reply}<|eot_id|>
 
-The system turn is always there in a tool conversation (the templates write it for every conversation; without tools it
-lacks the "Environment: ipython" line, and mtune renders conversations without tool calling in Llama 3's format
-(:mod:`mtune.tokenizers.llama3`), with no such turn). The tools go into the first user message (the templates'
+The system turn (the date lines, then the system message's text if any) opens every conversation the templates
+render, tools or not; the "Environment: ipython" line only when tools are given. :mod:`mtune.tokenizers.llama3` uses
+these turns for every tool-calling conversation, and for the others when the checkpoint's template has the date lines
+(its ``date_header`` setting). The tools go into the first user message (the templates'
 ``tools_in_user_message`` default; each tool's JSON indented by 4), or with ``tools_in_user_message=False`` into the
 system turn after the date lines. The date is a setting (``date_string``, default "26 Jul 2024", the 3.1 / 3.3
 templates' default), where Llama 3.2's template writes the day it runs. A tool result is written as ``tojson`` writes
@@ -29,8 +30,10 @@ from __future__ import annotations
 from mtune.tokenizers.base import Message, TokenizerError
 from mtune.tokenizers.tools import tojson
 
-# The tool-calling template's texts (Llama 3.1 / 3.2 / 3.3 Instruct; the three agree on these).
+# The templates' texts (Llama 3.1 / 3.2 / 3.3 Instruct; the three agree on these).
 KNOWLEDGE_CUTOFF = "December 2023"
+# What tells a Llama 3.1+ template from Llama 3's: the first of its date lines (Llama 3's template has none).
+DATE_LINES_MARK = "Cutting Knowledge Date"
 DEFAULT_DATE = "26 Jul 2024"  # the 3.1 / 3.3 templates' date_string default (3.2's writes the day it runs)
 CALL_FORMAT = ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
                'value}.Do not use variables.\n\n')
@@ -40,13 +43,14 @@ TOOLS_IN_SYSTEM_INTRO = ("You have access to the following functions. To call a 
                          "for a function call." + CALL_FORMAT)
 
 
-def tool_turns(messages: list[Message], tools: list[dict] | None, date_string: str,
-               tools_in_user_message: bool) -> list[tuple[str, str, bool]]:
-    """The turns (role, body, trained) of a tool-calling conversation, as the Llama 3.1+ templates write them."""
+def template_turns(messages: list[Message], tools: list[dict] | None, date_string: str,
+                   tools_in_user_message: bool) -> list[tuple[str, str, bool]]:
+    """The turns (role, body, trained) of a conversation, with tool calling or without, as the Llama 3.1+ templates
+    write them: their system turn first (untrained), then the messages (``tools`` None: no tool definitions)."""
     start = 1 if messages[0].role == "system" else 0  # the index of the first message after the system's
     system = messages[0].content.strip() if start else ""
     head = "Environment: ipython\n" if tools is not None else ""
-    head += f"Cutting Knowledge Date: {KNOWLEDGE_CUTOFF}\nToday Date: {date_string}\n\n"
+    head += f"{DATE_LINES_MARK}: {KNOWLEDGE_CUTOFF}\nToday Date: {date_string}\n\n"
     if tools is not None and not tools_in_user_message:
         head += TOOLS_IN_SYSTEM_INTRO + "".join(tojson(tool, indent=4) + "\n\n" for tool in tools)
     turns = [("system", head + system, False)]

@@ -314,6 +314,21 @@ def llama3_special_token_names(release: str = "3.2") -> list[str]:
     return named + [f"<|reserved_special_token_{k}|>" for k in range(first, first + LLAMA3_NUM_SPECIAL - len(named))]
 
 
+def pin_template_day(monkeypatch, day: tuple[int, int, int] = (2024, 7, 26)) -> None:
+    """Make transformers' ``strftime_now`` (Llama 3.2's template writes ``strftime_now("%d %b %Y")``, the day it runs)
+    return ``day``; by default 26 Jul 2024, the 3.1 template's date and mtune's ``date_string`` default."""
+    import datetime
+
+    import transformers.utils.chat_template_utils as chat_utils
+
+    class Day(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(*day)
+
+    monkeypatch.setattr(chat_utils, "datetime", Day)
+
+
 def write_llama3_tokenizer(model_dir: str | Path, release: str = "3.2", chat_template: str | None = None) -> int:
     """Write a tiny Llama 3 tokenizer: `original/tokenizer.model` as a tiktoken rank file (512 ranks, in the
     `tokenizers` trainer's merge order) plus the 256 special tokens after it, named as in Llama `release`'s
