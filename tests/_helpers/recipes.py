@@ -105,3 +105,11 @@ def torchrun(recipe: str, overrides: list[str], nproc: int = 2, check: bool = Tr
                           str(TRAIN_CONFIG), *overrides], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 or not check, out.stderr[-4000:]
     return out
+
+
+def count_planned(monkeypatch, module, name: str) -> list[int]:
+    """Wrap the planner shortcut ``module.name`` (it returns what a loop runs: tiles, chunks) so each call's length is
+    recorded in the returned list, for tests that then compare with the whole loop."""
+    planned, ran = getattr(module, name), []
+    monkeypatch.setattr(module, name, lambda *args: ran.append(len(planned(*args))) or planned(*args))
+    return ran

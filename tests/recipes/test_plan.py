@@ -14,7 +14,8 @@ from mtune.training.planning.optimizer_layouts import Bnb8bitAdamLayout, BnbAdam
 from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import CATEGORIES
-from tests._helpers.recipes import TRAIN_CONFIG, plan_and_run, run_recipe_in_process, torchrun, train_overrides
+from tests._helpers.recipes import (TRAIN_CONFIG, count_planned, plan_and_run, run_recipe_in_process, torchrun,
+                                    train_overrides)
 
 PACKED = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "max_steps_per_epoch": 2, "memory_breakdown": True}
 # name -> (recipe, overrides): every flag of the matrix that runs on one CPU device, combined into seven runs
@@ -115,10 +116,7 @@ def test_the_tiled_mlp_plans_the_same_from_the_tiles_that_differ(tmp_path, tiny_
 
     cfg = _config("full_single_device", _overrides(tmp_path, tiny_checkpoint, tiny_data, {
         "~lora": None, "mlp_tiles": tiles, "tokenizer.max_seq_len": 300, "batch_size": 2}))
-    ran = []
-    planned = tiled_mlp._planned
-    monkeypatch.setattr(tiled_mlp, "_planned", lambda bounds, x: ran.append(len(planned(bounds, x))) or
-                        planned(bounds, x))
+    ran = count_planned(monkeypatch, tiled_mlp, "_planned")
     short = plan_memory(cfg)
     assert ran and max(ran) == 5
     monkeypatch.setattr(tiled_mlp, "_planned", lambda bounds, x: bounds)

@@ -9,7 +9,7 @@ from mtune._cli.run import load_and_check
 from mtune.modules import gated_delta_scan
 from mtune.training.planning.plan import plan_memory
 from tests._helpers.models import write_tiny_hf_model
-from tests._helpers.recipes import TRAIN_CONFIG, train_overrides, write_instruct_data
+from tests._helpers.recipes import TRAIN_CONFIG, count_planned, train_overrides, write_instruct_data
 from tests._helpers.tokenizers import write_tokenizer_files
 
 
@@ -33,10 +33,7 @@ def _figures(plan):
 
 def test_two_chunks_plan_what_every_chunk_plans(qwen3_5_config, monkeypatch):
     """Mutation seen failing: each chunk's delta kept for backward (both tests: the fake loop keeps two)."""
-    ran = []
-    planned = gated_delta_scan.planned_chunks
-    monkeypatch.setattr(gated_delta_scan, "planned_chunks", lambda n, like: ran.append(len(planned(n, like))) or
-                        planned(n, like))
+    ran = count_planned(monkeypatch, gated_delta_scan, "planned_chunks")
     short = plan_memory(qwen3_5_config)
     assert ran and max(ran) == 2
     monkeypatch.setattr(gated_delta_scan, "planned_chunks", lambda n, like: range(n))
