@@ -2,8 +2,6 @@
 on the device; the losses and gradients are those of offloading every block, and the bytes moved are N blocks'
 inputs plus what is saved outside the blocks (an independent count: batch x seq x dim x 4 bytes per block)."""
 
-import copy
-
 import pytest
 import torch
 
