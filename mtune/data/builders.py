@@ -23,7 +23,7 @@ from typing import Any
 from mtune.data.common import IGNORE_INDEX, DataError
 from mtune.data.sources import load_source
 from mtune.data.tokenized import MissingColumn, RowError, TokenizedDataset, build_tokenized, labels_from_mask
-from mtune.data.messages import conversation_messages, is_sharegpt, sharegpt_tools
+from mtune.data.messages import conversation_messages, row_tools
 from mtune.tokenizers.base import Message
 
 
@@ -127,8 +127,7 @@ def chat_dataset(
         return conversation_messages(row[column], column, system_prompt)
 
     def to_tools(row: dict[str, Any]) -> Any:
-        tools = row.get(columns["tools"])
-        return sharegpt_tools(tools, columns["tools"]) if is_sharegpt(row[conversation_column(row)]) else tools
+        return row_tools(row.get(columns["tools"]), columns["tools"], row[conversation_column(row)])
 
     settings = {"columns": columns, "column_map": column_map, "system_prompt": system_prompt,
                 "train_on_input": train_on_input}

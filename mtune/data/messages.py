@@ -111,6 +111,12 @@ def sharegpt_tools(value: Any, column: str) -> Any:
             and "function" not in tool and "name" in tool else tool for tool in value]
 
 
+def row_tools(value: Any, column: str, conversation: Any) -> Any:
+    """A row's tool definitions (its ``column``'s ``value``) for the conversation they go with: wrapped as
+    :func:`sharegpt_tools` wraps them where the conversation is ShareGPT-style, else as given."""
+    return sharegpt_tools(value, column) if is_sharegpt(conversation) else value
+
+
 def is_sharegpt(conversation: Any) -> bool:
     """Whether a conversation's messages are ShareGPT-style (its first message has ``from``)."""
     return isinstance(conversation, list) and bool(conversation) and isinstance(conversation[0], dict) and \

@@ -38,7 +38,7 @@ import torch
 
 from mtune.data.collate import collate_padded
 from mtune.data.common import IGNORE_INDEX, DataError, is_main_process, log
-from mtune.data.messages import conversation_messages, is_sharegpt, sharegpt_tools
+from mtune.data.messages import conversation_messages, row_tools
 from mtune.data.packing import pack_pairs
 from mtune.data.sources import load_source
 from mtune.data.tokenized import RowError, TokenizedDataset, labels_from_mask
@@ -236,8 +236,7 @@ def _pair(row: dict[str, Any], columns: dict[str, str], system_prompt: str | Non
         raise RowError("chosen and rejected are identical")
     if system_prompt:
         prefix = [Message("system", system_prompt)] + [m for m in prefix if m.role != "system"]
-    tools = row.get(columns["tools"])
-    return prefix, replies, sharegpt_tools(tools, columns["tools"]) if is_sharegpt(conversation) else tools
+    return prefix, replies, row_tools(row.get(columns["tools"]), columns["tools"], conversation)
 
 
 def _reply(value: Any, column: str) -> Message:

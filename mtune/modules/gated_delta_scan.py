@@ -52,9 +52,8 @@ class _GatedDeltaScan(torch.autograd.Function):
     def backward(ctx, grad_out, grad_final):
         u, w, q, scores, k_end, decay, states = ctx.saved_tensors
         n = u.shape[1]
-        grads = [torch.empty_like(t) for t in (u, w, q, scores, k_end)]
-        grad_u, grad_w, grad_q, grad_scores, grad_k_end = grads
-        grad_decay = decay.new_empty(decay.shape[0], n, 1, 1)
+        grad_u, grad_w, grad_q, grad_scores, grad_k_end, grad_decay = (torch.empty_like(t) for t in (
+            u, w, q, scores, k_end, decay))
         grad_state = grad_final.clone() if grad_final is not None else torch.zeros_like(states[0])
         for c in reversed(planned_chunks(n, u)):
             state, g = states[c], grad_out[:, c]
@@ -70,8 +69,7 @@ class _GatedDeltaScan(torch.autograd.Function):
             # the entering state: decayed into the leaving one, read by the queries, predicted by the writes
             leaving = torch.baddbmm(grad_state * decay[:, c], q[:, c].transpose(-1, -2), g)
             grad_state = torch.baddbmm(leaving, w[:, c].transpose(-1, -2), grad_delta, alpha=-1)
-        return (grad_u, grad_w, grad_q, grad_scores, grad_k_end, grad_decay.sum_to_size(decay.shape),
-                grad_state if ctx.has_initial else None)
+        return grad_u, grad_w, grad_q, grad_scores, grad_k_end, grad_decay, grad_state if ctx.has_initial else None
 
 
 def gated_delta_scan(u: torch.Tensor, w: torch.Tensor, q: torch.Tensor, scores: torch.Tensor, k_end: torch.Tensor,

@@ -19,7 +19,6 @@ where the source hands on the keys and values of the whole sequence.
 import torch
 from torch import nn
 
-from mtune.modules.kv_cache import KVCache
 from mtune.modules.rms_norm import FP32RMSNorm
 from mtune.modules.sandwich_block import ScaledEmbedding
 from mtune.modules.softcap import SoftcappedLinear
@@ -46,17 +45,11 @@ class PerLayerInputDecoder(TransformerDecoder):
             self.lm_head = SoftcappedLinear(args.dim, args.vocab_size, args.final_logit_softcap)
             self.tie_weights()
 
-    def setup_caches(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
-        """A :class:`KVCache` ``[batch_size, kv_heads, max_seq_len, head_dim]`` for each layer that makes its own keys
-        and values (its own head count and size: the global layers' may differ); none for the layers that reuse
-        them. Positions then continue from the last call."""
-        param = self.embed_tokens.weight
-        dtype = dtype or param.dtype
-        for layer, source in zip(self.layers, self.kv_sources):
-            attn = layer.self_attn
-            attn.kv_cache = None if source is not None else KVCache(batch_size, max_seq_len, attn.n_kv_heads,
-                                                                     attn.head_dim, dtype, param.device)
-        self._next_pos = 0
+    def _cache_slots(self):
+        """`TransformerDecoder._cache_slots` but the reusing layers': they keep no cache and read their source's, so
+        setup_caches gives a KV cache (of each layer's own head count and size) only to the layers that make keys
+        and values."""
+        return (slot for slot, source in zip(super()._cache_slots(), self.kv_sources) if source is None)
 
     def per_layer_inputs(self, tokens: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor | None:
         """``[b, s, n_layers, p]`` from the tokens ``[b, s]`` and their scaled embeddings ``[b, s, dim]``."""

@@ -51,8 +51,9 @@ def template_turns(messages: list[Message], tools: list[dict] | None, date_strin
     system = messages[0].content.strip() if start else ""
     head = "Environment: ipython\n" if tools is not None else ""
     head += f"{DATE_LINES_MARK}: {KNOWLEDGE_CUTOFF}\nToday Date: {date_string}\n\n"
+    tool_text = "".join(tojson(tool, indent=4) + "\n\n" for tool in tools or ())
     if tools is not None and not tools_in_user_message:
-        head += TOOLS_IN_SYSTEM_INTRO + "".join(tojson(tool, indent=4) + "\n\n" for tool in tools)
+        head += TOOLS_IN_SYSTEM_INTRO + tool_text
     turns = [("system", head + system, False)]
     if tools is not None and tools_in_user_message:
         if start == len(messages) or messages[start].role != "user":
@@ -60,7 +61,6 @@ def template_turns(messages: list[Message], tools: list[dict] | None, date_strin
             raise TokenizerError(f"llama3 chat format: the tools go into the first user message, which must come "
                                  f"first after the system message, but {what}; start the conversation with the "
                                  "user's message, or set tools_in_user_message=false")
-        tool_text = "".join(tojson(tool, indent=4) + "\n\n" for tool in tools)
         turns.append(("user", TOOLS_IN_USER_INTRO + tool_text + messages[start].content.strip(), False))
         start += 1
     for i in range(start, len(messages)):
