@@ -8,6 +8,7 @@ conversation in the family's chat format, as (ids, trained) segments). Nothing h
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -227,3 +228,12 @@ def check_alternating(messages: list[Message], family: str) -> tuple[str | None,
     if not turns:
         raise ValueError(f"{family} chat format: a conversation needs at least one user message")
     return system, turns
+
+
+def config_chat_template(config_path: Path) -> str | None:
+    """The ``chat_template`` of a checkpoint's ``tokenizer_config.json`` (the default one, where it is a list of named
+    templates), or None when the file has none."""
+    template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template or None

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from mtune.tokenizers.base import Message, Tokenizer, TokenizerError
+from mtune.tokenizers.base import Message, Tokenizer, TokenizerError, config_chat_template
 from mtune.tokenizers.llama3_tools import DATE_LINES_MARK, DEFAULT_DATE, template_turns
 
 # Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
@@ -124,12 +124,9 @@ def checkpoint_chat_template(tokenizer_file: Path) -> tuple[str | None, Path | N
         if jinja.is_file():
             return jinja.read_text(encoding="utf-8"), jinja
         config_path = model_dir / "tokenizer_config.json"
-        if config_path.is_file():
-            template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
-            if isinstance(template, list):
-                template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-            if template:
-                return template, config_path
+        template = config_chat_template(config_path) if config_path.is_file() else None
+        if template:
+            return template, config_path
     return None, None
 
 

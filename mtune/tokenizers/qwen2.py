@@ -10,10 +10,9 @@ assistant."; mtune reads which one from ``tokenizer_config.json`` beside ``token
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from mtune.tokenizers.base import Message
+from mtune.tokenizers.base import Message, config_chat_template
 from mtune.tokenizers.tokenizer_json import TokenizerJson
 
 QWEN2_5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -26,9 +25,7 @@ def default_system_prompt(tokenizer_json: Path) -> str | None:
     config_path = tokenizer_json.parent / "tokenizer_config.json"
     if not config_path.exists():
         return QWEN2_5_SYSTEM_PROMPT
-    template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
-    if isinstance(template, list):  # a list of named templates: the default one counts
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    template = config_chat_template(config_path)
     if not template:
         return QWEN2_5_SYSTEM_PROMPT
     for prompt in (QWEN2_5_SYSTEM_PROMPT, QWEN2_SYSTEM_PROMPT):
