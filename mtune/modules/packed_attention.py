@@ -116,7 +116,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     kernel = segment_kernel(q, window, sinks is not None)
     b, h, s, d = q.shape
     if kernel == "varlen_flash":
-        return _varlen(q, k, v, cu_seqlens, window).view(b, s, h * d)
+        # reshape: the kernel's output keeps its flat queries' strides, a strided view of q when b is 1
+        return _varlen(q, k, v, cu_seqlens, window).reshape(b, s, h * d)
     if sinks is None:
         return _per_segment(q, k, v, cu_seqlens, window)
     return _per_segment(*sink_inputs(q, k, v, sinks), cu_seqlens, window, sink_at=d)

@@ -132,6 +132,34 @@ def test_segment_attention_alone_matches_per_document_sdpa():
         torch.testing.assert_close(out[:, :, a:e], ref, rtol=0, atol=1e-6)
 
 
+def _varlen_as_cuda_allocates(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0), enable_gqa=False):
+    """A CPU stand-in for ``varlen_attn``: causal SDPA per segment of the flat ``[tokens, heads, d]`` inputs, into an
+    output allocated as the CUDA kernel (and torch's fake kernel) allocate it, ``torch.empty_like(query)``, which keeps
+    a dense query's strides."""
+    out = torch.empty_like(q)
+    bounds = cu_q.tolist()
+    for a, e in zip(bounds, bounds[1:]):
+        seg = torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, enable_gqa=enable_gqa)
+        out[a:e] = seg.transpose(0, 1)
+    return out
+
+
+def test_varlen_output_of_one_row_reaches_the_projection(monkeypatch):
+    """One packed row of queries laid out ``[b, h, s, d]`` (Qwen3.5's gated attention makes them so): the varlen
+    kernel's flat queries are then a strided view, its output keeps those strides, and the ``[b, s, h * d]`` result
+    must still come out (it failed with a view error on an H100, 2026-11-26). Equal to the per-segment path."""
+    from mtune.modules import packed_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 20, 16, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 6, 7, 20], dtype=torch.int32)
+    expected = segment_attention(q, k, v, cu)  # sdpa_per_segment on the CPU
+    monkeypatch.setattr(packed_attention, "_VARLEN", [(_varlen_as_cuda_allocates, {"window_size", "enable_gqa"})])
+    monkeypatch.setattr(packed_attention, "segment_kernel", lambda *args, **kwargs: "varlen_flash")
+    torch.testing.assert_close(segment_attention(q, k, v, cu), expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_varlen_flash_equals_dense_mask_on_cuda():
