@@ -26,11 +26,19 @@ import math
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from mtune.config.errors import ConfigError
 from mtune.modules.nf4_linear import dequantize, is_nf4, linear_maybe_nf4, nf4_part, quantize_nf4
 
-__all__ = ["ExpertLinear", "LoRAExpertLinear"]
+__all__ = ["DEQUANTIZE_PARTS", "ExpertLinear", "LoRAExpertLinear"]
+
+DEQUANTIZE_PARTS = 8
+"""How many calls :meth:`ExpertLinear.stacked` dequantizes an NF4 projection in. While it runs, torchao's
+dequantize holds the codes as int64 (8 bytes a value) beside its bf16 products, several times the 2-byte result, so a
+whole projection at once would raise a large MoE's planned peak by gigabytes; one call per expert is ``n_experts``
+small calls, which left Qwen3-30B-A3B's QLoRA without one finished step in minutes on an H100. An eighth at a time
+keeps the transient near the result's own size, in 8 calls."""
 
 
 class _Factor(nn.Module):
@@ -90,8 +98,17 @@ class ExpertLinear(nn.Module):
         return dequantize(self.weight).view(self.n_experts, self.out_features, self.in_features)
 
     def stacked(self) -> torch.Tensor:
-        """The weight for ``torch._grouped_mm``: the parameter itself when plain (no copy)."""
-        return self.plain_weight()
+        """The weight for ``torch._grouped_mm``, ``[n_experts, out, in]``: the parameter itself when plain (no copy);
+        when NF4 a new tensor, dequantized an eighth of the experts at a time (:data:`DEQUANTIZE_PARTS`)."""
+        if not is_nf4(self.weight):
+            return self.plain_weight()
+        parts = math.gcd(self.n_experts, DEQUANTIZE_PARTS)
+        out = torch.empty(self.weight_shape, dtype=self.weight.dtype, device=self.weight.device)
+        for index, rows in enumerate(out.chunk(parts)):
+            rows.copy_(dequantize(nf4_part(self.weight, parts, index)).view(rows.shape))
+            if isinstance(out, FakeTensor):  # planning: alike parts, each freed before the next, one gives the peak
+                break  # (the type, not is_fake: torch.compile traces with fake tensors and needs every part)
+        return out
 
     def pieces(self) -> list[tuple]:
         """Each expert's tensors, split once per forward (``unbind``: autograd then writes one gradient of the whole

@@ -23,9 +23,11 @@ A forward sorts the ``tokens * top_k`` (token, expert) pairs by expert, runs eac
 scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.expert_compute`), equal to round-off:
 
 * ``grouped``: three ``torch._grouped_mm`` calls over the 3-D weights, read in place. Used by ``auto`` where it pays
-  and is supported: frozen, unbiased, plain weights (a full fine-tune's trainable experts, LoRA on the experts and
-  NF4 bases go through the loop), bf16 (the only dtype ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and
-  ``compile`` trace it) and 16-byte aligned rows.
+  and is supported: frozen, unbiased weights without adapters (a full fine-tune's trainable experts and LoRA on the
+  experts go through the loop), bf16 (the only dtype ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and
+  ``compile`` trace it) and 16-byte aligned rows. NF4 bases (QLoRA) are dequantized a whole projection at a time
+  (one ``[n_experts, out, in]`` weight alive at once, planned as such): per-expert dequantizing costs
+  ``n_experts`` small calls per projection, which on a GPU left Qwen3-30B-A3B QLoRA short of one step in minutes.
 * ``loop``: each expert's slice of the weights on its rows (those that got none too, for their zero gradients).
 
 On fake tensors (``mtune plan``) the loop cannot read how many rows each expert got; it assumes **balanced
@@ -109,10 +111,10 @@ class Experts(nn.Module):
         return [self.gate_proj, self.up_proj, self.down_proj]
 
     def can_group(self, x: torch.Tensor) -> bool:
-        """Whether ``grouped`` computes these experts: plain (no adapter, no NF4), unbiased, frozen (or no gradient
-        wanted) weights, and rows and weights 16-byte aligned."""
+        """Whether ``grouped`` computes these experts: no adapter, unbiased, frozen (or no gradient wanted) weights,
+        plain or NF4, and rows and weights 16-byte aligned."""
         projections = self.projections()
-        if not hasattr(torch, "_grouped_mm") or any(type(p) is not ExpertLinear or p.bias is not None or p.nf4
+        if not hasattr(torch, "_grouped_mm") or any(type(p) is not ExpertLinear or p.bias is not None
                                                     for p in projections):
             return False
         trainable = torch.is_grad_enabled() and any(p.weight.requires_grad for p in projections)
@@ -150,7 +152,7 @@ def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch
 
 class _GroupedGLU(torch.autograd.Function):
     """The experts' ``down(act(gate(x)) * up(x))`` as three grouped matmuls over the frozen 3-D weights, read in
-    place. Saves the gate and up outputs (as autograd would), not their product (recomputed in backward)."""
+    place (NF4: each dequantized as it is used, forward and backward, never saved). Saves the gate and up outputs (as autograd would), not their product (recomputed in backward)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts: Experts) -> torch.Tensor:
@@ -244,7 +246,7 @@ def use_grouped(experts: Experts, x: torch.Tensor, expert_compute: str) -> bool:
         return False
     can = experts.can_group(x)
     if expert_compute == "grouped" and not can:
-        raise ValueError("expert_compute='grouped' needs frozen, unbiased, plain (no adapter, no NF4) experts "
+        raise ValueError("expert_compute='grouped' needs frozen, unbiased experts without adapters "
                          "with 16-byte aligned widths: use 'auto' or 'loop'")
     return can and (expert_compute == "grouped" or x.dtype == torch.bfloat16)
 
