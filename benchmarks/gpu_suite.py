@@ -290,6 +290,13 @@ def case_config(api, case: Case, *, device: str, dry_run: bool, seq_len: int | N
     return api.load_and_check(module, api.find_config(config_path or case.config), overrides), []
 
 
+def fitted_config(api, case: Case, path: Path):
+    """The config `mtune plan --fit` wrote for ``case``, as written: its batch size, accumulation and techniques are
+    the answer (the case's own overrides went into the search; applied again, they undid it)."""
+    module = api.load_recipe_module(api.find_recipe(case.recipe))
+    return api.load_and_check(module, api.find_config(str(path)), ["overwrite_output_dir=true"])
+
+
 def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, generator) -> dict:
     """A packed batch as the collator makes it: two documents per row (positions restart, document ids), every
     token trained."""
@@ -476,7 +483,7 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
                            case.recipe, "--config", case.config, *overrides])
         if rc or not fitted.exists():
             return {**row, "status": "failed", "reason": f"mtune plan --fit found no config for {budget / api.GIB:.2f} GiB"}
-        cfg, _ = case_config(api, case, device=device, dry_run=dry_run, config_path=str(fitted))
+        cfg = fitted_config(api, case, fitted)
         row["fit_config"] = fitted.read_text()
         row["device_memory_gib"] = budget / api.GIB
         if torch.cuda.is_available() and device == "cuda":

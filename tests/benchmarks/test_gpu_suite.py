@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,6 +81,22 @@ def test_a_case_needing_an_undeclared_key_is_pending():
     case = replace(suite.CASES[-1], needs=("a_key_no_recipe_declares",))
     assert suite.case_config(suite.mtune_api(), case, device="cpu", dry_run=True) == (None,
                                                                                     ["a_key_no_recipe_declares"])
+
+
+def test_a_fit_case_runs_the_config_fit_wrote(tmp_path):
+    """The fit case runs what `mtune plan --fit` answered, not its own batch again. Seen on an H100 (2026-11-26): the
+    24 GiB answer (batch 1 x 4 accumulation, checkpointing every 2 blocks) was run at the case's batch 4 and ran out
+    of memory under its fraction."""
+    api = suite.mtune_api()
+    case = next(c for c in suite.CASES if c.kind == "fit")
+    fitted = tmp_path / "fitted.yaml"
+    cfg, _ = suite.case_config(api, case, device="cpu", dry_run=True)
+    cfg.batch_size, cfg.gradient_accumulation_steps, cfg.activation_checkpointing_every_n_layers = 1, 4, 2
+    cfg.enable_activation_checkpointing = True
+    fitted.write_text(OmegaConf.to_yaml(cfg))
+    ran = suite.fitted_config(api, case, fitted)
+    assert (ran.batch_size, ran.gradient_accumulation_steps, ran.activation_checkpointing_every_n_layers) == (1, 4, 2)
+    assert case.batch_size != 1
 
 
 def test_plan_agrees_with_the_tracker_on_cpu(dry_run):
