@@ -22,7 +22,7 @@ from mtune.training.output_lock import OutputDirLockedError, lock_output_dir
 from mtune.training.rng import set_seed
 from mtune.units import format_bytes, parse_bytes
 
-__all__ = ["RunContext", "setup_run", "limit_cuda_memory", "resolve_device", "configure_logging", "claim_output_dir",
+__all__ = ["RunContext", "setup_run", "device_memory_budget", "limit_cuda_memory", "resolve_device", "configure_logging", "claim_output_dir",
            "run_outputs"]
 
 log = logging.getLogger(__name__)
@@ -162,15 +162,26 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
     return run
 
 
+def device_memory_budget(limit, device: torch.device | str) -> int | None:
+    """``device_memory_limit`` in bytes as it binds on ``device``: on CUDA no more than the device holds (a larger
+    limit leaves the whole device); None without a limit."""
+    if limit is None:
+        return None
+    size = parse_bytes(limit, "device_memory_limit")
+    if torch.device(device).type == "cuda":
+        size = min(size, torch.cuda.get_device_properties(device).total_memory)
+    return size
+
+
 def limit_cuda_memory(limit, device: torch.device) -> None:
     """``device_memory_limit`` on CUDA: the caching allocator's per-process fraction of the device (over it,
     torch.OutOfMemoryError). Off CUDA the run's byte tracker enforces it (`mtune.training.measured_memory`)."""
     if limit is None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    size = parse_bytes(limit, "device_memory_limit")
-    torch.cuda.set_per_process_memory_fraction(min(1.0, size / total), device)
-    log.info("device_memory_limit: %s of %s's %s", format_bytes(min(size, total)), device, format_bytes(total))
+    size = device_memory_budget(limit, device)
+    torch.cuda.set_per_process_memory_fraction(size / total, device)
+    log.info("device_memory_limit: %s of %s's %s", format_bytes(size), device, format_bytes(total))
 
 
 def _lock_output_dir(output_dir: Path, *, force: bool, rank: int) -> None:

@@ -15,13 +15,14 @@ from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mtune.config.keys import samples_per_step
+from mtune.training.context import device_memory_budget
 from mtune.training.memory import phases, registry
 from mtune.training.memory.oom import OutOfMemory
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.oom_recovery.replan import (MAX_RECOVERIES, PAIR_BATCH_FIELDS, RUN_CONFIG_NAME, batch_samples,
                                                 halve_micro_batches, replan, replan_in_helper)
 from mtune.training.planning.candidates import describe, with_overrides
-from mtune.units import format_bytes, parse_bytes
+from mtune.units import format_bytes
 
 __all__ = ["OomRecovery"]
 
@@ -55,8 +56,7 @@ class OomRecovery:
         # point before the parameters change where they could.
         steps_in_backward = any(f.frees_gradients for f in phases.footprints(MemoryConfig.from_config(session.cfg)))
         self.enabled = enabled and not (self.distributed and steps_in_backward)
-        self.limit = (parse_bytes(session.cfg.device_memory_limit, "device_memory_limit")
-                      if session.cfg.get("device_memory_limit") is not None else None)
+        self.limit = device_memory_budget(session.cfg.get("device_memory_limit"), self.run_ctx.device)
         self.rows: int | None = None  # rows per micro-batch since the last recovery (None: as the loader makes them)
         self.recoveries = 0
         self.changed: dict[str, Any] = {}  # every change the recoveries made to the run's config, in order

@@ -48,6 +48,18 @@ def test_cuda_gets_the_allocator_fraction(monkeypatch):
     assert calls == [(0.25, torch.device("cuda", 0)), (1.0, torch.device("cuda", 0))]
 
 
+def test_the_budget_is_the_limit_as_it_binds(monkeypatch):
+    """What out-of-memory recovery re-plans for: the limit, but no more than a CUDA device holds (on an H100 a limit
+    of 83.6 GiB was planned for, on a 79.2 GiB card, 2026-11-26). Off CUDA the limit as written."""
+    from mtune.training.context import device_memory_budget
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * 2**30}))
+    assert device_memory_budget("100GiB", torch.device("cuda", 0)) == 80 * 2**30
+    assert device_memory_budget("20GiB", "cuda:0") == 20 * 2**30
+    assert device_memory_budget("100GiB", "cpu") == 100 * 2**30
+    assert device_memory_budget(None, "cuda:0") is None
+
+
 @pytest.mark.parametrize("value, problem", [
     ("20 gigs", "device_memory_limit='20 gigs': write a size such as 24GiB, 80GB or 512MiB"),
     ("0GiB", "device_memory_limit='0GiB': must be more than 0 bytes (null: the whole device)"),
