@@ -48,12 +48,8 @@ class ClampedSwiGLUExperts(Experts):
     def projections(self) -> list[ExpertLinear]:
         return [self.gate_up_proj, self.down_proj]
 
-    def can_group(self, x: torch.Tensor) -> bool:
-        return False  # biased: the loop computes them
-
-    def _expert(self, x: torch.Tensor, projections: list[ExpertLinear], pieces) -> torch.Tensor:
-        gate_up, down = projections
-        return down.run(clamped_swiglu(gate_up.run(x, pieces[0]), self.alpha, self.limit), pieces[1])
+    def hidden(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, limit={self.limit}"

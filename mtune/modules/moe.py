@@ -22,12 +22,13 @@ separately, and each stays the tensor NF4 quantizes on its own; a fused layout w
 A forward sorts the ``tokens * top_k`` (token, expert) pairs by expert, runs each expert on its contiguous rows and
 scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.expert_compute`), equal to round-off:
 
-* ``grouped``: three ``torch._grouped_mm`` calls over the 3-D weights, read in place. Used by ``auto`` where it pays
-  and is supported: frozen, unbiased weights without adapters (a full fine-tune's trainable experts and LoRA on the
-  experts go through the loop), bf16 (the only dtype ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and
-  ``compile`` trace it) and 16-byte aligned rows. NF4 bases (QLoRA) are dequantized a whole projection at a time
-  (one ``[n_experts, out, in]`` weight alive at once, planned as such): per-expert dequantizing costs
-  ``n_experts`` small calls per projection, which on a GPU left Qwen3-30B-A3B QLoRA short of one step in minutes.
+* ``grouped``: one ``torch._grouped_mm`` call per projection over the 3-D weights, read in place; biases (gpt-oss)
+  added by each row's expert. Used by ``auto`` where it pays and is supported: frozen weights without adapters (a
+  full fine-tune's trainable experts and LoRA on the experts go through the loop), bf16 (the only dtype
+  ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and ``compile`` trace it) and 16-byte aligned rows. NF4
+  bases (QLoRA) are dequantized a projection at a time, an eighth of the experts per call
+  (:data:`~mtune.modules.expert_linear.DEQUANTIZE_PARTS`; planned as such): per expert, it cost ``n_experts`` small
+  calls per projection, which on an H100 left Qwen3-30B-A3B QLoRA without a finished step within minutes.
 * ``loop``: each expert's slice of the weights on its rows (those that got none too, for their zero gradients).
 
 On fake tensors (``mtune plan``) the loop cannot read how many rows each expert got; it assumes **balanced
@@ -111,21 +112,26 @@ class Experts(nn.Module):
         return [self.gate_proj, self.up_proj, self.down_proj]
 
     def can_group(self, x: torch.Tensor) -> bool:
-        """Whether ``grouped`` computes these experts: no adapter, unbiased, frozen (or no gradient wanted) weights,
+        """Whether ``grouped`` computes these experts: no adapter, frozen (or no gradient wanted) weights and biases,
         plain or NF4, and rows and weights 16-byte aligned."""
         projections = self.projections()
-        if not hasattr(torch, "_grouped_mm") or any(type(p) is not ExpertLinear or p.bias is not None
-                                                    for p in projections):
+        if not hasattr(torch, "_grouped_mm") or any(type(p) is not ExpertLinear for p in projections):
             return False
-        trainable = torch.is_grad_enabled() and any(p.weight.requires_grad for p in projections)
-        widths = (self.gate_proj.in_features, self.gate_proj.out_features)
+        tensors = [t for p in projections for t in (p.weight, p.bias) if t is not None]
+        trainable = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        widths = {w for p in projections for w in (p.in_features, p.out_features)}
         return not trainable and all(w * x.element_size() % 16 == 0 for w in widths)
+
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The intermediate rows from the first projections' outputs (all but ``down_proj``, in
+        :meth:`projections`' order): ``act(gate) * up``."""
+        return self.activation(gate) * up
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """``x [rows, dim]`` sorted by expert, ``counts [n_experts]`` int64 rows each -> ``[rows, dim]``."""
         if grouped:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            return _GroupedGLU.apply(x, offsets, self)
+            return _GroupedExperts.apply(x, offsets, self)
         projections = self.projections()
         frozen = not any(p.requires_grad for p in self.parameters())
         if is_fake(counts) and frozen:
@@ -141,8 +147,8 @@ class Experts(nn.Module):
                           for rows, pieces in zip(torch.split(x, sizes), per_expert)])
 
     def _expert(self, x: torch.Tensor, projections: list[ExpertLinear], pieces) -> torch.Tensor:
-        gate, up, down = projections
-        return down.run(self.activation(gate.run(x, pieces[0])) * up.run(x, pieces[1]), pieces[2])
+        *firsts, down = projections
+        return down.run(self.hidden(*(p.run(x, piece) for p, piece in zip(firsts, pieces))), pieces[-1])
 
 
 def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -150,29 +156,45 @@ def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch
     return torch._grouped_mm(x, weights, offs=offsets)
 
 
-class _GroupedGLU(torch.autograd.Function):
-    """The experts' ``down(act(gate(x)) * up(x))`` as three grouped matmuls over the frozen 3-D weights, read in
-    place (NF4: each dequantized as it is used, forward and backward, never saved). Saves the gate and up outputs (as autograd would), not their product (recomputed in backward)."""
+def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each of ``rows`` rows' expert ``[rows]``, from the ends of the experts' groups of rows ``offsets``."""
+    return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
+
+
+def _project(x: torch.Tensor, projection: ExpertLinear, offsets: torch.Tensor, row_experts: torch.Tensor | None):
+    """One projection of every expert on its rows, its bias (when it has one) picked by each row's expert."""
+    out = _gmm(x, projection.stacked().transpose(-2, -1), offsets)
+    return out if projection.bias is None else out + projection.bias[row_experts]
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """The experts' ``down(hidden(first projections(x)))`` (SwiGLU's gate and up, gpt-oss's fused gate/up) as
+    grouped matmuls over the frozen 3-D weights, read in place (NF4: dequantized as each is used, never saved), biases
+    added by each row's expert. Saves the first projections' outputs (as autograd would), not the hidden rows
+    (recomputed in backward)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts: Experts) -> torch.Tensor:
-        gate = _gmm(x, experts.gate_proj.stacked().transpose(-2, -1), offsets)
-        up = _gmm(x, experts.up_proj.stacked().transpose(-2, -1), offsets)
-        out = _gmm(experts.activation(gate) * up, experts.down_proj.stacked().transpose(-2, -1), offsets)
-        ctx.save_for_backward(gate, up, offsets)
+        *firsts, down = experts.projections()
+        biased = any(p.bias is not None for p in (*firsts, down))
+        row_experts = _row_experts(offsets, x.shape[0]) if biased else None
+        outs = [_project(x, p, offsets, row_experts) for p in firsts]
+        out = _project(experts.hidden(*outs), down, offsets, row_experts)
+        ctx.save_for_backward(offsets, *outs)
         ctx.experts = experts
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        gate, up, offsets = ctx.saved_tensors
-        experts = ctx.experts
-        grad_hidden = _gmm(grad_out.contiguous(), experts.down_proj.stacked(), offsets)
+        offsets, *outs = ctx.saved_tensors
+        *firsts, down = ctx.experts.projections()
+        grad_hidden = _gmm(grad_out.contiguous(), down.stacked(), offsets)
         with torch.enable_grad():
-            gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
-            grad_gate, grad_up = torch.autograd.grad(experts.activation(gate) * up, (gate, up), grad_hidden)
-        grad_x = _gmm(grad_gate, experts.gate_proj.stacked(), offsets)
-        grad_x = grad_x + _gmm(grad_up, experts.up_proj.stacked(), offsets)
+            outs = [out.detach().requires_grad_() for out in outs]
+            grads = torch.autograd.grad(ctx.experts.hidden(*outs), outs, grad_hidden)
+        grad_x = _gmm(grads[0], firsts[0].stacked(), offsets)
+        for grad, projection in zip(grads[1:], firsts[1:]):
+            grad_x = grad_x + _gmm(grad, projection.stacked(), offsets)
         return grad_x, None, None
 
 
@@ -246,7 +268,7 @@ def use_grouped(experts: Experts, x: torch.Tensor, expert_compute: str) -> bool:
         return False
     can = experts.can_group(x)
     if expert_compute == "grouped" and not can:
-        raise ValueError("expert_compute='grouped' needs frozen, unbiased experts without adapters "
+        raise ValueError("expert_compute='grouped' needs frozen experts without adapters "
                          "with 16-byte aligned widths: use 'auto' or 'loop'")
     return can and (expert_compute == "grouped" or x.dtype == torch.bfloat16)
 

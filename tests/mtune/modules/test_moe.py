@@ -39,7 +39,7 @@ def per_token(block, x):
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_both_expert_paths_equal_the_per_token_definition(norm_topk_prob):
     """Mutations seen failing: ``order // top_k`` -> ``order % top_k`` (rows scattered to the wrong tokens); the
-    top-k weights not renormalised; ``_GroupedGLU`` with ``up`` and ``gate`` swapped."""
+    top-k weights not renormalised; ``_GroupedExperts`` with ``up`` and ``gate`` swapped."""
     block = moe_block(norm_topk_prob=norm_topk_prob).requires_grad_(False)
     x = torch.randn(3, 7, DIM, generator=torch.Generator().manual_seed(1))
     expected = per_token(block, x.view(-1, DIM)).view(x.shape)
@@ -151,3 +151,31 @@ def test_nf4_stacked_weight_is_dequantized_by_parts_and_planned_from_one():
     real = _stacked_peak(fake=False)
     assert result < real <= 2.25 * result
     assert _stacked_peak(fake=True) == real
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.02)])
+def test_biased_clamped_experts_run_grouped_and_equal_the_loop(dtype, atol):
+    """gpt-oss's experts (fused, interleaved gate/up, biased, the clamp biting) on the grouped path: each row's bias
+    picked by its expert, output and input gradient equal to the per-expert loop's (relative to the largest value).
+    Mutations seen failing: the biases left out of the grouped path; each row given the next expert's bias
+    (``searchsorted`` without ``right``)."""
+    from mtune.modules.clamped_experts import ClampedSwiGLUExperts
+
+    torch.manual_seed(0)
+    block = MoE(DIM, HIDDEN, EXPERTS, TOP_K, norm_topk_prob=True, router_name="router", router_bias=True,
+                experts=ClampedSwiGLUExperts(EXPERTS, DIM, HIDDEN))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)  # gate/up values past the clamp's 7 too
+    block = block.to(dtype).requires_grad_(False)
+    x = torch.randn(2, 9, DIM, generator=torch.Generator().manual_seed(6)).to(dtype) * 3
+    assert block.experts.can_group(x.view(-1, DIM))
+    results = {}
+    for path in ("loop", "grouped"):
+        block.expert_compute = path
+        xi = x.clone().requires_grad_()
+        out = block(xi)
+        (out.float() * torch.arange(DIM)).sum().backward()
+        results[path] = (out.float(), xi.grad.float())
+    for got, want in zip(results["grouped"], results["loop"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=atol * want.abs().max().item())
