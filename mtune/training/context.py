@@ -22,8 +22,8 @@ from mtune.training.output_lock import OutputDirLockedError, lock_output_dir
 from mtune.training.rng import set_seed
 from mtune.units import format_bytes, parse_bytes
 
-__all__ = ["RunContext", "setup_run", "device_memory_budget", "limit_cuda_memory", "resolve_device", "configure_logging", "claim_output_dir",
-           "run_outputs"]
+__all__ = ["RunContext", "setup_run", "device_memory_budget", "limit_cuda_memory", "resolve_device",
+           "configure_logging", "claim_output_dir", "run_outputs"]
 
 log = logging.getLogger(__name__)
 
