@@ -41,6 +41,13 @@ small calls, which left Qwen3-30B-A3B's QLoRA without one finished step in minut
 keeps the transient near the result's own size, in 8 calls."""
 
 
+def _nf4_parts_traceable() -> bool:
+    """Whether an NF4 weight's parts (:func:`~mtune.modules.nf4_linear.nf4_part`) can be built here: not while
+    torch.compile traces (dynamo fails building NF4 tensors of symbolic sizes, torch 2.13 / torchao 0.18), where a
+    projection is dequantized whole instead."""
+    return not torch.compiler.is_compiling()
+
+
 class _Factor(nn.Module):
     """A holder for one low-rank factor, so its parameter is named ``lora_a.weight`` / ``lora_b.weight`` as a
     ``LoRALinear``'s are (the names the adapter checks and exports key on)."""
@@ -100,7 +107,7 @@ class ExpertLinear(nn.Module):
     def stacked(self) -> torch.Tensor:
         """The weight for ``torch._grouped_mm``, ``[n_experts, out, in]``: the parameter itself when plain (no copy);
         when NF4 a new tensor, dequantized an eighth of the experts at a time (:data:`DEQUANTIZE_PARTS`)."""
-        if not is_nf4(self.weight):
+        if not is_nf4(self.weight) or not _nf4_parts_traceable():
             return self.plain_weight()
         parts = math.gcd(self.n_experts, DEQUANTIZE_PARTS)
         out = torch.empty(self.weight_shape, dtype=self.weight.dtype, device=self.weight.device)
@@ -113,8 +120,10 @@ class ExpertLinear(nn.Module):
     def pieces(self) -> list[tuple]:
         """Each expert's tensors, split once per forward (``unbind``: autograd then writes one gradient of the whole
         parameter, not one per expert): ``(weight [out, in] or its NF4 rows, bias [out] or None)``."""
-        if is_nf4(self.weight):
+        if is_nf4(self.weight) and _nf4_parts_traceable():
             weights = [nf4_part(self.weight, self.n_experts, e) for e in range(self.n_experts)]
+        elif is_nf4(self.weight):
+            weights = self.plain_weight().unbind(0)
         else:
             weights = self.weight.unbind(0)
         biases = self.bias.unbind(0) if self.bias is not None else [None] * self.n_experts

@@ -179,3 +179,25 @@ def test_biased_clamped_experts_run_grouped_and_equal_the_loop(dtype, atol):
         results[path] = (out.float(), xi.grad.float())
     for got, want in zip(results["grouped"], results["loop"]):
         torch.testing.assert_close(got, want, rtol=0, atol=atol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("path", ["auto", "loop"])
+def test_nf4_experts_compile(path):
+    """QLoRA's NF4 experts under torch.compile, grouped and in the loop: dynamo cannot build the NF4 parts the eager
+    paths dequantize (torch 2.13 / torchao 0.18: an assertion on their symbolic sizes), so a compiled trace
+    dequantizes each projection whole; output and input gradient equal eager's. Mutation seen failing: the parts
+    built while compiling (the assertion)."""
+    block = moe_block(torch.bfloat16).requires_grad_(False)
+    for projection in block.experts.projections():
+        projection.nf4 = True
+        projection.quantize_()
+    block.expert_compute = path
+    x = torch.randn(2, 9, DIM, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    results = {}
+    for name, fn in (("eager", block), ("compiled", torch.compile(block, backend="aot_eager", fullgraph=False))):
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        (out.float() * torch.arange(DIM)).sum().backward()
+        results[name] = (out.float(), xi.grad.float())
+    for got, want in zip(results["compiled"], results["eager"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
