@@ -230,6 +230,31 @@ def check_alternating(messages: list[Message], family: str) -> tuple[str | None,
     return system, turns
 
 
+def model_dirs(tokenizer_file: Path) -> list[Path]:
+    """Where a checkpoint's tokenizer_config.json and friends are looked for: beside ``tokenizer_file`` and, when that
+    sits in ``original/`` (Meta's rank file), in the model directory above it."""
+    folder = tokenizer_file.parent
+    return [folder, folder.parent] if folder.name == "original" else [folder]
+
+
+def checkpoint_chat_template(tokenizer_file: Path) -> tuple[str | None, Path | None]:
+    """The checkpoint's chat template and the file it was read from, or (None, None) when it has none.
+
+    Read as transformers reads it: ``chat_template.jinja`` wins over the ``chat_template`` of
+    ``tokenizer_config.json`` (the default one, when that is a list of named templates); both looked for beside
+    ``tokenizer_file`` and, from ``original/``, in the model directory above it (the nearer folder first).
+    """
+    for model_dir in model_dirs(tokenizer_file):
+        jinja = model_dir / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8"), jinja
+        config_path = model_dir / "tokenizer_config.json"
+        template = config_chat_template(config_path) if config_path.is_file() else None
+        if template:
+            return template, config_path
+    return None, None
+
+
 def config_chat_template(config_path: Path) -> str | None:
     """The ``chat_template`` of a checkpoint's ``tokenizer_config.json`` (the default one, where it is a list of named
     templates), or None when the file has none."""

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from mtune.tokenizers.base import Message, Tokenizer, TokenizerError, config_chat_template
+from mtune.tokenizers.base import Message, Tokenizer, TokenizerError, checkpoint_chat_template, model_dirs
 from mtune.tokenizers.llama3_tools import DATE_LINES_MARK, DEFAULT_DATE, template_turns
 
 # Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
@@ -78,7 +78,7 @@ def special_token_names(tokenizer_file: Path, num_base: int) -> tuple[dict[int, 
     neither file exists (a bare rank file) or neither names an id are the generated names used (Llama 3.1's,
     :func:`special_tokens`). Ids outside the 256 slots after the base vocabulary are ignored.
     """
-    folders = _model_dirs(tokenizer_file)
+    folders = model_dirs(tokenizer_file)
     ids = range(num_base, num_base + NUM_SPECIAL_TOKENS)
     names: dict[int, str] = {}
     sources: list[Path] = []
@@ -103,31 +103,6 @@ def special_token_names(tokenizer_file: Path, num_base: int) -> tuple[dict[int, 
         if i not in names:
             names[i] = name if name not in taken else f"<|unnamed_special_token_{i - num_base}|>"
     return names, sources
-
-
-def _model_dirs(tokenizer_file: Path) -> list[Path]:
-    """Where a checkpoint's tokenizer_config.json and friends are looked for: beside ``tokenizer_file`` and, when that
-    sits in ``original/`` (Meta's rank file), in the model directory above it."""
-    folder = tokenizer_file.parent
-    return [folder, folder.parent] if folder.name == "original" else [folder]
-
-
-def checkpoint_chat_template(tokenizer_file: Path) -> tuple[str | None, Path | None]:
-    """The checkpoint's chat template and the file it was read from, or (None, None) when it has none.
-
-    Read as transformers reads it: ``chat_template.jinja`` wins over the ``chat_template`` of
-    ``tokenizer_config.json`` (the default one, when that is a list of named templates); both looked for beside
-    ``tokenizer_file`` and, from ``original/``, in the model directory above it (the nearer folder first).
-    """
-    for model_dir in _model_dirs(tokenizer_file):
-        jinja = model_dir / "chat_template.jinja"
-        if jinja.is_file():
-            return jinja.read_text(encoding="utf-8"), jinja
-        config_path = model_dir / "tokenizer_config.json"
-        template = config_chat_template(config_path) if config_path.is_file() else None
-        if template:
-            return template, config_path
-    return None, None
 
 
 def _added_tokens(path: Path) -> dict[int, str]:

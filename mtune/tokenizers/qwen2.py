@@ -5,14 +5,15 @@
 
 When the conversation has no leading system message the official template adds one: Qwen2.5's
 "You are Qwen, created by Alibaba Cloud. You are a helpful assistant." (Qwen2's template says "You are a helpful
-assistant."; mtune reads which one from ``tokenizer_config.json`` beside ``tokenizer.json``).
+assistant."; mtune reads which one from the checkpoint's chat template, ``chat_template.jinja`` or
+``tokenizer_config.json`` beside ``tokenizer.json``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from mtune.tokenizers.base import Message, config_chat_template
+from mtune.tokenizers.base import Message, checkpoint_chat_template
 from mtune.tokenizers.tokenizer_json import TokenizerJson
 
 QWEN2_5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -20,12 +21,11 @@ QWEN2_SYSTEM_PROMPT = "You are a helpful assistant."
 
 
 def default_system_prompt(tokenizer_json: Path) -> str | None:
-    """The system prompt the model's own chat template adds, read from its tokenizer_config.json (Qwen2.5's when
-    the file or its template is missing; None when the template adds none)."""
-    config_path = tokenizer_json.parent / "tokenizer_config.json"
-    if not config_path.exists():
-        return QWEN2_5_SYSTEM_PROMPT
-    template = config_chat_template(config_path)
+    """The system prompt the model's own chat template adds, the template read as transformers reads it
+    (``chat_template.jinja``, else ``tokenizer_config.json``'s:
+    :func:`~mtune.tokenizers.base.checkpoint_chat_template`); Qwen2.5's when the checkpoint has none; None when its
+    template adds none."""
+    template, _ = checkpoint_chat_template(tokenizer_json)
     if not template:
         return QWEN2_5_SYSTEM_PROMPT
     for prompt in (QWEN2_5_SYSTEM_PROMPT, QWEN2_SYSTEM_PROMPT):

@@ -115,6 +115,15 @@ def test_qwen_default_system_prompt(tokenizer_dirs, tmp_path):
     assert other.fingerprint() != tok.fingerprint()
     assert tok.decode(other.tokenize_messages(conversation).tokens, skip_special_tokens=False).startswith(
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+    # Saved by recent transformers, the template is chat_template.jinja, which wins over tokenizer_config.json's
+    # (as transformers reads it): Qwen2's template there, Qwen2.5's (or none) in the config.
+    jinja = shutil.copytree(tokenizer_dirs["qwen2"], tmp_path / "qwen2_jinja")
+    (jinja / "chat_template.jinja").write_text(config["chat_template"])
+    assert load_tokenizer(jinja).system_prompt == "You are a helpful assistant."
+    config = json.loads((jinja / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (jinja / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(jinja).system_prompt == "You are a helpful assistant."
 
 
 @pytest.mark.parametrize("family", FAMILIES)
