@@ -49,6 +49,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from mtune.modules.expert_linear import ExpertLinear
+from mtune.modules.grouped_experts import grouped_experts
 
 __all__ = ["EXPERT_COMPUTE", "Experts", "MoE", "Router", "balanced_counts", "dispatch", "load_balancing_loss",
            "router_aux_loss", "use_grouped"]
@@ -131,7 +132,7 @@ class Experts(nn.Module):
         """``x [rows, dim]`` sorted by expert, ``counts [n_experts]`` int64 rows each -> ``[rows, dim]``."""
         if grouped:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            return _GroupedExperts.apply(x, offsets, self)
+            return grouped_experts(x, offsets, self)
         projections = self.projections()
         frozen = not any(p.requires_grad for p in self.parameters())
         if is_fake(counts) and frozen:
@@ -149,53 +150,6 @@ class Experts(nn.Module):
     def _expert(self, x: torch.Tensor, projections: list[ExpertLinear], pieces) -> torch.Tensor:
         *firsts, down = projections
         return down.run(self.hidden(*(p.run(x, piece) for p, piece in zip(firsts, pieces))), pieces[-1])
-
-
-def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows ``offsets[e-1]:offsets[e]`` of ``x [rows, k]`` times ``weights[e] [k, n]`` -> ``[rows, n]``."""
-    return torch._grouped_mm(x, weights, offs=offsets)
-
-
-def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each of ``rows`` rows' expert ``[rows]``, from the ends of the experts' groups of rows ``offsets``."""
-    return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
-
-
-def _project(x: torch.Tensor, projection: ExpertLinear, offsets: torch.Tensor, row_experts: torch.Tensor | None):
-    """One projection of every expert on its rows, its bias (when it has one) picked by each row's expert."""
-    out = _gmm(x, projection.stacked().transpose(-2, -1), offsets)
-    return out if projection.bias is None else out + projection.bias[row_experts]
-
-
-class _GroupedExperts(torch.autograd.Function):
-    """The experts' ``down(hidden(first projections(x)))`` (SwiGLU's gate and up, gpt-oss's fused gate/up) as
-    grouped matmuls over the frozen 3-D weights, read in place (NF4: dequantized as each is used, never saved), biases
-    added by each row's expert. Saves the first projections' outputs (as autograd would), not the hidden rows
-    (recomputed in backward)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts: Experts) -> torch.Tensor:
-        *firsts, down = experts.projections()
-        biased = any(p.bias is not None for p in (*firsts, down))
-        row_experts = _row_experts(offsets, x.shape[0]) if biased else None
-        outs = [_project(x, p, offsets, row_experts) for p in firsts]
-        out = _project(experts.hidden(*outs), down, offsets, row_experts)
-        ctx.save_for_backward(offsets, *outs)
-        ctx.experts = experts
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        offsets, *outs = ctx.saved_tensors
-        *firsts, down = ctx.experts.projections()
-        grad_hidden = _gmm(grad_out.contiguous(), down.stacked(), offsets)
-        with torch.enable_grad():
-            outs = [out.detach().requires_grad_() for out in outs]
-            grads = torch.autograd.grad(ctx.experts.hidden(*outs), outs, grad_hidden)
-        grad_x = _gmm(grads[0], firsts[0].stacked(), offsets)
-        for grad, projection in zip(grads[1:], firsts[1:]):
-            grad_x = grad_x + _gmm(grad, projection.stacked(), offsets)
-        return grad_x, None, None
 
 
 class MoE(nn.Module):

@@ -36,10 +36,18 @@ def per_token(block, x):
     return out
 
 
+def output_and_input_grad(fn, x):
+    """``fn(x)`` and the gradient of a fixed weighting of it with respect to ``x``, both in fp32."""
+    xi = x.clone().requires_grad_()
+    out = fn(xi)
+    (out.float() * torch.arange(out.shape[-1])).sum().backward()
+    return out.float(), xi.grad.float()
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_both_expert_paths_equal_the_per_token_definition(norm_topk_prob):
     """Mutations seen failing: ``order // top_k`` -> ``order % top_k`` (rows scattered to the wrong tokens); the
-    top-k weights not renormalised; ``_GroupedExperts`` with ``up`` and ``gate`` swapped."""
+    top-k weights not renormalised; the grouped path with ``up`` and ``gate`` swapped."""
     block = moe_block(norm_topk_prob=norm_topk_prob).requires_grad_(False)
     x = torch.randn(3, 7, DIM, generator=torch.Generator().manual_seed(1))
     expected = per_token(block, x.view(-1, DIM)).view(x.shape)
@@ -114,10 +122,7 @@ def test_nf4_experts_run_grouped_and_equal_the_loop():
     results = {}
     for path in ("loop", "auto"):
         block.expert_compute = path
-        xi = x.clone().requires_grad_()
-        out = block(xi)
-        (out.float() * torch.arange(DIM)).sum().backward()
-        results[path] = (out.float(), xi.grad.float())
+        results[path] = output_and_input_grad(block, x)
     for got, want in zip(results["auto"], results["loop"]):
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=0, atol=0.02 * scale)  # bf16 matmuls in another order
@@ -173,10 +178,7 @@ def test_biased_clamped_experts_run_grouped_and_equal_the_loop(dtype, atol):
     results = {}
     for path in ("loop", "grouped"):
         block.expert_compute = path
-        xi = x.clone().requires_grad_()
-        out = block(xi)
-        (out.float() * torch.arange(DIM)).sum().backward()
-        results[path] = (out.float(), xi.grad.float())
+        results[path] = output_and_input_grad(block, x)
     for got, want in zip(results["grouped"], results["loop"]):
         torch.testing.assert_close(got, want, rtol=0, atol=atol * want.abs().max().item())
 
@@ -193,11 +195,7 @@ def test_nf4_experts_compile(path):
         projection.quantize_()
     block.expert_compute = path
     x = torch.randn(2, 9, DIM, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    results = {}
-    for name, fn in (("eager", block), ("compiled", torch.compile(block, backend="aot_eager", fullgraph=False))):
-        xi = x.clone().requires_grad_()
-        out = fn(xi)
-        (out.float() * torch.arange(DIM)).sum().backward()
-        results[name] = (out.float(), xi.grad.float())
-    for got, want in zip(results["compiled"], results["eager"]):
+    eager = output_and_input_grad(block, x)
+    compiled = output_and_input_grad(torch.compile(block, backend="aot_eager"), x)
+    for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
