@@ -23,7 +23,7 @@ from typing import Any
 from mtune.data.common import IGNORE_INDEX, DataError
 from mtune.data.sources import load_source
 from mtune.data.tokenized import MissingColumn, RowError, TokenizedDataset, build_tokenized, labels_from_mask
-from mtune.data.messages import conversation_messages, row_tools
+from mtune.data.messages import conversation_messages, row_tools, with_row_system
 from mtune.tokenizers.base import Message
 
 
@@ -109,9 +109,11 @@ def chat_dataset(
     `{name, description, parameters}` definitions (LLaMA-Factory's form), which are wrapped in OpenAI's.
 
     The column is found by name (`messages`, else `conversations`; `column_map: {messages: <column>}` names
-    another); each message's style is recognised by its keys. `system_prompt` replaces the data's system messages.
+    another); each message's style is recognised by its keys. A row's `system` column (LLaMA-Factory's, text;
+    `column_map: {system: <column>}` names another) is its system message where the conversation opens with none.
+    `system_prompt` replaces the data's system messages, the column's too.
     """
-    columns = _column_map(column_map, ("messages", "conversations", "tools"))
+    columns = _column_map(column_map, ("messages", "conversations", "tools", "system"))
 
     def conversation_column(row: dict[str, Any]) -> str:
         # The column the user mapped, else whichever of `messages` / `conversations` the row has.
@@ -124,7 +126,8 @@ def chat_dataset(
 
     def to_messages(row: dict[str, Any]) -> list[Message]:
         column = conversation_column(row)
-        return conversation_messages(row[column], column, system_prompt)
+        messages = conversation_messages(row[column], column, system_prompt)
+        return messages if system_prompt else with_row_system(messages, row.get(columns["system"]), columns["system"])
 
     def to_tools(row: dict[str, Any]) -> Any:
         return row_tools(row.get(columns["tools"]), columns["tools"], row[conversation_column(row)])

@@ -81,6 +81,17 @@ def conversation_messages(conversation: Any, column: str, system_prompt: str | N
     return messages
 
 
+def with_row_system(messages: list[Message], value: Any, column: str) -> list[Message]:
+    """``messages`` opened by a row's system column ``value`` (LLaMA-Factory's separate system prompt, text) where
+    they do not open with a system message of their own, which wins (as in LLaMA-Factory). None or an empty text adds
+    nothing; any other value than text is a RowError naming ``column``."""
+    if value is None or value == "":
+        return messages
+    if not isinstance(value, str):
+        raise RowError(f"column {column!r} must be text, got {type(value).__name__}")
+    return messages if messages and messages[0].role == "system" else [Message("system", value), *messages]
+
+
 def _function_call(value: str, where: str) -> tuple[ToolCall, ...]:
     """The calls of a ShareGPT ``function_call`` turn's value."""
     try:

@@ -11,7 +11,8 @@
 
 Messages are read as chat_dataset reads them (:mod:`mtune.data.messages`): OpenAI tool calls and tool messages,
 ShareGPT ``function_call`` / ``observation`` turns, with the tool definitions in a ``tools`` column that the two
-conversations share (bare ShareGPT definitions wrapped as there). A response may be a tool call: the pair then
+conversations share (bare ShareGPT definitions wrapped as there), and a ``system`` column (LLaMA-Factory's separate
+system prompt) opening a prompt that has no system message of its own. A response may be a tool call: the pair then
 compares what the model calls. Tool calling goes to the chat formats that render it; the others refuse the row.
 
 Only the final response is trained on (labelled); prompt and padding carry -100. A bad row stops the build with its
@@ -38,7 +39,7 @@ import torch
 
 from mtune.data.collate import collate_padded
 from mtune.data.common import IGNORE_INDEX, DataError, is_main_process, log
-from mtune.data.messages import conversation_messages, row_tools
+from mtune.data.messages import conversation_messages, row_tools, with_row_system
 from mtune.data.packing import pack_pairs
 from mtune.data.sources import load_source
 from mtune.data.tokenized import RowError, TokenizedDataset, labels_from_mask
@@ -47,7 +48,7 @@ from mtune.tokenizers.base import Message
 __all__ = ["preference_dataset", "PreferenceDataset", "PackedPreferenceDataset", "collate_preference",
            "collate_packed_pairs"]
 
-_COLUMNS = ("prompt", "chosen", "rejected", "tools")
+_COLUMNS = ("prompt", "chosen", "rejected", "tools", "system")
 
 
 class PreferenceDataset(torch.utils.data.Dataset):
@@ -153,10 +154,10 @@ def preference_dataset(
     packed: bool = False,
 ) -> PreferenceDataset | PackedPreferenceDataset:
     """Preference pairs from JSON / JSONL / Parquet / CSV files or the hub (see the module docstring for the
-    layouts). ``column_map``: ``{prompt|chosen|rejected|tools: the data's column}``; ``system_prompt``: a system message
-    before every prompt; ``max_seq_len``: truncation of each response's conversation (default: the tokenizer's);
-    ``packed``: whole pairs packed into rows of ``2 x max_seq_len`` tokens (:class:`PackedPreferenceDataset`), and
-    ``batch_size`` then counts rows."""
+    layouts). ``column_map``: ``{prompt|chosen|rejected|tools|system: the data's column}``; ``system_prompt``: a system
+    message before every prompt, instead of the data's; ``max_seq_len``: truncation of each response's conversation
+    (default: the tokenizer's); ``packed``: whole pairs packed into rows of ``2 x max_seq_len`` tokens
+    (:class:`PackedPreferenceDataset`), and ``batch_size`` then counts rows."""
     unknown = sorted(set(column_map or {}) - set(_COLUMNS))
     if unknown:
         raise DataError(f"column_map: {', '.join(map(repr, unknown))} is not a column preference_dataset reads; its "
@@ -236,6 +237,8 @@ def _pair(row: dict[str, Any], columns: dict[str, str], system_prompt: str | Non
         raise RowError("chosen and rejected are identical")
     if system_prompt:
         prefix = [Message("system", system_prompt)] + [m for m in prefix if m.role != "system"]
+    else:
+        prefix = with_row_system(prefix, row.get(columns["system"]), columns["system"])
     return prefix, replies, row_tools(row.get(columns["tools"]), columns["tools"], conversation)
 
 

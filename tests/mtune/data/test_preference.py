@@ -101,3 +101,21 @@ def test_whole_conversations_beside_a_prompt_column(tok, tmp_path):
     row = dict(MESSAGES, prompt="reverse: red cat")
     assert preference_dataset(tok, _jsonl(tmp_path / "u.jsonl", [row]))[0] == \
         preference_dataset(tok, _jsonl(tmp_path / "s.jsonl", [STRINGS]))[0]
+
+
+def test_a_system_column_opens_the_prompt(tok, tmp_path):
+    """LLaMA-Factory's separate ``system`` column: the pair equals the same pair with that system message in its
+    prompt; the prompt's own system message wins; ``column_map`` names another column; ``system_prompt`` replaces it.
+    Mutation seen failing: the column not read."""
+    system = {"role": "system", "content": "Reverse the words."}
+    with_system = dict(PROMPT_LIST, prompt=[system, *PROMPT_LIST["prompt"]])
+    expected = preference_dataset(tok, _jsonl(tmp_path / "expected.jsonl", [with_system]))[0]
+    assert preference_dataset(tok, _jsonl(tmp_path / "column.jsonl", [dict(STRINGS, system=system["content"])]))[0] \
+        == expected
+    assert preference_dataset(tok, _jsonl(tmp_path / "own.jsonl", [dict(with_system, system="Not this.")]))[0] \
+        == expected
+    assert preference_dataset(tok, _jsonl(tmp_path / "mapped.jsonl", [dict(STRINGS, sys=system["content"])]),
+                              column_map={"system": "sys"})[0] == expected
+    replaced = preference_dataset(tok, _jsonl(tmp_path / "replaced.jsonl", [dict(STRINGS, system="Not this.")]),
+                                  system_prompt=system["content"])[0]
+    assert replaced == expected

@@ -108,3 +108,30 @@ def test_bad_sharegpt_tool_rows_are_refused_in_one_line(value, tools, error, qwe
     with pytest.raises(DataError, match=r"bad\.jsonl line 1: " + error) as raised:
         chat_dataset(qwen3[0], str(path))
     assert "\n" not in str(raised.value)
+
+
+def test_a_system_column_is_the_rows_system_turn(qwen3, tmp_path):
+    """LLaMA-Factory's separate ``system`` column: the row's system message where its conversation opens with none
+    (ids and mask equal the template's on the conversation with that system turn); the conversation's own system turn
+    wins, as in LLaMA-Factory; ``column_map`` names another column; ``system_prompt`` replaces it; a value other than
+    text is refused naming the row and the column. Mutation seen failing: the column not read (the system turn
+    missing)."""
+    tok, hf = qwen3
+    turns = ONE_CALL_ROW["conversations"][1:]  # no system turn of its own
+    ids, mask = template_ids_and_mask(hf, ONE_CALL_OPENAI, [WEATHER], "<|im_start|>assistant\n", "<|im_end|>")
+
+    def first(rows, name, **kwargs):
+        return chat_dataset(tok, str(write_rows(rows, tmp_path / f"{name}.jsonl")), **kwargs)[0]
+
+    sample = first([{"tools": BARE_WEATHER, "system": SYSTEM["content"], "conversations": turns}], "column")
+    assert sample["tokens"] == ids and trained_of(sample) == mask
+    own = {"tools": BARE_WEATHER, "system": "Not this one.", "conversations": ONE_CALL_ROW["conversations"]}
+    assert first([own], "own")["tokens"] == ids
+    renamed = {"tools": BARE_WEATHER, "sys": SYSTEM["content"], "conversations": turns}
+    assert first([renamed], "renamed", column_map={"system": "sys"})["tokens"] == ids
+    replaced = first([{"tools": BARE_WEATHER, "system": SYSTEM["content"], "conversations": turns}], "replaced",
+                     system_prompt="Be brief.")
+    text = tok.decode(replaced["tokens"], skip_special_tokens=False)
+    assert "Be brief." in text and SYSTEM["content"] not in text
+    with pytest.raises(DataError, match=r"bad_system\.jsonl line 1: column 'system' must be text, got int"):
+        first([{"system": 3, "conversations": turns}], "bad_system")
