@@ -28,6 +28,8 @@ from mtune.tokenizers.tools import ToolCall
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
                   "assistant": "assistant", "function_call": "assistant", "observation": "tool"}
+# OpenAI-style roles read as others: Llama 3.1's name for a tool's result (its template reads either)
+OPENAI_ROLE_ALIASES = {"ipython": "tool"}
 # OpenAI-style fields beyond role/content that reach Message (the reasoning under either name)
 OPENAI_FIELDS = (*REASONING_FIELDS, "tool_calls", "name", "tool_call_id")
 
@@ -35,9 +37,9 @@ OPENAI_FIELDS = (*REASONING_FIELDS, "tool_calls", "name", "tool_call_id")
 def chat_message(message: Any, column: str, i: int) -> tuple[str, str]:
     """``(role, content)`` of one message of either style; ``column[i]`` names it in errors."""
     if isinstance(message, dict) and "role" in message:  # OpenAI style
-        role, content = message["role"], message.get("content")
+        role, content = OPENAI_ROLE_ALIASES.get(message["role"], message["role"]), message.get("content")
         if role not in ROLES:
-            raise RowError(f"{column}[{i}]: role {role!r} is not one of {', '.join(ROLES)}")
+            raise RowError(f"{column}[{i}]: role {role!r} is not one of {', '.join(ROLES)} (or ipython, read as tool)")
     elif isinstance(message, dict) and "from" in message:  # ShareGPT style
         role, content = SHAREGPT_ROLES.get(message["from"]), message.get("value")
         if role is None:

@@ -88,6 +88,10 @@ def test_llama3_takes_the_calls_and_refuses_text_beside_them(tmp_path):
     chat_dataset(tok, str(write_rows([only_calls], tmp_path / "calls.jsonl")))
     with pytest.raises(DataError, match=r"two\.jsonl line 1: llama3 chat format: message 1 makes 2 tool calls"):
         chat_dataset(tok, str(write_rows([TEXT_AND_CALLS_ROW], tmp_path / "two.jsonl")))
+    # Llama 3.1's own name for a tool result, ipython, reads as tool (Meta's template takes either)
+    ipython = [dict(m, role="ipython") if m["role"] == "tool" else m for m in ONE_CALL_OPENAI]
+    sample = chat_dataset(tok, str(write_rows([{"messages": ipython, "tools": [WEATHER]}], tmp_path / "ip.jsonl")))[0]
+    assert sample["tokens"] == tok.tokenize_messages(ONE_CALL_OPENAI, tools=[WEATHER]).tokens
 
 
 @pytest.mark.parametrize("value, tools, error", [
