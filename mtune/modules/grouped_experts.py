@@ -2,29 +2,44 @@
 
 :func:`grouped_experts` runs an experts module (:class:`~mtune.modules.moe.Experts` or a subclass: its
 ``projections()``, the first ones' outputs combined by ``hidden(...)`` and fed to the last) over rows sorted by
-expert, the weights frozen: read in place when plain, dequantized as each is used when NF4
-(:meth:`~mtune.modules.expert_linear.ExpertLinear.stacked`), each row's bias picked by its expert. Its backward
-computes the input's gradient only. :mod:`mtune.modules.moe` says when it is used.
+expert. The base weights are frozen: read in place when plain, dequantized as each is used when NF4
+(:meth:`~mtune.modules.expert_linear.ExpertLinear.stacked`), never saved; each row's bias is picked by its expert.
+A projection with per-expert LoRA factors (:class:`~mtune.modules.expert_linear.LoRAExpertLinear`, without dropout)
+adds ``s * (x A_e^T) B_e^T`` by two more grouped calls, and its factors get their gradients. Backward saves the
+rows, the first projections' outputs and the ``rows x rank`` products, and recomputes the rest.
+:mod:`mtune.modules.moe` says when this path is used.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mtune.modules.expert_linear import ExpertLinear
+from mtune.modules.expert_linear import ExpertLinear, LoRAExpertLinear
 
-__all__ = ["grouped_experts"]
+__all__ = ["adapted", "grouped_experts"]
+
+
+def adapted(projection: ExpertLinear) -> bool:
+    """Whether ``projection`` adds its LoRA factors (an adapter, enabled)."""
+    return isinstance(projection, LoRAExpertLinear) and projection.adapters_enabled
 
 
 def grouped_experts(x: torch.Tensor, offsets: torch.Tensor, experts) -> torch.Tensor:
     """``experts`` on ``x [rows, in]`` sorted by expert, expert ``e`` on rows ``offsets[e-1]:offsets[e]``
     (``offsets``: int32 ends of the groups) -> ``[rows, out]``."""
-    return _GroupedExperts.apply(x, offsets, experts)
+    factors = [t for p in experts.projections() if adapted(p) for t in (p.lora_a.weight, p.lora_b.weight)]
+    return _GroupedExperts.apply(x, offsets, experts, *factors)
 
 
 def _gmm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of ``x [rows, k]`` times ``weights[e] [k, n]`` -> ``[rows, n]``."""
     return torch._grouped_mm(x, weights, offs=offsets)
+
+
+def _per_expert_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``a[rows_e]^T b[rows_e]`` for each expert ``e``: ``a [rows, m]``, ``b [rows, n]`` -> ``[n_experts, m, n]``
+    (zeros for an expert without rows): a factor's gradient."""
+    return torch._grouped_mm(a.t(), b, offs=offsets)
 
 
 def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -33,37 +48,75 @@ def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _project(x: torch.Tensor, projection: ExpertLinear, offsets: torch.Tensor, row_experts: torch.Tensor | None):
-    """One projection of every expert on its rows, its bias (when it has one) picked by each row's expert."""
+    """The base projection of every expert on its rows, its bias (when it has one) picked by each row's expert."""
     out = _gmm(x, projection.stacked().transpose(-2, -1), offsets)
     return out if projection.bias is None else out + projection.bias[row_experts]
 
 
 class _GroupedExperts(torch.autograd.Function):
-    """The experts' ``down(hidden(first projections(x)))`` (SwiGLU's gate and up, gpt-oss's fused gate/up) as
-    grouped matmuls over the frozen 3-D weights, read in place (NF4: dequantized as each is used, never saved), biases
-    added by each row's expert. Saves the first projections' outputs (as autograd would), not the hidden rows
-    (recomputed in backward)."""
+    """The experts' ``down(hidden(first projections(x)))`` (SwiGLU's gate and up, gpt-oss's fused gate/up) by grouped
+    matmuls (see the module docstring). ``factors``: each adapted projection's ``lora_a.weight`` and
+    ``lora_b.weight``, in :meth:`projections` order."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts) -> torch.Tensor:
-        *firsts, down = experts.projections()
-        biased = any(p.bias is not None for p in (*firsts, down))
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts, *factors: torch.Tensor) -> torch.Tensor:
+        projections = experts.projections()
+        *firsts, down = projections
+        biased = any(p.bias is not None for p in projections)
         row_experts = _row_experts(offsets, x.shape[0]) if biased else None
-        outs = [_project(x, p, offsets, row_experts) for p in firsts]
-        out = _project(experts.hidden(*outs), down, offsets, row_experts)
-        ctx.save_for_backward(offsets, *outs)
-        ctx.experts = experts
+        lora = dict(zip([p for p in projections if adapted(p)], zip(factors[::2], factors[1::2])))
+        lows = {}
+
+        def project(rows: torch.Tensor, p: ExpertLinear) -> torch.Tensor:
+            out = _project(rows, p, offsets, row_experts)
+            if p in lora:
+                a, b = lora[p]
+                lows[p] = _gmm(rows, a.transpose(-2, -1), offsets)
+                out = out + p.scaling * _gmm(lows[p], b.transpose(-2, -1), offsets)
+            return out
+
+        outs = [project(x, p) for p in firsts]
+        out = project(experts.hidden(*outs), down)
+        keep_x = any(p in lora for p in firsts)  # their factors' gradients read the rows
+        ctx.save_for_backward(x if keep_x else None, offsets, *outs, *lows.values(), *factors)
+        ctx.experts, ctx.adapted, ctx.firsts = experts, list(lora), len(firsts)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        offsets, *outs = ctx.saved_tensors
+        x, offsets, *saved = ctx.saved_tensors
+        n_adapted = len(ctx.adapted)
+        outs, lows = saved[:ctx.firsts], saved[ctx.firsts:ctx.firsts + n_adapted]
+        factors = saved[ctx.firsts + n_adapted:]
         *firsts, down = ctx.experts.projections()
-        grad_hidden = _gmm(grad_out.contiguous(), down.stacked(), offsets)
-        with torch.enable_grad():
-            outs = [out.detach().requires_grad_() for out in outs]
-            grads = torch.autograd.grad(ctx.experts.hidden(*outs), outs, grad_hidden)
-        grad_x = _gmm(grads[0], firsts[0].stacked(), offsets)
+        factor_grads: list[torch.Tensor | None] = [None] * len(factors)
+
+        def back(grad: torch.Tensor, p: ExpertLinear, rows: torch.Tensor | None) -> torch.Tensor:
+            """The gradient of ``p``'s input from its output's ``grad``; its factors' gradients recorded."""
+            grad = grad.contiguous()
+            grad_in = _gmm(grad, p.stacked(), offsets)
+            if p in ctx.adapted:
+                i = ctx.adapted.index(p)
+                a, b = factors[2 * i], factors[2 * i + 1]
+                grad_low = p.scaling * _gmm(grad, b, offsets)
+                factor_grads[2 * i + 1] = p.scaling * _per_expert_outer(grad, lows[i], offsets)
+                factor_grads[2 * i] = _per_expert_outer(grad_low, rows, offsets)
+                grad_in = grad_in + _gmm(grad_low, a, offsets)
+            return grad_in
+
+        outs = [out.detach().requires_grad_() for out in outs]
+
+        def recompute_hidden() -> torch.Tensor:
+            with torch.enable_grad():
+                return ctx.experts.hidden(*outs)
+
+        # the hidden rows live only while needed: from down's input gradient where its factors read them, else from
+        # their own gradient; never through the first projections' backward
+        hidden = recompute_hidden() if down in ctx.adapted else None
+        grad_hidden = back(grad_out, down, None if hidden is None else hidden.detach())
+        grads = torch.autograd.grad(recompute_hidden() if hidden is None else hidden, outs, grad_hidden)
+        del hidden
+        grad_x = back(grads[0], firsts[0], x)
         for grad, projection in zip(grads[1:], firsts[1:]):
-            grad_x = grad_x + _gmm(grad, projection.stacked(), offsets)
-        return grad_x, None, None
+            grad_x = grad_x + back(grad, projection, x)
+        return grad_x, None, None, *factor_grads

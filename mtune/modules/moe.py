@@ -22,10 +22,11 @@ separately, and each stays the tensor NF4 quantizes on its own; a fused layout w
 A forward sorts the ``tokens * top_k`` (token, expert) pairs by expert, runs each expert on its contiguous rows and
 scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.expert_compute`), equal to round-off:
 
-* ``grouped``: one ``torch._grouped_mm`` call per projection over the 3-D weights, read in place; biases (gpt-oss)
-  added by each row's expert. Used by ``auto`` where it pays and is supported: frozen weights without adapters (a
-  full fine-tune's trainable experts and LoRA on the experts go through the loop), bf16 (the only dtype
-  ``_grouped_mm``'s fake kernel accepts, so ``mtune plan`` and ``compile`` trace it) and 16-byte aligned rows. NF4
+* ``grouped`` (:mod:`mtune.modules.grouped_experts`): one ``torch._grouped_mm`` call per projection over the 3-D
+  weights, read in place; biases (gpt-oss) added by each row's expert; per-expert LoRA factors by two more calls.
+  Used by ``auto`` where it pays and is supported: frozen base weights (a full fine-tune's trainable experts go
+  through the loop, as do adapters with dropout), bf16 (the only dtype ``_grouped_mm``'s fake kernel accepts, so
+  ``mtune plan`` and ``compile`` trace it) and 16-byte aligned rows, widths and ranks. NF4
   bases (QLoRA) are dequantized a projection at a time, an eighth of the experts per call
   (:data:`~mtune.modules.expert_linear.DEQUANTIZE_PARTS`; planned as such): per expert, it cost ``n_experts`` small
   calls per projection, which on an H100 left Qwen3-30B-A3B QLoRA without a finished step within minutes.
@@ -48,8 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from mtune.modules.expert_linear import ExpertLinear
-from mtune.modules.grouped_experts import grouped_experts
+from mtune.modules.expert_linear import ExpertLinear, LoRAExpertLinear
+from mtune.modules.grouped_experts import adapted, grouped_experts
 
 __all__ = ["EXPERT_COMPUTE", "Experts", "MoE", "Router", "balanced_counts", "dispatch", "load_balancing_loss",
            "router_aux_loss", "use_grouped"]
@@ -113,14 +114,16 @@ class Experts(nn.Module):
         return [self.gate_proj, self.up_proj, self.down_proj]
 
     def can_group(self, x: torch.Tensor) -> bool:
-        """Whether ``grouped`` computes these experts: no adapter, frozen (or no gradient wanted) weights and biases,
-        plain or NF4, and rows and weights 16-byte aligned."""
+        """Whether ``grouped`` computes these experts: frozen (or no gradient wanted) base weights and biases, plain
+        or NF4, LoRA factors without dropout, and rows, weights and ranks 16-byte aligned."""
         projections = self.projections()
-        if not hasattr(torch, "_grouped_mm") or any(type(p) is not ExpertLinear for p in projections):
+        with_dropout = any(adapted(p) and not isinstance(p.dropout, nn.Identity) for p in projections)
+        if not hasattr(torch, "_grouped_mm") or with_dropout or any(
+                type(p) not in (ExpertLinear, LoRAExpertLinear) for p in projections):
             return False
         tensors = [t for p in projections for t in (p.weight, p.bias) if t is not None]
         trainable = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        widths = {w for p in projections for w in (p.in_features, p.out_features)}
+        widths = {w for p in projections for w in (p.in_features, p.out_features, *([p.rank] if adapted(p) else []))}
         return not trainable and all(w * x.element_size() % 16 == 0 for w in widths)
 
     def hidden(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -222,8 +225,8 @@ def use_grouped(experts: Experts, x: torch.Tensor, expert_compute: str) -> bool:
         return False
     can = experts.can_group(x)
     if expert_compute == "grouped" and not can:
-        raise ValueError("expert_compute='grouped' needs frozen experts without adapters "
-                         "with 16-byte aligned widths: use 'auto' or 'loop'")
+        raise ValueError("expert_compute='grouped' needs frozen expert weights (adapters without dropout) with "
+                         "16-byte aligned widths and ranks: use 'auto' or 'loop'")
     return can and (expert_compute == "grouped" or x.dtype == torch.bfloat16)
 
 

@@ -210,12 +210,14 @@ def test_lora_fine_tune_with_its_tokenizer_and_exports_that_load(quantize_base, 
     assert (load_hf_model(out / "final" / "model")(TOKENS).logits - reference).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("changes", [{}, {"lora.modules": ["q_proj", "gate_proj"]}, {"dtype": "bf16"}],
-                         ids=["fp32_frozen_experts", "fp32_expert_adapters", "bf16_grouped"])
+@pytest.mark.parametrize("changes", [{}, {"lora.modules": ["q_proj", "gate_proj"]}, {"dtype": "bf16"},
+                                     {"dtype": "bf16", "lora.modules": ["q_proj", "gate_proj"]}],
+                         ids=["fp32_frozen_experts", "fp32_expert_adapters", "bf16_grouped", "bf16_grouped_adapters"])
 def test_planned_bytes_equal_a_real_run(changes, moe_dir, tmp_path):
     """mtune plan (fake tensors: frozen experts as one expert on all rows, trainable ones on balanced shares of the
-    rows, or grouped_mm's fake kernel in bf16) against the tracker of a real run of the same config: every expert's
-    weights (and adapters, gradients, states), and the routed rows (tokens x top_k) among the activations.
+    rows, or grouped_mm's fake kernel in bf16, adapters too) against the tracker of a real run of the same config:
+    every expert's weights (and adapters, gradients, states), and the routed rows (tokens x top_k) among the
+    activations.
     Mutation seen failing: on fake tensors the experts skipped (their rows not planned)."""
     from tests._helpers.recipes import plan_and_run
 
