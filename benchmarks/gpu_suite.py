@@ -209,7 +209,12 @@ CASES: list[Case] = [
     Case("qwen3_5_9B_lora_fla_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, Gated DeltaNet on flash-linear-attention's kernel, packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, fla=True, minutes=2.0),
-    # ---- part 11: the 2026 families' GPU row beside Qwen3.5's (part 9): gpt-oss
+    # ---- part 11: the 2026 families' GPU row beside Qwen3.5's (part 9), gpt-oss; MoE adapters on the experts
+    Case("qwen3_moe_30B_A3B_qlora_expert_lora_packed4096", 11, "qwen3_moe/30B_A3B_qlora_single_device",
+         "lora_single_device", "Qwen3-30B-A3B QLoRA, adapters on every expert too (grouped), eager, packed 4096 x 1",
+         _model("qwen3_moe", "30B_A3B") + LORA_RUN
+         + ("lora.modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",),
+         batch_size=1, seq_len=4096, steps=4, minutes=2.0),
     Case("gpt_oss_20B_lora_packed4096", 11, "gpt_oss/20B_lora_single_device", "lora_single_device",
          "gpt-oss 20B LoRA, eager, bf16 experts, attention sinks (packed rows per segment), packed 4096 x 1",
          _model("gpt_oss", "20B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=2.0),
