@@ -205,18 +205,19 @@ def _adapted_block(dtype, nf4=False, seed=0):
     """The test block with rank-8 LoRA factors on every expert projection (B nonzero, so every path counts), the
     base frozen (NF4 when ``nf4``)."""
     from mtune.modules.expert_linear import LoRAExpertLinear
+    from mtune.modules.nf4_linear import is_nf4
 
     block = moe_block(dtype, seed=seed).requires_grad_(False)
     experts = block.experts
     for name in ("gate_proj", "up_proj", "down_proj"):
-        lora = LoRAExpertLinear(getattr(experts, name), rank=8, alpha=16)
+        lora = LoRAExpertLinear(getattr(experts, name), rank=8, alpha=16, quantize_base=nf4)
         with torch.no_grad():
             lora.lora_a.weight.normal_(0, 0.3)
             lora.lora_b.weight.normal_(0, 0.3)
         lora.lora_a.weight.requires_grad_(True)
         lora.lora_b.weight.requires_grad_(True)
-        if nf4:
-            lora.quantize_()
+        lora.quantize_()
+        assert is_nf4(lora.weight) == nf4
         setattr(experts, name, lora)
     return block
 
