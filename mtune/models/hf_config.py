@@ -123,7 +123,8 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         raise ValueError(f"{model_type} with use_sliding_window=true is not supported; set it to false")
     if model_type == "phi3" and _rope_params(config).get("partial_rotary_factor",
                                                           config.get("partial_rotary_factor", 1.0)) == 1.0:
-        raise ValueError("phi3 without partial_rotary_factor < 1 is Phi-3, not Phi-4-mini; mtune loads Phi-4-mini")
+        raise ValueError("phi3 without partial_rotary_factor < 1 (Phi-3 / Phi-3.5, or Phi-4 14B) is not supported; "
+                         "mtune loads Phi-4-mini (partial_rotary_factor 0.75)")
     if model_type in ("qwen3", "qwen3_moe") and config.get("attention_bias"):
         raise ValueError("qwen3 with attention_bias=true is not supported (the published Qwen3 models have none)")
     theta, scaling = _rope(config)

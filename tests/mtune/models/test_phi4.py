@@ -89,7 +89,8 @@ def test_phi3_without_partial_rotation_is_refused(phi4_dir, tmp_path):
     config = json.loads((phi4_dir / "config.json").read_text())
     config["rope_parameters"]["partial_rotary_factor"] = 1.0
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/config.json: phi3 without partial_rotary_factor < 1"):
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/config.json: phi3 without partial_rotary_factor < 1 "
+                       r"\(Phi-3 / Phi-3.5, or Phi-4 14B\) is not supported; mtune loads Phi-4-mini"):
         load_hf_config(tmp_path)
 
 
