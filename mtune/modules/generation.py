@@ -77,7 +77,7 @@ def generate_stream(
     grad_free = _grad_free(model)
     try:
         with grad_free:
-            logits = model(tokens)[:, -1]
+            logits = model(tokens, last_only=True)[:, -1]
         done = torch.zeros(b, dtype=torch.bool, device=device)
         last = None
         for _ in range(max_new_tokens):

@@ -206,13 +206,9 @@ class TransformerDecoder(nn.Module):
         self._next_pos = 0
 
     # ---------------------------------------------------------------- forward
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        input_pos: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-        return_hidden: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, return_hidden: bool = False, last_only: bool = False
+                ) -> torch.Tensor:
         """Logits ``[b, s, vocab]`` in the model's dtype (or hidden states ``[b, s, dim]`` with ``return_hidden``).
 
         Args:
@@ -223,6 +219,7 @@ class TransformerDecoder(nn.Module):
             document_ids: LongTensor ``[b, s]`` for packed sequences: a token attends only to earlier tokens with
                 the same id (each document one run of equal ids in its row, as packing writes them).
             return_hidden: return the final-norm hidden states, for losses that apply ``lm_head`` chunk by chunk.
+            last_only: the last position's alone, ``[b, 1, ...]`` (a prompt's next token: the head skips the rest).
         """
         b, s = tokens.shape
         caching = self.caches_are_enabled()
@@ -242,7 +239,7 @@ class TransformerDecoder(nn.Module):
         h = self.run_layers(stream, tokens, inputs)
         if caching:
             self._next_pos = int(input_pos[0, -1]) + 1
-        h = self.norm(h)
+        h = self.norm(h[:, -1:] if last_only else h)
         return h if return_hidden else self.lm_head(h)
 
     def run_layers(self, stream: list[torch.Tensor], tokens: torch.Tensor, inputs: dict[str, tuple]) -> torch.Tensor:

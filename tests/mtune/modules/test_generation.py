@@ -23,6 +23,21 @@ def test_greedy_generation_matches_transformers(family):
     assert not model.caches_are_enabled()
 
 
+@pytest.mark.parametrize("family", ["llama3_1", "gemma3"])  # gemma3: its own final norm (1 + weight)
+def test_a_prompt_runs_the_head_on_its_last_position_alone(family):
+    """``last_only`` (what generation's prompt asks): the last position's logits, equal to the full forward's, and the
+    head run on one row of ``[b, 1, dim]`` instead of ``[b, s, dim]``. Mutation seen failing: the norm skipped."""
+    model = mtune_twin(tiny_hf_model(family), family).eval()
+    tokens = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    heads = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: heads.append(tuple(i[0].shape)))
+    with torch.no_grad():
+        full, last = model(tokens), model(tokens, last_only=True)
+    hook.remove()
+    assert heads == [(2, 12, model.lm_head.in_features), (2, 1, model.lm_head.in_features)]
+    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=1e-6)
+
+
 def test_stop_tokens_end_generation_and_pad_finished_rows():
     hf = tiny_hf_model("llama3_1")
     model = mtune_twin(hf, "llama3_1")
