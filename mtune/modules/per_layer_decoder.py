@@ -61,14 +61,30 @@ class PerLayerInputDecoder(TransformerDecoder):
         projected = self.per_layer_projection_norm(projected.reshape(shape))
         return (projected + self.embed_tokens_per_layer(tokens).reshape(shape)) * 2.0**-0.5
 
-    def run_layers(self, stream: list[torch.Tensor], tokens: torch.Tensor, inputs: dict[str, tuple]) -> torch.Tensor:
+    def run_layers(self, stream: list[torch.Tensor], tokens: torch.Tensor, inputs: dict[str, tuple],
+                   last_only: bool = False) -> torch.Tensor:
+        """As `TransformerDecoder.run_layers`; a prompt asked for its last position alone (``last_only``) with caches
+        set up runs the reusing layers at the end of the stack on that position only: they write no cache, and no
+        later layer reads them (``[b, 1, dim]`` comes back)."""
         h = stream.pop()
         per_layer = self.per_layer_inputs(tokens, h)
         sources = set(self.kv_sources)
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        tail = len(self.kv_sources) - next(n for n, source in enumerate(reversed(self.kv_sources)) if source is None)
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
+            if i == tail and last_only and self.caches_are_enabled() and h.shape[1] > 1:
+                h = h[:, -1:]
+                per_layer = None if per_layer is None else per_layer[:, -1:]
+                inputs = {name: _last_position(*args) for name, args in inputs.items()}
             k, v = kept.get(self.kv_sources[i], (None, None))
             h, k, v = layer(h, *inputs[kind], None if per_layer is None else per_layer[:, :, i], k, v)
             if i in sources:
                 kept[i] = (k, v)
         return h
+
+
+def _last_position(cos, sin, mask, cache_pos, cu_seqlens) -> tuple:
+    """A kind's attention inputs (`TransformerDecoder.forward`: rotations ``[b, s, d]``, the cache mask ``[b, 1, s,
+    cache_len]``, the cache slots ``[s]``) for the last position's query alone."""
+    return (cos[:, -1:], sin[:, -1:], None if mask is None else mask[:, :, -1:],
+            None if cache_pos is None else cache_pos[-1:], cu_seqlens)

@@ -236,14 +236,16 @@ class TransformerDecoder(nn.Module):
             inputs[name] = (*kind.rope(input_pos, h.dtype), *self._attention_layout(input_pos, document_ids, caching,
                                                                                      kind.window, kind.sinks))
         stream, h = [h], None  # handed over in a list the callee empties: no frame here holds the embeddings
-        h = self.run_layers(stream, tokens, inputs)
+        h = self.run_layers(stream, tokens, inputs, last_only)
         if caching:
             self._next_pos = int(input_pos[0, -1]) + 1
         h = self.norm(h[:, -1:] if last_only else h)
         return h if return_hidden else self.lm_head(h)
 
-    def run_layers(self, stream: list[torch.Tensor], tokens: torch.Tensor, inputs: dict[str, tuple]) -> torch.Tensor:
-        """``[h]`` (``[b, s, dim]``, popped) through every block with its kind's ``inputs`` (``tokens``: subclasses)."""
+    def run_layers(self, stream: list[torch.Tensor], tokens: torch.Tensor, inputs: dict[str, tuple],
+                   last_only: bool = False) -> torch.Tensor:
+        """``[h]`` (``[b, s, dim]``, popped) through every block with its kind's ``inputs`` (``tokens``, ``last_only``:
+        for subclasses; ``[b, s, dim]`` comes back all the same)."""
         h = stream.pop()
         for layer, kind in zip(self.layers, self.layer_kinds):
             h = layer(h, *inputs[kind])
