@@ -41,6 +41,8 @@ class PerLayerInputDecoder(TransformerDecoder):
             self.per_layer_model_projection = nn.Linear(args.dim, args.n_layers * p, bias=False)
             self.per_layer_projection_norm = FP32RMSNorm(p, args.norm_eps)
         self.kv_sources = [args.kv_source(i) for i in range(args.n_layers)]
+        # the first of the trailing layers that reuse others' keys and values (n_layers: none)
+        self.reusing_from = next(i for i in range(args.n_layers, 0, -1) if self.kv_sources[i - 1] is None)
         if args.final_logit_softcap is not None:
             self.lm_head = SoftcappedLinear(args.dim, args.vocab_size, args.final_logit_softcap)
             self.tie_weights()
@@ -70,9 +72,8 @@ class PerLayerInputDecoder(TransformerDecoder):
         per_layer = self.per_layer_inputs(tokens, h)
         sources = set(self.kv_sources)
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        tail = len(self.kv_sources) - next(n for n, source in enumerate(reversed(self.kv_sources)) if source is None)
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
-            if i == tail and last_only and self.caches_are_enabled() and h.shape[1] > 1:
+            if i == self.reusing_from and last_only and self.caches_are_enabled() and h.shape[1] > 1:
                 h = h[:, -1:]
                 per_layer = None if per_layer is None else per_layer[:, -1:]
                 inputs = {name: _last_position(*args) for name, args in inputs.items()}
