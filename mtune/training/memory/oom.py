@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from mtune.errors import MtuneError
+from mtune.training.context import device_memory_budget
 from mtune.training.memory import registry
 from mtune.training.memory.technique import advice as tier_advice
-from mtune.units import GIB, MIB, parse_bytes
+from mtune.units import GIB, MIB
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,9 @@ def oom_guard(phase: str, cfg: Mapping[str, Any]):
         elif str(err).startswith("device_memory_limit"):  # the byte tracker's, off CUDA
             stats = f" ({err})"
         advice = ", ".join(memory_advice(cfg)) or "a smaller model or a larger GPU"
-        total = None
-        if cfg.get("device_memory_limit") is not None:
-            total = parse_bytes(cfg.get("device_memory_limit"), "device_memory_limit")
-        elif torch.cuda.is_available():
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        total = device_memory_budget(cfg.get("device_memory_limit"), device)  # a limit over the card: the card
+        if total is None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
         raise OutOfMemory(f"out of memory during {phase}{stats}; to lower the peak try: {advice}; or let the "
                           f"planner find the fastest config that fits: {fit_command_line(cfg, total)}") from err

@@ -38,6 +38,24 @@ def test_out_of_memory_over_the_limit_is_the_run_advice_with_the_limit(monkeypat
     assert "mtune plan --fit --device-memory 4MiB lora_single_device" in message and "\n" not in message
 
 
+def test_out_of_memory_advice_on_cuda_names_the_limit_as_it_binds(monkeypatch):
+    """On a CUDA device of 80 GiB the fit command the error suggests is sized by the limit, but no more than the device
+    (as out-of-memory recovery re-plans), and by the device without a limit. Mutation seen failing: the limit as
+    written (--device-memory 100GiB)."""
+    monkeypatch.setattr("mtune.training.memory.oom._invocation", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * 2**30}))
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda: 0)
+    for limit, size in (("100GiB", "80GiB"), ("20GiB", "20GiB"), (None, "80GiB")):
+        cfg = {"recipe": "lora_single_device", "batch_size": 1, "device_memory_limit": limit}
+        with pytest.raises(OutOfMemory) as err:
+            with oom_guard("forward/backward and optimizer step", cfg):
+                raise torch.OutOfMemoryError("CUDA out of memory")
+        assert f"mtune plan --fit --device-memory {size} lora_single_device" in str(err.value), (limit, str(err.value))
+
+
 def test_cuda_gets_the_allocator_fraction(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * 2**30}))
