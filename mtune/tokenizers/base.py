@@ -180,7 +180,7 @@ class Tokenizer:
                                  "which this family's chat template has no field for (gpt-oss, Qwen3 and Qwen3.5 "
                                  "render it); put it in the content or drop the field")
         tools = parse_tools(tools)
-        if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+        if uses_tool_calling(messages, tools):
             if not self.reads_tools:
                 raise TokenizerError(f"{self.family} chat format: the conversation uses tool calling (tools, "
                                      "tool_calls or tool messages), which mtune renders only for Llama 3.1+, gpt-oss, "
@@ -228,6 +228,11 @@ def check_alternating(messages: list[Message], family: str) -> tuple[str | None,
     if not turns:
         raise ValueError(f"{family} chat format: a conversation needs at least one user message")
     return system, turns
+
+
+def uses_tool_calling(messages: Sequence[Message], tools: list[dict] | None) -> bool:
+    """Whether a conversation calls tools: definitions offered, a message with tool calls, or a tool's result."""
+    return bool(tools) or any(m.tool_calls or m.role == "tool" for m in messages)
 
 
 def model_dirs(tokenizer_file: Path) -> list[Path]:

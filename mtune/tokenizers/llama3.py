@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from mtune.tokenizers.base import Message, Tokenizer, TokenizerError, checkpoint_chat_template, model_dirs
+from mtune.tokenizers.base import (Message, Tokenizer, TokenizerError, checkpoint_chat_template, model_dirs,
+                                   uses_tool_calling)
 from mtune.tokenizers.llama3_tools import DATE_LINES_MARK, DEFAULT_DATE, template_turns
 
 # Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
@@ -237,8 +238,7 @@ class Llama3Tokenizer(Tokenizer):
 
     def _render(self, messages: list[Message], add_generation_prompt: bool,
                 tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
-        tool_calling = tools is not None or any(m.tool_calls or m.role == "tool" for m in messages)
-        if tool_calling or self.dated_system_turn:
+        if uses_tool_calling(messages, tools) or self.dated_system_turn:
             turns = template_turns(messages, tools, self.date_string, self.tools_in_user_message)
         else:
             turns = [(m.role, m.content.strip(), m.role == "assistant") for m in messages]
