@@ -16,14 +16,15 @@ from mtune.config.errors import ConfigError
 from mtune.errors import OutputExistsError
 from mtune.training.checkpointing.atomic import TMP_PREFIX
 from mtune.training.checkpointing.checkpoint_dir import FINAL_NAME
+from mtune.training.memory.oom import device_memory_budget
 from mtune.training.placement import Placement
 from mtune.training.precision import LossScaler, autocast, resolve_dtype, storage_dtype
 from mtune.training.output_lock import OutputDirLockedError, lock_output_dir
 from mtune.training.rng import set_seed
-from mtune.units import format_bytes, parse_bytes
+from mtune.units import format_bytes
 
-__all__ = ["RunContext", "setup_run", "device_memory_budget", "limit_cuda_memory", "resolve_device",
-           "configure_logging", "claim_output_dir", "run_outputs"]
+__all__ = ["RunContext", "setup_run", "limit_cuda_memory", "resolve_device", "configure_logging",
+           "claim_output_dir", "run_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -160,17 +161,6 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
                      seed=seed, rank=rank, world_size=world_size)
     log.info("device %s, dtype %s, seed %d, output_dir %s", device, dtype_name, seed, output_dir)
     return run
-
-
-def device_memory_budget(limit, device: torch.device | str) -> int | None:
-    """``device_memory_limit`` in bytes as it binds on ``device``: on CUDA no more than the device holds (a larger
-    limit leaves the whole device); None without a limit."""
-    if limit is None:
-        return None
-    size = parse_bytes(limit, "device_memory_limit")
-    if torch.device(device).type == "cuda":
-        size = min(size, torch.cuda.get_device_properties(device).total_memory)
-    return size
 
 
 def limit_cuda_memory(limit, device: torch.device) -> None:

@@ -14,14 +14,13 @@ from typing import Any
 import torch
 
 from mtune.errors import MtuneError
-from mtune.training.context import device_memory_budget
 from mtune.training.memory import registry
 from mtune.training.memory.technique import advice as tier_advice
-from mtune.units import GIB, MIB
+from mtune.units import GIB, MIB, parse_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line"]
+__all__ = ["OutOfMemory", "oom_guard", "memory_advice", "set_invocation", "fit_command_line", "device_memory_budget"]
 
 # How this process was started (`mtune run`'s recipe, config and overrides), for the fit command in the message.
 _invocation: dict = {}
@@ -60,6 +59,18 @@ def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
     if memory.run.max_seq_len:
         advice.append(tier_advice("seq_len", "a smaller tokenizer.max_seq_len"))
     return [text for _, text in sorted(advice, key=lambda item: item[0])]
+
+
+def device_memory_budget(limit, device: torch.device | str) -> int | None:
+    """``device_memory_limit`` in bytes as it binds on ``device``: on CUDA no more than the device holds (a larger
+    limit leaves the whole device); None without a limit."""
+    if limit is None:
+        return None
+    size = parse_bytes(limit, "device_memory_limit")
+    if torch.device(device).type == "cuda":
+        size = min(size, torch.cuda.get_device_properties(device).total_memory)
+    return size
+
 
 
 @contextlib.contextmanager

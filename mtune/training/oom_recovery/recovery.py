@@ -15,9 +15,8 @@ from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mtune.config.keys import samples_per_step
-from mtune.training.context import device_memory_budget
 from mtune.training.memory import phases, registry
-from mtune.training.memory.oom import OutOfMemory
+from mtune.training.memory.oom import OutOfMemory, device_memory_budget
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.oom_recovery.replan import (MAX_RECOVERIES, PAIR_BATCH_FIELDS, RUN_CONFIG_NAME, batch_samples,
                                                 halve_micro_batches, replan, replan_in_helper)

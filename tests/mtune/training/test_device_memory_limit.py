@@ -69,7 +69,7 @@ def test_cuda_gets_the_allocator_fraction(monkeypatch):
 def test_the_budget_is_the_limit_as_it_binds(monkeypatch):
     """What out-of-memory recovery re-plans for: the limit, but no more than a CUDA device holds (on an H100 a limit
     of 83.6 GiB was planned for, on a 79.2 GiB card, 2026-11-26). Off CUDA the limit as written."""
-    from mtune.training.context import device_memory_budget
+    from mtune.training.memory.oom import device_memory_budget
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * 2**30}))
     assert device_memory_budget("100GiB", torch.device("cuda", 0)) == 80 * 2**30
