@@ -14,7 +14,7 @@ DTYPE_NAMES = ("fp32", "bf16", "fp16")
 """The values of every ``dtype`` key; `mtune.training.precision.DTYPES` maps them to torch dtypes."""
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
-                "qkv_proj", "gate_up_proj",  # the fused projections of Phi-4-mini
+                "qkv_proj", "gate_up_proj",  # the fused projections of Phi-4 and Phi-4-mini
                 "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's Gated DeltaNet
 """The linears ``lora.modules`` may name (Hugging Face's module names)."""
 

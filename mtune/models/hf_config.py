@@ -121,10 +121,6 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         raise ValueError("Llama checkpoints with mlp_bias or attention_bias are not supported")
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
         raise ValueError(f"{model_type} with use_sliding_window=true is not supported; set it to false")
-    if model_type == "phi3" and _rope_params(config).get("partial_rotary_factor",
-                                                          config.get("partial_rotary_factor", 1.0)) == 1.0:
-        raise ValueError("phi3 without partial_rotary_factor < 1 (Phi-3 / Phi-3.5, or Phi-4 14B) is not supported; "
-                         "mtune loads Phi-4-mini (partial_rotary_factor 0.75)")
     if model_type in ("qwen3", "qwen3_moe") and config.get("attention_bias"):
         raise ValueError("qwen3 with attention_bias=true is not supported (the published Qwen3 models have none)")
     theta, scaling = _rope(config)
@@ -151,7 +147,8 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
         return "qwen3_moe", Qwen3MoeArgs(**fields, **_moe_fields(config))
     if model_type == "phi3":
         window = config.get("sliding_window")
-        partial = _rope_params(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        # Phi-4-mini rotates 3/4 of each head; Phi-4 (14B) the whole head, as Phi3Config's default of 1.0 does
+        partial = _rope_params(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         return "phi4", Phi4Args(**fields, partial_rotary_factor=float(partial),
                                 # a window as long as the context changes nothing (Phi-4-mini's is 262144)
                                 sliding_window=window if window and window < fields["max_seq_len"] else None)

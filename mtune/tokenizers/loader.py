@@ -13,7 +13,9 @@ qwen2           Qwen2 / Qwen2.5 ``tokenizer.json``
 qwen3           Qwen3 ``tokenizer.json`` (Qwen2's with ``<think>`` / ``</think>``)
 qwen3_5(_moe)   Qwen3.5 ``tokenizer.json`` (Qwen3's ids, Qwen3.5's chat template: family ``qwen3_5``), ``_text``
                 too
-phi3            Phi-4-mini ``tokenizer.json`` (family ``phi4``)
+phi3            Phi-4 ``tokenizer.json`` holding ``<|im_sep|>`` (family ``phi4``), Phi-4-mini's holding
+                ``<|assistant|>`` and ``<|end|>`` (family ``phi4_mini``); Phi-3 / Phi-3.5's (Llama 2's 32k
+                vocabulary, ``<s>``) is refused
 gemma3(_text)   Gemma 3 ``tokenizer.json`` (family ``gemma3``)
 gemma4(_text)   Gemma 4 ``tokenizer.json`` (family ``gemma4``)
 gpt_oss         gpt-oss ``tokenizer.json`` (o200k_harmony) and the harmony chat format (family ``gpt_oss``)
@@ -30,7 +32,8 @@ from pathlib import Path
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers.base import Tokenizer, TokenizerError
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4", "gpt_oss")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "phi4_mini", "gemma3", "gemma4",
+            "gpt_oss")
 
 
 def load_tokenizer(path: str | Path, max_seq_len: int | None = None, **options) -> Tokenizer:
@@ -53,6 +56,8 @@ def load_tokenizer(path: str | Path, max_seq_len: int | None = None, **options) 
         from mtune.tokenizers.qwen3_5 import Qwen3_5Tokenizer as cls
     elif family == "phi4":
         from mtune.tokenizers.phi4 import Phi4Tokenizer as cls
+    elif family == "phi4_mini":
+        from mtune.tokenizers.phi4 import Phi4MiniTokenizer as cls
     elif family == "gemma3":
         from mtune.tokenizers.gemma3 import Gemma3Tokenizer as cls
     elif family == "gemma4":
@@ -117,8 +122,13 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
         if (path / "tokenizer.json").is_file():
             return family, path / "tokenizer.json"
         raise PathNotFoundError(f"{path}: a {model_type} model without tokenizer.json; download it with the weights")
-    family = {"phi3": "phi4", "gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4",
-              "gemma4_text": "gemma4", "gpt_oss": "gpt_oss"}.get(model_type)
+    if model_type == "phi3":
+        # Phi-4 and Phi-4-mini share the model type; the file tells them (and Phi-3's) apart
+        if (path / "tokenizer.json").is_file():
+            return _family_of_file(path / "tokenizer.json"), path / "tokenizer.json"
+        raise PathNotFoundError(f"{path}: a phi3 model without tokenizer.json; download it with the weights")
+    family = {"gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4", "gemma4_text": "gemma4",
+              "gpt_oss": "gpt_oss"}.get(model_type)
     if family is not None:
         if (path / "tokenizer.json").is_file():
             return family, path / "tokenizer.json"
@@ -131,6 +141,12 @@ def _family_of_file(file: Path) -> str:
     if file.suffix == ".json":
         spec = json.loads(file.read_text(encoding="utf-8"))
         added = {t.get("content") for t in spec.get("added_tokens") or []}
+        if "<|im_sep|>" in added:
+            return "phi4"
+        if "<|assistant|>" in added and "<|end|>" in added and "<s>" in added:
+            raise TokenizerError(f"{file}: a Phi-3 / Phi-3.5 tokenizer.json (Llama 2's vocabulary with <s>, "
+                                 "newline-separated turns), which mtune does not read; it reads Phi-4's and "
+                                 "Phi-4-mini's")
         if "<|im_start|>" in added:
             return "qwen3" if "</think>" in added else "qwen2"
         if "<|begin_of_text|>" in added:
@@ -138,14 +154,14 @@ def _family_of_file(file: Path) -> str:
         if {"<|start|>", "<|channel|>", "<|message|>"} <= added:
             return "gpt_oss"
         if "<|assistant|>" in added and "<|end|>" in added:
-            return "phi4"
+            return "phi4_mini"
         if "<start_of_turn>" in added:
             return "gemma3"
         if "<|turn>" in added:
             return "gemma4"
         raise TokenizerError(f"{file}: not a Qwen (<|im_start|>), Llama 3 (<|begin_of_text|>), gpt-oss (<|start|>, "
-                             "<|channel|>, <|message|>), Phi-4 (<|assistant|>, <|end|>), Gemma 3 (<start_of_turn>) or "
-                             "Gemma 4 (<|turn>) tokenizer.json")
+                             "<|channel|>, <|message|>), Phi-4 (<|im_sep|>), Phi-4-mini (<|assistant|>, <|end|>), "
+                             "Gemma 3 (<start_of_turn>) or Gemma 4 (<|turn>) tokenizer.json")
     from mtune.tokenizers.llama3 import is_tiktoken_file
 
     if is_tiktoken_file(file):

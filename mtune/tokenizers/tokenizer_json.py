@@ -1,5 +1,6 @@
 """The tokenizers read from a checkpoint's own ``tokenizer.json`` with the `tokenizers` library (Qwen2 / Qwen3 /
-Qwen3.5, Phi-4-mini, Gemma 3 / 4, gpt-oss): loading, the control tokens a family needs, and text encoded as text."""
+Qwen3.5, Phi-4, Phi-4-mini, Gemma 3 / 4, gpt-oss): loading, the control tokens a family needs, and text encoded as
+text."""
 
 from __future__ import annotations
 

@@ -132,8 +132,27 @@ QWEN3_5_CHAT_TEMPLATE = (
     "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 
-# Phi-4-mini-instruct's (microsoft/Phi-4-mini-instruct tokenizer_config.json), its tools branch left out.
+# Phi-4's (microsoft/phi-4 tokenizer_config.json since its January 2025 update: each turn its own header and
+# add_generation_prompt honoured).
 PHI4_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}"
+    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'assistant') %}"
+    "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
+)
+# Phi-4's first release: each user turn opens the assistant's header itself (no add_generation_prompt branch).
+PHI4_FIRST_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}"
+    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'user') %}"
+    "{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|><|im_start|>assistant<|im_sep|>'}}"
+    "{% elif (message['role'] == 'assistant') %}{{message['content'] + '<|im_end|>'}}{% endif %}{% endfor %}"
+)
+
+# Phi-4-mini-instruct's (microsoft/Phi-4-mini-instruct tokenizer_config.json), its tools branch left out.
+PHI4_MINI_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
 )
@@ -185,7 +204,8 @@ QWEN2_PATTERN = (
     r"\s+(?!\S)|\s+"
 )
 
-FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4", "gpt_oss")
+FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "phi4_mini", "gemma3", "gemma4",
+            "gpt_oss")
 
 _WORDS = (
     "the model learns to follow instructions and answers questions about data training tokens memory "
@@ -435,17 +455,31 @@ def write_qwen_tools_tokenizer(model_dir: str | Path, family: str) -> int:
 
 
 PHI4_BASE_VOCAB = 500
-PHI4_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>")
+PHI4_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>", "<|dummy_85|>")
+PHI4_MINI_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>")
 
 
 def write_phi4_tokenizer(model_dir: str | Path) -> int:
-    """Write a tiny Phi-4-mini-style `tokenizer.json` (byte-level BPE, `<|endoftext|>`, the role tokens and `<|end|>`
-    added after a 500-token base) and Phi-4-mini's chat template. Returns the vocab size (505)."""
+    """Write a tiny Phi-4-style `tokenizer.json` (byte-level BPE, `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`,
+    `<|im_sep|>` and the pad token `<|dummy_85|>` added after a 500-token base), Phi-4's special tokens (eos
+    `<|im_end|>`, as since its January 2025 update) and chat template. Returns the vocab size (505)."""
     return _write_tokenizer_json(
         model_dir, pattern=LLAMA3_PATTERN, base_vocab=PHI4_BASE_VOCAB, added=PHI4_ADDED,
         tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
-                          "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+                          "eos_token": "<|im_end|>", "pad_token": "<|dummy_85|>", "add_bos_token": False,
                           "chat_template": PHI4_CHAT_TEMPLATE},
+        config={"model_type": "phi3", "bos_token_id": PHI4_BASE_VOCAB, "eos_token_id": PHI4_BASE_VOCAB + 2,
+                "pad_token_id": PHI4_BASE_VOCAB + 4})
+
+
+def write_phi4_mini_tokenizer(model_dir: str | Path) -> int:
+    """Write a tiny Phi-4-mini-style `tokenizer.json` (byte-level BPE, `<|endoftext|>`, the role tokens and `<|end|>`
+    added after a 500-token base) and Phi-4-mini's chat template. Returns the vocab size (505)."""
+    return _write_tokenizer_json(
+        model_dir, pattern=LLAMA3_PATTERN, base_vocab=PHI4_BASE_VOCAB, added=PHI4_MINI_ADDED,
+        tokenizer_config={"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
+                          "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+                          "chat_template": PHI4_MINI_CHAT_TEMPLATE},
         config={"model_type": "phi3", "bos_token_id": PHI4_BASE_VOCAB, "eos_token_id": PHI4_BASE_VOCAB})
 
 
@@ -520,14 +554,15 @@ def _merge_config(model_dir: Path, fields: dict) -> None:
 
 _WRITERS = {"llama2": write_llama2_tokenizer, "llama3": write_llama3_tokenizer,
             "mistral": write_mistral_tokenizer, "qwen2": write_qwen2_tokenizer, "qwen3": write_qwen3_tokenizer,
-            "qwen3_5": write_qwen3_5_tokenizer, "phi4": write_phi4_tokenizer, "gemma3": write_gemma3_tokenizer,
+            "qwen3_5": write_qwen3_5_tokenizer, "phi4": write_phi4_tokenizer,
+            "phi4_mini": write_phi4_mini_tokenizer, "gemma3": write_gemma3_tokenizer,
             "gemma4": write_gemma4_tokenizer, "gpt_oss": write_gpt_oss_tokenizer}
 
 
 def write_tokenizer_files(model_dir: str | Path, family: str) -> int:
-    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | qwen3_5 | phi4 | gemma3 |
-    gemma4 | gpt_oss) to `model_dir`; returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503, qwen3(_5) /
-    phi4 / gemma3 / gemma4 505, gpt_oss 521) so the model's embedding can match. An existing config.json keeps its
+    """Add a tiny tokenizer of `family` (llama2 | llama3 | mistral | qwen2 | qwen3 | qwen3_5 | phi4 | phi4_mini |
+    gemma3 | gemma4 | gpt_oss) to `model_dir`; returns its vocab size (llama2/mistral 500, llama3 768, qwen2 503,
+    qwen3(_5) / phi4(_mini) / gemma3 / gemma4 505, gpt_oss 521) so the model's embedding can match. An existing config.json keeps its
     own fields (its `vocab_size` included)."""
     if family not in _WRITERS:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")

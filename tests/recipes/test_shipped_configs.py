@@ -47,8 +47,9 @@ CHECKPOINTS = {
     "Qwen3-8B": ("qwen3", "8B", 8_190_735_360, 21_823_488),
     "Qwen3-14B": ("qwen3", "14B", 14_768_307_200, 32_112_640),
     "Qwen3-32B": ("qwen3", "32B", 32_762_123_264, 67_108_864),
-    # Phi-4-mini: rank-8 LoRA on its fused qkv_proj / gate_up_proj and o_proj / down_proj
+    # Phi-4-mini and Phi-4 (14B): rank-8 LoRA on their fused qkv_proj / gate_up_proj and o_proj / down_proj
     "Phi-4-mini-instruct": ("phi4", "mini", 3_836_021_760, 11_534_336),
+    "phi-4": ("phi4", "14B", 14_659_507_200, 27_852_800),
     # Gemma 3: 1B is text-only; 4B-27B count their text tower (what mtune loads and trains), as transformers'
     # Gemma3ForCausalLM does from the text config
     "gemma-3-1b-it": ("gemma3", "1B", 999_885_952, 6_522_880),
@@ -102,7 +103,7 @@ DISTRIBUTED = {"llama3_1/8B_full_distributed", "llama3_1/8B_lora_distributed", "
 ADAPTER_ONLY_SIZES = {"qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],  # LoRA and QLoRA only
                       "gemma3": ["1B", "4B", "12B", "27B"],  # LoRA and QLoRA, no full single-device
                       "qwen3_moe": ["30B_A3B"], "gemma4": ["E2B", "E4B", "31B"],
-                      "qwen3_5": ["0.8B", "2B", "4B", "9B", "27B", "35B_A3B"]}
+                      "qwen3_5": ["0.8B", "2B", "4B", "9B", "27B", "35B_A3B"], "phi4": ["14B"]}
 EXPECTED = (
     {f"{family}/{size}_{method}_single_device" for family, sizes in SINGLE_DEVICE_SIZES.items() for size in sizes
      for method in ("full", "lora", "qlora")}

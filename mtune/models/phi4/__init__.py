@@ -1,7 +1,12 @@
-"""Phi-4-mini (Microsoft, 2025; ``Phi3ForCausalLM`` checkpoints): Llama's block with the q/k/v projections fused
-into one ``qkv_proj`` and the gate/up projections into one ``gate_up_proj`` (kept fused, as the checkpoints and PEFT
-adapters store them), RoPE on the first 3/4 of each head (``partial_rotary_factor``), LongRoPE frequency scaling
-from a 4096-token original context to 131072, tied embeddings and a 200k vocabulary.
+"""Phi-4 (Microsoft; ``Phi3ForCausalLM`` checkpoints): Llama's block with the q/k/v projections fused into one
+``qkv_proj`` and the gate/up projections into one ``gate_up_proj`` (kept fused, as the checkpoints and PEFT adapters
+store them).
+
+- **Phi-4-mini** (3.8B, 2025): RoPE on the first 3/4 of each head (``partial_rotary_factor``), LongRoPE frequency
+  scaling from a 4096-token original context to 131072, tied embeddings, a 200k vocabulary.
+- **Phi-4** (14B, December 2024; Phi-4-reasoning and -reasoning-plus share its shapes): RoPE on the whole head
+  (Phi3Config's default factor of 1.0), plain RoPE with base 250,000 over a 16,384-token context, untied embeddings,
+  a 100k vocabulary.
 """
 
 import math
@@ -47,12 +52,15 @@ def longrope(short_factor: list[float], long_factor: list[float], original: int,
                 original_max_position_embeddings=original, attention_factor=factor)
 
 
-# microsoft/Phi-4-mini-instruct's config.json shapes. Its 48 short and 48 long LongRoPE factors are not written out
-# here: the named size (random weights, planning) uses factors of 1.0, which changes no shape, byte or FLOP; a
-# checkpoint's config.json always supplies its own.
+# The named sizes: microsoft/Phi-4-mini-instruct's and microsoft/phi-4's config.json shapes. Phi-4-mini's 48 short
+# and 48 long LongRoPE factors are not written out here: the named size (random weights, planning) uses factors of
+# 1.0, which changes no shape, byte or FLOP; a checkpoint's config.json always supplies its own.
 PHI4_SIZES = {
     "mini": dict(dim=3072, n_layers=32, n_heads=24, n_kv_heads=8, intermediate_dim=8192,
                  rope_scaling=longrope([1.0] * 48, [1.0] * 48, 4096, 131072 / 4096)),
+    # microsoft/phi-4's config.json: 14,659,507,200 parameters (lm_head untied).
+    "14B": dict(vocab_size=100352, dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, intermediate_dim=17920,
+                rope_theta=250000.0, max_seq_len=16384, tie_embeddings=False, partial_rotary_factor=1.0),
     # NF4-friendly test shape: 4 heads of 64 rotated on their first 48 features, stretched from a 64-token context.
     "tiny": dict(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=512, max_seq_len=512,
                  rope_scaling=longrope([1.0 + 0.1 * i for i in range(24)], [2.0 + 0.5 * i for i in range(24)],

@@ -155,8 +155,8 @@ def test_tool_calling_rows_reach_the_formats_that_render_them(tmp_path):
         "<|channel|>final<|message|>It is 18 °C and sunny in Paris.<|return|>")
     as_text = write_rows([{"functions": json.dumps([WEATHER]), "messages": messages}], tmp_path / "text.jsonl")
     assert chat_dataset(gpt_oss, str(as_text), column_map={"tools": "functions"})[0]["tokens"] == expected.tokens
-    phi4 = tiny_tokenizer(tmp_path, "phi4")
-    with pytest.raises(DataError, match=r"tools\.jsonl line 1: phi4 chat format: the conversation uses tool call"):
+    phi4 = tiny_tokenizer(tmp_path, "phi4_mini")
+    with pytest.raises(DataError, match=r"tools\.jsonl line 1: phi4_mini chat format: the conversation uses tool call"):
         chat_dataset(phi4, str(path))
     bad = [messages[0], messages[1], {**messages[2], "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]
     with pytest.raises(DataError, match=r"bad\.jsonl line 1: messages\[2\]: assistant message tool_calls\[0\] "

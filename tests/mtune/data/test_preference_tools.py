@@ -83,5 +83,5 @@ def test_gpt_oss_labels_the_last_reply_when_its_prompt_renders_otherwise(tmp_pat
 
 
 def test_a_family_without_tool_calling_refuses_the_pair(tmp_path):
-    with pytest.raises(DataError, match=r"pairs\.jsonl line 1: phi4 chat format: the conversation uses tool calling"):
-        preference_dataset(tiny_tokenizer(tmp_path, "phi4"), str(write_rows([SHARED_CALL], tmp_path / "pairs.jsonl")))
+    with pytest.raises(DataError, match=r"pairs\.jsonl line 1: phi4_mini chat format: the conversation uses tool calling"):
+        preference_dataset(tiny_tokenizer(tmp_path, "phi4_mini"), str(write_rows([SHARED_CALL], tmp_path / "pairs.jsonl")))

@@ -1,7 +1,8 @@
-"""Phi-4-mini against transformers' Phi3 and peft: LongRoPE's short and long factors with partial rotation, both
-config.json layouts, the fused projections kept fused (checkpoint keys and LoRA adapters), and a LoRA and a QLoRA
-fine-tune through the recipe with the Phi-4 tokenizer whose saved adapter and merged model load in peft and
-transformers. (The shared tiny-shape logits and checkpoint round trip: test_transformer.py and test_hf.py.)"""
+"""Phi-4 and Phi-4-mini against transformers' Phi3 and peft: Phi-4-mini's LongRoPE short and long factors with
+partial rotation, Phi-4 (14B)'s whole-head plain RoPE and untied embeddings, both config.json layouts, the fused
+projections kept fused (checkpoint keys and LoRA adapters), the named sizes' parameter counts, and LoRA (both) and
+QLoRA (mini) fine-tunes through the recipe whose saved adapter and merged model load in peft and transformers. (The
+shared tiny-shape logits and checkpoint round trip: test_transformer.py and test_hf.py.)"""
 
 import json
 
@@ -10,7 +11,7 @@ import torch
 
 from mtune.models import build_model, model_args
 from mtune.models.hf_config import hf_config_from_model_args, model_args_from_hf_config
-from mtune.training.checkpointing.hf import CheckpointError, load_hf_config, load_model_from_hf, save_hf_checkpoint
+from mtune.training.checkpointing.hf import load_hf_config, load_model_from_hf, save_hf_checkpoint
 from tests._helpers.models import write_tiny_hf_model
 from tests._helpers.recipes import losses, run_recipe_in_process, train_overrides, write_instruct_data
 from tests._helpers.tokenizers import write_tokenizer_files
@@ -24,9 +25,9 @@ FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 def phi4_dir(tmp_path_factory):
     """A tiny random Phi-4-mini saved by transformers 5 with a tiny Phi-4 tokenizer."""
     root = tmp_path_factory.mktemp("phi4")
-    vocab = write_tokenizer_files(root / "tok", "phi4")
+    vocab = write_tokenizer_files(root / "tok", "phi4_mini")
     path = write_tiny_hf_model(root, "phi4", vocab_size=vocab, bos_token_id=500, eos_token_id=500, pad_token_id=500)
-    write_tokenizer_files(path, "phi4")
+    write_tokenizer_files(path, "phi4_mini")
     return path
 
 
@@ -85,18 +86,53 @@ def test_written_without_a_source_loads_in_transformers(tmp_path):
     assert (logits(hf, tokens) - logits(model, tokens)).abs().max().item() <= 1e-5
 
 
-def test_phi3_without_partial_rotation_is_refused(phi4_dir, tmp_path):
-    config = json.loads((phi4_dir / "config.json").read_text())
-    config["rope_parameters"]["partial_rotary_factor"] = 1.0
+@pytest.fixture(scope="module")
+def phi4_14B_dir(tmp_path_factory):
+    """A tiny random model of Phi-4 (14B)'s kind saved by transformers 5: the whole head rotated, plain RoPE with
+    base 250,000, untied embeddings, with a tiny Phi-4 tokenizer (<|im_sep|> turns)."""
+    root = tmp_path_factory.mktemp("phi4_14B")
+    vocab = write_tokenizer_files(root / "tok", "phi4")
+    path = write_tiny_hf_model(root, "phi4", vocab_size=vocab, rope_scaling=None, rope_theta=250000.0,
+                               partial_rotary_factor=1.0, tie_word_embeddings=False, bos_token_id=500,
+                               eos_token_id=502, pad_token_id=504)
+    write_tokenizer_files(path, "phi4")
+    return path
+
+
+def test_phi4_14B_kind_matches_transformers_in_both_layouts(phi4_14B_dir, tmp_path):
+    tokens = torch.randint(0, 505, (2, 100), generator=torch.Generator().manual_seed(7))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(phi4_14B_dir, dtype=torch.float32).eval()
+    model = load_model_from_hf(phi4_14B_dir).eval()
+    assert model.rope.head_dim == model.args.head_dim == 64 and model.lm_head.weight is not model.embed_tokens.weight
+    assert (logits(model, tokens) - logits(hf, tokens)).abs().max().item() <= 1e-5
+    # microsoft/phi-4's config.json (transformers 4.47): rope_theta at the top level, rope_scaling null, no
+    # partial_rotary_factor (Phi3Config's default 1.0), the original context equal to the context, torch_dtype.
+    config = json.loads((phi4_14B_dir / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"], rope_scaling=None, sliding_window=None, torch_dtype=config.pop("dtype"),
+                  original_max_position_embeddings=config["max_position_embeddings"])
+    config.pop("partial_rotary_factor", None)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/config.json: phi3 without partial_rotary_factor < 1 "
-                       r"\(Phi-3 / Phi-3.5, or Phi-4 14B\) is not supported; mtune loads Phi-4-mini"):
-        load_hf_config(tmp_path)
+    family, args = load_hf_config(tmp_path)
+    assert (family, args) == load_hf_config(phi4_14B_dir)
+    assert args.partial_rotary_factor == 1.0 and args.rope_scaling is None and not args.tie_embeddings
+
+
+def test_phi4_14B_named_size_counts_as_transformers_does():
+    args = model_args("phi4", "14B")
+    config = hf_config_from_model_args(args)
+    assert model_args_from_hf_config(config)[1] == args
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    ours = sum(p.numel() for p in build_model("phi4", "14B", device="meta").parameters())
+    # 14,659,507,200: microsoft/phi-4's "14.7B" (lm_head untied)
+    assert ours == sum(p.numel() for p in hf.parameters()) == 14_659_507_200
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize_base", [False, True])
-def test_lora_on_fused_projections_trains_and_exports_that_load(quantize_base, phi4_dir, tmp_path):
+@pytest.mark.parametrize("kind,quantize_base", [("mini", False), ("mini", True), ("14B", False)])
+def test_lora_on_fused_projections_trains_and_exports_that_load(kind, quantize_base, request, tmp_path):
+    phi4_dir = request.getfixturevalue({"mini": "phi4_dir", "14B": "phi4_14B_dir"}[kind])
     data = write_instruct_data(tmp_path / "data.jsonl")
     extra = {"lora.modules": FUSED}
     if quantize_base:

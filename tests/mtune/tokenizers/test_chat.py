@@ -5,7 +5,7 @@ import pytest
 from mtune.tokenizers import Message, load_tokenizer
 from tests._helpers.tokenizers import CONVERSATIONS
 
-FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "gemma3", "gemma4"]
+FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "phi4_mini", "gemma3", "gemma4"]
 # How a trained run (one assistant reply) decodes, with special tokens spelled out.
 REPLY_AS_DECODED = {
     "llama3": lambda reply: reply.strip() + "<|eot_id|>",
@@ -14,7 +14,8 @@ REPLY_AS_DECODED = {
     "qwen2": lambda reply: reply + "<|im_end|>",
     "qwen3": lambda reply: reply + "<|im_end|>",  # the last reply also opens with its (empty) thinking block
     "qwen3_5": lambda reply: reply.strip() + "<|im_end|>",  # likewise
-    "phi4": lambda reply: reply + "<|end|>",
+    "phi4": lambda reply: reply + "<|im_end|>",
+    "phi4_mini": lambda reply: reply + "<|end|>",
     "gemma3": lambda reply: reply.strip() + "<end_of_turn>",
     "gemma4": lambda reply: reply.strip() + "<turn|>",
 }

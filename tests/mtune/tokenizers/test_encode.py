@@ -12,8 +12,8 @@ TEXTS = corpus(60, seed=1) + [
 SPELLED_SPECIALS = ("<|eot_id|>", "<|im_end|>", "[INST]", "<s>")
 
 
-@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "gemma3", "gemma4",
-                                    "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "phi4", "phi4_mini", "gemma3",
+                                    "gemma4", "gpt_oss"])
 def test_ids_match_transformers_and_round_trip(family, tokenizer_dirs, hf_tokenizers):
     tok, hf = load_tokenizer(tokenizer_dirs[family]), hf_tokenizers[family]
     for text in TEXTS:
@@ -71,7 +71,8 @@ def test_qwen2_special_ids(tokenizer_dirs, hf_tokenizers):
 
 @pytest.mark.parametrize("family,spelled,control", [
     ("llama3", "<|eot_id|>", "<|eot_id|>"), ("llama3", "<|begin_of_text|>", "<|begin_of_text|>"),
-    ("qwen2", "<|im_end|>", "<|im_end|>"), ("qwen3", "</think>", "</think>"), ("phi4", "<|end|>", "<|end|>"),
+    ("qwen2", "<|im_end|>", "<|im_end|>"), ("qwen3", "</think>", "</think>"), ("phi4", "<|im_sep|>", "<|im_sep|>"),
+    ("phi4_mini", "<|end|>", "<|end|>"),
     ("gemma3", "<end_of_turn>", "<end_of_turn>"), ("gpt_oss", "<|return|>", "<|return|>"),
     ("mistral", "[INST]", "[INST]"), ("llama2", "</s>", "</s>"),
 ])

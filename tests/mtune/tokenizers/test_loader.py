@@ -17,16 +17,16 @@ from mtune.tokenizers.qwen2 import Qwen2Tokenizer
 from mtune.tokenizers.gemma3 import Gemma3Tokenizer
 from mtune.tokenizers.gemma4 import Gemma4Tokenizer
 from mtune.tokenizers.gpt_oss import GptOssTokenizer
-from mtune.tokenizers.phi4 import Phi4Tokenizer
+from mtune.tokenizers.phi4 import Phi4MiniTokenizer, Phi4Tokenizer
 from mtune.tokenizers.qwen3 import Qwen3Tokenizer
 
 CLASSES = {"llama2": Llama2Tokenizer, "llama3": Llama3Tokenizer, "mistral": MistralTokenizer,
            "qwen2": Qwen2Tokenizer, "qwen3": Qwen3Tokenizer,
-           "phi4": Phi4Tokenizer, "gemma3": Gemma3Tokenizer, "gemma4": Gemma4Tokenizer,
+           "phi4": Phi4Tokenizer, "phi4_mini": Phi4MiniTokenizer, "gemma3": Gemma3Tokenizer, "gemma4": Gemma4Tokenizer,
            "gpt_oss": GptOssTokenizer}
 FILES = {"llama2": "tokenizer.model", "llama3": "original/tokenizer.model", "mistral": "tokenizer.model",
          "qwen2": "tokenizer.json", "qwen3": "tokenizer.json",
-         "phi4": "tokenizer.json", "gemma3": "tokenizer.json", "gemma4": "tokenizer.json",
+         "phi4": "tokenizer.json", "phi4_mini": "tokenizer.json", "gemma3": "tokenizer.json", "gemma4": "tokenizer.json",
          "gpt_oss": "tokenizer.json"}
 
 

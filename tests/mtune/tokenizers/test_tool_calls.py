@@ -181,10 +181,10 @@ def test_conversations_without_tools_still_match_the_full_template(family, name,
 
 
 def test_bad_tool_data_is_refused_in_one_line(tokenizer_dirs, tokenizers):
-    phi4 = load_tokenizer(tokenizer_dirs["phi4"])
-    with pytest.raises(TokenizerError, match="^phi4 chat format: the conversation uses tool calling"):
+    phi4 = load_tokenizer(tokenizer_dirs["phi4_mini"])
+    with pytest.raises(TokenizerError, match="^phi4_mini chat format: the conversation uses tool calling"):
         phi4.tokenize_messages(ONE_CALL)
-    with pytest.raises(TokenizerError, match="^phi4 chat format: the conversation uses tool calling"):
+    with pytest.raises(TokenizerError, match="^phi4_mini chat format: the conversation uses tool calling"):
         phi4.tokenize_messages(ONE_CALL[:2], tools=[WEATHER])
     with pytest.raises(ValueError, match=r"assistant message tool_calls\[0\] arguments is not valid JSON"):
         Message("assistant", "", tool_calls=[call("f", "{city: Paris}")])
