@@ -23,6 +23,20 @@ def test_greedy_generation_matches_transformers(family):
     assert not model.caches_are_enabled()
 
 
+def test_greedy_generation_of_phi4_14B_kind_matches_transformers():
+    """Phi-4 (14B)'s kind: the whole head rotated, plain RoPE with base 250,000, untied embeddings; 70 new tokens run
+    past the tiny config's 64-token original context, which no longer switches factors."""
+    hf = tiny_hf_model("phi4", rope_scaling=None, rope_theta=250000.0, partial_rotary_factor=1.0,
+                       tie_word_embeddings=False)
+    model = mtune_twin(hf, "phi4", rope_scaling=None, rope_theta=250000.0, partial_rotary_factor=1.0,
+                       tie_embeddings=False)
+    assert model.rope.head_dim == model.args.head_dim
+    prompt = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(2))
+    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=70, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generate(model, prompt, max_new_tokens=70), ref)
+
+
 @pytest.mark.parametrize("family", ["llama3_1", "gemma3"])  # gemma3: its own final norm (1 + weight)
 def test_a_prompt_runs_the_head_on_its_last_position_alone(family):
     """``last_only`` (what generation's prompt asks): the last position's logits, equal to the full forward's, and the
