@@ -100,7 +100,10 @@ class Case:
     fla: bool = False  # run with flash-linear-attention importable (--fla-path): Gated DeltaNet on its kernels
     env: tuple[tuple[str, str], ...] = ()  # environment of the case's process (e.g. TORCH_LOGS for its log)
     device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
-    minutes: float = 1.0  # GPU minutes the case is expected to take (machine start excluded)
+    # GPU minutes the case is expected to take (machine start excluded): a measured case's wall time on the H100 of
+    # the second lease (gpu_suite.json's wall_s) plus a quarter, in quarter minutes; the others by their nearest
+    # measured kin, or larger where they plan or build more (the 30B MoE, the host optimizer, the longest context)
+    minutes: float = 1.0
 
 
 def _model(family: str, size: str) -> tuple[str, ...]:
@@ -115,45 +118,45 @@ CASES: list[Case] = [
     # ---- parts 1 and 2: the issue's "part 1", the rows that matter most (two commands of <= 8 minutes: with the
     # machine's start, <= 25 GPU minutes)
     Case("llama3_2_1B_lora_compiled", 1, "llama3_2/1B_lora_single_device", "lora_single_device",
-         "1B LoRA, compiled, packed 2048 x 4", L1B + LORA_RUN, compile=True, minutes=1.5),
+         "1B LoRA, compiled, packed 2048 x 4", L1B + LORA_RUN, compile=True, minutes=0.75),
     Case("llama3_1_8B_lora_compiled_packed4096", 1, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, compiled, packed 4096 x 2", L8B + LORA_RUN, compile=True, batch_size=2, seq_len=4096,
-         minutes=2.5),
+         minutes=1),
     Case("llama3_1_8B_qlora_compiled_packed4096", 1, "llama3_1/8B_qlora_single_device", "lora_single_device",
          "8B QLoRA (NF4 base), compiled, packed 4096 x 2", L8B + LORA_RUN, compile=True, batch_size=2,
-         seq_len=4096, env=COMPILE_LOGS, minutes=3.0),
+         seq_len=4096, env=COMPILE_LOGS, minutes=1.25),
     Case("llama3_1_8B_full_low_memory", 2, "llama3_1/8B_full_single_device_low_memory", "full_single_device",
          "8B full, low-memory flags (paged AdamW8bit in backward, checkpointing), packed 2048 x 2", L8B,
-         batch_size=2, minutes=2.0),
+         batch_size=2, minutes=0.75),
     Case("llama3_2_3B_lora_head_to_head", 2, "llama3_2/3B_lora_single_device", "lora_single_device",
          "3B-shaped LoRA, both libraries compiled, packed 2048 x 4", kind="head_to_head", compile=True, steps=9,
-         minutes=5.5),
+         minutes=2.25),
     # ---- part 3: eager twins of part 1, and the 3B full fine-tune
     Case("llama3_2_1B_lora_eager", 3, "llama3_2/1B_lora_single_device", "lora_single_device",
-         "1B LoRA, eager, packed 2048 x 4", L1B + LORA_RUN, minutes=0.8),
+         "1B LoRA, eager, packed 2048 x 4", L1B + LORA_RUN, minutes=0.5),
     Case("llama3_1_8B_lora_eager_packed4096", 3, "llama3_1/8B_lora_single_device", "lora_single_device",
-         "8B LoRA, eager, packed 4096 x 2", L8B + LORA_RUN, batch_size=2, seq_len=4096, minutes=1.5),
+         "8B LoRA, eager, packed 4096 x 2", L8B + LORA_RUN, batch_size=2, seq_len=4096, minutes=0.75),
     Case("llama3_1_8B_qlora_eager_packed4096", 3, "llama3_1/8B_qlora_single_device", "lora_single_device",
-         "8B QLoRA, eager, packed 4096 x 2", L8B + LORA_RUN, batch_size=2, seq_len=4096, minutes=2.0),
+         "8B QLoRA, eager, packed 4096 x 2", L8B + LORA_RUN, batch_size=2, seq_len=4096, minutes=1.25),
     Case("llama3_2_3B_full_compiled", 3, "llama3_2/3B_full_single_device", "full_single_device",
          "3B full, AdamW, compiled, packed 2048 x 2", L3B + ("gradient_accumulation_steps=1",), compile=True,
-         batch_size=2, minutes=2.0),
+         batch_size=2, minutes=0.75),
     # ---- parts 4-6: the 8B full fine-tune in AdamW, the offloading techniques, fp8 storage
     Case("llama3_1_8B_full_compiled", 4, "llama3_1/8B_full_single_device", "full_single_device",
          "8B full, AdamW (bf16 states), compiled, packed 2048 x 1", L8B + ("gradient_accumulation_steps=1",),
-         compile=True, batch_size=1, minutes=2.5),
+         compile=True, batch_size=1, minutes=0.75),
     Case("llama3_1_8B_lora_activation_offloading", 4, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, checkpointing + activation offloading with streams, packed 4096 x 2",
          L8B + LORA_RUN + ("enable_activation_offloading=true", "activation_offloading_use_streams=true"),
-         batch_size=2, seq_len=4096, minutes=1.5),
+         batch_size=2, seq_len=4096, minutes=0.75),
     Case("llama3_1_8B_lora_weight_offloading_block", 4, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, block-level weight offloading with streams, packed 4096 x 2",
          L8B + LORA_RUN + ("weight_offloading={type: block_level, blocks_per_group: 1, use_streams: true}",),
-         batch_size=2, seq_len=4096, minutes=2.0),
+         batch_size=2, seq_len=4096, minutes=1),
     Case("llama3_1_8B_lora_weight_offloading_leaf", 5, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, leaf-level weight offloading with streams, packed 4096 x 2",
          L8B + LORA_RUN + ("weight_offloading={type: leaf_level, blocks_per_group: 1, use_streams: true}",),
-         batch_size=2, seq_len=4096, steps=4, minutes=2.0),
+         batch_size=2, seq_len=4096, steps=4, minutes=1),
     Case("llama3_1_8B_full_optimizer_offload", 5, "llama3_1/8B_full_single_device", "full_single_device",
          "8B full, AdamW states in host memory (optimizer_offload=cpu), checkpointing, packed 2048 x 1",
          L8B + ("gradient_accumulation_steps=1", "optimizer_offload=cpu", "clip_grad_norm=null",
@@ -161,17 +164,17 @@ CASES: list[Case] = [
     Case("llama3_1_8B_full_paged_adamw8bit", 5, "llama3_1/8B_full_single_device", "full_single_device",
          "8B full, PagedAdamW8bit (residency: mem_get_info), checkpointing, packed 2048 x 1",
          L8B + ("gradient_accumulation_steps=1", "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit",
-                "enable_activation_checkpointing=true"), batch_size=1, minutes=2.0),
+                "enable_activation_checkpointing=true"), batch_size=1, minutes=0.75),
     Case("llama3_1_8B_lora_fp8_storage", 6, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, frozen block linears stored in float8_e4m3fn, packed 4096 x 2",
-         L8B + LORA_RUN + ("weight_storage_dtype=float8_e4m3fn",), batch_size=2, seq_len=4096, minutes=2.0),
+         L8B + LORA_RUN + ("weight_storage_dtype=float8_e4m3fn",), batch_size=2, seq_len=4096, minutes=1),
     # --fit's 8B answers, held to the budget they were fitted for
     Case("llama3_1_8B_lora_fit_24GiB", 6, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA as `mtune plan --fit --device-memory 24GiB` configures it, under a 24 GiB memory fraction",
-         L8B + LORA_RUN, kind="fit", device_memory_gib=24, minutes=2.5),
+         L8B + LORA_RUN, kind="fit", device_memory_gib=24, minutes=1.5),
     Case("llama3_1_8B_full_fit_40GiB", 6, "llama3_1/8B_full_single_device", "full_single_device",
          "8B full as `mtune plan --fit --device-memory 40GiB` configures it, under a 40 GiB memory fraction",
-         L8B + ("gradient_accumulation_steps=1",), kind="fit", device_memory_gib=40, batch_size=2, minutes=3.5),
+         L8B + ("gradient_accumulation_steps=1",), kind="fit", device_memory_gib=40, batch_size=2, minutes=2),
     # ---- part 7: the longest context the planner says fits, and the packed kernel the long-context work adds
     Case("llama3_1_8B_lora_longest_planned_context", 7, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, batch 1, checkpointing + activation offloading, the longest max_seq_len planned to fit",
@@ -180,7 +183,7 @@ CASES: list[Case] = [
     Case("llama3_1_8B_lora_packed4096_segments", 7, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA, compiled, packed 4096 x 2, attention per document from its boundaries (varlen flash on CUDA)",
          L8B + LORA_RUN + ("attention_kernel=segments",), compile=True, batch_size=2, seq_len=4096,
-         needs=("attention_kernel",), minutes=2.5),
+         needs=("attention_kernel",), minutes=1),
     # ---- part 8: why 8B QLoRA compiled allocated 40.73 GiB where its eager twin allocated 9.89 (H100, 2026-11-26).
     # Run with part 1's QLoRA case again (now with saved_for_backward_gib): without checkpointing (the same peak
     # would mean the compiled blocks never recompute), and with the dense mask (no graph break at the varlen kernel)
@@ -199,13 +202,13 @@ CASES: list[Case] = [
     # ---- part 9: the 2025-2026 families (random weights by family and size, as above)
     Case("qwen3_8B_lora_compiled_packed4096", 9, "qwen3/8B_lora_single_device", "lora_single_device",
          "Qwen3 8B LoRA, compiled, packed 4096 x 2", _model("qwen3", "8B") + LORA_RUN, compile=True,
-         batch_size=2, seq_len=4096, minutes=1.0),
+         batch_size=2, seq_len=4096, minutes=1.25),
     Case("qwen3_moe_30B_A3B_qlora_packed4096", 9, "qwen3_moe/30B_A3B_qlora_single_device", "lora_single_device",
          "Qwen3-30B-A3B QLoRA (NF4 experts), eager, packed 4096 x 1", _model("qwen3_moe", "30B_A3B") + LORA_RUN,
          batch_size=1, seq_len=4096, steps=4, minutes=2.0),
     Case("qwen3_5_9B_lora_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, Gated DeltaNet in PyTorch (no linear-attention kernels carried), packed 4096 x 1",
-         _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=2.0),
+         _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=1.5),
     Case("qwen3_5_9B_lora_fla_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, Gated DeltaNet on flash-linear-attention's kernel, packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, fla=True, minutes=2.0),
@@ -217,12 +220,12 @@ CASES: list[Case] = [
          batch_size=1, seq_len=4096, steps=4, minutes=2.0),
     Case("gpt_oss_20B_lora_packed4096", 11, "gpt_oss/20B_lora_single_device", "lora_single_device",
          "gpt-oss 20B LoRA, eager, bf16 experts, attention sinks (packed rows per segment), packed 4096 x 1",
-         _model("gpt_oss", "20B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=2.0),
+         _model("gpt_oss", "20B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=1.5),
     # ---- part 10: the fit issue's GPU check: a run whose config needs more than device_memory_limit recovers
     Case("llama3_1_8B_lora_oom_recovery", 10, "llama3_1/8B_lora_single_device", "lora_single_device",
          "8B LoRA without checkpointing, packed 4096 x 4, held to 75% of its planned peak: oom_recovery re-plans",
          L8B + LORA_RUN + ("enable_activation_checkpointing=false",), kind="oom_recovery", batch_size=4,
-         seq_len=4096, steps=4, warmup=2, minutes=3.0),
+         seq_len=4096, steps=4, warmup=2, minutes=1.5),
 ]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
