@@ -72,7 +72,6 @@ def device_memory_budget(limit, device: torch.device | str) -> int | None:
     return size
 
 
-
 @contextlib.contextmanager
 def oom_guard(phase: str, cfg: Mapping[str, Any]):
     """Re-raise an out-of-memory error inside the block as :class:`OutOfMemory` naming ``phase`` and the advice."""
