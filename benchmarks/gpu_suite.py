@@ -388,6 +388,12 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     optimizer = api.build_optimizer(cfg.optimizer, model, memory, placement=run.placement)
     loss_fn = api.build_loss(cfg.get("loss"))
     row["setup_s"] = time.perf_counter() - setup_start
+    if case.fla:  # setup probed the kernel: a case that asks for it and would run the PyTorch form says why instead
+        from mtune.modules.gated_deltanet_fla import recurrence_runs
+
+        runs = recurrence_runs(run.device)
+        if not runs.startswith("flash-linear-attention's"):
+            return {**row, "status": "failed", "linear_attention": runs, "reason": f"the recurrence runs {runs}"}
     # plan_check's tracker over the first steps, exactly as TrainingSession sets it up (off under compile)
     tracking = bool(cfg.get("plan_check")) and not cfg.get("compile")
     breakdown = api.MemoryBreakdown(model, api.inner_optimizers(optimizer), run.output_dir, enabled=tracking,
@@ -451,7 +457,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})
     if any(type(m).__name__ == "GatedDeltaNet" for m in model.modules()):
-        from mtune.modules.gated_deltanet import recurrence_runs
+        from mtune.modules.gated_deltanet_fla import recurrence_runs
 
         row["linear_attention"] = recurrence_runs(run.device)
     try:  # one more step: what autograd holds for backward outside the checkpointed blocks (not timed)

@@ -21,69 +21,21 @@ On CUDA, when flash-linear-attention is installed (``pip install flash-linear-at
 Python), the recurrence runs its ``chunk_gated_delta_rule`` instead (packed documents as ``cu_seqlens``, value
 heads grouped over query/key heads in the kernel); the convolution stays PyTorch's. ``mtune plan`` plans the
 PyTorch form (the kernels do not run on fake tensors), which keeps more for backward than the kernel does;
-generation (:mod:`~mtune.modules.deltanet_state`) runs the PyTorch forms on every device.
+generation (:mod:`~mtune.modules.deltanet_state`) runs the PyTorch forms on every device. The kernel is probed once
+before it is used (:mod:`~mtune.modules.gated_deltanet_fla`).
 """
-
-import importlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
 from mtune.modules.deltanet_state import STEPPED_UP_TO, DeltaNetState, gated_delta_steps
 from mtune.modules.gated_delta_scan import gated_delta_scan
+from mtune.modules.gated_deltanet_fla import fla_gated_delta_rule, fla_kernel
 from mtune.modules.rms_norm import RMSNorm
 
 CHUNK_SIZE = 64
 """Tokens solved together; 64 as the reference kernels use (any size gives the same outputs up to round-off)."""
-
-FLA_MODULE = "fla.ops.gated_delta_rule"
-_fla_rule = None  # flash-linear-attention's chunk_gated_delta_rule once imported; False: not importable here
-
-
-def _fla_import():
-    global _fla_rule
-    if _fla_rule is None:
-        try:
-            _fla_rule = importlib.import_module(FLA_MODULE).chunk_gated_delta_rule
-        except ImportError:  # not installed, or Triton is not
-            _fla_rule = False
-    return _fla_rule or None
-
-
-def fla_kernel(x: torch.Tensor):
-    """flash-linear-attention's ``chunk_gated_delta_rule`` for a real CUDA tensor ``x`` when the package (and
-    Triton) import, else None: the PyTorch form runs. A module global, not a cache wrapper, so that torch.compile
-    traces an attribute read."""
-    if x.device.type != "cuda" or is_fake(x):
-        return None
-    return _fla_import()
-
-
-def recurrence_runs(device: torch.device | str) -> str:
-    """What the Gated DeltaNet recurrence runs on ``device``, for the run's log."""
-    if torch.device(device).type != "cuda":
-        return "the PyTorch chunked form"
-    if _fla_import() is None:
-        return "the PyTorch chunked form (pip install flash-linear-attention for its CUDA kernels)"
-    return "flash-linear-attention's chunk_gated_delta_rule"
-
-
-def fla_gated_delta_rule(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """The rule through flash-linear-attention's kernel: ``q, k`` ``[b, s, k_heads, k_head_dim]`` before their
-    normalisation (the kernel L2-normalises both and scales ``q`` by ``k_head_dim ** -0.5``), ``v`` ``[b, s,
-    v_heads, v_head_dim]``, ``g`` and ``beta`` ``[b, s, v_heads]``; ``cu_seqlens`` (int ``[n + 1]``, document
-    starts in the flattened ``b * s`` tokens): each document from a zero state, the kernel's variable-length form
-    on one flattened row. Returns ``[b, s, v_heads, v_head_dim]`` in ``v``'s dtype."""
-    b, s = q.shape[:2]
-    if cu_seqlens is None:
-        out, _ = kernel(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True)
-        return out
-    flat = [t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g, beta)]
-    out, _ = kernel(*flat, scale=q.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
-    return out.reshape(b, s, *out.shape[2:])
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -110,7 +110,7 @@ def test_the_fla_kernel_path_gives_the_pytorch_forms_outputs(monkeypatch):
     PyTorch form on packed rows: raw queries and keys with the kernel's L2 norm and scale, grouped value heads,
     each packed document from a zero state. Mutations seen failing: the kernel not asked to normalise, packed rows
     passed without cu_seqlens, queries repeated over the value heads before the call."""
-    from mtune.modules import gated_deltanet
+    from mtune.modules import gated_deltanet, gated_deltanet_fla
     from mtune.modules.gated_deltanet import GatedDeltaNet
 
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def test_the_fla_kernel_path_gives_the_pytorch_forms_outputs(monkeypatch):
     x = torch.randn(2, 40, 32, dtype=torch.float64)
     cu_seqlens = torch.tensor([0, 13, 40, 57, 80], dtype=torch.int32)  # row 1: 13 + 27 tokens, row 2: 17 + 23
     packed, rows = layer(x, cu_seqlens=cu_seqlens), layer(x)
-    assert gated_deltanet.fla_kernel(x) is None  # a CPU tensor: the PyTorch form
+    assert gated_deltanet_fla.fla_kernel(x) is None  # a CPU tensor: the PyTorch form
     monkeypatch.setattr(gated_deltanet, "fla_kernel", lambda x: fla_contract)
     # both in fp32 (as each casts), summed in other orders: fp32 round-off of outputs of magnitude ~1
     torch.testing.assert_close(layer(x, cu_seqlens=cu_seqlens), packed, rtol=1e-5, atol=1e-6)
@@ -128,13 +128,58 @@ def test_the_fla_kernel_path_gives_the_pytorch_forms_outputs(monkeypatch):
 def test_the_log_says_which_recurrence_runs(monkeypatch):
     """CPU: the PyTorch form; CUDA without flash-linear-attention: that, and how to get the kernels; with it: the
     kernel. Mutation: naming the kernel whenever the device is CUDA fails the middle case."""
-    from mtune.modules import gated_deltanet
+    from mtune.modules import gated_deltanet_fla
 
-    assert gated_deltanet.recurrence_runs("cpu") == "the PyTorch chunked form"
-    monkeypatch.setattr(gated_deltanet, "_fla_rule", False)  # flash-linear-attention not importable
-    assert "pip install flash-linear-attention" in gated_deltanet.recurrence_runs("cuda")
-    monkeypatch.setattr(gated_deltanet, "_fla_rule", fla_contract)
-    assert gated_deltanet.recurrence_runs("cuda") == "flash-linear-attention's chunk_gated_delta_rule"
+    assert gated_deltanet_fla.recurrence_runs("cpu") == "the PyTorch chunked form"
+    monkeypatch.setattr(gated_deltanet_fla, "_fla_rule", False)  # flash-linear-attention not importable
+    assert "pip install flash-linear-attention" in gated_deltanet_fla.recurrence_runs("cuda")
+    monkeypatch.setattr(gated_deltanet_fla, "_fla_rule", fla_contract)
+    assert gated_deltanet_fla.recurrence_runs("cuda") == "flash-linear-attention's chunk_gated_delta_rule"
+
+
+class RefusesBackward(torch.autograd.Function):
+    """Forward as the contract states; backward raises as flash-linear-attention 0.6 does on a Hopper GPU with
+    Triton 3.6 (the message of the H100 lease's log, benchmarks/results/gpu_suite_logs/)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta):
+        with torch.no_grad():
+            return fla_contract(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+                           "chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= 3.7.1\nsecond line")
+
+
+@pytest.mark.parametrize("refuses", [True, False])
+def test_a_kernel_that_refuses_backward_is_probed_and_not_used(monkeypatch, refuses):
+    """flash-linear-attention installed but refusing backward on this GPU: the first call probes a gated forward
+    and backward, the PyTorch form runs and the log says why, in the kernel's words (its first line), instead of the
+    first step ending in a traceback. A kernel that trains passes the probe and runs. (The probe runs on the CPU
+    here, on the run's CUDA device in a run.) Mutation seen failing: a probe of the forward alone."""
+    import sys
+    import types
+
+    from mtune.modules import gated_deltanet_fla
+
+    def refusing(q, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        return RefusesBackward.apply(q, k, v, g, beta), None
+
+    kernel = refusing if refuses else fla_contract
+    monkeypatch.setitem(sys.modules, gated_deltanet_fla.FLA_MODULE, types.SimpleNamespace(chunk_gated_delta_rule=kernel))
+    monkeypatch.setattr(gated_deltanet_fla, "_fla_rule", None)
+    probe = gated_deltanet_fla.fla_probe
+    monkeypatch.setattr(gated_deltanet_fla, "fla_probe", lambda kernel, device: probe(kernel, "cpu"))
+    said = gated_deltanet_fla.recurrence_runs("cuda")
+    if refuses:
+        assert said == ("the PyTorch chunked form (flash-linear-attention is installed but its kernel failed a gated "
+                        "forward and backward: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results "
+                        "for gated chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= 3.7.1)")
+        assert gated_deltanet_fla._fla_import("cuda") is None
+    else:
+        assert said == "flash-linear-attention's chunk_gated_delta_rule"
+        assert gated_deltanet_fla._fla_import("cuda") is fla_contract
 
 
 def test_the_scan_runs_every_chunk_under_torch_compile():

@@ -49,7 +49,8 @@ class AttentionKernel(MemoryTechnique):
         return []
 
     def on_model(self, model: Any, s: AttentionKernelSettings, memory: Any, placement: Any) -> None:
-        from mtune.modules.gated_deltanet import GatedDeltaNet, recurrence_runs
+        from mtune.modules.gated_deltanet import GatedDeltaNet
+        from mtune.modules.gated_deltanet_fla import recurrence_runs
         from mtune.modules.packed_attention import kernel_for
 
         model.attention_kernel = s.attention_kernel
