@@ -34,6 +34,9 @@ def test_return_hidden_and_tied_head():
 
 @pytest.mark.parametrize("family", ["llama3_1", "mistral", "qwen3_5", "gemma4"])
 def test_packed_batch_matches_documents_run_alone(family):
+    # seeded: the weights came from whatever the global generator held after the tests before, and gemma4's packed
+    # and per-document sums, taken in other orders, drift apart by up to 1.9e-5 on some draws (seeds 0-5)
+    torch.manual_seed(0)
     model = build_model(family, "tiny", device="cpu").eval()
     gen = torch.Generator().manual_seed(2)
     # 16 > the mistral and gemma4 windows of 8; 70 > a Gated DeltaNet chunk of 64 (qwen3_5: its state restarts per
