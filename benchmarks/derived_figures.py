@@ -21,7 +21,8 @@ lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
   torchtune's published 18.9 GiB (cited in the script).
 - ``derived_gpu_suite.json``: tokens/s quotients of GPU-suite case pairs (compiled over eager, QLoRA over LoRA) and
   each case's allocator margin (reserved - allocated) and memory beyond the allocator, the CUDA context, and the
-  paged optimizer states measured against their plan (``gpu_suite_figures``).
+  paged optimizer states measured against their plan (``gpu_suite_figures``); and from ``nf4_matmul.json`` each
+  NF4 kernel's time for one 8B block's seven frozen matmuls, over the bf16 matmul's (``nf4_block_figures``).
 
     python benchmarks/derived_figures.py     # about a second
 """
@@ -136,6 +137,8 @@ GPU_PAIRS = {
     ("llama3_1_8B_lora_weight_offloading_block", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
     ("llama3_1_8B_lora_weight_offloading_leaf", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
     ("llama3_1_8B_lora_fp8_storage", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
+    ("llama3_1_8B_lora_compiled_packed4096", "llama3_1_8B_lora_compiled_dense_mask"): "varlen over dense mask",
+    ("llama3_1_8B_qlora_compiled_packed4096", "llama3_1_8B_qlora_compiled_dense_mask"): "varlen over dense mask",
 }
 
 
@@ -175,6 +178,25 @@ def gpu_suite_figures() -> dict:
             "paged_states": managed}
 
 
+NF4_BLOCK_LINEARS = {"q_proj/o_proj": 2, "k_proj/v_proj": 2, "gate_proj/up_proj": 2, "down_proj": 1}
+"""How many of each ``nf4_matmul.json`` shape one Llama 3.1 8B block holds."""
+
+
+def nf4_block_figures() -> list[dict]:
+    """Per variant of ``nf4_matmul.json``: the seconds of one 8B block's seven frozen matmuls (forward and the
+    input's gradient, the sum of their medians) and that over the bf16 matmul of the dequantized weights."""
+    path = RESULTS / "nf4_matmul.json"
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text())["rows"]
+    sums: dict[str, float] = {}
+    for row in rows:
+        sums[row["variant"]] = sums.get(row["variant"], 0.0) + NF4_BLOCK_LINEARS[row["shape"]] * row["seconds"]
+    baseline = sums["bf16 (dequantized once)"]
+    return [{"name": variant, "block_seconds": seconds, "over_bf16": seconds / baseline}
+            for variant, seconds in sums.items()]
+
+
 def main(out_dir: Path = RESULTS) -> None:
     """Writes the files into ``out_dir`` (default ``benchmarks/results/``; a test writes them to a tmp dir)."""
     note = "ratios of committed results files, computed by benchmarks/derived_figures.py"
@@ -184,7 +206,8 @@ def main(out_dir: Path = RESULTS) -> None:
                                                   "optimizer_state_vs_adamw": optimizer_state_vs_adamw(),
                                                   "offloading_totals": offloading_totals()},
                "derived_plan.json": {"note": note, **planner_figures()},
-               "derived_gpu_suite.json": {"note": note, **gpu_suite_figures()}}
+               "derived_gpu_suite.json": {"note": note, **gpu_suite_figures(),
+                                          "nf4_matmul_per_block": nf4_block_figures()}}
     for name, figures in outputs.items():
         path = out_dir / name
         path.write_text(json.dumps(figures, indent=2) + "\n")

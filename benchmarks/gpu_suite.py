@@ -337,30 +337,40 @@ def attention_kernel(names: set[str]) -> str | None:
     return "+".join(found) or None
 
 
-def saved_for_backward_bytes(step, model) -> int:
+def saved_for_backward_bytes(step, model, groups: dict | None = None) -> int:
     """Bytes of the distinct storages autograd saves for backward during one ``step()``, the model's parameters
     and buffers (NF4 codes and scales too) left out: the activations a step holds. A checkpointed block saves its
     input here and the rest under its own hooks, so with block checkpointing this is about one hidden state per
-    block; a compiled block saves what its partitioner keeps (the way to see that a compiled block recomputes)."""
+    block; a compiled block saves what its partitioner keeps (the way to see that a compiled block recomputes).
+    ``groups``, when given, is filled with ``{"[shape] dtype": [storages, bytes]}`` of the same storages, by the
+    first tensor saved in each (what a compiled block keeps that it should recompute shows here by shape)."""
     import torch
 
-    def storages(t) -> list[tuple[int, int]]:  # (data pointer, bytes) of t's storage, or of a subclass's parts
+    def storages(t) -> list[tuple[int, int, torch.Tensor]]:  # (data pointer, bytes, tensor) of t or a subclass's parts
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
             return [part for name in t.__tensor_flatten__()[0] for part in storages(getattr(t, name))]
-        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
+        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t)]
 
-    owned = {ptr for t in [*model.parameters(), *model.buffers()] for ptr, _ in storages(t.data)}
-    seen: dict[int, int] = {}
+    owned = {ptr for t in [*model.parameters(), *model.buffers()] for ptr, _, _ in storages(t.data)}
+    seen: dict[int, tuple[int, str]] = {}
 
     def pack(t):
-        for ptr, nbytes in storages(t):
-            if ptr not in owned:
-                seen[ptr] = nbytes
+        for ptr, nbytes, part in storages(t):
+            if ptr not in owned and ptr not in seen:
+                seen[ptr] = (nbytes, f"{list(part.shape)} {str(part.dtype).removeprefix('torch.')}")
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
-    return sum(seen.values())
+    if groups is not None:
+        for nbytes, key in seen.values():
+            count, total = groups.get(key, (0, 0))
+            groups[key] = [count + 1, total + nbytes]
+    return sum(nbytes for nbytes, _ in seen.values())
+
+
+SAVED_GROUPS_KEPT = 8
+"""``saved_for_backward_largest`` keeps this many (shape, dtype) groups, the largest first."""
 
 
 def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | None = None) -> dict:
@@ -461,7 +471,11 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
 
         row["linear_attention"] = recurrence_runs(run.device)
     try:  # one more step: what autograd holds for backward outside the checkpointed blocks (not timed)
-        row["saved_for_backward_gib"] = saved_for_backward_bytes(step, model) / api.GIB
+        groups: dict = {}
+        row["saved_for_backward_gib"] = saved_for_backward_bytes(step, model, groups) / api.GIB
+        largest = sorted(groups.items(), key=lambda item: -item[1][1])[:SAVED_GROUPS_KEPT]
+        row["saved_for_backward_largest"] = [f"{count} x {key}: {nbytes / api.GIB:.3f} GiB"
+                                             for key, (count, nbytes) in largest]
     except Exception as err:  # a diagnostic: its failure is said in the row, not the case's
         row["saved_for_backward_error"] = f"{type(err).__name__}: {err}"[-300:]
     del model, optimizer, batch

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils.checkpoint import checkpoint
 
 from mtune.config.errors import ConfigError
 
@@ -203,9 +204,24 @@ def dequantize(weight: torch.Tensor) -> torch.Tensor:
     return weight.get_original_weight() if is_nf4(weight) else weight
 
 
+def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return weight.to(dtype)
+
+
 def linear_maybe_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T without bias, for a plain or NF4 weight."""
-    return _nf4_api().linear_nf4(input=x, weight=weight) if is_nf4(weight) else F.linear(x, weight)
+    """x @ weight.T without bias, for a plain or NF4 weight.
+
+    Eager, an NF4 weight goes through torchao's ``linear_nf4``, whose autograd function saves the NF4 weight and
+    dequantizes it again in backward. Compiled, that function hides its dequantized weight from the partitioner
+    badly: without checkpointing the graph saves every dequantized weight for backward (a bf16 copy of the frozen
+    model), and with checkpointing on torch 2.11 it saves the linears' outputs as well (8B QLoRA on an H100: 34 GiB
+    saved where bf16 LoRA saved 2.2 GiB, docs/benchmarks.md). So under compile the dequantization is a
+    checkpointed region of its own, recomputed from the NF4 weight in backward, and the matmul is a plain one."""
+    if not is_nf4(weight):
+        return F.linear(x, weight)
+    if torch.compiler.is_compiling():
+        return F.linear(x, checkpoint(_dequantized, weight, x.dtype, use_reentrant=False))
+    return _nf4_api().linear_nf4(input=x, weight=weight)
 
 
 class FrozenNF4Linear(nn.Linear):

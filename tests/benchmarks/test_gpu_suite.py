@@ -151,7 +151,9 @@ def test_saved_for_backward_counts_activations_once_and_leaves_parameters_out():
 
     # x (saved by the first linear) and the hidden state (saved three times: by the second linear and as both
     # factors of the product, one storage)
-    assert suite.saved_for_backward_bytes(step, model) == (4 * 32 + 4 * 48) * 4
+    groups: dict = {}
+    assert suite.saved_for_backward_bytes(step, model, groups) == (4 * 32 + 4 * 48) * 4
+    assert groups == {"[4, 32] float32": [1, 4 * 32 * 4], "[4, 48] float32": [1, 4 * 48 * 4]}
 
     def checkpointed():
         checkpoint(lambda t: model[1](model[0](t)), x, use_reentrant=False).sum().backward()

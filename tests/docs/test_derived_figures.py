@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -67,3 +69,18 @@ def test_paged_states_are_the_cards_use_less_the_allocator_and_the_context():
     assert figures["cuda_context_gib"] == context
     assert record["measured_managed_gib"] == paged["device_used_gib"] - paged["max_reserved_gib"] - context
     assert record["plan_error"] == paged["planned_host_gib"] / record["measured_managed_gib"] - 1
+
+
+def test_nf4_block_time_is_the_blocks_seven_matmuls():
+    # independent read of nf4_matmul.json: q, k, v, o, gate, up, down of one 8B block, bitsandbytes over bf16
+    rows = json.loads((RESULTS / "nf4_matmul.json").read_text())["rows"]
+
+    def block(variant):
+        seconds = {r["shape"]: r["seconds"] for r in rows if r["variant"] == variant}
+        return (2 * seconds["q_proj/o_proj"] + 2 * seconds["k_proj/v_proj"] + 2 * seconds["gate_proj/up_proj"]
+                + seconds["down_proj"])
+
+    (bnb,) = [r for r in _script().nf4_block_figures() if r["name"] == "bitsandbytes matmul_4bit"]
+    assert bnb["block_seconds"] == pytest.approx(block("bitsandbytes matmul_4bit"), rel=1e-12)
+    assert bnb["over_bf16"] == pytest.approx(block("bitsandbytes matmul_4bit") / block("bf16 (dequantized once)"),
+                                             rel=1e-12)
