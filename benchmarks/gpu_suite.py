@@ -98,6 +98,7 @@ class Case:
     needs: tuple[str, ...] = ()  # config keys the case sets that other work is adding: pending until they exist
     pending: str = ""  # what the case waits for, said when it is skipped
     fla: bool = False  # run with flash-linear-attention importable (--fla-path): Gated DeltaNet on its kernels
+    torchao_dequantize: bool = False  # NF4 dequantized by torchao's eager ops, not the compiled kernel (its twin)
     env: tuple[tuple[str, str], ...] = ()  # environment of the case's process (e.g. TORCH_LOGS for its log)
     device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
     # GPU minutes the case is expected to take (machine start excluded): a measured case's wall time on the H100 of
@@ -226,6 +227,16 @@ CASES: list[Case] = [
          "8B LoRA without checkpointing, packed 4096 x 4, held to 75% of its planned peak: oom_recovery re-plans",
          L8B + LORA_RUN + ("enable_activation_checkpointing=false",), kind="oom_recovery", batch_size=4,
          seq_len=4096, steps=4, warmup=2, minutes=1.5),
+    # ---- part 12: NF4 dequantized by one compiled kernel on CUDA (mtune/modules/nf4_dequantize.py) against
+    # torchao's eager ops, the code it replaced, in one call: eager 8B QLoRA and the 30B MoE (experts dequantized
+    # three times a step); their twins without the _torchao_dequantize suffix are part 3's and part 9's cases
+    Case("llama3_1_8B_qlora_eager_torchao_dequantize_packed4096", 12, "llama3_1/8B_qlora_single_device",
+         "lora_single_device", "8B QLoRA, eager, packed 4096 x 2, NF4 dequantized by torchao's eager ops",
+         L8B + LORA_RUN, batch_size=2, seq_len=4096, torchao_dequantize=True, minutes=1.25),
+    Case("qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096", 12, "qwen3_moe/30B_A3B_qlora_single_device",
+         "lora_single_device", "Qwen3-30B-A3B QLoRA, eager, packed 4096 x 1, NF4 dequantized by torchao's eager ops",
+         _model("qwen3_moe", "30B_A3B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, torchao_dequantize=True,
+         minutes=2.0),
 ]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
@@ -379,6 +390,10 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
 
     cuda = torch.cuda.is_available() and str(cfg.device).startswith("cuda")
     row: dict = {}
+    from mtune.modules import nf4_dequantize
+
+    nf4_dequantize.COMPILED_ON_CUDA = not case.torchao_dequantize  # before the plan, which models the choice
+    row["nf4_dequantize"] = "torchao eager" if case.torchao_dequantize else "compiled on CUDA"
     plan_cfg = cfg.copy()
     plan = api.plan_memory(plan_cfg)
     row["planned_allocated_gib"] = plan.device_peak_bytes / api.GIB

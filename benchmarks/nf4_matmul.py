@@ -1,5 +1,6 @@
-"""The frozen NF4 matmul of QLoRA, one linear at a time: torchao's ``linear_nf4`` eager and compiled against
-bitsandbytes' ``matmul_4bit`` (NF4, blocks of 64), with the bf16 matmul of the same dequantized weight as the baseline.
+"""The frozen NF4 matmul of QLoRA, one linear at a time: torchao's ``linear_nf4`` eager and compiled, mtune's eager
+path (its dequantization one compiled kernel on CUDA, ``mtune/modules/nf4_dequantize.py``) and bitsandbytes'
+``matmul_4bit`` (NF4, blocks of 64), with the bf16 matmul of the same dequantized weight as the baseline.
 
 Each variant runs forward and the backward to its input (the weight is frozen, as under QLoRA) for Llama 3.1 8B's
 block linears at 8,192 tokens (packed 4096 x 2, the GPU suite's QLoRA rows), timed with CUDA events after warm-up,
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mtune.modules.nf4_linear import dequantize, linear_maybe_nf4, quantize_nf4  # noqa: E402
+from mtune.modules.nf4_linear import _nf4_api, dequantize, linear_maybe_nf4, quantize_nf4  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (1024, 4096), "gate_proj/up_proj": (14336, 4096),
           "down_proj": (4096, 14336)}
@@ -43,15 +44,19 @@ def variants() -> dict:
     def torchao(w):
         return quantize_nf4(w)
 
-    compiled = torch.compile(linear_maybe_nf4)
+    def torchao_linear(x, w):
+        return _nf4_api().linear_nf4(input=x, weight=w)
+
+    compiled = torch.compile(torchao_linear)
 
     def bnb_prepare(w):
         return bnbf.quantize_4bit(w, quant_type="nf4", blocksize=64)
 
     return {
         "bf16 (dequantized once)": (lambda w: dequantize(quantize_nf4(w)), lambda x, w: F.linear(x, w)),
-        "torchao linear_nf4, eager": (torchao, linear_maybe_nf4),
+        "torchao linear_nf4, eager": (torchao, torchao_linear),
         "torchao linear_nf4, compiled": (torchao, compiled),
+        "mtune eager (dequantize compiled on CUDA)": (torchao, linear_maybe_nf4),
         "bitsandbytes matmul_4bit": (bnb_prepare, lambda x, s: bnb.matmul_4bit(x, s[0].t(), quant_state=s[1])),
     }
 

@@ -1,5 +1,6 @@
 """Write `mtune plan`'s figures (benchmarks/results/plan_configs.json, from benchmarks/plan_configs.py) into the
-shipped configs' header memory block and docs/configs.md's memory table, so no memory figure there is hand-made.
+shipped configs' header memory block, docs/configs.md's memory table and docs/plan.md's cost-of-planning tables (each
+row the config's latest plan, with its date and load average), so no memory figure there is hand-made.
 
     python benchmarks/plan_configs.py $(python scripts/render_plan_figures.py --list)   # plan them (slow)
     python scripts/render_plan_figures.py                                                # write the figures
@@ -119,6 +120,47 @@ def rendered_table(results: dict[str, dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+COST_SINGLE = "| config | planned GPU (GiB) | plan time (s) | planner peak RSS (GiB) | load average while planned |"
+COST_DISTRIBUTED = "| config | ranks | planned GPU per rank (GiB) | plan time (s) | planner peak RSS (GiB) |"
+PEAK_RSS = re.compile(r"Every plan's peak resident memory is at most [\d.]+ GiB \(`?[\w/.]+`?, the largest in the\nfile;")
+
+
+def rendered_costs(results: dict[str, dict]) -> str:
+    """docs/plan.md's text with its cost-of-planning rows (their configs as listed) rendered from ``results``: the
+    GPU figure, the planning time and peak RSS, and for single-device rows the load average and date; the sentence
+    after the tables names the largest peak RSS of the file."""
+    text = (REPO / "docs" / "plan.md").read_text()
+    out, table = [], None
+    for line in text.splitlines():
+        if line.startswith(("| config | planned GPU (GiB) | plan time (s)", "| config | ranks | planned GPU per rank")):
+            table = "single" if "| ranks |" not in line else "distributed"
+            line = COST_SINGLE.replace("while planned |", "while planned | date |") if table == "single" else line
+        elif table == "single" and line.startswith("|---|"):
+            line = "|---|---:|---:|---:|---:|---|"
+        elif table and line.startswith("| `"):
+            name = line.split("`")[1]
+            if name not in results:
+                raise SystemExit(f"{name}: no plan in {RESULTS}; plan it first: python benchmarks/plan_configs.py {name}")
+            r = results[name]
+            gpu, rss = f"{r['device_total_bytes'] / GIB:.1f}", f"{r['peak_rss_bytes'] / GIB:.2f}"
+            if table == "single":
+                machine = r["machine"]
+                line = (f"| `{name}` | {gpu} | {r['seconds']:.0f} | {rss} | {machine['load_average']:.1f} | "
+                        f"{machine['date']} |")
+            else:
+                line = f"| `{name}` | {r.get('world_size', 1)} | {gpu} | {r['seconds']:.0f} | {rss} |"
+        elif not line.startswith("|"):
+            table = None
+        out.append(line)
+    text = "\n".join(out) + "\n"
+    largest = max(results.values(), key=lambda r: r["peak_rss_bytes"])
+    sentence = (f"Every plan's peak resident memory is at most {largest['peak_rss_bytes'] / GIB:.2f} GiB "
+                f"(`{largest['config']}`, the largest in the\nfile;")
+    if not PEAK_RSS.search(text):
+        raise SystemExit("docs/plan.md: the sentence on the largest planner RSS is gone; render_plan_figures.py writes it")
+    return PEAK_RSS.sub(sentence, text)
+
+
 def load_results() -> dict[str, dict]:
     return {r["config"]: r for r in json.loads(RESULTS.read_text())["results"]}
 
@@ -132,6 +174,7 @@ def main() -> None:
         if (CONFIGS / f"{config}.yaml").exists():
             (CONFIGS / f"{config}.yaml").write_text(rendered_header(config, result))
     (REPO / "docs" / "configs.md").write_text(rendered_table(results))
+    (REPO / "docs" / "plan.md").write_text(rendered_costs(results))
     print(f"wrote {len(results)} configs' figures")
 
 

@@ -22,9 +22,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from mtune.config.errors import ConfigError
+from mtune.modules.nf4_dequantize import dequantize_nf4
 
-__all__ = ["FrozenNF4Linear", "is_nf4", "quantize_nf4", "quantize_nf4_expert_shard", "dense_scaler_block", "dequantize",
-           "linear_maybe_nf4", "nf4_part", "nf4_row_chunk"]
+__all__ = ["FrozenNF4Linear", "FrozenNF4Matmul", "is_nf4", "quantize_nf4", "quantize_nf4_expert_shard",
+           "dense_scaler_block", "dequantize", "linear_maybe_nf4", "nf4_part", "nf4_row_chunk"]
 
 # torchao >= 0.18 keeps NF4 under quantize_.workflows, older versions under dtypes
 _NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")
@@ -200,8 +201,25 @@ def nf4_part(weight: torch.Tensor, parts: int, index: int) -> torch.Tensor:
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:
-    """A plain tensor for `weight`, NF4 or not (NF4 comes back in its original dtype)."""
-    return weight.get_original_weight() if is_nf4(weight) else weight
+    """A plain tensor for `weight`, NF4 or not (NF4 comes back in its original dtype; on CUDA through one compiled
+    kernel, :mod:`~mtune.modules.nf4_dequantize`)."""
+    return dequantize_nf4(weight) if is_nf4(weight) else weight
+
+
+class FrozenNF4Matmul(torch.autograd.Function):
+    """``x @ weight.T`` for a frozen NF4 ``weight``, eager: saves the NF4 weight, not its dequantized copy, and
+    dequantizes it again in backward for the input's gradient (torchao's ``linear_nf4`` does the same with its
+    eager dequantization; this one goes through :func:`dequantize`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(x, dequantize(weight).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return grad @ dequantize(weight).to(grad.dtype), None
 
 
 def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -211,17 +229,17 @@ def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def linear_maybe_nf4(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T without bias, for a plain or NF4 weight.
 
-    Eager, an NF4 weight goes through torchao's ``linear_nf4``, whose autograd function saves the NF4 weight and
-    dequantizes it again in backward. Compiled, that function hides its dequantized weight from the partitioner
-    badly: without checkpointing the graph saves every dequantized weight for backward (a bf16 copy of the frozen
-    model), and with checkpointing on torch 2.11 it saves the linears' outputs as well (8B QLoRA on an H100: 34 GiB
-    saved where bf16 LoRA saved 2.2 GiB, docs/benchmarks.md). So under compile the dequantization is a
-    checkpointed region of its own, recomputed from the NF4 weight in backward, and the matmul is a plain one."""
+    Eager, an NF4 weight goes through :class:`FrozenNF4Matmul`. Compiled, an autograd function hides its dequantized
+    weight from the partitioner badly (torchao's ``linear_nf4`` did: without checkpointing the graph saved every
+    dequantized weight for backward, a bf16 copy of the frozen model, and with checkpointing on torch 2.11 the
+    linears' outputs as well; 8B QLoRA on an H100 saved 34 GiB where bf16 LoRA saved 2.2 GiB, docs/benchmarks.md).
+    So under compile the dequantization is a checkpointed region of its own, recomputed from the NF4 weight in
+    backward, and the matmul is a plain one."""
     if not is_nf4(weight):
         return F.linear(x, weight)
     if torch.compiler.is_compiling():
         return F.linear(x, checkpoint(_dequantized, weight, x.dtype, use_reentrant=False))
-    return _nf4_api().linear_nf4(input=x, weight=weight)
+    return FrozenNF4Matmul.apply(x, weight)
 
 
 class FrozenNF4Linear(nn.Linear):

@@ -69,7 +69,7 @@ from mtune.training.planning.memory_plan import (
     PlanError,
 )
 from mtune.training.planning.fake_mode import PlanningTracker, planner_fake_mode
-from mtune.training.planning.replay import replayed_nf4_dequantization
+from mtune.training.planning.replay import fused_nf4_dequantization, replayed_nf4_dequantization
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.planning.preference import packed_pair_fields, planned_preference, row_length, rows_per_sample
 
@@ -283,7 +283,7 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
     first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731
     peaks = preference.before_steps(tracker, first) if preference else None  # reference copy, precompute pass
     for step, micro_batches in enumerate((1, min(accumulation, 2))):
-        with tracker, replayed_nf4_dequantization(tracker):
+        with tracker, replayed_nf4_dequantization(tracker, fused=fused_nf4_dequantization(target)):
             batches = _batch(cfg, vocab_size, micro_batches, small=step == 0, seq_len=seq_len)
             with activation_context if activation_context is not None else contextlib.nullcontext():
                 step_on_tensors(model, batches, loss_fn, optimizer,

@@ -28,10 +28,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from mtune.modules import nf4_dequantize
 from mtune.modules.nf4_linear import nf4_tensor_class
 from mtune.training.planning.tracker import LOCATIONS, TensorTracker
 
-__all__ = ["AllocationReplay", "replayed_nf4_dequantization"]
+__all__ = ["AllocationReplay", "fused_nf4_dequantization", "replayed_nf4_dequantization"]
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,18 @@ def _metadata(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.dtype, t.storage_offset(), t.untyped_storage().nbytes(), t.device
 
 
+def fused_nf4_dequantization(target: torch.device) -> bool:
+    """Whether a run on ``target`` dequantizes NF4 weights in one compiled kernel: on CUDA
+    (:mod:`~mtune.modules.nf4_dequantize`; a ``compile: true`` run fuses it into its blocks alike)."""
+    return target.type == "cuda" and nf4_dequantize.COMPILED_ON_CUDA
+
+
 @contextlib.contextmanager
-def replayed_nf4_dequantization(tracker: TensorTracker):
+def replayed_nf4_dequantization(tracker: TensorTracker, fused: bool = False):
     """While the block runs, NF4 dequantization of the planner's fake weights under ``tracker`` is replayed (see
     the module docstring); a real weight, or one dequantized where the tracker is not counting, runs as it is.
+    ``fused``: the target dequantizes in one compiled kernel (CUDA: :mod:`~mtune.modules.nf4_dequantize`, or a
+    compiled run), which allocates its result and nothing else, so that is all a dequantization makes here.
     Yields the `AllocationReplay` (its ``replayed`` count)."""
     nf4 = nf4_tensor_class()
     replay = AllocationReplay(tracker)
@@ -146,6 +155,8 @@ def replayed_nf4_dequantization(tracker: TensorTracker):
         data = weight.quantized_data
         if not (type(data) is FakeTensor and data.fake_mode is tracker.fake_mode and replay.tracking()):
             return original(weight)
+        if fused:
+            return torch.empty(weight.shape, dtype=weight.dtype, device=data.device)
         names, context = weight.__tensor_flatten__()
         key = (tuple(weight.shape), weight.stride(), weight.dtype, context["block_size"], context["n_blocks"],
                context["scaler_block_size"], tracker.placement.allocating_host,

@@ -167,7 +167,8 @@ def test_a_kernel_that_refuses_backward_is_probed_and_not_used(monkeypatch, refu
         return RefusesBackward.apply(q, k, v, g, beta), None
 
     kernel = refusing if refuses else fla_contract
-    monkeypatch.setitem(sys.modules, gated_deltanet_fla.FLA_MODULE, types.SimpleNamespace(chunk_gated_delta_rule=kernel))
+    fla_module = types.SimpleNamespace(chunk_gated_delta_rule=kernel)
+    monkeypatch.setitem(sys.modules, gated_deltanet_fla.FLA_MODULE, fla_module)
     monkeypatch.setattr(gated_deltanet_fla, "_fla_rule", None)
     probe = gated_deltanet_fla.fla_probe
     monkeypatch.setattr(gated_deltanet_fla, "fla_probe", lambda kernel, device: probe(kernel, "cpu"))

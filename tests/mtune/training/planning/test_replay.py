@@ -89,17 +89,45 @@ def test_a_qlora_plan_is_the_same_with_dequantization_replayed(tmp_path, monkeyp
     real = plan_module.replayed_nf4_dequantization
 
     @contextlib.contextmanager
-    def counting(tracker):
+    def counting(tracker, fused):  # torchao's eager dequantization, whatever the target (fused: the next test)
         with real(tracker) as replay:
             yield replay
         replayed_calls.append(replay.replayed)
 
     def plan(replay):
         monkeypatch.setattr(plan_module, "replayed_nf4_dequantization",
-                            counting if replay else lambda tracker: contextlib.nullcontext())
+                            counting if replay else lambda tracker, fused: contextlib.nullcontext())
         return {k: v for k, v in dataclasses.asdict(plan_module.plan_memory(cfg)).items() if k != "seconds"}
 
     with_replay, without = plan(True), plan(False)
     assert sum(replayed_calls) > 0
     assert with_replay == without
     assert with_replay["host_peak_bytes"] > 0
+
+
+def test_a_fused_dequantization_makes_its_result_and_nothing_else():
+    """For a CUDA target (:mod:`mtune.modules.nf4_dequantize`'s compiled kernel) dequantizing a fake NF4 weight of
+    256 x 512 makes one bf16 result, 256 KiB, and the tracker's peak rises by that alone; torchao's eager ops, as a
+    CPU target runs them, hold more on the way (int64 codes: at least 8 bytes a value more). Mutation seen failing:
+    the fused flag not read (the eager ops' peak)."""
+    from mtune.modules.nf4_linear import dequantize, quantize_nf4
+    from mtune.training.planning.replay import fused_nf4_dequantization, replayed_nf4_dequantization
+
+    assert fused_nf4_dequantization(torch.device("cuda"))
+    assert not fused_nf4_dequantization(torch.device("cpu"))
+
+    def peak(fused: bool) -> tuple[int, tuple]:
+        mode = planner_fake_mode()
+        with mode:
+            weight = quantize_nf4(torch.empty(256, 512, dtype=torch.bfloat16))
+        tracker = PlanningTracker(fake_mode=mode)
+        with mode, tracker, replayed_nf4_dequantization(tracker, fused=fused):
+            out = dequantize(weight)
+            meta = (tuple(out.shape), out.dtype)
+        return tracker.take_interval().peak["device"], meta
+
+    fused, meta = peak(True)
+    assert meta == ((256, 512), torch.bfloat16)
+    assert fused == 256 * 512 * 2
+    eager, _ = peak(False)
+    assert eager >= fused + 256 * 512 * 8
