@@ -1,14 +1,18 @@
-"""NF4 dequantization on CUDA as one compiled kernel: torchao's own ``NF4Tensor.get_original_weight`` under
-``torch.compile`` (Inductor), with ``emulate_precision_casts`` so that its values are bit for bit the eager ones.
+"""NF4 dequantization on CUDA as one compiled kernel, bit for bit the values of torchao's eager
+``NF4Tensor.get_original_weight``.
 
 Eager, torchao dequantizes in about twenty ops and widens the 4-bit codes to int64 on the way (transients several
 times the bf16 result). On an H100 that made one 8B block's seven frozen matmuls take 2.08x the time of the bf16
 matmuls, against 1.26x with the dequantization compiled (docs/benchmarks.md, "NF4 matmul kernels"), and it is most of
 a Qwen3-30B-A3B QLoRA step, which dequantizes every expert three times. So an eager QLoRA run (``compile: false``) on
-CUDA dequantizes through this kernel: one compilation per weight shape on first use (seconds), then one kernel per
-call that allocates only its result. Inside torch.compile'd code the dequantization is traced with the rest, and on
-the CPU torchao's ops run as they are (compiling there needs a C++ toolchain, and the CPU runs are the tests'). Where
-the kernel cannot be built, the run's log says why once and torchao's ops run.
+CUDA dequantizes in two parts: torchao dequantizes the block scales (one value per 64 weights) with its own eager
+ops, and :func:`decode` (torchao's decoding of the codes: each byte's two 4-bit codes looked up in the 16-value
+table, scaled by their block's scale, interleaved) runs as one kernel compiled per weight shape on first use (seconds
+of the first step), which allocates only its result. The split keeps the values torchao's on every torch: compiled
+whole, Inductor before torch 2.13 rounds the scales' division and sum once instead of twice (a bf16 step off on a
+fifth of the values, torch 2.11). Inside torch.compile'd code the dequantization is traced with the rest, and on the
+CPU torchao's ops run as they are (compiling there needs a C++ toolchain, and the CPU runs are the tests'). Where the
+kernel cannot be built, the run's log says why once and torchao's ops run.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["COMPILED_ON_CUDA", "dequantize_nf4", "compiled_dequantization_applies"]
+__all__ = ["COMPILED_ON_CUDA", "compiled_dequantization_applies", "decode", "dequantize_nf4"]
 
 log = logging.getLogger("mtune")
 
@@ -26,7 +30,7 @@ COMPILED_ON_CUDA = True
 """Whether NF4 weights on CUDA dequantize through the compiled kernel (False: torchao's eager ops; the GPU suite's
 twin rows set it to measure one against the other)."""
 
-_kernel = None  # the compiled get_original_weight, built on first use
+_kernel = None  # the compiled decode, built on first use
 
 
 def compiled_dequantization_applies(weight: torch.Tensor) -> bool:
@@ -35,8 +39,14 @@ def compiled_dequantization_applies(weight: torch.Tensor) -> bool:
     return COMPILED_ON_CUDA and weight.device.type == "cuda" and not torch.compiler.is_compiling()
 
 
-def _original_weight(weight: torch.Tensor) -> torch.Tensor:
-    return weight.get_original_weight()
+def decode(codes: torch.Tensor, table: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """torchao's decoding of NF4 codes: ``codes`` uint8 ``[n / 2]`` (two 4-bit codes a byte, the first in the high
+    bits), ``table`` the 16 NF4 values, ``scales`` ``[n / block]`` (one per block, already dequantized) -> ``shape``
+    in the table's dtype, each value its code's table entry times its block's scale."""
+    half_block = codes.numel() // scales.numel()
+    repeated = scales.unsqueeze(-1).expand(scales.numel(), half_block).flatten()
+    first, second = table[(codes >> 4).long()] * repeated, table[(codes & 0b1111).long()] * repeated
+    return torch.stack([first, second], dim=-1).reshape(shape)
 
 
 def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
@@ -47,11 +57,11 @@ def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
         return weight.get_original_weight()
     if is_fake(weight):
         return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
     if _kernel is None:
-        _kernel = torch.compile(_original_weight, dynamic=False, fullgraph=True,
-                                options={"emulate_precision_casts": True})
+        _kernel = torch.compile(decode, dynamic=False, fullgraph=True)
     try:
-        return _kernel(weight)
+        return _kernel(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
     except Exception as error:  # no Triton, a compiler failure: the eager ops give the same values, more slowly
         COMPILED_ON_CUDA = False
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
