@@ -99,6 +99,9 @@ class Case:
     pending: str = ""  # what the case waits for, said when it is skipped
     fla: bool = False  # run with flash-linear-attention importable (--fla-path): Gated DeltaNet on its kernels
     torchao_dequantize: bool = False  # NF4 dequantized by torchao's eager ops, not the compiled kernel (its twin)
+    # speed only: flash-linear-attention's guard against its wrong gated backward on Hopper with Triton 3.4-3.7.0
+    # (its #640) lifted, to time its kernels where no correct configuration can be carried (docs/benchmarks.md)
+    fla_guard_lifted: bool = False
     env: tuple[tuple[str, str], ...] = ()  # environment of the case's process (e.g. TORCH_LOGS for its log)
     device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
     # GPU minutes the case is expected to take (machine start excluded): a measured case's wall time on the H100 of
@@ -236,6 +239,12 @@ CASES: list[Case] = [
     Case("qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096", 12, "qwen3_moe/30B_A3B_qlora_single_device",
          "lora_single_device", "Qwen3-30B-A3B QLoRA, eager, packed 4096 x 1, NF4 dequantized by torchao's eager ops",
          _model("qwen3_moe", "30B_A3B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, torchao_dequantize=True,
+         minutes=2.0),
+    # ---- part 13: Qwen3.5's linear-attention kernels timed where fla-core refuses them (Hopper, Triton 3.4-3.7.0):
+    # its guard lifted for speed only (the gradients are wrong there), beside part 9's PyTorch-form row
+    Case("qwen3_5_9B_lora_fla_speed_only_packed4096", 13, "qwen3_5/9B_lora_single_device", "lora_single_device",
+         "Qwen3.5 9B LoRA, eager, flash-linear-attention's kernel, its Hopper guard lifted (speed only), 4096 x 1",
+         _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, fla=True, fla_guard_lifted=True,
          minutes=2.0),
 ]
 
@@ -393,6 +402,12 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     from mtune.modules import nf4_dequantize
 
     nf4_dequantize.COMPILED_ON_CUDA = not case.torchao_dequantize  # before the plan, which models the choice
+    if case.fla_guard_lifted:  # before setup, whose probe would refuse the kernel: its gradients here are wrong
+        import fla.ops.common.chunk_o as chunk_o
+
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        row["fla_guard_lifted"] = ("speed only: fla-core refuses its gated backward on this GPU and Triton (its "
+                                   "#640: wrong gradients); lifted to time the kernels, not to train")
     row["nf4_dequantize"] = "torchao eager" if case.torchao_dequantize else "compiled on CUDA"
     plan_cfg = cfg.copy()
     plan = api.plan_memory(plan_cfg)
