@@ -34,9 +34,10 @@ _kernel = None  # the compiled decode, built on first use
 
 
 def compiled_dequantization_applies(weight: torch.Tensor) -> bool:
-    """Whether :func:`dequantize_nf4` takes the compiled kernel for ``weight``: a CUDA weight, outside compiled
-    code."""
-    return COMPILED_ON_CUDA and weight.device.type == "cuda" and not torch.compiler.is_compiling()
+    """Whether :func:`dequantize_nf4` takes the compiled kernel for ``weight``: a real CUDA weight, outside compiled
+    code (the planner models the kernel itself: ``mtune.training.planning.replay``)."""
+    return (COMPILED_ON_CUDA and weight.device.type == "cuda" and not torch.compiler.is_compiling()
+            and not is_fake(weight))
 
 
 def decode(codes: torch.Tensor, table: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -50,13 +51,10 @@ def decode(codes: torch.Tensor, table: torch.Tensor, scales: torch.Tensor, shape
 
 
 def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
-    """An NF4 ``weight``'s values as a plain tensor of its original dtype and shape. A planner's fake weight on CUDA
-    gets the kernel's one allocation, its result (its values are never read)."""
+    """An NF4 ``weight``'s values as a plain tensor of its original dtype and shape."""
     global _kernel, COMPILED_ON_CUDA
     if not compiled_dequantization_applies(weight):
         return weight.get_original_weight()
-    if is_fake(weight):
-        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
     if _kernel is None:
         _kernel = torch.compile(decode, dynamic=False, fullgraph=True)

@@ -141,8 +141,9 @@ def fused_nf4_dequantization(target: torch.device) -> bool:
 def replayed_nf4_dequantization(tracker: TensorTracker, fused: bool = False):
     """While the block runs, NF4 dequantization of the planner's fake weights under ``tracker`` is replayed (see
     the module docstring); a real weight, or one dequantized where the tracker is not counting, runs as it is.
-    ``fused``: the target dequantizes in one compiled kernel (CUDA: :mod:`~mtune.modules.nf4_dequantize`, or a
-    compiled run), which allocates its result and nothing else, so that is all a dequantization makes here.
+    ``fused``: the target decodes the codes in one compiled kernel (CUDA: :mod:`~mtune.modules.nf4_dequantize`),
+    so a dequantization makes the block scales (one value per block, in the weight's dtype) and, beside them, its
+    result, and nothing else.
     Yields the `AllocationReplay` (its ``replayed`` count)."""
     nf4 = nf4_tensor_class()
     replay = AllocationReplay(tracker)
@@ -156,7 +157,9 @@ def replayed_nf4_dequantization(tracker: TensorTracker, fused: bool = False):
         if not (type(data) is FakeTensor and data.fake_mode is tracker.fake_mode and replay.tracking()):
             return original(weight)
         if fused:
-            return torch.empty(weight.shape, dtype=weight.dtype, device=data.device)
+            made = [torch.empty(weight.numel() // weight.block_size, dtype=weight.dtype, device=data.device)]
+            made.append(torch.empty(weight.shape, dtype=weight.dtype, device=data.device))  # beside the scales
+            return made[1]  # the scales are freed as the dequantization returns
         names, context = weight.__tensor_flatten__()
         key = (tuple(weight.shape), weight.stride(), weight.dtype, context["block_size"], context["n_blocks"],
                context["scaler_block_size"], tracker.placement.allocating_host,

@@ -105,11 +105,11 @@ def test_a_qlora_plan_is_the_same_with_dequantization_replayed(tmp_path, monkeyp
     assert with_replay["host_peak_bytes"] > 0
 
 
-def test_a_fused_dequantization_makes_its_result_and_nothing_else():
+def test_a_fused_dequantization_makes_its_scales_and_result_and_nothing_else():
     """For a CUDA target (:mod:`mtune.modules.nf4_dequantize`'s compiled kernel) dequantizing a fake NF4 weight of
-    256 x 512 makes one bf16 result, 256 KiB, and the tracker's peak rises by that alone; torchao's eager ops, as a
-    CPU target runs them, hold more on the way (int64 codes: at least 8 bytes a value more). Mutation seen failing:
-    the fused flag not read (the eager ops' peak)."""
+    256 x 512 makes its bf16 block scales (2,048 values) and beside them its bf16 result, 256 KiB: the tracker's
+    peak rises by those alone; torchao's eager ops, as a CPU target runs them, hold more on the way (int64 codes: at
+    least 8 bytes a value more). Mutation seen failing: the fused flag not read (the eager ops' peak)."""
     from mtune.modules.nf4_linear import dequantize, quantize_nf4
     from mtune.training.planning.replay import fused_nf4_dequantization, replayed_nf4_dequantization
 
@@ -128,6 +128,6 @@ def test_a_fused_dequantization_makes_its_result_and_nothing_else():
 
     fused, meta = peak(True)
     assert meta == ((256, 512), torch.bfloat16)
-    assert fused == 256 * 512 * 2
+    assert fused == 256 * 512 * 2 + 256 * 512 // 64 * 2
     eager, _ = peak(False)
     assert eager >= fused + 256 * 512 * 8
