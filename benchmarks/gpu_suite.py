@@ -240,12 +240,16 @@ CASES: list[Case] = [
          "lora_single_device", "Qwen3-30B-A3B QLoRA, eager, packed 4096 x 1, NF4 dequantized by torchao's eager ops",
          _model("qwen3_moe", "30B_A3B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, torchao_dequantize=True,
          minutes=2.0),
-    # ---- part 13: Qwen3.5's linear-attention kernels timed where fla-core refuses them (Hopper, Triton 3.4-3.7.0):
-    # its guard lifted for speed only (the gradients are wrong there), beside part 9's PyTorch-form row
+    # ---- part 13: Qwen3.5's linear attention made faster two ways, beside part 9's eager PyTorch-form row: fla-core's
+    # kernels, timed where it refuses them (Hopper, Triton 3.4-3.7.0) with its guard lifted for speed only (the
+    # gradients are wrong there), and the PyTorch form compiled
     Case("qwen3_5_9B_lora_fla_speed_only_packed4096", 13, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, flash-linear-attention's kernel, its Hopper guard lifted (speed only), 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, fla=True, fla_guard_lifted=True,
          minutes=2.0),
+    Case("qwen3_5_9B_lora_compiled_packed4096", 13, "qwen3_5/9B_lora_single_device", "lora_single_device",
+         "Qwen3.5 9B LoRA, compiled (Gated DeltaNet's PyTorch form compiled with its blocks), packed 4096 x 1",
+         _model("qwen3_5", "9B") + LORA_RUN, compile=True, batch_size=1, seq_len=4096, steps=4, minutes=2.5),
 ]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
