@@ -30,7 +30,7 @@ def main(cfg: DictConfig) -> None:
     run = setup_run(cfg)
     memory = MemoryConfig.from_config(cfg)
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    tokenizer = setup_tokenizer(cfg.tokenizer, source.checkpoint_dir)
+    tokenizer = setup_tokenizer(cfg.tokenizer, source)
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
                                             placement=run.placement)
     data = setup_data(cfg, tokenizer)

@@ -49,7 +49,7 @@ def main(cfg: DictConfig) -> str:
                            verify_checksums=cfg.verify_checksums)
     model.eval()
 
-    tokenizer = setup_tokenizer(cfg.get("tokenizer"), source.checkpoint_dir)
+    tokenizer = setup_tokenizer(cfg.get("tokenizer"), source)
     messages = cfg.messages
     if messages is not None:
         messages = OmegaConf.to_container(messages, resolve=True) if OmegaConf.is_config(messages) else messages

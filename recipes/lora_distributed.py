@@ -44,7 +44,7 @@ def main(cfg: DictConfig) -> None:
     run = setup_run(cfg, rank=rank, world_size=world_size)
     memory = MemoryConfig.from_config(cfg)  # the lora node included
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    tokenizer = setup_tokenizer(cfg.tokenizer, source.checkpoint_dir)
+    tokenizer = setup_tokenizer(cfg.tokenizer, source)
     model, activation_context = setup_sharded_model(
         source, device=run.device, dtype=run.dtype, seed=run.seed, memory=memory,
         fsdp_reshard_after_forward=cfg.fsdp_reshard_after_forward)

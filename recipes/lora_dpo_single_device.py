@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     run = setup_run(cfg)
     memory = MemoryConfig.from_config(cfg)  # the lora node included
     source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
-    tokenizer = setup_tokenizer(cfg.tokenizer, source.checkpoint_dir)
+    tokenizer = setup_tokenizer(cfg.tokenizer, source)
     model, activation_context = setup_model(source, device=run.device, dtype=run.dtype, memory=memory,
                                             placement=run.placement, verify_checksums=cfg.verify_checksums)
     data = setup_data(cfg, tokenizer)

@@ -4,7 +4,6 @@ many optimizer steps per epoch, how many epochs, how many samples per step)."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -62,15 +61,25 @@ class StepPlan:
             raise ConfigError(problem)
 
 
-def setup_tokenizer(node: Mapping[str, Any] | None, checkpoint_dir: str | os.PathLike | None) -> Tokenizer:
-    """The tokenizer of the config's ``tokenizer`` node (``path``, ``max_seq_len``, ``options``; None: all unset):
+def setup_tokenizer(node: Mapping[str, Any] | None, source: Any) -> Tokenizer:
+    """The tokenizer of the config's ``tokenizer`` node (``path``, ``max_seq_len``, ``options``; None: all unset)
+    for the model ``source`` (``model_setup.resolve_model_source``'s: ``family``, ``args``, ``checkpoint_dir``):
     ``path``, else the model's ``checkpoint_dir``, with the family's ``options`` (gpt-oss's ``reasoning_effort``...).
     Neither path (random weights, no ``tokenizer.path``): `load_tokenizer`'s one-line error naming
-    ``tokenizer.path``."""
+    ``tokenizer.path``. A tokenizer with more ids than the model has embedding rows is refused in one line naming
+    both (its higher ids would otherwise end the first forward in an index error)."""
     node = node or {}
     options = node.get("options") or {}
     options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else dict(options)
-    return load_tokenizer(node.get("path") or checkpoint_dir, max_seq_len=node.get("max_seq_len"), **options)
+    path = node.get("path") or source.checkpoint_dir
+    tokenizer = load_tokenizer(path, max_seq_len=node.get("max_seq_len"), **options)
+    rows = source.args.vocab_size
+    if tokenizer.vocab_size > rows:
+        model = (f"model.checkpoint_dir={source.checkpoint_dir}" if source.checkpoint_dir
+                 else f"{source.family} with random weights")
+        raise ConfigError(f"tokenizer.path={path}: {tokenizer.vocab_size:,} token ids, more than the {rows:,} rows of "
+                          f"the model's embedding ({model}); use the tokenizer the model was trained with")
+    return tokenizer
 
 
 def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):

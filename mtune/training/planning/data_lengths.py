@@ -68,7 +68,7 @@ def data_lengths(cfg) -> DataLengths:
     """Build ``cfg``'s training set as a run would (its tokenizer, ``dataset`` node and the recipe's data setup)
     and measure it (see the module docstring)."""
     source = resolve_model_source(cfg.model)
-    train_loader, _, _ = setup_data(cfg, setup_tokenizer(cfg.tokenizer, source.checkpoint_dir))
+    train_loader, _, _ = setup_data(cfg, setup_tokenizer(cfg.tokenizer, source))
     dataset = train_loader.dataset
     packed = bool(getattr(dataset, "packed", False))
     stored, real = _row_lengths(dataset, packed)

@@ -1,13 +1,24 @@
-"""The run's tokenizer: ``tokenizer.path``, else the model's checkpoint directory, else one line naming the key."""
+"""The run's tokenizer: ``tokenizer.path``, else the model's checkpoint directory, else one line naming the key;
+refused in one line when its ids do not fit the model's embedding."""
+
+import dataclasses
 
 import pytest
 
+from mtune.config import ConfigError
 from mtune.errors import PathNotFoundError
 from mtune.tokenizers import load_tokenizer
 from mtune.training.data_setup import setup_tokenizer
+from mtune.training.model_setup import ModelSource, resolve_model_source
 from tests._helpers.tokenizers import write_tokenizer_files
 
 TEXT = "red green blue cat dog sun moon tree rock bird fish star"
+
+
+def source(checkpoint_dir=None, vocab_size=1024) -> ModelSource:
+    """The tiny model's source with ``vocab_size`` embedding rows (the fixture tokenizers have 500 to 768 ids)."""
+    tiny = resolve_model_source({"family": "tiny", "size": "tiny"})
+    return ModelSource(tiny.family, dataclasses.replace(tiny.args, vocab_size=vocab_size), checkpoint_dir)
 
 
 def test_setup_tokenizer_reads_tokenizer_path_else_the_checkpoint_and_keeps_max_seq_len(tmp_path):
@@ -17,13 +28,13 @@ def test_setup_tokenizer_reads_tokenizer_path_else_the_checkpoint_and_keeps_max_
     write_tokenizer_files(tmp_path / "own", "llama3")
     expected = load_tokenizer(tmp_path / "own").encode(TEXT)
     assert setup_tokenizer({"path": str(tmp_path / "own"), "max_seq_len": None},
-                           tmp_path / "checkpoint").encode(TEXT) == expected
+                           source(tmp_path / "checkpoint")).encode(TEXT) == expected
     assert expected != load_tokenizer(tmp_path / "checkpoint").encode(TEXT)
-    from_checkpoint = setup_tokenizer({"path": None, "max_seq_len": 4}, tmp_path / "checkpoint").encode(TEXT)
+    from_checkpoint = setup_tokenizer({"path": None, "max_seq_len": 4}, source(tmp_path / "checkpoint")).encode(TEXT)
     assert from_checkpoint == load_tokenizer(tmp_path / "checkpoint", max_seq_len=4).encode(TEXT)
     assert len(from_checkpoint) == 4 < len(load_tokenizer(tmp_path / "checkpoint").encode(TEXT))
     with pytest.raises(PathNotFoundError, match="tokenizer.path is not set"):
-        setup_tokenizer(None, None)  # random weights (model.size) and no tokenizer.path
+        setup_tokenizer(None, source())  # random weights (model.size) and no tokenizer.path
 
 
 def test_tokenizer_options_reach_the_familys_tokenizer_and_a_foreign_one_is_refused(tmp_path):
@@ -37,11 +48,25 @@ def test_tokenizer_options_reach_the_familys_tokenizer_and_a_foreign_one_is_refu
     write_tokenizer_files(tmp_path / "gpt_oss", "gpt_oss")
     options = {"reasoning_effort": "high", "current_date": "2026-01-02"}
     node = OmegaConf.create({"path": str(tmp_path / "gpt_oss"), "max_seq_len": None, "options": options})
-    tokenizer = setup_tokenizer(node, None)
+    tokenizer = setup_tokenizer(node, source())
     conversation = [Message("user", "hi"), Message("assistant", "hello")]
     ids = tokenizer.tokenize_messages(conversation).tokens
     assert ids == load_tokenizer(tmp_path / "gpt_oss", **options).tokenize_messages(conversation).tokens
     text = tokenizer.decode(ids)
     assert "Reasoning: high" in text and "Current date: 2026-01-02" in text
     with pytest.raises(ValueError, match="enable_thinking does not apply to the gpt_oss tokenizer"):
-        setup_tokenizer({"path": str(tmp_path / "gpt_oss"), "options": {"enable_thinking": False}}, None)
+        setup_tokenizer({"path": str(tmp_path / "gpt_oss"), "options": {"enable_thinking": False}}, source())
+
+
+def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused_in_one_line(tmp_path):
+    """The fixture's Llama 3 tokenizer has 768 ids; a model of 512 embedding rows would fail in its first forward
+    (an index error inside the embedding) once a higher id came, so setup refuses the pair, naming both sizes and
+    the tokenizer; 768 rows take it. Mutation seen failing: the check against the model's rows left out."""
+    write_tokenizer_files(tmp_path / "llama3", "llama3")
+    node = {"path": str(tmp_path / "llama3")}
+    with pytest.raises(ConfigError) as refused:
+        setup_tokenizer(node, source(vocab_size=512))
+    assert str(refused.value) == (f"tokenizer.path={tmp_path / 'llama3'}: 768 token ids, more than the 512 rows of the "
+                                  "model's embedding (tiny with random weights); use the tokenizer the model was "
+                                  "trained with")
+    assert setup_tokenizer(node, source(vocab_size=768)).vocab_size == 768
