@@ -1,4 +1,5 @@
-"""One forward and backward of a model, and the bit-exact comparison the memory-technique tests make of two."""
+"""One forward and backward of a model, the bit-exact comparison the memory-technique tests make of two, and the
+bytes autograd saves for backward."""
 
 import contextlib
 
@@ -18,6 +19,26 @@ def loss_and_grads(model, tokens, labels, context=None, seed=None):
         loss_sum, n = CrossEntropyLoss()(model(tokens), labels)
         (loss_sum / n).backward()
     return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def saved_activation_bytes(step, module) -> int:
+    """Bytes of the distinct storages autograd saves during ``step()``, ``module``'s parameters left out (a tensor
+    subclass's parts too: NF4 codes and scales)."""
+    def storages(t):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            return [part for name in t.__tensor_flatten__()[0] for part in storages(getattr(t, name))]
+        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
+
+    owned = {ptr for p in module.parameters() for ptr, _ in storages(p.data)}
+    seen = {}
+
+    def pack(t):
+        seen.update((ptr, n) for ptr, n in storages(t) if ptr not in owned)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
 
 
 def assert_identical(a, b):

@@ -10,6 +10,7 @@ from mtune.models import build_model
 from mtune.modules.lora import LoRALinear, apply_lora
 from mtune.modules.lora_state import lora_state_dict
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4
+from tests._helpers.training import saved_activation_bytes
 
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(5))
 
@@ -86,25 +87,6 @@ def test_compiled_nf4_and_plain_linears_trace_without_graph_breaks():
         assert explained.graph_break_count == 0, explained.break_reasons
 
 
-def _saved_activation_bytes(step, module) -> int:
-    """Bytes of the distinct storages autograd saves in ``step()``, ``module``'s parameters (NF4 parts too) left out."""
-    def storages(t):
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-            return [part for name in t.__tensor_flatten__()[0] for part in storages(getattr(t, name))]
-        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
-
-    owned = {ptr for p in module.parameters() for ptr, _ in storages(p.data)}
-    seen = {}
-
-    def pack(t):
-        seen.update((ptr, n) for ptr, n in storages(t) if ptr not in owned)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_compiled_nf4_linear_saves_what_a_bf16_frozen_linear_saves(checkpointed):
     """Compiled, an NF4 linear must recompute its dequantized weight in backward, not keep it: two frozen linears
@@ -140,7 +122,7 @@ def test_a_compiled_nf4_linear_saves_what_a_bf16_frozen_linear_saves(checkpointe
             out.float().square().sum().backward()
             results[name] = (out.detach(), xg.grad)
 
-        results[name + " bytes"] = _saved_activation_bytes(step, module)
+        results[name + " bytes"] = saved_activation_bytes(step, module)
     assert results["nf4 bytes"] == results["plain bytes"]
     for compiled, plain, eager in zip(results["nf4"], results["plain"], results["eager"]):
         torch.testing.assert_close(compiled, plain, rtol=1.6e-2, atol=1e-2)  # bf16: fused and unfused round apart

@@ -14,7 +14,7 @@ from mtune.training.memory.techniques.activation_checkpointing.checkpoint import
 from mtune.training.memory.techniques.activation_offloading.offload import OffloadActivations, apply_activation_offloading
 from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
-from tests._helpers.training import assert_close, assert_identical, loss_and_grads
+from tests._helpers.training import assert_close, assert_identical, loss_and_grads, saved_activation_bytes
 
 gen = torch.Generator().manual_seed(7)
 TOKENS = torch.randint(0, 512, (2, 64), generator=gen)
@@ -32,16 +32,7 @@ def _loss_and_grads(model, activation_context=None):
 
 def _saved_bytes(model):
     """Bytes of distinct storages autograd saves for backward during one forward."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(TOKENS).sum()
-    return sum(size for ptr, size in storages.items() if ptr not in params)
+    return saved_activation_bytes(lambda: model(TOKENS).sum(), model)
 
 
 _assert_identical = assert_identical
