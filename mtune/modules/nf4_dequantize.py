@@ -60,6 +60,8 @@ def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
         _kernel = torch.compile(decode, dynamic=False, fullgraph=True)
     try:
         return _kernel(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
+    except torch.OutOfMemoryError:  # the step's, not the kernel's: out-of-memory handling and recovery take it
+        raise
     except Exception as error:  # no Triton, a compiler failure: the eager ops give the same values, more slowly
         COMPILED_ON_CUDA = False
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -68,3 +68,16 @@ def test_the_eager_nf4_matmul_is_torchaos_linear_nf4_bit_for_bit():
     for ours, torchaos in zip(*outs):
         assert torch.equal(ours, torchaos)
     assert weight.grad is None
+
+
+def test_running_out_of_memory_in_the_kernel_is_the_steps_error_not_a_build_failure(kernel_on_cpu, monkeypatch):
+    """An out-of-memory error while the kernel runs reaches the run's out-of-memory handling (and recovery) as it is,
+    and the kernel stays in use; it is not taken for a kernel that cannot be built. Mutation seen failing: the
+    broad fallback catching it (the eager ops ran and the kernel was switched off)."""
+    def out_of_memory(*inputs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(nf4_dequantize, "_kernel", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        dequantize(quantize_nf4(torch.randn(128, 128)))
+    assert nf4_dequantize.COMPILED_ON_CUDA is True
