@@ -56,14 +56,20 @@ def _how(failure: dict[str, Any], error: dict[str, Any] | None) -> str:
 
 
 def _first(failures: list[dict[str, Any]], errors: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The failure that started it: a rank killed by a signal, else the earliest error that is not a lost peer,
-    else the earliest failure."""
+    """The failure that started it, in this order: a rank killed by a signal other than SIGTERM, an error that is
+    not a lost peer, a rank killed by SIGTERM, a lost peer; the earliest within each.
+
+    torchrun stops the ranks still running with SIGTERM once one fails and records them as failed too, stamped to
+    the second: a SIGTERM is most often its own doing, so it never outranks a kill or an error."""
 
     def cause_rank(f: dict[str, Any]) -> tuple:
         error = errors.get(f["rank"])
-        killed = f["exitcode"] < 0
-        lost_peer = error is not None and any(word in error["message"].lower() for word in _PEER_LOST)
-        return (not killed, lost_peer, error["time"] if error else f["timestamp"], f["rank"])
+        if f["exitcode"] < 0:
+            kind = 2 if -f["exitcode"] == signal.SIGTERM else 0
+        else:
+            lost_peer = error is not None and any(word in error["message"].lower() for word in _PEER_LOST)
+            kind = 3 if lost_peer else 1
+        return (kind, error["time"] if error else f["timestamp"], f["rank"])
 
     return min(failures, key=cause_rank)
 

@@ -167,6 +167,30 @@ def test_a_dead_rank_ends_in_one_summary_naming_it_the_latest_checkpoint_and_the
                     "resume_from_checkpoint=true"), hint
 
 
+def test_the_summary_blames_the_rank_that_failed_not_the_ones_torchrun_stopped_with_sigterm(tmp_path):
+    from mtune._cli.rank_failures import summary
+
+    # torchrun records the ranks it stopped with SIGTERM beside the one that failed, stamped to the same second.
+    def report(agent, errors=()):
+        for path in tmp_path.glob("*.json"):
+            path.unlink()
+        (tmp_path / "agent_1.json").write_text(json.dumps(
+            [{"rank": r, "local_rank": r, "pid": 100 + r, "exitcode": code, "signal": sig, "timestamp": 7}
+             for r, code, sig in agent]))
+        for rank, message in errors:
+            (tmp_path / f"rank_{rank}.json").write_text(json.dumps(
+                {"type": "OutOfMemoryError", "message": message, "time": 7.5, "pid": 100 + rank}))
+        return summary(tmp_path, output_dir=None, command=["mtune", "run"])[0]
+
+    assert report([(0, -15, "SIGTERM"), (1, -9, "SIGKILL")]).startswith("error: rank 1 (pid 101) was killed by SIGKILL")
+    assert report([(0, -15, "SIGTERM"), (1, 1, None)], [(1, "CUDA out of memory")]) == \
+        "error: rank 1 (pid 101) ran out of memory: CUDA out of memory; the other ranks were stopped (1 of them " \
+        "failed after it)"
+    # a SIGTERM still outranks a rank whose collective broke because its peer went away
+    assert report([(0, 1, None), (1, -15, "SIGTERM")], [(0, "Connection closed by peer")]).startswith(
+        "error: rank 1 (pid 101) was killed by SIGTERM (signal 15);")
+
+
 def test_run_fit_options_go_before_the_recipe_and_need_fit():
     import pytest
 
