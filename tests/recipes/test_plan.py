@@ -125,6 +125,36 @@ def test_the_tiled_mlp_plans_the_same_from_the_tiles_that_differ(tmp_path, tiny_
     assert (short.device_peak_bytes, short.host_peak_bytes) == (whole.device_peak_bytes, whole.host_peak_bytes)
 
 
+@pytest.mark.parametrize("name", [*MATRIX, "qlora_8bit_offload_cuda"])
+def test_step_1_without_a_forward_plans_what_a_16_token_first_step_planned(tmp_path, tiny_checkpoint, tiny_data,
+                                                                           monkeypatch, name):
+    """On one device the plan's first step makes its gradients without a forward (`plan._every_gradient`); the
+    plan it gives is the one the former first step (a 16-token micro-batch's forward and backward) gave, to the
+    byte, figure by figure. Seen failing with no gradient made there: the rows whose optimizer makes its state in
+    its first step (8-bit AdamW, in backward or not); AdamW makes its state when built."""
+    from mtune.training.loop import build_loss, forward_loss
+    from mtune.training.planning import plan as planner
+
+    recipe, changes = MATRIX.get(name) or ("lora_single_device", {  # states made in the first step, at long rows
+        "device": "cuda", "lora.quantize_base": True, "optimizer._component_": "bitsandbytes.optim.AdamW8bit",
+        "lora.modules": ["q_proj", "v_proj", "gate_proj", "down_proj"], "enable_activation_checkpointing": True,
+        "enable_activation_offloading": True, "activation_offloading_use_streams": False, "mlp_tiles": 3,
+        "batch_size": 8, "tokenizer.max_seq_len": 512, "gradient_accumulation_steps": 2, "clip_grad_norm": 1.0})
+    if "bitsandbytes" in str(changes):
+        pytest.importorskip("bitsandbytes")
+    cfg = _config(recipe, _overrides(tmp_path, tiny_checkpoint, tiny_data, changes))
+    now = plan_memory(cfg)
+
+    def sixteen_tokens(model):  # the former step 1's forward and backward
+        (batch,) = planner._batch(cfg, model.embed_tokens.num_embeddings, 1, small=True)
+        forward_loss(model, batch, build_loss(cfg.get("loss")))[0].div(16.0).backward()
+
+    monkeypatch.setattr(planner, "_every_gradient", sixteen_tokens)
+    before = plan_memory(cfg)
+    assert (now.device_peak_bytes, now.host_peak_bytes) == (before.device_peak_bytes, before.host_peak_bytes)
+    assert (now.device, now.host, now.at_peak) == (before.device, before.host, before.at_peak)
+
+
 @pytest.mark.parametrize("recipe, changes", [
     ("full_single_device", {"~lora": None, "optimizer_offload": "cpu"}),
     ("lora_single_device", {"weight_offloading": "{type: block_level, blocks_per_group: 1}"}),

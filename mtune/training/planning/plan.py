@@ -14,9 +14,12 @@ and no tensor memory is allocated, so an 8B config plans on a laptop.
 
 - The batch is ``batch_size`` rows of ``tokenizer.max_seq_len`` tokens (packed rows with their document ids when
   ``dataset.packed``), every token trained: the largest batch the config can produce.
-- Step 1 runs one small micro-batch (1 x 16 tokens): its optimizer step creates the optimizer state, which may
-  peak higher than any later step (lazy state creation; FSDP2's first step), and does not depend on the batch;
-  its forward and backward peak below step 2's, which has the same tensors and the optimizer state too. Step 2
+- Step 1's optimizer step creates the optimizer state, which may peak higher than any later step (lazy state
+  creation; FSDP2's first step) and does not depend on the batch. On one device its gradients are made without a
+  forward (each trainable parameter's ``sum`` run backward: the same gradients, hooks included); under FSDP2 by one
+  small micro-batch (1 x 16 tokens), whose backward makes them through the reduce-scatter as the run does. A real
+  first step's forward and backward peak below step 2's, which has the same tensors and the optimizer state too,
+  and the step-1 forward cost a plan about a quarter of its time. Step 2
   runs ``min(gradient_accumulation_steps, 2)`` full micro-batches: the second has the first's gradients alive, as
   every later one does, so the peak of any number of micro-batches is seen. The plan is the larger of the two.
 - The compute device is modelled by fake CPU tensors; for a CUDA target the host is a distinct
@@ -54,20 +57,9 @@ from mtune.training.precision import autocast, storage_dtype
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.tensor_bytes import plain_parts
-from mtune.training.model_setup import (
-    ModelSource,
-    build_sharded_model,
-    materialize_model,
-    materialize_sharded_model,
-    resolve_model_source,
-    setup_model,
-)
-from mtune.training.planning.memory_plan import (
-    CUDA_BLOCK_BYTES,
-    CUDA_CONTEXT_BYTES,
-    MemoryPlan,
-    PlanError,
-)
+from mtune.training.model_setup import (ModelSource, build_sharded_model, materialize_model, materialize_sharded_model,
+                                        resolve_model_source, setup_model)
+from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES, CUDA_CONTEXT_BYTES, MemoryPlan, PlanError
 from mtune.training.planning.fake_mode import PlanningTracker, planner_fake_mode
 from mtune.training.planning.replay import fused_nf4_dequantization, replayed_nf4_dequantization
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
@@ -272,6 +264,12 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     )
 
 
+def _every_gradient(model) -> None:
+    """Step 1's gradients without a forward: each trainable parameter's ``sum`` run backward, so every gradient is
+    made as backward makes it (hooks included: optimizer-in-backward steps there) for the optimizer's state."""
+    torch.autograd.backward([p.sum() for p in model.parameters() if p.requires_grad])
+
+
 def _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size, vocab_size,
                seq_len=None, preference=None):
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
@@ -282,13 +280,15 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
     accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)
     first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731
     peaks = preference.before_steps(tracker, first) if preference else None  # reference copy, precompute pass
-    for step, micro_batches in enumerate((1, min(accumulation, 2))):
+    sharded = "fsdp_reshard_after_forward" in cfg  # step 1: a 16-token micro-batch under FSDP2, else no forward
+    for step, micro_batches in enumerate((int(sharded), min(accumulation, 2))):
         with tracker, replayed_nf4_dequantization(tracker, fused=fused_nf4_dequantization(target)):
             batches = _batch(cfg, vocab_size, micro_batches, small=step == 0, seq_len=seq_len)
+            tokens = micro_batches * batches[0]["tokens"].numel() if batches else 1
             with activation_context if activation_context is not None else contextlib.nullcontext():
-                step_on_tensors(model, batches, loss_fn, optimizer,
-                                denominator=torch.tensor(float(micro_batches * batches[0]["tokens"].numel()))
-                                / world_size,
+                if not batches:
+                    _every_gradient(model)
+                step_on_tensors(model, batches, loss_fn, optimizer, denominator=torch.tensor(float(tokens)) / world_size,
                                 device=torch.device("cpu"),
                                 autocast=lambda: autocast(dtype_name, target),
                                 clip_grad_norm=cfg.get("clip_grad_norm"))
