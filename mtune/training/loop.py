@@ -157,7 +157,7 @@ def step_on_tensors(
     for batch in micro_batches:
         batch = _to_device(batch, device)
         with autocast():
-            summed, _ = forward_loss(model, batch, loss_fn)
+            summed = forward_loss(model, batch, loss_fn)[0]  # the count is not kept through the next forward
         loss = summed / denominator
         if loss_scaler is not None:
             loss = loss_scaler.scale(loss)

@@ -126,12 +126,14 @@ def test_the_tiled_mlp_plans_the_same_from_the_tiles_that_differ(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("name", [*MATRIX, "qlora_8bit_offload_cuda"])
-def test_step_1_without_a_forward_plans_what_a_16_token_first_step_planned(tmp_path, tiny_checkpoint, tiny_data,
-                                                                           monkeypatch, name):
-    """On one device the plan's first step makes its gradients without a forward (`plan._every_gradient`); the
-    plan it gives is the one the former first step (a 16-token micro-batch's forward and backward) gave, to the
-    byte, figure by figure. Seen failing with no gradient made there: the rows whose optimizer makes its state in
-    its first step (8-bit AdamW, in backward or not); AdamW makes its state when built."""
+def test_gradients_made_without_a_forward_plan_what_a_forward_made(tmp_path, tiny_checkpoint, tiny_data, monkeypatch,
+                                                                   name):
+    """On one device the plan makes the gradients that only need to exist without a forward (`plan._every_gradient`:
+    step 1's, for the optimizer to make its state, and step 2's first micro-batch's, alive through the second);
+    the plan is the one a forward and backward there give (a 16-token micro-batch in step 1, a full one in step 2,
+    its input freed after its backward as a CUDA run frees its device copy), to the byte, figure by figure. Seen
+    failing with no gradient made there: the rows whose optimizer makes its state in its first step (8-bit AdamW,
+    in backward or not; AdamW makes its state when built) and the accumulating ones."""
     from mtune.training.loop import build_loss, forward_loss
     from mtune.training.planning import plan as planner
 
@@ -144,13 +146,16 @@ def test_step_1_without_a_forward_plans_what_a_16_token_first_step_planned(tmp_p
         pytest.importorskip("bitsandbytes")
     cfg = _config(recipe, _overrides(tmp_path, tiny_checkpoint, tiny_data, changes))
     now = plan_memory(cfg)
+    steps = []
 
-    def sixteen_tokens(model):  # the former step 1's forward and backward
-        (batch,) = planner._batch(cfg, model.embed_tokens.num_embeddings, 1, small=True)
-        forward_loss(model, batch, build_loss(cfg.get("loss")))[0].div(16.0).backward()
+    def with_a_forward(model):
+        (batch,) = planner._batch(cfg, model.embed_tokens.num_embeddings, 1, small=not steps)
+        steps.append(batch["tokens"].shape)
+        forward_loss(model, batch, build_loss(cfg.get("loss")))[0].div(batch["tokens"].numel()).backward()
 
-    monkeypatch.setattr(planner, "_every_gradient", sixteen_tokens)
+    monkeypatch.setattr(planner, "_every_gradient", with_a_forward)
     before = plan_memory(cfg)
+    assert len(steps) == (2 if cfg.gradient_accumulation_steps > 1 else 1)
     assert (now.device_peak_bytes, now.host_peak_bytes) == (before.device_peak_bytes, before.host_peak_bytes)
     assert (now.device, now.host, now.at_peak) == (before.device, before.host, before.at_peak)
 

@@ -15,13 +15,13 @@ and no tensor memory is allocated, so an 8B config plans on a laptop.
 - The batch is ``batch_size`` rows of ``tokenizer.max_seq_len`` tokens (packed rows with their document ids when
   ``dataset.packed``), every token trained: the largest batch the config can produce.
 - Step 1's optimizer step creates the optimizer state, which may peak higher than any later step (lazy state
-  creation; FSDP2's first step) and does not depend on the batch. On one device its gradients are made without a
-  forward (each trainable parameter's ``sum`` run backward: the same gradients, hooks included); under FSDP2 by one
-  small micro-batch (1 x 16 tokens), whose backward makes them through the reduce-scatter as the run does. A real
-  first step's forward and backward peak below step 2's, which has the same tensors and the optimizer state too,
-  and the step-1 forward cost a plan about a quarter of its time. Step 2
-  runs ``min(gradient_accumulation_steps, 2)`` full micro-batches: the second has the first's gradients alive, as
-  every later one does, so the peak of any number of micro-batches is seen. The plan is the larger of the two.
+  creation; FSDP2's first step) and does not depend on the batch. Step 2 runs ``min(gradient_accumulation_steps,
+  2)`` full micro-batches: the second has the first's gradients alive, as every later one does, so the peak of any
+  number of micro-batches is seen. The plan is the larger of the two. Gradients that only need to exist (step 1's,
+  step 2's first micro-batch's) are made on one device without a forward, each trainable parameter's ``sum`` run
+  backward (the same gradients, hooks included: a forward there peaks below step 2's second micro-batch and cost
+  a plan about half its time); under FSDP2 by a forward (1 x 16 tokens in step 1), whose backward makes them
+  through the reduce-scatter as the run does.
 - The compute device is modelled by fake CPU tensors; for a CUDA target the host is a distinct
   :class:`~mtune.training.placement.Placement` host, so offloaded tensors count there, and every device
   storage is rounded up to the caching allocator's 512-byte blocks: the device peak predicts
@@ -280,18 +280,19 @@ def _two_steps(cfg, model, optimizer, activation_context, placement, mode, targe
     accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)
     first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731
     peaks = preference.before_steps(tracker, first) if preference else None  # reference copy, precompute pass
-    sharded = "fsdp_reshard_after_forward" in cfg  # step 1: a 16-token micro-batch under FSDP2, else no forward
-    for step, micro_batches in enumerate((int(sharded), min(accumulation, 2))):
-        with tracker, replayed_nf4_dequantization(tracker, fused=fused_nf4_dequantization(target)):
+    sharded = "fsdp_reshard_after_forward" in cfg
+    # per step: (micro-batches with a forward, whether gradients are made first without one): the module docstring
+    steps = ((1, False), (min(accumulation, 2), False)) if sharded else ((0, True), (1, accumulation > 1))
+    for step, (micro_batches, gradients_first) in enumerate(steps):
+        with tracker, replayed_nf4_dequantization(tracker, fused=fused_nf4_dequantization(target)), \
+                activation_context if activation_context is not None else contextlib.nullcontext():
+            if gradients_first:  # before the batch is made: a run holds one micro-batch's input on the device
+                _every_gradient(model)
             batches = _batch(cfg, vocab_size, micro_batches, small=step == 0, seq_len=seq_len)
             tokens = micro_batches * batches[0]["tokens"].numel() if batches else 1
-            with activation_context if activation_context is not None else contextlib.nullcontext():
-                if not batches:
-                    _every_gradient(model)
-                step_on_tensors(model, batches, loss_fn, optimizer, denominator=torch.tensor(float(tokens)) / world_size,
-                                device=torch.device("cpu"),
-                                autocast=lambda: autocast(dtype_name, target),
-                                clip_grad_norm=cfg.get("clip_grad_norm"))
+            step_on_tensors(model, batches, loss_fn, optimizer, denominator=torch.tensor(float(tokens)) / world_size,
+                            device=torch.device("cpu"), autocast=lambda: autocast(dtype_name, target),
+                            clip_grad_norm=cfg.get("clip_grad_norm"))
             del batches
         interval = tracker.take_interval()
         peaks = interval if peaks is None else peaks.merge(interval)
