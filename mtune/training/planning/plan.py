@@ -265,8 +265,8 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
 
 
 def _every_gradient(model) -> None:
-    """Step 1's gradients without a forward: each trainable parameter's ``sum`` run backward, so every gradient is
-    made as backward makes it (hooks included: optimizer-in-backward steps there) for the optimizer's state."""
+    """Gradients without a forward (step 1's, step 2's first micro-batch's): each trainable parameter's ``sum`` run
+    backward, so every gradient is made as backward makes it (hooks included: optimizer-in-backward steps there)."""
     torch.autograd.backward([p.sum() for p in model.parameters() if p.requires_grad])
 
 
