@@ -246,7 +246,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             peaks = _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size,
                                source.args.vocab_size, seq_len, planned_preference(
                                    cfg, model, source, dtype=dtype, memory=memory, placement=placement,
-                                   autocast=lambda: autocast(str(cfg.dtype), target)))
+                                   autocast=lambda: autocast(str(cfg.dtype), target)), sharded=sharded)
     params = list(model.parameters())
     managed_bytes = peaks.category_peak["host"]["optimizer_state"] if managed else 0
     return MemoryPlan(
@@ -271,16 +271,15 @@ def _every_gradient(model) -> None:
 
 
 def _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size, vocab_size,
-               seq_len=None, preference=None):
+               seq_len=None, preference=None, sharded=False):
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
-    tracker, after a preference run's precompute pass; returns the largest of their peaks."""
+    tracker, after a preference run's precompute pass; returns the largest of their peaks. ``sharded``: FSDP2."""
     loss_fn = preference.loss if preference else build_loss(cfg.get("loss"))
     tracker = PlanningTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
                             device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
     accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)
     first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731
     peaks = preference.before_steps(tracker, first) if preference else None  # reference copy, precompute pass
-    sharded = "fsdp_reshard_after_forward" in cfg
     # per step: (micro-batches with a forward, whether gradients are made first without one): the module docstring
     steps = ((1, False), (min(accumulation, 2), False)) if sharded else ((0, True), (1, accumulation > 1))
     for step, (micro_batches, gradients_first) in enumerate(steps):
