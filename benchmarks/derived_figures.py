@@ -29,6 +29,7 @@ lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
 from pathlib import Path
@@ -139,7 +140,15 @@ GPU_PAIRS = {
     ("llama3_1_8B_lora_fp8_storage", "llama3_1_8B_lora_eager_packed4096"): "technique over plain",
     ("llama3_1_8B_lora_compiled_packed4096", "llama3_1_8B_lora_compiled_dense_mask"): "varlen over dense mask",
     ("llama3_1_8B_qlora_compiled_packed4096", "llama3_1_8B_qlora_compiled_dense_mask"): "varlen over dense mask",
+    ("llama3_1_8B_qlora_eager_packed4096", "llama3_1_8B_qlora_eager_torchao_dequantize_packed4096"):
+        "NF4 kernel over torchao's dequantize",
+    ("qwen3_moe_30B_A3B_qlora_packed4096", "qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096"):
+        "NF4 kernel over torchao's dequantize",
 }
+
+LEASE_MINUTES = 30
+"""The longest a session holds a GPU machine: rows whose calls began within this many minutes of a lease's first
+call are one lease (one machine, one set of versions), and a pair's quotient is taken within a lease."""
 
 
 PAGED_CASES = ("llama3_1_8B_full_low_memory", "llama3_1_8B_full_paged_adamw8bit")
@@ -147,17 +156,42 @@ PAGED_CASES = ("llama3_1_8B_full_low_memory", "llama3_1_8B_full_paged_adamw8bit"
 paged states, which live on the card beside the allocator."""
 
 
+def _leases(rows: list[dict]) -> dict[str, str]:
+    """Each of ``rows``' call dates -> the first call's date of its lease (:data:`LEASE_MINUTES`)."""
+    leases: dict[str, str] = {}
+    start = None
+    for date in sorted({r["date"] for r in rows}, key=datetime.datetime.fromisoformat):
+        moment = datetime.datetime.fromisoformat(date)
+        if start is None or moment - start > datetime.timedelta(minutes=LEASE_MINUTES):
+            start = moment
+        leases[date] = start.isoformat()
+    return leases
+
+
 def gpu_suite_figures() -> dict:
     """docs/benchmarks.md's arithmetic on ``gpu_suite.json`` (the latest ``ok`` row of each case on each GPU):
-    tokens/s quotients of case pairs (:data:`GPU_PAIRS`), and per case the allocator's margin (max reserved - max
-    allocated, GiB) and what the card held beyond the allocator (``device_used_gib`` - max reserved: the CUDA
-    context, and managed memory such as paged optimizer states)."""
+    tokens/s quotients of case pairs (:data:`GPU_PAIRS`; both rows from the latest lease that ran both, where one
+    did), and per case the allocator's margin (max reserved - max allocated, GiB) and what the card held beyond the
+    allocator (``device_used_gib`` - max reserved: the CUDA context, and managed memory such as paged optimizer
+    states)."""
     rows = json.loads((RESULTS / "gpu_suite.json").read_text())["rows"]
-    latest = {(r["gpu_name"], r["case"]): r for r in rows if r["status"] == "ok" and r.get("gpu_name")}
-    pairs = [{"name": f"{top} / {bottom}", "gpu_name": gpu, "what": what,
-              "ratio": latest[gpu, top]["tokens_per_s"] / latest[gpu, bottom]["tokens_per_s"]}
-             for (top, bottom), what in GPU_PAIRS.items()
-             for gpu in sorted({g for g, _ in latest}) if (gpu, top) in latest and (gpu, bottom) in latest]
+    ok = [r for r in rows if r["status"] == "ok" and r.get("gpu_name")]
+    latest = {(r["gpu_name"], r["case"]): r for r in ok}
+    lease_of = _leases(ok)
+    in_lease = {(r["gpu_name"], lease_of[r["date"]], r["case"]): r for r in ok}  # the lease's last row of a case
+    pairs = []
+    for (top, bottom), what in GPU_PAIRS.items():
+        for gpu in sorted({g for g, _ in latest}):
+            both = sorted(lease for g, lease, case in in_lease if g == gpu and case == top
+                          and (gpu, lease, bottom) in in_lease)
+            # the latest lease that measured both (speeds compared on one machine); else each case's latest row,
+            # with the two leases named
+            over, under = ((in_lease[gpu, both[-1], top], in_lease[gpu, both[-1], bottom]) if both
+                           else (latest.get((gpu, top)), latest.get((gpu, bottom))))
+            if over and under:
+                pairs.append({"name": f"{top} / {bottom}", "gpu_name": gpu, "what": what,
+                              "leases": sorted({lease_of[over["date"]], lease_of[under["date"]]}),
+                              "ratio": over["tokens_per_s"] / under["tokens_per_s"]})
     margins = [{"name": case, "gpu_name": gpu,
                 "reserved_minus_allocated_gib": r["max_reserved_gib"] - r["max_allocated_gib"],
                 **({"device_used_minus_reserved_gib": r["device_used_gib"] - r["max_reserved_gib"]}

@@ -28,7 +28,7 @@ Each row (see docs/benchmarks.md, "GPU suite"): case, part, kind, compile, gpu_n
 tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the card by its name), planned_allocated_gib
 (``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, device_used_gib (``mem_get_info``:
 managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
-op and kernel names), and on head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only
+op and kernel names), profile_top_cpu / profile_top_device (the profiled step's costliest ops), and on head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only
 figures are null on a CPU. Rows are appended to ``--out`` and the markdown table beside it is rewritten.
 """
 
@@ -209,7 +209,7 @@ CASES: list[Case] = [
          batch_size=2, seq_len=4096, minutes=1.25),
     Case("qwen3_moe_30B_A3B_qlora_packed4096", 9, "qwen3_moe/30B_A3B_qlora_single_device", "lora_single_device",
          "Qwen3-30B-A3B QLoRA (NF4 experts), eager, packed 4096 x 1", _model("qwen3_moe", "30B_A3B") + LORA_RUN,
-         batch_size=1, seq_len=4096, steps=4, minutes=2.0),
+         batch_size=1, seq_len=4096, steps=10, minutes=2.5),  # 10 steps: its step times spread 2.3-3.3 s over 4
     Case("qwen3_5_9B_lora_packed4096", 9, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, eager, Gated DeltaNet in PyTorch (no linear-attention kernels carried), packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, minutes=1.5),
@@ -238,8 +238,8 @@ CASES: list[Case] = [
          L8B + LORA_RUN, batch_size=2, seq_len=4096, torchao_dequantize=True, minutes=1.25),
     Case("qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096", 12, "qwen3_moe/30B_A3B_qlora_single_device",
          "lora_single_device", "Qwen3-30B-A3B QLoRA, eager, packed 4096 x 1, NF4 dequantized by torchao's eager ops",
-         _model("qwen3_moe", "30B_A3B") + LORA_RUN, batch_size=1, seq_len=4096, steps=4, torchao_dequantize=True,
-         minutes=2.0),
+         _model("qwen3_moe", "30B_A3B") + LORA_RUN, batch_size=1, seq_len=4096, steps=10, torchao_dequantize=True,
+         minutes=2.5),
     # ---- part 13: Qwen3.5's linear attention made faster two ways, beside part 9's eager PyTorch-form row: fla-core's
     # kernels, timed where it refuses them (Hopper, Triton 3.4-3.7.0) with its guard lifted for speed only (the
     # gradients are wrong there), and the PyTorch form compiled
@@ -347,6 +347,22 @@ ATTENTION_KERNELS = (("flex_attention", "flex"), ("flash_attention_for_cpu", "fl
                      ("efficient_attention", "mem_efficient"), ("cudnn_attention", "cudnn"),
                      ("_scaled_dot_product_attention_math", "math"))
 """Substrings of op and kernel names (the first that a name holds decides) and the kernel they mean."""
+
+
+PROFILE_TOP = 12
+"""How many ops of the profiled step a row names, by their own time on the host and on the device."""
+
+
+def profile_top(prof, cuda: bool) -> dict:
+    """The profiled step's costliest ops: ``profile_top_cpu`` (and ``profile_top_device`` on CUDA), each
+    ``"op: total ms (calls)"`` by the op's self time, the largest first: where a step's time goes."""
+    averages = prof.key_averages()
+    fields = {"profile_top_cpu": "self_cpu_time_total"}
+    if cuda:
+        fields["profile_top_device"] = "self_device_time_total"
+    return {key: [f"{e.key}: {getattr(e, field) / 1e3:.2f} ms ({e.count})"
+                  for e in sorted(averages, key=lambda e: -getattr(e, field))[:PROFILE_TOP]]
+            for key, field in fields.items()}
 
 
 def attention_kernel(names: set[str]) -> str | None:
@@ -500,6 +516,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         step()
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})
+    row.update(profile_top(prof, cuda))
     if any(type(m).__name__ == "GatedDeltaNet" for m in model.modules()):
         from mtune.modules.gated_deltanet_fla import recurrence_runs
 

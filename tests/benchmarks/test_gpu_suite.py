@@ -70,6 +70,10 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= row["hfu"]
         assert row["batch_size"] == 2 and row["seq_len"] == 64
         assert row["attention_kernel"]  # named from the profiler (the CPU's SDPA kernel)
+        top = row["profile_top_cpu"]  # the profiled step's costliest ops, the costliest first; no device list on a CPU
+        assert len(top) == 12 and "profile_top_device" not in row
+        spent = [float(entry.rsplit(": ", 1)[1].split(" ms")[0]) for entry in top]
+        assert spent == sorted(spent, reverse=True) and spent[0] > 0
         assert len(row["losses"]) == row["tracked_steps"] == 3  # plan_check's 3 steps, then untracked ones
     assert rows[0]["hfu"] > rows[0]["mfu"]  # checkpointing as shipped: recomputation counted in hfu only
     assert rows[-1]["attention_kernel"]  # packed 64-token rows under attention_kernel=segments
