@@ -164,6 +164,9 @@ class Footprint:
     not_planned: str | None = None
     """Why ``mtune plan`` plans the run without this technique (it cannot model it), as the plan's note; None: it
     is planned."""
+    compiles: bool = False
+    """Whether its model phase compiles modules (``nn.Module.compile``): a plan compiles them alike, with AOT
+    autograd's partitioner and no code generation, and counts what the compiled code runs."""
     frozen_bytes_per_weight: float | None = None
     """Bytes a frozen 2-D weight takes once stored (NF4: about 0.53 with its scales); None: its dtype's."""
     recompute: Recompute = Recompute()

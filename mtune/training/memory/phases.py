@@ -77,6 +77,11 @@ def prepare_model(model: Any, memory: MemoryConfig, placement: Any) -> Any:
     return contexts[0] if contexts else None
 
 
+def compiles(memory: MemoryConfig) -> bool:
+    """Whether a technique compiles the model's code (`Footprint.compiles`): the plan's dispatch modes allow it."""
+    return any(f.compiles for f in footprints(memory))
+
+
 def _shaping(memory: MemoryConfig) -> list:
     """The techniques whose footprint says they decide the model's parameters, in registry order."""
     return [t for t, f in zip(registry.TECHNIQUES, footprints(memory)) if f.shapes_parameters]

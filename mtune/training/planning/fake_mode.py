@@ -20,13 +20,17 @@ tensor.
 Every ``TorchDispatchMode`` subclass gets its ``__torch_dispatch__`` wrapped so that ``torch.compile`` does not trace
 into it (``_should_skip_dynamo``): two more Python frames and two eval-frame switches per op and per mode, and a
 plan dispatches each op through two modes (the byte tracker, then the fake mode), and every gradient's ``.device``
-through the tracker. A plan compiles nothing (``compile: true`` is planned eagerly), so :class:`PlannerFakeMode` and
-:class:`PlanningTracker` (the tracker as a plan runs it) drop the wrapper; their dispatch is otherwise their base's.
+through the tracker. A plan that compiles nothing drops the wrapper (:class:`PlannerFakeMode`, and
+:class:`PlanningTracker`, the tracker as a plan runs it); their dispatch is otherwise their base's. A plan of
+compiled blocks (`Footprint.compiles`) keeps it, and its tracker sets ``ignore_compile_internals``: dynamo compiles
+a block with the tracker on the stack (it refuses to under any other mode), the tracker sees none of the tracing,
+and it counts the ops the compiled block runs (:func:`planning_modes`).
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -34,7 +38,8 @@ from torch._subclasses.meta_utils import is_sparse_any
 
 from mtune.training.planning.tracker import TensorTracker
 
-__all__ = ["PlannerFakeMode", "PlanningTracker", "planner_fake_mode"]
+__all__ = ["PLANNED_BACKEND", "PlannerFakeMode", "PlanningModes", "PlanningTracker", "planner_fake_mode",
+           "planning_modes"]
 
 _TENSOR = object()
 """Marks a tensor's tuple in a key (no value torch's own flattening appends is this object)."""
@@ -109,10 +114,14 @@ def planner_fake_mode(**kwargs) -> FakeTensorMode:
     """A :class:`PlannerFakeMode` where this torch has the private methods it overrides with the signature they
     were written against (torch 2.13's), else torch's own ``FakeTensorMode``: the same plans, planned slower. (mtune
     supports torch from 2.6, whose cache-key function takes other arguments.)"""
+    return (PlannerFakeMode if _keys_fit() else FakeTensorMode)(**kwargs)
+
+
+def _keys_fit() -> bool:
+    """Whether this torch's ``FakeTensorMode`` has the private methods :class:`PlannerFakeMode` overrides."""
     key = getattr(FakeTensorMode, "_prep_args_for_hash", None)
-    fits = (key is not None and hasattr(FakeTensorMode, "dispatch")
+    return (key is not None and hasattr(FakeTensorMode, "dispatch")
             and list(inspect.signature(key).parameters) == ["self", "result", "args", "state", "id_hashed_objects"])
-    return (PlannerFakeMode if fits else FakeTensorMode)(**kwargs)
 
 
 class PlanningTracker(TensorTracker):
@@ -126,3 +135,75 @@ class PlanningTracker(TensorTracker):
     # leaves the function itself)
     __torch_dispatch__ = getattr(TensorTracker.__dict__["__torch_dispatch__"], "__wrapped__",
                                  TensorTracker.__dict__["__torch_dispatch__"])
+
+
+class CompilingPlannerFakeMode(PlannerFakeMode):
+    """:class:`PlannerFakeMode` with dynamo's guard around its dispatch, for a plan of compiled blocks."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # wrapped by TorchDispatchMode's subclass hook
+        return self.dispatch(func, types, args, kwargs or {})
+
+
+PLANNED_RECOMPILE_LIMIT = 4096
+"""Dynamo's recompile limits while a plan of compiled blocks runs. Every plan builds a new model, and ``--fit`` plans
+dozens of shapes in one process; each is a new entry in the cache of the one compiled code (``Module._call_impl``).
+Past dynamo's default limit (8 per code) the blocks would run eagerly, unsaid, and be planned as eager ones."""
+
+
+class CompilingPlanningTracker(TensorTracker):
+    """`TensorTracker` as a plan of compiled blocks runs it: off while dynamo compiles, on for what compiled code
+    runs (see the module docstring), and dynamo's recompile limits raised while it is entered."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __enter__(self):
+        import torch._dynamo
+
+        self._limits = torch._dynamo.config.patch(recompile_limit=PLANNED_RECOMPILE_LIMIT,
+                                                  accumulated_recompile_limit=PLANNED_RECOMPILE_LIMIT)
+        self._limits.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._limits.__exit__(*exc)
+
+
+PLANNED_BACKEND = "aot_eager_decomp_partition"
+"""How a plan compiles what the run compiles: Inductor's decompositions and min-cut partitioner, then the graphs run
+as plain ops (no code generation), so the planned blocks save for backward what Inductor's save
+(`tests/recipes/test_plan_compiled.py`, against Inductor on the CPU)."""
+
+
+class PlanningModes(NamedTuple):
+    """What a plan dispatches through: its fake mode (None: real tensors), its byte tracker's class, and whether
+    the run compiles modules (`Footprint.compiles`)."""
+
+    fake_mode: FakeTensorMode | None
+    tracker: type[TensorTracker]
+    compiled: bool = False
+
+    def compile_as_planned(self, model: torch.nn.Module) -> None:
+        """Every module of ``model`` the run compiles (``nn.Module.compile``), compiled for the plan instead with
+        :data:`PLANNED_BACKEND`, at static shapes as a run's first compile."""
+        if self.compiled:
+            for module in model.modules():
+                if getattr(module, "_compiled_call_impl", None) is not None:
+                    module.compile(backend=PLANNED_BACKEND, dynamic=False)
+
+
+def planning_modes(*, fake: bool, compiled: bool) -> PlanningModes:
+    """The plan's modes: fake tensors or real ones (``fake``), compiled blocks or none (``compiled``)."""
+    if not compiled:
+        return PlanningModes(planner_fake_mode(allow_non_fake_inputs=True) if fake else None, PlanningTracker)
+    mode = CompilingPlannerFakeMode if _keys_fit() else FakeTensorMode
+    fake_mode = mode(allow_non_fake_inputs=True) if fake else None
+    return PlanningModes(fake_mode, CompilingPlanningTracker, compiled=True)

@@ -60,7 +60,7 @@ from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.model_setup import (ModelSource, build_sharded_model, materialize_model, materialize_sharded_model,
                                         resolve_model_source, setup_model)
 from mtune.training.planning.memory_plan import CUDA_BLOCK_BYTES, CUDA_CONTEXT_BYTES, MemoryPlan, PlanError
-from mtune.training.planning.fake_mode import PlanningTracker, planner_fake_mode
+from mtune.training.planning.fake_mode import PlanningModes, planning_modes
 from mtune.training.planning.replay import fused_nf4_dequantization, replayed_nf4_dequantization
 from mtune.training.planning.optimizer_layouts import LAYOUT_STANDINS
 from mtune.training.planning.preference import packed_pair_fields, planned_preference, row_length, rows_per_sample
@@ -218,7 +218,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
     memory, notes = _planned_memory(memory, cuda, fsdp_offload)
     dtype = storage_dtype(str(cfg.dtype))
     source = _model_source(cfg, n_layers)
-    mode = planner_fake_mode(allow_non_fake_inputs=True) if fake else None  # meta tensors go in
+    modes = planning_modes(fake=fake, compiled=phases.compiles(memory))  # its fake mode takes meta tensors in
     group = _fake_process_group(world_size) if sharded and not dist.is_initialized() else contextlib.nullcontext()
     with _quiet_setup(), group:
         if sharded:  # the run's own setup, split where the weights come in: they are made under fake tensors
@@ -228,7 +228,8 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
         else:
             model, activation_context = setup_model(source, device=cpu, dtype=dtype, memory=memory,
                                                     materialize=False, placement=placement)
-        with mode if mode is not None else contextlib.nullcontext(), warnings.catch_warnings():
+        modes.compile_as_planned(model)
+        with modes.fake_mode or contextlib.nullcontext(), warnings.catch_warnings():
             # torchao's NF4 all-gather compares storage pointers, which fake tensors lack: harmless here
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             if sharded:
@@ -243,7 +244,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             if managed:  # paged states: CUDA managed memory, outside the allocator (counted apart, on the host)
                 for inner in inner_optimizers(optimizer):
                     inner.managed = placement
-            peaks = _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size,
+            peaks = _two_steps(cfg, model, optimizer, activation_context, placement, modes, target, world_size,
                                source.args.vocab_size, seq_len, planned_preference(
                                    cfg, model, source, dtype=dtype, memory=memory, placement=placement,
                                    autocast=lambda: autocast(str(cfg.dtype), target)), sharded=sharded)
@@ -270,13 +271,14 @@ def _every_gradient(model) -> None:
     torch.autograd.backward([p.sum() for p in model.parameters() if p.requires_grad])
 
 
-def _two_steps(cfg, model, optimizer, activation_context, placement, mode, target, world_size, vocab_size,
-               seq_len=None, preference=None, sharded=False):
+def _two_steps(cfg, model, optimizer, activation_context, placement, modes: PlanningModes, target, world_size,
+               vocab_size, seq_len=None, preference=None, sharded=False):
     """The training loop's own tensor work for two optimizer steps (see the module docstring) under the byte
     tracker, after a preference run's precompute pass; returns the largest of their peaks. ``sharded``: FSDP2."""
     loss_fn = preference.loss if preference else build_loss(cfg.get("loss"))
-    tracker = PlanningTracker(placement, model=model, optimizers=inner_optimizers(optimizer),
-                            device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1, fake_mode=mode)
+    tracker = modes.tracker(placement, model=model, optimizers=inner_optimizers(optimizer),
+                            device_alignment=CUDA_BLOCK_BYTES if target.type == "cuda" else 1,
+                            fake_mode=modes.fake_mode)
     accumulation, dtype_name = accumulation_steps(cfg), str(cfg.dtype)
     first = lambda: _batch(cfg, vocab_size, 1, seq_len=seq_len)[0]  # noqa: E731
     peaks = preference.before_steps(tracker, first) if preference else None  # reference copy, precompute pass

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
 import mtune.training.planning.plan as plan_module
 from mtune._cli.catalog import find_recipe, load_recipe_module
 from mtune._cli.run import load_and_check
-from mtune.training.planning.fake_mode import PlannerFakeMode, PlanningTracker
+from mtune.training.planning.fake_mode import PlannerFakeMode, PlanningModes, PlanningTracker
 from mtune.training.planning.tracker import TensorTracker
 from tests._helpers.recipes import TRAIN_CONFIG, train_overrides, write_instruct_data, write_tiny_checkpoint
 
@@ -77,8 +77,8 @@ def test_a_plan_is_the_same_with_torchs_mode(tmp_path, monkeypatch):
     cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")), TRAIN_CONFIG, overrides)
 
     def plan(mode_class, tracker_class):
-        monkeypatch.setattr(plan_module, "planner_fake_mode", mode_class)
-        monkeypatch.setattr(plan_module, "PlanningTracker", tracker_class)
+        monkeypatch.setattr(plan_module, "planning_modes", lambda fake, compiled: PlanningModes(
+            mode_class(allow_non_fake_inputs=True), tracker_class))
         return {k: v for k, v in dataclasses.asdict(plan_module.plan_memory(cfg)).items() if k != "seconds"}
 
     ours, torchs = plan(PlannerFakeMode, PlanningTracker), plan(FakeTensorMode, TensorTracker)
