@@ -89,7 +89,7 @@ class Case:
     recipe: str
     what: str
     overrides: tuple[str, ...] = ()
-    kind: str = "run"  # run | head_to_head | fit | longest_context | oom_recovery
+    kind: str = "run"  # run | head_to_head | fit | longest_context | oom_recovery | preference
     compile: bool = False
     batch_size: int = 4
     seq_len: int = 2048
@@ -250,6 +250,13 @@ CASES: list[Case] = [
     Case("qwen3_5_9B_lora_compiled_packed4096", 13, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, compiled (Gated DeltaNet's PyTorch form compiled with its blocks), packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, compile=True, batch_size=1, seq_len=4096, steps=4, minutes=2.5),
+    # ---- part 14: DPO of 8B LoRA with each reference choice, `mtune run` itself on the tiny task's pairs packed
+    # into full rows of 2 x 1024 tokens, 2 rows a step (plan_check's 3 tracked steps are the warm-up)
+    *(Case(f"llama3_1_8B_lora_dpo_{reference}", 14, "llama3_1/8B_lora_dpo_single_device", "lora_dpo_single_device",
+           f"8B LoRA DPO, reference={reference}, eager, packed pairs in rows of 2 x 1024, 2 rows a step",
+           L8B + ("gradient_accumulation_steps=1", f"reference={reference}"), kind="preference", batch_size=2,
+           seq_len=1024, steps=5, warmup=3, minutes=minutes)
+      for reference, minutes in (("adapters_off", 1.5), ("precomputed", 2.0), ("copy", 1.75))),
 ]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
@@ -549,6 +556,8 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
         return {**row, **head_to_head(api, case, device=device, dry_run=dry_run, workdir=workdir, args=args)}
     if case.kind == "oom_recovery":
         return {**row, **oom_recovery(api, case, device=device, dry_run=dry_run, workdir=workdir)}
+    if case.kind == "preference":
+        return {**row, **preference_run(api, case, device=device, dry_run=dry_run, workdir=workdir)}
     cfg, missing = case_config(api, case, device=device, dry_run=dry_run)
     if missing:
         return {**row, "status": "pending", "reason": f"waits for {case.pending}: the {case.recipe} recipe has no "
@@ -594,17 +603,18 @@ OOM_LIMIT_SHARE = 0.75
 """``oom_recovery`` holds a run to this share of its own plan's device peak (the fit issue's done-when)."""
 
 
-def oom_recovery(api, case: Case, *, device: str, dry_run: bool, workdir: Path) -> dict:
-    """``mtune run`` of the case's config (random weights by family and size; the dry run: the tests' tiny Llama 3.1
-    checkpoint, whose vocabulary fits the tokenizer) on packed rows of a synthetic instruction set with the tests'
-    tiny Llama 3 tokenizer, under ``device_memory_limit`` at :data:`OOM_LIMIT_SHARE` of what its plan says it
-    needs (of the card's memory, where that is less): the re-plan lines, every step's trained tokens (the same when
-    recovery keeps the samples per step), the allocator's peak per logged step against the limit, and how the run
-    ended."""
+def _mtune_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path, data_overrides: list[str],
+               limit_share: float | None = None) -> SimpleNamespace:
+    """``mtune run`` of the case's config in a process of its own, as a user runs it: random weights by family and
+    size (the dry run: the tests' tiny Llama 3.1 checkpoint, whose vocabulary fits the tokenizer), the tests' tiny
+    Llama 3 tokenizer, the dataset ``data_overrides`` name, ``warmup + steps`` steps with a line each; with
+    ``limit_share``, under ``device_memory_limit`` at that share of what the config's plan says it needs (of the
+    card's memory, where that is less). Returns the process (``done``), its metrics rows, the plan's device peak
+    (``planned``, bytes), the limit, and the run's steps, batch size and row length."""
     import torch
 
     sys.path.insert(0, str(REPO))
-    from tests._helpers.recipes import read_metrics, write_instruct_data, write_tiny_checkpoint
+    from tests._helpers.recipes import read_metrics, write_tiny_checkpoint
     from tests._helpers.tokenizers import write_tokenizer_files
 
     tokenizer, out = workdir / f"{case.name}_tokenizer", workdir / case.name
@@ -617,34 +627,82 @@ def oom_recovery(api, case: Case, *, device: str, dry_run: bool, workdir: Path) 
         write_tokenizer_files(tokenizer, "llama3")
         overrides += [o for o in case.overrides if o.startswith("model.")]
     steps = (DRY_RUN["warmup"] + DRY_RUN["steps"]) if dry_run else case.warmup + case.steps
-    batch, seq = (DRY_RUN["batch_size"], DRY_RUN["seq_len"]) if dry_run else (case.batch_size, case.seq_len)
-    data = write_instruct_data(workdir / f"{case.name}.jsonl", n=batch * seq * steps // 8 + 64)  # 10-20 tokens a row
-    overrides += [f"tokenizer.path={tokenizer}", "dataset._component_=mtune.data.instruct_dataset",
-                  f"dataset.source={data}", "dataset.cache=false", f"max_steps_per_epoch={steps}",
+    overrides += [f"tokenizer.path={tokenizer}", *data_overrides, f"max_steps_per_epoch={steps}",
                   f"output_dir={out}", "overwrite_output_dir=true", "log_every_n_steps=1",
                   f"compile={str(case.compile).lower()}"]
     module = api.load_recipe_module(api.find_recipe(case.recipe))
     planned = api.plan_memory(api.load_and_check(module, api.find_config(case.config), overrides)).device_peak_bytes
-    # a share of the plan, or of the card where the plan is larger: a limit over the card binds nothing (the H100's
-    # 79 GiB bound the 2026-11-26 row, its limit 83.6 GiB)
-    card = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else planned
-    limit = int(OOM_LIMIT_SHARE * min(planned, card))
+    limit = None
+    if limit_share is not None:
+        # a share of the plan, or of the card where the plan is larger: a limit over the card binds nothing (the
+        # H100's 79 GiB bound the 2026-11-26 row, its limit 83.6 GiB)
+        card = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else planned
+        limit = int(limit_share * min(planned, card))
+        overrides.append(f"device_memory_limit={limit}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-m", "mtune", "run", case.recipe, "--config", case.config, *overrides,
-                           f"device_memory_limit={limit}"], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-m", "mtune", "run", case.recipe, "--config", case.config, *overrides],
+                          capture_output=True, text=True, env=env)
     (workdir / f"{case.name}.run.log").write_text(done.stdout + done.stderr)
-    rows = read_metrics(out) if (out / "metrics.jsonl").exists() else []
-    peaks = [r["peak_memory_gib"] for r in rows if r.get("peak_memory_gib") is not None]
-    row = {"batch_size": batch, "seq_len": seq, "planned_allocated_gib": planned / api.GIB,
-           "device_memory_limit_gib": limit / api.GIB, "exit_status": done.returncode,
-           "replans": [line.split("mtune: ", 1)[-1] for line in done.stderr.splitlines() if "oom_recovery:" in line],
-           "steps_done": [r["step"] for r in rows], "trained_tokens": [r.get("trained_tokens") for r in rows],
-           "losses": [r.get("loss") for r in rows], "max_allocated_gib": max(peaks) if peaks and device == "cuda" else None,
-           "fit_config": (out / "mtune_fit.yaml").read_text() if (out / "mtune_fit.yaml").exists() else None}
-    if done.returncode or len(rows) < steps:
-        error = next((line for line in done.stderr.splitlines()[::-1] if line.startswith("error:")), None)
-        row.update(status="failed", reason=error or (done.stdout + done.stderr)[-1500:])
-    return row
+    batch, seq = (DRY_RUN["batch_size"], DRY_RUN["seq_len"]) if dry_run else (case.batch_size, case.seq_len)
+    return SimpleNamespace(done=done, rows=read_metrics(out) if (out / "metrics.jsonl").exists() else [],
+                           planned=planned, limit=limit, steps=steps, batch=batch, seq=seq, out=out)
+
+
+def _failure(run: SimpleNamespace) -> dict:
+    """The row's status: failed with the run's last ``error:`` line (or its output's end) where it did not finish
+    its steps; empty where it did."""
+    if not run.done.returncode and len(run.rows) >= run.steps:
+        return {}
+    error = next((line for line in run.done.stderr.splitlines()[::-1] if line.startswith("error:")), None)
+    return {"status": "failed", "reason": error or (run.done.stdout + run.done.stderr)[-1500:]}
+
+
+def oom_recovery(api, case: Case, *, device: str, dry_run: bool, workdir: Path) -> dict:
+    """:func:`_mtune_run` on packed rows of a synthetic instruction set, held at :data:`OOM_LIMIT_SHARE` of its
+    plan: the re-plan lines, every step's trained tokens (the same when recovery keeps the samples per step), the
+    allocator's peak per logged step against the limit, and how the run ended."""
+    sys.path.insert(0, str(REPO))
+    from tests._helpers.recipes import write_instruct_data
+
+    steps = (DRY_RUN["warmup"] + DRY_RUN["steps"]) if dry_run else case.warmup + case.steps
+    batch, seq = (DRY_RUN["batch_size"], DRY_RUN["seq_len"]) if dry_run else (case.batch_size, case.seq_len)
+    data = write_instruct_data(workdir / f"{case.name}.jsonl", n=batch * seq * steps // 8 + 64)  # 10-20 tokens a row
+    run = _mtune_run(api, case, device=device, dry_run=dry_run, workdir=workdir, limit_share=OOM_LIMIT_SHARE,
+                     data_overrides=["dataset._component_=mtune.data.instruct_dataset", f"dataset.source={data}",
+                                     "dataset.cache=false"])
+    peaks = [r["peak_memory_gib"] for r in run.rows if r.get("peak_memory_gib") is not None]
+    return {"batch_size": batch, "seq_len": seq, "planned_allocated_gib": run.planned / api.GIB,
+            "device_memory_limit_gib": run.limit / api.GIB, "exit_status": run.done.returncode,
+            "replans": [line.split("mtune: ", 1)[-1] for line in run.done.stderr.splitlines() if "oom_recovery:" in line],
+            "steps_done": [r["step"] for r in run.rows], "trained_tokens": [r.get("trained_tokens") for r in run.rows],
+            "losses": [r.get("loss") for r in run.rows],
+            "max_allocated_gib": max(peaks) if peaks and device == "cuda" else None,
+            "fit_config": (run.out / "mtune_fit.yaml").read_text() if (run.out / "mtune_fit.yaml").exists() else None,
+            **_failure(run)}
+
+
+def preference_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path) -> dict:
+    """:func:`_mtune_run` of a preference (DPO) case on the tiny task's pairs (mtune's asset) packed whole into rows
+    of 2 x ``seq_len`` tokens, so every row is full as the plan assumes: tokens/s (the median of the steps after
+    ``warmup``, as mtune logs them: plan_check's tracked steps excluded) and the allocator's peak over the logged
+    steps (a precomputed reference's pass before them is not among them) against the plan of the same config."""
+    from mtune.assets import tiny_data_dir
+
+    # its 1,024 pairs pack into 50 rows of 2 x 1,024 tokens with the tests' tokenizer, three times an 8B case's 8
+    # steps of 2 rows; reference=precomputed runs the reference over all of them first
+    data = tiny_data_dir() / "preference_train.jsonl"
+    run = _mtune_run(api, case, device=device, dry_run=dry_run, workdir=workdir,
+                     data_overrides=[f"dataset.source={data}", "dataset.packed=true", "dataset_val=null"])
+    warmup = DRY_RUN["warmup"] if dry_run else case.warmup
+    timed = [r["tokens_per_second"] for r in run.rows[warmup:] if r.get("tokens_per_second")]
+    peaks = [r["peak_memory_gib"] for r in run.rows if r.get("peak_memory_gib") is not None]
+    measured = max(peaks) if peaks and device == "cuda" else None
+    return {"batch_size": run.batch, "seq_len": run.seq, "planned_allocated_gib": run.planned / api.GIB,
+            "tokens_per_s": statistics.median(timed) if timed else None, "max_allocated_gib": measured,
+            "plan_error": run.planned / api.GIB / measured - 1 if measured else None,
+            "losses": [r.get("loss") for r in run.rows], "rewards_accuracy": [r.get("rewards/accuracies")
+                                                                              for r in run.rows],
+            "exit_status": run.done.returncode, **_failure(run)}
 
 
 def case_config_overrides(case: Case, device: str, dry_run: bool) -> list[str]:

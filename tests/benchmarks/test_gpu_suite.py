@@ -3,6 +3,7 @@ tracker, and the markdown table beside the JSON."""
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def dry_run(tmp_path_factory):
 def test_every_case_is_data_with_a_known_kind_and_parts_fit_their_budget():
     names = [c.name for c in suite.CASES]
     assert len(names) == len(set(names))
-    assert {c.kind for c in suite.CASES} <= {"run", "head_to_head", "fit", "longest_context", "oom_recovery"}
+    assert {c.kind for c in suite.CASES} <= {"run", "head_to_head", "fit", "longest_context", "oom_recovery",
+                                             "preference"}
     for part in {c.part for c in suite.CASES}:
         minutes = sum(c.minutes for c in suite.CASES if c.part == part and not c.pending)
         assert minutes <= 8, (part, minutes)
@@ -175,3 +177,18 @@ def test_the_oom_recovery_case_runs_mtune_under_three_quarters_of_its_plan_and_f
     assert row["device_memory_limit_gib"] == pytest.approx(0.75 * row["planned_allocated_gib"], rel=1e-6)
     assert len(row["replans"]) >= 1 and "running step 1 again" in row["replans"][0]
     assert row["steps_done"] == [1, 2, 3] and all(t > 0 for t in row["trained_tokens"])
+
+
+def test_a_preference_case_runs_mtune_dpo_on_full_packed_rows(tmp_path):
+    """Part 14's DPO rows, dry: `mtune run lora_dpo_single_device` on the tiny task's pairs packed into full rows,
+    every step logged, tokens/s the median of the steps after the warm-up, the plan of the same config beside it."""
+    out = tmp_path / "dpo.json"
+    (row,) = suite.main(["--dry-run", "--in-process", "--raise-errors", "--out", str(out), "--work",
+                         str(tmp_path / "work"), "--cases", "llama3_1_8B_lora_dpo_adapters_off"])
+    assert row["status"] == "ok" and row["exit_status"] == 0, row.get("reason")
+    assert row["kind"] == "preference" and row["planned_allocated_gib"] > 0
+    assert len(row["losses"]) == len(row["rewards_accuracy"]) == 3  # one warm-up and two timed steps
+    metrics = [json.loads(line) for line in (tmp_path / "work" / "llama3_1_8B_lora_dpo_adapters_off" /
+                                              "metrics.jsonl").read_text().splitlines()]
+    assert row["tokens_per_s"] == statistics.median(m["tokens_per_second"] for m in metrics[1:])
+    assert row["max_allocated_gib"] is None and row["plan_error"] is None  # no CUDA allocator on a CPU
