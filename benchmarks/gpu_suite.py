@@ -28,8 +28,9 @@ Each row (see docs/benchmarks.md, "GPU suite"): case, part, kind, compile, gpu_n
 tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the card by its name), planned_allocated_gib
 (``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, device_used_gib (``mem_get_info``:
 managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
-op and kernel names), profile_top_cpu / profile_top_device (the profiled step's costliest ops), and on head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only
-figures are null on a CPU. Rows are appended to ``--out`` and the markdown table beside it is rewritten.
+op and kernel names), profile_top_cpu / profile_top_device (the profiled step's costliest ops), and on
+head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only figures are null on a CPU. Rows
+are appended to ``--out`` and the markdown table beside it is rewritten.
 """
 
 from __future__ import annotations
@@ -603,6 +604,16 @@ OOM_LIMIT_SHARE = 0.75
 """``oom_recovery`` holds a run to this share of its own plan's device peak (the fit issue's done-when)."""
 
 
+def _run_shape(case: Case, dry_run: bool) -> SimpleNamespace:
+    """An ``mtune run`` case's ``warmup`` and timed ``steps`` added (``steps``), ``warmup``, ``batch`` and ``seq``
+    (the dry run's :data:`DRY_RUN` sizes)."""
+    if dry_run:
+        return SimpleNamespace(steps=DRY_RUN["warmup"] + DRY_RUN["steps"], warmup=DRY_RUN["warmup"],
+                               batch=DRY_RUN["batch_size"], seq=DRY_RUN["seq_len"])
+    return SimpleNamespace(steps=case.warmup + case.steps, warmup=case.warmup, batch=case.batch_size,
+                           seq=case.seq_len)
+
+
 def _mtune_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path, data_overrides: list[str],
                limit_share: float | None = None) -> SimpleNamespace:
     """``mtune run`` of the case's config in a process of its own, as a user runs it: random weights by family and
@@ -610,7 +621,7 @@ def _mtune_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path, da
     Llama 3 tokenizer, the dataset ``data_overrides`` name, ``warmup + steps`` steps with a line each; with
     ``limit_share``, under ``device_memory_limit`` at that share of what the config's plan says it needs (of the
     card's memory, where that is less). Returns the process (``done``), its metrics rows, the plan's device peak
-    (``planned``, bytes), the limit, and the run's steps, batch size and row length."""
+    (``planned``, bytes), the limit, and the run's :func:`_run_shape` (``shape``)."""
     import torch
 
     sys.path.insert(0, str(REPO))
@@ -626,8 +637,8 @@ def _mtune_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path, da
     else:
         write_tokenizer_files(tokenizer, "llama3")
         overrides += [o for o in case.overrides if o.startswith("model.")]
-    steps = (DRY_RUN["warmup"] + DRY_RUN["steps"]) if dry_run else case.warmup + case.steps
-    overrides += [f"tokenizer.path={tokenizer}", *data_overrides, f"max_steps_per_epoch={steps}",
+    shape = _run_shape(case, dry_run)
+    overrides += [f"tokenizer.path={tokenizer}", *data_overrides, f"max_steps_per_epoch={shape.steps}",
                   f"output_dir={out}", "overwrite_output_dir=true", "log_every_n_steps=1",
                   f"compile={str(case.compile).lower()}"]
     module = api.load_recipe_module(api.find_recipe(case.recipe))
@@ -643,15 +654,14 @@ def _mtune_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path, da
     done = subprocess.run([sys.executable, "-m", "mtune", "run", case.recipe, "--config", case.config, *overrides],
                           capture_output=True, text=True, env=env)
     (workdir / f"{case.name}.run.log").write_text(done.stdout + done.stderr)
-    batch, seq = (DRY_RUN["batch_size"], DRY_RUN["seq_len"]) if dry_run else (case.batch_size, case.seq_len)
     return SimpleNamespace(done=done, rows=read_metrics(out) if (out / "metrics.jsonl").exists() else [],
-                           planned=planned, limit=limit, steps=steps, batch=batch, seq=seq, out=out)
+                           planned=planned, limit=limit, shape=shape, out=out)
 
 
 def _failure(run: SimpleNamespace) -> dict:
     """The row's status: failed with the run's last ``error:`` line (or its output's end) where it did not finish
     its steps; empty where it did."""
-    if not run.done.returncode and len(run.rows) >= run.steps:
+    if not run.done.returncode and len(run.rows) >= run.shape.steps:
         return {}
     error = next((line for line in run.done.stderr.splitlines()[::-1] if line.startswith("error:")), None)
     return {"status": "failed", "reason": error or (run.done.stdout + run.done.stderr)[-1500:]}
@@ -664,16 +674,17 @@ def oom_recovery(api, case: Case, *, device: str, dry_run: bool, workdir: Path) 
     sys.path.insert(0, str(REPO))
     from tests._helpers.recipes import write_instruct_data
 
-    steps = (DRY_RUN["warmup"] + DRY_RUN["steps"]) if dry_run else case.warmup + case.steps
-    batch, seq = (DRY_RUN["batch_size"], DRY_RUN["seq_len"]) if dry_run else (case.batch_size, case.seq_len)
-    data = write_instruct_data(workdir / f"{case.name}.jsonl", n=batch * seq * steps // 8 + 64)  # 10-20 tokens a row
+    shape = _run_shape(case, dry_run)
+    data = write_instruct_data(workdir / f"{case.name}.jsonl",  # rows of 10-20 tokens
+                               n=shape.batch * shape.seq * shape.steps // 8 + 64)
     run = _mtune_run(api, case, device=device, dry_run=dry_run, workdir=workdir, limit_share=OOM_LIMIT_SHARE,
                      data_overrides=["dataset._component_=mtune.data.instruct_dataset", f"dataset.source={data}",
                                      "dataset.cache=false"])
     peaks = [r["peak_memory_gib"] for r in run.rows if r.get("peak_memory_gib") is not None]
-    return {"batch_size": batch, "seq_len": seq, "planned_allocated_gib": run.planned / api.GIB,
+    return {"batch_size": shape.batch, "seq_len": shape.seq, "planned_allocated_gib": run.planned / api.GIB,
             "device_memory_limit_gib": run.limit / api.GIB, "exit_status": run.done.returncode,
-            "replans": [line.split("mtune: ", 1)[-1] for line in run.done.stderr.splitlines() if "oom_recovery:" in line],
+            "replans": [line.split("mtune: ", 1)[-1] for line in run.done.stderr.splitlines()
+                        if "oom_recovery:" in line],
             "steps_done": [r["step"] for r in run.rows], "trained_tokens": [r.get("trained_tokens") for r in run.rows],
             "losses": [r.get("loss") for r in run.rows],
             "max_allocated_gib": max(peaks) if peaks and device == "cuda" else None,
@@ -693,11 +704,10 @@ def preference_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path
     data = tiny_data_dir() / "preference_train.jsonl"
     run = _mtune_run(api, case, device=device, dry_run=dry_run, workdir=workdir,
                      data_overrides=[f"dataset.source={data}", "dataset.packed=true", "dataset_val=null"])
-    warmup = DRY_RUN["warmup"] if dry_run else case.warmup
-    timed = [r["tokens_per_second"] for r in run.rows[warmup:] if r.get("tokens_per_second")]
+    timed = [r["tokens_per_second"] for r in run.rows[run.shape.warmup:] if r.get("tokens_per_second")]
     peaks = [r["peak_memory_gib"] for r in run.rows if r.get("peak_memory_gib") is not None]
     measured = max(peaks) if peaks and device == "cuda" else None
-    return {"batch_size": run.batch, "seq_len": run.seq, "planned_allocated_gib": run.planned / api.GIB,
+    return {"batch_size": run.shape.batch, "seq_len": run.shape.seq, "planned_allocated_gib": run.planned / api.GIB,
             "tokens_per_s": statistics.median(timed) if timed else None, "max_allocated_gib": measured,
             "plan_error": run.planned / api.GIB / measured - 1 if measured else None,
             "losses": [r.get("loss") for r in run.rows], "rewards_accuracy": [r.get("rewards/accuracies")

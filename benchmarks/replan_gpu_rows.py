@@ -34,11 +34,10 @@ def latest_run_rows(rows: list[dict], cases: list[str] | None) -> list[dict]:
     return list(latest.values())
 
 
-def replan(row: dict, suite, api) -> dict:
-    """``row``'s case planned now, beside what the GPU measured."""
+def replan(row: dict, case, suite, api) -> dict:
+    """``row``'s ``case`` (a ``gpu_suite.Case``) planned now, beside what the GPU measured."""
     from mtune.modules import nf4_dequantize
 
-    case = {c.name: c for c in suite.CASES}[row["case"]]
     cfg, missing = suite.case_config(api, case, device="cuda", dry_run=False)
     if missing:
         return {"case": case.name, "status": "skipped", "reason": f"keys not in the recipe: {missing}"}
@@ -76,9 +75,10 @@ def main(argv=None) -> list[dict]:
 
     api = gpu_suite.mtune_api()
     measured = latest_run_rows(json.loads((RESULTS / "gpu_suite.json").read_text())["rows"], args.cases)
+    cases = {c.name: c for c in gpu_suite.CASES}
     rows = []
     for row in measured:
-        rows.append(replan(row, gpu_suite, api))
+        rows.append(replan(row, cases[row["case"]], gpu_suite, api))
         print(f"{row['case']}: {rows[-1].get('planned_now_gib', 0):.2f} GiB planned now", flush=True)
     print(table(rows))
     import torch
