@@ -174,7 +174,7 @@ def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torc
     full-precision model never exists at once), or initialise randomly when there is no checkpoint. Parameters
     for which ``not_in_checkpoint(name)`` holds (adapters) are left uninitialised."""
     if source.checkpoint_dir is None:
-        _random_weights(model, device, after_tensor)
+        _random_weights(model, device, after_tensor, not_in_checkpoint)
         log.info("model: random weights (no checkpoint_dir)")
         return
     load_hf_checkpoint(model, source.checkpoint_dir, dtype=dtype, device=device,
@@ -184,12 +184,16 @@ def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torc
 
 
 @torch.no_grad()
-def _random_weights(model: TransformerDecoder, device: torch.device, after_tensor) -> None:
-    """`TransformerDecoder.init_weights`'s values (the same draws in the same order), one module at a time: each
-    module is allocated when its first parameter is drawn and handed to ``after_tensor`` after its last, so an
-    offloaded or NF4 base never exists whole on the device, as when a checkpoint streams in. Tied embeddings are
-    tied after all are drawn (``after_tensor`` skips them: the final offload moves them)."""
-    fills = list(model.initializers())
+def _random_weights(model: TransformerDecoder, device: torch.device, after_tensor, not_in_checkpoint) -> None:
+    """A random base checkpoint, drawn from torch's RNG as it stands: the values `TransformerDecoder.init_weights`
+    gives the model without what the techniques add (the same draws in the same order), so a run's random base
+    weights depend only on the model and the seed, not on its adapters (a preference run's ``reference: copy``
+    draws the policy's). Parameters for which ``not_in_checkpoint(name)`` holds (adapters) are left, as with a
+    checkpoint, for their technique to initialise. Each module is allocated when its first parameter is drawn and
+    handed to ``after_tensor`` after its last, so an offloaded or NF4 base never exists whole on the device, as when
+    a checkpoint streams in. Tied embeddings are tied after all are drawn (``after_tensor`` skips them: the final
+    offload moves them)."""
+    fills = [(name, fill) for name, fill in model.initializers() if not not_in_checkpoint(name)]
     owner = [name.rpartition(".")[0] for name, _ in fills]
     last = {module: i for i, module in enumerate(owner)}
     tied = {"embed_tokens", "lm_head"} if model.args.tie_embeddings else set()
@@ -259,7 +263,7 @@ def materialize_sharded_model(model: TransformerDecoder, source: ModelSource, *,
     """The second half of :func:`setup_sharded_model`: each rank's rows of the checkpoint (or of random weights,
     without ``source.checkpoint_dir``), then fresh adapters. ``mtune plan`` runs this under ``FakeTensorMode``."""
     # Every rank draws the same full tensors from the same RNG stream, then keeps its rows; the draws are those of
-    # setup_model on one device (base weights, then adapters), so the values do not depend on the ranks.
+    # setup_model on one device (the base weights, then the adapters' own), so the values do not depend on the ranks.
     memory = _with_lora(memory, lora)
     torch.manual_seed(seed)
     if source.checkpoint_dir is not None:
@@ -279,17 +283,19 @@ def init_weights_sharded(model: TransformerDecoder, device: torch.device | str,
                          not_in_checkpoint: Callable[[str], bool] = lambda name: False) -> nn.Module:
     """Random weights for a sharded meta model, by the model's own :meth:`~TransformerDecoder.initializers`: each
     full tensor is filled on every rank from the same RNG state (call ``torch.manual_seed`` first) and each rank
-    keeps its rows, so the values equal :meth:`~TransformerDecoder.init_weights` on one device whatever the number
-    of ranks. A weight for which ``arrives_whole(module, leaf)`` names a function (QLoRA's NF4 bases) is stored whole
-and split by it. Parameters a technique adds (``not_in_checkpoint(name)``: adapters) are drawn (as on one device)
-    but left for their own initialisation (`mtune.training.memory.phases.after_weights`)."""
+    keeps its rows, so the values equal one device's random weights (:func:`setup_model`) whatever the number of
+    ranks. A weight for which ``arrives_whole(module, leaf)`` names a function (QLoRA's NF4 bases) is stored whole
+    and split by it. Parameters a technique adds (``not_in_checkpoint(name)``: adapters) are neither drawn nor filled
+    (as on one device): their own initialisation follows (`mtune.training.memory.phases.after_weights`)."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens: it is kept once
     tensors = {}
     for name, fill in model.initializers():
+        if not_in_checkpoint(name):
+            continue
         param = model.get_parameter(name)
         full = torch.empty(full_shape(model, name, param), dtype=param.dtype, device=device)
-        fill(full)  # every draw init_weights makes (adapters, a tied lm_head again): the RNG stream of one device
-        if name not in params or not_in_checkpoint(name):
+        fill(full)  # every draw one device makes (a tied lm_head again): its RNG stream
+        if name not in params:
             continue
         module_name, _, leaf = name.rpartition(".")
         store = arrives_whole(model.get_submodule(module_name), leaf) if arrives_whole else None

@@ -109,13 +109,15 @@ def setup_preference(cfg, run: RunContext, *, model: nn.Module, source: ModelSou
     if loss.reference_free:
         log.info("%s is reference-free: no reference model (reference=%s is not used)", type(loss).__name__, kind)
     elif kind == "copy" and run.world_size > 1:  # sharded like the policy, frozen
-        copy, _ = setup_sharded_model(source, device=run.device, dtype=run.dtype, seed=run.seed, memory=MemoryConfig(),
-                                      fsdp_reshard_after_forward=True)
+        with _starting_rng(run):
+            copy, _ = setup_sharded_model(source, device=run.device, dtype=run.dtype, seed=run.seed,
+                                          memory=MemoryConfig(), fsdp_reshard_after_forward=True)
         reference = ModelReference(copy.requires_grad_(False).eval(), autocast=run.autocast)
     elif kind == "copy":  # its block linears in fp8 with reference_storage_dtype: lossy
-        copy, _ = setup_model(source, device=run.device, dtype=run.dtype,
-                              memory=reference_copy_memory(cfg.reference_storage_dtype), placement=run.placement,
-                              trainable=False)
+        with _starting_rng(run):
+            copy, _ = setup_model(source, device=run.device, dtype=run.dtype,
+                                  memory=reference_copy_memory(cfg.reference_storage_dtype), placement=run.placement,
+                                  trainable=False)
         reference = ModelReference(copy.eval(), autocast=run.autocast)
         if cfg.reference_storage_dtype:
             log.warning("reference: a copy with its block weights stored as %s: lossy, its log-probs differ from the "
@@ -132,6 +134,17 @@ def setup_preference(cfg, run: RunContext, *, model: nn.Module, source: ModelSou
     if kind == "copy" and reference is not None:
         objective.frozen_tensors = (*reference.model.parameters(), *reference.model.buffers())
     return objective, None if val_loader is None else PreferenceEval(objective, val_loader, run)
+
+
+@contextlib.contextmanager
+def _starting_rng(run: RunContext):
+    """torch's RNG as the run's setup left it for the policy's weights (seeded with ``run.seed``) while inside, and
+    as it was on leaving: a copy of random weights (no checkpoint) is then drawn as the policy's base was, and the
+    run's later draws (adapters, dropout) are those it makes without a copy."""
+    devices = [run.device] if run.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(run.seed)
+        yield
 
 
 def _barrier() -> None:

@@ -51,6 +51,28 @@ def test_the_three_references_give_the_same_losses(runs):
     assert base[0] == pytest.approx(0.6931472, rel=1e-6)  # policy == reference at step 1: -log sigmoid(0)
 
 
+@pytest.mark.parametrize("recipe, exact", [("lora_dpo_single_device", "adapters_off"),
+                                            ("full_dpo_single_device", "precomputed")])
+def test_a_copy_of_random_weights_is_the_starting_model(tmp_path, pairs, recipe, exact):
+    """Without a checkpoint (``model.size``: random weights, as the GPU suite runs), ``reference: copy`` draws the
+    policy's starting weights: the same losses as the reference the policy itself gives (<= 1e-6 relative, fp32),
+    log 2 at step 1. Mutations seen failing: the copy drawn from torch's RNG where the policy's setup left it (step 1
+    0.7106 for LoRA, 0.7039 for full); the random base drawn with the adapters' draws between its weights (the LoRA
+    copy's step 1 then 0.6638)."""
+    from tests._helpers.tokenizers import write_tokenizer_files
+
+    assert write_tokenizer_files(tmp_path / "tok", "qwen2") <= 512  # within the random tiny model's vocabulary
+    random_weights = ["model.checkpoint_dir=null", "model.family=tiny", "model.size=tiny",
+                      f"tokenizer.path={tmp_path / 'tok'}", "tokenizer.max_seq_len=256", "dataset_val=null",
+                      "max_steps_per_epoch=3"]
+    curves = {kind: losses(run_recipe_in_process(recipe, _overrides(
+        tmp_path / kind, pairs, f"reference={kind}", *random_weights), config=find_config(f"tiny/{recipe}")))
+        for kind in (exact, "copy")}
+    assert len(curves["copy"]) == 3 and curves["copy"][0] == pytest.approx(0.6931472, rel=1e-6)
+    assert curves["copy"] == pytest.approx(curves[exact], rel=1e-6)
+    assert curves["copy"][-1] != curves["copy"][0]
+
+
 def test_rewards_are_logged_and_held_out_accuracy_reported(runs):
     rows = read_metrics(runs["adapters_off"])
     assert all(set(REWARDS) <= set(row) for row in rows if "loss" in row)
