@@ -1,12 +1,9 @@
 """Build the model a config names, apply the memory techniques and load its weights, without ever holding a
-second copy of the model in memory.
-
-Order: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first; see
-:func:`mtune.training.memory.phases.prepare_model`) -> stream the base weights from the Hugging Face
-checkpoint straight into the meta model, one tensor at a time (quantizing each frozen NF4 or fp8-stored weight as it arrives), or
-initialise randomly -> initialise adapters, or load the saved PEFT adapter of ``lora.adapter_dir``. The FSDP2 path
-(:func:`setup_sharded_model`) shards between the memory techniques and the weights, and each rank loads or draws
-only its rows.
+second copy of the model in memory: build on the meta device -> memory techniques (LoRA/DoRA and NF4 first;
+:func:`mtune.training.memory.phases.prepare_model`) -> stream the base weights from the Hugging Face checkpoint
+into the meta model one tensor at a time (quantizing each frozen NF4 or fp8-stored weight as it arrives), or draw
+them at random -> initialise adapters, or load the saved PEFT adapter of ``lora.adapter_dir``. The FSDP2 path
+(:func:`setup_sharded_model`) shards between the techniques and the weights; each rank loads or draws its rows.
 """
 
 from __future__ import annotations
@@ -185,14 +182,11 @@ def load_weights(model: TransformerDecoder, source: ModelSource, *, device: torc
 
 @torch.no_grad()
 def _random_weights(model: TransformerDecoder, device: torch.device, after_tensor, not_in_checkpoint) -> None:
-    """A random base checkpoint, drawn from torch's RNG as it stands: the values `TransformerDecoder.init_weights`
-    gives the model without what the techniques add (the same draws in the same order), so a run's random base
-    weights depend only on the model and the seed, not on its adapters (a preference run's ``reference: copy``
-    draws the policy's). Parameters for which ``not_in_checkpoint(name)`` holds (adapters) are left, as with a
-    checkpoint, for their technique to initialise. Each module is allocated when its first parameter is drawn and
-    handed to ``after_tensor`` after its last, so an offloaded or NF4 base never exists whole on the device, as when
-    a checkpoint streams in. Tied embeddings are tied after all are drawn (``after_tensor`` skips them: the final
-    offload moves them)."""
+    """A random base checkpoint from torch's RNG as it stands: `TransformerDecoder.init_weights`' values for the model
+    without what techniques add (``not_in_checkpoint``: adapters, left for their technique), so they depend on the
+    model and seed only (``reference: copy`` draws the policy's). Each module is allocated at its first draw and
+    handed to ``after_tensor`` after its last, so an offloaded or NF4 base never exists whole on the device. Tied
+    embeddings are tied after all are drawn (``after_tensor`` skips them: the final offload moves them)."""
     fills = [(name, fill) for name, fill in model.initializers() if not not_in_checkpoint(name)]
     owner = [name.rpartition(".")[0] for name, _ in fills]
     last = {module: i for i, module in enumerate(owner)}
