@@ -170,8 +170,8 @@ def _leases(rows: list[dict]) -> dict[str, str]:
 
 def gpu_suite_figures() -> dict:
     """docs/benchmarks.md's arithmetic on ``gpu_suite.json`` (the latest ``ok`` row of each case on each GPU):
-    tokens/s quotients of case pairs (:data:`GPU_PAIRS`; both rows from the latest lease that ran both, where one
-    did), and per case the allocator's margin (max reserved - max allocated, GiB) and what the card held beyond the
+    tokens/s quotients of case pairs (:data:`GPU_PAIRS`: both rows from each lease that ran both, and each case's
+    latest row where no lease did or either was measured again after the last that did), and per case the allocator's margin (max reserved - max allocated, GiB) and what the card held beyond the
     allocator (``device_used_gib`` - max reserved: the CUDA context, and managed memory such as paged optimizer
     states)."""
     rows = json.loads((RESULTS / "gpu_suite.json").read_text())["rows"]
@@ -184,12 +184,15 @@ def gpu_suite_figures() -> dict:
         for gpu in sorted({g for g, _ in latest}):
             both = sorted(lease for g, lease, case in in_lease if g == gpu and case == top
                           and (gpu, lease, bottom) in in_lease)
-            # the latest lease that measured both (speeds compared on one machine); else each case's latest row,
-            # with the two leases named
-            over, under = ((in_lease[gpu, both[-1], top], in_lease[gpu, both[-1], bottom]) if both
-                           else (latest.get((gpu, top)), latest.get((gpu, bottom))))
-            if over and under:
-                pairs.append({"name": f"{top} / {bottom}", "gpu_name": gpu, "what": what,
+            # each lease that measured both (speeds compared on one machine), oldest first; then each case's latest
+            # row, with the two leases named, where no lease ran both or a case was measured again since the last that
+            # did (the code may have changed in between)
+            chosen = [(in_lease[gpu, lease, top], in_lease[gpu, lease, bottom], "one lease") for lease in both]
+            newest = (latest.get((gpu, top)), latest.get((gpu, bottom)), "each case's latest row")
+            if all(newest[:2]) and (not chosen or newest[:2] != chosen[-1][:2]):
+                chosen.append(newest)
+            for over, under, basis in chosen:
+                pairs.append({"name": f"{top} / {bottom}", "gpu_name": gpu, "what": what, "basis": basis,
                               "leases": sorted({lease_of[over["date"]], lease_of[under["date"]]}),
                               "ratio": over["tokens_per_s"] / under["tokens_per_s"]})
     margins = [{"name": case, "gpu_name": gpu,

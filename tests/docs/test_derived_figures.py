@@ -45,33 +45,39 @@ def test_eager_to_compiled_ratio_from_the_two_runs():
 
 def test_gpu_suite_pairs_and_margins_from_the_rows():
     # independent read of gpu_suite.json: 8B QLoRA eager over 8B LoRA eager within the last lease that ran both (the
-    # QLoRA row of that lease, not a later lease's), and the 8B full compiled row's margin
+    # QLoRA row of that lease, not a later lease's), then over each case's latest row (QLoRA was measured again),
+    # and the 8B full compiled row's margin
     import datetime
 
     all_ok = [r for r in json.loads((RESULTS / "gpu_suite.json").read_text())["rows"] if r["status"] == "ok"]
     rows = {r["case"]: r for r in all_ok}
     figures = _script().gpu_suite_figures()
-    (pair,) = [p for p in figures["tokens_per_s_pairs"]
-               if p["name"] == "llama3_1_8B_qlora_eager_packed4096 / llama3_1_8B_lora_eager_packed4096"]
+    pair, newest = [p for p in figures["tokens_per_s_pairs"]
+                    if p["name"] == "llama3_1_8B_qlora_eager_packed4096 / llama3_1_8B_lora_eager_packed4096"]
     lora = rows["llama3_1_8B_lora_eager_packed4096"]
     lora_date = datetime.datetime.fromisoformat(lora["date"])
     (qlora,) = [r for r in all_ok if r["case"] == "llama3_1_8B_qlora_eager_packed4096"
                 and abs(datetime.datetime.fromisoformat(r["date"]) - lora_date) < datetime.timedelta(minutes=30)]
     assert qlora is not rows["llama3_1_8B_qlora_eager_packed4096"]  # a later lease measured QLoRA alone
     assert pair["ratio"] == qlora["tokens_per_s"] / lora["tokens_per_s"]
-    assert pair["leases"] == [lora["date"]]
+    assert pair["leases"] == [lora["date"]] and pair["basis"] == "one lease"
+    assert newest["ratio"] == rows["llama3_1_8B_qlora_eager_packed4096"]["tokens_per_s"] / lora["tokens_per_s"]
+    assert newest["basis"] == "each case's latest row" and len(newest["leases"]) == 2
     full = rows["llama3_1_8B_full_compiled"]
     (margin,) = [m for m in figures["allocator_margins"] if m["name"] == "llama3_1_8B_full_compiled"]
     assert margin["reserved_minus_allocated_gib"] == full["max_reserved_gib"] - full["max_allocated_gib"]
 
 
 def test_paged_states_are_the_cards_use_less_the_allocator_and_the_context():
-    # independent read: the context as the median of used - reserved on rows that plan nothing off the allocator
+    # independent read: the context as the median of used - reserved over each case's latest row that plans nothing
+    # off the allocator
     import statistics
 
     rows = [r for r in json.loads((RESULTS / "gpu_suite.json").read_text())["rows"]
             if r["status"] == "ok" and r.get("kind") == "run"]
-    context = statistics.median(r["device_used_gib"] - r["max_reserved_gib"] for r in rows if not r["planned_host_gib"])
+    latest = {r["case"]: r for r in rows}.values()  # one GPU model so far
+    context = statistics.median(r["device_used_gib"] - r["max_reserved_gib"] for r in latest
+                                if not r["planned_host_gib"])
     (paged,) = [r for r in rows if r["case"] == "llama3_1_8B_full_paged_adamw8bit"]
     figures = _script().gpu_suite_figures()
     (record,) = [m for m in figures["paged_states"] if m["name"] == "llama3_1_8B_full_paged_adamw8bit"]
