@@ -363,14 +363,37 @@ PROFILE_TOP = 12
 
 def profile_top(prof, cuda: bool) -> dict:
     """The profiled step's costliest ops: ``profile_top_cpu`` (and ``profile_top_device`` on CUDA), each
-    ``"op: total ms (calls)"`` by the op's self time, the largest first: where a step's time goes."""
-    averages = prof.key_averages()
+    ``"op: total ms (calls)"`` by the op's self time, the largest first: where a step's time goes. And
+    ``profile_top_sites``: the same time (the device's on CUDA) by the innermost mtune function the ops ran in,
+    ``"mtune/modules/expert_linear.py(107): stacked: total ms (ops)"`` (the line where the function starts): who
+    owns it (the profile records Python stacks)."""
+    averages = [e for e in prof.key_averages() if not _python_frame(e.key)]
     fields = {"profile_top_cpu": "self_cpu_time_total"}
     if cuda:
         fields["profile_top_device"] = "self_device_time_total"
-    return {key: [f"{e.key}: {getattr(e, field) / 1e3:.2f} ms ({e.count})"
-                  for e in sorted(averages, key=lambda e: -getattr(e, field))[:PROFILE_TOP]]
-            for key, field in fields.items()}
+    top = {key: [f"{e.key}: {getattr(e, field) / 1e3:.2f} ms ({e.count})"
+                 for e in sorted(averages, key=lambda e: -getattr(e, field))[:PROFILE_TOP]]
+           for key, field in fields.items()}
+    field = fields["profile_top_device" if cuda else "profile_top_cpu"]
+    sites: dict[str, list] = {}
+    for event in prof.events():
+        if _python_frame(event.name) or not getattr(event, field):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and "mtune/" not in parent.name:
+            parent = parent.cpu_parent
+        site = sites.setdefault("(outside mtune)" if parent is None else "mtune/" + parent.name.split("mtune/", 1)[1],
+                                [0.0, 0])
+        site[0] += getattr(event, field)
+        site[1] += 1
+    top["profile_top_sites"] = [f"{name}: {total / 1e3:.2f} ms ({ops})" for name, (total, ops)
+                                in sorted(sites.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]]
+    return top
+
+
+def _python_frame(name: str) -> bool:
+    """Whether a profiler event is a Python frame (``with_stack``), not an op."""
+    return ".py(" in name or name.startswith("<built-in")
 
 
 def attention_kernel(names: set[str]) -> str | None:
@@ -520,7 +543,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:
         step()
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})

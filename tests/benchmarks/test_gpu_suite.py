@@ -76,6 +76,10 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert len(top) == 12 and "profile_top_device" not in row
         spent = [float(entry.rsplit(": ", 1)[1].split(" ms")[0]) for entry in top]
         assert spent == sorted(spent, reverse=True) and spent[0] > 0
+        assert not any(".py(" in entry for entry in top)  # ops only: the Python frames the stacks add are not ops
+        sites = row["profile_top_sites"]  # the same time by the mtune function the ops ran in
+        assert sites and all(s.startswith(("mtune/", "(outside mtune)")) for s in sites)
+        assert any(s.startswith("mtune/modules/") and ".py(" in s for s in sites)
         assert len(row["losses"]) == row["tracked_steps"] == 3  # plan_check's 3 steps, then untracked ones
     assert rows[0]["hfu"] > rows[0]["mfu"]  # checkpointing as shipped: recomputation counted in hfu only
     assert rows[-1]["attention_kernel"]  # packed 64-token rows under attention_kernel=segments
