@@ -171,9 +171,9 @@ def _leases(rows: list[dict]) -> dict[str, str]:
 def gpu_suite_figures() -> dict:
     """docs/benchmarks.md's arithmetic on ``gpu_suite.json`` (the latest ``ok`` row of each case on each GPU):
     tokens/s quotients of case pairs (:data:`GPU_PAIRS`: both rows from each lease that ran both, and each case's
-    latest row where no lease did or either was measured again after the last that did), and per case the allocator's margin (max reserved - max allocated, GiB) and what the card held beyond the
-    allocator (``device_used_gib`` - max reserved: the CUDA context, and managed memory such as paged optimizer
-    states)."""
+    latest row where no lease did or either was measured again after the last that did), and per case the
+    allocator's margin (max reserved - max allocated, GiB) and what the card held beyond the allocator
+    (``device_used_gib`` - max reserved: the CUDA context, and managed memory such as paged optimizer states)."""
     rows = json.loads((RESULTS / "gpu_suite.json").read_text())["rows"]
     ok = [r for r in rows if r["status"] == "ok" and r.get("gpu_name")]
     latest = {(r["gpu_name"], r["case"]): r for r in ok}
