@@ -70,6 +70,7 @@ def mtune_api() -> SimpleNamespace:
     from mtune.training.memory.registry import MemoryConfig
     from mtune.training.model_setup import resolve_model_source, setup_model
     from mtune.training.observe.flops import StepFlops
+    from mtune.training.observe.memory_stats import saved_for_backward_bytes
     from mtune.training.observe.peak_flops import gpu_peak_flops, peak_flops
     from mtune.training.planning.breakdown import MemoryBreakdown
     from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
@@ -408,38 +409,6 @@ def attention_kernel(names: set[str]) -> str | None:
     return "+".join(found) or None
 
 
-def saved_for_backward_bytes(step, model, groups: dict | None = None) -> int:
-    """Bytes of the distinct storages autograd saves for backward during one ``step()``, the model's parameters
-    and buffers (NF4 codes and scales too) left out: the activations a step holds. A checkpointed block saves its
-    input here and the rest under its own hooks, so with block checkpointing this is about one hidden state per
-    block; a compiled block saves what its partitioner keeps (the way to see that a compiled block recomputes).
-    ``groups``, when given, is filled with ``{"[shape] dtype": [storages, bytes]}`` of the same storages, by the
-    first tensor saved in each (what a compiled block keeps that it should recompute shows here by shape)."""
-    import torch
-
-    def storages(t) -> list[tuple[int, int, torch.Tensor]]:  # (data pointer, bytes, tensor) of t or a subclass's parts
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-            return [part for name in t.__tensor_flatten__()[0] for part in storages(getattr(t, name))]
-        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), t)]
-
-    owned = {ptr for t in [*model.parameters(), *model.buffers()] for ptr, _, _ in storages(t.data)}
-    seen: dict[int, tuple[int, str]] = {}
-
-    def pack(t):
-        for ptr, nbytes, part in storages(t):
-            if ptr not in owned and ptr not in seen:
-                seen[ptr] = (nbytes, f"{list(part.shape)} {str(part.dtype).removeprefix('torch.')}")
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    if groups is not None:
-        for nbytes, key in seen.values():
-            count, total = groups.get(key, (0, 0))
-            groups[key] = [count + 1, total + nbytes]
-    return sum(nbytes for nbytes, _ in seen.values())
-
-
 SAVED_GROUPS_KEPT = 8
 """``saved_for_backward_largest`` keeps this many (shape, dtype) groups, the largest first."""
 
@@ -554,7 +523,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         row["linear_attention"] = recurrence_runs(run.device)
     try:  # one more step: what autograd holds for backward outside the checkpointed blocks (not timed)
         groups: dict = {}
-        row["saved_for_backward_gib"] = saved_for_backward_bytes(step, model, groups) / api.GIB
+        row["saved_for_backward_gib"] = api.saved_for_backward_bytes(step, model, groups) / api.GIB
         largest = sorted(groups.items(), key=lambda item: -item[1][1])[:SAVED_GROUPS_KEPT]
         row["saved_for_backward_largest"] = [f"{count} x {key}: {nbytes / api.GIB:.3f} GiB"
                                              for key, (count, nbytes) in largest]

@@ -21,26 +21,6 @@ def loss_and_grads(model, tokens, labels, context=None, seed=None):
     return loss_sum.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
 
 
-def saved_activation_bytes(step, module) -> int:
-    """Bytes of the distinct storages autograd saves during ``step()``, ``module``'s parameters left out (a tensor
-    subclass's parts too: NF4 codes and scales)."""
-    def storages(t):
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-            return [part for name in t.__tensor_flatten__()[0] for part in storages(getattr(t, name))]
-        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
-
-    owned = {ptr for p in module.parameters() for ptr, _ in storages(p.data)}
-    seen = {}
-
-    def pack(t):
-        seen.update((ptr, n) for ptr, n in storages(t) if ptr not in owned)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return sum(seen.values())
-
-
 def assert_identical(a, b):
     """Two :func:`loss_and_grads` results are equal bit for bit."""
     (loss_a, grads_a), (loss_b, grads_b) = a, b

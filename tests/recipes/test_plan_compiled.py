@@ -14,10 +14,10 @@ from mtune._cli.run import load_and_check
 from mtune.training.loop import build_loss, forward_loss
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.model_setup import setup_model
+from mtune.training.observe.memory_stats import saved_for_backward_bytes
 from mtune.training.planning.plan import _batch, _model_source, plan_memory
 from mtune.training.precision import storage_dtype
 from tests._helpers.recipes import TRAIN_CONFIG, train_overrides
-from tests._helpers.training import saved_activation_bytes
 
 pytest.importorskip("torch._inductor")
 NO_CHECKPOINTING = {"dataset.packed": True, "tokenizer.max_seq_len": 64, "dtype": "bf16",
@@ -42,11 +42,11 @@ def _saved_bytes_eager_and_compiled(cfg) -> tuple[int, int]:
     def step():
         forward_loss(model, batch, loss_fn)[0].backward()
 
-    eager = saved_activation_bytes(step, model)
+    eager = saved_for_backward_bytes(step, model)
     for block in model.layers:
         block.compile()
     step()  # compile before measuring
-    return eager, saved_activation_bytes(step, model)
+    return eager, saved_for_backward_bytes(step, model)
 
 
 def test_a_compiled_plan_saves_what_inductor_saves(tmp_path, tiny_checkpoint, tiny_data):

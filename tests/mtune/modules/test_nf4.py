@@ -10,7 +10,7 @@ from mtune.models import build_model
 from mtune.modules.lora import LoRALinear, apply_lora
 from mtune.modules.lora_state import lora_state_dict
 from mtune.modules.nf4_linear import FrozenNF4Linear, dequantize, is_nf4
-from tests._helpers.training import saved_activation_bytes
+from mtune.training.observe.memory_stats import saved_for_backward_bytes
 
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(5))
 
@@ -122,7 +122,7 @@ def test_a_compiled_nf4_linear_saves_what_a_bf16_frozen_linear_saves(checkpointe
             out.float().square().sum().backward()
             results[name] = (out.detach(), xg.grad)
 
-        results[name + " bytes"] = saved_activation_bytes(step, module)
+        results[name + " bytes"] = saved_for_backward_bytes(step, module)
     assert results["nf4 bytes"] == results["plain bytes"]
     for compiled, plain, eager in zip(results["nf4"], results["plain"], results["eager"]):
         torch.testing.assert_close(compiled, plain, rtol=1.6e-2, atol=1e-2)  # bf16: fused and unfused round apart

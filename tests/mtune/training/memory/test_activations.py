@@ -14,7 +14,8 @@ from mtune.training.memory.techniques.activation_checkpointing.checkpoint import
 from mtune.training.memory.techniques.activation_offloading.offload import OffloadActivations, apply_activation_offloading
 from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
-from tests._helpers.training import assert_close, assert_identical, loss_and_grads, saved_activation_bytes
+from mtune.training.observe.memory_stats import saved_for_backward_bytes
+from tests._helpers.training import assert_close, assert_identical, loss_and_grads
 
 gen = torch.Generator().manual_seed(7)
 TOKENS = torch.randint(0, 512, (2, 64), generator=gen)
@@ -32,7 +33,7 @@ def _loss_and_grads(model, activation_context=None):
 
 def _saved_bytes(model):
     """Bytes of distinct storages autograd saves for backward during one forward."""
-    return saved_activation_bytes(lambda: model(TOKENS).sum(), model)
+    return saved_for_backward_bytes(lambda: model(TOKENS).sum(), model)
 
 
 _assert_identical = assert_identical
