@@ -136,7 +136,7 @@ CASES: list[Case] = [
          batch_size=2, minutes=0.75),
     Case("llama3_2_3B_lora_head_to_head", 2, "llama3_2/3B_lora_single_device", "lora_single_device",
          "3B-shaped LoRA, both libraries compiled, packed 2048 x 4", kind="head_to_head", compile=True, steps=9,
-         minutes=2.25),
+         minutes=3.0),  # the fifth lease's 138 s, plus the parity step's two eager runs (estimated)
     # ---- part 3: eager twins of part 1, and the 3B full fine-tune
     Case("llama3_2_1B_lora_eager", 3, "llama3_2/1B_lora_single_device", "lora_single_device",
          "1B LoRA, eager, packed 2048 x 4", L1B + LORA_RUN, minutes=0.5),
@@ -731,7 +731,7 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
                "--cases", "lora", "--dtypes", "bf16", "--compile", "on" if case.compile else "off", "--reps", "1",
                "--steps", str(steps), "--warmup", str(DRY_RUN["warmup"] if dry_run else case.warmup),
                "--batch", str(batch), "--seq", str(seq), "--out", str(out), "--work", str(workdir / "h2h_fixture"),
-               "--libs", *libs, "--no-ceiling"]
+               "--libs", *libs, "--no-ceiling"] + (["--parity"] if torchtune else [])
     if not dry_run:
         command += ["--shape", "llama3_2_3B"]
     if torchtune:
@@ -754,6 +754,8 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
            "torchtune_max_allocated_gib": run_of.get("torchtune", {}).get("cuda_max_allocated_gib") if cuda else None,
            "losses": run_of.get("mtune", {}).get("losses"), "torchtune_losses": run_of.get("torchtune", {}).get("losses"),
            "speedup": summary.get("speedup"), "peak_flops": result["meta"]["peak_flops"].get("bf16"),
+           # both libraries' first LoRA step on rows both see whole (the harness's --parity): the same work
+           "first_step_parity": (result.get("parity") or [None])[0],
            "attention_kernel": None, "planned_allocated_gib": None}
     if torchtune:
         row["torchtune"] = torchtune[2]

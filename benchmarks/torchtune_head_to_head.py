@@ -37,6 +37,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -81,7 +82,8 @@ def mtune_model(device=None):
                        head_dim=SHAPE["head_dim"], intermediate_dim=SHAPE["intermediate_size"],
                        vocab_size=SHAPE["vocab_size"], tie_embeddings=SHAPE["tie_word_embeddings"],
                        rope_theta=SHAPE["rope_theta"], norm_eps=SHAPE["rms_norm_eps"],
-                       max_seq_len=SHAPE["max_position_embeddings"])
+                       max_seq_len=SHAPE["max_position_embeddings"],
+                       rope_scaling=None)  # torchtune's llama3 builder has plain RoPE (no Llama 3.1 scaling)
 
 
 def llama3_2_special_token_names() -> list[str]:
@@ -135,9 +137,39 @@ def write_fixture(work: Path) -> dict:
     return paths
 
 
+def write_parity_data(paths: dict, batch: int, seq: int) -> Path:
+    """``batch`` plain-text rows of exactly ``seq - 1`` tokens each (BOS and EOS included, the fixture's tokenizer;
+    torchtune 0.6.1 cuts a text to ``max_seq_len - 1`` tokens) in ``parity_<batch>x<seq>.jsonl`` beside the
+    fixture's data. Packed or not, each library's first step then holds every row, one to a packed row, whatever its
+    shuffle, and trains every token but the last, so the two first-step losses must agree: the check that both run
+    the same work. (The instruct rows cannot show it: torchtune trains the reply's header and each library packs
+    its own rows.)"""
+    path = paths["data"].with_name(f"parity_{batch}x{seq}.jsonl")
+    if path.exists():
+        return path
+    sys.path.insert(0, str(REPO))
+    from mtune.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(paths["model"])
+    count = lambda text: len(tokenizer.encode(text, add_bos=True, add_eos=True))  # noqa: E731
+    rng, vocab = random.Random(1), _words(random.Random(0), 6000)
+    singles = [w for w in vocab if count(w) == 3]  # one token of text
+    rows = []
+    while len(rows) < batch:
+        words: list[str] = []
+        while count(" ".join(words)) < seq - 9:
+            words.append(rng.choice(vocab))
+        while count(" ".join(words)) < seq - 1:
+            words.append(rng.choice(singles))
+        if count(" ".join(words)) == seq - 1:  # a word that merged with its neighbour overshoots: draw the row again
+            rows.append({"text": " ".join(words)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 # ------------------------------------------------------------------------------------------------ configs
 def mtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args,
-                 kernel: str = "auto") -> str:
+                 kernel: str = "auto", parity: Path | None = None) -> str:
     lora = ""
     if case["lora"]:
         lora = (f"lora:\n  modules: {LORA['mtune']}\n  rank: {LORA['rank']}\n  alpha: {LORA['alpha']}\n"
@@ -155,8 +187,8 @@ tokenizer:
   path: {paths['model']}
   max_seq_len: {args.seq}
 {lora}dataset:
-  _component_: mtune.data.instruct_dataset
-  source: {paths['data']}
+  _component_: mtune.data.{'text_completion_dataset' if parity else 'instruct_dataset'}
+  source: {parity or paths['data']}
   packed: true
   cache: false
 task_eval: null
@@ -172,7 +204,7 @@ optimizer:
   weight_decay: 0.0
 lr_scheduler:
   _component_: mtune.training.lr_schedulers.get_cosine_schedule_with_warmup
-  num_warmup_steps: 2
+  num_warmup_steps: {0 if parity else 2}
 loss:
   _component_: mtune.modules.loss.ChunkedCrossEntropyLoss
   num_chunks: 8
@@ -183,7 +215,7 @@ log_every_n_steps: 1
 
 
 def torchtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args,
-                     kernel: str = "") -> str:
+                     kernel: str = "", parity: Path | None = None) -> str:
     dims = (f"  vocab_size: {SHAPE['vocab_size']}\n  num_layers: {SHAPE['num_hidden_layers']}\n"
             f"  num_heads: {SHAPE['num_attention_heads']}\n  num_kv_heads: {SHAPE['num_key_value_heads']}\n"
             f"  embed_dim: {SHAPE['hidden_size']}\n  max_seq_len: {SHAPE['max_position_embeddings']}\n"
@@ -212,12 +244,7 @@ checkpointer:
 resume_from_checkpoint: false
 save_adapter_weights_only: true
 dataset:
-  _component_: torchtune.datasets.instruct_dataset
-  source: json
-  data_files: {paths['data']}
-  column_map: {{input: instruction, output: output}}
-  packed: true
-  split: train
+{_torchtune_dataset(paths, parity)}
 seed: 0
 shuffle: true
 batch_size: {args.batch}
@@ -227,7 +254,7 @@ optimizer:
   weight_decay: 0.0
 lr_scheduler:
   _component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup
-  num_warmup_steps: 2
+  num_warmup_steps: {0 if parity else 2}
 loss:
   _component_: torchtune.modules.loss.CEWithChunkedOutputLoss
   num_output_chunks: 8
@@ -250,6 +277,14 @@ profiler:
   _component_: torchtune.training.setup_torch_profiler
   enabled: false
 """
+
+
+def _torchtune_dataset(paths: dict, parity: Path | None) -> str:
+    if parity:  # whole rows (split_across_pack would cut one into two documents)
+        return (f"  _component_: torchtune.datasets.text_completion_dataset\n  source: json\n  data_files: {parity}\n"
+                "  column: text\n  packed: true\n  split_across_pack: false\n  split: train")
+    return (f"  _component_: torchtune.datasets.instruct_dataset\n  source: json\n  data_files: {paths['data']}\n"
+            "  column_map: {input: instruction, output: output}\n  packed: true\n  split: train")
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -311,16 +346,22 @@ def _losses(lib: str, out: Path) -> list[float]:
     return [float(m) for m in re.findall(r"Step \d+ \| loss:([0-9.eE+-]+)", text)]
 
 
-def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, args, rep: int) -> dict:
+def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, args, rep: int,
+            parity: Path | None = None) -> dict:
+    """One run of ``lib`` (``args.steps`` steps), or with ``parity`` (:func:`write_parity_data`) its one step on
+    those rows."""
     case = CASES[case_name]
-    tag = f"{lib.replace(':', '-')}_{case_name}_{dtype}_{'compile' if compile_ else 'eager'}_{rep}"
+    steps_asked = 1 if parity else args.steps
+    tag = (f"{lib.replace(':', '-')}_{case_name}_{dtype}_{'compile' if compile_ else 'eager'}_"
+           f"{'parity' if parity else rep}")
     out = args.work / "runs" / tag
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # torchtune adds a log file per run: an earlier run's would be read first
+    out.mkdir(parents=True)
     config = out.with_suffix(".yaml")
     lib_name = lib
     lib, _, kernel = lib.partition(":")  # "mtune:dense_mask": mtune with that attention_kernel
     make = mtune_config if lib == "mtune" else torchtune_config
-    config.write_text(make(paths, case, out, args.steps, compile_, dtype, args, kernel or "auto"))
+    config.write_text(make(paths, case, out, steps_asked, compile_, dtype, args, kernel or "auto", parity))
     if lib == "mtune":
         python, recipe = sys.executable, "lora_single_device" if case["lora"] else "full_single_device"
         # mfu in mtune's own log against the peak this benchmark measured (not a cache taken under other load)
@@ -345,6 +386,8 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
         return {"lib": lib_name, "case": case_name, "compile": compile_, "dtype": dtype, "rep": rep,
                 "error": "no result written: " + (proc.stdout + proc.stderr)[-1800:], "loadavg": load}
     raw = json.loads(result.read_text())
+    if parity:
+        return {"lib": lib_name, "case": case_name, "dtype": dtype, "losses": _losses(lib, out)}
     # The run's own optimizer steps only: mtune's end-of-run plan check steps the planner's copy of the optimizer on
     # fake tensors, which fires the same global hook (two stamps 0.4-1 s apart that are not training steps).
     stamps = raw["stamps"][:args.steps]
@@ -357,6 +400,20 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
             "cuda_max_allocated_gib": (raw["cuda_max_allocated_bytes"] or 0) / 2**30,
             "cuda_max_reserved_gib": (raw.get("cuda_max_reserved_bytes") or 0) / 2**30,
             "losses": _losses(lib, out), "threads": raw["threads"], "wall_s": raw["end"] - raw["start"]}
+
+
+def first_step_parity(paths: dict, dtype: str, args) -> dict:
+    """Both libraries' first-step LoRA loss on :func:`write_parity_data`'s rows (eager, ``args.batch`` x
+    ``args.seq``): ``{"dtype", "mtune", "torchtune", "relative_difference"}`` (a library that failed: its error)."""
+    data = write_parity_data(paths, args.batch, args.seq)
+    record: dict = {"dtype": dtype}
+    for lib in ("mtune", "torchtune"):
+        run = run_one(lib, paths, "lora", False, dtype, args, 0, parity=data)
+        record[lib] = run["losses"][0] if run.get("losses") else {"error": run.get("error", "no loss logged")[-300:]}
+    if all(isinstance(record[lib], float) for lib in ("mtune", "torchtune")):
+        record["relative_difference"] = abs(record["mtune"] - record["torchtune"]) / record["torchtune"]
+    print(f"[parity] {dtype}: first-step loss mtune {record['mtune']} / torchtune {record['torchtune']}", flush=True)
+    return record
 
 
 # ------------------------------------------------------------------------------------------------ ceiling
@@ -567,6 +624,9 @@ def main() -> None:
     parser.add_argument("--no-ceiling", action="store_true", help="skip timing the bare matmul/attention ceiling")
     parser.add_argument("--torchtune-python", default=None, help="a python with torchtune 0.6.1 (instead of --venv)")
     parser.add_argument("--torchtune-path", default=None, help="PYTHONPATH for torchtune's runs")
+    parser.add_argument("--parity", action="store_true",
+                        help="first, each library's LoRA step on rows both see whole (write_parity_data), eager, per "
+                             "dtype: their first-step losses, in the JSON's 'parity'")
     args = parser.parse_args()
     SHAPE.update(SHAPES[args.shape])
     if args.shape != "fixture":
@@ -612,6 +672,7 @@ def main() -> None:
             if not args.no_ceiling:
                 meta["ceiling"][f"{name}_{dtype}"] = ceiling(CASES[name], dtype, args.batch, args.seq,
                                                              device=args.device)
+    parity = [first_step_parity(paths, dtype, args) for dtype in dtypes] if args.parity else []
     results = []
     for rep in range(args.reps):
         for name in args.cases:
@@ -632,7 +693,7 @@ def main() -> None:
     rows, table = summarize(results, meta)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "torchtune_head_to_head.json").write_text(json.dumps(
-        {"meta": meta, "summary": rows, "runs": results}, indent=1, default=str) + "\n")
+        {"meta": meta, "summary": rows, "runs": results, "parity": parity}, indent=1, default=str) + "\n")
     (args.out / "torchtune_head_to_head.md").write_text(table + "\n")
     plot(rows, args.out / "torchtune_head_to_head.png")
     print(table)
