@@ -392,6 +392,15 @@ def profile_top(prof, cuda: bool) -> dict:
     return top
 
 
+def dynamo_limits_hit() -> int:
+    """How often this process's torch.compile gave up on a function at dynamo's recompile limit (it then runs
+    eagerly, or raises under ``fullgraph``): a compiled kernel that silently stopped compiling shows here."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items()
+               if "recompile limit" in reason.lower() or "cache_size_limit" in reason.lower())
+
+
 def _python_frame(name: str) -> bool:
     """Whether a profiler event is a Python frame (``with_stack``), not an op."""
     return ".py(" in name or name.startswith("<built-in")
@@ -517,6 +526,9 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})
     row.update(profile_top(prof, cuda))
+    if not case.torchao_dequantize and not nf4_dequantize.COMPILED_ON_CUDA:  # the kernel failed: the run's log says why
+        row["nf4_dequantize"] = "torchao eager (the compiled kernel could not be built)"
+    row["dynamo_limits_hit"] = dynamo_limits_hit()
     if any(type(m).__name__ == "GatedDeltaNet" for m in model.modules()):
         from mtune.modules.gated_deltanet_fla import recurrence_runs
 

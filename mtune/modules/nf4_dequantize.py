@@ -22,7 +22,7 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["COMPILED_ON_CUDA", "compiled_dequantization_applies", "decode", "dequantize_nf4"]
+__all__ = ["COMPILED_ON_CUDA", "KERNEL_SHAPES", "compiled_dequantization_applies", "decode", "dequantize_nf4"]
 
 log = logging.getLogger("mtune")
 
@@ -31,6 +31,11 @@ COMPILED_ON_CUDA = True
 twin rows set it to measure one against the other)."""
 
 _kernel = None  # the compiled decode, built on first use
+
+KERNEL_SHAPES = 64
+"""Weight shapes the kernel may compile for in one process (one compile each, at static shapes). Dynamo's own limit
+per function is 8, fewer than the NF4 shapes of a hybrid or mixture-of-experts model (attention, expert parts, other
+layer kinds); past its limit a ``fullgraph`` compile raises, which would send every later weight to torchao's ops."""
 
 
 def compiled_dequantization_applies(weight: torch.Tensor) -> bool:
@@ -59,7 +64,8 @@ def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
     if _kernel is None:
         _kernel = torch.compile(decode, dynamic=False, fullgraph=True)
     try:
-        return _kernel(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
+        with torch._dynamo.config.patch(recompile_limit=KERNEL_SHAPES):
+            return _kernel(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
     except torch.OutOfMemoryError:  # the step's, not the kernel's: out-of-memory handling and recovery take it
         raise
     except Exception as error:  # no Triton, a compiler failure: the eager ops give the same values, more slowly

@@ -81,6 +81,7 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert sites and all(s.startswith(("mtune/", "(outside mtune)")) for s in sites)
         assert any(s.startswith("mtune/modules/") and ".py(" in s for s in sites)
         assert len(row["losses"]) == row["tracked_steps"] == 3  # plan_check's 3 steps, then untracked ones
+        assert row["dynamo_limits_hit"] == 0
     assert rows[0]["hfu"] > rows[0]["mfu"]  # checkpointing as shipped: recomputation counted in hfu only
     assert rows[-1]["attention_kernel"]  # packed 64-token rows under attention_kernel=segments
 
@@ -169,3 +170,17 @@ def test_a_preference_case_runs_mtune_dpo_on_full_packed_rows(tmp_path):
                                               "metrics.jsonl").read_text().splitlines()]
     assert row["tokens_per_s"] == statistics.median(m["tokens_per_second"] for m in metrics[1:])
     assert row["max_allocated_gib"] is None and row["plan_error"] is None  # no CUDA allocator on a CPU
+
+
+def test_dynamo_limits_hit_counts_a_function_dynamo_gave_up_on():
+    """A function compiled at static shapes and called with 9 of them: dynamo gives up on the ninth (its limit is
+    8) and runs it eagerly; the row's ``dynamo_limits_hit`` counts that, once."""
+    import torch
+
+    torch._dynamo.reset()
+    before = suite.dynamo_limits_hit()
+    double = torch.compile(lambda t: t * 2, backend="eager", dynamic=False)
+    for n in range(1, 10):
+        double(torch.ones(n))
+    assert suite.dynamo_limits_hit() == before + 1
+    torch._dynamo.reset()

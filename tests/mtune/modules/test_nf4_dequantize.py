@@ -35,6 +35,24 @@ def test_the_compiled_kernel_gives_torchaos_values_bit_for_bit(kernel_on_cpu):
         assert torch.equal(got, want)
 
 
+def test_the_kernel_compiles_for_more_weight_shapes_than_dynamos_default_limit(kernel_on_cpu, monkeypatch, caplog):
+    """Twelve weight shapes (a hybrid or MoE model has more than dynamo's 8 per function): each dequantizes through
+    the kernel, bit for bit torchao's, and the kernel stays on. The kernel is compiled with dynamo's eager backend
+    here (the shapes' guards and recompiles are dynamo's; Inductor's C++ builds would take minutes). Mutation seen
+    failing: the kernel called without raising the limit (the ninth shape raises, the warning is logged and
+    COMPILED_ON_CUDA turns False)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(nf4_dequantize, "_kernel", torch.compile(nf4_dequantize.decode, backend="eager",
+                                                                 dynamic=False, fullgraph=True))
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="mtune"):
+        for rows in range(1, 13):
+            weight = quantize_nf4(torch.randn(128 * rows, 128) * 0.02)
+            assert torch.equal(dequantize(weight), weight.get_original_weight()), rows
+    assert nf4_dequantize.COMPILED_ON_CUDA is True and not caplog.records
+    torch._dynamo.reset()
+
+
 def test_a_kernel_that_cannot_be_built_says_why_once_and_the_eager_ops_run(kernel_on_cpu, monkeypatch, caplog):
     def broken(*inputs):
         raise RuntimeError("no working C++ compiler found\nsecond line")
