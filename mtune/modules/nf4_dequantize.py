@@ -11,8 +11,10 @@ table, scaled by their block's scale, interleaved) runs as one kernel compiled p
 of the first step), which allocates only its result. The split keeps the values torchao's on every torch: compiled
 whole, Inductor before torch 2.13 rounds the scales' division and sum once instead of twice (a bf16 step off on a
 fifth of the values, torch 2.11). Inside torch.compile'd code the dequantization is traced with the rest, and on the
-CPU torchao's ops run as they are (compiling there needs a C++ toolchain, and the CPU runs are the tests'). Where the
-kernel cannot be built, the run's log says why once and torchao's ops run.
+CPU torchao's ops run as they are (compiling there needs a C++ toolchain, and the CPU runs are the tests'). Under a
+Python dispatch mode (the byte tracker of ``plan_check``'s first steps) the kernel's ops run uncompiled: dynamo does
+not compile there, and a ``fullgraph`` compile tried there would never be tried again. Where the kernel cannot be
+built, the run's log says why once and torchao's ops run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ def compiled_dequantization_applies(weight: torch.Tensor) -> bool:
             and not is_fake(weight))
 
 
+def _under_dispatch_mode() -> bool:
+    """Whether a Python dispatch mode is active (mtune's byte tracker in ``plan_check``'s first steps). Dynamo does
+    not compile under one: a ``fullgraph`` compile raises there, and the function is then never compiled again."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
+
+
 def decode(codes: torch.Tensor, table: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """torchao's decoding of NF4 codes: ``codes`` uint8 ``[n / 2]`` (two 4-bit codes a byte, the first in the high
     bits), ``table`` the 16 NF4 values, ``scales`` ``[n / block]`` (one per block, already dequantized) -> ``shape``
@@ -61,6 +71,8 @@ def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
     if not compiled_dequantization_applies(weight):
         return weight.get_original_weight()
     scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
+    if _under_dispatch_mode():  # the kernel's own ops, uncompiled: the same values, its compile left for later
+        return decode(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
     if _kernel is None:
         _kernel = torch.compile(decode, dynamic=False, fullgraph=True)
     try:

@@ -53,6 +53,31 @@ def test_the_kernel_compiles_for_more_weight_shapes_than_dynamos_default_limit(k
     torch._dynamo.reset()
 
 
+def test_under_the_byte_tracker_the_kernel_waits_and_compiles_after(kernel_on_cpu, monkeypatch, caplog):
+    """plan_check's first steps run under the byte tracker, a dispatch mode dynamo does not compile under: there the
+    kernel's ops run uncompiled (torchao's values, the tracker counting the result), and the first weight after the
+    tracked steps compiles the kernel, which stays on. Mutation seen failing: the kernel called under the tracker
+    (torch 2.13 raises, the eager fallback takes every later weight: COMPILED_ON_CUDA turns False, a warning)."""
+    from mtune.training.planning.tracker import TensorTracker
+
+    torch._dynamo.reset()
+    calls = []
+    compiled = torch.compile(nf4_dequantize.decode, backend="eager", dynamic=False, fullgraph=True)
+    monkeypatch.setattr(nf4_dequantize, "_kernel", lambda *inputs: calls.append(1) or compiled(*inputs))
+    torch.manual_seed(0)
+    weight = quantize_nf4(torch.randn(256, 128) * 0.02)
+    tracker = TensorTracker()
+    with caplog.at_level(logging.WARNING, logger="mtune"):
+        with tracker:
+            tracked = dequantize(weight)
+        after = dequantize(weight)
+    assert nf4_dequantize.COMPILED_ON_CUDA is True and not caplog.records
+    assert calls == [1]  # the kernel ran once: after the tracked step
+    assert torch.equal(tracked, weight.get_original_weight()) and torch.equal(after, tracked)
+    assert tracker.take_interval().peak["device"] >= tracked.numel() * tracked.element_size()
+    torch._dynamo.reset()
+
+
 def test_a_kernel_that_cannot_be_built_says_why_once_and_the_eager_ops_run(kernel_on_cpu, monkeypatch, caplog):
     def broken(*inputs):
         raise RuntimeError("no working C++ compiler found\nsecond line")
