@@ -12,13 +12,14 @@ of the first step), which allocates only its result. The split keeps the values 
 whole, Inductor before torch 2.13 rounds the scales' division and sum once instead of twice (a bf16 step off on a
 fifth of the values, torch 2.11). Inside torch.compile'd code the dequantization is traced with the rest, and on the
 CPU torchao's ops run as they are (compiling there needs a C++ toolchain, and the CPU runs are the tests'). Under a
-Python dispatch mode (the byte tracker of ``plan_check``'s first steps) the kernel's ops run uncompiled: dynamo does
-not compile there, and a ``fullgraph`` compile tried there would never be tried again. Where the kernel cannot be
-built, the run's log says why once and torchao's ops run.
+Python dispatch mode (the byte tracker of ``plan_check``'s first steps) the kernel runs with the mode set aside, as
+dynamo compiles only then (a compile declined under a mode is never tried again), and the mode is shown its result.
+Where the kernel cannot be built, the run's log says why once and torchao's ops run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -55,6 +56,13 @@ def _under_dispatch_mode() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def _set_aside(modes: bool):
+    """The active dispatch modes set aside while inside (when ``modes``), so that dynamo compiles the kernel."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes() if modes else contextlib.nullcontext()
+
+
 def decode(codes: torch.Tensor, table: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """torchao's decoding of NF4 codes: ``codes`` uint8 ``[n / 2]`` (two 4-bit codes a byte, the first in the high
     bits), ``table`` the 16 NF4 values, ``scales`` ``[n / block]`` (one per block, already dequantized) -> ``shape``
@@ -71,13 +79,14 @@ def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
     if not compiled_dequantization_applies(weight):
         return weight.get_original_weight()
     scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
-    if _under_dispatch_mode():  # the kernel's own ops, uncompiled: the same values, its compile left for later
-        return decode(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
     if _kernel is None:
         _kernel = torch.compile(decode, dynamic=False, fullgraph=True)
+    tracked = _under_dispatch_mode()
     try:
-        with torch._dynamo.config.patch(recompile_limit=KERNEL_SHAPES):
-            return _kernel(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
+        with torch._dynamo.config.patch(recompile_limit=KERNEL_SHAPES), _set_aside(tracked):
+            out = _kernel(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
+        # the mode (the byte tracker) did not see the kernel allocate: a view made under it shows it the result
+        return out.view(out.shape) if tracked else out
     except torch.OutOfMemoryError:  # the step's, not the kernel's: out-of-memory handling and recovery take it
         raise
     except Exception as error:  # no Triton, a compiler failure: the eager ops give the same values, more slowly
