@@ -146,6 +146,11 @@ GPU_PAIRS = {
         "NF4 kernel over torchao's dequantize",
 }
 
+NF4_KERNEL_COMPILES_FROM = "2026-11-26T19:30:55+00:00"
+"""When mtune's NF4 kernel began to compile in eager training steps (commit 42629d6): before, the first steps ran
+under plan_check's byte tracker, where dynamo declined it for good, so its ops ran uncompiled. The NF4 pairs of
+leases before this compare that uncompiled path with torchao's, and say so (``caveat``)."""
+
 LEASE_MINUTES = 30
 """The longest a session holds a GPU machine: rows whose calls began within this many minutes of a lease's first
 call are one lease (one machine, one set of versions), and a pair's quotient is taken within a lease."""
@@ -154,6 +159,10 @@ call are one lease (one machine, one set of versions), and a pair's quotient is 
 PAGED_CASES = ("llama3_1_8B_full_low_memory", "llama3_1_8B_full_paged_adamw8bit")
 """GPU-suite cases whose optimizer states are paged (bitsandbytes' managed memory): their plan's host figure is the
 paged states, which live on the card beside the allocator."""
+
+
+def _before(date: str, moment: str) -> bool:
+    return datetime.datetime.fromisoformat(date) < datetime.datetime.fromisoformat(moment)
 
 
 def _leases(rows: list[dict]) -> dict[str, str]:
@@ -192,9 +201,12 @@ def gpu_suite_figures() -> dict:
             if all(newest[:2]) and (not chosen or newest[:2] != chosen[-1][:2]):
                 chosen.append(newest)
             for over, under, basis in chosen:
-                pairs.append({"name": f"{top} / {bottom}", "gpu_name": gpu, "what": what, "basis": basis,
-                              "leases": sorted({lease_of[over["date"]], lease_of[under["date"]]}),
-                              "ratio": over["tokens_per_s"] / under["tokens_per_s"]})
+                pair = {"name": f"{top} / {bottom}", "gpu_name": gpu, "what": what, "basis": basis,
+                        "leases": sorted({lease_of[over["date"]], lease_of[under["date"]]}),
+                        "ratio": over["tokens_per_s"] / under["tokens_per_s"]}
+                if what.startswith("NF4 kernel") and _before(over["date"], NF4_KERNEL_COMPILES_FROM):
+                    pair["caveat"] = "the kernel's ops ran uncompiled in these steps (NF4_KERNEL_COMPILES_FROM)"
+                pairs.append(pair)
     margins = [{"name": case, "gpu_name": gpu,
                 "reserved_minus_allocated_gib": r["max_reserved_gib"] - r["max_allocated_gib"],
                 **({"device_used_minus_reserved_gib": r["device_used_gib"] - r["max_reserved_gib"]}

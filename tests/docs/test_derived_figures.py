@@ -99,3 +99,12 @@ def test_nf4_block_time_is_the_blocks_seven_matmuls():
     assert bnb["block_seconds"] == pytest.approx(block("bitsandbytes matmul_4bit"), rel=1e-12)
     assert bnb["over_bf16"] == pytest.approx(block("bitsandbytes matmul_4bit") / block("bf16 (dequantized once)"),
                                              rel=1e-12)
+
+
+def test_nf4_pairs_measured_before_the_kernel_compiled_in_steps_say_so():
+    # every NF4 twin pair so far comes from leases before the fix (the kernel ran uncompiled): each carries the caveat;
+    # no other pair does
+    figures = _script().gpu_suite_figures()
+    for pair in figures["tokens_per_s_pairs"]:
+        measured_before = all(lease < "2026-11-26T19:30:55+00:00" for lease in pair["leases"])
+        assert ("caveat" in pair) == (pair["what"].startswith("NF4 kernel") and measured_before), pair["name"]
