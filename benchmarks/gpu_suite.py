@@ -734,14 +734,13 @@ def case_config_overrides(case: Case, device: str, dry_run: bool) -> list[str]:
 def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args) -> dict:
     """``benchmarks/torchtune_head_to_head.py`` for one LoRA case: both libraries, the case's shape, interleaved."""
     out = workdir / f"{case.name}_h2h"
-    seq = DRY_RUN["head_to_head_seq"] if dry_run else case.seq_len
-    batch = DRY_RUN["batch_size"] if dry_run else case.batch_size
-    steps = (DRY_RUN["steps"] + DRY_RUN["warmup"]) if dry_run else case.warmup + case.steps
+    shape = _run_shape(case, dry_run)
+    seq, batch = (DRY_RUN["head_to_head_seq"] if dry_run else shape.seq), shape.batch
     torchtune = torchtune_python(args)
     libs = ["mtune"] + (["torchtune"] if torchtune else [])
     command = [sys.executable, str(REPO / "benchmarks" / "torchtune_head_to_head.py"), "--device", device,
                "--cases", "lora", "--dtypes", "bf16", "--compile", "on" if case.compile else "off", "--reps", "1",
-               "--steps", str(steps), "--warmup", str(DRY_RUN["warmup"] if dry_run else case.warmup),
+               "--steps", str(shape.steps), "--warmup", str(shape.warmup),
                "--batch", str(batch), "--seq", str(seq), "--out", str(out), "--work", str(workdir / "h2h_fixture"),
                "--libs", *libs, "--no-ceiling"] + (["--parity"] if torchtune else [])
     if not dry_run:
