@@ -742,7 +742,7 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
                "--cases", "lora", "--dtypes", "bf16", "--compile", "on" if case.compile else "off", "--reps", "1",
                "--steps", str(shape.steps), "--warmup", str(shape.warmup),
                "--batch", str(batch), "--seq", str(seq), "--out", str(out), "--work", str(workdir / "h2h_fixture"),
-               "--libs", *libs, "--no-ceiling"] + (["--parity"] if torchtune else [])
+               "--libs", *libs, "--no-ceiling", "--profile"] + (["--parity"] if torchtune else [])
     if not dry_run:
         command += ["--shape", "llama3_2_3B"]
     if torchtune:
@@ -767,6 +767,10 @@ def head_to_head(api, case: Case, *, device: str, dry_run: bool, workdir: Path, 
            "speedup": summary.get("speedup"), "peak_flops": result["meta"]["peak_flops"].get("bf16"),
            # both libraries' first LoRA step on rows both see whole (the harness's --parity): the same work
            "first_step_parity": (result.get("parity") or [None])[0],
+           # each library's last step profiled alike (--profile): where the two steps' time differs
+           **{f"{prefix}{key}": run_of.get(lib, {}).get(key)
+              for lib, prefix in (("mtune", ""), ("torchtune", "torchtune_"))
+              for key in ("profile_top_cpu", "profile_top_device")},
            "attention_kernel": None, "planned_allocated_gib": None}
     if torchtune:
         row["torchtune"] = torchtune[2]

@@ -299,6 +299,9 @@ def worker(lib: str, config: str, recipe: str, result: str) -> None:
 
     cuda = torch.cuda.is_available()
     peaks = [0, 0]  # the allocator's allocated and reserved peaks, read at every step
+    # with H2H_PROFILE_STEP=k, the step after the k-th optimizer step is profiled, the same way in both libraries
+    profile_after = int(os.environ.get("H2H_PROFILE_STEP", 0))
+    profiled: dict = {}
 
     def stamp(*_):
         if cuda:
@@ -308,6 +311,19 @@ def worker(lib: str, config: str, recipe: str, result: str) -> None:
             peaks[0] = max(peaks[0], torch.cuda.max_memory_allocated())
             peaks[1] = max(peaks[1], torch.cuda.max_memory_reserved())
         stamps.append(time.perf_counter())
+        if profile_after and len(stamps) == profile_after:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            profiled["profiler"] = profile(activities=activities)
+            profiled["profiler"].__enter__()
+        elif profile_after and len(stamps) == profile_after + 1:
+            from gpu_suite import profile_top  # beside this script: the suite's reading of a profile
+
+            profiled["profiler"].__exit__(None, None, None)
+            top = profile_top(profiled.pop("profiler"), cuda)
+            top.pop("profile_top_sites")  # by mtune function: nothing to say of torchtune's step
+            profiled.update(top)
 
     register_optimizer_step_post_hook(stamp)
     start = time.perf_counter()
@@ -335,6 +351,7 @@ def worker(lib: str, config: str, recipe: str, result: str) -> None:
         "threads": torch.get_num_threads(),
         "cuda_max_allocated_bytes": max(peaks[0], torch.cuda.max_memory_allocated()) if cuda else None,
         "cuda_max_reserved_bytes": max(peaks[1], torch.cuda.max_memory_reserved()) if cuda else None,
+        **profiled,
     }))
 
 
@@ -374,6 +391,8 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         if args.torchtune_path:  # e.g. the GPU machine's wheels: torchtune + torchao 0.11 before mtune's site
             env["PYTHONPATH"] = args.torchtune_path
+    if args.profile and not parity:  # the last step, profiled: past the warm-up and mtune's tracked first steps
+        env["H2H_PROFILE_STEP"] = str(args.steps - 1)
     result = out.with_suffix(".json")
     load = os.getloadavg()
     proc = subprocess.run([python, str(Path(__file__).resolve()), "--worker", lib, str(config), recipe, str(result)],
@@ -399,7 +418,8 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
             "tokens_per_second": args.batch * args.seq / step_s, "max_rss_gib": raw["max_rss_bytes"] / 2**30,
             "cuda_max_allocated_gib": (raw["cuda_max_allocated_bytes"] or 0) / 2**30,
             "cuda_max_reserved_gib": (raw.get("cuda_max_reserved_bytes") or 0) / 2**30,
-            "losses": _losses(lib, out), "threads": raw["threads"], "wall_s": raw["end"] - raw["start"]}
+            "losses": _losses(lib, out), "threads": raw["threads"], "wall_s": raw["end"] - raw["start"],
+            **{k: v for k, v in raw.items() if k.startswith("profile_top")}}
 
 
 def first_step_parity(paths: dict, dtype: str, args) -> dict:
@@ -624,6 +644,9 @@ def main() -> None:
     parser.add_argument("--no-ceiling", action="store_true", help="skip timing the bare matmul/attention ceiling")
     parser.add_argument("--torchtune-python", default=None, help="a python with torchtune 0.6.1 (instead of --venv)")
     parser.add_argument("--torchtune-path", default=None, help="PYTHONPATH for torchtune's runs")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each run's last step, the same way in both libraries: the costliest ops by "
+                             "their own time, in each run's profile_top_cpu / profile_top_device")
     parser.add_argument("--parity", action="store_true",
                         help="first, each library's LoRA step on rows both see whole (write_parity_data), eager, per "
                              "dtype: their first-step losses, in the JSON's 'parity'")

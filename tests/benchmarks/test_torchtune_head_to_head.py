@@ -22,7 +22,14 @@ def _harness():
     return module
 
 
-def test_parity_rows_fill_one_step_and_mtunes_first_loss_is_the_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def fixture(tmp_path_factory):
+    """The harness module and its fixture (model, tokenizer, data), written once."""
+    h2h = _harness()
+    return h2h, h2h.write_fixture(tmp_path_factory.mktemp("h2h") / "fixture")
+
+
+def test_parity_rows_fill_one_step_and_mtunes_first_loss_is_the_checkpoints(tmp_path, fixture):
     """Mutations seen failing: mtune's parity rows without their EOS (``add_eos: false``: the oracle's loss then
     differs); the fixture's model written with Llama 3.1's RoPE scaling, which torchtune's llama3 builder lacks
     (transformers reads the scaling too, so the loss still agrees: the config is checked directly)."""
@@ -30,8 +37,7 @@ def test_parity_rows_fill_one_step_and_mtunes_first_loss_is_the_checkpoints(tmp_
 
     from mtune.tokenizers import load_tokenizer
 
-    h2h = _harness()
-    paths = h2h.write_fixture(tmp_path / "fixture")
+    h2h, paths = fixture
     assert json.loads((paths["model"] / "config.json").read_text())["rope_scaling"] is None
     batch, seq = 2, 128
     data = h2h.write_parity_data(paths, batch, seq)
@@ -41,7 +47,7 @@ def test_parity_rows_fill_one_step_and_mtunes_first_loss_is_the_checkpoints(tmp_
     assert len(rows) == batch and {len(r) for r in rows} == {seq - 1}
 
     args = SimpleNamespace(work=tmp_path / "work", steps=1, batch=batch, seq=seq, device="cpu", peaks={"fp32": 1e11},
-                           venv=tmp_path, torchtune_python=sys.executable, torchtune_path=None)
+                           venv=tmp_path, torchtune_python=sys.executable, torchtune_path=None, profile=False)
     record = h2h.first_step_parity(paths, "fp32", args)
     if importlib.util.find_spec("torchtune") is None:  # CI: torchtune is not a dependency
         assert "error" in record["torchtune"]
@@ -55,3 +61,18 @@ def test_parity_rows_fill_one_step_and_mtunes_first_loss_is_the_checkpoints(tmp_
         logits = model(ids).logits
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     assert record["mtune"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_profile_takes_the_last_step_of_a_run(tmp_path, fixture):
+    """``--profile``: the run's last step profiled (past mtune's tracked first steps: no dispatch-mode frames), its
+    costliest ops by their own time, the costliest first."""
+    h2h, paths = fixture
+    args = SimpleNamespace(work=tmp_path / "work", steps=5, warmup=1, batch=2, seq=128, device="cpu",
+                           peaks={"fp32": 1e11}, venv=tmp_path, torchtune_python=None, torchtune_path=None,
+                           profile=True)
+    run = h2h.run_one("mtune", paths, "lora", False, "fp32", args, 0)
+    top = run["profile_top_cpu"]
+    spent = [float(entry.rsplit(": ", 1)[1].split(" ms")[0]) for entry in top]
+    assert len(top) == 12 and spent == sorted(spent, reverse=True) and top[0].startswith("aten::mm")
+    assert not any("PythonDispatchMode" in entry for entry in top)  # not one of the byte tracker's steps
+    assert "profile_top_device" not in run and len(run["losses"]) == 5
