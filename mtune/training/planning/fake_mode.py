@@ -110,18 +110,17 @@ class PlannerFakeMode(FakeTensorMode):
         return self.dispatch(func, types, args, kwargs or {})
 
 
-def planner_fake_mode(**kwargs) -> FakeTensorMode:
-    """A :class:`PlannerFakeMode` where this torch has the private methods it overrides with the signature they
-    were written against (torch 2.13's), else torch's own ``FakeTensorMode``: the same plans, planned slower. (mtune
-    supports torch from 2.6, whose cache-key function takes other arguments.)"""
-    return (PlannerFakeMode if _keys_fit() else FakeTensorMode)(**kwargs)
-
-
-def _keys_fit() -> bool:
-    """Whether this torch's ``FakeTensorMode`` has the private methods :class:`PlannerFakeMode` overrides."""
+def planner_fake_mode(compiled: bool = False, **kwargs) -> FakeTensorMode:
+    """A :class:`PlannerFakeMode` (:class:`CompilingPlannerFakeMode` for a plan of compiled blocks) where this torch
+    has the private methods it overrides with the signature they were written against (torch 2.13's), else torch's
+    own ``FakeTensorMode``: the same plans, planned slower. (mtune supports torch from 2.6, whose cache-key function
+    takes other arguments.)"""
     key = getattr(FakeTensorMode, "_prep_args_for_hash", None)
-    return (key is not None and hasattr(FakeTensorMode, "dispatch")
+    fits = (key is not None and hasattr(FakeTensorMode, "dispatch")
             and list(inspect.signature(key).parameters) == ["self", "result", "args", "state", "id_hashed_objects"])
+    if not fits:
+        return FakeTensorMode(**kwargs)
+    return (CompilingPlannerFakeMode if compiled else PlannerFakeMode)(**kwargs)
 
 
 class PlanningTracker(TensorTracker):
@@ -202,8 +201,5 @@ class PlanningModes(NamedTuple):
 
 def planning_modes(*, fake: bool, compiled: bool) -> PlanningModes:
     """The plan's modes: fake tensors or real ones (``fake``), compiled blocks or none (``compiled``)."""
-    if not compiled:
-        return PlanningModes(planner_fake_mode(allow_non_fake_inputs=True) if fake else None, PlanningTracker)
-    mode = CompilingPlannerFakeMode if _keys_fit() else FakeTensorMode
-    fake_mode = mode(allow_non_fake_inputs=True) if fake else None
-    return PlanningModes(fake_mode, CompilingPlanningTracker, compiled=True)
+    fake_mode = planner_fake_mode(compiled, allow_non_fake_inputs=True) if fake else None
+    return PlanningModes(fake_mode, CompilingPlanningTracker if compiled else PlanningTracker, compiled)
