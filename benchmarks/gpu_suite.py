@@ -362,10 +362,10 @@ PROFILE_TOP = 12
 """How many ops of the profiled step a row names, by their own time on the host and on the device."""
 
 
-def profile_top(prof, cuda: bool) -> dict:
+def profile_top(prof, cuda: bool, sites: bool = True) -> dict:
     """The profiled step's costliest ops: ``profile_top_cpu`` (and ``profile_top_device`` on CUDA), each
-    ``"op: total ms (calls)"`` by the op's self time, the largest first: where a step's time goes. And
-    ``profile_top_sites``: the same time (the device's on CUDA) by the innermost mtune function the ops ran in,
+    ``"op: total ms (calls)"`` by the op's self time, the largest first: where a step's time goes. With ``sites``,
+    ``profile_top_sites`` too: the same time (the device's on CUDA) by the innermost mtune function the ops ran in,
     ``"mtune/modules/expert_linear.py(107): stacked: total ms (ops)"`` (the line where the function starts): who
     owns it (the profile records Python stacks)."""
     averages = [e for e in prof.key_averages() if not _python_frame(e.key)]
@@ -375,6 +375,8 @@ def profile_top(prof, cuda: bool) -> dict:
     top = {key: [f"{e.key}: {getattr(e, field) / 1e3:.2f} ms ({e.count})"
                  for e in sorted(averages, key=lambda e: -getattr(e, field))[:PROFILE_TOP]]
            for key, field in fields.items()}
+    if not sites:
+        return top
     field = fields["profile_top_device" if cuda else "profile_top_cpu"]
     sites: dict[str, list] = {}
     for event in prof.events():

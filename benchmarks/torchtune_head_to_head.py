@@ -321,9 +321,8 @@ def worker(lib: str, config: str, recipe: str, result: str) -> None:
             from gpu_suite import profile_top  # beside this script: the suite's reading of a profile
 
             profiled["profiler"].__exit__(None, None, None)
-            top = profile_top(profiled.pop("profiler"), cuda)
-            top.pop("profile_top_sites")  # by mtune function: nothing to say of torchtune's step
-            profiled.update(top)
+            # by op only: no Python stacks recorded, and mtune's functions say nothing of torchtune's step
+            profiled.update(profile_top(profiled.pop("profiler"), cuda, sites=False))
 
     register_optimizer_step_post_hook(stamp)
     start = time.perf_counter()
