@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prints the versions of what the run installed (mtune's dependencies and the test extras), one line, so a CI log
-# says what the suite ran against on that machine.
+# says what the suite ran against on that machine (and, when scripts/test.sh installed it, the fla oracle's).
 python3 - <<'PY'
 from importlib.metadata import PackageNotFoundError, version
 import platform
@@ -15,3 +15,7 @@ for name in names:
         pass
 print(f"installed (python {platform.python_version()}): " + ", ".join(found))
 PY
+if [ -n "${MTUNE_FLA_ORACLE_PATH:-}" ]; then
+  PYTHONPATH="$MTUNE_FLA_ORACLE_PATH" python3 -c "from importlib.metadata import version as v
+print('the fla oracle\'s own directory: fla-core', v('fla-core'), 'triton', v('triton'))" 2>/dev/null || true
+fi
