@@ -63,6 +63,7 @@ def mtune_api() -> SimpleNamespace:
     from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
     from mtune._cli.main import main as cli_main
     from mtune._cli.run import load_and_check
+    from mtune.models import FAMILIES
     from mtune.modules.loss import ChunkedCrossEntropyLoss
     from mtune.training.context import setup_run
     from mtune.training.loop import build_loss, train_step
@@ -252,6 +253,12 @@ CASES: list[Case] = [
     Case("qwen3_5_9B_lora_compiled_packed4096", 13, "qwen3_5/9B_lora_single_device", "lora_single_device",
          "Qwen3.5 9B LoRA, compiled (Gated DeltaNet's PyTorch form compiled with its blocks), packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, compile=True, batch_size=1, seq_len=4096, steps=4, minutes=2.5),
+    # ---- part 15: compile where no row has measured it: the MoE QLoRA step (routing, grouped expert matmuls, each
+    # NF4 expert projection dequantized whole under compile), beside part 9's eager twin (run both in one call)
+    Case("qwen3_moe_30B_A3B_qlora_compiled_packed4096", 15, "qwen3_moe/30B_A3B_qlora_single_device",
+         "lora_single_device", "Qwen3-30B-A3B QLoRA (NF4 experts), compiled, packed 4096 x 1",
+         _model("qwen3_moe", "30B_A3B") + LORA_RUN, compile=True, batch_size=1, seq_len=4096, steps=10,
+         env=COMPILE_LOGS, minutes=3.0),
     # ---- part 14: DPO of 8B LoRA with each reference choice, `mtune run` itself on the tiny task's pairs packed
     # into full rows of 2 x 1024 tokens, 2 rows a step (plan_check's 3 tracked steps are the warm-up)
     *(Case(f"llama3_1_8B_lora_dpo_{reference}", 14, "llama3_1/8B_lora_dpo_single_device", "lora_dpo_single_device",
@@ -263,8 +270,9 @@ CASES: list[Case] = [
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
                device_memory_gib=1.05, head_to_head_seq=128)  # --fit keeps at least 1 GiB of allocator margin
-"""What --dry-run changes: tiny model (the tiny family: NF4-friendly shapes, vocabulary 512), 2 x 64 tokens, one
-warm-up and two timed steps; the fit budget and context lengths scaled to it."""
+"""What --dry-run changes: the case's family at its ``tiny`` size, so the dry run runs the case's own kinds of layer
+(the ``tiny`` family, NF4-friendly shapes and a vocabulary of 512, for a case that names no family), 2 x 64 tokens,
+one warm-up and two timed steps; the fit budget and context lengths scaled to it."""
 
 
 def select(part: int | None, names: list[str] | None) -> list[Case]:
@@ -318,9 +326,12 @@ def case_config(api, case: Case, *, device: str, dry_run: bool, seq_len: int | N
     if missing:
         return None, missing
     overrides = list(case.overrides)
-    if dry_run:
+    if dry_run:  # the case's family at its tiny size (its own layers: MoE, DeltaNet, sinks), else the tiny family
+        family = next((o.split("=", 1)[1] for o in overrides if o.startswith("model.family=")), None)
+        if DRY_RUN["size"] not in api.FAMILIES.get(family, (None, {}))[1]:
+            family = DRY_RUN["family"]
         overrides = [o for o in overrides if not o.startswith(("model.family=", "model.size="))]
-        overrides += [f"model.family={DRY_RUN['family']}", f"model.size={DRY_RUN['size']}"]
+        overrides += [f"model.family={family}", f"model.size={DRY_RUN['size']}"]
     seq = seq_len or (DRY_RUN["seq_len"] if dry_run else case.seq_len)
     batch = DRY_RUN["batch_size"] if dry_run else case.batch_size
     overrides += [f"device={device}", "dtype=bf16", f"compile={str(case.compile).lower()}",

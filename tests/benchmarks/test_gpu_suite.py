@@ -110,6 +110,17 @@ def test_a_fit_case_runs_the_config_fit_wrote(tmp_path):
     assert case.batch_size != 1
 
 
+@pytest.mark.parametrize("name,family", [("qwen3_moe_30B_A3B_qlora_compiled_packed4096", "qwen3_moe"),
+                                         ("qwen3_5_9B_lora_fla_packed4096", "qwen3_5"),
+                                         ("gpt_oss_20B_lora_packed4096", "gpt_oss")])
+def test_a_dry_run_keeps_the_cases_family_at_its_tiny_size(name, family):
+    """So the CPU dry run runs a case's own layers (experts, Gated DeltaNet, sinks) before a lease does. Mutation seen
+    failing: the tiny (dense Llama) family for every case."""
+    case = next(c for c in suite.CASES if c.name == name)
+    cfg, _ = suite.case_config(suite.mtune_api(), case, device="cpu", dry_run=True)
+    assert (cfg.model.family, cfg.model.size) == (family, "tiny")
+
+
 def test_plan_agrees_with_the_tracker_on_cpu(dry_run):
     _, rows = dry_run
     for row in rows:
