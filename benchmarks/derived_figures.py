@@ -144,6 +144,10 @@ GPU_PAIRS = {
         "NF4 kernel over torchao's dequantize",
     ("qwen3_moe_30B_A3B_qlora_packed4096", "qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096"):
         "NF4 kernel over torchao's dequantize",
+    ("qwen3_moe_30B_A3B_qlora_compiled_packed4096", "qwen3_moe_30B_A3B_qlora_packed4096"): "compiled over eager",
+    ("qwen3_5_9B_lora_compiled_packed4096", "qwen3_5_9B_lora_packed4096"): "compiled over eager",
+    ("qwen3_5_9B_lora_fla_packed4096", "qwen3_5_9B_lora_packed4096"):
+        "flash-linear-attention's kernels over the PyTorch form",
 }
 
 NF4_KERNEL_COMPILES_FROM = "2026-11-26T19:30:55+00:00"
