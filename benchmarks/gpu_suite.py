@@ -254,7 +254,7 @@ CASES: list[Case] = [
          "Qwen3.5 9B LoRA, compiled (Gated DeltaNet's PyTorch form compiled with its blocks), packed 4096 x 1",
          _model("qwen3_5", "9B") + LORA_RUN, compile=True, batch_size=1, seq_len=4096, steps=4, minutes=2.5),
     # ---- part 15: compile where no row has measured it: the MoE QLoRA step (routing, grouped expert matmuls, each
-    # NF4 expert projection dequantized whole under compile), beside part 9's eager twin (run both in one call)
+    # NF4 expert projection dequantized whole under compile), with part 9's eager twin in the same lease
     Case("qwen3_moe_30B_A3B_qlora_compiled_packed4096", 15, "qwen3_moe/30B_A3B_qlora_single_device",
          "lora_single_device", "Qwen3-30B-A3B QLoRA (NF4 experts), compiled, packed 4096 x 1",
          _model("qwen3_moe", "30B_A3B") + LORA_RUN, compile=True, batch_size=1, seq_len=4096, steps=10,

@@ -40,7 +40,7 @@ echo "$VERSION" > "$OUT/VERSION"
 split -b "${PART_MIB}M" "$STAGE/triton.tar.xz" "$OUT/part_"
 ls -l "$OUT"
 # what was packed, for docs/benchmarks.md (the GPU machine's Python only: a try here writes nothing)
-[ "$PYTHON_VERSION" = 3.12 ] && python3 - "$STAGE" "$OUT" <<'PY'
+if [ "$PYTHON_VERSION" = 3.12 ]; then python3 - "$STAGE" "$OUT" <<'PY'
 import datetime, json, pathlib, sys
 stage, out = map(pathlib.Path, sys.argv[1:])
 wheel = next(stage.glob("triton-*.whl"))
@@ -50,3 +50,4 @@ record = {"date": datetime.date.today().isoformat(), "wheel": wheel.name, "wheel
           "sha256": (out / "SHA256").read_text().strip()}
 pathlib.Path("benchmarks/results/gpu_triton_parts.json").write_text(json.dumps(record, indent=1) + "\n")
 PY
+fi

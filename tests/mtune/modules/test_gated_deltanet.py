@@ -141,8 +141,9 @@ def test_flash_linear_attentions_own_kernel_gives_the_pytorch_forms_outputs_and_
     """The real kernel (flash-linear-attention's chunk_gated_delta_rule, which scripts/test.sh installs apart from the
     environment), run by Triton's interpreter on the CPU in its own process (fla_interpreted.py), through
     GatedDeltaNet's call into it, against the PyTorch form: outputs, the input's gradient and every parameter's, in
-    fp32, with grouped value heads, on rows and on packed rows. Mutations seen failing: the kernel not asked to L2-normalise, packed rows passed without cu_seqlens, the
-    PyTorch form grouping value heads over query/key heads round-robin (repeat) instead of consecutively."""
+    fp32, with grouped value heads, on rows and on packed rows. Mutations seen failing: the kernel not asked to
+    L2-normalise, packed rows passed without cu_seqlens, the PyTorch form grouping value heads over query/key heads
+    round-robin (repeat) instead of consecutively."""
     import json
     import os
     import subprocess
