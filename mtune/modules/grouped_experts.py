@@ -53,6 +53,19 @@ def _project(x: torch.Tensor, projection: ExpertLinear, offsets: torch.Tensor, r
     return out if projection.bias is None else out + projection.bias[row_experts]
 
 
+def _recompute_hidden(experts, outs: list[torch.Tensor], compiling: bool):
+    """``experts.hidden(*outs)`` again, and the function from its gradient to ``outs``' gradients. Under
+    torch.compile by ``torch.func.vjp``, which dynamo traces into the block's graph (``torch.autograd.grad`` would
+    break the graph at every MoE layer); eagerly by ``torch.autograd.grad``, which frees each saved intermediate as
+    it goes where a vjp keeps them all until it returns (gpt-oss's clamped SwiGLU keeps several)."""
+    if compiling:
+        return torch.func.vjp(experts.hidden, *outs)
+    outs = [out.detach().requires_grad_() for out in outs]
+    with torch.enable_grad():
+        hidden = experts.hidden(*outs)
+    return hidden.detach(), lambda grad: torch.autograd.grad(hidden, outs, grad)
+
+
 class _GroupedExperts(torch.autograd.Function):
     """The experts' ``down(hidden(first projections(x)))`` (SwiGLU's gate and up, gpt-oss's fused gate/up) by grouped
     matmuls (see the module docstring). ``factors``: each adapted projection's ``lora_a.weight`` and
@@ -104,18 +117,16 @@ class _GroupedExperts(torch.autograd.Function):
                 grad_in = grad_in + _gmm(grad_low, a, offsets)
             return grad_in
 
-        outs = [out.detach().requires_grad_() for out in outs]
-
-        def recompute_hidden() -> torch.Tensor:
-            with torch.enable_grad():
-                return ctx.experts.hidden(*outs)
-
         # the hidden rows live only while needed: from down's input gradient where its factors read them, else from
         # their own gradient; never through the first projections' backward
-        hidden = recompute_hidden() if down in ctx.adapted else None
-        grad_hidden = back(grad_out, down, None if hidden is None else hidden.detach())
-        grads = torch.autograd.grad(recompute_hidden() if hidden is None else hidden, outs, grad_hidden)
+        compiling = torch.compiler.is_compiling()
+        hidden, hidden_grads = _recompute_hidden(ctx.experts, outs, compiling) if down in ctx.adapted else (None, None)
+        grad_hidden = back(grad_out, down, hidden)
         del hidden
+        if hidden_grads is None:
+            hidden_grads = _recompute_hidden(ctx.experts, outs, compiling)[1]
+        grads = hidden_grads(grad_hidden)
+        del hidden_grads
         grad_x = back(grads[0], firsts[0], x)
         for grad, projection in zip(grads[1:], firsts[1:]):
             grad_x = grad_x + back(grad, projection, x)

@@ -201,6 +201,23 @@ def test_nf4_experts_compile(path):
         torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("nf4", [False, True])
+def test_the_grouped_experts_compile_in_one_graph(nf4):
+    """dynamo traces the grouped path's own backward (the hidden rows' vector-Jacobian product by torch.func.vjp), so
+    a compiled MoE block keeps its experts in the block's graph: one graph, no break, plain bf16 or NF4 experts.
+    Mutation seen failing: torch.autograd.grad in that backward (a break at every MoE layer: two graphs here)."""
+    block = moe_block(torch.bfloat16).requires_grad_(False)
+    if nf4:
+        for projection in block.experts.projections():
+            projection.nf4 = True
+            projection.quantize_()
+    block.expert_compute = "grouped"
+    x = torch.randn(2, 9, DIM, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).requires_grad_()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(block)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def _adapted_block(dtype, nf4=False, seed=0):
     """The test block with rank-8 LoRA factors on every expert projection (B nonzero, so every path counts), the
     base frozen (NF4 when ``nf4``)."""
