@@ -107,6 +107,36 @@ def test_the_clamp_bites_and_routing_matches(hf_model, oss_dir, monkeypatch):
     torch.testing.assert_close(weights, hf_weights, rtol=0, atol=1e-5)
 
 
+def test_the_experts_compile_in_one_graph_through_the_clamp(oss_dir):
+    """The grouped experts' backward under torch.compile (the hidden rows' vjp by torch.func.vjp) through gpt-oss's
+    clamped SwiGLU, on layer 0's own input, where the clamp bites (above): one graph, no break, and eager's output and
+    input gradient (aot_eager: dynamo's and AOT autograd's tracing). Mutation seen failing: torch.autograd.grad in
+    that backward (six graphs, five breaks)."""
+    model = load_model_from_hf(oss_dir).to(torch.bfloat16).requires_grad_(False)
+    mlp = model.layers[0].mlp
+    seen = {}
+    hook = mlp.register_forward_pre_hook(lambda module, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        model(TOKENS)
+    hook.remove()
+    x = seen["x"]
+    assert mlp._grouped(x.reshape(-1, x.shape[-1]))
+
+    def out_and_grad(fn):
+        rows = x.clone().requires_grad_()
+        out = fn(rows)
+        (out.float() * torch.arange(out.shape[-1])).sum().backward()
+        return out.float(), rows.grad.float()
+
+    eager = out_and_grad(mlp)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(mlp)(x.clone().requires_grad_())
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    for got, want in zip(out_and_grad(torch.compile(mlp, backend="aot_eager")), eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
+
+
 def test_saved_whole_experts_load_in_transformers(oss_dir, tmp_path):
     """Saved without a source checkpoint (config from the arguments) and with one: the experts whole and transposed
     under the hub's names, and transformers' logits equal ours. Mutation seen failing: the weights saved

@@ -205,7 +205,7 @@ def test_nf4_experts_compile(path):
 def test_the_grouped_experts_compile_in_one_graph(nf4):
     """dynamo traces the grouped path's own backward (the hidden rows' vector-Jacobian product by torch.func.vjp), so
     a compiled MoE block keeps its experts in the block's graph: one graph, no break, plain bf16 or NF4 experts.
-    Mutation seen failing: torch.autograd.grad in that backward (a break at every MoE layer: two graphs here)."""
+    Mutation seen failing: torch.autograd.grad in that backward (breaks at every MoE layer: six graphs here)."""
     block = moe_block(torch.bfloat16).requires_grad_(False)
     if nf4:
         for projection in block.experts.projections():
