@@ -82,8 +82,10 @@ def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
     if _kernel is None:
         _kernel = torch.compile(decode, dynamic=False, fullgraph=True)
     tracked = _under_dispatch_mode()
+    # set and restored by hand: config.patch costs ~0.15 ms a call here, and this runs for every weight of every step
+    limit, torch._dynamo.config.recompile_limit = torch._dynamo.config.recompile_limit, KERNEL_SHAPES
     try:
-        with torch._dynamo.config.patch(recompile_limit=KERNEL_SHAPES), _set_aside(tracked):
+        with _set_aside(tracked):
             out = _kernel(weight.quantized_data, weight.nf4, scales, tuple(weight.shape))
         # the mode (the byte tracker) did not see the kernel allocate: a view made under it shows it the result
         return out.view(out.shape) if tracked else out
@@ -95,3 +97,5 @@ def dequantize_nf4(weight: torch.Tensor) -> torch.Tensor:
         log.warning("NF4 dequantization could not be compiled on %s (%s): torchao's eager ops run instead",
                     weight.device, first_line)
         return weight.get_original_weight()
+    finally:
+        torch._dynamo.config.recompile_limit = limit
