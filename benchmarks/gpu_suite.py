@@ -389,19 +389,19 @@ def profile_top(prof, cuda: bool, sites: bool = True) -> dict:
     if not sites:
         return top
     field = fields["profile_top_device" if cuda else "profile_top_cpu"]
-    sites: dict[str, list] = {}
+    by_site: dict[str, list] = {}
     for event in prof.events():
         if _python_frame(event.name) or not getattr(event, field):
             continue
         parent = event.cpu_parent
         while parent is not None and "mtune/" not in parent.name:
             parent = parent.cpu_parent
-        site = sites.setdefault("(outside mtune)" if parent is None else "mtune/" + parent.name.split("mtune/", 1)[1],
-                                [0.0, 0])
+        site = by_site.setdefault("(outside mtune)" if parent is None else "mtune/" + parent.name.split("mtune/", 1)[1],
+                                  [0.0, 0])
         site[0] += getattr(event, field)
         site[1] += 1
     top["profile_top_sites"] = [f"{name}: {total / 1e3:.2f} ms ({ops})" for name, (total, ops)
-                                in sorted(sites.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]]
+                                in sorted(by_site.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]]
     return top
 
 
