@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.loss import CrossEntropyLoss
@@ -68,7 +68,11 @@ def _sharded(ckpt, dtype, lora=None, seed=0):
 
 
 def _full_optim_state(model, optimizer):
-    _, optim = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # The optimizer's state only: get_state_dict would also gather the whole model, NF4 bases included, through
+    # torchao's NF4 all-gather, which now and then corrupts the heap on gloo (malloc(): unaligned tcache chunk,
+    # SIGABRT in wait_tensor; 3 runs of 40 here). mtune's own gathers dequantize an NF4 shard first (dcp._gather).
+    optim = get_optimizer_state_dict(model, optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return optim.get("state", {})  # full_state_dict + cpu_offload: only rank 0 gets the state
 
 
