@@ -3,7 +3,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,32 +19,27 @@ from mtune.training.checkpointing.checkpoint_dir import (
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CONFIG = {"model": {"size": "tiny"}, "batch_size": 2, "output_dir": "/x"}
 
-# Writes step_<step> with keep_last_n_checkpoints=1; the "model" is two files written by the caller.
-WRITER_SCRIPT = textwrap.dedent("""
-    import sys
-    from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
-    out, step = sys.argv[1], int(sys.argv[2])
+def _write_step(out, step: int) -> None:
+    """Writes step_<step> with keep_last_n_checkpoints=1; the "model" is two files written by the caller."""
     writer = CheckpointWriter(out, keep_last_n_checkpoints=1)
     with writer.open(step=step, epoch=0, config={"step": step}, kind="hf_full") as tmp:
         (tmp / "model.safetensors").write_bytes(b"w" * 1000)
         (tmp / "config.json").write_text("{}")
-    print("done")
-""")
 
 
-def _write(out, step, fault=None):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    env.pop("MTUNE_FAULT_INJECT", None)
-    if fault:
-        env["MTUNE_FAULT_INJECT"] = fault
-    return subprocess.run([sys.executable, "-c", WRITER_SCRIPT, str(out), str(step)], env=env,
+def _write_and_die(out, step: int, fault: str) -> subprocess.CompletedProcess:
+    """:func:`_write_step` in a process of its own, killed at the fault point ``fault``."""
+    script = ("import sys; from tests.mtune.training.checkpointing.test_checkpoint_dir import _write_step; "
+              "_write_step(sys.argv[1], int(sys.argv[2])); print('done')")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), MTUNE_FAULT_INJECT=fault)
+    return subprocess.run([sys.executable, "-c", script, str(out), str(step)], env=env,
                           capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("fault", FAULT_POINTS)
 def test_crash_at_each_point_never_yields_a_half_checkpoint(tmp_path, fault, caplog):
-    assert _write(tmp_path, 1).returncode == 0
-    proc = _write(tmp_path, 2, fault)
+    _write_step(tmp_path, 1)
+    proc = _write_and_die(tmp_path, 2, fault)
     assert proc.returncode == 137 and "done" not in proc.stdout
     new_is_complete = fault in ("after_rename", "during_prune")
     leftovers = sorted(p.name for p in tmp_path.iterdir())
@@ -66,7 +60,7 @@ def test_crash_at_each_point_never_yields_a_half_checkpoint(tmp_path, fault, cap
     else:
         assert remaining == ["step_1"] and "interrupted run" in caplog.text
     # the next save works and prunes to one
-    assert _write(tmp_path, 3).returncode == 0
+    _write_step(tmp_path, 3)
     assert [p.name for _, p in list_checkpoints(tmp_path)] == ["step_3"]
 
 
