@@ -1,4 +1,4 @@
-"""Import a script of scripts/ as a module (scripts/ is not a package)."""
+"""Import a script of scripts/ or benchmarks/ as a module (neither folder is a package)."""
 
 import importlib.util
 import sys
@@ -7,10 +7,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def load_script(name: str):
+def load_script(name: str, folder: str = "scripts"):
+    """``<folder>/<name>.py`` imported as the module ``name`` (once: later calls return the same module)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

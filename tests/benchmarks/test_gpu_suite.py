@@ -1,27 +1,17 @@
 """benchmarks/gpu_suite.py's dry run on a CPU: the rows a GPU run would write, their schema, the plan against the
 tracker, and the markdown table beside the JSON."""
 
-import importlib.util
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from tests._helpers.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-suite = _suite()
+suite = load_script("gpu_suite", "benchmarks")
 
 ROW_KEYS = {"case", "part", "kind", "compile", "status", "gpu_name", "torch", "cuda", "driver", "torchao",
             "bitsandbytes", "expandable_segments", "tokens_per_s", "mfu", "hfu", "planned_allocated_gib",

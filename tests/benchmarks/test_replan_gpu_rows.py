@@ -1,22 +1,18 @@
 """benchmarks/replan_gpu_rows.py: which measured rows it plans again, and its planned-vs-measured errors on a cheap
 one (Llama 3.2 1B eager: about a CPU-second)."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests._helpers.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("replan_gpu_rows", REPO / "benchmarks" / "replan_gpu_rows.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+replan = load_script("replan_gpu_rows", "benchmarks")
 
 
 def test_it_replans_the_latest_ok_run_row_of_each_case_on_each_gpu():
-    replan = _script()
     rows = [
         {"case": "a", "gpu_name": "H100", "status": "ok", "kind": "run", "max_allocated_gib": 1.0, "date": "1"},
         {"case": "a", "gpu_name": "H100", "status": "ok", "kind": "run", "max_allocated_gib": 2.0, "date": "2"},
@@ -32,7 +28,6 @@ def test_it_replans_the_latest_ok_run_row_of_each_case_on_each_gpu():
 
 
 def test_a_replanned_row_is_its_config_planned_against_its_measurement(tmp_path):
-    replan = _script()
     (row,) = replan.main(["--cases", "llama3_2_1B_lora_eager", "--out", str(tmp_path / "replan.json")])
     measured = [r for r in json.loads((REPO / "benchmarks" / "results" / "gpu_suite.json").read_text())["rows"]
                 if r["case"] == "llama3_2_1B_lora_eager" and r["status"] == "ok"][-1]

@@ -11,21 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests._helpers.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _harness():
-    spec = importlib.util.spec_from_file_location("torchtune_head_to_head",
-                                                  REPO / "benchmarks" / "torchtune_head_to_head.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+h2h = load_script("torchtune_head_to_head", "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def fixture(tmp_path_factory):
     """The harness module and its fixture (model, tokenizer, data), written once."""
-    h2h = _harness()
     return h2h, h2h.write_fixture(tmp_path_factory.mktemp("h2h") / "fixture")
 
 

@@ -2,25 +2,22 @@
 ratios are the quotients of the numbers they come from (mutation seen failing: eager_to_compiled dividing the
 eager tokens/s by the compiled ones)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests._helpers.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("derived_figures", REPO / "benchmarks" / "derived_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+derived = load_script("derived_figures", "benchmarks")
 
 
 def test_committed_derived_files_are_the_scripts_output(tmp_path):
-    _script().main(tmp_path)
+    derived.main(tmp_path)
     for name in ("derived_head_to_head.json", "derived_memory_techniques.json", "derived_plan.json",
                  "derived_gpu_suite.json"):
         assert json.loads((tmp_path / name).read_text()) == json.loads((RESULTS / name).read_text()), name
@@ -33,13 +30,13 @@ def test_eager_to_compiled_ratio_from_the_two_runs():
         (row,) = [r for r in rows if (r["case"], r["dtype"], bool(r["compile"])) == ("full", "fp32", compiled)]
         return row["mtune"]["tokens_per_second"]
 
-    records = _script().eager_to_compiled()
+    records = derived.eager_to_compiled()
     (full_fp32,) = [r for r in records if (r["case"], r["dtype"], r["runs"]) == ("full", "fp32",
                                                                                  "h2h_fused_loss -> h2h_compile")]
     assert full_fp32["speedup"] == tok_s("h2h_compile", True) / tok_s("h2h_fused_loss", False)
     memory = json.loads((RESULTS / "memory_techniques.json").read_text())["rows"]
     state = {r["name"]: r["optimizer_state"] for r in memory}
-    (row,) = [r for r in _script().optimizer_state_vs_adamw() if r["name"] == "torchao AdamW4bit"]
+    (row,) = [r for r in derived.optimizer_state_vs_adamw() if r["name"] == "torchao AdamW4bit"]
     assert row["optimizer_state_ratio"] == state["torchao AdamW4bit"] / state["full fp32, AdamW (baseline)"]
 
 
@@ -51,7 +48,7 @@ def test_gpu_suite_pairs_and_margins_from_the_rows():
 
     all_ok = [r for r in json.loads((RESULTS / "gpu_suite.json").read_text())["rows"] if r["status"] == "ok"]
     rows = {r["case"]: r for r in all_ok}
-    figures = _script().gpu_suite_figures()
+    figures = derived.gpu_suite_figures()
     pair, newest = [p for p in figures["tokens_per_s_pairs"]
                     if p["name"] == "llama3_1_8B_qlora_eager_packed4096 / llama3_1_8B_lora_eager_packed4096"]
     lora = rows["llama3_1_8B_lora_eager_packed4096"]
@@ -79,7 +76,7 @@ def test_paged_states_are_the_cards_use_less_the_allocator_and_the_context():
     context = statistics.median(r["device_used_gib"] - r["max_reserved_gib"] for r in latest
                                 if not r["planned_host_gib"])
     (paged,) = [r for r in rows if r["case"] == "llama3_1_8B_full_paged_adamw8bit"]
-    figures = _script().gpu_suite_figures()
+    figures = derived.gpu_suite_figures()
     (record,) = [m for m in figures["paged_states"] if m["name"] == "llama3_1_8B_full_paged_adamw8bit"]
     assert figures["cuda_context_gib"] == context
     assert record["measured_managed_gib"] == paged["device_used_gib"] - paged["max_reserved_gib"] - context
@@ -95,7 +92,7 @@ def test_nf4_block_time_is_the_blocks_seven_matmuls():
         return (2 * seconds["q_proj/o_proj"] + 2 * seconds["k_proj/v_proj"] + 2 * seconds["gate_proj/up_proj"]
                 + seconds["down_proj"])
 
-    (bnb,) = [r for r in _script().nf4_block_figures() if r["name"] == "bitsandbytes matmul_4bit"]
+    (bnb,) = [r for r in derived.nf4_block_figures() if r["name"] == "bitsandbytes matmul_4bit"]
     assert bnb["block_seconds"] == pytest.approx(block("bitsandbytes matmul_4bit"), rel=1e-12)
     assert bnb["over_bf16"] == pytest.approx(block("bitsandbytes matmul_4bit") / block("bf16 (dequantized once)"),
                                              rel=1e-12)
@@ -104,7 +101,7 @@ def test_nf4_block_time_is_the_blocks_seven_matmuls():
 def test_nf4_pairs_measured_before_the_kernel_compiled_in_steps_say_so():
     # every NF4 twin pair so far comes from leases before the fix (the kernel ran uncompiled): each carries the caveat;
     # no other pair does
-    figures = _script().gpu_suite_figures()
+    figures = derived.gpu_suite_figures()
     for pair in figures["tokens_per_s_pairs"]:
         measured_before = all(lease < "2026-11-26T19:30:55+00:00" for lease in pair["leases"])
         assert ("caveat" in pair) == (pair["what"].startswith("NF4 kernel") and measured_before), pair["name"]
