@@ -37,7 +37,8 @@ def _write_and_die(out, step: int, fault: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("fault", FAULT_POINTS)
-def test_crash_at_each_point_never_yields_a_half_checkpoint(tmp_path, fault, caplog):
+def test_crash_at_each_point_never_yields_a_half_checkpoint(tmp_path, fault, caplog, monkeypatch):
+    monkeypatch.delenv("MTUNE_FAULT_INJECT", raising=False)  # the good steps, written here, must not die
     _write_step(tmp_path, 1)
     proc = _write_and_die(tmp_path, 2, fault)
     assert proc.returncode == 137 and "done" not in proc.stdout
