@@ -181,6 +181,21 @@ def _leases(rows: list[dict]) -> dict[str, str]:
     return leases
 
 
+def _excess_s(row: dict) -> float:
+    """Seconds a row's measured steps took beyond as many steps at its median timed step (``step_s``): its warm-up
+    (compilation, first-use allocations, the tracked steps), the timed steps' scatter about their median aside."""
+    return sum(row["step_times_s"]) - len(row["step_times_s"]) * row["step_s"]
+
+
+def _compile_payback(compiled: dict, eager: dict) -> dict:
+    """After how many steps a compiled run has caught up with its eager twin: the extra warm-up compilation costs
+    over the eager run's own, divided by what each compiled step saves."""
+    extra = _excess_s(compiled) - _excess_s(eager)
+    saving = eager["step_s"] - compiled["step_s"]
+    return {"compile_extra_warmup_s": extra, "step_saving_s": saving,
+            "pays_back_after_steps": extra / saving if saving > 0 else None}
+
+
 def gpu_suite_figures() -> dict:
     """docs/benchmarks.md's arithmetic on ``gpu_suite.json`` (the latest ``ok`` row of each case on each GPU):
     tokens/s quotients of case pairs (:data:`GPU_PAIRS`: both rows from each lease that ran both, and each case's
@@ -210,6 +225,8 @@ def gpu_suite_figures() -> dict:
                         "ratio": over["tokens_per_s"] / under["tokens_per_s"]}
                 if what.startswith("NF4 kernel") and _before(over["date"], NF4_KERNEL_COMPILES_FROM):
                     pair["caveat"] = "the kernel's ops ran uncompiled in these steps (NF4_KERNEL_COMPILES_FROM)"
+                if what == "compiled over eager":
+                    pair.update(_compile_payback(over, under))
                 pairs.append(pair)
     margins = [{"name": case, "gpu_name": gpu,
                 "reserved_minus_allocated_gib": r["max_reserved_gib"] - r["max_allocated_gib"],

@@ -65,6 +65,24 @@ def test_gpu_suite_pairs_and_margins_from_the_rows():
     assert margin["reserved_minus_allocated_gib"] == full["max_reserved_gib"] - full["max_allocated_gib"]
 
 
+def test_compile_pays_back_when_both_runs_have_taken_the_same_time():
+    # independent form: after `pays_back_after_steps` steps (the measured ones, then steps at the median timed step),
+    # the compiled run and its eager twin have taken the same wall time; the 8B LoRA pair of the first lease
+    rows = [r for r in json.loads((RESULTS / "gpu_suite.json").read_text())["rows"] if r["status"] == "ok"]
+    lease_of = derived._leases(rows)
+    (pair,) = [p for p in derived.gpu_suite_figures()["tokens_per_s_pairs"]
+               if p["name"] == "llama3_1_8B_lora_compiled_packed4096 / llama3_1_8B_lora_eager_packed4096"]
+    compiled, eager = ([r for r in rows if r["case"] == case and lease_of[r["date"]] in pair["leases"]][-1]
+                       for case in pair["name"].split(" / "))
+
+    def wall(row, steps):
+        return sum(row["step_times_s"]) + (steps - len(row["step_times_s"])) * row["step_s"]
+
+    steps = pair["pays_back_after_steps"]
+    assert 10 < steps < 1000 and wall(compiled, steps) == pytest.approx(wall(eager, steps), rel=1e-12)
+    assert wall(compiled, steps + 1) < wall(eager, steps + 1)
+
+
 def test_paged_states_are_the_cards_use_less_the_allocator_and_the_context():
     # independent read: the context as the median of used - reserved over each case's latest row that plans nothing
     # off the allocator
