@@ -198,6 +198,7 @@ class TrainingSession:
 
     def _train_step(self, micro_batches: list[dict]) -> StepResult:
         self._step_flops_now = self.step_flops(micro_batches)
+        self.monitor.step_started()
         with oom_guard("forward/backward and optimizer step", self.cfg):  # oom_recovery re-plans and retries first
             return self.recovery.run(self._step_once, micro_batches, self.step + 1)
 

@@ -2,6 +2,7 @@
 peak the run reports; the end-of-run summary states them."""
 
 import json
+import time
 
 import pytest
 
@@ -17,7 +18,9 @@ def test_lora_run_logs_mfu_and_hfu(tmp_path, tiny_checkpoint, tiny_data, capfd):
     overrides = train_overrides(tmp_path, tiny_checkpoint, tiny_data, max_steps_per_epoch=3,
                                 enable_activation_checkpointing=True, **{"dataset.packed": True})
     overrides.append("loss._component_=mtune.modules.loss.ChunkedCrossEntropyLoss")
+    started = time.perf_counter()
     out = run_recipe_in_process("lora_single_device", overrides)
+    run_s = time.perf_counter() - started
     printed = capfd.readouterr().err
     # The counter on the same model, built on meta: packed rows are max_seq_len (64) long.
     _, args = model_args_from_hf_config(json.loads((tiny_checkpoint / "config.json").read_text()))
@@ -35,4 +38,7 @@ def test_lora_run_logs_mfu_and_hfu(tmp_path, tiny_checkpoint, tiny_data, capfd):
     assert throughput["mfu"] == pytest.approx(fpt.model * throughput["tokens_per_second"] / peak, rel=1e-9)
     assert "measured" in throughput["peak_flops_source"]
     assert "mfu/hfu against cpu in fp32: " in printed and "| mfu " in printed and "| hfu " in printed
-    assert "throughput over the last 2 steps (the first excluded): " in printed
+    # the first step's time, stated: within the run, and as results.json records it
+    first = throughput["first_step_s"]
+    assert 0 < first < run_s
+    assert f"throughput over the last 2 steps (the first excluded: it took {first:.1f} s): " in printed

@@ -66,6 +66,9 @@ class TrainingMonitor:
         self._run_start: float | None = None
         self._run_end = 0.0
         self._run_steps = 0
+        self._first_started: float | None = None
+        self.first_step_s: float | None = None
+        """Seconds the first step of this process took (compilation and warm-up included), when it was marked."""
 
     def _utilization(self, totals, tokens_per_second_per_device: float) -> dict[str, float]:
         model_flops, hardware_flops, tokens = totals
@@ -91,6 +94,8 @@ class TrainingMonitor:
         elapsed = self._run_end - self._run_start
         tps = self._run[2] / elapsed if elapsed > 0 else 0.0
         out = {"steps": self._run_steps, "tokens_per_second": tps, "tokens_per_second_per_device": tps / self.world_size}
+        if self.first_step_s is not None:
+            out["first_step_s"] = self.first_step_s
         return {**out, **self._utilization(self._run, tps / self.world_size)}
 
     def summary_line(self) -> str | None:
@@ -98,7 +103,8 @@ class TrainingMonitor:
         summary = self.summary()
         if not summary:
             return None
-        line = (f"throughput over the last {summary['steps']} steps (the first excluded): "
+        first = f": it took {summary['first_step_s']:.1f} s" if "first_step_s" in summary else ""
+        line = (f"throughput over the last {summary['steps']} steps (the first excluded{first}): "
                 f"{summary['tokens_per_second']:.1f} tokens/s")
         if self.world_size > 1:
             line += f" ({summary['tokens_per_second_per_device']:.1f} per device)"
@@ -106,6 +112,11 @@ class TrainingMonitor:
             line += f", mfu {summary['mfu']:.1%}, hfu {summary['hfu']:.1%} of {self.peak}"
         return line
     # --- end utilization
+
+    def step_started(self) -> None:
+        """Mark the start of a step: the first one's time (compilation, warm-up) is stated at the end."""
+        if self._run_start is None:
+            self._first_started = self.timer.synchronized_clock()
 
     def step(self, *, step: int, epoch: int, result: StepResult, lr: float, extra: Mapping[str, Any] | None = None,
              flops: tuple[float, float] | None = None):
@@ -115,6 +126,8 @@ class TrainingMonitor:
         self._count_flops(flops, tokens)
         if self._run_start is None:
             self._run_start = self.timer.synchronized_clock()
+            if self._first_started is not None:
+                self.first_step_s = self._run_start - self._first_started
         else:
             self._run_steps += 1
             self._run_end = self.timer.clock()  # re-read after rates() below, which waits for the device

@@ -74,3 +74,22 @@ def test_mfu_and_hfu_from_step_flops_and_the_peak(tmp_path):
     summary = monitor.summary()
     assert summary["steps"] == 2 and summary["mfu"] == pytest.approx(100.0 * summary["tokens_per_second"] / 1e9)
     assert "mfu" in monitor.summary_line() and "(test)" in monitor.summary_line()
+
+
+def test_the_first_steps_time_is_stated_from_its_start_to_its_end(tmp_path):
+    # a clock the test moves: the first step runs from 10.0 to 12.5; later steps' starts do not count
+    now = [0.0]
+    monitor = _monitor(tmp_path, total_steps=3, log_every_n_steps=1)
+    monitor.timer._clock = lambda: now[0]
+    for step, (start, end) in enumerate([(10.0, 12.5), (13.0, 13.25), (13.5, 13.75)], start=1):
+        now[0] = start
+        monitor.step_started()
+        now[0] = end
+        result = StepResult(loss=1.0, trained_tokens=10, num_tokens=16, grad_norm=None, stepped=True)
+        monitor.step(step=step, epoch=0, result=result, lr=1e-3)
+    monitor.close()
+    assert monitor.summary()["first_step_s"] == 2.5
+    assert "(the first excluded: it took 2.5 s): " in monitor.summary_line()
+    unmarked = _monitor(tmp_path / "unmarked", total_steps=2, log_every_n_steps=1)
+    _steps(unmarked, [1, 2])
+    assert "first_step_s" not in unmarked.summary() and "(the first excluded): " in unmarked.summary_line()
