@@ -15,6 +15,7 @@ OUT="${OUT:?OUT: the device tool sets it}"
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
 suite() {  # suite WORKDIR SECONDS ARGS...: the suite's cases under a timeout, its log and the cases' logs to $OUT
   local work="$1" seconds="$2"; shift 2
+  [ -d /tmp/site ] || { echo "no /tmp/site on this machine: run item 1 first (it installs the wheels)" >&2; exit 1; }
   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout "$seconds" python3 benchmarks/gpu_suite.py --budget-s 9000 \
     --out "$OUT/gpu_suite.json" --work "$work" "$@" 2>&1 | tee "$OUT/suite.log"
   (cd "$work" && tar czf "$OUT/logs.tgz" ./*.log)
@@ -40,14 +41,11 @@ case "$item" in
     suite /tmp/gs3 300 --fla-path /tmp/site_triton:/tmp/site_fla \
       --cases qwen3_5_9B_lora_fla_packed4096 qwen3_5_9B_lora_packed4096 ;;
   4)
-    ls /tmp/site >/dev/null || exit
     suite /tmp/gs4 330 --cases qwen3_moe_30B_A3B_qlora_packed4096 \
       qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096 ;;
   5)
-    ls /tmp/site >/dev/null || exit
     suite /tmp/gs5 300 --cases qwen3_moe_30B_A3B_qlora_compiled_packed4096 ;;
   6)
-    ls /tmp/site >/dev/null || exit
     suite /tmp/gs6 540 --cases llama3_1_8B_lora_packed4096_segments qwen3_5_9B_lora_compiled_packed4096 \
       llama3_1_8B_lora_longest_planned_context ;;
   *)
