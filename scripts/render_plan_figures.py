@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: mtune from this checkout
+from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "plan_configs.json"
 CONFIGS = REPO / "recipes" / "configs"
 GIB = 1024**3
@@ -29,6 +32,13 @@ def shipped_training_configs() -> list[str]:
 
 
 GPU_SIZES_GB = (4, 6, 8, 12, 16, 24, 32, 40, 48, 80, 141)
+
+
+def device_total(result: dict) -> int:
+    """The whole-GPU figure of a plan_configs.json record: its allocator peak, as planned, plus the CUDA context as
+    the planner states it now (``CUDA_CONTEXT_BYTES``, an input of the plan, not something it computes: a change to
+    it re-renders the figures without planning again)."""
+    return result["device_peak_bytes"] + CUDA_CONTEXT_BYTES
 
 
 def gpu_size(total_bytes: int, ranks: int = 1) -> str:
@@ -71,9 +81,9 @@ def header_block(result: dict) -> list[str]:
     cut = first.rfind("; ", 0, 118) if len(first) > 118 else -1  # a header line stays within 118 characters
     lines = [first] if cut < 0 else [first[:cut + 1], "#   " + first[cut + 2:]]
     lines += [f"#   GPU {result['device_peak_bytes'] / GIB:.1f} GiB allocated at the peak ({parts})",
-              f"#   + 0.5 GiB CUDA context = {result['device_total_bytes'] / GIB:.1f} GiB"
+              f"#   + {CUDA_CONTEXT_BYTES / GIB:.1f} GiB CUDA context = {device_total(result) / GIB:.1f} GiB"
               + (f"; host {result['host_peak_bytes'] / GIB:.1f} GiB" if result["host_peak_bytes"] else "")
-              + f": fits {gpu_size(result['device_total_bytes'], ranks)}.",
+              + f": fits {gpu_size(device_total(result), ranks)}.",
               *data]
     if ranks > 1:
         lines.insert(-len(data), "#   Sharded state scales with 1/ranks (mtune plan --nproc_per_node N plans another "
@@ -109,7 +119,7 @@ def rendered_table(results: dict[str, dict]) -> str:
         elif match and match.group(1) in results:
             r = results[match.group(1)]
             ranks = r.get("world_size", 1)
-            figure = f"{r['device_total_bytes'] / GIB:.1f}" + (f" per GPU ({ranks} GPUs)" if ranks > 1 else "")
+            figure = f"{device_total(r) / GIB:.1f}" + (f" per GPU ({ranks} GPUs)" if ranks > 1 else "")
             batch = f"{r['batch']['batch_size']} × {r['batch']['accumulation']}"
             line = (f"| `{match.group(1)}` | `{match.group(2)}` | {batch} | "
                     f"{figure} | {r['host_peak_bytes'] / GIB:.1f} | `mtune plan` |")
@@ -142,7 +152,7 @@ def rendered_costs(results: dict[str, dict]) -> str:
             if name not in results:
                 raise SystemExit(f"{name}: no plan in {RESULTS}; plan it first: python benchmarks/plan_configs.py {name}")
             r = results[name]
-            gpu, rss = f"{r['device_total_bytes'] / GIB:.1f}", f"{r['peak_rss_bytes'] / GIB:.2f}"
+            gpu, rss = f"{device_total(r) / GIB:.1f}", f"{r['peak_rss_bytes'] / GIB:.2f}"
             if table == "single":
                 machine = r["machine"]
                 line = (f"| `{name}` | {gpu} | {r['seconds']:.0f} | {rss} | {machine['load_average']:.1f} | "

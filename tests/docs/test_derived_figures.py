@@ -123,3 +123,15 @@ def test_nf4_pairs_measured_before_the_kernel_compiled_in_steps_say_so():
     for pair in figures["tokens_per_s_pairs"]:
         measured_before = all(lease < "2026-11-26T19:30:55+00:00" for lease in pair["leases"])
         assert ("caveat" in pair) == (pair["what"].startswith("NF4 kernel") and measured_before), pair["name"]
+
+
+def test_the_planners_cuda_context_is_the_measured_one():
+    """``CUDA_CONTEXT_BYTES`` is the GPU suite's median context (what the card held beyond the caching allocator on
+    rows that keep nothing else outside it), rounded up to a MiB: a lease that moves the median moves the constant,
+    and the config headers are rendered again from it (scripts/render_plan_figures.py)."""
+    import math
+
+    from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
+
+    measured_gib = json.loads((RESULTS / "derived_gpu_suite.json").read_text())["cuda_context_gib"]
+    assert CUDA_CONTEXT_BYTES == math.ceil(measured_gib * 1024) * 2**20, (CUDA_CONTEXT_BYTES, measured_gib)

@@ -17,16 +17,16 @@ CUDA_BLOCK_BYTES = 512
 """The caching allocator rounds every request up to a multiple of 512 bytes; ``max_memory_allocated`` counts that.
 Cited: ``kMinBlockSize = 512`` in PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` ("all sizes are rounded to at
 least 512 bytes"); benchmarks/results/README.md."""
-CUDA_CONTEXT_BYTES = 512 * MIB
-"""What a CUDA process takes on the GPU outside the caching allocator (the context, cuBLAS/cuDNN handles and their
-kernels): about 0.5 GiB with CUDA 12 on an H100/A100 (it varies a little with the driver and the libraries
-loaded). Added to the whole-GPU figure only; ``max_memory_allocated`` does not see it. Stated, not measured: no
-public document gives the size (PyTorch's CUDA semantics notes, "Memory management", say only that memory outside
-the allocator, such as the context, shows in ``nvidia-smi`` and not in ``memory_reserved``; CUDA's lazy loading,
-the default since CUDA 12.2, makes it smaller). Measured since on one H100 with CUDA 13 and torch 2.11:
-``benchmarks/gpu_suite.py``'s ``device_used_gib`` - ``max_reserved_gib`` is larger there, the same on every row
-without managed or offloaded memory (``benchmarks/results/derived_gpu_suite.json``); moving this constant to it
-re-records every config header and golden plan, which is the next step (docs/benchmarks.md, "GPU suite")."""
+CUDA_CONTEXT_BYTES = 751 * MIB
+"""What a CUDA process holds on the GPU outside the caching allocator (the context, the kernels it loads, the
+cuBLAS/cuDNN handles): measured, 0.733 GiB rounded up to a MiB. It is the median of ``device_used_gib`` -
+``max_reserved_gib`` over the GPU suite's rows that keep nothing outside the allocator (no managed or offloaded
+memory): 0.733 to 0.753 GiB on every such row, one H100 with CUDA 13 and torch 2.11, 2026-11-26
+(``cuda_context_gib`` in ``benchmarks/results/derived_gpu_suite.json``). Other drivers, CUDA versions and cards
+differ somewhat (CUDA's lazy loading, the default since 12.2, loads kernels as they are first used). Added to the
+whole-GPU figure and subtracted from a ``--fit`` budget; ``max_memory_allocated`` does not see it. Until that
+measurement it was a stated 0.5 GiB."""
+
 
 class PlanError(MtuneError, RuntimeError):
     """The planner cannot plan this config (it names the key and what to do)."""
