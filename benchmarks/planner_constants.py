@@ -12,7 +12,7 @@ Measured here:
   the method the GPU suite will use, and that the fixed cost is not zero.
 
 Cited (GPU-only; see benchmarks/results/README.md): ``REFERENCE_FLOPS``, ``REFERENCE_HOST_BANDWIDTH``,
-``CUDA_CONTEXT_BYTES``, ``allocator_margin``.
+``allocator_margin``; ``CUDA_CONTEXT_BYTES`` is measured on a GPU (the GPU suite's rows).
 """
 
 import json
@@ -93,7 +93,8 @@ def main(argv: list[str]) -> None:
                           f"(measured) x {STATED_LAUNCH_S * 1e6:.0f} us (stated) = {estimate:.3f} s"},
         "REFERENCE_FLOPS": {"value": cost.REFERENCE_FLOPS, "status": "cited; waits for a lent GPU"},
         "REFERENCE_HOST_BANDWIDTH": {"value": cost.REFERENCE_HOST_BANDWIDTH, "status": "cited; waits for a lent GPU"},
-        "CUDA_CONTEXT_BYTES": {"value": CUDA_CONTEXT_BYTES, "status": "stated; waits for a lent GPU"},
+        "CUDA_CONTEXT_BYTES": {"value": CUDA_CONTEXT_BYTES,
+                               "status": "measured on one H100: benchmarks/results/derived_gpu_suite.json"},
         "allocator_margin": {"value": "max(1 GiB, 5%)", "at_24_gib": fit.allocator_margin(24 * GIB),
                              "status": "stated; waits for a lent GPU (reserved minus allocated)"},
         "HOST_ADAMW_SECONDS_PER_PARAM": {"value": cost.HOST_ADAMW_SECONDS_PER_PARAM,
