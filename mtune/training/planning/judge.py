@@ -35,7 +35,8 @@ class Judge:
     (None: unbounded), remembering the knob levels of those over the device for pruning.
 
     Per candidate: its floor over a budget rejects it unplanned (``reason``); a candidate that saves no more than
-    one over the device on any knob is pruned unplanned (memory grows as a knob saves less); else it is planned
+    one over the device on any knob is pruned unplanned (memory grows as a knob saves less; on a knob whose levels
+    are alternatives, `Knob.ordered` False, only a candidate at the same level); else it is planned
     (``estimator``; the four-block plan skipped where the two-block one is over a budget already), with as many
     blocks' inputs offloaded as the host holds where it cannot hold them all, and priced where it fits."""
 
@@ -43,6 +44,7 @@ class Judge:
                  margin: int, world_size: int, progress: Callable[[str], None] | None = None):
         self.estimator, self.device_memory, self.host_memory = estimator, device_memory, host_memory
         self.offloading = [i for i, knob in enumerate(knobs) if knob.offloads]  # the candidates' levels' places
+        self.alternatives = [i for i, knob in enumerate(knobs) if not knob.ordered]
         self.margin, self.world_size, self.progress = margin, world_size, progress
         self.context = CUDA_CONTEXT_BYTES if model_facts(cfg).cuda else 0
         self.failed: list[tuple[int, ...]] = []
@@ -69,10 +71,12 @@ class Judge:
         and each knob's lesser saving adds to the device. (Offloading the weights by block instead of by leaf
         leaves the host room for more inputs, though their floors are the same: Llama 3.1 8B QLoRA ``--maximize``
         at 40 GiB with a 23 GiB host holds 20 blocks' inputs beside block-level's weights, 18 beside leaf-level's.)"""
-        if any(dominates(fail, levels) for fail in self.failed):
-            return True
-        return any(dominates(fail, levels) and all(levels[i] == fail[i] for i in self.offloading)
-                   for fail in self.failed_kept)
+        def pruned_by(fail: tuple[int, ...], same: list[int]) -> bool:
+            return dominates(fail, levels) and all(levels[i] == fail[i] for i in same)
+
+        # a knob whose levels are alternatives (`Knob.ordered` False) says nothing of its other levels
+        return (any(pruned_by(fail, self.alternatives) for fail in self.failed)
+                or any(pruned_by(fail, self.alternatives + self.offloading) for fail in self.failed_kept))
 
     def consider(self, candidate: Candidate) -> None:
         """Sets ``candidate.fits`` (and its plan, cost, ``pruned`` and ``reason``) as the class docstring says."""
