@@ -38,7 +38,8 @@ class Knob:
     offloads: bool = False
     """Its higher levels move bytes to the host (`FitKnob.offloads`)."""
     ordered: bool = True
-    """A higher level holds no more on the device than a lower one (`FitKnob.ordered`)."""
+    """A higher level holds no more on the device than a lower one (`FitKnob.ordered`; False: levels above 0 are
+    alternatives)."""
 
 
 def _technique_knob(technique: MemoryTechnique) -> Knob:
