@@ -215,36 +215,3 @@ def test_an_answer_that_drops_the_configs_quantized_base_says_so(tmp_path, tiny_
     lora = load_and_check(module, TRAIN_CONFIG, overrides + ["lora.quantize_base=false"])
     assert numerics_line(qlora, lora).startswith("more precise than the config: no NF4 base weights")
     assert numerics_line(qlora, qlora) == numerics_line(lora, lora) == "lossless: the same numbers as the config"
-
-
-def test_a_weight_offloading_level_over_the_device_prunes_only_its_own_level(tmp_path, tiny_checkpoint, tiny_data):
-    """Leaf-level weight offloading can hold more on the device than block-level (Llama 3.2 3B QLoRA, micro-batch
-    2 x 8: 14.32 against 14.12 GiB planned, benchmarks/results/weight_offloading_levels_2026-11-27.json), so the
-    knob's levels are alternatives: a leaf-level candidate over the device prunes the leaf-level candidates that
-    save no more elsewhere and those without weight offloading (all the frozen weights on the device), not a
-    block-level one. Mutations seen failing: the knob declared ordered (the block-level candidate pruned); only the
-    same level pruned (the one without weight offloading planned)."""
-    from mtune.training.memory.technique import FitChoice
-    from mtune.training.planning.candidates import Knob, candidates_of
-    from mtune.training.planning.judge import Judge
-
-    module = load_recipe_module(find_recipe("lora_single_device"))
-    cfg = load_and_check(module, TRAIN_CONFIG, _tiny(tmp_path, tiny_checkpoint, tiny_data, {"device": "cuda"}))
-    knobs = [k for k in KNOBS if k.name in ("weight_offloading", "activation_checkpointing")] + [
-        Knob("micro_batch", lambda c: [FitChoice(0, {})])]
-    candidates = candidates_of(cfg, module.SCHEMA, knobs)
-    weights, checkpointing = ([k.name for k in knobs].index(name) for name in ("weight_offloading",
-                                                                                 "activation_checkpointing"))
-    levels = {(c.levels[weights], c.levels[checkpointing]) for c in candidates}
-    most = max(level for _, level in levels)
-    assert {(0, most), (1, most), (2, most), (2, 0)} <= levels, levels
-    judge = Judge(cfg, Estimator(device_memory=1 << 30, host_memory=None), knobs=knobs, device_memory=1 << 30,
-                  host_memory=None, margin=0, world_size=1)
-
-    def at(offload: int, checkpoint: int) -> tuple[int, ...]:
-        return next(c.levels for c in candidates if (c.levels[weights], c.levels[checkpointing]) == (offload,
-                                                                                                     checkpoint))
-
-    judge.failed.append(at(2, most))  # leaf-level, every block checkpointed, over the device
-    assert judge.dominated(at(2, 0)) and judge.dominated(at(0, most))  # the same level saving less elsewhere; off
-    assert not judge.dominated(at(1, most))

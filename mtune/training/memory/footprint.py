@@ -50,15 +50,11 @@ class FitKnob:
     none in activations (``floor_only``): such a choice whose floor saving is negligible for the budget is not
     searched. ``offloads``: its higher levels save the device by moving bytes to the host, so a lower level leaves
     the host room for more of what is offloaded as far as the host holds it (blocks' inputs): ``--fit`` prunes by
-    such a candidate's failure only the candidates at its level of this knob. ``ordered`` False: its levels above 0
-    are alternatives, not an order, on the device (each holds less there than level 0, the technique off, but a
-    higher one may hold more than a lower one at some settings), so ``--fit`` prunes by a candidate over the device
-    only the candidates at its level of this knob or with the technique off."""
+    such a candidate's failure only the candidates at its level of this knob."""
 
     name: str
     floor_only: bool = False
     offloads: bool = False
-    ordered: bool = True
 
 
 class FitChoice:

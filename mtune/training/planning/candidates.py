@@ -37,9 +37,6 @@ class Knob:
     """What its choices save is all in the floor (`FitKnob.floor_only`)."""
     offloads: bool = False
     """Its higher levels move bytes to the host (`FitKnob.offloads`)."""
-    ordered: bool = True
-    """A higher level holds no more on the device than a lower one (`FitKnob.ordered`; False: levels above 0 are
-    alternatives)."""
 
 
 def _technique_knob(technique: MemoryTechnique) -> Knob:
@@ -47,8 +44,7 @@ def _technique_knob(technique: MemoryTechnique) -> Knob:
         memory = MemoryConfig.from_config(cfg)
         return technique.fit_choices(memory[technique], memory, model_facts(cfg))
 
-    knob = technique.fit_knob
-    return Knob(knob.name, choices, knob.floor_only, knob.offloads, knob.ordered)
+    return Knob(technique.fit_knob.name, choices, technique.fit_knob.floor_only, technique.fit_knob.offloads)
 
 
 def _micro_batch(cfg) -> list[FitChoice]:

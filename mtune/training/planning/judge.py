@@ -35,9 +35,7 @@ class Judge:
     (None: unbounded), remembering the knob levels of those over the device for pruning.
 
     Per candidate: its floor over a budget rejects it unplanned (``reason``); a candidate that saves no more than
-    one over the device on any knob is pruned unplanned (memory grows as a knob saves less; on a knob whose levels
-    are alternatives, `Knob.ordered` False, only a candidate at the same level or with the knob off); else it is
-    planned
+    one over the device on any knob is pruned unplanned (memory grows as a knob saves less); else it is planned
     (``estimator``; the four-block plan skipped where the two-block one is over a budget already), with as many
     blocks' inputs offloaded as the host holds where it cannot hold them all, and priced where it fits."""
 
@@ -45,7 +43,6 @@ class Judge:
                  margin: int, world_size: int, progress: Callable[[str], None] | None = None):
         self.estimator, self.device_memory, self.host_memory = estimator, device_memory, host_memory
         self.offloading = [i for i, knob in enumerate(knobs) if knob.offloads]  # the candidates' levels' places
-        self.alternatives = [i for i, knob in enumerate(knobs) if not knob.ordered]
         self.margin, self.world_size, self.progress = margin, world_size, progress
         self.context = CUDA_CONTEXT_BYTES if model_facts(cfg).cuda else 0
         self.failed: list[tuple[int, ...]] = []
@@ -72,14 +69,10 @@ class Judge:
         and each knob's lesser saving adds to the device. (Offloading the weights by block instead of by leaf
         leaves the host room for more inputs, though their floors are the same: Llama 3.1 8B QLoRA ``--maximize``
         at 40 GiB with a 23 GiB host holds 20 blocks' inputs beside block-level's weights, 18 beside leaf-level's.)"""
-        def pruned_by(fail: tuple[int, ...], kept: bool) -> bool:
-            # a knob whose levels are alternatives (`Knob.ordered` False) says nothing of its other levels but 0:
-            # off, it holds more on the device than at any of them (all the weights an offloading level moves)
-            return (dominates(fail, levels) and all(levels[i] in (fail[i], 0) for i in self.alternatives)
-                    and (not kept or all(levels[i] == fail[i] for i in self.offloading)))
-
-        return any(pruned_by(fail, False) for fail in self.failed) or any(pruned_by(fail, True)
-                                                                           for fail in self.failed_kept)
+        if any(dominates(fail, levels) for fail in self.failed):
+            return True
+        return any(dominates(fail, levels) and all(levels[i] == fail[i] for i in self.offloading)
+                   for fail in self.failed_kept)
 
     def consider(self, candidate: Candidate) -> None:
         """Sets ``candidate.fits`` (and its plan, cost, ``pruned`` and ``reason``) as the class docstring says."""

@@ -69,9 +69,7 @@ class WeightOffloadingSettings(Settings):
 class WeightOffloadingTechnique(MemoryTechnique):
     name = "weight_offloading"
     Settings = WeightOffloadingSettings
-    # leaf-level stages more per leaf than block-level per block: on Llama 3.2 3B QLoRA (micro-batch 2 x 8, no
-    # checkpointing) it plans 14.32 GiB to block-level's 14.12 (benchmarks/results/weight_offloading_levels_*.json)
-    fit_knob = FitKnob("weight_offloading", floor_only=True, offloads=True, ordered=False)
+    fit_knob = FitKnob("weight_offloading", floor_only=True, offloads=True)
 
     def enabled(self, s: WeightOffloadingSettings, memory: Any) -> bool:
         return s.weight_offloading is not None
