@@ -76,8 +76,6 @@ def plan_one(config: str, workdir: Path, fit: str | None, overrides: tuple[str, 
         plan = json.loads(out.read_text())
         result.update({k: plan[k] for k in ("device_peak_bytes", "host_peak_bytes", "device_total_bytes", "device",
                                             "host", "at_peak", "batch", "parameters")})
-        if overrides:  # a variant's header quotes the context too; the rendered records keep their keys
-            result["cuda_context_bytes"] = plan["cuda_context_bytes"]
     return result
 
 
