@@ -25,7 +25,7 @@ from mtune.modules.softcap import SoftcappedLinear
 
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "CrossEntropyLoss", "ChunkedCrossEntropyLoss"]
+__all__ = ["IGNORE_INDEX", "FETCHES_WEIGHT", "CrossEntropyLoss", "ChunkedCrossEntropyLoss"]
 
 
 def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -121,19 +121,35 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+FETCHES_WEIGHT = "_mtune_fetches_weight"
+"""An attribute set (True) on a module hook whose only work is to bring the module's frozen weight to the compute
+device before it is used, in forward and again for backward (weight offloading's hooks). Such hooks leave a head
+plain: the chunked loss runs its forward pre-hooks itself, then projects and computes the gradients in forward,
+where the weight is needed; backward does not read a frozen weight, so the head is not fetched again for it."""
+
+
+def _fetching_hooks_only(lm_head: nn.Module) -> bool:
+    hooks = [*lm_head._forward_pre_hooks.values(), *lm_head._forward_hooks.values()]
+    return all(getattr(hook, FETCHES_WEIGHT, False) for hook in hooks) and not (
+        hooks and lm_head.weight.requires_grad)
+
+
 def _is_plain_head(lm_head: nn.Module) -> bool:
-    """A bias-free ``nn.Linear`` (tied or not, soft-capped or not) with no hooks; LoRA, NF4 and offloaded heads
-    (whose hooks bring the weight in) go through their own forward."""
+    """A bias-free ``nn.Linear`` (tied or not, soft-capped or not) with no hooks but those that fetch its frozen
+    weight (`FETCHES_WEIGHT`); LoRA and NF4 heads, and heads with other hooks, go through their own forward."""
     return (type(lm_head) in (nn.Linear, SoftcappedLinear) and lm_head.bias is None
-            and not lm_head._forward_hooks and not lm_head._forward_pre_hooks)
+            and _fetching_hooks_only(lm_head))
 
 
 def _plain_projection_weight(lm_head: nn.Module) -> torch.Tensor | None:
     """``lm_head``'s weight when its gradients can be computed in forward (a plain head holding an ordinary tensor,
-    fake ones included: under FSDP2 the unsharded one, as the model's forward leaves it), else None: wrapper tensor
-    subclasses (a still-sharded DTensor, NF4) go through the head's own forward."""
+    fake ones included: under FSDP2 the unsharded one, as the model's forward leaves it), fetched to the device by
+    its hooks where it has them, else None: wrapper tensor subclasses (a still-sharded DTensor, NF4) go through the
+    head's own forward."""
     if not _is_plain_head(lm_head) or is_traceable_wrapper_subclass(lm_head.weight):
         return None
+    for fetch in lm_head._forward_pre_hooks.values():
+        fetch(lm_head, ())
     return lm_head.weight
 
 
@@ -147,7 +163,8 @@ class ChunkedCrossEntropyLoss(nn.Module):
     With a plain bias-free `nn.Linear` head (trainable, frozen or tied) and no autocast, each chunk's gradients for
     the hidden states and the head's weight are computed as soon as its loss is (`_ProjectedCrossEntropy`), so
     backward does no loss work and the output projection runs once: the step's work is that of the unchunked loss.
-    Otherwise (LoRA or NF4 on `lm_head`, hooks on it, fp16 autocast) each chunk is checkpointed and backward
+    A head whose weight offloading fetches counts as plain (`FETCHES_WEIGHT`).
+    Otherwise (LoRA or NF4 on `lm_head`, other hooks on it, fp16 autocast) each chunk is checkpointed and backward
     recomputes its logits: one more output projection per step (`recomputes_projection`). Returns
     `(loss_sum, num_tokens)`.
     """

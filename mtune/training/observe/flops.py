@@ -25,8 +25,9 @@ softmax and the embedding lookup are left out, as in every published MFU figure)
   each block's MLP forward once more in backward (``gate``, ``up`` and ``down``, adapters included), and a block
   checkpointed under ``block`` then recomputes its MLP whole (``down_proj`` included: the tiled MLP's forward is one
   op to the checkpoint); and the chunked cross-entropy loss's output projection when it runs twice
-  (``ChunkedCrossEntropyLoss.recomputes_projection``: a LoRA/NF4/hooked head, or fp16 autocast; a plain head's
-  gradients are computed with its forward, so its loss recomputes nothing).
+  (``ChunkedCrossEntropyLoss.recomputes_projection``: a LoRA/NF4 head, one with hooks other than weight
+  offloading's, or fp16 autocast; a plain head's gradients are computed with its forward, so its loss recomputes
+  nothing).
 
 ``model = forward + backward`` gives MFU (model FLOPs utilisation); ``hardware = model + recompute`` gives HFU. For
 a full fine-tune this is the familiar ``6N + 3A`` (``N`` matmul weights incl. the output projection, ``A`` attention

@@ -13,7 +13,8 @@ import torch
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.techniques.weight_offloading import WeightOffloading
 from mtune.models import build_model
-from mtune.modules.loss import CrossEntropyLoss
+from mtune.modules.lora import apply_lora
+from mtune.modules.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from mtune.training.memory.techniques.activation_checkpointing.checkpoint import is_checkpointed
 from tests._helpers.training import apply_memory_techniques
 from mtune.training.placement import Placement
@@ -144,6 +145,36 @@ def test_a_tied_output_projection_shares_the_embeddings_group():
     offloader.offload()
     assert [twin.embed_tokens, twin.lm_head] in offloader.groups
     assert torch.equal(twin(TOKENS), plain(TOKENS))
+
+
+@pytest.mark.parametrize("family", ["llama3_2", "llama3_1"])  # the head tied to the embedding, and its own
+def test_the_chunked_loss_projects_an_offloaded_head_once_in_forward(family):
+    # The offloader's hooks only fetch the head's weight, so the chunked loss keeps its fused path: the head comes
+    # in once, for forward; backward neither recomputes the logits nor fetches the frozen head again.
+    torch.manual_seed(0)
+    plain = build_model(family, "tiny", device="cpu", n_layers=2)
+    apply_lora(plain, ["q_proj", "v_proj"], rank=4, alpha=8)
+    twin = copy.deepcopy(plain)
+    apply_memory_techniques(twin, MemoryConfig(weight_offloading=WeightOffloading("leaf_level", 1, True)),
+                            placement=Placement("cpu", distinct=True))
+    offloader = weight_offloader(twin)
+    offloader.offload()
+    loss_fn = ChunkedCrossEntropyLoss(num_chunks=4)
+    assert not loss_fn.recomputes_projection(twin.lm_head)
+    head = next(g for g, modules in enumerate(offloader.groups) if twin.lm_head in modules)
+    fetched = []
+    original = offloader._copy_in
+    offloader._copy_in = lambda g, prefetch: (fetched.append((g, _in_backward())), original(g, prefetch))
+
+    def step(model):
+        total, n = loss_fn(model(TOKENS, return_hidden=True), LABELS, model.lm_head)
+        (total / n).backward()
+        return total.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+    assert_identical(step(plain), step(twin))
+    # forward: the embedding's visit, and the head's (the tied one is the embedding's group, sent away between)
+    assert [g for g, backward in fetched if g == head and not backward] == [head] * (2 if family == "llama3_2" else 1)
+    assert not [g for g, backward in fetched if g == head and backward], fetched
 
 
 def test_a_cpu_only_placement_installs_nothing(caplog):

@@ -21,7 +21,8 @@ autograd engine unpacks first). Bringing in a group sends every other group away
 the next one in the direction of travel (forward: the next group; backward and recomputation: the previous one),
 which is prefetched. So at most one group (two with ``use_streams``) is on the device at any moment. On CUDA the
 prefetch copies run on a side stream from pinned memory and the compute stream waits for them with an event;
-elsewhere they run in line (no overlap: set ``use_streams: false`` there).
+elsewhere they run in line (no overlap: set ``use_streams: false`` there). Both hooks only fetch weights
+(``FETCHES_WEIGHT``): the chunked loss runs an offloaded head's pre-hook alone and needs its weight in forward only.
 
 Recomputation under ``leaf_level``: a checkpointed block is recomputed when the first node of its backward unpacks
 a saved tensor; that node belongs to the block's last module in forward, which is also the last one the
@@ -29,9 +30,8 @@ recomputation brings in, so it is on the device when the node continues. (``bloc
 backward needs.) The tests cover LoRA and QLoRA blocks; a block whose backward started elsewhere would read an
 emptied storage and fail them.
 
-On a machine without an accelerator the weights are already in host memory: nothing is installed and a log line
-says so. ``Placement("cpu", distinct=True)`` runs every copy for real on CPU (tests); torch.compile is refused
-with it by the validator.
+Without an accelerator the weights are in host memory already: nothing is installed (a log line says so).
+``Placement("cpu", distinct=True)`` makes every copy real on CPU (tests); the validator refuses torch.compile.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mtune.config.errors import ConfigError
+from mtune.modules.loss import FETCHES_WEIGHT
 from mtune.training.memory.technique import WeightPhases
 from mtune.training.memory.techniques.weight_offloading import WeightOffloading
 from mtune.training.memory.tensor_bytes import plain_parts
@@ -90,9 +91,7 @@ class WeightOffloader:
     """
 
     def __init__(self, model: nn.Module, config: WeightOffloading, placement: Placement):
-        self.config = config
-        self.placement = placement
-        self.prefetch = config.use_streams
+        self.config, self.placement, self.prefetch = config, placement, config.use_streams
         self.stream = torch.cuda.Stream() if config.use_streams and placement.streams else None
         self.groups = self._partition(model, config)
         self._group_of: dict[nn.Module, int] = {m: g for g, mods in enumerate(self.groups) for m in mods}
@@ -230,6 +229,7 @@ class WeightOffloader:
         def pre_forward(module, args):
             self.ensure(g, backward=_in_backward() and self.config.type == "block_level")
 
+        setattr(pre_forward, FETCHES_WEIGHT, True)
         return pre_forward
 
     def _make_post_forward(self, g: int):
@@ -252,6 +252,7 @@ class WeightOffloader:
                 node.register_prehook(prehook)
                 stack.extend(next_node for next_node, _ in node.next_functions)
 
+        setattr(post_forward, FETCHES_WEIGHT, True)
         return post_forward
 
 
