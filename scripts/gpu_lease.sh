@@ -6,7 +6,7 @@
 #   2: .whl/torchtune .whl_triton/part_ab  the head-to-head with torchtune 0.6.1 (parity, profiles)
 #   3: .whl_triton/part_ac .whl_triton/SHA256 .whl/fla   Qwen3.5 9B on fla's kernels beside its PyTorch-form twin
 #   4: nothing (needs item 1's /tmp/site)  the MoE QLoRA twins
-#   5: nothing (needs item 1's /tmp/site)  part 15, the MoE QLoRA step compiled
+#   5: nothing (needs item 1's /tmp/site)  the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
 #   6: nothing (needs item 1's /tmp/site)  part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
 # A fresh machine (the lease was given back between items) needs item 1 first: /tmp/site is where the wheels go.
 set -uo pipefail
@@ -44,7 +44,7 @@ case "$item" in
     suite /tmp/gs4 330 --cases qwen3_moe_30B_A3B_qlora_packed4096 \
       qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096 ;;
   5)
-    suite /tmp/gs5 300 --cases qwen3_moe_30B_A3B_qlora_compiled_packed4096 ;;
+    suite /tmp/gs5 300 --cases llama3_1_8B_lora_weight_offloading_leaf qwen3_moe_30B_A3B_qlora_compiled_packed4096 ;;
   6)
     suite /tmp/gs6 540 --cases llama3_1_8B_lora_packed4096_segments qwen3_5_9B_lora_compiled_packed4096 \
       llama3_1_8B_lora_longest_planned_context ;;
