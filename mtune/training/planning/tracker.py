@@ -46,7 +46,7 @@ from mtune.training.placement import Placement
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.units import format_bytes
 
-__all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory"]
+__all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory", "device_events"]
 
 # DTensor runs each op once on fake tensors to infer its output's layout (under the planner's own FakeTensorMode
 # when one is active); what that allocates is not memory a step uses.
@@ -59,6 +59,30 @@ except ImportError:  # a torch build without distributed: no DTensor either
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 LOCATIONS = ("device", "host")
+
+
+_EVENT_LOGS: list[list[tuple[str, int, int]]] = []
+
+
+@contextlib.contextmanager
+def device_events():
+    """Yields a list that receives, in order, every change to the device storages any tracker counts inside the
+    block: ``("alloc", key, nbytes)``, ``("resize", key, nbytes)`` (an emptied or re-filled storage: weight
+    offloading, FSDP2's all-gather buffers) and ``("free", key, 0)``; ``key`` names a storage while it lives and
+    ``nbytes`` is counted as the tracker counts it (512-byte blocks for a CUDA target). An allocator model's input
+    (``benchmarks/allocator_margin.py``); storages moved between device and host appear as a free or an alloc."""
+    log: list[tuple[str, int, int]] = []
+    _EVENT_LOGS.append(log)
+    try:
+        yield log
+    finally:
+        _EVENT_LOGS.remove(log)
+
+
+def _log_device(kind: str, record, nbytes: int) -> None:
+    if record.where == "device":
+        for log in _EVENT_LOGS:
+            log.append((kind, id(record), nbytes))
 
 
 def _zero() -> dict[str, dict[str, int]]:
@@ -207,11 +231,15 @@ class TensorTracker(TorchDispatchMode):
                 del records[key]
                 current[record.where][record.category] -= record.nbytes
                 total[record.where] -= record.nbytes
+                if _EVENT_LOGS:
+                    _log_device("free", record, 0)
 
         record.ref = weakref.ref(storage, freed)
         records[key] = record
         current[record.where][category] += record.nbytes
         total[record.where] += record.nbytes
+        if _EVENT_LOGS:
+            _log_device("alloc", record, record.nbytes)
 
     def _size(self, storage: torch.UntypedStorage, where: str) -> int:
         nbytes = storage.nbytes()
@@ -221,11 +249,15 @@ class TensorTracker(TorchDispatchMode):
     def _relocate(self, record: _Record, where: str) -> None:
         if where == record.where:
             return
+        if _EVENT_LOGS:
+            _log_device("free", record, 0)
         self._current[record.where][record.category] -= record.nbytes
         self._total[record.where] -= record.nbytes
         record.where = where
         self._current[where][record.category] += record.nbytes
         self._total[where] += record.nbytes
+        if _EVENT_LOGS:
+            _log_device("alloc", record, record.nbytes)
 
     def _move(self, record: _Record, category: str) -> None:
         self._current[record.where][record.category] -= record.nbytes
@@ -238,6 +270,8 @@ class TensorTracker(TorchDispatchMode):
             return
         delta = self._size(storage, record.where) - record.nbytes
         record.nbytes += delta
+        if delta and _EVENT_LOGS:
+            _log_device("resize", record, record.nbytes)
         self._current[record.where][record.category] += delta
         self._total[record.where] += delta
         self._update_peaks()

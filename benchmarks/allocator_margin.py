@@ -1,0 +1,210 @@
+"""The CUDA caching allocator's margin (max reserved − max allocated), modelled: each eager GPU-suite row's config is
+planned on the CPU as ``replan_gpu_rows.py`` plans it, every device storage the planner counts (allocations,
+resizes, frees, in order: ``mtune.training.planning.tracker.device_events``) is replayed through a model of the
+allocator, and the modelled margin is set beside the one the GPU measured.
+
+The model (:class:`CachingAllocatorModel`) follows the native allocator's rules as PyTorch's
+``c10/cuda/CUDACachingAllocator.cpp`` states them, with ``expandable_segments`` off (as every suite row ran) and one
+stream: requests are rounded up to 512 bytes; those of at most 1 MiB come from 2 MiB segments (the small pool), the
+others from the large pool, whose new segments are 20 MiB for requests under 10 MiB and the request rounded up to
+2 MiB otherwise; a request takes the smallest free block of its pool that holds it (the lowest address among equal
+sizes), split when what remains is at least 512 bytes (small pool) or over 1 MiB (large pool); a freed block merges
+with free neighbours of its segment; segments are never returned (nothing here runs out of memory).
+
+What it leaves out, and the rows show: side streams (activation offloading's and weight offloading's copies, whose
+blocks live in pools of their own), the checkpoint's loading before the first step, kernels' workspaces outside the
+tracked storages, and steps after the planner's two. Compiled rows are left out: the planner plans them eagerly.
+
+    python benchmarks/allocator_margin.py [--cases NAME ...]
+
+Prints a table and writes ``benchmarks/results/allocator_margin.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MIB = 2**20
+GIB = 2**30
+
+MIN_BLOCK = 512          # every request is rounded up to a multiple of this
+SMALL_REQUEST = MIB      # the largest request served by the small pool
+SMALL_SEGMENT = 2 * MIB  # a small-pool segment
+LARGE_SEGMENT = 20 * MIB  # a large-pool segment for requests under MIN_LARGE_ALONE
+MIN_LARGE_ALONE = 10 * MIB  # requests from here get a segment of their own size, rounded up to ROUND_LARGE
+ROUND_LARGE = 2 * MIB
+
+
+class Block:
+    """A run of bytes inside one segment: allocated or free, with its neighbours in the segment."""
+
+    __slots__ = ("segment", "address", "size", "free", "prev", "next")
+
+    def __init__(self, segment: int, address: int, size: int):
+        self.segment, self.address, self.size = segment, address, size
+        self.free, self.prev, self.next = True, None, None
+
+
+class CachingAllocatorModel:
+    """The native caching allocator on one stream (module docstring). ``malloc(nbytes)`` returns the block it
+    hands out, ``free(block)`` takes it back; ``allocated``, ``reserved`` and their peaks are in bytes, as
+    ``torch.cuda.memory_allocated`` / ``memory_reserved`` and their ``max_`` forms count them."""
+
+    def __init__(self):
+        self._free: dict[bool, list] = {True: [], False: []}  # small pool? -> sorted (size, address, block)
+        self._segment_sizes: dict[int, int] = {}
+        self.allocated = self.reserved = self.max_allocated = self.max_reserved = 0
+        self.segments = 0
+
+    @staticmethod
+    def rounded(nbytes: int) -> int:
+        return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+    @staticmethod
+    def segment_size(size: int) -> int:
+        if size <= SMALL_REQUEST:
+            return SMALL_SEGMENT
+        if size < MIN_LARGE_ALONE:
+            return LARGE_SEGMENT
+        return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+    def _small(self, block: Block) -> bool:
+        return self._segment_sizes[block.segment] == SMALL_SEGMENT  # large-pool segments are at least 10 MiB
+
+    def _cache(self, block: Block) -> None:
+        block.free = True
+        bisect.insort(self._free[self._small(block)], (block.size, block.address, block))
+
+    def _uncache(self, block: Block) -> None:
+        pool = self._free[self._small(block)]
+        pool.pop(bisect.bisect_left(pool, (block.size, block.address)))
+
+    def malloc(self, nbytes: int) -> Block:
+        size = self.rounded(nbytes)
+        small = size <= SMALL_REQUEST
+        pool = self._free[small]
+        found = bisect.bisect_left(pool, (size, -1))
+        if found < len(pool):
+            block = pool.pop(found)[2]
+        else:  # a new segment (cudaMalloc)
+            whole, address = self.segment_size(size), self.reserved  # segments are never returned: addresses grow
+            self._segment_sizes[address] = whole
+            block = Block(address, address, whole)
+            self.reserved += whole
+            self.segments += 1
+            self.max_reserved = max(self.max_reserved, self.reserved)
+        remaining = block.size - size
+        if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_REQUEST):
+            rest = Block(block.segment, block.address + size, remaining)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._cache(rest)
+        block.free = False
+        self.allocated += block.size
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        return block
+
+    def free(self, block: Block) -> None:
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or not neighbour.free:
+                continue
+            self._uncache(neighbour)
+            first, second = (neighbour, block) if neighbour is block.prev else (block, neighbour)
+            first.size += second.size
+            first.next = second.next
+            if second.next is not None:
+                second.next.prev = first
+            block = first
+        self._cache(block)
+
+
+def replay(events: list[tuple[str, int, int]]) -> CachingAllocatorModel:
+    """The allocator model after ``events`` (`device_events`' form; a resize frees the storage's block and takes
+    one of its new size, as re-growing an emptied storage does)."""
+    model, live = CachingAllocatorModel(), {}
+    for kind, key, nbytes in events:
+        if kind in ("free", "resize") and live.get(key) is not None:
+            model.free(live.pop(key))
+        if kind in ("alloc", "resize"):
+            live[key] = model.malloc(nbytes) if nbytes else None
+    return model
+
+
+def modelled(case, suite, api) -> dict:
+    """``case`` (a ``gpu_suite.Case``) planned with its device storages recorded, replayed through the model."""
+    from mtune.modules import nf4_dequantize
+    from mtune.training.planning.tracker import device_events
+
+    cfg, missing = suite.case_config(api, case, device="cuda", dry_run=False)
+    if missing:
+        return {"status": "skipped", "reason": f"keys not in the recipe: {missing}"}
+    nf4_dequantize.COMPILED_ON_CUDA = not case.torchao_dequantize  # the dequantization the row ran
+    start = time.process_time()
+    with device_events() as events:
+        plan = api.plan_memory(cfg)
+    model = replay(events)
+    return {"status": "ok", "planned_allocated_gib": plan.device_peak_bytes / GIB,
+            "modelled_allocated_gib": model.max_allocated / GIB, "modelled_reserved_gib": model.max_reserved / GIB,
+            "modelled_margin_gib": (model.max_reserved - model.max_allocated) / GIB, "segments": model.segments,
+            "events": len(events), "cpu_s": round(time.process_time() - start, 1)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | measured reserved − allocated (GiB) | modelled (GiB) | measured − modelled (GiB) |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['case']} | {r['measured_margin_gib']:.2f} | – | {r['status']} |")
+            continue
+        lines.append(f"| {r['case']} | {r['measured_margin_gib']:.2f} | {r['modelled_margin_gib']:.2f} | "
+                     f"{r['measured_margin_gib'] - r['modelled_margin_gib']:+.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", help="only these cases (default: every eager run row measured)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "allocator_margin.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    import gpu_suite
+    from replan_gpu_rows import latest_run_rows
+
+    api = gpu_suite.mtune_api()
+    cases = {c.name: c for c in gpu_suite.CASES}
+    measured = [r for r in latest_run_rows(json.loads((RESULTS / "gpu_suite.json").read_text())["rows"], args.cases)
+                if not r["compile"] and r.get("max_reserved_gib")]
+    rows = []
+    for row in measured:
+        rows.append({"case": row["case"], "gpu_name": row["gpu_name"], "measured_date": row["date"],
+                     "max_allocated_gib": row["max_allocated_gib"], "max_reserved_gib": row["max_reserved_gib"],
+                     "measured_margin_gib": row["max_reserved_gib"] - row["max_allocated_gib"],
+                     **modelled(cases[row["case"]], gpu_suite, api)})
+        print(f"{row['case']}: modelled margin {rows[-1].get('modelled_margin_gib', float('nan')):.2f} GiB, "
+              f"measured {rows[-1]['measured_margin_gib']:.2f}", flush=True)
+    print(table(rows))
+    import torch
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": rows},
+        indent=1) + "\n")
+    print(f"json: {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""benchmarks/allocator_margin.py: the caching-allocator model against the allocator's rules worked by hand (and, on
+a GPU, against the allocator itself), and the planner's device storages replayed through it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._helpers.scripts import load_script
+
+REPO = Path(__file__).resolve().parents[2]
+MIB = 2**20
+
+margin = load_script("allocator_margin", "benchmarks")
+
+
+def test_small_requests_share_2_mib_segments_until_one_does_not_fit():
+    model = margin.CachingAllocatorModel()
+    model.malloc(100)  # rounded up to 512 bytes, in a new 2 MiB segment
+    assert (model.allocated, model.reserved) == (512, 2 * MIB)
+    model.malloc(MIB)  # the largest small request: the rest of that segment holds it
+    assert (model.allocated, model.reserved) == (512 + MIB, 2 * MIB)
+    model.malloc(MIB)  # 1 MiB - 512 bytes left there: a second segment
+    assert (model.allocated, model.reserved, model.segments) == (512 + 2 * MIB, 4 * MIB, 2)
+
+
+def test_large_requests_split_20_mib_segments_and_an_unsplit_remainder_counts_as_allocated():
+    model = margin.CachingAllocatorModel()
+    a = model.malloc(3 * MIB)  # under 10 MiB: a 20 MiB segment, split (17 MiB left, over 1 MiB)
+    assert (model.allocated, model.reserved) == (3 * MIB, 20 * MIB)
+    b = model.malloc(16 * MIB)  # takes the 17 MiB block whole: 1 MiB left is not over 1 MiB, so not split
+    assert (b.size, model.allocated, model.reserved) == (17 * MIB, 20 * MIB, 20 * MIB)
+    model.free(a)
+    model.free(b)  # the two merge back into one free block: a 19 MiB request needs no new segment
+    assert model.malloc(19 * MIB).size == 20 * MIB and model.reserved == 20 * MIB  # 1 MiB left: whole again
+    model.malloc(10 * MIB + 1)  # from 10 MiB: a segment of its own, rounded up to 2 MiB
+    assert model.reserved == 20 * MIB + 12 * MIB and model.max_allocated == 20 * MIB + 10 * MIB + 512
+
+
+def test_the_smallest_free_block_that_fits_is_taken_and_fragmentation_reserves_more():
+    model = margin.CachingAllocatorModel()
+    big, small = model.malloc(30 * MIB), model.malloc(24 * MIB)
+    model.free(big)
+    model.free(small)
+    chosen = model.malloc(22 * MIB)  # the 24 MiB block, split (2 MiB left), not the 30 MiB one
+    assert chosen.segment == small.segment and chosen.size == 22 * MIB
+    # 30 MiB free in one segment and 2 MiB in another: a 31 MiB request takes a new segment
+    model.malloc(31 * MIB)
+    assert (model.reserved, model.max_allocated, model.segments) == (86 * MIB, 54 * MIB, 3)
+
+
+def test_replay_frees_resizes_and_reuses():
+    events = [("alloc", 1, 12 * MIB), ("alloc", 2, 12 * MIB), ("resize", 1, 0), ("alloc", 3, 14 * MIB),
+              ("resize", 1, 12 * MIB), ("free", 2, 0), ("free", 3, 0), ("alloc", 4, 26 * MIB)]
+    model = margin.replay(events)
+    # 1's emptied block cannot hold 3 (14 MiB): a third segment; re-filling 1 takes its old block back; 4 (26 MiB)
+    # fits no free block (12 and 14 MiB, in two segments): a fourth
+    assert (model.reserved, model.max_allocated, model.allocated) == (64 * MIB, 38 * MIB, 38 * MIB)
+
+
+def test_the_replayed_plan_allocates_what_the_plan_counts():
+    # Every storage the planner counts goes through the model, and none twice: its allocated peak is the plan's.
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune._cli.run import load_and_check
+    from mtune.training.planning.plan import plan_memory
+    from mtune.training.planning.tracker import device_events
+
+    cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")),
+                         find_config("llama3_2/1B_lora_single_device"),
+                         ["device=cuda", "model.checkpoint_dir=null", "model.family=llama3_2", "model.size=tiny",
+                          "tokenizer.path=null", "weight_offloading={type: leaf_level}"])
+    with device_events() as events:
+        plan = plan_memory(cfg)
+    kinds = {kind for kind, _, _ in events}
+    assert kinds == {"alloc", "resize", "free"}  # weight offloading empties and re-fills storages
+    model = margin.replay(events)
+    assert model.max_allocated == plan.device_peak_bytes
+    assert model.max_reserved >= model.max_allocated
+
+
+_ON_THE_GPU = """
+import json, sys, torch
+sys.path.insert(0, "benchmarks")
+import allocator_margin as margin
+MIB = 2**20
+sizes = [100, MIB, MIB, 3 * MIB, 16 * MIB, 30 * MIB, 24 * MIB, 10 * MIB + 1, 700 * 1024, 5 * MIB]
+frees = {2: [0], 5: [3, 4], 7: [5], 9: [1, 7]}  # after request i, free these earlier requests
+torch.cuda.init()
+torch.cuda.reset_peak_memory_stats()
+base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+model, real, blocks = margin.CachingAllocatorModel(), {}, {}
+for i, n in enumerate(sizes):
+    real[i] = torch.empty(n, dtype=torch.uint8, device="cuda")
+    blocks[i] = model.malloc(n)
+    for j in frees.get(i, []):
+        del real[j]
+        model.free(blocks.pop(j))
+print(json.dumps({"real": [torch.cuda.max_memory_allocated() - base_allocated,
+                           torch.cuda.max_memory_reserved() - base_reserved],
+                  "model": [model.max_allocated, model.max_reserved]}))
+"""
+
+
+@pytest.mark.cuda
+def test_the_model_counts_what_the_cuda_allocator_counts():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    # A process of its own: the allocator starts with no segment, and expandable segments off as the model assumes.
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    out = subprocess.run([sys.executable, "-c", _ON_THE_GPU], cwd=REPO, capture_output=True, text=True, check=True,
+                         env=env).stdout
+    figures = json.loads(out.splitlines()[-1])
+    assert figures["real"] == figures["model"]
