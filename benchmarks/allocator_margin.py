@@ -57,13 +57,15 @@ class Block:
 class CachingAllocatorModel:
     """The native caching allocator on one stream (module docstring). ``malloc(nbytes)`` returns the block it
     hands out, ``free(block)`` takes it back; ``allocated``, ``reserved`` and their peaks are in bytes, as
-    ``torch.cuda.memory_allocated`` / ``memory_reserved`` and their ``max_`` forms count them."""
+    ``torch.cuda.memory_allocated`` / ``memory_reserved`` and their ``max_`` forms count them (a block handed out
+    whole counts whole, its unsplit remainder included); ``max_requested`` is the peak of the bytes asked for."""
 
     def __init__(self):
         self._free: dict[bool, list] = {True: [], False: []}  # small pool? -> sorted (size, address, block)
         self._segment_sizes: dict[int, int] = {}
+        self._asked: dict[int, int] = {}  # id(block) -> the bytes asked for
         self.allocated = self.reserved = self.max_allocated = self.max_reserved = 0
-        self.segments = 0
+        self.requested = self.max_requested = self.segments = 0
 
     @staticmethod
     def rounded(nbytes: int) -> int:
@@ -113,10 +115,14 @@ class CachingAllocatorModel:
         block.free = False
         self.allocated += block.size
         self.max_allocated = max(self.max_allocated, self.allocated)
+        self._asked[id(block)] = nbytes
+        self.requested += nbytes
+        self.max_requested = max(self.max_requested, self.requested)
         return block
 
     def free(self, block: Block) -> None:
         self.allocated -= block.size
+        self.requested -= self._asked.pop(id(block))
         for neighbour in (block.prev, block.next):
             if neighbour is None or not neighbour.free:
                 continue
@@ -156,7 +162,8 @@ def modelled(case, suite, api) -> dict:
         plan = api.plan_memory(cfg)
     model = replay(events)
     return {"status": "ok", "planned_allocated_gib": plan.device_peak_bytes / GIB,
-            "modelled_allocated_gib": model.max_allocated / GIB, "modelled_reserved_gib": model.max_reserved / GIB,
+            "modelled_requested_gib": model.max_requested / GIB, "modelled_allocated_gib": model.max_allocated / GIB,
+            "modelled_reserved_gib": model.max_reserved / GIB,
             "modelled_margin_gib": (model.max_reserved - model.max_allocated) / GIB, "segments": model.segments,
             "events": len(events), "cpu_s": round(time.process_time() - start, 1)}
 

@@ -34,6 +34,7 @@ def test_large_requests_split_20_mib_segments_and_an_unsplit_remainder_counts_as
     assert (model.allocated, model.reserved) == (3 * MIB, 20 * MIB)
     b = model.malloc(16 * MIB)  # takes the 17 MiB block whole: 1 MiB left is not over 1 MiB, so not split
     assert (b.size, model.allocated, model.reserved) == (17 * MIB, 20 * MIB, 20 * MIB)
+    assert model.requested == 19 * MIB
     model.free(a)
     model.free(b)  # the two merge back into one free block: a 19 MiB request needs no new segment
     assert model.malloc(19 * MIB).size == 20 * MIB and model.reserved == 20 * MIB  # 1 MiB left: whole again
@@ -62,24 +63,43 @@ def test_replay_frees_resizes_and_reuses():
     assert (model.reserved, model.max_allocated, model.allocated) == (64 * MIB, 38 * MIB, 38 * MIB)
 
 
-def test_the_replayed_plan_allocates_what_the_plan_counts():
-    # Every storage the planner counts goes through the model, and none twice: its allocated peak is the plan's.
+def _tiny_plan(config: str, *overrides: str):
+    """``(plan, device events)`` of ``config`` on the tiny Llama 3.2 for a CUDA target."""
     from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
     from mtune._cli.run import load_and_check
     from mtune.training.planning.plan import plan_memory
     from mtune.training.planning.tracker import device_events
 
-    cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")),
-                         find_config("llama3_2/1B_lora_single_device"),
+    cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")), find_config(config),
                          ["device=cuda", "model.checkpoint_dir=null", "model.family=llama3_2", "model.size=tiny",
-                          "tokenizer.path=null", "weight_offloading={type: leaf_level}"])
+                          "tokenizer.path=null", *overrides])
     with device_events() as events:
         plan = plan_memory(cfg)
-    kinds = {kind for kind, _, _ in events}
-    assert kinds == {"alloc", "resize", "free"}  # weight offloading empties and re-fills storages
+    return plan, events
+
+
+def test_the_replayed_plan_allocates_what_the_plan_counts():
+    # Every storage the planner counts goes through the model, and none twice: the peak of the bytes asked of it is
+    # the plan's device peak.
+    plan, events = _tiny_plan("llama3_2/1B_lora_single_device", "weight_offloading={type: leaf_level}")
+    assert {kind for kind, _, _ in events} == {"alloc", "resize", "free"}  # offloading empties, re-fills storages
     model = margin.replay(events)
-    assert model.max_allocated == plan.device_peak_bytes
-    assert model.max_reserved >= model.max_allocated
+    assert model.max_requested == plan.device_peak_bytes
+    assert model.max_reserved >= model.max_allocated >= model.max_requested
+
+
+def test_the_log_sees_every_nf4_dequantization_the_planner_would_replay(monkeypatch):
+    # The planner replays torchao's NF4 dequantization as byte totals after its first call per shape; with the log
+    # on, every call runs, so the log is that of a planner that never replays.
+    from mtune.modules import nf4_dequantize
+    from mtune.training.planning.replay import AllocationReplay
+
+    monkeypatch.setattr(nf4_dequantize, "COMPILED_ON_CUDA", False)  # torchao's dequantization, as on the CPU
+    _, logged = _tiny_plan("llama3_2/1B_qlora_single_device")
+    monkeypatch.setattr(AllocationReplay, "__call__", lambda self, key, fn, device: fn())
+    _, unreplayed = _tiny_plan("llama3_2/1B_qlora_single_device")
+    assert [(kind, n) for kind, _, n in logged] == [(kind, n) for kind, _, n in unreplayed]
+    assert sum(kind == "alloc" for kind, _, _ in logged) > 1000
 
 
 _ON_THE_GPU = """

@@ -15,7 +15,8 @@ test_replay.py`` plans with and without it).
 Recorded only where that holds: every storage the call makes is counted under the category the call runs in (one
 category: an op's category follows from where the step is, which one call does not change), it frees no storage it
 did not make, and its output owns its whole storage (no view into a larger one) and was made by the call. A call
-that breaks any of these runs as it is, every time.
+that breaks any of these runs as it is, every time; so does every call while a log of the device's storages is
+recorded (`tracker.device_events`), which replayed totals would not reach.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from mtune.modules import nf4_dequantize
 from mtune.modules.nf4_linear import nf4_tensor_class
-from mtune.training.planning.tracker import LOCATIONS, TensorTracker
+from mtune.training.planning.tracker import LOCATIONS, TensorTracker, recording_device_events
 
 __all__ = ["AllocationReplay", "fused_nf4_dequantization", "replayed_nf4_dequantization"]
 
@@ -63,7 +64,7 @@ class AllocationReplay:
             out, self.traces[key] = self._record(fn)
             return out
         trace = self.traces[key]
-        if trace is None:
+        if trace is None or recording_device_events():  # a log of device storages needs them made
             return fn()
         self.replayed += 1
         return self._replay(trace, device)

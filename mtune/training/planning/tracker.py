@@ -46,7 +46,7 @@ from mtune.training.placement import Placement
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.units import format_bytes
 
-__all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory", "device_events"]
+__all__ = ["CATEGORIES", "LOCATIONS", "TensorTracker", "StepMemory", "device_events", "recording_device_events"]
 
 # DTensor runs each op once on fake tensors to infer its output's layout (under the planner's own FakeTensorMode
 # when one is active); what that allocates is not memory a step uses.
@@ -77,6 +77,12 @@ def device_events():
         yield log
     finally:
         _EVENT_LOGS.remove(log)
+
+
+def recording_device_events() -> bool:
+    """Whether a `device_events` block is open (allocation replay then runs each call whole, so that every storage
+    reaches the log)."""
+    return bool(_EVENT_LOGS)
 
 
 def _log_device(kind: str, record, nbytes: int) -> None:
