@@ -16,8 +16,9 @@ blocks live in pools of their own), the checkpoint's loading before the first st
 tracked storages, and steps after the planner's two. Compiled rows are left out: the planner plans them eagerly.
 
     python benchmarks/allocator_margin.py [--cases NAME ...]
+    python benchmarks/allocator_margin.py --against-cuda    # on a GPU: the model beside the allocator itself
 
-Prints a table and writes ``benchmarks/results/allocator_margin.json``.
+Prints a table and writes ``benchmarks/results/allocator_margin.json``; ``--against-cuda`` prints one JSON line.
 """
 
 from __future__ import annotations
@@ -148,6 +149,36 @@ def replay(events: list[tuple[str, int, int]]) -> CachingAllocatorModel:
     return model
 
 
+SEQUENCE = (100, MIB, MIB, 3 * MIB, 16 * MIB, 30 * MIB, 24 * MIB, 10 * MIB + 1, 700 * 1024, 5 * MIB)
+"""Requests (bytes) of the check against the allocator itself: both pools, both large-segment kinds, best fit, a
+block handed out whole; after request i the requests of ``SEQUENCE_FREES[i]`` are freed."""
+SEQUENCE_FREES = {2: (0,), 5: (3, 4), 7: (5,), 9: (1, 7)}
+
+
+def against_cuda() -> dict:
+    """:data:`SEQUENCE` through the model and through ``torch.cuda``'s allocator, from a process whose allocator
+    holds nothing yet (run it in a fresh process, ``PYTORCH_CUDA_ALLOC_CONF`` without expandable segments): each
+    side's peaks of allocated and reserved bytes."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--against-cuda needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    torch.cuda.init()
+    base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    model, real, blocks = CachingAllocatorModel(), {}, {}
+    for i, nbytes in enumerate(SEQUENCE):
+        real[i] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        blocks[i] = model.malloc(nbytes)
+        for j in SEQUENCE_FREES.get(i, ()):
+            del real[j]
+            model.free(blocks.pop(j))
+    return {"cuda": {"max_allocated": torch.cuda.max_memory_allocated() - base_allocated,
+                     "max_reserved": torch.cuda.max_memory_reserved() - base_reserved},
+            "model": {"max_allocated": model.max_allocated, "max_reserved": model.max_reserved},
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
 def modelled(case, suite, api) -> dict:
     """``case`` (a ``gpu_suite.Case``) planned with its device storages recorded, replayed through the model."""
     from mtune.modules import nf4_dequantize
@@ -184,7 +215,13 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", help="only these cases (default: every eager run row measured)")
     parser.add_argument("--out", type=Path, default=RESULTS / "allocator_margin.json")
+    parser.add_argument("--against-cuda", action="store_true",
+                        help="instead: the model beside this GPU's allocator on a fixed sequence (prints JSON)")
     args = parser.parse_args(argv)
+    if args.against_cuda:
+        figures = against_cuda()
+        print(json.dumps(figures))
+        return [figures]
     sys.path.insert(0, str(HERE))
     import gpu_suite
     from replan_gpu_rows import latest_run_rows

@@ -2,7 +2,8 @@
 # One call of a GPU lease, on the lent machine (device tool), from the repository root: item N of docs/benchmarks.md
 # "What is left for a GPU". Writes gpu_suite.json, suite.log and logs.tgz under $OUT; merge them here afterwards
 # (gpu_suite.write_results, then benchmarks/derived_figures.py). What each item must carry (run(carry=...)):
-#   1: .whl .whl_triton/part_aa           DPO copy row, eager 8B QLoRA twins (installs /tmp/site)
+#   1: .whl .whl_triton/part_aa           the allocator model against CUDA's, DPO copy row, eager 8B QLoRA twins
+#                                          (installs /tmp/site)
 #   2: .whl/torchtune .whl_triton/part_ab  the head-to-head with torchtune 0.6.1 (parity, profiles)
 #   3: .whl_triton/part_ac .whl_triton/SHA256 .whl/fla   Qwen3.5 9B on fla's kernels beside its PyTorch-form twin
 #   4: nothing (needs item 1's /tmp/site)  the MoE QLoRA twins
@@ -26,6 +27,8 @@ case "$item" in
     pip_target /tmp/site .whl/*.whl || exit
     PYTHONPATH=/tmp/site python3 -m pip list 2>/dev/null | grep -iE '^(torch|torchao|transformers|bitsandbytes) '
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    PYTHONPATH=/tmp/site PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+      python3 benchmarks/allocator_margin.py --against-cuda | tee "$OUT/allocator_model_on_cuda.json"
     suite /tmp/gs 330 --cases llama3_1_8B_lora_dpo_copy llama3_1_8B_qlora_eager_packed4096 \
       llama3_1_8B_qlora_eager_torchao_dequantize_packed4096 ;;
   2)

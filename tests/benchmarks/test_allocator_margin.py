@@ -102,36 +102,13 @@ def test_the_log_sees_every_nf4_dequantization_the_planner_would_replay(monkeypa
     assert sum(kind == "alloc" for kind, _, _ in logged) > 1000
 
 
-_ON_THE_GPU = """
-import json, sys, torch
-sys.path.insert(0, "benchmarks")
-import allocator_margin as margin
-MIB = 2**20
-sizes = [100, MIB, MIB, 3 * MIB, 16 * MIB, 30 * MIB, 24 * MIB, 10 * MIB + 1, 700 * 1024, 5 * MIB]
-frees = {2: [0], 5: [3, 4], 7: [5], 9: [1, 7]}  # after request i, free these earlier requests
-torch.cuda.init()
-torch.cuda.reset_peak_memory_stats()
-base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-model, real, blocks = margin.CachingAllocatorModel(), {}, {}
-for i, n in enumerate(sizes):
-    real[i] = torch.empty(n, dtype=torch.uint8, device="cuda")
-    blocks[i] = model.malloc(n)
-    for j in frees.get(i, []):
-        del real[j]
-        model.free(blocks.pop(j))
-print(json.dumps({"real": [torch.cuda.max_memory_allocated() - base_allocated,
-                           torch.cuda.max_memory_reserved() - base_reserved],
-                  "model": [model.max_allocated, model.max_reserved]}))
-"""
-
-
 @pytest.mark.cuda
 def test_the_model_counts_what_the_cuda_allocator_counts():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     # A process of its own: the allocator starts with no segment, and expandable segments off as the model assumes.
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
-    out = subprocess.run([sys.executable, "-c", _ON_THE_GPU], cwd=REPO, capture_output=True, text=True, check=True,
-                         env=env).stdout
+    out = subprocess.run([sys.executable, "benchmarks/allocator_margin.py", "--against-cuda"], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True).stdout
     figures = json.loads(out.splitlines()[-1])
-    assert figures["real"] == figures["model"]
+    assert figures["cuda"] == figures["model"]

@@ -66,10 +66,11 @@ class FitError(MtuneError, ValueError):
 
 def allocator_margin(device_memory: int) -> int:
     """Headroom a fit leaves for the caching allocator's reserved-but-free blocks: max(1 GiB, 5% of the budget).
-    Stated, not measured: PyTorch's CUDA semantics notes ("Memory management") explain that reserved memory exceeds
-    allocated memory by the cached, partly fragmented blocks, but give no size; it waits for a lent GPU, where
-    ``benchmarks/gpu_suite.py`` records ``max_reserved_gib`` minus ``max_allocated_gib`` per run
-    (benchmarks/results/README.md)."""
+    Stated: PyTorch's CUDA semantics notes ("Memory management") explain that reserved memory exceeds allocated
+    memory by the cached, partly fragmented blocks, but give no size. The GPU suite's rows measure it
+    (``max_reserved_gib`` minus ``max_allocated_gib``) and ``benchmarks/allocator_margin.py`` models it from a
+    plan's allocations; the model falls short where side streams and the host optimizer step allocate
+    (docs/benchmarks.md), so the rule stays."""
     return int(max(GIB, 0.05 * device_memory))
 
 
