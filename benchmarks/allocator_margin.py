@@ -4,16 +4,18 @@ resizes, frees, in order: ``mtune.training.planning.tracker.device_events``) is 
 allocator, and the modelled margin is set beside the one the GPU measured.
 
 The model (:class:`CachingAllocatorModel`) follows the native allocator's rules as PyTorch's
-``c10/cuda/CUDACachingAllocator.cpp`` states them, with ``expandable_segments`` off (as every suite row ran) and one
-stream: requests are rounded up to 512 bytes; those of at most 1 MiB come from 2 MiB segments (the small pool), the
+``c10/cuda/CUDACachingAllocator.cpp`` states them, with ``expandable_segments`` off (as every suite row ran): each
+stream has pools of its own (a block freed is reused only by its stream: the offloading techniques' side-stream
+copies, marked in the log, draw on theirs); requests are rounded up to 512 bytes; those of at most 1 MiB come from 2 MiB segments (the small pool), the
 others from the large pool, whose new segments are 20 MiB for requests under 10 MiB and the request rounded up to
 2 MiB otherwise; a request takes the smallest free block of its pool that holds it (the lowest address among equal
 sizes), split when what remains is at least 512 bytes (small pool) or over 1 MiB (large pool); a freed block merges
 with free neighbours of its segment; segments are never returned (nothing here runs out of memory).
 
-What it leaves out, and the rows show: side streams (activation offloading's and weight offloading's copies, whose
-blocks live in pools of their own), the checkpoint's loading before the first step, kernels' workspaces outside the
-tracked storages, and steps after the planner's two. Compiled rows are left out: the planner plans them eagerly.
+What it leaves out, and the rows show: the checkpoint's loading before the first step, kernels' and libraries'
+buffers outside the tracked storages (a compiled kernel's, bitsandbytes' paged step, the host optimizer step's
+transfers), frees deferred until another stream's work ends (``record_stream``), and steps after the planner's
+two. Compiled rows are left out: the planner plans them eagerly.
 
     python benchmarks/allocator_margin.py [--cases NAME ...]
     python benchmarks/allocator_margin.py --against-cuda    # on a GPU: the model beside the allocator itself
@@ -48,22 +50,21 @@ ROUND_LARGE = 2 * MIB
 class Block:
     """A run of bytes inside one segment: allocated or free, with its neighbours in the segment."""
 
-    __slots__ = ("segment", "address", "size", "free", "prev", "next")
+    __slots__ = ("segment", "address", "size", "free", "prev", "next", "pool")
 
-    def __init__(self, segment: int, address: int, size: int):
-        self.segment, self.address, self.size = segment, address, size
+    def __init__(self, segment: int, address: int, size: int, pool: tuple[int, bool]):
+        self.segment, self.address, self.size, self.pool = segment, address, size, pool
         self.free, self.prev, self.next = True, None, None
 
 
 class CachingAllocatorModel:
-    """The native caching allocator on one stream (module docstring). ``malloc(nbytes)`` returns the block it
-    hands out, ``free(block)`` takes it back; ``allocated``, ``reserved`` and their peaks are in bytes, as
+    """The native caching allocator (module docstring). ``malloc(nbytes, stream)`` returns the block it hands out
+    from ``stream``'s pools (0: the compute stream), ``free(block)`` takes it back; ``allocated``, ``reserved`` and their peaks are in bytes, as
     ``torch.cuda.memory_allocated`` / ``memory_reserved`` and their ``max_`` forms count them (a block handed out
     whole counts whole, its unsplit remainder included); ``max_requested`` is the peak of the bytes asked for."""
 
     def __init__(self):
-        self._free: dict[bool, list] = {True: [], False: []}  # small pool? -> sorted (size, address, block)
-        self._segment_sizes: dict[int, int] = {}
+        self._free: dict[tuple[int, bool], list] = {}  # (stream, small pool?) -> sorted (size, address, block)
         self._asked: dict[int, int] = {}  # id(block) -> the bytes asked for
         self.allocated = self.reserved = self.max_allocated = self.max_reserved = 0
         self.requested = self.max_requested = self.segments = 0
@@ -80,34 +81,30 @@ class CachingAllocatorModel:
             return LARGE_SEGMENT
         return -(-size // ROUND_LARGE) * ROUND_LARGE
 
-    def _small(self, block: Block) -> bool:
-        return self._segment_sizes[block.segment] == SMALL_SEGMENT  # large-pool segments are at least 10 MiB
-
     def _cache(self, block: Block) -> None:
         block.free = True
-        bisect.insort(self._free[self._small(block)], (block.size, block.address, block))
+        bisect.insort(self._free[block.pool], (block.size, block.address, block))
 
     def _uncache(self, block: Block) -> None:
-        pool = self._free[self._small(block)]
+        pool = self._free[block.pool]
         pool.pop(bisect.bisect_left(pool, (block.size, block.address)))
 
-    def malloc(self, nbytes: int) -> Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> Block:
         size = self.rounded(nbytes)
-        small = size <= SMALL_REQUEST
-        pool = self._free[small]
+        key = (stream, size <= SMALL_REQUEST)
+        small, pool = key[1], self._free.setdefault(key, [])
         found = bisect.bisect_left(pool, (size, -1))
         if found < len(pool):
             block = pool.pop(found)[2]
         else:  # a new segment (cudaMalloc)
             whole, address = self.segment_size(size), self.reserved  # segments are never returned: addresses grow
-            self._segment_sizes[address] = whole
-            block = Block(address, address, whole)
+            block = Block(address, address, whole, key)
             self.reserved += whole
             self.segments += 1
             self.max_reserved = max(self.max_reserved, self.reserved)
         remaining = block.size - size
         if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_REQUEST):
-            rest = Block(block.segment, block.address + size, remaining)
+            rest = Block(block.segment, block.address + size, remaining, key)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -137,15 +134,16 @@ class CachingAllocatorModel:
         self._cache(block)
 
 
-def replay(events: list[tuple[str, int, int]]) -> CachingAllocatorModel:
+def replay(events: list[tuple[str, int, int, int]], streams: bool = True) -> CachingAllocatorModel:
     """The allocator model after ``events`` (`device_events`' form; a resize frees the storage's block and takes
-    one of its new size, as re-growing an emptied storage does)."""
+    one of its new size, as re-growing an emptied storage does). ``streams=False``: every allocation from the
+    compute stream's pools."""
     model, live = CachingAllocatorModel(), {}
-    for kind, key, nbytes in events:
+    for kind, key, nbytes, stream in events:
         if kind in ("free", "resize") and live.get(key) is not None:
             model.free(live.pop(key))
         if kind in ("alloc", "resize"):
-            live[key] = model.malloc(nbytes) if nbytes else None
+            live[key] = model.malloc(nbytes, stream if streams else 0) if nbytes else None
     return model
 
 
@@ -191,8 +189,10 @@ def modelled(case, suite, api) -> dict:
     start = time.process_time()
     with device_events() as events:
         plan = api.plan_memory(cfg)
-    model = replay(events)
+    model, one_stream = replay(events), replay(events, streams=False)
     return {"status": "ok", "planned_allocated_gib": plan.device_peak_bytes / GIB,
+            "side_stream_allocations": sum(1 for event in events if event[3] and event[2]),
+            "modelled_margin_one_stream_gib": (one_stream.max_reserved - one_stream.max_allocated) / GIB,
             "modelled_requested_gib": model.max_requested / GIB, "modelled_allocated_gib": model.max_allocated / GIB,
             "modelled_reserved_gib": model.max_reserved / GIB,
             "modelled_margin_gib": (model.max_reserved - model.max_allocated) / GIB, "segments": model.segments,

@@ -48,6 +48,7 @@ class Placement:
         self.distinct = self.compute != self.host if distinct is None else distinct
         self._host_storages: dict[int, weakref.ref] = {}  # storage_key -> weakref to a host tensor holding it
         self._allocating_host = 0  # > 0 while empty_host allocates (a byte tracker counts that storage as host)
+        self._side_stream = 0  # > 0 inside side_stream(): device allocations come from a side stream's pool
 
     @classmethod
     def default(cls) -> Placement:
@@ -105,6 +106,23 @@ class Placement:
             yield
         finally:
             self._allocating_host -= 1
+
+    @contextlib.contextmanager
+    def side_stream(self, stream: "torch.cuda.Stream | None") -> Iterator[None]:
+        """Work whose device allocations come from a side stream's pool (a transfer that overlaps compute): on CUDA
+        ``stream`` is made current; None (the same transfer run in line, where a CUDA run would use a side stream:
+        planning, tests) only marks them (:attr:`allocating_on_side_stream`, which the planner's log of device
+        storages reads: the caching allocator keeps each stream's freed blocks for that stream)."""
+        self._side_stream += 1
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._side_stream -= 1
+
+    @property
+    def allocating_on_side_stream(self) -> bool:
+        return self._side_stream > 0
 
     @property
     def allocating_host(self) -> bool:

@@ -55,12 +55,41 @@ def test_the_smallest_free_block_that_fits_is_taken_and_fragmentation_reserves_m
 
 
 def test_replay_frees_resizes_and_reuses():
-    events = [("alloc", 1, 12 * MIB), ("alloc", 2, 12 * MIB), ("resize", 1, 0), ("alloc", 3, 14 * MIB),
-              ("resize", 1, 12 * MIB), ("free", 2, 0), ("free", 3, 0), ("alloc", 4, 26 * MIB)]
+    events = [("alloc", 1, 12 * MIB, 0), ("alloc", 2, 12 * MIB, 0), ("resize", 1, 0, 0), ("alloc", 3, 14 * MIB, 0),
+              ("resize", 1, 12 * MIB, 0), ("free", 2, 0, 0), ("free", 3, 0, 0), ("alloc", 4, 26 * MIB, 0)]
     model = margin.replay(events)
     # 1's emptied block cannot hold 3 (14 MiB): a third segment; re-filling 1 takes its old block back; 4 (26 MiB)
     # fits no free block (12 and 14 MiB, in two segments): a fourth
     assert (model.reserved, model.max_allocated, model.allocated) == (64 * MIB, 38 * MIB, 38 * MIB)
+
+
+def test_each_stream_reuses_only_the_blocks_it_freed():
+    model = margin.CachingAllocatorModel()
+    side = model.malloc(12 * MIB, stream=1)  # a side stream's copy: a 12 MiB segment of that stream's
+    model.free(side)
+    model.malloc(12 * MIB)  # the compute stream cannot take it: a segment of its own
+    assert model.reserved == 24 * MIB
+    again = model.malloc(12 * MIB, stream=1)  # the side stream takes its block back
+    assert again.segment == side.segment and model.reserved == 24 * MIB
+    # one stream for all: the block is reused and nothing more is reserved
+    events = [("alloc", 1, 12 * MIB, 1), ("free", 1, 0, 0), ("alloc", 2, 12 * MIB, 0)]
+    assert (margin.replay(events).reserved, margin.replay(events, streams=False).reserved) == (24 * MIB, 12 * MIB)
+
+
+def test_offloadings_side_stream_copies_are_logged_as_such():
+    # Activation offloading copies saved tensors back in backward, and weight offloading prefetches the next group,
+    # on a side stream on CUDA; planned in line, their allocations are marked so, and only theirs.
+    _, events = _tiny_plan("llama3_2/1B_lora_single_device", "enable_activation_offloading=true",
+                           "activation_offloading_use_streams=true")
+    side = [n for kind, _, n, stream in events if stream]
+    assert side and all(kind in ("alloc", "resize") for kind, _, _, stream in events if stream)
+    _, unstreamed = _tiny_plan("llama3_2/1B_lora_single_device", "enable_activation_offloading=true",
+                               "activation_offloading_use_streams=false")
+    assert not any(stream for *_, stream in unstreamed)
+    assert [(kind, n) for kind, _, n, _ in events] == [(kind, n) for kind, _, n, _ in unstreamed]
+    _, prefetched = _tiny_plan("llama3_2/1B_lora_single_device",
+                               "weight_offloading={type: block_level, use_streams: true}")
+    assert any(kind == "resize" and n and stream for kind, _, n, stream in prefetched)
 
 
 def _tiny_plan(config: str, *overrides: str):
@@ -82,7 +111,7 @@ def test_the_replayed_plan_allocates_what_the_plan_counts():
     # Every storage the planner counts goes through the model, and none twice: the peak of the bytes asked of it is
     # the plan's device peak.
     plan, events = _tiny_plan("llama3_2/1B_lora_single_device", "weight_offloading={type: leaf_level}")
-    assert {kind for kind, _, _ in events} == {"alloc", "resize", "free"}  # offloading empties, re-fills storages
+    assert {kind for kind, *_ in events} == {"alloc", "resize", "free"}  # offloading empties, re-fills storages
     model = margin.replay(events)
     assert model.max_requested == plan.device_peak_bytes
     assert model.max_reserved >= model.max_allocated >= model.max_requested
@@ -98,8 +127,8 @@ def test_the_log_sees_every_nf4_dequantization_the_planner_would_replay(monkeypa
     _, logged = _tiny_plan("llama3_2/1B_qlora_single_device")
     monkeypatch.setattr(AllocationReplay, "__call__", lambda self, key, fn, device: fn())
     _, unreplayed = _tiny_plan("llama3_2/1B_qlora_single_device")
-    assert [(kind, n) for kind, _, n in logged] == [(kind, n) for kind, _, n in unreplayed]
-    assert sum(kind == "alloc" for kind, _, _ in logged) > 1000
+    assert [(kind, n) for kind, _, n, _ in logged] == [(kind, n) for kind, _, n, _ in unreplayed]
+    assert sum(kind == "alloc" for kind, *_ in logged) > 1000
 
 
 @pytest.mark.cuda

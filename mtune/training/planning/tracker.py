@@ -61,17 +61,18 @@ CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activati
 LOCATIONS = ("device", "host")
 
 
-_EVENT_LOGS: list[list[tuple[str, int, int]]] = []
+_EVENT_LOGS: list[list[tuple[str, int, int, int]]] = []
 
 
 @contextlib.contextmanager
 def device_events():
     """Yields a list that receives, in order, every change to the device storages any tracker counts inside the
-    block: ``("alloc", key, nbytes)``, ``("resize", key, nbytes)`` (an emptied or re-filled storage: weight
-    offloading, FSDP2's all-gather buffers) and ``("free", key, 0)``; ``key`` names a storage while it lives and
-    ``nbytes`` is counted as the tracker counts it (512-byte blocks for a CUDA target). An allocator model's input
+    block: ``("alloc", key, nbytes, stream)``, ``("resize", key, nbytes, stream)`` (an emptied or re-filled storage:
+    weight offloading, FSDP2's all-gather buffers) and ``("free", key, 0, 0)``; ``key`` names a storage while it
+    lives, ``nbytes`` is counted as the tracker counts it (512-byte blocks for a CUDA target) and ``stream`` is 1
+    where a CUDA run allocates on a side stream (`Placement.side_stream`), else 0. An allocator model's input
     (``benchmarks/allocator_margin.py``); storages moved between device and host appear as a free or an alloc."""
-    log: list[tuple[str, int, int]] = []
+    log: list[tuple[str, int, int, int]] = []
     _EVENT_LOGS.append(log)
     try:
         yield log
@@ -85,10 +86,10 @@ def recording_device_events() -> bool:
     return bool(_EVENT_LOGS)
 
 
-def _log_device(kind: str, record, nbytes: int) -> None:
+def _log_device(kind: str, record, nbytes: int, side_stream: bool = False) -> None:
     if record.where == "device":
         for log in _EVENT_LOGS:
-            log.append((kind, id(record), nbytes))
+            log.append((kind, id(record), nbytes, int(side_stream)))
 
 
 def _zero() -> dict[str, dict[str, int]]:
@@ -245,7 +246,7 @@ class TensorTracker(TorchDispatchMode):
         current[record.where][category] += record.nbytes
         total[record.where] += record.nbytes
         if _EVENT_LOGS:
-            _log_device("alloc", record, record.nbytes)
+            _log_device("alloc", record, record.nbytes, self.placement.allocating_on_side_stream)
 
     def _size(self, storage: torch.UntypedStorage, where: str) -> int:
         nbytes = storage.nbytes()
@@ -263,7 +264,7 @@ class TensorTracker(TorchDispatchMode):
         self._current[where][record.category] += record.nbytes
         self._total[where] += record.nbytes
         if _EVENT_LOGS:
-            _log_device("alloc", record, record.nbytes)
+            _log_device("alloc", record, record.nbytes, self.placement.allocating_on_side_stream)
 
     def _move(self, record: _Record, category: str) -> None:
         self._current[record.where][record.category] -= record.nbytes
@@ -277,7 +278,7 @@ class TensorTracker(TorchDispatchMode):
         delta = self._size(storage, record.where) - record.nbytes
         record.nbytes += delta
         if delta and _EVENT_LOGS:
-            _log_device("resize", record, record.nbytes)
+            _log_device("resize", record, record.nbytes, self.placement.allocating_on_side_stream)
         self._current[record.where][record.category] += delta
         self._total[record.where] += delta
         self._update_peaks()

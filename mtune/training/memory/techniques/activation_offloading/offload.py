@@ -19,6 +19,7 @@ makes the copies happen on CPU too (tests).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any
@@ -51,6 +52,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.placement = placement or Placement.default()
         self.min_offload_bytes = min_offload_bytes
         self.use_streams = use_streams and self.placement.streams
+        self.streams_asked = use_streams and self.placement.distinct  # as on CUDA, where planned or tested
         self.stream = torch.cuda.Stream() if self.use_streams else None
         self.model = model
         self._param_storages = {storage_key(p) for p in params if not p.is_meta}
@@ -102,9 +104,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return packed
         if len(packed) == 2:
             _, host = packed
-            return self.placement.to_compute(host)
+            # in line; a CUDA run with use_streams copies back on the side stream, from its pool: planned alike
+            with self.placement.side_stream(None) if self.streams_asked else contextlib.nullcontext():
+                return self.placement.to_compute(host)
         device, host, event = packed
-        with torch.cuda.stream(self.stream):
+        with self.placement.side_stream(self.stream):
             self.stream.wait_event(event)
             t = host.to(device, non_blocking=True)
         compute = torch.cuda.current_stream()

@@ -185,8 +185,8 @@ class WeightOffloader:
     def _copy_in(self, g: int, prefetch: bool) -> None:
         """Re-grow group ``g``'s storages and copy its bytes from the host (on the side stream when prefetching on
         CUDA)."""
-        side = self.stream if prefetch else None
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        side = self.stream if prefetch else None  # prefetches come from the side stream's pool (in line: marked so)
+        with self.placement.side_stream(side) if prefetch else contextlib.nullcontext():
             for slot in self._slots[g]:
                 slot.alias.untyped_storage().resize_(slot.nbytes)
                 slot.alias.copy_(slot.host, non_blocking=self.placement.pinned)
