@@ -69,8 +69,8 @@ def allocator_margin(device_memory: int) -> int:
     Stated: PyTorch's CUDA semantics notes ("Memory management") explain that reserved memory exceeds allocated
     memory by the cached, partly fragmented blocks, but give no size. The GPU suite's rows measure it
     (``max_reserved_gib`` minus ``max_allocated_gib``) and ``benchmarks/allocator_margin.py`` models it from a
-    plan's allocations; the model falls short where side streams and the host optimizer step allocate
-    (docs/benchmarks.md), so the rule stays."""
+    plan's allocations; the model falls short where allocations lie outside the plan (activation offloading's
+    copies, bitsandbytes' paged step, the host optimizer step: docs/benchmarks.md), so the rule stays."""
     return int(max(GIB, 0.05 * device_memory))
 
 
