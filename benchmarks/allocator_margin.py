@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -179,13 +177,12 @@ def against_cuda() -> dict:
 
 def modelled(case, suite, api) -> dict:
     """``case`` (a ``gpu_suite.Case``) planned with its device storages recorded, replayed through the model."""
-    from mtune.modules import nf4_dequantize
     from mtune.training.planning.tracker import device_events
+    from replan_gpu_rows import case_plan_config
 
-    cfg, missing = suite.case_config(api, case, device="cuda", dry_run=False)
-    if missing:
-        return {"status": "skipped", "reason": f"keys not in the recipe: {missing}"}
-    nf4_dequantize.COMPILED_ON_CUDA = not case.torchao_dequantize  # the dequantization the row ran
+    cfg, reason = case_plan_config(case, suite, api)
+    if cfg is None:
+        return {"status": "skipped", "reason": reason}
     start = time.process_time()
     with device_events() as events:
         plan = api.plan_memory(cfg)
@@ -200,14 +197,13 @@ def modelled(case, suite, api) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | measured reserved − allocated (GiB) | modelled (GiB) | measured − modelled (GiB) |",
+    """docs/benchmarks.md's table: the measured margin, the modelled one, and the model with every allocation on
+    the compute stream ("–": a row not planned)."""
+    lines = ["| case | measured reserved − allocated (GiB) | modelled (GiB) | modelled on one stream (GiB) |",
              "|---|---:|---:|---:|"]
     for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"| {r['case']} | {r['measured_margin_gib']:.2f} | – | {r['status']} |")
-            continue
-        lines.append(f"| {r['case']} | {r['measured_margin_gib']:.2f} | {r['modelled_margin_gib']:.2f} | "
-                     f"{r['measured_margin_gib'] - r['modelled_margin_gib']:+.2f} |")
+        figures = (r["measured_margin_gib"], r.get("modelled_margin_gib"), r.get("modelled_margin_one_stream_gib"))
+        lines.append(f"| {r['case']} | " + " | ".join("–" if f is None else f"{f:.2f}" for f in figures) + " |")
     return "\n".join(lines)
 
 
@@ -224,7 +220,7 @@ def main(argv=None) -> list[dict]:
         return [figures]
     sys.path.insert(0, str(HERE))
     import gpu_suite
-    from replan_gpu_rows import latest_run_rows
+    from replan_gpu_rows import latest_run_rows, write_rows
 
     api = gpu_suite.mtune_api()
     cases = {c.name: c for c in gpu_suite.CASES}
@@ -239,14 +235,7 @@ def main(argv=None) -> list[dict]:
         print(f"{row['case']}: modelled margin {rows[-1].get('modelled_margin_gib', float('nan')):.2f} GiB, "
               f"measured {rows[-1]['measured_margin_gib']:.2f}", flush=True)
     print(table(rows))
-    import torch
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": rows},
-        indent=1) + "\n")
-    print(f"json: {args.out}")
+    write_rows(args.out, rows)
     return rows
 
 

@@ -34,14 +34,35 @@ def latest_run_rows(rows: list[dict], cases: list[str] | None) -> list[dict]:
     return list(latest.values())
 
 
-def replan(row: dict, case, suite, api) -> dict:
-    """``row``'s ``case`` (a ``gpu_suite.Case``) planned now, beside what the GPU measured."""
+def case_plan_config(case, suite, api):
+    """``(config, None)`` to plan ``case`` (a ``gpu_suite.Case``) as its row ran, NF4 dequantized as the row did,
+    or ``(None, why not)``."""
     from mtune.modules import nf4_dequantize
 
     cfg, missing = suite.case_config(api, case, device="cuda", dry_run=False)
     if missing:
-        return {"case": case.name, "status": "skipped", "reason": f"keys not in the recipe: {missing}"}
+        return None, f"keys not in the recipe: {missing}"
     nf4_dequantize.COMPILED_ON_CUDA = not case.torchao_dequantize  # the dequantization the row ran
+    return cfg, None
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """``rows`` as JSON at ``path``, with this machine and the date."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": rows},
+        indent=1) + "\n")
+    print(f"json: {path}")
+
+
+def replan(row: dict, case, suite, api) -> dict:
+    """``row``'s ``case`` (a ``gpu_suite.Case``) planned now, beside what the GPU measured."""
+    cfg, reason = case_plan_config(case, suite, api)
+    if cfg is None:
+        return {"case": case.name, "status": "skipped", "reason": reason}
     start = time.process_time()
     plan = api.plan_memory(cfg)
     planned = plan.device_peak_bytes / api.GIB
@@ -81,14 +102,7 @@ def main(argv=None) -> list[dict]:
         rows.append(replan(row, cases[row["case"]], gpu_suite, api))
         print(f"{row['case']}: {rows[-1].get('planned_now_gib', 0):.2f} GiB planned now", flush=True)
     print(table(rows))
-    import torch
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "rows": rows},
-        indent=1) + "\n")
-    print(f"json: {args.out}")
+    write_rows(args.out, rows)
     return rows
 
 
