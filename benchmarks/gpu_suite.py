@@ -26,7 +26,8 @@ A case whose config keys are not in its recipe's schema yet is a pending feature
 
 Each row (see docs/benchmarks.md, "GPU suite"): case, part, kind, compile, gpu_name, versions, expandable_segments,
 tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the card by its name), planned_allocated_gib
-(``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, device_used_gib (``mem_get_info``:
+(``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, modelled_margin_gib (the caching
+allocator's margin as ``allocator_margin.py`` models it from the plan), device_used_gib (``mem_get_info``:
 managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
 op and kernel names), profile_top_cpu / profile_top_device (the profiled step's costliest ops), and on
 head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only figures are null on a CPU. Rows
@@ -51,9 +52,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+HERE = Path(__file__).resolve().parent
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_suite.json"
 PART_BUDGET_S = 8 * 60
+
+
+def modelled_margin_gib(events: list, gib: int) -> float:
+    """Max reserved − max allocated of ``benchmarks/allocator_margin.py``'s caching-allocator model over a plan's
+    device events: the allocator's margin as modelled, beside the row's measured one."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from allocator_margin import replay
+
+    model = replay(events)
+    return (model.max_reserved - model.max_allocated) / gib
 
 
 def mtune_api() -> SimpleNamespace:
@@ -76,6 +89,7 @@ def mtune_api() -> SimpleNamespace:
     from mtune.training.planning.breakdown import MemoryBreakdown
     from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
     from mtune.training.planning.plan import plan_memory
+    from mtune.training.planning.tracker import device_events
     from mtune.units import GIB
 
     return SimpleNamespace(**{k: v for k, v in locals().items()})
@@ -452,8 +466,10 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
                                    "#640: wrong gradients); lifted to time the kernels, not to train")
     row["nf4_dequantize"] = "torchao eager" if case.torchao_dequantize else "compiled on CUDA"
     plan_cfg = cfg.copy()
-    plan = api.plan_memory(plan_cfg)
+    with api.device_events() as events:  # the caching-allocator model's input (allocator_margin.py)
+        plan = api.plan_memory(plan_cfg)
     row["planned_allocated_gib"] = plan.device_peak_bytes / api.GIB
+    row["modelled_margin_gib"] = modelled_margin_gib(events, api.GIB) if cuda else None
     row["planned_host_gib"] = plan.host_peak_bytes / api.GIB
     row["plan_predicts"] = plan.predicts
     cfg.output_dir = str(workdir / case.name)

@@ -59,6 +59,7 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert row["dry_run"] and row["gpu_name"] is None
         assert row["max_allocated_gib"] is None and row["max_reserved_gib"] is None
+        assert row["modelled_margin_gib"] is None  # a CPU plan: no allocator to model
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= row["hfu"]
         assert row["batch_size"] == 2 and row["seq_len"] == 64
         assert row["attention_kernel"]  # named from the profiler (the CPU's SDPA kernel)
@@ -185,3 +186,10 @@ def test_dynamo_limits_hit_counts_a_function_dynamo_gave_up_on():
         double(torch.ones(n))
     assert suite.dynamo_limits_hit() == before + 1
     torch._dynamo.reset()
+
+
+def test_a_cuda_rows_modelled_margin_is_the_allocator_model_over_its_plans_events():
+    mib = 2**20
+    # a 12 MiB block freed, then a 14 MiB request: a second segment, 12 MiB reserved beyond the 14 allocated
+    events = [("alloc", 1, 12 * mib, 0), ("free", 1, 0, 0), ("alloc", 2, 14 * mib, 0)]
+    assert suite.modelled_margin_gib(events, mib) == 12
