@@ -93,7 +93,7 @@ class ModelFacts:
     trainable_bytes: float
     """Trainable parameters as stored (fp32 under ``dtype=fp16``: its weights are fp32)."""
     frozen_bytes: float
-    """Frozen parameters as stored (NF4 about 0.53 byte a weight with its scales, fp8 one byte)."""
+    """Frozen parameters as stored (NF4 about 0.516 byte a weight with its scales, fp8 one byte)."""
     residual_bytes: int
     """Bytes per element of the residual stream between blocks (what offloaded block inputs hold): the storage
     dtype's, since under fp16 autocast the stream stays fp32."""
@@ -168,7 +168,8 @@ class Footprint:
     """Whether its model phase compiles modules (``nn.Module.compile``): a plan compiles them alike, with AOT
     autograd's partitioner and no code generation, and counts what the compiled code runs."""
     frozen_bytes_per_weight: float | None = None
-    """Bytes a frozen 2-D weight takes once stored (NF4: about 0.53 with its scales); None: its dtype's."""
+    """Bytes a frozen 2-D weight inside the blocks takes once stored (NF4: about 0.516 with its scales); None: its
+    dtype's. The embedding and the output projection keep their dtype unless a technique's module stores them."""
     recompute: Recompute = Recompute()
     """The forward work backward repeats for the facts' blocks (``n_layers``, ``dim``, ``micro_batch_tokens``): what
     the FLOPs counter reads."""

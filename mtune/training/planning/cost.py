@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from mtune.config.keys import accumulation_steps
 from mtune.models import build_model_from_args
-from mtune.modules.expert_linear import ExpertLinear
+from mtune.modules.lora import has_nf4_weight
 from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
@@ -131,27 +131,31 @@ def model_flops_per_token(cfg) -> float:
 
 
 def _parameter_bytes(cfg) -> tuple[float, float]:
-    """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored (NF4 ~0.53 byte a weight with its scales,
-    fp8 one byte, the rest in the storage dtype), from the model built on the meta device."""
+    """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored, from the model built on the meta device: a
+    technique's `Footprint.frozen_bytes_per_weight` (NF4 about 0.516 with its scales) for the frozen 2-D weights
+    inside the blocks and the modules stored so (`has_nf4_weight`: NF4 experts, a QLoRA head), fp8 one byte, the
+    rest (the embedding, an output projection without adapters) in the storage dtype."""
     memory = MemoryConfig.from_config(cfg)
-    stored_2d = phases.frozen_bytes_per_weight(memory)
+    stored = phases.frozen_bytes_per_weight(memory)
 
     def count() -> tuple[float, float]:
         dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
         model = _meta_model(cfg)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
-        frozen = 0.0
-        # the experts' stacked [n_experts, out, in] weights are stored as NF4 under QLoRA (fp8 storage skips them)
-        nf4_experts = {id(m.weight) for m in model.modules() if isinstance(m, ExpertLinear) and m.nf4}
-        for p in model.parameters():
-            if not p.requires_grad:
-                per_weight = (stored_2d if stored_2d is not None and (p.dim() == 2 or id(p) in nf4_experts)
-                              else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes)
-                frozen += p.numel() * per_weight
+        frozen, seen = 0.0, set()
+        for module_name, module in model.named_modules():
+            in_blocks, nf4 = module_name.startswith("layers."), has_nf4_weight(module)
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad or id(p) in seen:  # a tied weight once
+                    continue
+                seen.add(id(p))
+                converted = stored is not None and name == "weight" and (nf4 or (in_blocks and p.dim() == 2))
+                frozen += p.numel() * (stored if converted else p.element_size() if p.dtype.itemsize == 1
+                                       else dtype_bytes)
         return float(trainable), frozen
 
     return _once("parameter bytes",
-                 (_node_key(cfg.model), phases.parameter_settings(memory), stored_2d, cfg.get("dtype")), count)
+                 (_node_key(cfg.model), phases.parameter_settings(memory), stored, cfg.get("dtype")), count)
 
 
 def is_cuda_target(cfg) -> bool:

@@ -166,3 +166,22 @@ def test_fit_maximize_seq_len_searches_with_each_ranks_host_share_and_the_margin
     assert code == 1
     assert seen["host_memory"] == 8 * GIB and seen["margin"] == int(0.05 * 24 * GIB)
     assert seen["estimator"].host_memory == 8 * GIB
+
+
+@pytest.mark.parametrize("config", ["llama3_2/1B_qlora_single_device",   # the head tied to the embedding
+                                    "llama3_1/8B_qlora_single_device"])  # a head of its own
+def test_qloras_frozen_bytes_keep_the_embedding_and_the_head_in_their_dtype(config):
+    # Oracle: the parameter bytes the planner tracked for the tiny config (the golden plan), which holds real NF4
+    # tensors for the blocks' projections and the embedding and head in bf16: the cost model's weights are those,
+    # less each small tensor's rounding to a 512-byte allocation (an NF4 weight is several tensors: 2-3% on these
+    # tiny shapes). Mutation seen failing: NF4 bytes for every frozen 2-D weight (the embedding and head too): 0.81
+    # and 0.70 of the plan's.
+    import json
+
+    from tests._helpers.paths import REPO
+    from tests._helpers.shipped import shipped_on_tiny
+
+    facts = cost.model_facts(shipped_on_tiny(config)[2])
+    golden = json.loads((REPO / "tests" / "assets" / "plans" / "shipped_flag_sets.json").read_text())[config]
+    assert 0.97 * golden["device"]["parameters"] <= facts.frozen_bytes + facts.trainable_bytes \
+        <= golden["device"]["parameters"]
