@@ -105,6 +105,13 @@ class ModelFacts:
     """Trainable parameter elements (optimizer states and the host optimizer step scale with them)."""
     world_size: int = 1
     """Ranks the model is sharded over (FSDP2); the bytes above are the whole model's."""
+    frozen_block_bytes: float | None = None
+    """Of ``frozen_bytes``, those stored inside the blocks (the rest: the embedding, the output projection, the final
+    norm); None: all of them."""
+
+    @property
+    def frozen_in_blocks(self) -> float:
+        return self.frozen_bytes if self.frozen_block_bytes is None else self.frozen_block_bytes
 
     @property
     def micro_batches(self) -> int:

@@ -130,8 +130,9 @@ def model_flops_per_token(cfg) -> float:
     return _once("flops", key, count)
 
 
-def _parameter_bytes(cfg) -> tuple[float, float]:
-    """``(trainable bytes, frozen bytes)`` of ``cfg``'s model as stored, from the model built on the meta device: a
+def _parameter_bytes(cfg) -> tuple[float, float, float]:
+    """``(trainable bytes, frozen bytes, frozen bytes inside the blocks)`` of ``cfg``'s model as stored, from the
+    model built on the meta device: a
     technique's `Footprint.frozen_bytes_per_weight` (NF4 about 0.516 with its scales) for the frozen 2-D weights
     inside the blocks and the modules stored so (`has_nf4_weight`: NF4 experts, a QLoRA head), fp8 one byte, the
     rest (the embedding, an output projection without adapters) in the storage dtype."""
@@ -142,7 +143,7 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
         dtype_bytes = storage_dtype(str(cfg.get("dtype"))).itemsize
         model = _meta_model(cfg)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype_bytes
-        frozen, seen = 0.0, set()
+        frozen, in_blocks_bytes, seen = 0.0, 0.0, set()
         for module_name, module in model.named_modules():
             in_blocks, nf4 = module_name.startswith("layers."), has_nf4_weight(module)
             for name, p in module.named_parameters(recurse=False):
@@ -150,9 +151,11 @@ def _parameter_bytes(cfg) -> tuple[float, float]:
                     continue
                 seen.add(id(p))
                 converted = stored is not None and name == "weight" and (nf4 or (in_blocks and p.dim() == 2))
-                frozen += p.numel() * (stored if converted else p.element_size() if p.dtype.itemsize == 1
-                                       else dtype_bytes)
-        return float(trainable), frozen
+                nbytes = p.numel() * (stored if converted else p.element_size() if p.dtype.itemsize == 1
+                                      else dtype_bytes)
+                frozen += nbytes
+                in_blocks_bytes += nbytes if in_blocks else 0.0
+        return float(trainable), frozen, in_blocks_bytes
 
     return _once("parameter bytes",
                  (_node_key(cfg.model), phases.parameter_settings(memory), stored, cfg.get("dtype")), count)
@@ -168,14 +171,15 @@ def model_facts(cfg, world_size: int = 1) -> ModelFacts:
     """The shape, stored bytes and tokens per micro-batch and per step (of one rank) of ``cfg``'s model, sharded
     over ``world_size`` ranks."""
     args = resolve_model_source(cfg.model).args
-    trainable, frozen = _parameter_bytes(cfg)
+    trainable, frozen, frozen_in_blocks = _parameter_bytes(cfg)
     micro_tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
     numel = int(trainable / storage_dtype(str(cfg.get("dtype"))).itemsize)
     return ModelFacts(n_layers=args.n_layers, dim=args.dim, trainable_bytes=trainable, frozen_bytes=frozen,
                       residual_bytes=storage_dtype(str(cfg.get("dtype"))).itemsize,
                       micro_batch_tokens=micro_tokens,
                       step_tokens=micro_tokens * accumulation_steps(cfg),
-                      cuda=is_cuda_target(cfg), trainable_numel=numel, world_size=world_size)
+                      cuda=is_cuda_target(cfg), trainable_numel=numel, world_size=world_size,
+                      frozen_block_bytes=frozen_in_blocks)
 
 
 def _first(footprints: list[Footprint], field: str):

@@ -185,3 +185,33 @@ def test_qloras_frozen_bytes_keep_the_embedding_and_the_head_in_their_dtype(conf
     golden = json.loads((REPO / "tests" / "assets" / "plans" / "shipped_flag_sets.json").read_text())[config]
     assert 0.97 * golden["device"]["parameters"] <= facts.frozen_bytes + facts.trainable_bytes \
         <= golden["device"]["parameters"]
+
+
+@pytest.mark.parametrize("kind, checkpointing, moved", [
+    ("block_level", True, 2 * 20e6),        # the blocks' weights in forward and again in backward, nothing else
+    ("leaf_level", False, 2 * 20e6 + 4e6),  # and the embedding and the head, once each, in forward
+    ("leaf_level", True, 3 * 20e6 + 4e6),   # the blocks' a third time for their recomputation
+])
+def test_weight_offloading_moves_the_blocks_weights_per_visit_and_the_rest_once(kind, checkpointing, moved):
+    """Bytes per micro-batch token. Mutation checked: every frozen byte per visit (the embedding and head with the
+    blocks', as before 2026-11-27) fails all three."""
+    from mtune.training.memory.techniques.activation_checkpointing import ACTIVATION_CHECKPOINTING
+    from mtune.training.memory.techniques.weight_offloading import (WEIGHT_OFFLOADING, WeightOffloading,
+                                                                    WeightOffloadingSettings)
+
+    facts = ModelFacts(n_layers=4, dim=64, trainable_bytes=1e6, frozen_bytes=24e6, frozen_block_bytes=20e6,
+                       residual_bytes=2, micro_batch_tokens=1000, step_tokens=4000)
+    memory = {ACTIVATION_CHECKPOINTING: SimpleNamespace(enable_activation_checkpointing=checkpointing)}
+    settings = WeightOffloadingSettings(weight_offloading=WeightOffloading(kind, 1, True))
+    footprint = WEIGHT_OFFLOADING.footprint(settings, memory, facts)
+    assert footprint.transfer_bytes_per_token == pytest.approx(moved / 1000)
+
+
+def test_the_frozen_bytes_inside_the_blocks_are_the_blocks_weights():
+    # Llama 3.2's tiny QLoRA: the embedding (tied to the head) and the final norm stay outside, in bf16.
+    from tests._helpers.shipped import shipped_on_tiny
+
+    cfg = shipped_on_tiny("llama3_2/1B_qlora_single_device")[2]
+    facts = cost.model_facts(cfg)
+    args = model_args("llama3_2", "tiny")
+    assert facts.frozen_bytes - facts.frozen_in_blocks == (args.vocab_size * args.dim + args.dim) * 2

@@ -94,8 +94,10 @@ class WeightOffloadingTechnique(MemoryTechnique):
         return problems
 
     def footprint(self, s: WeightOffloadingSettings, memory: Any, facts: ModelFacts) -> Footprint:
-        """Frozen weights on the host; every frozen weight comes in for forward and again for backward, a third
-        time for leaf_level's recomputation under checkpointing. block_level repeats over a group of
+        """Frozen weights on the host; the blocks' come in for forward and again for backward, a third time for
+        leaf_level's recomputation under checkpointing. leaf_level also moves the embedding and the output
+        projection, each once, in forward (backward reads neither: the chunked loss fetches the head and computes
+        in forward; a tied one comes twice but is counted once). block_level repeats over a group of
         ``blocks_per_group`` blocks and the next one beside it when prefetching (a leaf_level group is one module,
         inside a block)."""
         offloading = s.weight_offloading
@@ -104,9 +106,10 @@ class WeightOffloadingTechnique(MemoryTechnique):
         leaf = offloading.type == "leaf_level"
         checkpointing = memory[ACTIVATION_CHECKPOINTING].enable_activation_checkpointing
         visits = 3 if leaf and checkpointing else 2
+        moved = visits * facts.frozen_in_blocks + (facts.frozen_bytes - facts.frozen_in_blocks if leaf else 0.0)
         repeat = 1 if leaf else int(offloading.blocks_per_group) * (2 if offloading.use_streams else 1)
         return Footprint(frozen_weights_home="host", repeat_blocks=repeat,
-                         transfer_bytes_per_token=visits * facts.frozen_bytes / facts.micro_batch_tokens)
+                         transfer_bytes_per_token=moved / facts.micro_batch_tokens)
 
     def fit_choices(self, s: WeightOffloadingSettings, memory: Any, facts: ModelFacts) -> list[FitChoice]:
         """Frozen weights in host memory, one block (block_level) or one module (leaf_level) on the device at a
