@@ -466,7 +466,8 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
                                    "#640: wrong gradients); lifted to time the kernels, not to train")
     row["nf4_dequantize"] = "torchao eager" if case.torchao_dequantize else "compiled on CUDA"
     plan_cfg = cfg.copy()
-    with api.device_events() as events:  # the caching-allocator model's input (allocator_margin.py)
+    # a CUDA row also logs the plan's device storages: the caching-allocator model's input (allocator_margin.py)
+    with api.device_events() if cuda else contextlib.nullcontext() as events:
         plan = api.plan_memory(plan_cfg)
     row["planned_allocated_gib"] = plan.device_peak_bytes / api.GIB
     row["modelled_margin_gib"] = modelled_margin_gib(events, api.GIB) if cuda else None

@@ -40,14 +40,15 @@ FLAG_SETS = _flag_sets()
 """The shipped training configs, one per distinct flag set (named like ``llama3_1/8B_lora_single_device``)."""
 
 
-def shipped_on_tiny(config: str):
+def shipped_on_tiny(config: str, *extra: str):
     """``(recipe module, overrides, cfg)``: the shipped ``config`` on its family's tiny model (random weights, a
-    CUDA target, rows of 64 tokens)."""
+    CUDA target, rows of 64 tokens), with the ``extra`` overrides after those."""
     family = config.split("/")[0]
     text = (REPO / "recipes" / "configs" / f"{config}.yaml").read_text()
     recipe = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("recipe:"))
     overrides = ["device=cuda", "tokenizer.path=null", "tokenizer.max_seq_len=64"]
     if family != "tiny":
         overrides += ["model.checkpoint_dir=null", f"model.family={family}", "model.size=tiny"]
+    overrides += extra
     module = load_recipe_module(find_recipe(recipe))
     return module, overrides, load_and_check(module, find_config(config), overrides)

@@ -79,11 +79,12 @@ def test_each_stream_reuses_only_the_blocks_it_freed():
 def test_offloadings_side_stream_copies_are_logged_as_such():
     # Activation offloading copies saved tensors back in backward, and weight offloading prefetches the next group,
     # on a side stream on CUDA; planned in line, their allocations are marked so, and only theirs.
-    _, events = _tiny_plan("llama3_2/1B_lora_single_device", "enable_activation_offloading=true",
+    rows = "tokenizer.max_seq_len=2048"  # the config's own: saved tensors over the 1 MiB offloading threshold
+    _, events = _tiny_plan("llama3_2/1B_lora_single_device", rows, "enable_activation_offloading=true",
                            "activation_offloading_use_streams=true")
     side = [n for kind, _, n, stream in events if stream]
     assert side and all(kind in ("alloc", "resize") for kind, _, _, stream in events if stream)
-    _, unstreamed = _tiny_plan("llama3_2/1B_lora_single_device", "enable_activation_offloading=true",
+    _, unstreamed = _tiny_plan("llama3_2/1B_lora_single_device", rows, "enable_activation_offloading=true",
                                "activation_offloading_use_streams=false")
     assert not any(stream for *_, stream in unstreamed)
     assert [(kind, n) for kind, _, n, _ in events] == [(kind, n) for kind, _, n, _ in unstreamed]
@@ -93,15 +94,12 @@ def test_offloadings_side_stream_copies_are_logged_as_such():
 
 
 def _tiny_plan(config: str, *overrides: str):
-    """``(plan, device events)`` of ``config`` on the tiny Llama 3.2 for a CUDA target."""
-    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
-    from mtune._cli.run import load_and_check
+    """``(plan, device events)`` of the shipped ``config`` on its family's tiny model for a CUDA target."""
     from mtune.training.planning.plan import plan_memory
     from mtune.training.planning.tracker import device_events
+    from tests._helpers.shipped import shipped_on_tiny
 
-    cfg = load_and_check(load_recipe_module(find_recipe("lora_single_device")), find_config(config),
-                         ["device=cuda", "model.checkpoint_dir=null", "model.family=llama3_2", "model.size=tiny",
-                          "tokenizer.path=null", *overrides])
+    cfg = shipped_on_tiny(config, *overrides)[2]
     with device_events() as events:
         plan = plan_memory(cfg)
     return plan, events
