@@ -1,21 +1,28 @@
 """The CUDA caching allocator's margin (max reserved − max allocated), modelled: each eager GPU-suite row's config is
 planned on the CPU as ``replan_gpu_rows.py`` plans it, every device storage the planner counts (allocations,
 resizes, frees, in order: ``mtune.training.planning.tracker.device_events``) is replayed through a model of the
-allocator, and the modelled margin is set beside the one the GPU measured.
+allocator, and the modelled margin is set beside the one the GPU measured; then the smallest budget the model
+serves the same log in, which is what a fit needs.
 
 The model (:class:`CachingAllocatorModel`) follows the native allocator's rules as PyTorch's
 ``c10/cuda/CUDACachingAllocator.cpp`` states them, with ``expandable_segments`` off (as every suite row ran): each
 stream has pools of its own (a block freed is reused only by its stream: the offloading techniques' side-stream
-copies, marked in the log, draw on theirs); requests are rounded up to 512 bytes; those of at most 1 MiB come from 2 MiB segments (the small pool), the
-others from the large pool, whose new segments are 20 MiB for requests under 10 MiB and the request rounded up to
-2 MiB otherwise; a request takes the smallest free block of its pool that holds it (the lowest address among equal
-sizes), split when what remains is at least 512 bytes (small pool) or over 1 MiB (large pool); a freed block merges
-with free neighbours of its segment; segments are never returned (nothing here runs out of memory).
+copies, marked in the log, draw on theirs); requests are rounded up to 512 bytes; those of at most 1 MiB come from
+2 MiB segments (the small pool), the others from the large pool, whose new segments are 20 MiB for requests under
+10 MiB and the request rounded up to 2 MiB otherwise; a request takes the smallest free block of its pool that
+holds it (the lowest address among equal sizes), split when what remains is at least 512 bytes (small pool) or
+over 1 MiB (large pool); a freed block merges with free neighbours of its segment. Without a limit segments are
+never returned. Held to a limit (``torch.cuda.set_per_process_memory_fraction``), a new segment that would pass it
+first makes the allocator wait for every stream's pending work and return every wholly free segment of every pool
+(``release_cached_blocks``; ``release_available_cached_blocks`` does nothing at the default ``max_split_size``),
+then try once more; what still does not fit is an out-of-memory error.
 
 What it leaves out, and the rows show: the checkpoint's loading before the first step, kernels' and libraries'
 buffers outside the tracked storages (a compiled kernel's, bitsandbytes' paged step, the host optimizer step's
-transfers), frees deferred until another stream's work ends (``record_stream``), and steps after the planner's
-two. Compiled rows are left out: the planner plans them eagerly.
+transfers), frees deferred until another stream's work ends (``record_stream``: a block freed while a side stream
+still reads it is reused only once that work is done, so an unlimited run reserves more while the copies lag; under
+a limit the allocator waits for them instead, which the held model assumes), and steps after the planner's two.
+Compiled rows are left out: the planner plans them eagerly.
 
     python benchmarks/allocator_margin.py [--cases NAME ...]
     python benchmarks/allocator_margin.py --against-cuda    # on a GPU: the model beside the allocator itself
@@ -61,11 +68,13 @@ class CachingAllocatorModel:
     ``torch.cuda.memory_allocated`` / ``memory_reserved`` and their ``max_`` forms count them (a block handed out
     whole counts whole, its unsplit remainder included); ``max_requested`` is the peak of the bytes asked for."""
 
-    def __init__(self):
+    def __init__(self, limit: int | None = None):
+        self.limit = limit  # bytes the segments may take in all (set_per_process_memory_fraction); None: no limit
         self._free: dict[tuple[int, bool], list] = {}  # (stream, small pool?) -> sorted (size, address, block)
         self._asked: dict[int, int] = {}  # id(block) -> the bytes asked for
+        self._next_address = 0  # segments released under a limit leave gaps: addresses only ever grow
         self.allocated = self.reserved = self.max_allocated = self.max_reserved = 0
-        self.requested = self.max_requested = self.segments = 0
+        self.requested = self.max_requested = self.segments = self.retries = 0
 
     @staticmethod
     def rounded(nbytes: int) -> int:
@@ -95,7 +104,16 @@ class CachingAllocatorModel:
         if found < len(pool):
             block = pool.pop(found)[2]
         else:  # a new segment (cudaMalloc)
-            whole, address = self.segment_size(size), self.reserved  # segments are never returned: addresses grow
+            whole = self.segment_size(size)
+            if self.limit is not None and self.reserved + whole > self.limit:
+                # over the limit: wait for every stream's pending work and return each wholly free segment
+                # (release_cached_blocks), then try once more; a split segment cannot be returned
+                self.retries += 1
+                self._release_free_segments()
+                if self.reserved + whole > self.limit:
+                    raise ModelledOutOfMemory(f"{nbytes} bytes asked with {self.reserved} reserved of a "
+                                              f"{self.limit}-byte limit")
+            address, self._next_address = self._next_address, self._next_address + whole
             block = Block(address, address, whole, key)
             self.reserved += whole
             self.segments += 1
@@ -131,12 +149,25 @@ class CachingAllocatorModel:
             block = first
         self._cache(block)
 
+    def _release_free_segments(self) -> None:
+        for pool in self._free.values():
+            whole = [entry for entry in pool if entry[2].prev is None and entry[2].next is None]
+            for entry in whole:
+                pool.remove(entry)
+                self.reserved -= entry[2].size
+                self.segments -= 1
 
-def replay(events: list[tuple[str, int, int, int]], streams: bool = True) -> CachingAllocatorModel:
+
+class ModelledOutOfMemory(RuntimeError):
+    """The model could not serve a request within its limit: the allocator would raise ``OutOfMemoryError``."""
+
+
+def replay(events: list[tuple[str, int, int, int]], streams: bool = True,
+           limit: int | None = None) -> CachingAllocatorModel:
     """The allocator model after ``events`` (`device_events`' form; a resize frees the storage's block and takes
     one of its new size, as re-growing an emptied storage does). ``streams=False``: every allocation from the
-    compute stream's pools."""
-    model, live = CachingAllocatorModel(), {}
+    compute stream's pools; ``limit``: the segments' bytes are held to it (raises :class:`ModelledOutOfMemory`)."""
+    model, live = CachingAllocatorModel(limit), {}
     for kind, key, nbytes, stream in events:
         if kind in ("free", "resize") and live.get(key) is not None:
             model.free(live.pop(key))
@@ -145,16 +176,104 @@ def replay(events: list[tuple[str, int, int, int]], streams: bool = True) -> Cac
     return model
 
 
+def smallest_budget(events: list[tuple[str, int, int, int]]) -> CachingAllocatorModel:
+    """The model replayed under the smallest limit, in 2 MiB steps (segments come in them), that serves every
+    request of ``events``: found by bisection between the peak of allocated bytes and the peak reserved without a
+    limit, taking "serves under L" to hold for every limit above L (checked by brute force on the tests'
+    sequences). Its ``limit`` is that budget; its ``retries``, how often the allocator had to wait for the streams
+    and return free segments on the way."""
+    free_run = replay(events)
+    low = -(-free_run.max_allocated // ROUND_LARGE)
+    high = -(-free_run.max_reserved // ROUND_LARGE)  # serves: nothing reserved past it without a limit
+    while low < high:
+        middle = (low + high) // 2
+        try:
+            replay(events, limit=middle * ROUND_LARGE)
+            high = middle
+        except ModelledOutOfMemory:
+            low = middle + 1
+    return replay(events, limit=high * ROUND_LARGE)
+
+
+def trace_events(trace: list[dict]) -> list[tuple[str, int, int, int]]:
+    """A CUDA allocator's own history (``torch.cuda.memory._snapshot()["device_traces"][i]``, recorded with
+    ``_record_memory_history``) as :func:`replay`'s events: each ``alloc`` (the bytes asked, on its stream) and each
+    ``free_completed`` (when the block was back in its pool: after the side streams that used it were done, for a
+    block freed under ``record_stream``). Segment events and ``free_requested`` are the allocator's, not requests."""
+    events = []
+    for entry in trace:
+        if entry["action"] == "alloc":
+            events.append(("alloc", entry["addr"], entry["size"], entry["stream"]))
+        elif entry["action"] == "free_completed":
+            events.append(("free", entry["addr"], 0, 0))
+    return events
+
+
+def model_on_trace(trace: list[dict], limit: int | None = None) -> dict:
+    """The model replayed on the allocator's own history (:func:`trace_events`), held to ``limit`` as the run was,
+    beside what that history says the allocator reserved (its ``segment_alloc`` and ``segment_free`` entries):
+    how exact the model is on a real run's requests, apart from how exact the plan's requests are. Bytes."""
+    reserved = peak = segment_frees = 0
+    for entry in trace:
+        if entry["action"] == "segment_alloc":
+            reserved += entry["size"]
+            peak = max(peak, reserved)
+        elif entry["action"] == "segment_free":
+            reserved -= entry["size"]
+            segment_frees += 1
+    events, refused, requests = trace_events(trace), None, 0
+    model, live = CachingAllocatorModel(limit), {}
+    for kind, key, nbytes, stream in events:  # replay(), keeping the model when it refuses a request
+        if kind == "free" and live.get(key) is not None:
+            model.free(live.pop(key))
+        elif kind == "alloc":
+            try:
+                live[key] = model.malloc(nbytes, stream)
+            except ModelledOutOfMemory:
+                refused = requests
+                break
+            requests += 1
+    return {"trace_requests": sum(kind == "alloc" for kind, *_ in events), "trace_max_reserved": peak,
+            "trace_segment_frees": segment_frees, "trace_out_of_memory": any(e["action"] == "oom" for e in trace),
+            "model_max_reserved": model.max_reserved,
+            "model_max_allocated": model.max_allocated, "model_retries": model.retries,
+            "model_refused_request": refused}
+
+
 SEQUENCE = (100, MIB, MIB, 3 * MIB, 16 * MIB, 30 * MIB, 24 * MIB, 10 * MIB + 1, 700 * 1024, 5 * MIB)
 """Requests (bytes) of the check against the allocator itself: both pools, both large-segment kinds, best fit, a
 block handed out whole; after request i the requests of ``SEQUENCE_FREES[i]`` are freed."""
 SEQUENCE_FREES = {2: (0,), 5: (3, 4), 7: (5,), 9: (1, 7)}
+HELD_SEQUENCE = (30 * MIB, 24 * MIB, 32 * MIB, 3 * MIB)
+"""Requests of the check under a limit: the third fits no free block and, over the limit, is served only once the
+first's freed segment is returned; the fourth needs a 20 MiB segment, and nothing then free can be returned."""
+HELD_FREES = {1: (0,)}
+HELD_LIMITS = (64 * MIB, 76 * MIB)
+"""64 MiB: the fourth request is refused; 76 MiB (:func:`smallest_budget` of the sequence): all are served."""
+
+
+def run_sequence(malloc, free, sequence, frees) -> int | None:
+    """Requests ``sequence`` through ``malloc``, freeing after request i those of ``frees[i]``; the index of the
+    request refused (``malloc`` raised an out-of-memory error), or None."""
+    import torch
+
+    held = {}
+    for i, nbytes in enumerate(sequence):
+        try:
+            held[i] = malloc(nbytes)
+        except (ModelledOutOfMemory, torch.OutOfMemoryError):
+            return i
+        for j in frees.get(i, ()):
+            free(held.pop(j))
+    return None
 
 
 def against_cuda() -> dict:
     """:data:`SEQUENCE` through the model and through ``torch.cuda``'s allocator, from a process whose allocator
     holds nothing yet (run it in a fresh process, ``PYTORCH_CUDA_ALLOC_CONF`` without expandable segments): each
-    side's peaks of allocated and reserved bytes."""
+    side's peaks of allocated and reserved bytes; then :data:`HELD_SEQUENCE` under each of :data:`HELD_LIMITS`
+    (``set_per_process_memory_fraction``): the request refused, the peak reserved and the retries, and the
+    allocator's recorded history of that run through :func:`model_on_trace`."""
     import torch
 
     if not torch.cuda.is_available():
@@ -162,17 +281,39 @@ def against_cuda() -> dict:
     torch.cuda.init()
     base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    model, real, blocks = CachingAllocatorModel(), {}, {}
-    for i, nbytes in enumerate(SEQUENCE):
-        real[i] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        blocks[i] = model.malloc(nbytes)
-        for j in SEQUENCE_FREES.get(i, ()):
-            del real[j]
-            model.free(blocks.pop(j))
-    return {"cuda": {"max_allocated": torch.cuda.max_memory_allocated() - base_allocated,
-                     "max_reserved": torch.cuda.max_memory_reserved() - base_reserved},
-            "model": {"max_allocated": model.max_allocated, "max_reserved": model.max_reserved},
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    model = CachingAllocatorModel()
+    real: list = []
+    run_sequence(lambda n: real.append(torch.empty(n, dtype=torch.uint8, device="cuda")) or len(real) - 1,
+                 lambda i: real.__setitem__(i, None), SEQUENCE, SEQUENCE_FREES)
+    run_sequence(model.malloc, model.free, SEQUENCE, SEQUENCE_FREES)
+    figures = {"cuda": {"max_allocated": torch.cuda.max_memory_allocated() - base_allocated,
+                        "max_reserved": torch.cuda.max_memory_reserved() - base_reserved},
+               "model": {"max_allocated": model.max_allocated, "max_reserved": model.max_reserved},
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    total = torch.cuda.get_device_properties(0).total_memory
+    for limit in HELD_LIMITS:
+        real.clear()
+        torch.cuda.empty_cache()  # nothing cached: the limit counts this sequence's segments only
+        torch.cuda.reset_peak_memory_stats()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        # a few KiB over: the allocator takes fraction x total, rounded down; segments come in 2 MiB steps
+        torch.cuda.set_per_process_memory_fraction((limit + 4096) / total)
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+        start = len(torch.cuda.memory._snapshot()["device_traces"][0])  # the history before this run, if kept
+        refused = run_sequence(lambda n: real.append(torch.empty(n, dtype=torch.uint8, device="cuda")) or len(real) - 1,
+                               lambda i: real.__setitem__(i, None), HELD_SEQUENCE, HELD_FREES)
+        trace = torch.cuda.memory._snapshot()["device_traces"][0][start:]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        model = CachingAllocatorModel(limit)
+        modelled_refused = run_sequence(model.malloc, model.free, HELD_SEQUENCE, HELD_FREES)
+        figures[f"held_to_{limit // MIB}_mib"] = {
+            "cuda": {"refused": refused, "max_reserved": torch.cuda.max_memory_reserved() - base_reserved,
+                     "retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries},
+            "model": {"refused": modelled_refused, "max_reserved": model.max_reserved, "retries": model.retries},
+            # the same run's own history, replayed: what the suite's traced rows do with a training run's
+            "trace": model_on_trace(trace, limit)}
+    return figures
 
 
 def modelled(case, suite, api) -> dict:
@@ -186,8 +327,11 @@ def modelled(case, suite, api) -> dict:
     start = time.process_time()
     with device_events() as events:
         plan = api.plan_memory(cfg)
-    model, one_stream = replay(events), replay(events, streams=False)
+    model, one_stream, held = replay(events), replay(events, streams=False), smallest_budget(events)
     return {"status": "ok", "planned_allocated_gib": plan.device_peak_bytes / GIB,
+            "modelled_smallest_budget_gib": held.limit / GIB,
+            "modelled_held_margin_gib": (held.limit - held.max_requested) / GIB, "held_retries": held.retries,
+            "fit_margin_gib": (suite.fit_margin_limit(api, plan) - plan.device_peak_bytes) / GIB,
             "side_stream_allocations": sum(1 for event in events if event[3] and event[2]),
             "modelled_margin_one_stream_gib": (one_stream.max_reserved - one_stream.max_allocated) / GIB,
             "modelled_requested_gib": model.max_requested / GIB, "modelled_allocated_gib": model.max_allocated / GIB,
@@ -197,12 +341,14 @@ def modelled(case, suite, api) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """docs/benchmarks.md's table: the measured margin, the modelled one, and the model with every allocation on
-    the compute stream ("–": a row not planned)."""
-    lines = ["| case | measured reserved − allocated (GiB) | modelled (GiB) | modelled on one stream (GiB) |",
-             "|---|---:|---:|---:|"]
+    """docs/benchmarks.md's table: the measured margin, the modelled one, the model with every allocation on the
+    compute stream; the smallest budget the model serves less the plan's peak, beside the margin ``--fit`` leaves
+    at the tightest budget it accepts for the plan ("–": a row not planned)."""
+    lines = ["| case | measured reserved − allocated (GiB) | modelled (GiB) | modelled on one stream (GiB) | "
+             "modelled smallest budget − plan (GiB) | --fit's margin there (GiB) |", "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        figures = (r["measured_margin_gib"], r.get("modelled_margin_gib"), r.get("modelled_margin_one_stream_gib"))
+        figures = (r["measured_margin_gib"], r.get("modelled_margin_gib"), r.get("modelled_margin_one_stream_gib"),
+                   r.get("modelled_held_margin_gib"), r.get("fit_margin_gib"))
         lines.append(f"| {r['case']} | " + " | ".join("–" if f is None else f"{f:.2f}" for f in figures) + " |")
     return "\n".join(lines)
 
@@ -232,6 +378,11 @@ def main(argv=None) -> list[dict]:
                      "max_allocated_gib": row["max_allocated_gib"], "max_reserved_gib": row["max_reserved_gib"],
                      "measured_margin_gib": row["max_reserved_gib"] - row["max_allocated_gib"],
                      **modelled(cases[row["case"]], gpu_suite, api)})
+        if rows[-1]["status"] == "ok":  # --fit's margin less the model's need, then less what the run allocated
+            ok = rows[-1]  # beyond its plan as well (the plan made now, the run measured then)
+            ok["run_over_plan_gib"] = ok["max_allocated_gib"] - ok["planned_allocated_gib"]
+            ok["fit_spare_gib"] = ok["fit_margin_gib"] - ok["modelled_held_margin_gib"]
+            ok["fit_spare_after_run_gib"] = ok["fit_spare_gib"] - ok["run_over_plan_gib"]
         print(f"{row['case']}: modelled margin {rows[-1].get('modelled_margin_gib', float('nan')):.2f} GiB, "
               f"measured {rows[-1]['measured_margin_gib']:.2f}", flush=True)
     print(table(rows))

@@ -96,7 +96,8 @@ def main(argv: list[str]) -> None:
         "CUDA_CONTEXT_BYTES": {"value": CUDA_CONTEXT_BYTES,
                                "status": "measured on one H100: benchmarks/results/derived_gpu_suite.json"},
         "allocator_margin": {"value": "max(1 GiB, 5%)", "at_24_gib": fit.allocator_margin(24 * GIB),
-                             "status": "stated; waits for a lent GPU (reserved minus allocated)"},
+                             "status": "stated; measured on the GPU suite's rows and modelled (allocator_margin.py); "
+                                       "runs held to it wait for a lent GPU (part 16)"},
         "HOST_ADAMW_SECONDS_PER_PARAM": {"value": cost.HOST_ADAMW_SECONDS_PER_PARAM,
                                          "status": "measured: benchmarks/results/host_adamw.json"},
     }

@@ -76,6 +76,93 @@ def test_each_stream_reuses_only_the_blocks_it_freed():
     assert (margin.replay(events).reserved, margin.replay(events, streams=False).reserved) == (24 * MIB, 12 * MIB)
 
 
+def test_held_to_a_limit_free_segments_are_returned_before_a_request_is_refused():
+    # HELD_SEQUENCE: 30 MiB and 24 MiB (segments of their own), the 30 freed, then 32 MiB, then 3 MiB
+    requests = margin.HELD_SEQUENCE
+    free = margin.CachingAllocatorModel()  # no limit: the freed 30 MiB is kept, and the 3 MiB request splits it
+    assert margin.run_sequence(free.malloc, free.free, requests, margin.HELD_FREES) is None
+    assert (free.max_reserved, free.retries, free.segments) == (86 * MIB, 0, 3)
+    served = margin.CachingAllocatorModel(76 * MIB)
+    # 32 MiB fits no free block and 54 + 32 passes 76: the freed 30 MiB segment is returned (one retry), 24 + 32
+    # reserved; the 3 MiB request's 20 MiB segment then fits exactly
+    assert margin.run_sequence(served.malloc, served.free, requests, margin.HELD_FREES) is None
+    assert (served.max_reserved, served.reserved, served.retries, served.segments) == (76 * MIB, 76 * MIB, 1, 3)
+    refused = margin.CachingAllocatorModel(64 * MIB)
+    # at 64 MiB the 3 MiB request is refused: nothing free is left to return (a second retry)
+    assert margin.run_sequence(refused.malloc, refused.free, requests, margin.HELD_FREES) == 3
+    assert (refused.max_reserved, refused.retries) == (56 * MIB, 2)
+
+
+def test_a_split_segment_is_not_returned_while_part_of_it_is_held():
+    model = margin.CachingAllocatorModel(30 * MIB)
+    kept, freed = model.malloc(3 * MIB), model.malloc(5 * MIB)  # one 20 MiB segment, split
+    model.free(freed)  # 17 MiB free in it, beside the 3 MiB kept
+    with pytest.raises(margin.ModelledOutOfMemory):
+        model.malloc(18 * MIB)  # fits no free block; 20 + 18 passes 30, and the split segment cannot be returned
+    assert kept.size == 3 * MIB and model.reserved == 20 * MIB and model.retries == 1
+    model.free(kept)  # the segment is whole and free again: it holds the request, with no new segment
+    model.malloc(18 * MIB)
+    assert (model.reserved, model.segments, model.retries) == (20 * MIB, 1, 1)
+
+
+def _events(requests, frees):
+    events = []
+    for i, nbytes in enumerate(requests):
+        events.append(("alloc", i, nbytes, 0))
+        events += [("free", j, 0, 0) for j in frees.get(i, ())]
+    return events
+
+
+@pytest.mark.parametrize("requests, frees", [
+    (margin.HELD_SEQUENCE, margin.HELD_FREES),
+    (margin.SEQUENCE, margin.SEQUENCE_FREES),
+    ((12 * MIB, 3 * MIB, 40 * MIB, 5 * MIB, 12 * MIB, 700 * 1024, 22 * MIB), {1: (0,), 3: (2,), 5: (1, 4)}),
+])
+def test_the_smallest_budget_is_the_least_limit_that_serves_every_request(requests, frees):
+    events = _events(requests, frees)
+    held = margin.smallest_budget(events)
+
+    def serves(limit):
+        try:
+            margin.replay(events, limit=limit)
+            return True
+        except margin.ModelledOutOfMemory:
+            return False
+
+    steps = range(0, margin.replay(events).max_reserved + 2 * MIB, 2 * MIB)  # every limit, by brute force
+    assert [limit for limit in steps if serves(limit)] == list(range(held.limit, steps[-1] + 1, 2 * MIB))
+    assert held.max_reserved <= held.limit
+
+
+def _entry(action, addr, size, stream=7):
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "frames": []}
+
+
+def test_the_model_replays_an_allocators_own_history():
+    # HELD_SEQUENCE as the CUDA allocator records it under a 76 MiB limit (torch.cuda.memory._snapshot()'s
+    # device_traces): its segments, its requests, the first block freed and its segment returned for the third
+    a, b, c, d = 0x1000000, 0x3000000, 0x5000000, 0x7000000
+    trace = [_entry("segment_alloc", a, 30 * MIB), _entry("alloc", a, 30 * MIB),
+             _entry("segment_alloc", b, 24 * MIB), _entry("alloc", b, 24 * MIB),
+             _entry("free_requested", a, 30 * MIB), _entry("free_completed", a, 30 * MIB),
+             _entry("segment_free", a, 30 * MIB), _entry("segment_alloc", c, 32 * MIB), _entry("alloc", c, 32 * MIB),
+             _entry("segment_alloc", d, 20 * MIB), _entry("alloc", d, 3 * MIB)]
+    figures = margin.model_on_trace(trace, 76 * MIB)
+    assert figures == {"trace_requests": 4, "trace_max_reserved": 76 * MIB, "trace_segment_frees": 1,
+                       "trace_out_of_memory": False, "model_max_reserved": 76 * MIB,
+                       "model_max_allocated": (24 + 32 + 3) * MIB, "model_retries": 1, "model_refused_request": None}
+    assert margin.model_on_trace(trace, 64 * MIB)["model_refused_request"] == 3  # the 3 MiB request, as on the GPU
+
+
+def test_a_block_freed_under_record_stream_returns_to_its_pool_when_the_allocator_says_so():
+    # 12 MiB freed while a side stream still reads it (free_requested), a second 12 MiB then takes a new segment;
+    # once the free completes, a third reuses the first block
+    trace = [_entry("alloc", 1, 12 * MIB), _entry("free_requested", 1, 12 * MIB), _entry("alloc", 2, 12 * MIB),
+             _entry("free_completed", 1, 12 * MIB), _entry("alloc", 3, 12 * MIB)]
+    assert [kind for kind, *_ in margin.trace_events(trace)] == ["alloc", "alloc", "free", "alloc"]
+    assert margin.model_on_trace(trace)["model_max_reserved"] == 24 * MIB
+
+
 def test_offloadings_side_stream_copies_are_logged_as_such():
     # Activation offloading copies saved tensors back in backward, and weight offloading prefetches the next group,
     # on a side stream on CUDA; planned in line, their allocations are marked so, and only theirs.
@@ -139,3 +226,9 @@ def test_the_model_counts_what_the_cuda_allocator_counts():
                          capture_output=True, text=True, check=True).stdout
     figures = json.loads(out.splitlines()[-1])
     assert figures["cuda"] == figures["model"]
+    for limit in margin.HELD_LIMITS:  # held to a memory fraction: the same request refused, peak and retries
+        held = figures[f"held_to_{limit // MIB}_mib"]
+        assert held["cuda"] == held["model"]
+        trace = held["trace"]  # the allocator's own history of the run: its segments, and the model on its requests
+        assert trace["model_max_reserved"] == trace["trace_max_reserved"] == held["cuda"]["max_reserved"]
+        assert trace["trace_out_of_memory"] == (held["cuda"]["refused"] is not None)
