@@ -26,8 +26,12 @@ A case whose config keys are not in its recipe's schema yet is a pending feature
 
 Each row (see docs/benchmarks.md, "GPU suite"): case, part, kind, compile, gpu_name, versions, expandable_segments,
 tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the card by its name), planned_allocated_gib
-(``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, modelled_margin_gib (the caching
-allocator's margin as ``allocator_margin.py`` models it from the plan), device_used_gib (``mem_get_info``:
+(``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, modelled_margin_gib and
+modelled_held_margin_gib (the caching allocator's margin as ``allocator_margin.py`` models it from the plan
+without a limit; the smallest budget it serves the plan in, less the plan's peak), alloc_retries and syncs_all_streams (how often, over the timed
+steps, the allocator returned its free segments to retry a request, and waited for every stream;
+``torch.cuda.memory_stats``), held_to_gib (part 16's rows: the allocator's limit, ``fit_margin_limit``; such a row
+refused is ``status: out_of_memory``, its counts then over the whole process), device_used_gib (``mem_get_info``:
 managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
 op and kernel names), profile_top_cpu / profile_top_device (the profiled step's costliest ops), and on
 head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only figures are null on a CPU. Rows
@@ -58,15 +62,29 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_suite.json"
 PART_BUDGET_S = 8 * 60
 
 
-def modelled_margin_gib(events: list, gib: int) -> float:
-    """Max reserved − max allocated of ``benchmarks/allocator_margin.py``'s caching-allocator model over a plan's
-    device events: the allocator's margin as modelled, beside the row's measured one."""
+def modelled_margins(events: list, gib: int) -> dict:
+    """``benchmarks/allocator_margin.py``'s caching-allocator model over a plan's device events, beside the row's
+    measured margin: max reserved − max allocated without a limit (``modelled_margin_gib``), and the smallest
+    budget that serves the events less the plan's peak (``modelled_held_margin_gib``: what a fit's margin must
+    cover)."""
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
-    from allocator_margin import replay
+    from allocator_margin import replay, smallest_budget
 
-    model = replay(events)
-    return (model.max_reserved - model.max_allocated) / gib
+    free, held = replay(events), smallest_budget(events)
+    return {"modelled_margin_gib": (free.max_reserved - free.max_allocated) / gib,
+            "modelled_held_margin_gib": (held.limit - held.max_requested) / gib}
+
+
+def fit_margin_limit(api, plan) -> int:
+    """Bytes the caching allocator may reserve in the tightest device budget ``mtune plan --fit`` accepts for
+    ``plan``: the smallest budget B with the plan's device total plus ``allocator_margin(B)`` within B, less what
+    the plan counts outside the allocator (the CUDA context, managed memory kept resident)."""
+    total = plan.device_total_bytes
+    budget = total + api.allocator_margin(total)
+    while total + api.allocator_margin(budget) > budget:  # the margin grows with the budget (a share of it)
+        budget = total + api.allocator_margin(budget)
+    return budget - (total - plan.device_peak_bytes)
 
 
 def mtune_api() -> SimpleNamespace:
@@ -87,6 +105,7 @@ def mtune_api() -> SimpleNamespace:
     from mtune.training.observe.memory_stats import saved_for_backward_bytes
     from mtune.training.observe.peak_flops import gpu_peak_flops, peak_flops
     from mtune.training.planning.breakdown import MemoryBreakdown
+    from mtune.training.planning.fit import allocator_margin
     from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
     from mtune.training.planning.plan import plan_memory
     from mtune.training.planning.tracker import device_events
@@ -121,6 +140,11 @@ class Case:
     fla_guard_lifted: bool = False
     env: tuple[tuple[str, str], ...] = ()  # environment of the case's process (e.g. TORCH_LOGS for its log)
     device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
+    # run under the allocator limit of the tightest budget --fit would accept for the case's plan (fit_margin_limit)
+    held_to_fit_margin: bool = False
+    # record the allocator's history from setup on and replay it through allocator_margin.py's model (CUDA only;
+    # the recording costs a few microseconds an allocation, so such a row's speed is not a speed figure)
+    trace_allocator: bool = False
     # GPU minutes the case is expected to take (machine start excluded): a measured case's wall time on the H100 of
     # the second lease (gpu_suite.json's wall_s) plus a quarter, in quarter minutes; the others by their nearest
     # measured kin, or larger where they plan or build more (the 30B MoE, the host optimizer, the longest context)
@@ -281,6 +305,20 @@ CASES: list[Case] = [
            seq_len=1024, steps=5, warmup=3, minutes=minutes)
       for reference, minutes in (("adapters_off", 1.5), ("precomputed", 2.0), ("copy", 1.75))),
 ]
+# ---- part 16: --fit's allocator margin, max(1 GiB, 5%), under pressure, each row held to the limit that the tightest
+# budget --fit would accept for its plan leaves the allocator (fit_margin_limit): the two rows whose unlimited runs
+# reserved the most beyond what they allocated (6.34 and 2.06 GiB, the fifth and fourth leases: gradients and saved
+# tensors waiting for a side stream's copies, `record_stream`), which the allocator model held to a limit serves
+# within 0.28 and 0.54 GiB over their plans; QLoRA's default CUDA step, whose compiled NF4 kernel allocates outside
+# the plan (1.23 GiB measured, 0.74 modelled); block-level weight offloading, where the model's 0.91 GiB and the run's
+# 0.09 GiB over its plan leave the margin 0.01 GiB short; and torchao's eager dequantization (1.66 GiB: 0.76 short)
+CASES += [replace(twin, name=f"{twin.name}_held_to_fit_margin", part=16, held_to_fit_margin=True,
+                  trace_allocator=True, what=f"{twin.what}, held to --fit's allocator margin over its plan")
+          for twin in CASES if twin.name in ("llama3_1_8B_full_optimizer_offload",
+                                             "llama3_1_8B_lora_activation_offloading",
+                                             "llama3_1_8B_qlora_eager_packed4096",
+                                             "llama3_1_8B_lora_weight_offloading_block",
+                                             "llama3_1_8B_qlora_eager_torchao_dequantize_packed4096")]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
                device_memory_gib=1.05, head_to_head_seq=128)  # --fit keeps at least 1 GiB of allocator margin
@@ -449,12 +487,45 @@ SAVED_GROUPS_KEPT = 8
 """``saved_for_backward_largest`` keeps this many (shape, dtype) groups, the largest first."""
 
 
-def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | None = None) -> dict:
-    """Set up as the recipes do, step, time, measure. Returns the row's measured fields."""
+TRACE_MAX_ENTRIES = 4_000_000
+"""The most allocator history entries a traced row keeps (an 8B step makes tens of thousands; a row that reaches it
+says so: ``trace_entries``)."""
+
+
+def traced_allocator(api, memory_fraction: float | None) -> dict:
+    """Stop recording the allocator's history and set ``allocator_margin.model_on_trace`` beside it (GiB; the
+    model held to the row's limit where it had one)."""
+    import torch
+
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from allocator_margin import model_on_trace
+
+    limit = None if memory_fraction is None else int(memory_fraction * torch.cuda.get_device_properties(0).total_memory)
+    figures = model_on_trace(trace, limit)
+    return {"trace_entries": len(trace), **{k: v / api.GIB if k.endswith(("reserved", "allocated")) else v
+                                            for k, v in figures.items()}}
+
+
+def allocator_counts(cuda: bool) -> dict:
+    """The caching allocator's counts of retries after returning its free segments and of waits for every
+    stream (``torch.cuda.memory_stats``), or None each off CUDA."""
+    import torch
+
+    stats = torch.cuda.memory_stats() if cuda else {}
+    return {"alloc_retries": stats.get("num_alloc_retries"), "syncs_all_streams": stats.get("num_sync_all_streams")}
+
+
+def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | None = None,
+             row: dict | None = None) -> dict:
+    """Set up as the recipes do, step, time, measure. Returns the row's measured fields, filled into ``row`` as
+    they are measured (a run that raises leaves there what it measured before)."""
     import torch
 
     cuda = torch.cuda.is_available() and str(cfg.device).startswith("cuda")
-    row: dict = {}
+    row = {} if row is None else row
     from mtune.modules import nf4_dequantize
 
     nf4_dequantize.COMPILED_ON_CUDA = not case.torchao_dequantize  # before the plan, which models the choice
@@ -470,7 +541,13 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     with api.device_events() if cuda else contextlib.nullcontext() as events:
         plan = api.plan_memory(plan_cfg)
     row["planned_allocated_gib"] = plan.device_peak_bytes / api.GIB
-    row["modelled_margin_gib"] = modelled_margin_gib(events, api.GIB) if cuda else None
+    row.update(modelled_margins(events, api.GIB) if cuda else {"modelled_margin_gib": None,
+                                                                "modelled_held_margin_gib": None})
+    if case.held_to_fit_margin:
+        row["held_to_gib"] = fit_margin_limit(api, plan) / api.GIB
+        if cuda:
+            memory_fraction = row["held_to_gib"] * api.GIB / torch.cuda.get_device_properties(0).total_memory
+            row["memory_fraction"] = memory_fraction
     row["planned_host_gib"] = plan.host_peak_bytes / api.GIB
     row["plan_predicts"] = plan.predicts
     cfg.output_dir = str(workdir / case.name)
@@ -478,6 +555,11 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         if memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(memory_fraction)
         torch.cuda.empty_cache()
+        if case.trace_allocator:
+            row["allocated_before_trace_gib"] = torch.cuda.memory_allocated() / api.GIB  # not in the history
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                     max_entries=TRACE_MAX_ENTRIES)
+            row["tracing"] = True
     run = api.setup_run(cfg)
     memory = api.MemoryConfig.from_config(cfg)
     source = api.resolve_model_source(cfg.model)
@@ -506,6 +588,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         batch = {k: v.pin_memory() for k, v in batch.items()}
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    before = allocator_counts(cuda)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step():
@@ -524,6 +607,10 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         sync()
         times.append(time.perf_counter() - start)
         losses.append(result.loss)
+    # how often the allocator, short of room, waited for every stream and returned its free segments (a stall each)
+    row.update({k: (v - before[k] if before[k] is not None else None) for k, v in allocator_counts(cuda).items()})
+    if row.pop("tracing", False):
+        row.update(traced_allocator(api, memory_fraction))
     timed = times[case.warmup:]
     step_s = statistics.median(timed)
     tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
@@ -631,7 +718,18 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
     if dry_run:
         case = replace(case, steps=DRY_RUN["steps"], warmup=DRY_RUN["warmup"])
     row.update(batch_size=int(cfg.batch_size), seq_len=int(cfg.tokenizer.max_seq_len))
-    return {**row, **run_case(api, case, cfg, workdir=workdir, memory_fraction=fraction)}
+    measured: dict = {}
+    try:
+        return {**row, **run_case(api, case, cfg, workdir=workdir, memory_fraction=fraction, row=measured)}
+    except torch.OutOfMemoryError as err:
+        if not case.held_to_fit_margin:
+            raise
+        # refused within --fit's margin: what the allocator held when it gave up is the finding
+        figures = {"max_allocated_gib": torch.cuda.max_memory_allocated() / api.GIB,
+                   "max_reserved_gib": torch.cuda.max_memory_reserved() / api.GIB, **allocator_counts(True)}
+        if measured.pop("tracing", False):  # did the model refuse the same request?
+            figures.update(traced_allocator(api, measured.get("memory_fraction")))
+        return {**row, **measured, **figures, "status": "out_of_memory", "reason": str(err)[-1500:]}
 
 
 OOM_LIMIT_SHARE = 0.75

@@ -6,12 +6,13 @@
 #                                          (installs /tmp/site)
 #   2: .whl/torchtune .whl_triton/part_ab  the head-to-head with torchtune 0.6.1 (parity, profiles)
 #   3: .whl_triton/part_ac .whl_triton/SHA256 .whl/fla   Qwen3.5 9B on fla's kernels beside its PyTorch-form twin
-#   4: nothing (needs item 1's /tmp/site)  the MoE QLoRA twins
-#   5: nothing (needs item 1's /tmp/site)  the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
-#   6: nothing (needs item 1's /tmp/site)  part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
+#   4: nothing (needs item 1's /tmp/site)  part 16: runs held to --fit's allocator margin over their plans
+#   5: nothing (needs item 1's /tmp/site)  the MoE QLoRA twins
+#   6: nothing (needs item 1's /tmp/site)  the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
+#   7: nothing (needs item 1's /tmp/site)  part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
 # A fresh machine (the lease was given back between items) needs item 1 first: /tmp/site is where the wheels go.
 set -uo pipefail
-item="${1:?usage: bash scripts/gpu_lease.sh ITEM (1-6)}"
+item="${1:?usage: bash scripts/gpu_lease.sh ITEM (1-7)}"
 OUT="${OUT:?OUT: the device tool sets it}"
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
 suite() {  # suite WORKDIR SECONDS ARGS...: the suite's cases under a timeout, its log and the cases' logs to $OUT
@@ -44,13 +45,18 @@ case "$item" in
     suite /tmp/gs3 300 --fla-path /tmp/site_triton:/tmp/site_fla \
       --cases qwen3_5_9B_lora_fla_packed4096 qwen3_5_9B_lora_packed4096 ;;
   4)
-    suite /tmp/gs4 330 --cases qwen3_moe_30B_A3B_qlora_packed4096 \
-      qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096 ;;
+    suite /tmp/gs4 450 --cases llama3_1_8B_full_optimizer_offload_held_to_fit_margin \
+      llama3_1_8B_qlora_eager_packed4096_held_to_fit_margin llama3_1_8B_lora_weight_offloading_block_held_to_fit_margin \
+      llama3_1_8B_qlora_eager_torchao_dequantize_packed4096_held_to_fit_margin \
+      llama3_1_8B_lora_activation_offloading_held_to_fit_margin ;;
   5)
-    suite /tmp/gs5 300 --cases llama3_1_8B_lora_weight_offloading_leaf qwen3_moe_30B_A3B_qlora_compiled_packed4096 ;;
+    suite /tmp/gs5 330 --cases qwen3_moe_30B_A3B_qlora_packed4096 \
+      qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096 ;;
   6)
-    suite /tmp/gs6 540 --cases llama3_1_8B_lora_packed4096_segments qwen3_5_9B_lora_compiled_packed4096 \
+    suite /tmp/gs6 300 --cases llama3_1_8B_lora_weight_offloading_leaf qwen3_moe_30B_A3B_qlora_compiled_packed4096 ;;
+  7)
+    suite /tmp/gs7 540 --cases llama3_1_8B_lora_packed4096_segments qwen3_5_9B_lora_compiled_packed4096 \
       llama3_1_8B_lora_longest_planned_context ;;
   *)
-    echo "no item $item (1-6)" >&2; exit 2 ;;
+    echo "no item $item (1-7)" >&2; exit 2 ;;
 esac

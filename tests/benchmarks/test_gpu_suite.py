@@ -59,7 +59,8 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert row["dry_run"] and row["gpu_name"] is None
         assert row["max_allocated_gib"] is None and row["max_reserved_gib"] is None
-        assert row["modelled_margin_gib"] is None  # a CPU plan: no allocator to model
+        assert row["modelled_margin_gib"] is None and row["modelled_held_margin_gib"] is None  # no allocator
+        assert row["alloc_retries"] is None and row["syncs_all_streams"] is None
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= row["hfu"]
         assert row["batch_size"] == 2 and row["seq_len"] == 64
         assert row["attention_kernel"]  # named from the profiler (the CPU's SDPA kernel)
@@ -188,8 +189,45 @@ def test_dynamo_limits_hit_counts_a_function_dynamo_gave_up_on():
     torch._dynamo.reset()
 
 
-def test_a_cuda_rows_modelled_margin_is_the_allocator_model_over_its_plans_events():
+def test_a_cuda_rows_modelled_margins_are_the_allocator_model_over_its_plans_events():
     mib = 2**20
-    # a 12 MiB block freed, then a 14 MiB request: a second segment, 12 MiB reserved beyond the 14 allocated
+    # a 12 MiB block freed, then a 14 MiB request: without a limit a second segment, 12 MiB reserved beyond the 14
+    # allocated; held to 14 MiB, the freed segment is returned first, and nothing is reserved beyond them
     events = [("alloc", 1, 12 * mib, 0), ("free", 1, 0, 0), ("alloc", 2, 14 * mib, 0)]
-    assert suite.modelled_margin_gib(events, mib) == 12
+    assert suite.modelled_margins(events, mib) == {"modelled_margin_gib": 12, "modelled_held_margin_gib": 0}
+
+
+@pytest.mark.parametrize("peak_gib", [3, 16.76, 40])
+def test_a_held_run_gets_what_the_tightest_budget_fit_accepts_leaves_the_allocator(peak_gib):
+    from types import SimpleNamespace
+
+    from mtune.training.planning.fit import allocator_margin
+    from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
+    from mtune.units import GIB
+
+    peak = int(peak_gib * GIB)
+    plan = SimpleNamespace(device_peak_bytes=peak, device_total_bytes=peak + CUDA_CONTEXT_BYTES)
+    limit = suite.fit_margin_limit(SimpleNamespace(allocator_margin=allocator_margin), plan)
+    budget = limit + CUDA_CONTEXT_BYTES
+    # --fit accepts that budget (the plan's total and the margin within it) and not a byte less
+    assert plan.device_total_bytes + allocator_margin(budget) <= budget
+    assert plan.device_total_bytes + allocator_margin(budget - 1) > budget - 1
+    # under 20 GiB the margin is its 1 GiB floor; over it, 5% of the budget
+    assert limit - peak == (GIB if budget <= 20 * GIB else allocator_margin(budget))
+
+
+def test_a_held_run_refused_is_a_row_that_says_so_and_any_other_run_refused_raises(monkeypatch, tmp_path):
+    import torch
+
+    def refused(api, case, cfg, *, workdir, memory_fraction=None, row=None):
+        row["held_to_gib"] = 17.76  # what run_case measured before the allocator refused
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(suite, "run_case", refused)
+    held = next(c for c in suite.CASES if c.held_to_fit_margin)
+    row = suite.measure(suite.mtune_api(), held, device="cpu", dry_run=True, workdir=tmp_path, args=None)
+    assert row["status"] == "out_of_memory" and row["held_to_gib"] == 17.76 and row["case"] == held.name
+    assert row["reason"].startswith("CUDA out of memory") and "max_reserved_gib" in row and "alloc_retries" in row
+    twin = next(c for c in suite.CASES if held.name == f"{c.name}_held_to_fit_margin")
+    with pytest.raises(torch.OutOfMemoryError):
+        suite.measure(suite.mtune_api(), twin, device="cpu", dry_run=True, workdir=tmp_path, args=None)
