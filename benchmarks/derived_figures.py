@@ -21,7 +21,8 @@ lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
   torchtune's published 18.9 GiB (cited in the script).
 - ``derived_gpu_suite.json``: tokens/s quotients of GPU-suite case pairs (compiled over eager, QLoRA over LoRA) and
   each case's allocator margin (reserved - allocated) and memory beyond the allocator, the CUDA context, and the
-  paged optimizer states measured against their plan (``gpu_suite_figures``); and from ``nf4_matmul.json`` each
+  paged optimizer states measured against their plan, and part 16's held runs beside the allocator model's
+  predictions (``gpu_suite_figures``, ``held_runs``); and from ``nf4_matmul.json`` each
   NF4 kernel's time for one 8B block's seven frozen matmuls, over the bf16 matmul's (``nf4_block_figures``).
 
     python benchmarks/derived_figures.py     # about a second
@@ -244,8 +245,41 @@ def gpu_suite_figures() -> dict:
                 "planned_managed_gib": r["planned_host_gib"],
                 "plan_error": r["planned_host_gib"] / (r["device_used_gib"] - r["max_reserved_gib"] - context) - 1}
                for (gpu, case), r in latest.items() if case in PAGED_CASES and context is not None]
+    predictions = json.loads((RESULTS / "allocator_margin.json").read_text())["rows"]
     return {"tokens_per_s_pairs": pairs, "allocator_margins": margins, "cuda_context_gib": context,
-            "paged_states": managed}
+            "paged_states": managed, "held_runs": held_runs(rows, predictions)}
+
+
+HELD_SUFFIX = "_held_to_fit_margin"
+"""The GPU suite's part 16 rows: each case's twin held to the allocator limit --fit's tightest budget leaves it."""
+
+
+def held_runs(rows: list[dict], predictions: list[dict]) -> list[dict]:
+    """Each part 16 row (the latest of each case on each GPU, served or refused) beside what
+    ``allocator_margin.json`` predicted for its unheld twin's plan (``fit_spare_after_run_gib``: --fit's margin
+    less the held model's need and the twin's run beyond its plan; negative: refused) and beside the model on the
+    row's own allocator history (whether the model, held alike, reserved what the allocator did and refused what it
+    refused)."""
+    latest = {(r["gpu_name"], r["case"]): r for r in rows
+              if r["case"].endswith(HELD_SUFFIX) and r.get("gpu_name") and r["status"] in ("ok", "out_of_memory")}
+    spare = {p["case"]: p.get("fit_spare_after_run_gib") for p in predictions}
+    out = []
+    for (gpu, case), r in latest.items():
+        served = r["status"] == "ok"
+        twin = case[: -len(HELD_SUFFIX)]
+        record = {"name": case, "gpu_name": gpu, "served": served, "held_to_gib": r.get("held_to_gib"),
+                  "max_allocated_gib": r.get("max_allocated_gib"), "max_reserved_gib": r.get("max_reserved_gib"),
+                  "alloc_retries": r.get("alloc_retries"), "syncs_all_streams": r.get("syncs_all_streams"),
+                  "predicted_spare_gib": spare.get(twin)}
+        record["prediction_held"] = None if spare.get(twin) is None else (spare[twin] >= 0) == served
+        if r.get("trace_max_reserved_gib") is not None:
+            refused = r["model_refused_request"] is not None
+            record.update(trace_max_reserved_gib=r["trace_max_reserved_gib"],
+                          model_max_reserved_gib=r["model_max_reserved_gib"], model_on_trace_refused=refused,
+                          model_on_trace_agrees=refused == r["trace_out_of_memory"]
+                          and (not served or r["model_max_reserved_gib"] == r["trace_max_reserved_gib"]))
+        out.append(record)
+    return out
 
 
 NF4_BLOCK_LINEARS = {"q_proj/o_proj": 2, "k_proj/v_proj": 2, "gate_proj/up_proj": 2, "down_proj": 1}

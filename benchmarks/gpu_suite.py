@@ -31,7 +31,8 @@ modelled_held_margin_gib (the caching allocator's margin as ``allocator_margin.p
 without a limit; the smallest budget it serves the plan in, less the plan's peak), alloc_retries and syncs_all_streams (how often, over the timed
 steps, the allocator returned its free segments to retry a request, and waited for every stream;
 ``torch.cuda.memory_stats``), held_to_gib (part 16's rows: the allocator's limit, ``fit_margin_limit``; such a row
-refused is ``status: out_of_memory``, its counts then over the whole process), device_used_gib (``mem_get_info``:
+refused is ``status: out_of_memory``, its counts then over the whole process), trace_* and model_* (traced rows:
+``allocator_margin.model_on_trace`` over the allocator's own history of the run), device_used_gib (``mem_get_info``:
 managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
 op and kernel names), profile_top_cpu / profile_top_device (the profiled step's costliest ops), and on
 head-to-head rows torchtune_tokens_per_s, torchtune_max_allocated_gib. CUDA-only figures are null on a CPU. Rows
@@ -505,8 +506,8 @@ def traced_allocator(api, memory_fraction: float | None) -> dict:
 
     limit = None if memory_fraction is None else int(memory_fraction * torch.cuda.get_device_properties(0).total_memory)
     figures = model_on_trace(trace, limit)
-    return {"trace_entries": len(trace), **{k: v / api.GIB if k.endswith(("reserved", "allocated")) else v
-                                            for k, v in figures.items()}}
+    return {"trace_entries": len(trace), **dict((f"{k}_gib", v / api.GIB) if k.endswith(("reserved", "allocated"))
+                                                else (k, v) for k, v in figures.items())}
 
 
 def allocator_counts(cuda: bool) -> dict:

@@ -231,3 +231,26 @@ def test_a_held_run_refused_is_a_row_that_says_so_and_any_other_run_refused_rais
     twin = next(c for c in suite.CASES if held.name == f"{c.name}_held_to_fit_margin")
     with pytest.raises(torch.OutOfMemoryError):
         suite.measure(suite.mtune_api(), twin, device="cpu", dry_run=True, workdir=tmp_path, args=None)
+
+
+def test_a_traced_row_sets_the_model_on_the_allocators_history_beside_it(monkeypatch):
+    # the CUDA calls stood in for: a history in which the allocator returned a freed 30 MiB segment for a 32 MiB
+    # request under its 60 MiB limit (as torch.cuda.memory._snapshot() gives it), on a card of 600 MiB
+    import torch
+    from types import SimpleNamespace
+
+    mib = 2**20
+    entry = lambda action, addr, size: {"action": action, "addr": addr, "size": size, "stream": 0, "frames": []}
+    trace = [entry("segment_alloc", 1, 30 * mib), entry("alloc", 1, 30 * mib), entry("segment_alloc", 2, 24 * mib),
+             entry("alloc", 2, 24 * mib), entry("free_requested", 1, 30 * mib), entry("free_completed", 1, 30 * mib),
+             entry("segment_free", 1, 30 * mib), entry("segment_alloc", 3, 32 * mib), entry("alloc", 3, 32 * mib)]
+    recording = []
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace]})
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recording.append(kw))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=600 * mib))
+    figures = suite.traced_allocator(SimpleNamespace(GIB=mib), 0.1)  # 60 MiB of 600
+    assert recording == [{"enabled": None}]  # recording stopped
+    assert figures == {"trace_entries": 9, "trace_requests": 3, "trace_max_reserved_gib": 56,
+                       "trace_segment_frees": 1, "trace_out_of_memory": False, "model_max_reserved_gib": 56,
+                       "model_max_allocated_gib": 56, "model_retries": 1, "model_refused_request": None}

@@ -135,3 +135,21 @@ def test_the_planners_cuda_context_is_the_measured_one():
 
     measured_gib = json.loads((RESULTS / "derived_gpu_suite.json").read_text())["cuda_context_gib"]
     assert CUDA_CONTEXT_BYTES == math.ceil(measured_gib * 1024) * 2**20, (CUDA_CONTEXT_BYTES, measured_gib)
+
+
+def test_held_runs_set_each_part_16_row_beside_its_prediction_and_the_model_on_its_history():
+    gpu = "NVIDIA H100 80GB HBM3"
+    row = lambda case, status, **figures: {"case": case, "gpu_name": gpu, "status": status, **figures}
+    rows = [row("a_held_to_fit_margin", "failed"),  # a failure that is not the allocator's: not a held run
+            row("a_held_to_fit_margin", "ok", held_to_gib=18.0, max_reserved_gib=17.5, trace_max_reserved_gib=17.5,
+                model_max_reserved_gib=17.5, model_refused_request=None, trace_out_of_memory=False),
+            row("b_held_to_fit_margin", "out_of_memory", held_to_gib=10.8, trace_max_reserved_gib=10.7,
+                model_max_reserved_gib=10.1, model_refused_request=None, trace_out_of_memory=True),
+            row("c", "ok")]  # not a held run
+    predictions = [{"case": "a", "fit_spare_after_run_gib": 0.3}, {"case": "b", "fit_spare_after_run_gib": -0.8}]
+    a, b = derived.held_runs(rows, predictions)
+    assert (a["name"], a["served"], a["prediction_held"], a["model_on_trace_agrees"]) == (
+        "a_held_to_fit_margin", True, True, True)
+    # refused as predicted, but the model on the run's own history served the request the allocator refused
+    assert (b["served"], b["prediction_held"], b["predicted_spare_gib"]) == (False, True, -0.8)
+    assert (b["model_on_trace_refused"], b["model_on_trace_agrees"]) == (False, False)
