@@ -146,7 +146,9 @@ class Footprint:
     cost model folds every technique's; at most one technique names each home, the rules see to it)."""
 
     frozen_weights_home: str | None = None
-    """``"host"`` when the frozen weights wait in host memory between uses; None: the technique says nothing."""
+    """``"host"`` when the frozen weights wait in host memory between uses; ``"host_blocks"`` when only the blocks'
+    do (`ModelFacts.frozen_in_blocks`), the embedding and output projection staying on the device; None: the
+    technique says nothing."""
     trainable_weights_home: str | None = None
     """``"host"`` when the trainable weights live in host memory (the device holds them only while a block runs)."""
     states_home: str | None = None

@@ -201,8 +201,11 @@ def device_floor(cfg, world_size: int = 1) -> tuple[dict[str, float], dict[str, 
     trainable = f"{memory.run.dtype} trainable weights" if memory.lora is None else "adapters"
     weights_on_host = _first(footprints, "trainable_weights_home") == "host"
     (host if weights_on_host else device)[trainable] = facts.trainable_bytes
-    if facts.frozen_bytes:
-        (host if _first(footprints, "frozen_weights_home") == "host" else device)["frozen weights"] = facts.frozen_bytes
+    home = _first(footprints, "frozen_weights_home")
+    waiting = {"host": facts.frozen_bytes, "host_blocks": facts.frozen_in_blocks}.get(home, 0.0)  # on the host
+    for where, nbytes in ((host, waiting), (device, facts.frozen_bytes - waiting)):
+        if nbytes:
+            where["frozen weights"] = nbytes
     state_bytes = (_first(footprints, "state_bytes_per_element") or 0.0) * facts.trainable_numel
     home = _first(footprints, "states_home")
     name = f"optimizer states ({memory.run.optimizer_component.rsplit('.', 1)[-1]})"

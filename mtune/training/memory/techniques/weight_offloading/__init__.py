@@ -94,7 +94,8 @@ class WeightOffloadingTechnique(MemoryTechnique):
         return problems
 
     def footprint(self, s: WeightOffloadingSettings, memory: Any, facts: ModelFacts) -> Footprint:
-        """Frozen weights on the host; the blocks' come in for forward and again for backward, a third time for
+        """Frozen weights on the host (block_level: the blocks' only; the embedding and output projection stay on the
+        device); the blocks' come in for forward and again for backward, a third time for
         leaf_level's recomputation under checkpointing. leaf_level also moves the embedding and the output
         projection, each once, in forward (backward reads neither: the chunked loss fetches the head and computes
         in forward; a tied one comes twice but is counted once). block_level repeats over a group of
@@ -108,7 +109,7 @@ class WeightOffloadingTechnique(MemoryTechnique):
         visits = 3 if leaf and checkpointing else 2
         moved = visits * facts.frozen_in_blocks + (facts.frozen_bytes - facts.frozen_in_blocks if leaf else 0.0)
         repeat = 1 if leaf else int(offloading.blocks_per_group) * (2 if offloading.use_streams else 1)
-        return Footprint(frozen_weights_home="host", repeat_blocks=repeat,
+        return Footprint(frozen_weights_home="host" if leaf else "host_blocks", repeat_blocks=repeat,
                          transfer_bytes_per_token=moved / facts.micro_batch_tokens)
 
     def fit_choices(self, s: WeightOffloadingSettings, memory: Any, facts: ModelFacts) -> list[FitChoice]:
