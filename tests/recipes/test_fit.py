@@ -215,3 +215,28 @@ def test_an_answer_that_drops_the_configs_quantized_base_says_so(tmp_path, tiny_
     lora = load_and_check(module, TRAIN_CONFIG, overrides + ["lora.quantize_base=false"])
     assert numerics_line(qlora, lora).startswith("more precise than the config: no NF4 base weights")
     assert numerics_line(qlora, qlora) == numerics_line(lora, lora) == "lossless: the same numbers as the config"
+
+
+@pytest.mark.parametrize("config", ["llama3_2/1B_lora_single_device", "llama3_1/8B_full_single_device"])
+def test_no_candidates_floor_exceeds_its_own_plan(config):
+    """--fit rejects a candidate whose floor passes a budget without planning it, so no floor may exceed the plan it
+    stands for, on either budget: candidates of the search's knobs drawn at random (seeded) on the tiny model, each
+    floor against its plan's device and host peaks (a block-level host floor and an fp8 device floor were over
+    theirs before 2026-11-27)."""
+    import random
+
+    from mtune.training.planning.candidates import with_overrides
+    from mtune.training.planning.cost import device_floor
+
+    module, _, cfg = shipped_on_tiny(config)
+    rng, options, checked = random.Random(0), [knob.choices(cfg) for knob in KNOBS], 0
+    while checked < 12:
+        overrides = {k: v for choices in options for k, v in rng.choice(choices).overrides.items()}
+        candidate = with_overrides(cfg, overrides)
+        if any(rule(candidate) for rule in module.SCHEMA.rules):  # a combination the search would not make
+            continue
+        device, host = device_floor(candidate)
+        plan = plan_memory(candidate)
+        assert sum(device.values()) <= plan.device_peak_bytes, overrides
+        assert sum(host.values()) <= plan.host_peak_bytes, overrides
+        checked += 1

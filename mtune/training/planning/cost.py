@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from mtune.config.keys import accumulation_steps
 from mtune.models import build_model_from_args
+from mtune.modules.fp8_linear import has_fp8_storage
 from mtune.modules.lora import has_nf4_weight
 from mtune.modules.loss import ChunkedCrossEntropyLoss
 from mtune.training.memory import phases
@@ -134,8 +135,10 @@ def _parameter_bytes(cfg) -> tuple[float, float, float]:
     """``(trainable bytes, frozen bytes, frozen bytes inside the blocks)`` of ``cfg``'s model as stored, from the
     model built on the meta device: a
     technique's `Footprint.frozen_bytes_per_weight` (NF4 about 0.516 with its scales) for the frozen 2-D weights
-    inside the blocks and the modules stored so (`has_nf4_weight`: NF4 experts, a QLoRA head), fp8 one byte, the
-    rest (the embedding, an output projection without adapters) in the storage dtype."""
+    inside the blocks and the modules stored so (`has_nf4_weight`: NF4 experts, a QLoRA head), one byte for the
+    weights fp8 storage converts on loading (`has_fp8_storage`; the meta model still holds them in the model
+    dtype) and for weights already fp8, the rest (the embedding, an output projection without adapters) in the
+    storage dtype."""
     memory = MemoryConfig.from_config(cfg)
     stored = phases.frozen_bytes_per_weight(memory)
 
@@ -146,13 +149,14 @@ def _parameter_bytes(cfg) -> tuple[float, float, float]:
         frozen, in_blocks_bytes, seen = 0.0, 0.0, set()
         for module_name, module in model.named_modules():
             in_blocks, nf4 = module_name.startswith("layers."), has_nf4_weight(module)
+            fp8 = module.weight_storage_dtype.itemsize if has_fp8_storage(module) else None  # stored on loading
             for name, p in module.named_parameters(recurse=False):
                 if p.requires_grad or id(p) in seen:  # a tied weight once
                     continue
                 seen.add(id(p))
                 converted = stored is not None and name == "weight" and (nf4 or (in_blocks and p.dim() == 2))
-                nbytes = p.numel() * (stored if converted else p.element_size() if p.dtype.itemsize == 1
-                                      else dtype_bytes)
+                nbytes = p.numel() * (stored if converted else fp8 if fp8 and name == "weight"
+                                      else p.element_size() if p.dtype.itemsize == 1 else dtype_bytes)
                 frozen += nbytes
                 in_blocks_bytes += nbytes if in_blocks else 0.0
         return float(trainable), frozen, in_blocks_bytes
