@@ -196,6 +196,20 @@ def test_a_tie_goes_to_the_fewer_techniques_even_when_the_most_saving_one_fits(t
     assert planned == {"leaf_level": True, "block_level": True, None: True}
 
 
+def test_a_tie_of_levels_goes_to_the_fewer_bytes_moved_to_the_host():
+    # Llama 3.1 8B QLoRA at 8 GiB (benchmarks/fit_answers.py): an fp8 base with leaf-level weight offloading and the
+    # NF4 base with block-level cost the same (the transfers hide under compute in the cost model), hold as many
+    # techniques and sum to the same levels (1 + 2 and 2 + 1); the one that moves half the bytes goes first
+    from mtune.training.planning.candidates import Candidate
+    from mtune.training.planning.fit import speed_key
+
+    leaf_fp8 = Candidate({}, (1, 2, 1, 0), 1.22189e-4, micro_batch=8, transfer=1930592.5)
+    block_nf4 = Candidate({}, (2, 1, 1, 0), 1.22189e-4, micro_batch=8, transfer=963648.0)
+    assert speed_key(leaf_fp8)[:3] == speed_key(block_nf4)[:3] and speed_key(leaf_fp8)[4] == speed_key(block_nf4)[4]
+    assert min([leaf_fp8, block_nf4], key=speed_key) is block_nf4
+    assert min([block_nf4, leaf_fp8], key=speed_key) is block_nf4
+
+
 def test_a_budget_below_the_floor_is_refused_without_a_plan(capsys):
     from mtune._cli.main import main
 

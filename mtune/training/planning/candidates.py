@@ -17,7 +17,7 @@ from mtune.config.keys import is_preference, reference_choice, run_kind, samples
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
-from mtune.training.planning.cost import device_floor, model_facts, step_cost
+from mtune.training.planning.cost import device_floor, model_facts, step_cost, transfer_bytes_per_token
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
 from mtune.units import format_bytes
 
@@ -103,6 +103,8 @@ class Candidate:
     reason: str | None = None
     """Why it was rejected without a plan (its floor over a budget), one line."""
     micro_batch: int = 0
+    transfer: float = 0.0
+    """Bytes moved between device and host per trained token (`cost.transfer_bytes_per_token`): a tie-break."""
     _cfg: Any = None
 
     @property
@@ -203,7 +205,8 @@ def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory
             out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen),
                                  step_cost(variant, world_size=world_size),
                                  base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
-                                 quality_cost=sum(c.quality_cost for c in chosen)))
+                                 quality_cost=sum(c.quality_cost for c in chosen),
+                                 transfer=transfer_bytes_per_token(variant, world_size)))
     return out
 
 

@@ -7,7 +7,7 @@ optimizer step, split into micro-batches of every power-of-two size: every candi
 its choices for the user's config (a level: higher saves more; a choice whose value is a node replaces that node
 whole). Every candidate (one choice per knob) that the recipe's rules accept is ordered by
 :func:`~mtune.training.planning.cost.step_cost`; ties go to the larger micro-batch, then the fewer techniques, then
-the lower levels.
+the fewer bytes moved to and from the host, then the lower levels.
 
 Order: lossless candidates (the same numbers as the user's config) first. Only when none fits are lossy ones
 considered, the cheapest loss of quality first (each `FitChoice` ranks what it gives up), unless ``lossy="compete"``
@@ -78,8 +78,10 @@ def allocator_margin(device_memory: int) -> int:
 
 
 def speed_key(c: Candidate):
-    """Cost to 3 significant digits; ties to the larger micro-batch, the fewer techniques, the lower levels."""
-    return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques, sum(c.levels[:-1]))
+    """Cost to 3 significant digits; ties to the larger micro-batch, the fewer techniques, the fewer bytes moved
+    to and from the host (to 3 significant digits: the cost model hides transfers under compute, on a host link
+    whose bandwidth is cited, not measured), the lower levels."""
+    return (float(f"{c.cost:.3g}"), -c.micro_batch, c.techniques, float(f"{c.transfer:.3g}"), sum(c.levels[:-1]))
 
 
 def search_phases(candidates: list[Candidate], lossy: str) -> list[list[Candidate]]:
@@ -115,9 +117,9 @@ def search(cfg, schema, *, device_memory: int, host_memory: int | None = None, k
         fits, best = 0, None
         # Candidates of equal cost and micro-batch form a tier, considered from the most saving (highest levels)
         # down: a member that does not fit prunes every member it dominates without a plan; one that fits leaves
-        # only the members that rank before it (fewer techniques, lower levels: the ties rule) to consider. A
-        # candidate's cost before planning is a lower bound of its cost after (planning can only add paging
-        # traffic), so the search of a phase ends when the next candidate cannot beat the best fit found.
+        # only the members that rank before it (fewer techniques, fewer bytes moved, lower levels: the ties rule) to
+        # consider. A candidate's cost before planning is a lower bound of its cost after (planning can only add
+        # paging traffic), so the search of a phase ends when the next candidate cannot beat the best fit found.
         for _, tier in itertools.groupby(phase, key=lambda c: (speed_key(c)[0], c.levels[-1])):
             tier = list(tier)
             ordered.extend(tier)
