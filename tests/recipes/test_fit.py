@@ -229,6 +229,11 @@ def test_an_answer_that_drops_the_configs_quantized_base_says_so(tmp_path, tiny_
     lora = load_and_check(module, TRAIN_CONFIG, overrides + ["lora.quantize_base=false"])
     assert numerics_line(qlora, lora).startswith("more precise than the config: no NF4 base weights")
     assert numerics_line(qlora, qlora) == numerics_line(lora, lora) == "lossless: the same numbers as the config"
+    # an fp8 base in its place (Llama 3.2 3B QLoRA's answer at 12 GiB): more precise, and the line names both
+    fp8 = load_and_check(module, TRAIN_CONFIG, overrides + ["lora.quantize_base=false",
+                                                            "weight_storage_dtype=float8_e4m3fn"])
+    assert numerics_line(qlora, fp8) == ("more precise than the config: fp8 base weights where it had NF4 base "
+                                         "weights (not the same numbers, nothing given up)")
 
 
 @pytest.mark.parametrize("config", ["llama3_2/1B_lora_single_device", "llama3_1/8B_full_single_device"])

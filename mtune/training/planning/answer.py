@@ -29,8 +29,13 @@ def close_answer(cfg, answer: Candidate, changes: dict, lossy_head: str, *, reci
 
 def numerics_line(cfg, answer_cfg) -> str:
     """Whether a lossless answer computes the config's own numbers, or more precise ones: a technique that is
-    lossy in ``cfg`` (an NF4 or fp8 base) and not in ``answer_cfg`` was dropped because its memory is not needed."""
-    dropped = phases.dropped_losses(MemoryConfig.from_config(cfg), MemoryConfig.from_config(answer_cfg))
+    lossy in ``cfg`` (an NF4 or fp8 base) and not in ``answer_cfg`` was dropped because its memory is not needed,
+    or traded for a more precise one (an fp8 base for an NF4 one)."""
+    mine, answers = MemoryConfig.from_config(cfg), MemoryConfig.from_config(answer_cfg)
+    dropped, instead = phases.dropped_losses(mine, answers), phases.dropped_losses(answers, mine)
+    if dropped and instead:
+        return (f"more precise than the config: {', '.join(instead)} where it had {', '.join(dropped)} (not the "
+                "same numbers, nothing given up)")
     if dropped:
         return (f"more precise than the config: no {', '.join(dropped)} (it fits without: not the same numbers, "
                 "nothing given up)")
