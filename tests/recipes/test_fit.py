@@ -181,8 +181,11 @@ def test_a_tie_goes_to_the_fewer_techniques_even_when_the_most_saving_one_fits(t
                                                                                monkeypatch):
     from mtune.training.planning import candidates as candidates_module, judge as judge_module
 
-    for module_ in (candidates_module, judge_module):  # every candidate costs the same: one tier per micro-batch
-        monkeypatch.setattr(module_, "step_cost", lambda cfg, paged_bytes=0.0, world_size=1: 1e-6)
+    from mtune.training.planning.cost import StepCost
+
+    # every candidate costs the same and moves as much: one tier per micro-batch
+    monkeypatch.setattr(candidates_module, "step_costs", lambda cfg, paged_bytes=0.0, world_size=1: StepCost(1e-6, 0.0))
+    monkeypatch.setattr(judge_module, "step_cost", lambda cfg, paged_bytes=0.0, world_size=1: 1e-6)
     module = load_recipe_module(find_recipe("lora_single_device"))
     cfg = load_and_check(module, TRAIN_CONFIG, _tiny(tmp_path, tiny_checkpoint, tiny_data, {}))
     knobs = [k for k in KNOBS if k.name in ("weight_offloading", "micro_batch")]

@@ -17,7 +17,7 @@ from mtune.config.keys import is_preference, reference_choice, run_kind, samples
 from mtune.training.memory import registry
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.memory.technique import FitChoice, MemoryTechnique
-from mtune.training.planning.cost import device_floor, model_facts, step_cost, transfer_bytes_per_token
+from mtune.training.planning.cost import device_floor, model_facts, step_costs
 from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES, MemoryPlan
 from mtune.units import format_bytes
 
@@ -202,11 +202,11 @@ def candidates_of(cfg, schema, knobs: list[Knob] | None = None, *, device_memory
                 continue
             chosen = (*combo, last)
             lossy = tuple(c.lossy for c in chosen if c.lossy)
+            costs = step_costs(variant, world_size=world_size)
             out.append(Candidate({**overrides, **last.overrides}, tuple(c.level for c in chosen),
-                                 step_cost(variant, world_size=world_size),
-                                 base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
+                                 costs.seconds_per_token, base=cfg, lossy=lossy, micro_batch=int(variant.batch_size),
                                  quality_cost=sum(c.quality_cost for c in chosen),
-                                 transfer=transfer_bytes_per_token(variant, world_size)))
+                                 transfer=costs.transfer_bytes_per_token))
     return out
 
 

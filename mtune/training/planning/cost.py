@@ -18,7 +18,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import OmegaConf
@@ -35,9 +35,9 @@ from mtune.training.precision import storage_dtype
 from mtune.training.model_setup import resolve_model_source
 from mtune.training.observe.flops import flops_per_token
 
-__all__ = ["one_search", "step_cost", "model_flops_per_token", "transfer_bytes_per_token", "model_facts", "device_floor",
-           "REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH", "MICRO_BATCH_OVERHEAD_S", "HOST_ADAMW_SECONDS_PER_PARAM",
-           "is_cuda_target"]
+__all__ = ["one_search", "step_cost", "step_costs", "StepCost", "model_flops_per_token", "transfer_bytes_per_token",
+           "model_facts", "device_floor", "REFERENCE_FLOPS", "REFERENCE_HOST_BANDWIDTH", "MICRO_BATCH_OVERHEAD_S",
+           "HOST_ADAMW_SECONDS_PER_PARAM", "is_cuda_target"]
 
 REFERENCE_FLOPS = 400e12
 """Sustained bf16 matmul FLOP/s of the reference GPU; only ratios between candidates matter. Cited, waiting for a lent
@@ -232,6 +232,28 @@ def transfer_bytes_per_token(cfg, world_size: int = 1) -> float:
     return sum(f.transfer_bytes_per_token for f in footprints)
 
 
+class StepCost(NamedTuple):
+    seconds_per_token: float
+    """`step_cost`."""
+    transfer_bytes_per_token: float
+    """`transfer_bytes_per_token`."""
+
+
+def step_costs(cfg, paged_bytes: float = 0.0, world_size: int = 1) -> StepCost:
+    """`step_cost` and `transfer_bytes_per_token` from one reading of the techniques' footprints (``--fit`` asks
+    both of every candidate)."""
+    facts = model_facts(cfg, world_size)
+    footprints = phases.footprints(MemoryConfig.from_config(cfg), facts)
+    compute = model_flops_per_token(cfg) / REFERENCE_FLOPS
+    moved_bytes = sum(f.transfer_bytes_per_token for f in footprints)
+    transfers = moved_bytes / REFERENCE_HOST_BANDWIDTH
+    moved = max(compute, transfers) if facts.cuda else compute + transfers
+    host_step = sum(f.host_step_elements for f in footprints) * HOST_ADAMW_SECONDS_PER_PARAM
+    paging = 2.0 * paged_bytes / REFERENCE_HOST_BANDWIDTH
+    seconds = moved + MICRO_BATCH_OVERHEAD_S / facts.micro_batch_tokens + (host_step + paging) / facts.step_tokens
+    return StepCost(seconds, moved_bytes)
+
+
 def step_cost(cfg, paged_bytes: float = 0.0, world_size: int = 1) -> float:
     """Seconds per trained token on the reference GPU (see the module docstring): compute, and the transfers
     (overlapped with compute on CUDA, where they run on side streams: the larger of the two counts), plus what
@@ -239,11 +261,4 @@ def step_cost(cfg, paged_bytes: float = 0.0, world_size: int = 1) -> float:
     traffic of ``paged_bytes`` of managed optimizer state the device cannot keep resident (about twice a step).
     Under FSDP2 over ``world_size`` ranks: one rank's tokens, transfers and host step (communication is not
     priced: it is the same for every candidate of one world size, but for fsdp_cpu_offload's host copies)."""
-    facts = model_facts(cfg, world_size)
-    footprints = phases.footprints(MemoryConfig.from_config(cfg), facts)
-    compute = model_flops_per_token(cfg) / REFERENCE_FLOPS
-    transfers = sum(f.transfer_bytes_per_token for f in footprints) / REFERENCE_HOST_BANDWIDTH
-    moved = max(compute, transfers) if facts.cuda else compute + transfers
-    host_step = sum(f.host_step_elements for f in footprints) * HOST_ADAMW_SECONDS_PER_PARAM
-    paging = 2.0 * paged_bytes / REFERENCE_HOST_BANDWIDTH
-    return moved + MICRO_BATCH_OVERHEAD_S / facts.micro_batch_tokens + (host_step + paging) / facts.step_tokens
+    return step_costs(cfg, paged_bytes, world_size).seconds_per_token
