@@ -74,7 +74,7 @@ class CachingAllocatorModel:
         self._asked: dict[int, int] = {}  # id(block) -> the bytes asked for
         self._next_address = 0  # segments released under a limit leave gaps: addresses only ever grow
         self.allocated = self.reserved = self.max_allocated = self.max_reserved = 0
-        self.requested = self.max_requested = self.segments = self.retries = 0
+        self.requested = self.max_requested = self.segments = self.retries = self.served = 0
 
     @staticmethod
     def rounded(nbytes: int) -> int:
@@ -131,6 +131,7 @@ class CachingAllocatorModel:
         self.max_allocated = max(self.max_allocated, self.allocated)
         self._asked[id(block)] = nbytes
         self.requested += nbytes
+        self.served += 1
         self.max_requested = max(self.max_requested, self.requested)
         return block
 
@@ -167,7 +168,14 @@ def replay(events: list[tuple[str, int, int, int]], streams: bool = True,
     """The allocator model after ``events`` (`device_events`' form; a resize frees the storage's block and takes
     one of its new size, as re-growing an emptied storage does). ``streams=False``: every allocation from the
     compute stream's pools; ``limit``: the segments' bytes are held to it (raises :class:`ModelledOutOfMemory`)."""
-    model, live = CachingAllocatorModel(limit), {}
+    return feed(CachingAllocatorModel(limit), events, streams)
+
+
+def feed(model: CachingAllocatorModel, events: list[tuple[str, int, int, int]],
+         streams: bool = True) -> CachingAllocatorModel:
+    """``events`` through ``model`` (:func:`replay`); a request it refuses raises :class:`ModelledOutOfMemory`, with
+    ``model.served`` requests served before it."""
+    live = {}
     for kind, key, nbytes, stream in events:
         if kind in ("free", "resize") and live.get(key) is not None:
             model.free(live.pop(key))
@@ -221,18 +229,11 @@ def model_on_trace(trace: list[dict], limit: int | None = None) -> dict:
         elif entry["action"] == "segment_free":
             reserved -= entry["size"]
             segment_frees += 1
-    events, refused, requests = trace_events(trace), None, 0
-    model, live = CachingAllocatorModel(limit), {}
-    for kind, key, nbytes, stream in events:  # replay(), keeping the model when it refuses a request
-        if kind == "free" and live.get(key) is not None:
-            model.free(live.pop(key))
-        elif kind == "alloc":
-            try:
-                live[key] = model.malloc(nbytes, stream)
-            except ModelledOutOfMemory:
-                refused = requests
-                break
-            requests += 1
+    events, model, refused = trace_events(trace), CachingAllocatorModel(limit), None
+    try:
+        feed(model, events)
+    except ModelledOutOfMemory:  # the model as it was when it refused
+        refused = model.served
     return {"trace_requests": sum(kind == "alloc" for kind, *_ in events), "trace_max_reserved": peak,
             "trace_segment_frees": segment_frees, "trace_out_of_memory": any(e["action"] == "oom" for e in trace),
             "model_max_reserved": model.max_reserved,

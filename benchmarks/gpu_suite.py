@@ -63,16 +63,22 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_suite.json"
 PART_BUDGET_S = 8 * 60
 
 
+def allocator_model():
+    """``benchmarks/allocator_margin.py``, the caching-allocator model, imported from beside this script."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import allocator_margin
+
+    return allocator_margin
+
+
 def modelled_margins(events: list, gib: int) -> dict:
     """``benchmarks/allocator_margin.py``'s caching-allocator model over a plan's device events, beside the row's
     measured margin: max reserved − max allocated without a limit (``modelled_margin_gib``), and the smallest
     budget that serves the events less the plan's peak (``modelled_held_margin_gib``: what a fit's margin must
     cover)."""
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    from allocator_margin import replay, smallest_budget
-
-    free, held = replay(events), smallest_budget(events)
+    model = allocator_model()
+    free, held = model.replay(events), model.smallest_budget(events)
     return {"modelled_margin_gib": (free.max_reserved - free.max_allocated) / gib,
             "modelled_held_margin_gib": (held.limit - held.max_requested) / gib}
 
@@ -500,12 +506,8 @@ def traced_allocator(api, memory_fraction: float | None) -> dict:
 
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(enabled=None)
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    from allocator_margin import model_on_trace
-
     limit = None if memory_fraction is None else int(memory_fraction * torch.cuda.get_device_properties(0).total_memory)
-    figures = model_on_trace(trace, limit)
+    figures = allocator_model().model_on_trace(trace, limit)
     return {"trace_entries": len(trace), **dict((f"{k}_gib", v / api.GIB) if k.endswith(("reserved", "allocated"))
                                                 else (k, v) for k, v in figures.items())}
 
@@ -560,7 +562,6 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
             row["allocated_before_trace_gib"] = torch.cuda.memory_allocated() / api.GIB  # not in the history
             torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                      max_entries=TRACE_MAX_ENTRIES)
-            row["tracing"] = True
     run = api.setup_run(cfg)
     memory = api.MemoryConfig.from_config(cfg)
     source = api.resolve_model_source(cfg.model)
@@ -610,7 +611,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         losses.append(result.loss)
     # how often the allocator, short of room, waited for every stream and returned its free segments (a stall each)
     row.update({k: (v - before[k] if before[k] is not None else None) for k, v in allocator_counts(cuda).items()})
-    if row.pop("tracing", False):
+    if "allocated_before_trace_gib" in row:  # the allocator's history is being recorded
         row.update(traced_allocator(api, memory_fraction))
     timed = times[case.warmup:]
     step_s = statistics.median(timed)
@@ -728,7 +729,7 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
         # refused within --fit's margin: what the allocator held when it gave up is the finding
         figures = {"max_allocated_gib": torch.cuda.max_memory_allocated() / api.GIB,
                    "max_reserved_gib": torch.cuda.max_memory_reserved() / api.GIB, **allocator_counts(True)}
-        if measured.pop("tracing", False):  # did the model refuse the same request?
+        if "allocated_before_trace_gib" in measured:  # recorded: did the model refuse the same request?
             figures.update(traced_allocator(api, measured.get("memory_fraction")))
         return {**row, **measured, **figures, "status": "out_of_memory", "reason": str(err)[-1500:]}
 
