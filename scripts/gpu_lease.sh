@@ -2,59 +2,69 @@
 # One call of a GPU lease, on the lent machine (device tool), from the repository root: item N of docs/benchmarks.md
 # "What is left for a GPU". Writes gpu_suite.json, suite.log and logs.tgz under $OUT; merge them here afterwards
 # (gpu_suite.write_results, then benchmarks/derived_figures.py). What each item must carry (run(carry=...)):
-#   1: .whl .whl_triton/part_aa           the allocator model against CUDA's, DPO copy row, eager 8B QLoRA twins
-#                                          (installs /tmp/site)
-#   2: .whl/torchtune .whl_triton/part_ab  the head-to-head with torchtune 0.6.1 (parity, profiles)
-#   3: .whl_triton/part_ac .whl_triton/SHA256 .whl/fla   Qwen3.5 9B on fla's kernels beside its PyTorch-form twin
-#   4: nothing (needs item 1's /tmp/site)  part 16: runs held to --fit's allocator margin over their plans
-#   5: nothing (needs item 1's /tmp/site)  the MoE QLoRA twins
-#   6: nothing (needs item 1's /tmp/site)  the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
-#   7: nothing (needs item 1's /tmp/site)  part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
-# A fresh machine (the lease was given back between items) needs item 1 first: /tmp/site is where the wheels go.
+#   1: .whl_triton .whl/fla .whl/base     Qwen3.5 9B on fla's kernels beside its PyTorch-form twin (on any machine,
+#                                          fresh or warm: it installs what it needs)
+#   2: .whl                                the allocator model against CUDA's, DPO copy row, eager 8B QLoRA twins
+#                                          (installs /tmp/site, which every later item needs)
+#   3: .whl/torchtune                      the head-to-head with torchtune 0.6.1 (parity, profiles)
+#   4: nothing (needs item 2's /tmp/site)  part 16: runs held to --fit's allocator margin over their plans
+#   5: nothing (needs item 2's /tmp/site)  the MoE QLoRA twins
+#   6: nothing (needs item 2's /tmp/site)  the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
+#   7: nothing (needs item 2's /tmp/site)  part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
+# A machine stays warm (and keeps /tmp) only about 30 seconds after a call: on a fresh one, item 2 before 3 to 7.
 set -uo pipefail
 item="${1:?usage: bash scripts/gpu_lease.sh ITEM (1-7)}"
 OUT="${OUT:?OUT: the device tool sets it}"
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
+versions() {  # what the machine runs, first in a lease's log
+  PYTHONPATH=/tmp/site python3 -m pip list 2>/dev/null | grep -iE '^(torch|torchao|transformers|bitsandbytes|triton) '
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+}
+needs_site() {  # the wheels item 2 installs (torchao among them), which the QLoRA and offloading cases import
+  [ -d /tmp/site/torchao ] || { echo "no torchao in /tmp/site on this machine: run item 2 first (it installs the wheels)" >&2; exit 1; }
+}
 suite() {  # suite WORKDIR SECONDS ARGS...: the suite's cases under a timeout, its log and the cases' logs to $OUT
   local work="$1" seconds="$2"; shift 2
-  [ -d /tmp/site ] || { echo "no /tmp/site on this machine: run item 1 first (it installs the wheels)" >&2; exit 1; }
   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout "$seconds" python3 benchmarks/gpu_suite.py --budget-s 9000 \
     --out "$OUT/gpu_suite.json" --work "$work" "$@" 2>&1 | tee "$OUT/suite.log"
   (cd "$work" && tar czf "$OUT/logs.tgz" ./*.log)
 }
 case "$item" in
   1)
-    cat .whl_triton/part_aa > /tmp/triton.tar.xz
-    pip_target /tmp/site .whl/*.whl || exit
-    PYTHONPATH=/tmp/site python3 -m pip list 2>/dev/null | grep -iE '^(torch|torchao|transformers|bitsandbytes) '
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    pip_target /tmp/site .whl/base/*.whl || exit
+    versions
+    echo "$(cat .whl_triton/SHA256)  .whl_triton/triton.tar.xz" | sha256sum -c || exit
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+      .whl_triton/triton.tar.xz /tmp/site_triton || exit
+    pip_target /tmp/site_fla .whl/fla/*.whl || exit
+    suite /tmp/gs1 300 --fla-path /tmp/site_triton:/tmp/site_fla \
+      --cases qwen3_5_9B_lora_fla_packed4096 qwen3_5_9B_lora_packed4096 ;;
+  2)
+    pip_target /tmp/site .whl/*.whl .whl/base/*.whl || exit
+    versions
     PYTHONPATH=/tmp/site PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
       python3 benchmarks/allocator_margin.py --against-cuda | tee "$OUT/allocator_model_on_cuda.json"
-    suite /tmp/gs 330 --cases llama3_1_8B_lora_dpo_copy llama3_1_8B_qlora_eager_packed4096 \
+    suite /tmp/gs2 330 --cases llama3_1_8B_lora_dpo_copy llama3_1_8B_qlora_eager_packed4096 \
       llama3_1_8B_qlora_eager_torchao_dequantize_packed4096 ;;
-  2)
-    cat .whl_triton/part_ab >> /tmp/triton.tar.xz
-    pip_target /tmp/site_tt .whl/torchtune/*.whl || exit
-    suite /tmp/gs2 300 --torchtune-path /tmp/site_tt:/tmp/site --cases llama3_2_3B_lora_head_to_head ;;
   3)
-    cat .whl_triton/part_ac >> /tmp/triton.tar.xz
-    echo "$(cat .whl_triton/SHA256)  /tmp/triton.tar.xz" | sha256sum -c || exit
-    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
-      /tmp/triton.tar.xz /tmp/site_triton || exit
-    pip_target /tmp/site_fla .whl/fla/*.whl || exit
-    suite /tmp/gs3 300 --fla-path /tmp/site_triton:/tmp/site_fla \
-      --cases qwen3_5_9B_lora_fla_packed4096 qwen3_5_9B_lora_packed4096 ;;
+    needs_site
+    pip_target /tmp/site_tt .whl/torchtune/*.whl || exit
+    suite /tmp/gs3 300 --torchtune-path /tmp/site_tt:/tmp/site --cases llama3_2_3B_lora_head_to_head ;;
   4)
+    needs_site
     suite /tmp/gs4 450 --cases llama3_1_8B_full_optimizer_offload_held_to_fit_margin \
       llama3_1_8B_qlora_eager_packed4096_held_to_fit_margin llama3_1_8B_lora_weight_offloading_block_held_to_fit_margin \
       llama3_1_8B_qlora_eager_torchao_dequantize_packed4096_held_to_fit_margin \
       llama3_1_8B_lora_activation_offloading_held_to_fit_margin ;;
   5)
+    needs_site
     suite /tmp/gs5 330 --cases qwen3_moe_30B_A3B_qlora_packed4096 \
       qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096 ;;
   6)
+    needs_site
     suite /tmp/gs6 300 --cases llama3_1_8B_lora_weight_offloading_leaf qwen3_moe_30B_A3B_qlora_compiled_packed4096 ;;
   7)
+    needs_site
     suite /tmp/gs7 540 --cases llama3_1_8B_lora_packed4096_segments qwen3_5_9B_lora_compiled_packed4096 \
       llama3_1_8B_lora_longest_planned_context ;;
   *)
