@@ -5,13 +5,13 @@
 #   1: .whl_triton .whl/fla .whl/base     Qwen3.5 9B on fla's kernels beside its PyTorch-form twin (on any machine,
 #                                          fresh or warm: it installs what it needs)
 #   2: .whl                                the allocator model against CUDA's, DPO copy row, eager 8B QLoRA twins
-#                                          (installs /tmp/site, which every later item needs)
-#   3: .whl/torchtune                      the head-to-head with torchtune 0.6.1 (parity, profiles)
-#   4: nothing (needs item 2's /tmp/site)  part 16: runs held to --fit's allocator margin over their plans
-#   5: nothing (needs item 2's /tmp/site)  the MoE QLoRA twins
-#   6: nothing (needs item 2's /tmp/site)  the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
-#   7: nothing (needs item 2's /tmp/site)  part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
-# A machine stays warm (and keeps /tmp) only about 30 seconds after a call: on a fresh one, item 2 before 3 to 7.
+#   3: .whl                                the head-to-head with torchtune 0.6.1 (parity, profiles)
+#   4: .whl                                part 16: runs held to --fit's allocator margin over their plans
+#   5: .whl                                the MoE QLoRA twins
+#   6: .whl                                the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
+#   7: .whl                                part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
+# A machine stays warm (and keeps /tmp) only about 30 seconds after a call, so every item installs what it needs
+# unless an earlier call of the same machine did (into /tmp/site): any item may come first on a fresh machine.
 set -uo pipefail
 item="${1:?usage: bash scripts/gpu_lease.sh ITEM (1-7)}"
 OUT="${OUT:?OUT: the device tool sets it}"
@@ -20,8 +20,8 @@ versions() {  # what the machine runs, first in a lease's log
   PYTHONPATH=/tmp/site python3 -m pip list 2>/dev/null | grep -iE '^(torch|torchao|transformers|bitsandbytes|triton) '
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 }
-needs_site() {  # the wheels item 2 installs (torchao among them), which the QLoRA and offloading cases import
-  [ -d /tmp/site/torchao ] || { echo "no torchao in /tmp/site on this machine: run item 2 first (it installs the wheels)" >&2; exit 1; }
+install_site() {  # mtune's wheels into /tmp/site, unless an earlier call of this machine installed them
+  [ -d /tmp/site/torchao ] || pip_target /tmp/site .whl/*.whl .whl/base/*.whl || exit
 }
 suite() {  # suite WORKDIR SECONDS ARGS...: the suite's cases under a timeout, its log and the cases' logs to $OUT
   local work="$1" seconds="$2"; shift 2
@@ -40,31 +40,31 @@ case "$item" in
     suite /tmp/gs1 300 --fla-path /tmp/site_triton:/tmp/site_fla \
       --cases qwen3_5_9B_lora_fla_packed4096 qwen3_5_9B_lora_packed4096 ;;
   2)
-    pip_target /tmp/site .whl/*.whl .whl/base/*.whl || exit
+    install_site
     versions
     PYTHONPATH=/tmp/site PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
       python3 benchmarks/allocator_margin.py --against-cuda | tee "$OUT/allocator_model_on_cuda.json"
     suite /tmp/gs2 330 --cases llama3_1_8B_lora_dpo_copy llama3_1_8B_qlora_eager_packed4096 \
       llama3_1_8B_qlora_eager_torchao_dequantize_packed4096 ;;
   3)
-    needs_site
+    install_site
     pip_target /tmp/site_tt .whl/torchtune/*.whl || exit
     suite /tmp/gs3 300 --torchtune-path /tmp/site_tt:/tmp/site --cases llama3_2_3B_lora_head_to_head ;;
   4)
-    needs_site
+    install_site
     suite /tmp/gs4 450 --cases llama3_1_8B_full_optimizer_offload_held_to_fit_margin \
       llama3_1_8B_qlora_eager_packed4096_held_to_fit_margin llama3_1_8B_lora_weight_offloading_block_held_to_fit_margin \
       llama3_1_8B_qlora_eager_torchao_dequantize_packed4096_held_to_fit_margin \
       llama3_1_8B_lora_activation_offloading_held_to_fit_margin ;;
   5)
-    needs_site
+    install_site
     suite /tmp/gs5 330 --cases qwen3_moe_30B_A3B_qlora_packed4096 \
       qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096 ;;
   6)
-    needs_site
+    install_site
     suite /tmp/gs6 300 --cases llama3_1_8B_lora_weight_offloading_leaf qwen3_moe_30B_A3B_qlora_compiled_packed4096 ;;
   7)
-    needs_site
+    install_site
     suite /tmp/gs7 540 --cases llama3_1_8B_lora_packed4096_segments qwen3_5_9B_lora_compiled_packed4096 \
       llama3_1_8B_lora_longest_planned_context ;;
   *)

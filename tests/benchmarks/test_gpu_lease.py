@@ -19,6 +19,20 @@ def _items() -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"^  (\d)\)\n(.*?);;", body, re.S | re.M)}
 
 
+def _functions() -> dict[str, str]:
+    """The script's shell functions, ``name() { body }`` on one or more lines: ``{name: body}``."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(\w+)\(\) \{(.*?)\}$", TEXT, re.S | re.M)}
+
+
+def _reads(body: str) -> set[str]:
+    """The working-tree paths (under .whl or .whl_triton) a piece of the script reads, with those of the functions
+    it calls: ``.whl/base/*.whl`` reads ``.whl/base``."""
+    functions = _functions()
+    called = [functions[name] for name in functions if re.search(rf"^\s*{name}\b", body, re.M)]
+    return {re.sub(r"/\*\.whl$", "", path) for text in (body, *called)
+            for path in re.findall(r"(\.whl[\w/.*]*)", text)}
+
+
 def _carry() -> dict[str, list[str]]:
     """The header's ``#   N: paths  what it runs`` lines: the working-tree paths item N carries."""
     return {m.group(1): [p for p in m.group(2).split() if p.startswith(".")]
@@ -38,9 +52,14 @@ def test_what_an_item_reads_from_the_tree_is_what_its_header_says_to_carry():
     carry, items = _carry(), _items()
     assert sorted(carry) == sorted(items)
     for item, body in items.items():
-        read = {re.sub(r"/\*\.whl$", "", path) for path in re.findall(r"(\.whl[\w/.*]*)", body)}
+        read = _reads(body)
         missing = [path for path in read if not any(path == c or path.startswith(c + "/") for c in carry[item])]
         assert not missing, f"item {item} reads {missing} but its header carries {carry[item]}"
+
+
+def test_a_function_an_item_calls_reads_from_the_tree_for_it():
+    assert {".whl", ".whl/base"} <= _reads("    install_site\n")  # its wheels, though the item names none
+    assert _reads("    versions\n") == set()
 
 
 def test_an_unknown_item_is_refused_before_anything_runs(tmp_path):
