@@ -116,13 +116,15 @@ def parse_run_args(argv: list[str]) -> RunArgs:
         token = rest[j]
         if token in ("-h", "--help"):
             args.help = True
-        elif token in ("--config", "-c"):
-            if j + 1 >= len(rest):
+        elif token in ("--config", "-c") or token.startswith("--config="):
+            if "=" not in token and j + 1 >= len(rest):
                 raise UsageError("--config needs a value")
-            args.config = rest[j + 1]
-            j += 1
-        elif token.startswith("--config="):
-            args.config = token.split("=", 1)[1]
+            config = token.split("=", 1)[1] if "=" in token else rest[j + 1]
+            if args.config is not None:
+                raise UsageError(f"--config given twice ({args.config}, {config})",
+                                 "give one config; change its keys with key=value overrides after it")
+            args.config = config
+            j += "=" not in token
         elif token.startswith("-"):
             name = token.lstrip("-").split("=", 1)[0]
             if name.startswith(("nproc", "nnodes", "node_rank", "rdzv", "master", "standalone")):

@@ -207,3 +207,17 @@ def test_run_fit_options_go_before_the_recipe_and_need_fit():
         parse_run_args(["--fit", "--host-memory"])
     with pytest.raises(UsageError, match="unexpected option '--fit' after the recipe"):
         parse_run_args(["lora_single_device", "--config", "c.yaml", "--fit"])
+
+
+def test_a_second_config_is_refused_not_put_in_place_of_the_first():
+    """Two --config (any spelling) used to run the last one, exit 0."""
+    import pytest
+
+    from mtune._cli.errors import UsageError
+    from mtune._cli.run import parse_run_args
+
+    assert parse_run_args(["lora_single_device", "--config=a.yaml", "k=v"]).config == "a.yaml"
+    for argv in (["--config", "a.yaml", "--config", "b.yaml"], ["--config=a.yaml", "-c", "b.yaml"],
+                 ["-c", "a.yaml", "k=v", "--config=b.yaml"]):
+        with pytest.raises(UsageError, match=r"^--config given twice \(a.yaml, b.yaml\)$"):
+            parse_run_args(["lora_single_device", *argv])
