@@ -7,7 +7,7 @@ import re
 
 from mtune.errors import MtuneError
 
-__all__ = ["GIB", "MIB", "SizeError", "parse_bytes", "format_bytes"]
+__all__ = ["GIB", "MIB", "SizeError", "parse_bytes", "parse_budget", "format_bytes"]
 
 MIB = 1024**2
 GIB = 1024**3
@@ -40,6 +40,22 @@ def parse_bytes(text: int | float | str, what: str = "memory", *,
     if match is None or unit not in _UNITS:
         raise SizeError(message.format(what=what, text=text))
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_budget(text: int | float | str, what: str) -> int:
+    """A memory budget in bytes (``--device-memory``, ``--host-memory``, ``device_memory_limit``): as
+    :func:`parse_bytes`, but a string must carry its unit and the budget must be at least 1 MiB. ``24`` for a
+    24 GiB card is the mistake both catch: a bare number is bytes, and no run fits in 24 of them. An int (YAML's
+    ``device_memory_limit: 25769803776``) is bytes, as before."""
+    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if match is not None and match.group(2) == "":
+        raise SizeError(f"{what}={text!r} has no unit: write {match.group(1)}GiB, {match.group(1)}GB or "
+                        f"{match.group(1)}MiB (a bare number would be bytes)")
+    size = parse_bytes(text, what)
+    if size < MIB:
+        raise SizeError(f"{what}={text!r} is {size} bytes, less than any run needs: write a size such as 24GiB "
+                        "(an int is bytes)")
+    return size
 
 
 def format_bytes(n: int | float) -> str:

@@ -167,11 +167,11 @@ def plan_command(argv: list[str]) -> int:
     if planned_from:
         print(f"mtune plan: {planned_from}", file=sys.stderr)
 
-    from mtune.units import parse_bytes
+    from mtune.units import parse_budget
     from mtune.training.planning.plan import plan_memory
 
-    device_memory = parse_bytes(options["device_memory"], "--device-memory") if "device_memory" in options else None
-    host_memory = parse_bytes(options["host_memory"], "--host-memory") if "host_memory" in options else None
+    device_memory = parse_budget(options["device_memory"], "--device-memory") if "device_memory" in options else None
+    host_memory = parse_budget(options["host_memory"], "--host-memory") if "host_memory" in options else None
     world_size = options.get("nproc_per_node") or "1"
     if not (world_size.isdigit() and int(world_size) > 0):
         raise UsageError(f"--nproc_per_node {world_size}: expected a positive number of ranks to plan for")

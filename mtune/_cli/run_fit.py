@@ -22,11 +22,11 @@ def fit_at_launch(module, recipe: str, config_path: Path, overrides: list[str], 
     (what changed and why: the planner's lines), write it to ``output_dir/mtune_fit.yaml`` and return its path;
     None when nothing fits (the planner printed why). ``--device-memory`` also becomes the run's
     ``device_memory_limit``, so the run is held to the budget it was planned for."""
-    from mtune.units import parse_bytes
+    from mtune.units import parse_budget
 
-    device_memory = parse_bytes(budgets["--device-memory"], "--device-memory") if "--device-memory" in budgets \
+    device_memory = parse_budget(budgets["--device-memory"], "--device-memory") if "--device-memory" in budgets \
         else None
-    host_memory = parse_bytes(budgets["--host-memory"], "--host-memory") if "--host-memory" in budgets else None
+    host_memory = parse_budget(budgets["--host-memory"], "--host-memory") if "--host-memory" in budgets else None
     if device_memory is not None:
         overrides = [*overrides, f"device_memory_limit={budgets['--device-memory']}"]
     cfg = load_and_check(module, config_path, overrides, recipe)
@@ -52,11 +52,11 @@ def fit_at_launch(module, recipe: str, config_path: Path, overrides: list[str], 
 def _device_budget(cfg) -> tuple[int, str]:
     """The device memory to plan for without ``--device-memory``: ``device_memory_limit``, else the free memory of
     the CUDA device the run would use; without either, a one-line refusal."""
-    from mtune.units import format_bytes, parse_bytes
+    from mtune.units import format_bytes, parse_budget
 
     limit = cfg.get("device_memory_limit")
     if limit is not None:
-        return parse_bytes(limit, "device_memory_limit"), f"device_memory_limit={limit}"
+        return parse_budget(limit, "device_memory_limit"), f"device_memory_limit={limit}"
     from mtune.training.context import resolve_device
 
     device = resolve_device(str(cfg.device))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtune.config.keys import run_kind
-from mtune.units import SizeError, parse_bytes
+from mtune.units import SizeError, parse_budget
 
 __all__ = [
     "RUN_RULES",
@@ -75,15 +75,15 @@ def check_eval_dataset(cfg: Any) -> list[str]:
 
 
 def check_device_memory_limit(cfg: Any) -> list[str]:
-    """device_memory_limit is a positive size (20GiB, 512MiB, or bytes)."""
+    """device_memory_limit is a size of at least 1 MiB (20GiB, 512MiB, or an int of bytes)."""
     limit = _get(cfg, "device_memory_limit")
     if limit is None:
         return []
     try:
-        size = parse_bytes(limit, "device_memory_limit")
+        parse_budget(limit, "device_memory_limit")
     except SizeError as err:
-        return [str(err)]
-    return [] if size > 0 else [f"device_memory_limit={limit!r}: must be more than 0 bytes (null: the whole device)"]
+        return [f"{err} (null: the whole device)"]
+    return []
 
 
 RUN_RULES = (check_optimizer_values, check_eval_dataset, check_device_memory_limit)

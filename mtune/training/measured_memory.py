@@ -25,7 +25,7 @@ from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.breakdown import MemoryBreakdown
 from mtune.training.planning.plan import plan_memory
 from mtune.training.planning.tracker import StepMemory
-from mtune.units import format_bytes, parse_bytes
+from mtune.units import format_bytes, parse_budget
 
 __all__ = ["memory_breakdown", "plan_check", "plan_check_line", "tracked_device_limit", "tracks_tensor_bytes"]
 
@@ -67,7 +67,7 @@ def tracked_device_limit(cfg: Mapping[str, Any], device: torch.device) -> int | 
                     "compiled blocks eagerly); set compile=false to enforce it", limit, device)
         return None
     log.info("device_memory_limit: the run's live tensor bytes on %s are held to %s", device, limit)
-    return parse_bytes(limit, "device_memory_limit")
+    return parse_budget(limit, "device_memory_limit")
 
 
 def plan_check_line(planned: int, measured: int, planned_host: int, measured_host: int, plan_tokens: int,

@@ -4,7 +4,7 @@ one printer, with exact values."""
 import pytest
 
 from mtune.errors import MtuneError
-from mtune.units import GIB, MIB, SizeError, format_bytes, parse_bytes
+from mtune.units import GIB, MIB, SizeError, format_bytes, parse_budget, parse_bytes
 
 
 def test_binary_units():
@@ -34,6 +34,28 @@ def test_not_a_size_names_the_flag(text):
         parse_bytes(text, "--device-memory")
     assert str(err.value) == f"--device-memory={text!r}: write a size such as 24GiB, 80GB or 512MiB"
     assert isinstance(err.value, MtuneError) and isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("text, expected", [("24GiB", 24 * 2**30), ("1MiB", 2**20), (2**20, 2**20), ("0.5GB", 5 * 10**8)])
+def test_a_budget_is_a_size_with_its_unit(text, expected):
+    assert parse_budget(text, "--device-memory") == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("24", "--device-memory='24' has no unit: write 24GiB, 24GB or 24MiB (a bare number would be bytes)"),
+    (" 80 ", "--device-memory=' 80 ' has no unit: write 80GiB, 80GB or 80MiB (a bare number would be bytes)"),
+    ("0GiB", "--device-memory='0GiB' is 0 bytes, less than any run needs: write a size such as 24GiB (an int is bytes)"),
+    ("1023KiB", "--device-memory='1023KiB' is 1047552 bytes, less than any run needs: write a size such as 24GiB (an "
+                "int is bytes)"),
+    (24, "--device-memory=24 is 24 bytes, less than any run needs: write a size such as 24GiB (an int is bytes)"),
+    ("lots", "--device-memory='lots': write a size such as 24GiB, 80GB or 512MiB"),
+])
+def test_a_budget_without_its_unit_or_under_a_mib_is_refused(text, message):
+    """`--device-memory 24` meant 24 GiB: as bytes it made a 90-second --fit search answer "nothing fits in 0.0 MiB"
+    and a run start and fail in its first step."""
+    with pytest.raises(SizeError) as err:
+        parse_budget(text, "--device-memory")
+    assert str(err.value) == message
 
 
 @pytest.mark.parametrize("n, text", [

@@ -16,7 +16,7 @@ import torch
 from mtune.errors import MtuneError
 from mtune.training.memory import registry
 from mtune.training.memory.technique import advice as tier_advice
-from mtune.units import GIB, MIB, parse_bytes
+from mtune.units import GIB, MIB, parse_budget
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def device_memory_budget(limit, device: torch.device | str) -> int | None:
     limit leaves the whole device); None without a limit."""
     if limit is None:
         return None
-    size = parse_bytes(limit, "device_memory_limit")
+    size = parse_budget(limit, "device_memory_limit")
     if torch.device(device).type == "cuda":
         size = min(size, torch.cuda.get_device_properties(device).total_memory)
     return size

@@ -79,12 +79,18 @@ def test_the_budget_is_the_limit_as_it_binds(monkeypatch):
 
 
 @pytest.mark.parametrize("value, problem", [
-    ("20 gigs", "device_memory_limit='20 gigs': write a size such as 24GiB, 80GB or 512MiB"),
-    ("0GiB", "device_memory_limit='0GiB': must be more than 0 bytes (null: the whole device)"),
+    ("20 gigs", "device_memory_limit='20 gigs': write a size such as 24GiB, 80GB or 512MiB (null: the whole device)"),
+    ("0GiB", "device_memory_limit='0GiB' is 0 bytes, less than any run needs: write a size such as 24GiB (an int is "
+             "bytes) (null: the whole device)"),
+    ("24", "device_memory_limit='24' has no unit: write 24GiB, 24GB or 24MiB (a bare number would be bytes) "
+           "(null: the whole device)"),
+    (24, "device_memory_limit=24 is 24 bytes, less than any run needs: write a size such as 24GiB (an int is bytes) "
+         "(null: the whole device)"),
 ])
 def test_a_bad_limit_is_one_line_naming_the_key(value, problem):
     assert check_device_memory_limit({"device_memory_limit": value}) == [problem]
     assert check_device_memory_limit({"device_memory_limit": "20GiB"}) == []
+    assert check_device_memory_limit({"device_memory_limit": 2**20}) == []  # an int of bytes, at least 1 MiB
     assert check_device_memory_limit({"device_memory_limit": None}) == []
 
 
