@@ -57,11 +57,18 @@ def load_source(
     load_kwargs = dict(load_dataset_kwargs or {})
     if sample_by not in SAMPLE_BY:
         raise DataError(f"sample_by={sample_by!r}: expected one of {', '.join(SAMPLE_BY)}")
-    if isinstance(data_files, Mapping):  # {split: files}, as datasets.load_dataset takes (a DictConfig too)
+    split_named = isinstance(data_files, Mapping)
+    if split_named:  # {split: files}, as datasets.load_dataset takes (a DictConfig too)
         if split not in data_files:
             raise DataError(f"data_files has no split {split!r} (splits: {', '.join(map(str, data_files))})")
         data_files = data_files[split]
     local = source in FORMATS or Path(source).expanduser().exists()
+    saved = local and any((Path(source).expanduser() / name).exists() for name in ("dataset_info.json",
+                                                                                   "dataset_dict.json"))
+    if local and not saved and not split_named and split != "train":
+        # datasets.load_dataset calls local files one split, "train", and refuses any other: so does mtune
+        raise DataError(f"split={split!r}: source={source!r} is read as one split, 'train'; to keep splits in "
+                        f"files of their own, give data_files={{train: ..., {split}: ...}}")
     if load_kwargs and local and not (Path(source).expanduser() / "dataset_info.json").exists():
         raise DataError(f"load_dataset_kwargs {sorted(load_kwargs)} apply to hub datasets only; source={source!r} "
                         "is read by mtune itself")

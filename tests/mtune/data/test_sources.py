@@ -110,6 +110,21 @@ def test_missing_file_and_unknown_suffix(tok, tmp_path):
         instruct_dataset(tok, str(tmp_path / "x.xml"))
 
 
+def test_a_split_a_local_source_does_not_have_is_refused(tok, tmp_path):
+    """A local file, directory or format name is one split, "train" (as datasets.load_dataset names it); another
+    split used to be ignored, training on the file all the same. With {split: files} the split picks the files."""
+    train = str(write_rows(ALPACA_ROWS[:2], tmp_path / "train.jsonl"))
+    held_out = str(write_rows(ALPACA_ROWS[2:], tmp_path / "val.jsonl"))
+    for kwargs in (dict(source=train), dict(source="json", data_files=train), dict(source=str(tmp_path))):
+        with pytest.raises(DataError, match=r"^split='validation': source='.*' is read as one split, 'train'; to "
+                                            r"keep splits in files of their own, give data_files=\{train: \.\.\., "
+                                            r"validation: \.\.\.\}$"):
+            instruct_dataset(tok, split="validation", **kwargs)
+    split_files = {"train": train, "validation": held_out}
+    assert len(instruct_dataset(tok, "json", data_files=split_files, split="validation")) == len(ALPACA_ROWS) - 2
+    assert len(instruct_dataset(tok, train, split="train")) == 2
+
+
 def test_config_node_arguments(tok, tmp_path):
     """A builder called with OmegaConf nodes, as instantiate(cfg.dataset, tokenizer=tok) does."""
     from omegaconf import OmegaConf
