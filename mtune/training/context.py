@@ -108,10 +108,13 @@ RUN_OUTPUTS = ("metrics.jsonl", "results.json", "loss_curve.png", "memory_breakd
 
 
 def run_outputs(output_dir: Path) -> list[Path]:
-    """The outputs of an earlier run in ``output_dir``: its checkpoints (complete or half-written) and run files."""
+    """The outputs of an earlier run in ``output_dir``: its checkpoints (complete or half-written) and run files.
+    An empty run file is no output: a run that failed before its first logged step leaves an empty
+    ``metrics.jsonl`` and nothing to keep, and the same command, mended, may start again there."""
     if not output_dir.is_dir():
         return []
-    found = [output_dir / name for name in RUN_OUTPUTS if (output_dir / name).exists()]
+    found = [output_dir / name for name in RUN_OUTPUTS
+             if (output_dir / name).exists() and (output_dir / name).stat().st_size > 0]
     found += sorted(p for p in output_dir.iterdir() if p.is_dir() and (
         p.name == FINAL_NAME or p.name.startswith(TMP_PREFIX) or re.fullmatch(r"step_\d+", p.name)))
     return found

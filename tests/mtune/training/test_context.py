@@ -34,3 +34,14 @@ def test_resuming_keeps_the_run_and_overwriting_deletes_only_its_outputs(tmp_pat
     claim_output_dir(tmp_path, resuming=False, overwrite=True, is_main=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     claim_output_dir(tmp_path / "new", resuming=False, overwrite=False, is_main=True)  # absent or empty: fine
+
+
+def test_a_run_that_logged_nothing_leaves_nothing_to_refuse(tmp_path):
+    """A run that failed in its first step (a loss that does not fit the recipe) left an empty metrics.jsonl; the
+    same command, mended, was refused as if a run were there."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    claim_output_dir(tmp_path, resuming=False, overwrite=False, is_main=True)
+    assert (tmp_path / "metrics.jsonl").exists()  # kept: the next run appends to it
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    with pytest.raises(OutputExistsError, match=r"already holds a run \(metrics.jsonl\)$"):
+        claim_output_dir(tmp_path, resuming=False, overwrite=False, is_main=True)
