@@ -232,6 +232,12 @@ def apply_lora(
             "lora.modules contains lm_head but this model ties lm_head to embed_tokens: remove lm_head from lora.modules"
         )
     kwargs = dict(rank=rank, alpha=alpha, dropout=dropout, use_dora=use_dora, quantize_base=quantize_base)
+    projections = {name for parent in model.modules() if not isinstance(parent, LoRALinear)
+                   for name, child in parent.named_children() if type(child) in (nn.Linear, ExpertLinear)}
+    if modules - projections:  # names of another family's projections (qkv_proj on a Llama) would adapt nothing
+        family = getattr(getattr(model, "args", None), "family", None) or type(model).__name__
+        raise ConfigError(f"lora.modules {sorted(modules - projections)} match no projection of this {family} model: "
+                          f"it has {sorted(projections)}")
     found = set()
     for parent_name, parent in list(model.named_modules()):
         if isinstance(parent, LoRALinear):  # its own lora_a / lora_b are not targets

@@ -110,6 +110,13 @@ def test_clear_errors():
         apply_lora(tied, ["lm_head"], rank=4, alpha=8)
     with pytest.raises(ValueError, match="unknown names \\['qproj'\\]"):
         apply_lora(tied, ["qproj"], rank=4, alpha=8)
+    # another family's names (Phi-4's fused projections) beside this one's: refused, not dropped
+    with pytest.raises(ValueError) as err:
+        apply_lora(build_model("llama3_1", "tiny", device="cpu"), ["qkv_proj", "o_proj", "gate_up_proj"], rank=4,
+                   alpha=8)
+    assert str(err.value) == ("lora.modules ['gate_up_proj', 'qkv_proj'] match no projection of this llama3 model: it "
+                              "has ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', "
+                              "'v_proj']")
     lora = apply_lora(build_model("llama3_1", "tiny", device="cpu"), ["q_proj"], rank=4, alpha=8)
     with pytest.raises(ValueError, match="adapter does not match"):
         load_peft_adapter_state_dict(lora, {})
