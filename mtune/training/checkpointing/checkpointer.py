@@ -170,11 +170,10 @@ class Checkpointer:
     def _check_intact(self, path: Path) -> None:
         if not self.verify_checksums:
             return
-        if not has_checksums(path):
-            log.info("%s has no checksums (saved by an older mtune): its files are not verified", path)
-            return
         problems = verify_checkpoint(path)
         if not problems:
+            if not has_checksums(path):
+                log.info("%s has no checksums (saved by an older mtune): its files are not verified", path)
             return
         step = read_checkpoint_state(path)["step"]
         earlier = [p for p in self._newest_first() if p != path and read_checkpoint_state(p)["step"] <= step]

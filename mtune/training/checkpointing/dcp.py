@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -30,6 +31,7 @@ from mtune.modules.lora import is_adapter_param
 from mtune.modules.lora_experts_peft import adapted_experts, expert_peft_tensors
 from mtune.modules.lora_state import peft_key
 from mtune.training.checkpointing.hf import save_hf_checkpoint
+from mtune.training.checkpointing.manifest import DamagedCheckpointError
 from mtune.training.optimizers import inner_optimizers
 from mtune.training.shards import full_shape
 
@@ -95,9 +97,22 @@ def load_distributed_state(
     state = {"model": model_state}
     if optimizers:
         state["optim"] = optim_state
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as err:  # every rank raises it, carrying each failed rank's exception
+        raise DamagedCheckpointError(
+            f"{path} is unreadable: {_first_failure(err)}",
+            "resume from an earlier checkpoint (resume_from_checkpoint=<its directory>), or start again in another "
+            "output_dir") from None
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
                    options=options)
+
+
+def _first_failure(err: CheckpointException) -> str:
+    """``rank N: Type: message`` of the lowest rank that failed, on one line."""
+    rank = min(err.failures)
+    exc = err.failures[rank][0]
+    return f"rank {rank}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
 # ------------------------------------------------------------------------------------------------ export

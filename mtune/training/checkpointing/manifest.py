@@ -211,6 +211,10 @@ def verify_checkpoint(checkpoint: str | os.PathLike, under: str | os.PathLike | 
     root = Path(checkpoint)
     scope = None if under is None else Path(os.path.abspath(under))
     problems = []
+    listed = _listed_checksums(root)
+    if listed and not has_checksums(root):  # they were written, and are gone: not a checkpoint of an older mtune
+        problems.append(f"{root / listed[0]}: missing (mtune_state.json lists it; the checkpoint's files cannot be "
+                        "verified without it)")
     for manifest in sorted((root / CHECKSUMS_DIRNAME).glob("rank_*.json")):
         try:
             files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
@@ -231,6 +235,16 @@ def verify_checkpoint(checkpoint: str | os.PathLike, under: str | os.PathLike | 
             elif _file_crc(path) != expected[ALGORITHM]:
                 problems.append(f"{path}: checksum mismatch (its bytes changed since it was saved)")
     return problems
+
+
+def _listed_checksums(root: Path) -> list[str]:
+    """The checksum files ``root``'s ``mtune_state.json`` says were saved with it (none when it names none or
+    cannot be read: that is another check's to report)."""
+    try:
+        files = json.loads((root / _STATE_FILENAME).read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [f for f in files if isinstance(f, str) and f.startswith(f"{CHECKSUMS_DIRNAME}/rank_")]
 
 
 def check_before_loading(path: str | os.PathLike) -> None:

@@ -69,3 +69,24 @@ def test_resume_refuses_a_damaged_checkpoint_naming_the_file_and_the_intact_one(
     assert checkpointer.find(str(tmp_path / "step_2")) == tmp_path / "step_2"
     checkpointer.verify_checksums = False
     assert checkpointer.find(True) == tmp_path / "step_4"  # the flag skips the check
+
+
+def test_checksums_deleted_after_the_save_make_the_checkpoint_damaged_not_unverified(tmp_path):
+    """A checkpoint whose mtune_state.json lists checksums/rank_0.json but has none was read as one saved before
+    checksums existed, and loaded unverified; now it is damaged. One of an mtune that wrote none still loads."""
+    import shutil
+
+    checkpointer = Checkpointer(output_dir=tmp_path, config={}, base_checkpoint_dir=None, lora={})
+    for step in (2, 4):
+        checkpointer.writer.save(step=step, epoch=0, config={}, kind="lora", write_fn=_write)
+    shutil.rmtree(tmp_path / "step_4" / CHECKSUMS_DIRNAME)
+    assert verify_checkpoint(tmp_path / "step_4") == [
+        f"{tmp_path / 'step_4' / CHECKSUMS_DIRNAME / 'rank_0.json'}: missing (mtune_state.json lists it; the "
+        "checkpoint's files cannot be verified without it)"]
+    with pytest.raises(DamagedCheckpointError, match=r"step_4 is damaged: .*rank_0.json: missing"):
+        checkpointer.find(True)
+    assert checkpointer.find("latest_intact") == tmp_path / "step_2"
+    state = json.loads((tmp_path / "step_4" / "mtune_state.json").read_text())
+    state["files"] = [f for f in state["files"] if not f.startswith(CHECKSUMS_DIRNAME)]  # as an older mtune wrote
+    (tmp_path / "step_4" / "mtune_state.json").write_text(json.dumps(state))
+    assert verify_checkpoint(tmp_path / "step_4") == [] and checkpointer.find(True) == tmp_path / "step_4"

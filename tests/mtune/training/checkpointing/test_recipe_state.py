@@ -102,6 +102,21 @@ def test_missing_state_is_a_clear_error(tmp_path):
         load_recipe_state(tmp_path, optimizer=_build()[1])
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not a torch file"])
+def test_an_unreadable_state_is_one_line_naming_the_file(tmp_path, damage):
+    """With verify_checksums=false (or checksums gone) a damaged recipe_state.pt reached torch.load: a 46-line
+    traceback ("PytorchStreamReader failed reading zip archive")."""
+    from mtune.training.checkpointing.manifest import DamagedCheckpointError
+
+    path = save_recipe_state(tmp_path, step=1, epoch=0)
+    raw = path.read_bytes()
+    path.write_bytes({"truncated": raw[: len(raw) // 2], "empty": b"", "not a torch file": b"step: 1\n"}[damage])
+    with pytest.raises(DamagedCheckpointError) as err:
+        load_recipe_state(tmp_path)
+    assert str(err.value).startswith(f"{path} is unreadable: ") and "\n" not in str(err.value)
+    assert err.value.hint.startswith("resume from an earlier checkpoint")
+
+
 SAVED = {
     "recipe": "lora_finetune_single_device",
     "model": {"checkpoint_dir": "/m"},
