@@ -5,8 +5,11 @@ Two records make it. torchrun's agent runs in ``python -m mtune._cli.rank_failur
 which writes, when workers fail, each failed rank's exit code or signal into ``REPORT_DIR/agent_<pid>.json``
 (torchrun's own error table is left out). Each worker (``mtune._cli.launch_recipe``) writes the exception that ends
 it, if any, into ``REPORT_DIR/rank_<r>.json``; a rank that was killed writes nothing. The summary names the rank that
-died first and how (a signal, an error such as running out of memory, or an exit status), the latest complete
-checkpoint in ``output_dir`` and the command that resumes from it.
+died first and how (a signal, an error such as running out of memory, or an exit status) and what to do: for an
+mtune error (bad data, a config or checkpoint the run cannot use) its own hint, since resuming or running again
+would meet it again; for anything else the latest complete checkpoint in ``output_dir`` and the command that resumes
+from it. A worker launched so leaves the printing of an mtune error, and of a broken collective (its peer died
+first), to the summary: each rank printing the same line was noise.
 """
 
 from __future__ import annotations
@@ -30,14 +33,24 @@ _PEER_LOST = ("connection closed by peer", "connection reset", "broken pipe", "t
               "socket", "watchdog")
 
 
-def record_rank_failure(err: BaseException) -> None:
-    """In a worker: write the exception ending it into the failures directory (when mtune launched it)."""
+def record_rank_failure(err: BaseException) -> bool:
+    """In a worker: write the exception ending it into the failures directory (when mtune launched it). True when
+    the summary will report it (an mtune error or a broken collective), so the worker need not print it."""
+    from mtune.errors import MtuneError
+
     where, rank = os.environ.get(FAILURES_DIR_VARIABLE), os.environ.get("RANK")
     if not where or rank is None or isinstance(err, SystemExit):
-        return
+        return False
     text = str(err).splitlines()[0] if str(err) else ""
-    record = {"type": type(err).__name__, "message": text, "time": time.time(), "pid": os.getpid()}
+    user_error = isinstance(err, MtuneError)
+    record = {"type": type(err).__name__, "message": text, "time": time.time(), "pid": os.getpid(),
+              "user_error": user_error, "hint": err.hint if user_error else None}
     Path(where, f"rank_{rank}.json").write_text(json.dumps(record))
+    return user_error or _lost_peer(text)
+
+
+def _lost_peer(message: str) -> bool:
+    return any(word in message.lower() for word in _PEER_LOST)
 
 
 def _how(failure: dict[str, Any], error: dict[str, Any] | None) -> str:
@@ -51,7 +64,10 @@ def _how(failure: dict[str, Any], error: dict[str, Any] | None) -> str:
     if error is not None:
         oom = error["type"] in ("OutOfMemory", "OutOfMemoryError", "MemoryError") or "out of memory" in \
             error["message"].lower()
-        return ("ran out of memory: " if oom else f"stopped with {error['type']}: ") + error["message"]
+        if oom:
+            return f"ran out of memory: {error['message']}"
+        return f"stopped: {error['message']}" if error.get("user_error") else \
+            f"stopped with {error['type']}: {error['message']}"
     return f"exited with status {code}"
 
 
@@ -67,8 +83,7 @@ def _first(failures: list[dict[str, Any]], errors: dict[int, dict[str, Any]]) ->
         if f["exitcode"] < 0:
             kind = 2 if -f["exitcode"] == signal.SIGTERM else 0
         else:
-            lost_peer = error is not None and any(word in error["message"].lower() for word in _PEER_LOST)
-            kind = 3 if lost_peer else 1
+            kind = 3 if error is not None and _lost_peer(error["message"]) else 1
         return (kind, error["time"] if error else f["timestamp"], f["rank"])
 
     return min(failures, key=cause_rank)
@@ -85,6 +100,9 @@ def summary(report_dir: Path, *, output_dir: str | None, command: list[str]) -> 
     others = len({f["rank"] for f in failures}) - 1
     line = f"error: rank {first['rank']} (pid {first['pid']}) {_how(first, errors.get(first['rank']))}"
     line += "; the other ranks were stopped" + (f" ({others} of them failed after it)" if others else "")
+    error = errors.get(first["rank"])
+    if error is not None and error.get("user_error"):  # the same command would meet it again: the error's own advice
+        return [line] + ([f"hint: {error['hint']}"] if error.get("hint") else [])
     resume = [arg for arg in command if not arg.startswith("resume_from_checkpoint=")] + ["resume_from_checkpoint=true"]
     latest = _latest_checkpoint(output_dir)
     if latest is None:
@@ -108,9 +126,14 @@ def _latest_checkpoint(output_dir: str | None) -> Path | None:
 def _agent(argv: list[str]) -> int:
     """torchrun's agent (``torch.distributed.run``) with ``argv``; on failed workers, their records into
     ``report_dir`` and exit status 1."""
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torchrun's lines about the failed worker and the SIGTERM it sends the others: the summary says both
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not record.getMessage().startswith(("failed (exitcode", "Sending process")))
     report_dir, args = Path(argv[0]), argv[1:]
     try:
         run(parse_args(args))

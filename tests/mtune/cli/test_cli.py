@@ -191,6 +191,36 @@ def test_the_summary_blames_the_rank_that_failed_not_the_ones_torchrun_stopped_w
         "error: rank 1 (pid 101) was killed by SIGTERM (signal 15);")
 
 
+def test_a_ranks_mtune_error_is_summed_up_with_its_own_hint_not_a_resume(tmp_path):
+    """Bad data, a resume the config cannot make, a damaged checkpoint: running or resuming the same command meets
+    the same error, so the summary gives the error's own hint (the resume hint named the command that had just
+    failed, or the damaged checkpoint), and none when it has none."""
+    from mtune._cli.rank_failures import summary
+    from mtune.training.checkpointing.checkpoint_dir import CheckpointWriter
+
+    CheckpointWriter(tmp_path / "out").save(step=1, epoch=0, config={}, kind="lora", write_fn=lambda d: None)
+    (tmp_path / "agent_1.json").write_text(json.dumps(
+        [{"rank": r, "local_rank": r, "pid": 100 + r, "exitcode": 1, "signal": None, "timestamp": 7} for r in (0, 1)]))
+
+    def lines(rank0, rank1):
+        for rank, record in enumerate((rank0, rank1)):
+            (tmp_path / f"rank_{rank}.json").write_text(json.dumps({"time": 7.5 + rank, "pid": 100 + rank, **record}))
+        return summary(tmp_path, output_dir=str(tmp_path / "out"), command=["mtune", "run", "x"])
+
+    damaged = {"type": "DamagedCheckpointError", "message": "checkpoint out/step_1 is damaged: ...", "user_error": True,
+               "hint": "no earlier intact checkpoint in out: start again in another output_dir"}
+    lost = {"type": "RuntimeError", "message": "[gloo] Connection closed by peer", "user_error": False, "hint": None}
+    assert lines(lost, damaged) == [
+        "error: rank 1 (pid 101) stopped: checkpoint out/step_1 is damaged: ...; the other ranks were stopped (1 of "
+        "them failed after it)", "hint: no earlier intact checkpoint in out: start again in another output_dir"]
+    assert lines({**damaged, "hint": None}, lost) == [
+        "error: rank 0 (pid 100) stopped: checkpoint out/step_1 is damaged: ...; the other ranks were stopped (1 of "
+        "them failed after it)"]
+    crash = {"type": "ValueError", "message": "boom", "user_error": False, "hint": None}  # not mtune's: resume it
+    assert lines(crash, lost)[1] == (f"hint: the latest complete checkpoint is {tmp_path / 'out' / 'step_1'}; resume "
+                                     "from it: mtune run x resume_from_checkpoint=true")
+
+
 def test_run_fit_options_go_before_the_recipe_and_need_fit():
     import pytest
 
