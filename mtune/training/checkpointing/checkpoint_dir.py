@@ -176,11 +176,11 @@ class CheckpointWriter:
     Use it from rank 0 only; in distributed runs the other ranks gather their shards to rank 0 first.
     Either pass a function that writes files into the temporary directory::
 
-        writer.save(step=100, epoch=1, config=resolved_cfg, kind="peft_adapter", write_fn=lambda d: ...)
+        writer.save(step=100, epoch=1, config=resolved_cfg, kind="lora", write_fn=lambda d: ...)
 
     or write them yourself inside the context manager::
 
-        with writer.open(step=100, epoch=1, config=resolved_cfg, kind="hf_full") as tmp_dir:
+        with writer.open(step=100, epoch=1, config=resolved_cfg, kind="full") as tmp_dir:
             save_hf_checkpoint(model, tmp_dir)
             save_recipe_state(tmp_dir, ...)
     """
