@@ -19,6 +19,8 @@ __all__ = [
     "RUN_RULES",
     "check_eval_dataset",
     "check_optimizer_values",
+    "check_optimizer_step",
+    "check_loss_contract",
     "check_device_memory_limit",
     "DISTRIBUTED_RUN_RULES",
     "check_distributed_backend",
@@ -74,6 +76,54 @@ def check_eval_dataset(cfg: Any) -> list[str]:
     return []
 
 
+def _component(cfg: Any, node: str) -> Any:
+    """The object ``node._component_`` names, or None (no node, or a path that does not import: the schema's
+    component check names that)."""
+    from mtune.config.errors import ConfigError
+    from mtune.config.instantiate import resolve_component
+
+    path = _get(cfg, f"{node}._component_")
+    try:
+        return resolve_component(path, f"{node}._component_") if isinstance(path, str) else None
+    except (ConfigError, ImportError):
+        return None
+
+
+def check_loss_contract(cfg: Any) -> list[str]:
+    """The loss is one the training loop can call: an mtune token loss (``loss_fn(logits or hidden, labels,
+    lm_head) -> (summed loss, tokens)``, its ``needs_hidden`` saying which it takes) or a preference loss. A loss
+    such as ``torch.nn.CrossEntropyLoss`` would fail inside the first step."""
+    import inspect
+
+    target = _component(cfg, "loss")
+    if not inspect.isclass(target) or hasattr(target, "needs_hidden") or target.__name__ in PREFERENCE_LOSSES:
+        return []  # a function may build any loss: only what it returns tells
+    return [f"loss: {target.__module__}.{target.__qualname__} is not a loss mtune's training loop can call (it calls "
+            "loss_fn(logits or hidden states, labels, lm_head) for (summed loss, token count)): use "
+            "mtune.modules.loss.ChunkedCrossEntropyLoss or CrossEntropyLoss, or a class of your own with their "
+            "forward and needs_hidden"]
+
+
+def check_optimizer_step(cfg: Any) -> list[str]:
+    """The optimizer steps once per optimizer step with no arguments; one whose ``step`` needs a closure
+    (``torch.optim.LBFGS``, which evaluates the loss several times a step) would fail in the first step."""
+    import inspect
+
+    target = _component(cfg, "optimizer")
+    step = getattr(target, "step", None) if inspect.isclass(target) else None
+    try:
+        parameters = list(inspect.signature(step).parameters.values())[1:] if callable(step) else []
+    except (TypeError, ValueError):
+        return []
+    needed = [p.name for p in parameters if p.default is inspect.Parameter.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if needed:
+        return [f"optimizer: {target.__module__}.{target.__qualname__}.step needs {', '.join(needed)}: mtune's training "
+                "loop calls optimizer.step() once per step with no arguments; choose an optimizer that steps so "
+                "(torch.optim.AdamW, SGD, bitsandbytes' 8-bit AdamW, ...)"]
+    return []
+
+
 def check_device_memory_limit(cfg: Any) -> list[str]:
     """device_memory_limit is a size of at least 1 MiB (20GiB, 512MiB, or an int of bytes)."""
     limit = _get(cfg, "device_memory_limit")
@@ -86,7 +136,8 @@ def check_device_memory_limit(cfg: Any) -> list[str]:
     return []
 
 
-RUN_RULES = (check_optimizer_values, check_eval_dataset, check_device_memory_limit)
+RUN_RULES = (check_optimizer_values, check_optimizer_step, check_loss_contract, check_eval_dataset,
+             check_device_memory_limit)
 """The rules of the keys every training recipe reads besides the memory techniques' (whose rules are
 `mtune.training.memory.registry.MEMORY_RULES`); a recipe attaches both to its `RecipeSchema`."""
 

@@ -132,3 +132,26 @@ def test_fp8_storage_and_selective_checkpointing_are_checked_by_mtune_validate()
     assert out.returncode == 1 and "2 problems" in out.stdout, out.stdout + out.stderr
     assert "error: weight_storage_dtype=float8_e4m3fn cannot be combined with lora.quantize_base=true" in out.stdout
     assert "error: activation_checkpointing_policy=selective_op needs enable_activation_checkpointing=true" in out.stdout
+
+
+@pytest.mark.parametrize("node, component, expected", [
+    ("loss", "torch.nn.CrossEntropyLoss", "loss: torch.nn.modules.loss.CrossEntropyLoss is not a loss mtune's training "
+     "loop can call"),
+    ("optimizer", "torch.optim.LBFGS", "optimizer: torch.optim.lbfgs.LBFGS.step needs closure: mtune's training loop "
+     "calls optimizer.step() once per step with no arguments"),
+])
+def test_a_component_the_loop_cannot_call_is_refused_before_the_first_step(node, component, expected):
+    """Both imported and built fine, passed `mtune validate`, then failed inside the first step with a traceback
+    (`CrossEntropyLoss.forward() takes 3 positional arguments but 4 were given`; `step() missing ... 'closure'`)."""
+    from mtune.config.rules import RUN_RULES
+
+    def found(path):
+        conf = OmegaConf.create({node: {"_component_": path}})
+        return [p for rule in RUN_RULES for p in rule(conf)]
+
+    (problem,) = found(component)
+    assert problem.startswith(expected), problem
+    for fine in {"loss": ["mtune.modules.loss.ChunkedCrossEntropyLoss", "mtune.modules.loss.CrossEntropyLoss",
+                          "mtune.modules.preference_loss.DPOLoss", "torch.nn.CrossEntropyLos"],  # a typo: the schema's
+                 "optimizer": ["torch.optim.AdamW", "torch.optim.SGD", "bitsandbytes.optim.PagedAdamW8bit"]}[node]:
+        assert found(fine) == [], fine
