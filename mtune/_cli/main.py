@@ -80,4 +80,8 @@ def handle_errors(function: Callable[[list[str]], int], argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point (``mtune``)."""
-    return handle_errors(dispatch, sys.argv[1:] if argv is None else list(argv))
+    try:
+        return handle_errors(dispatch, sys.argv[1:] if argv is None else list(argv))
+    except BrokenPipeError:  # `mtune ... | head`: the reader left; end quietly, as a tool killed by SIGPIPE does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush does not raise again
+        return 128 + 13

@@ -251,3 +251,18 @@ def test_a_second_config_is_refused_not_put_in_place_of_the_first():
                  ["-c", "a.yaml", "k=v", "--config=b.yaml"]):
         with pytest.raises(UsageError, match=r"^--config given twice \(a.yaml, b.yaml\)$"):
             parse_run_args(["lora_single_device", *argv])
+
+
+def test_output_piped_into_a_reader_that_leaves_ends_quietly(recipes_root):
+    """`mtune run RECIPE --help | head -3` ended in a BrokenPipeError traceback."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTUNE_RECIPES_DIR": str(recipes_root)}
+    script = "\n".join(["import sys", "from mtune._cli.main import main", "for _ in range(2000):",  # > a pipe's buffer
+                        "    code = main(['ls'])", "    if code:", "        sys.exit(code)"])
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves while mtune still writes
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and stderr == "", stderr[-2000:]
