@@ -198,6 +198,8 @@ def _text(row: dict[str, Any], columns: dict[str, str], role: str, required: boo
     column = columns[role]
     value = row.get(column)
     if value is None:
+        if required and column in row:  # null in JSON, an empty trailing field in CSV: the column is there
+            raise RowError(f"column {column!r} is empty (null): every row needs its {role}")
         if required:
             raise MissingColumn(role, column)
         return ""

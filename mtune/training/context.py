@@ -187,6 +187,9 @@ def _lock_output_dir(output_dir: Path, *, force: bool, rank: int) -> None:
         except OutputDirLockedError as err:
             refused = [(str(err), err.hint)]
         except OSError as err:
+            if output_dir.exists() and not output_dir.is_dir():
+                raise ConfigError(f"output_dir={output_dir} is a file, not a directory: name a directory for the "
+                                  "run's checkpoints and logs") from None
             raise ConfigError(f"output_dir={output_dir}: cannot create it ({err.strerror})") from None
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(refused, src=0)

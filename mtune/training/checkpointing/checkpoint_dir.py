@@ -75,6 +75,8 @@ def read_checkpoint_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except FileNotFoundError:
+        if not Path(checkpoint_dir).is_dir():
+            raise PathNotFoundError(f"{checkpoint_dir}: no such checkpoint directory") from None
         raise PathNotFoundError(f"{checkpoint_dir} is not a complete mtune checkpoint: {STATE_FILENAME} is missing")
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt, not JSON ({e})", _CORRUPT_HINT.format(path=checkpoint_dir)) from None

@@ -45,3 +45,14 @@ def test_a_run_that_logged_nothing_leaves_nothing_to_refuse(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     with pytest.raises(OutputExistsError, match=r"already holds a run \(metrics.jsonl\)$"):
         claim_output_dir(tmp_path, resuming=False, overwrite=False, is_main=True)
+
+
+def test_an_output_dir_that_is_a_file_is_named_as_one(tmp_path):
+    """It said "cannot create it (File exists)"."""
+    from mtune.config.errors import ConfigError
+    from mtune.training.context import _lock_output_dir
+
+    (tmp_path / "out").write_text("notes")
+    with pytest.raises(ConfigError, match=r"^output_dir=.*out is a file, not a directory: name a directory"):
+        _lock_output_dir(tmp_path / "out", force=False, rank=0)
+    assert (tmp_path / "out").read_text() == "notes"

@@ -105,6 +105,9 @@ def test_dirs_without_state_file_are_not_checkpoints(tmp_path):
     assert find_latest_checkpoint(tmp_path, clean=False) is None
     with pytest.raises(FileNotFoundError, match="step_9 is not a complete mtune checkpoint"):
         read_checkpoint_state(tmp_path / "step_9")
+    # a resume_from_checkpoint path that does not exist (a typo): said so, not "not a complete checkpoint"
+    with pytest.raises(FileNotFoundError, match=r"step_8: no such checkpoint directory$"):
+        read_checkpoint_state(tmp_path / "step_8")
 
 
 def _tree(root: Path) -> dict[str, bytes]:
