@@ -75,10 +75,12 @@ def setup_tokenizer(node: Mapping[str, Any] | None, source: Any) -> Tokenizer:
     tokenizer = load_tokenizer(path, max_seq_len=node.get("max_seq_len"), **options)
     rows = source.args.vocab_size
     if tokenizer.vocab_size > rows:
-        model = (f"model.checkpoint_dir={source.checkpoint_dir}" if source.checkpoint_dir
+        model = (f"vocab_size in model.checkpoint_dir={source.checkpoint_dir}'s config.json" if source.checkpoint_dir
                  else f"{source.family} with random weights")
         raise ConfigError(f"tokenizer.path={path}: {tokenizer.vocab_size:,} token ids, more than the {rows:,} rows of "
-                          f"the model's embedding ({model}); use the tokenizer the model was trained with")
+                          f"the model's embedding ({model}); use the tokenizer the model was trained with"
+                          + (", or mend config.json if its vocab_size is not the weights'" if source.checkpoint_dir
+                             else ""))
     return tokenizer
 
 

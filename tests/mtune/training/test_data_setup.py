@@ -70,3 +70,9 @@ def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused_in_one_l
                                   "model's embedding (tiny with random weights); use the tokenizer the model was "
                                   "trained with")
     assert setup_tokenizer(node, source(vocab_size=768)).vocab_size == 768
+    # from a checkpoint, its config.json's vocab_size may be what is wrong (weights of 768 rows): said too
+    with pytest.raises(ConfigError) as refused:
+        setup_tokenizer(node, source(vocab_size=512, checkpoint_dir="/ckpt"))
+    assert str(refused.value).endswith("rows of the model's embedding (vocab_size in model.checkpoint_dir=/ckpt's "
+                                       "config.json); use the tokenizer the model was trained with, or mend "
+                                       "config.json if its vocab_size is not the weights'")
