@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from mtune.config import ConfigError, instantiate
 from mtune.config.keys import accumulation_steps, samples_per_step
 from mtune.config.validate import warmup_problem
-from mtune.data import build_dataloader
+from mtune.data import DataError, build_dataloader
 from mtune.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = ["StepPlan", "setup_data", "setup_tokenizer"]
@@ -86,11 +86,20 @@ def setup_tokenizer(node: Mapping[str, Any] | None, source: Any) -> Tokenizer:
 
 def setup_data(cfg, tokenizer, rank: int = 0, world_size: int = 1):
     """``(train_loader, val_loader or None, plan)`` from the config's ``dataset`` / ``dataset_val`` nodes."""
-    train_loader = build_dataloader(instantiate(cfg.dataset, tokenizer=tokenizer), cfg.batch_size, seed=cfg.seed,
+    train_loader = build_dataloader(_dataset(cfg, "dataset", tokenizer), cfg.batch_size, seed=cfg.seed,
                                     rank=rank, world_size=world_size)
     val_loader = None
     if cfg.get("dataset_val") is not None:
-        val_loader = build_dataloader(instantiate(cfg.dataset_val, tokenizer=tokenizer), cfg.batch_size,
+        val_loader = build_dataloader(_dataset(cfg, "dataset_val", tokenizer), cfg.batch_size,
                                       seed=cfg.seed, shuffle=False, rank=rank, world_size=world_size,
                                       drop_last=False)
     return train_loader, val_loader, StepPlan.from_config(cfg, len(train_loader), world_size)
+
+
+def _dataset(cfg, key: str, tokenizer):
+    """The data set of the config node ``key``; a data error names the node first (``dataset_val: source=...``),
+    since both nodes may name files alike."""
+    try:
+        return instantiate(cfg[key], tokenizer=tokenizer)
+    except DataError as err:
+        raise DataError(f"{key}: {err}", err.hint) from None

@@ -76,3 +76,20 @@ def test_a_tokenizer_with_more_ids_than_the_models_embedding_is_refused_in_one_l
     assert str(refused.value).endswith("rows of the model's embedding (vocab_size in model.checkpoint_dir=/ckpt's "
                                        "config.json); use the tokenizer the model was trained with, or mend "
                                        "config.json if its vocab_size is not the weights'")
+
+
+def test_a_data_error_names_the_node_it_came_from(tmp_path):
+    """dataset and dataset_val may name files alike: "source='x': no such file" did not say which node."""
+    from omegaconf import OmegaConf
+
+    from mtune.data import DataError
+    from mtune.training.data_setup import setup_data
+
+    write_tokenizer_files(tmp_path / "tok", "llama3")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"instruction": "a", "output": "b"}\n')
+    node = {"_component_": "mtune.data.instruct_dataset", "source": str(rows), "cache": False}
+    cfg = OmegaConf.create({"dataset": node, "dataset_val": {**node, "source": str(tmp_path / "nope.jsonl")},
+                            "batch_size": 1, "seed": 0, "gradient_accumulation_steps": 1, "epochs": 1})
+    with pytest.raises(DataError, match=r"^dataset_val: source='.*nope\.jsonl': no such file or directory$"):
+        setup_data(cfg, load_tokenizer(str(tmp_path / "tok")))
