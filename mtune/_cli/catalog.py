@@ -77,6 +77,10 @@ def find_config(name_or_path: str) -> Path:
     name = name_or_path[:-5] if name_or_path.endswith(".yaml") else name_or_path
     if name in configs:
         return configs[name]
+    if path.is_dir():
+        yamls = sorted(p.name for p in path.glob("*.yaml"))[:3]
+        raise CliError(f"{name_or_path} is a directory, not a config file",
+                       f"name a YAML file in it (such as {', '.join(yamls)})" if yamls else "name a YAML config file")
     raise CliError(
         f"no config file or built-in config named '{name_or_path}'{did_you_mean(name, configs)}",
         "`mtune ls` lists the built-in configs",

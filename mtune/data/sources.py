@@ -149,6 +149,9 @@ def _read_json(path: Path, sample_by: str) -> Iterator[Row]:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
+            if not text[e.pos:].strip():  # the parser ran out of text: the array never closes
+                raise DataError(f"{path}: malformed JSON, the file ends inside its array ({e.msg}): is it cut "
+                                "short?") from None
             raise DataError(f"{path} line {e.lineno}: malformed JSON ({e.msg})") from None
         for i, row in enumerate(rows, 1):
             yield _object(row, f"{path} row {i}", i == 1)

@@ -266,3 +266,18 @@ def test_output_piped_into_a_reader_that_leaves_ends_quietly(recipes_root):
     proc.stdout.close()  # the reader leaves while mtune still writes
     stderr = proc.stderr.read()
     assert proc.wait(timeout=120) == 141 and stderr == "", stderr[-2000:]
+
+
+def test_a_config_that_is_a_directory_is_named_as_one(tmp_path):
+    """It said "no config file or built-in config named '<dir>'"."""
+    import pytest
+
+    from mtune._cli.catalog import find_config
+    from mtune._cli.errors import CliError
+
+    (tmp_path / "a.yaml").write_text("recipe: x\n")
+    with pytest.raises(CliError) as err:
+        find_config(str(tmp_path))
+    assert str(err.value) == f"{tmp_path} is a directory, not a config file"
+    assert err.value.hint == "name a YAML file in it (such as a.yaml)"
+    assert find_config(str(tmp_path / "a.yaml")) == tmp_path / "a.yaml"

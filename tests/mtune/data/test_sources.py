@@ -75,6 +75,8 @@ BAD_CASES = [
     ("malformed JSON line", "rows.jsonl",
      lambda p: p.write_text(json.dumps(ALPACA_ROWS[0]) + "\n" + '{"instruction": "x",\n'),
      {}, r"rows\.jsonl line 2: malformed JSON"),
+    ("JSON array cut short", "rows.json", lambda p: p.write_text(json.dumps(ALPACA_ROWS)[:-1] + "\n"),
+     {}, r"rows\.json: malformed JSON, the file ends inside its array \(.*\): is it cut short\?$"),
     ("wrong column_map", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p),
      {"column_map": {"output": "answer"}},
      r"rows\.jsonl line 1: no column 'answer' \(needed as 'output'\); available columns: instruction, input, output"),
