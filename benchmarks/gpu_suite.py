@@ -837,7 +837,8 @@ def preference_run(api, case: Case, *, device: str, dry_run: bool, workdir: Path
     # steps of 2 rows; reference=precomputed runs the reference over all of them first
     data = tiny_data_dir() / "preference_train.jsonl"
     run = _mtune_run(api, case, device=device, dry_run=dry_run, workdir=workdir,
-                     data_overrides=[f"dataset.source={data}", "dataset.packed=true", "dataset_val=null"])
+                     data_overrides=[f"dataset.source={data}", "dataset.split=train", "dataset.packed=true",
+                                     "dataset_val=null"])
     timed = [r["tokens_per_second"] for r in run.rows[run.shape.warmup:] if r.get("tokens_per_second")]
     peaks = [r["peak_memory_gib"] for r in run.rows if r.get("peak_memory_gib") is not None]
     measured = max(peaks) if peaks and device == "cuda" else None

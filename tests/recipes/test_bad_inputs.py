@@ -72,7 +72,8 @@ def test_a_file_that_is_not_utf8_is_named(capsys, tmp_path):
     code, _, err = _cli(capsys, "run", "lora_single_device", "--config", CONFIG, f"output_dir={tmp_path / 'out'}",
                         f"dataset.source={data}", "task_eval=null")
     assert code == 1 and "Traceback" not in err
-    assert f"error: {data}: not UTF-8 text (byte 0xe9 at offset" in err and "hint: save the file as UTF-8" in err
+    assert f"error: dataset: {data}: not UTF-8 text (byte 0xe9 at offset" in err
+    assert "hint: save the file as UTF-8" in err
 
 
 def test_an_output_dir_holding_a_run_is_refused_and_kept(capsys, tmp_path):

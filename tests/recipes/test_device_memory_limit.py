@@ -71,7 +71,7 @@ def test_validate_catches_a_misspelt_limit():
     assert any("device_memory_limt" in e and "device_memory_limit" in e for e in validate_config(cfg, schema).errors)
     cfg = load_config(TRAIN_CONFIG, ["output_dir=/x", "device_memory_limit=20GB!"])
     assert validate_config(cfg, schema).errors == [
-        "device_memory_limit='20GB!': write a size such as 24GiB, 80GB or 512MiB"]
+        "device_memory_limit='20GB!': write a size such as 24GiB, 80GB or 512MiB (null: the whole device)"]
 
 
 def test_oom_recovery_replans_under_75_percent_and_a_resume_runs_the_recovered_config(

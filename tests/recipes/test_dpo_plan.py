@@ -130,7 +130,7 @@ def test_the_reference_cache_is_not_a_run_of_the_output_dir(tmp_path):
     (tmp_path / "reference_cache").mkdir()
     (tmp_path / "reference_cache" / "train.json").write_text("{}")
     claim_output_dir(tmp_path, resuming=False, overwrite=False, is_main=True)
-    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     claim_output_dir(tmp_path, resuming=False, overwrite=True, is_main=True)
     assert not (tmp_path / "metrics.jsonl").exists() and (tmp_path / "reference_cache" / "train.json").exists()
 

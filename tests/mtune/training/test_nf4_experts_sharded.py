@@ -33,6 +33,11 @@ from tests._helpers.models import write_tiny_hf_model
 
 CPU = torch.device("cpu")
 LORA = dict(modules=["q_proj", "gate_proj"], rank=4, alpha=8, quantize_base=True)  # experts adapted too
+
+
+def lora_of(source: ModelSource) -> dict:
+    """LORA with the family's name for an expert projection: gpt-oss fuses gate and up (``gate_up_proj``)."""
+    return {**LORA, "modules": ["q_proj", "gate_up_proj"]} if source.family == "gpt_oss" else LORA
 PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
 # random weights with experts of 32 x 256: 128 scales each, so a scaler block of 128 (the 2-D rows' would be 256)
 RANDOM = ModelSource("qwen3_moe", dataclasses.replace(model_args("qwen3_moe", "tiny"), moe_intermediate_dim=32), None)
@@ -60,8 +65,9 @@ def _step_save_and_resume(model, tmp: str, ckpt: str) -> dict:
     train_step(model, [{"tokens": tokens, "labels": tokens.roll(-1, 1)}], CrossEntropyLoss(), adamw, device=CPU,
                world_size=2)
     save_distributed_state(f"{tmp}/dcp", model, adamw, adapter_only=True)
-    fresh, _ = setup_sharded_model(resolve_model_source({"checkpoint_dir": ckpt}), device=CPU, dtype=torch.bfloat16,
-                                   seed=1, lora=LORA, fsdp_reshard_after_forward=True)
+    source = resolve_model_source({"checkpoint_dir": ckpt})
+    fresh, _ = setup_sharded_model(source, device=CPU, dtype=torch.bfloat16, seed=1, lora=lora_of(source),
+                                   fsdp_reshard_after_forward=True)
     fresh_adamw = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
     load_distributed_state(f"{tmp}/dcp", fresh, fresh_adamw, adapter_only=True)
 
@@ -75,13 +81,14 @@ def _step_save_and_resume(model, tmp: str, ckpt: str) -> dict:
 def _worker(rank: int, tmp: str, checkpoints: dict) -> None:
     out = {}
     for label, ckpt in checkpoints.items():
-        model, _ = setup_sharded_model(resolve_model_source({"checkpoint_dir": ckpt}), device=CPU,
-                                       dtype=torch.bfloat16, seed=0, lora=LORA, fsdp_reshard_after_forward=True)
+        source = resolve_model_source({"checkpoint_dir": ckpt})
+        model, _ = setup_sharded_model(source, device=CPU, dtype=torch.bfloat16, seed=0, lora=lora_of(source),
+                                       fsdp_reshard_after_forward=True)
         out[label] = _nf4_experts(model)
         if label == "per_expert":
             out["resume"] = _step_save_and_resume(model, tmp, ckpt)
         if label == "side_by_side":  # a gathered save dequantizes each rank's NF4 rows: whole [E, out, in] experts
-            plain = phases.plain_form(MemoryConfig(lora=LORA))
+            plain = phases.plain_form(MemoryConfig(lora=lora_of(source)))
             out["gathered"] = {name: tensor for name, tensor in gathered_state_dict_items(model, plain=plain)
                                if ".experts." in name}
     model, _ = setup_sharded_model(RANDOM, device=CPU, dtype=torch.bfloat16, seed=5, lora=LORA,
@@ -124,7 +131,7 @@ def shards(tmp_path_factory):
 def _single_device(label, ckpt):
     torch.manual_seed(5)
     source = RANDOM if ckpt is None else resolve_model_source({"checkpoint_dir": ckpt})
-    return setup_model(source, device=CPU, dtype=torch.bfloat16, lora=LORA)[0]
+    return setup_model(source, device=CPU, dtype=torch.bfloat16, lora=lora_of(source))[0]
 
 
 @pytest.mark.parametrize("label", ["per_expert", "whole_transposed", "mxfp4", "side_by_side", "random"])
