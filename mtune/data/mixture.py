@@ -38,6 +38,15 @@ def mixture_dataset(
     sample): fewer than it has are a seeded random subset, more repeat it (each pass a fresh permutation). All
     datasets must share packing (samples are packs when packed) and the tokenizer's pad id.
     """
+    if weights is not None and not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+        raise DataError(f"mixture_dataset: weights must be numbers, got {list(weights)}")
+    if num_samples is not None:
+        if weights is None:  # concatenation takes every sample once: a count has nothing to apportion
+            raise DataError(f"mixture_dataset: num_samples={num_samples} needs weights (without them the datasets are "
+                            "concatenated whole); set weights, or num_samples=null")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise DataError(f"mixture_dataset: num_samples must be a whole number of samples >= 1, got "
+                            f"{num_samples!r} (null: the datasets' total)")
     sources = [_build(node, tokenizer) for node in datasets]
     if not sources:
         raise DataError("mixture_dataset: datasets is empty")
@@ -51,7 +60,7 @@ def mixture_dataset(
             raise DataError(
                 f"mixture_dataset: weights must be {len(sources)} non-negative numbers, got {list(weights)}"
             )
-        total = num_samples or sum(len(d) for d in sources)
+        total = sum(len(d) for d in sources) if num_samples is None else num_samples
         counts = _apportion(total, weights)
         generator = torch.Generator().manual_seed(seed)
         source_index, sample_index = [], []

@@ -124,6 +124,22 @@ def test_mixture_weights_and_concatenation(tok, tmp_path, text_path):
         mixture_dataset(tok, [text, packed])
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(weights=[1, 1], num_samples=0), r"num_samples must be a whole number of samples >= 1, got 0"),
+    (dict(weights=[1, 1], num_samples=-5), r"num_samples must be a whole number of samples >= 1, got -5"),
+    (dict(weights=[1, 1], num_samples=2.5), r"num_samples must be a whole number of samples >= 1, got 2.5"),
+    (dict(num_samples=10), r"num_samples=10 needs weights \(without them the datasets are concatenated whole\)"),
+    (dict(weights=["a", 1]), r"weights must be numbers, got \['a', 1\]"),
+])
+def test_mixture_counts_and_weights_are_checked_before_anything_is_built(tok, text_path, kwargs, message):
+    """num_samples 0 was read as the default, -5 raised ZeroDivisionError, without weights it was ignored, and a
+    weight that is not a number raised TypeError: each a one-line DataError now."""
+    text = text_completion_dataset(tok, text_path)
+    with pytest.raises(DataError, match=r"^mixture_dataset: " + message):
+        mixture_dataset(tok, [text, text], **kwargs)
+    assert len(mixture_dataset(tok, [text, text], weights=[1, 1], num_samples=3)) == 3
+
+
 def test_mixture_from_a_config_node(tok, tmp_path, text_path):
     """instantiate() passes the nested dataset nodes unbuilt, and the mixture builds them with the tokenizer."""
     from omegaconf import OmegaConf
