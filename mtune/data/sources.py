@@ -19,6 +19,10 @@ from mtune.data.common import DataError
 
 FORMATS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv", "text": "text", "txt": "text"}
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+# What a compressed file starts with: mtune reads files as they are, so these are refused by name, not as bad text
+# (bzip2's "BZh" is left out: plain text may start so)
+_COMPRESSION = {b"\x1f\x8b": "gzip", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
+_COMPRESSED_SUFFIXES = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zip": "zip"}
 SAMPLE_BY = ("line", "paragraph", "document")
 
 
@@ -94,8 +98,15 @@ def load_source(
     return _datasets_source(source, split, data_files, revision, load_kwargs)
 
 
+def _compressed(path: Path, how: str) -> DataError:
+    return DataError(f"{path}: {how}-compressed: mtune reads data files uncompressed", "decompress it (gunzip, "
+                     "unzstd, unxz, ...) and point source at the file it gives")
+
+
 def _format_of(path: Path) -> str:
     fmt = EXTENSIONS.get(path.suffix.lower())
+    if path.suffix.lower() in _COMPRESSED_SUFFIXES:
+        raise _compressed(path, _COMPRESSED_SUFFIXES[path.suffix.lower()])
     if fmt is None:
         raise DataError(
             f"{path}: unknown file type {path.suffix!r}; supported: {', '.join(EXTENSIONS)} "
@@ -128,6 +139,14 @@ def _local_source(files: list[Path], fmt: str | None, sample_by: str) -> RowSour
     formats = [fmt or _format_of(f) for f in files]
     parts = [f"{f}:{_file_hash(p)}" for f, p in zip(formats, files)]
     fingerprint = hashlib.sha256("|".join(parts + [sample_by]).encode()).hexdigest()
+
+    for path, f in zip(files, formats):
+        if f != "parquet":  # a text format: its first bytes tell a compressed file named .jsonl or given by format
+            with open(path, "rb") as handle:
+                head = handle.read(6)
+            how = next((name for magic, name in _COMPRESSION.items() if head.startswith(magic)), None)
+            if how is not None:
+                raise _compressed(path, how)
 
     def read() -> Iterator[Row]:
         for path, f in zip(files, formats):
@@ -183,10 +202,15 @@ def _read_csv(path: Path, sample_by: str) -> Iterator[Row]:
 
 
 def _read_parquet(path: Path, sample_by: str) -> Iterator[Row]:
+    import pyarrow
     import pyarrow.parquet as pq
 
+    try:
+        parquet = pq.ParquetFile(path)
+    except pyarrow.ArrowException as e:  # not Parquet at all (its magic bytes), or cut short
+        raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     i = 0
-    for batch in pq.ParquetFile(path).iter_batches():
+    for batch in parquet.iter_batches():
         for row in batch.to_pylist():
             i += 1
             yield Row(row, f"{path} row {i}", i == 1)

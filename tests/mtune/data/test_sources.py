@@ -1,5 +1,6 @@
 """Every supported source gives the same samples; bad data gives a one-line error naming file, row and column."""
 
+import gzip
 import json
 import sys
 
@@ -77,6 +78,12 @@ BAD_CASES = [
      {}, r"rows\.jsonl line 2: malformed JSON"),
     ("JSON array cut short", "rows.json", lambda p: p.write_text(json.dumps(ALPACA_ROWS)[:-1] + "\n"),
      {}, r"rows\.json: malformed JSON, the file ends inside its array \(.*\): is it cut short\?$"),
+    ("gzip-compressed, by suffix", "rows.jsonl.gz", lambda p: p.write_bytes(gzip.compress(b"{}\n")),
+     {}, r"rows\.jsonl\.gz: gzip-compressed: mtune reads data files uncompressed"),
+    ("gzip-compressed, named .jsonl", "rows.jsonl", lambda p: p.write_bytes(gzip.compress(b"{}\n")),
+     {}, r"rows\.jsonl: gzip-compressed: mtune reads data files uncompressed"),
+    ("not Parquet", "rows.parquet", lambda p: p.write_text("instruction,output\na,b\n"),
+     {}, r"rows\.parquet: not a readable Parquet file \(.*magic bytes.*\)$"),
     ("wrong column_map", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p),
      {"column_map": {"output": "answer"}},
      r"rows\.jsonl line 1: no column 'answer' \(needed as 'output'\); available columns: instruction, input, output"),
