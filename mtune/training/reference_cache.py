@@ -68,6 +68,19 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _check_writable(cache_dir: Path) -> None:
+    """Make ``cache_dir`` and write a file in it, so that a directory the cache cannot be written to is one line
+    now, not a traceback after the reference's whole pass."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(cache_dir / ".write_check", b"")
+        (cache_dir / ".write_check").unlink()
+    except OSError as err:
+        raise ConfigError(f"reference_cache_dir={cache_dir}: cannot write there ({err.strerror or err})",
+                          "point reference_cache_dir at a writable directory (null: ${output_dir}/reference_cache)"
+                          ) from None
+
+
 def _differences(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
     return ", ".join(k for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k))
 
@@ -82,7 +95,7 @@ def cached_reference_logps(cache_dir: str | Path, role: str, fingerprint: Mappin
     from the cache as it was before anything is written."""
     cache_dir = Path(cache_dir)
     if writer:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        _check_writable(cache_dir)
     barrier()
     mine = {"format": FORMAT, **fingerprint, "pairs": num_pairs}
     manifest_path = cache_dir / f"{role}.json"
