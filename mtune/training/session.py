@@ -40,7 +40,7 @@ from mtune.training.observe.peak_flops import run_peak_flops
 from mtune.training.observe.profiler import build_profiler
 from mtune.training.oom_recovery import OomRecovery
 from mtune.training.run_length import RunLength
-from mtune.training.signals import GracefulStop
+from mtune.training.signals import GracefulStop, StopDuringEvaluation
 
 __all__ = ["TrainingSession"]
 
@@ -72,7 +72,7 @@ class TrainingSession:
         self.step, self.epoch = 0, 0
         self.stopped = False
         self.results: dict[str, Any] = {}
-        self._stop = GracefulStop(rank=run.rank)
+        self._stop = GracefulStop(rank=run.rank, world_size=run.world_size)
         self.length = RunLength.fresh(plan)  # how the steps map onto the LR schedule (another on a resume)
         self._resumed_from: tuple[Any, int] | None = None  # (checkpoint, step) when this run resumed
 
@@ -163,6 +163,10 @@ class TrainingSession:
     def batches(self) -> Iterator[list[dict]]:
         """Micro-batch groups, one per optimizer step, from where the run stands to its last step."""
         self._start()
+        if self._stop.requested_on_any_rank():  # during the evaluation before training: nothing trained to save
+            self.stopped = True
+            log.info("stopped by a signal before the first step: nothing to save")
+            return
         accumulation = accumulation_steps(self.cfg)
         for epoch in range(self.epoch, self.plan.epochs):
             if self.step >= self.plan.total_steps:
@@ -221,7 +225,11 @@ class TrainingSession:
         self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr, flops=self._step_flops_now)
         every_eval = self.cfg.get("eval_every_n_steps")
         if self.val_loader is not None and every_eval and self.step % every_eval == 0:
-            self.monitor.log({"val_loss": self.val_loss()}, step=self.step)
+            try:
+                with self._stop.interrupting("val_loss"):
+                    self.monitor.log({"val_loss": self.val_loss()}, step=self.step)
+            except StopDuringEvaluation:  # the step is trained: it is saved below, without its val_loss
+                log.info("val_loss of step %d: stopped by a signal, not logged", self.step)
         stop = self._stop.requested_on_any_rank()
         every_save = self.cfg.get("save_every_n_steps")
         if stop or (every_save and self.step % every_save == 0):
@@ -273,7 +281,7 @@ class TrainingSession:
                                                            if self.monitor.peak else {})}
             if self.run.is_main:
                 log.info(self.monitor.summary_line())
-        if self.run.is_main:
+        if self.run.is_main and not (self.stopped and self.step == 0):  # trained nothing: leaves no run behind
             (self.run.output_dir / "results.json").write_text(json.dumps(self.results, indent=2) + "\n")
         return self.results
 
@@ -290,9 +298,13 @@ class TrainingSession:
 
     def _run_task_eval(self, when: str) -> None:
         what = f"task eval {when} training"
-        with self.monitor.activity(what) as activity:
-            with oom_guard("task evaluation", self.cfg):
-                scores = self.task_eval(self.model, self.tokenizer)
+        try:
+            with self._stop.interrupting(what), self.monitor.activity(what) as activity:  # droppable once shown
+                with oom_guard("task evaluation", self.cfg):
+                    scores = self.task_eval(self.model, self.tokenizer)
+        except StopDuringEvaluation:
+            self.monitor.write(f"{what}: stopped by a signal, no scores")
+            return
         self.results[f"task_eval_{when}"] = scores
         summary = scores.get("summary") or f"exact_match {scores['exact_match']:.1%}"
         self.monitor.write(f"{what}: {summary} on {scores['num_samples']} samples ({activity.seconds:.1f} s)")

@@ -171,3 +171,28 @@ def test_a_resume_with_another_length_stops_at_its_total_in_the_right_epoch_with
 
     with pytest.raises(ResumeError, match=r"it is at step 6, past this run's 4 steps \(2 per epoch x 2 epochs\)"):
         resumed("past", 6, "max_steps_per_epoch=2")
+
+
+def test_a_stop_during_the_evaluation_before_training_drops_it_and_leaves_the_output_dir_free(tmp_path):
+    """Ctrl-C in the task eval before training waited for it (a minute on a large eval set), then trained a step
+    and saved it. Now the eval stops at once, nothing is trained or saved, the run exits 0, and the same command
+    may start again in the same output_dir."""
+    from mtune.training.context import run_outputs
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mtune", "run", "lora_single_device", "--config", "tiny/lora_single_device",
+           f"output_dir={out}", "epochs=1"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # the evaluation announces itself, then generates for a few seconds
+        seen.append(line)
+        if "task eval before training" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, "".join(seen) + rest
+    assert "Received SIGINT: stopping the task eval before training" in rest, rest
+    assert "task eval before training: stopped by a signal, no scores" in rest, rest
+    assert not any(p.name.startswith(("step_", "final")) for p in out.iterdir())
+    assert run_outputs(out) == []  # the same command may start again there

@@ -56,3 +56,25 @@ def test_second_sigint_interrupts_and_handlers_are_restored():
             os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested_on_any_rank()  # no process group: the local flag
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_a_first_signal_drops_an_evaluation_of_one_process_and_lets_ranks_finish_it():
+    """Ctrl-C during a minute's task eval used to wait for it, then train a step, then save. In one process the
+    evaluation now stops at once; ranks of a distributed run must leave its collectives together, so they finish
+    it; a signal that came before it stops it at its start."""
+    from mtune.training.signals import StopDuringEvaluation
+
+    with GracefulStop() as stop:
+        with pytest.raises(StopDuringEvaluation):
+            with stop.interrupting("task eval before training"):
+                os.kill(os.getpid(), signal.SIGINT)
+                pytest.fail("the evaluation went on")
+        assert stop.requested and stop.received == signal.SIGINT and stop._droppable is None
+        with pytest.raises(StopDuringEvaluation):  # already stopping: the next evaluation does not start
+            with stop.interrupting("val_loss"):
+                pytest.fail("the evaluation started")
+    with GracefulStop(world_size=2) as stop:
+        with stop.interrupting("val_loss"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            finished = True
+        assert finished and stop.requested
