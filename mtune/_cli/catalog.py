@@ -87,6 +87,13 @@ def find_config(name_or_path: str) -> Path:
     )
 
 
+def is_training_recipe(module: ModuleType) -> bool:
+    """Whether a recipe module trains: its SCHEMA declares the training keys (`mtune.config.keys.TRAINING_NODES`,
+    ``plan_check`` among them). Only those are planned (`mtune plan`, ``--fit``) and given a run's end-of-run
+    lines; generate and merge_lora train nothing."""
+    return hasattr(module, "SCHEMA") and "plan_check" in module.SCHEMA.keys
+
+
 def load_recipe_module(path: Path) -> ModuleType:
     """Import the recipe file at ``path`` and check it keeps the recipe contract (``SCHEMA`` and ``main``)."""
     from mtune.config import RecipeSchema

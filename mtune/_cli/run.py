@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+from mtune._cli.catalog import find_config, find_recipe, is_training_recipe, load_recipe_module
 from mtune._cli.errors import CliError, UsageError
 
 USAGE = """\
@@ -90,8 +90,9 @@ def parse_run_args(argv: list[str]) -> RunArgs:
             args.fit, i = True, i + 1
             continue
         if name in _FIT_BUDGETS:
-            if not eq and i + 1 >= len(argv):
-                raise UsageError(f"{name} needs a value, e.g. {name} 24GiB")
+            if not eq and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+                raise UsageError(f"{name} needs a value, e.g. {name} 24GiB"
+                                 + (f", not the option {argv[i + 1]}" if i + 1 < len(argv) else ""))
             args.fit_budgets[name] = value if eq else argv[i + 1]
             i += 1 if eq else 2
             continue
@@ -232,7 +233,7 @@ def run_recipe(recipe_path: Path, config_path: Path, overrides: list[str]) -> No
     cfg = load_and_check(module, config_path, overrides, recipe_path.stem)
     if os.environ.get("RANK", "0") == "0" and os.environ.get("MTUNE_QUIET") != "1":
         print(f"mtune: running {recipe_path.stem} with {config_path}", file=sys.stderr)
-    if hasattr(module, "SCHEMA") and "plan_check" in module.SCHEMA.keys:  # training recipes
+    if is_training_recipe(module):
         from mtune.training.memory.oom import set_invocation
 
         set_invocation(recipe_path.stem, str(config_path), overrides)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mtune._cli.errors import UsageError
+from mtune._cli.errors import CliError, UsageError
+from mtune._cli.plan import check_writable, refuse_a_budget_within_the_margin, refuse_a_recipe_that_trains_nothing
 from mtune._cli.run import load_and_check
 
 __all__ = ["fit_at_launch", "FIT_CONFIG_NAME"]
@@ -21,22 +22,32 @@ def fit_at_launch(module, recipe: str, config_path: Path, overrides: list[str], 
     """Plan ``recipe`` with ``config_path`` and ``overrides`` for the fastest config that fits, print the answer
     (what changed and why: the planner's lines), write it to ``output_dir/mtune_fit.yaml`` and return its path;
     None when nothing fits (the planner printed why). ``--device-memory`` also becomes the run's
-    ``device_memory_limit``, so the run is held to the budget it was planned for."""
+    ``device_memory_limit``, so the run is held to the budget it was planned for. A recipe that trains nothing,
+    and a budget that the allocator's margin leaves nothing of, are refused before the config is planned."""
     from mtune.units import parse_budget
 
+    refuse_a_recipe_that_trains_nothing(module, recipe, "mtune run --fit",
+                                        f"run it without --fit: mtune run {recipe} --config {config_path}")
     device_memory = parse_budget(budgets["--device-memory"], "--device-memory") if "--device-memory" in budgets \
         else None
     host_memory = parse_budget(budgets["--host-memory"], "--host-memory") if "--host-memory" in budgets else None
     if device_memory is not None:
+        refuse_a_budget_within_the_margin(device_memory, f"--device-memory={budgets['--device-memory']}")
         overrides = [*overrides, f"device_memory_limit={budgets['--device-memory']}"]
     cfg = load_and_check(module, config_path, overrides, recipe)
     if device_memory is None:
         device_memory, source = _device_budget(cfg)
+        refuse_a_budget_within_the_margin(device_memory, source, CliError)
         print(f"mtune run --fit: planning for {source}", file=sys.stderr)
     output_dir = Path(cfg.output_dir)
     _refuse_a_run_there(cfg, output_dir)  # before writing into it: the run itself would refuse it after the search
-    output_dir.mkdir(parents=True, exist_ok=True)
     output = output_dir / FIT_CONFIG_NAME
+    try:  # before the search, so that a search is not spent on an answer that cannot be written
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"output_dir={output_dir}: cannot create it, where --fit writes {FIT_CONFIG_NAME}: "
+                       f"{err.strerror or err}", "set output_dir to a directory you can write") from err
+    check_writable(output, "--fit's config", FIT_CONFIG_NAME)
 
     from mtune.training.planning.fit import fit_command
 

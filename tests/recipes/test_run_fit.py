@@ -51,3 +51,47 @@ def test_run_fit_without_a_gpu_or_a_size_refuses_in_one_line(tmp_path):
     assert errors == ["error: --fit: the run's device is cpu, whose memory mtune cannot read as a GPU's: give "
                       "--device-memory SIZE (or set device_memory_limit=SIZE)"], done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _run_in_process(capsys, *argv):
+    from mtune._cli.main import main
+
+    code = main(["run", *argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_run_fit_refuses_a_recipe_that_trains_nothing(capsys):
+    code, errors = _run_in_process(capsys, "--fit", "--device-memory", "4GiB", "generate", "--config", "tiny/generate")
+    assert code == 2
+    assert errors == ["error: mtune run --fit plans the training recipes; generate is not one (it trains nothing)"]
+
+
+def test_run_fit_refuses_a_budget_within_the_allocator_margin_before_the_search(capsys, tmp_path):
+    out = tmp_path / "out"
+    code, errors = _run_in_process(capsys, "--fit", "--device-memory", "512MiB", "lora_single_device", "--config",
+                                   "tiny/lora_single_device", f"output_dir={out}")
+    assert code == 2 and errors == ["error: --device-memory=512MiB leaves nothing after the allocator's margin of "
+                                    "1.00 GiB that --fit keeps: give more than 1.00 GiB"]
+    code, errors = _run_in_process(capsys, "--fit", "lora_single_device", "--config", "tiny/lora_single_device",
+                                   f"output_dir={out}", "device_memory_limit=512MiB")
+    assert code == 1 and errors == ["error: device_memory_limit=512MiB leaves nothing after the allocator's margin of "
+                                    "1.00 GiB that --fit keeps: give more than 1.00 GiB"]
+    assert not out.exists()
+
+
+def test_run_fit_budget_does_not_take_the_next_option_as_its_value(capsys):
+    code, errors = _run_in_process(capsys, "--fit", "--device-memory", "--host-memory", "4GiB", "lora_single_device",
+                                   "--config", "tiny/lora_single_device")
+    assert code == 2 and errors == ["error: --device-memory needs a value, e.g. --device-memory 24GiB, not the option "
+                                    "--host-memory"]
+
+
+def test_run_fit_refuses_an_output_dir_it_cannot_create_before_the_search(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"  # under a file: no directory can be made there
+    code, errors = _run_in_process(capsys, "--fit", "--device-memory", "2GiB", "lora_single_device", "--config",
+                                   "tiny/lora_single_device", f"output_dir={out}")
+    assert code == 1 and len(errors) == 1
+    assert errors[0].startswith(f"error: output_dir={out}: cannot create it, where --fit writes mtune_fit.yaml: ")

@@ -8,11 +8,17 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from mtune.config import load_config
+from mtune.errors import MtuneError
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 from mtune.training.planning.candidates import Candidate, describe
 
-__all__ = ["close_answer", "numerics_line", "write_config"]
+__all__ = ["close_answer", "numerics_line", "write_config", "AnswerNotWritten"]
+
+
+class AnswerNotWritten(MtuneError, OSError):
+    """The config a ``--fit`` found could not be written where it was asked to go (the message names the path
+    and the operating system's reason)."""
 
 
 def close_answer(cfg, answer: Candidate, changes: dict, lossy_head: str, *, recipe: str, config_path: Path,
@@ -50,5 +56,9 @@ def write_config(config_path: Path, overrides: list[str], changes: dict, output:
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     header = f"# Written by `mtune plan --fit` from {config_path}; changed: {describe(changes)}\n"
     output = Path(output)
-    output.write_text(header + OmegaConf.to_yaml(cfg))
+    try:
+        output.write_text(header + OmegaConf.to_yaml(cfg))
+    except OSError as err:  # `mtune plan` checks --output before its search; this is what it could not foresee
+        raise AnswerNotWritten(f"cannot write the config --fit found to {output}: {err.strerror or err}",
+                               "name a file in a directory you can write (`mtune plan --fit`: --output FILE)") from err
     return output
