@@ -42,7 +42,7 @@ def main(cfg: DictConfig) -> str:
         chat_messages(cfg.messages)  # refuse a malformed chat before loading the model
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums)
+    source = resolve_model_source(cfg.model, verify_checksums=cfg.verify_checksums, adapter_key="adapter_dir")
     lora = lora_node_from_adapter(cfg.adapter_dir) if cfg.adapter_dir else None  # built, then loaded from there
     memory = MemoryConfig(**{key.name: cfg[key.name] for key in GENERATION_MEMORY_KEYS.keys})
     model, _ = setup_model(source, device=device, dtype=dtype, lora=lora, memory=memory, trainable=False,

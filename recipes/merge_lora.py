@@ -22,8 +22,9 @@ from mtune.config.keys import MERGE_KEYS
 from mtune.config.rules import MERGE_RULES
 from mtune.errors import OutputExistsError, PathNotFoundError
 from mtune.training.checkpointing.atomic import atomic_directory
+from mtune.training.checkpointing.hf import refuse_adapter_dir
 from mtune.training.checkpointing.merge import save_merged_model
-from mtune.training.checkpointing.peft import read_adapter_config
+from mtune.training.checkpointing.peft import check_adapter
 from mtune.training.context import configure_logging
 from mtune.training.precision import DTYPES
 
@@ -39,6 +40,7 @@ def base_model_dir(cfg: DictConfig, adapter_config: dict) -> Path:
     for key, value in (("base_model_dir", cfg.get("base_model_dir")), ("model.checkpoint_dir", model.get("checkpoint_dir"))):
         if value:
             if not (Path(value) / "config.json").is_file():
+                refuse_adapter_dir(value, key)
                 raise PathNotFoundError(f"{key}={value}: no config.json there; it must be the adapter's base model "
                                         "(a Hugging Face model directory)")
             return Path(value)
@@ -52,7 +54,7 @@ def base_model_dir(cfg: DictConfig, adapter_config: dict) -> Path:
 def main(cfg: DictConfig) -> Path:
     configure_logging()
     adapter_dir = Path(cfg.adapter_dir)
-    base = base_model_dir(cfg, read_adapter_config(adapter_dir))
+    base = base_model_dir(cfg, check_adapter(adapter_dir))  # an adapter whose files disagree: refused before writing
     out = Path(cfg.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputExistsError(f"output_dir={out} already exists and is not empty: choose another output_dir or "

@@ -1,12 +1,13 @@
 """A LoRA model's state as others read it: the adapter alone in mtune's names (:func:`lora_state_dict`) or in
 PEFT's (:func:`peft_adapter_state_dict`, :func:`peft_key`; :func:`adapter_config` is the ``adapter_config.json``
-that goes with it), loaded back from PEFT's names (:func:`load_peft_adapter_state_dict`), and the whole model with
+that goes with it), checked against a model (:func:`adapter_mismatch`) and loaded back from PEFT's names
+(:func:`load_peft_adapter_state_dict`), and the whole model with
 every adapter folded into its base weight (:func:`merge_lora_weights`). The model is one :func:`apply_lora
 <mtune.modules.lora.apply_lora>` transformed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ __all__ = [
     "lora_state_dict",
     "peft_key",
     "peft_adapter_state_dict",
+    "peft_module",
+    "adapter_mismatch",
     "load_peft_adapter_state_dict",
     "adapter_config",
     "merge_lora_weights",
@@ -57,21 +60,52 @@ def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**plain, **expert_peft_tensors(model)}
 
 
+def peft_module(key: str) -> tuple[str, str] | None:
+    """(mtune module name, tensor) of a PEFT adapter key, the inverse of :func:`peft_key`:
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> (``layers.0.self_attn.q_proj``,
+    ``lora_A``); None for a key that is no LoRA tensor."""
+    for suffix in _TO_PEFT.values():
+        if key.endswith(f".{suffix}"):
+            module = key[: -len(suffix) - 1].removeprefix("base_model.model.").removeprefix("model.")
+            return module, suffix.removesuffix(".weight")
+    return None
+
+
+def _named(key: str) -> str:
+    module = peft_module(key)
+    return f"{module[1]} of {module[0]}" if module else key
+
+
+def adapter_mismatch(model: nn.Module, shapes: Mapping[str, Sequence[int]]) -> str | None:
+    """The first way a PEFT-named adapter (``shapes``: each tensor's shape by key) does not fit the LoRA layers of
+    ``model`` (transformed by `apply_lora`; on the meta device or not), e.g. ``lora_A of layers.0.self_attn.q_proj
+    has shape [8, 128] but the model's is [8, 256]``; None when every tensor the model needs is there with its
+    shape, and no other. PEFT's copies of a targeted lm_head's base weight (``...base_layer.weight``) are ignored."""
+    expected = {k: tuple(v.shape) for k, v in peft_adapter_state_dict(model).items()}  # in the model's order
+    shapes = {k: tuple(v) for k, v in shapes.items() if not k.endswith(".base_layer.weight")}
+    for key in shapes:
+        if key not in expected:
+            return f"the adapter has {_named(key)}, which the model does not adapt"
+    for key, shape in expected.items():
+        if key not in shapes:
+            return f"the model adapts {peft_module(key)[0]} but the adapter has no {peft_module(key)[1]} for it"
+        if shapes[key] != shape:
+            return f"{_named(key)} has shape {list(shapes[key])} but the model's is {list(shape)}"
+    return None
+
+
 def load_peft_adapter_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Loads a PEFT-named adapter state dict into a model that `apply_lora` has already transformed.
+    """Loads a PEFT-named adapter state dict into a model that `apply_lora` has already transformed; ValueError
+    naming the first tensor that does not fit (:func:`adapter_mismatch`).
 
     Full base-layer copies that PEFT adds when lm_head is targeted (`...lm_head.base_layer.weight`) are ignored:
     the base weights come from the base model."""
+    problem = adapter_mismatch(model, {k: v.shape for k, v in state_dict.items()})
+    if problem:
+        raise ValueError(f"adapter does not match the model's LoRA layers: {problem}")
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(".base_layer.weight")}
     experts = expert_mtune_tensors(state_dict, model)  # takes the experts' entries out of state_dict
     by_peft_name = {peft_key(k): k for k in lora_state_dict(model) if not k.startswith(_expert_keys(model))}
-    missing = set(by_peft_name) - set(state_dict)
-    unexpected = set(state_dict) - set(by_peft_name)
-    if missing or unexpected:
-        raise ValueError(
-            f"adapter does not match the model's LoRA layout: missing {sorted(missing)[:3]}, unexpected "
-            f"{sorted(unexpected)[:3]}: check lora.modules / lora.use_dora against the adapter's adapter_config.json"
-        )
     model.load_state_dict({**{by_peft_name[k]: v for k, v in state_dict.items()}, **experts}, strict=False)
 
 

@@ -22,9 +22,9 @@ from mtune.config.errors import ConfigError
 from mtune.errors import PathNotFoundError
 from mtune.models import build_model_from_args, model_args
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
-from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config
+from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config, refuse_adapter_dir
 from mtune.training.checkpointing.manifest import check_before_loading
-from mtune.training.checkpointing.peft import load_peft_adapter
+from mtune.training.checkpointing.peft import check_adapter, load_peft_adapter
 from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
 from mtune.training.distributed import shard_model
 from mtune.training.memory import phases
@@ -48,10 +48,12 @@ class ModelSource:
     checkpoint_dir: Path | None
 
 
-def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = False) -> ModelSource:
+def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = False,
+                         adapter_key: str = "lora.adapter_dir") -> ModelSource:
     """Read ``model.checkpoint_dir`` (its ``config.json``) or ``model.family`` + ``model.size``. With
     ``verify_checksums``, a ``checkpoint_dir`` inside an mtune checkpoint (``final/model``) must match the checksums
-    saved with it (see :func:`mtune.training.checkpointing.manifest.check_before_loading`)."""
+    saved with it (see :func:`mtune.training.checkpointing.manifest.check_before_loading`). A ``checkpoint_dir``
+    that is a PEFT adapter directory is refused with a hint to set ``adapter_key`` to it instead."""
     checkpoint_dir = model_cfg.get("checkpoint_dir")
     size = model_cfg.get("size")
     if checkpoint_dir and size:
@@ -59,6 +61,7 @@ def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = 
     if checkpoint_dir:
         path = Path(checkpoint_dir)
         if not (path / "config.json").is_file():
+            refuse_adapter_dir(path, "model.checkpoint_dir", adapter_key)
             raise PathNotFoundError(
                 f"model.checkpoint_dir={checkpoint_dir}: no config.json there; download the model first "
                 f"(mtune download <repo> --output-dir {checkpoint_dir})"
@@ -125,12 +128,15 @@ def setup_model(
     step_context = phases.prepare_model(model, memory, placement)
     if not materialize:
         return model, step_context
-    materialize_model(model, source, device=device, dtype=dtype, memory=memory, trainable=trainable)
-    if memory.lora is not None and memory.lora.adapter_dir:  # continue from a saved adapter
+    adapter_dir = memory.lora.adapter_dir if memory.lora is not None else None  # continue from a saved adapter
+    if adapter_dir:
         if verify_checksums:
-            check_before_loading(memory.lora.adapter_dir)
-        load_peft_adapter(model, memory.lora.adapter_dir)
-        log.info("adapter: loaded %s", memory.lora.adapter_dir)
+            check_before_loading(adapter_dir)
+        check_adapter(adapter_dir, model)  # on the meta model: one that does not fit fails before the weights load
+    materialize_model(model, source, device=device, dtype=dtype, memory=memory, trainable=trainable)
+    if adapter_dir:
+        load_peft_adapter(model, adapter_dir)
+        log.info("adapter: loaded %s", adapter_dir)
     return model, step_context
 
 
