@@ -66,13 +66,19 @@ def setup_tokenizer(node: Mapping[str, Any] | None, source: Any) -> Tokenizer:
     for the model ``source`` (``model_setup.resolve_model_source``'s: ``family``, ``args``, ``checkpoint_dir``):
     ``path``, else the model's ``checkpoint_dir``, with the family's ``options`` (gpt-oss's ``reasoning_effort``...).
     Neither path (random weights, no ``tokenizer.path``): `load_tokenizer`'s one-line error naming
-    ``tokenizer.path``. A tokenizer with more ids than the model has embedding rows is refused in one line naming
-    both (its higher ids would otherwise end the first forward in an index error)."""
+    ``tokenizer.path``. A tokenizer of another family than the model's (``DecoderArgs.tokenizer_families``: a Llama 2
+    tokenizer for a Llama 3 model trains, on the wrong ids), or with more ids than the model has embedding rows, is
+    refused in one line naming both (higher ids would end the first forward in an index error)."""
     node = node or {}
     options = node.get("options") or {}
     options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else dict(options)
     path = node.get("path") or source.checkpoint_dir
     tokenizer = load_tokenizer(path, max_seq_len=node.get("max_seq_len"), **options)
+    readable = source.args.tokenizer_families
+    if readable and source.family != "tiny" and tokenizer.family not in readable:  # tiny: tests pair it with each
+        raise ConfigError(f"tokenizer.path={path}: a {tokenizer.family} tokenizer, but the model is {source.family}, "
+                          f"trained on {' or '.join(readable)} token ids; use the tokenizer the model was trained with "
+                          "(null: the one in model.checkpoint_dir)")
     rows = source.args.vocab_size
     if tokenizer.vocab_size > rows:
         model = (f"vocab_size in model.checkpoint_dir={source.checkpoint_dir}'s config.json" if source.checkpoint_dir

@@ -27,6 +27,7 @@ def layer_types(n_layers: int, pattern: int = 6) -> list[str]:
 @dataclass
 class Gemma3Args(DecoderArgs):
     family = "gemma3"
+    tokenizer_families = ("gemma3",)
     vocab_size: int = 262144
     n_heads: int = 8
     n_kv_heads: int = 4

@@ -44,6 +44,7 @@ def layer_types(n_layers: int, pattern: int = 6) -> list[str]:
 @dataclass
 class Gemma4Args(DecoderArgs):
     family = "gemma4"
+    tokenizer_families = ("gemma4",)
     decoder = PerLayerInputDecoder
     expert_checkpoint_layout: ClassVar[ExpertLayout] = ExpertLayout.GATE_UP_SIDE_BY_SIDE
     vocab_size: int = 262144

@@ -46,6 +46,7 @@ def _yarn(factor: float = 32.0, original: int = 4096) -> dict:
 @dataclass
 class GptOssArgs(DecoderArgs):
     family = "gpt_oss"
+    tokenizer_families = ("gpt_oss",)
     expert_checkpoint_layout: ClassVar[ExpertLayout] = ExpertLayout.WHOLE_TRANSPOSED
     vocab_size: int = 201088
     dim: int = 2880

@@ -8,6 +8,7 @@ from mtune.modules.transformer import DecoderArgs
 @dataclass
 class Llama2Args(DecoderArgs):
     family = "llama2"
+    tokenizer_families = ("llama2",)
     vocab_size: int = 32000
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0

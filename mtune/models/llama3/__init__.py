@@ -12,6 +12,7 @@ from mtune.modules.transformer import DecoderArgs
 @dataclass
 class Llama3Args(DecoderArgs):
     family = "llama3"
+    tokenizer_families = ("llama3",)
     vocab_size: int = 128256
     n_kv_heads: int = 8
     norm_eps: float = 1e-5

@@ -8,6 +8,7 @@ from mtune.modules.transformer import DecoderArgs
 @dataclass
 class MistralArgs(DecoderArgs):
     family = "mistral"
+    tokenizer_families = ("mistral",)
     vocab_size: int = 32000
     n_kv_heads: int = 8
     norm_eps: float = 1e-5

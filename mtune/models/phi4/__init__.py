@@ -24,6 +24,7 @@ from mtune.modules.transformer import DecoderArgs
 @dataclass
 class Phi4Args(DecoderArgs):
     family = "phi4"
+    tokenizer_families = ("phi4", "phi4_mini")
     vocab_size: int = 200064
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0

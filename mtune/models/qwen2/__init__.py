@@ -11,6 +11,7 @@ from mtune.modules.transformer import DecoderArgs
 @dataclass
 class Qwen2Args(DecoderArgs):
     family = "qwen2"
+    tokenizer_families = ("qwen2",)
     vocab_size: int = 151936
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0

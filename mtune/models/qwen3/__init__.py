@@ -14,6 +14,7 @@ from mtune.modules.transformer import DecoderArgs
 @dataclass
 class Qwen3Args(DecoderArgs):
     family = "qwen3"
+    tokenizer_families = ("qwen3",)
     vocab_size: int = 151936
     head_dim: int | None = 128
     norm_eps: float = 1e-6

@@ -36,6 +36,7 @@ def hybrid_layer_types(n_layers: int, full_attention_interval: int = 4) -> list[
 @dataclass
 class Qwen3_5Args(DecoderArgs):
     family = "qwen3_5"
+    tokenizer_families = ("qwen3_5",)
     vocab_size: int = 248320
     head_dim: int | None = 256
     norm_eps: float = 1e-6

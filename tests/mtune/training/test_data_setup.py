@@ -93,3 +93,20 @@ def test_a_data_error_names_the_node_it_came_from(tmp_path):
                             "batch_size": 1, "seed": 0, "gradient_accumulation_steps": 1, "epochs": 1})
     with pytest.raises(DataError, match=r"^dataset_val: source='.*nope\.jsonl': no such file or directory$"):
         setup_data(cfg, load_tokenizer(str(tmp_path / "tok")))
+
+
+def test_a_tokenizer_of_another_family_than_the_models_is_refused(tmp_path):
+    """A Llama 2 tokenizer on a Llama 3 model trained without a word, on the wrong ids (a loss of 9.6 against 2.5
+    in the audit's run); a Qwen2 one failed later as 'every sample fully masked'. Phi-4 reads both its tokenizers."""
+    from mtune.models import model_args
+
+    write_tokenizer_files(tmp_path / "llama2", "llama2")
+    write_tokenizer_files(tmp_path / "llama3", "llama3")
+    llama3 = ModelSource("llama3_1", model_args("llama3_1", "tiny", vocab_size=1024), None)
+    with pytest.raises(ConfigError) as refused:
+        setup_tokenizer({"path": str(tmp_path / "llama2")}, llama3)
+    assert str(refused.value) == (f"tokenizer.path={tmp_path / 'llama2'}: a llama2 tokenizer, but the model is "
+                                  "llama3_1, trained on llama3 token ids; use the tokenizer the model was trained "
+                                  "with (null: the one in model.checkpoint_dir)")
+    assert setup_tokenizer({"path": str(tmp_path / "llama3")}, llama3).family == "llama3"
+    assert setup_tokenizer({"path": str(tmp_path / "llama2")}, source()).family == "llama2"  # tiny: any
