@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from mtune._cli.errors import CliError, UsageError
-from mtune._cli.plan import check_writable, refuse_a_budget_within_the_margin, refuse_a_recipe_that_trains_nothing
+from mtune._cli.plan_options import (
+    check_writable, refuse_a_budget_within_the_margin, refuse_a_recipe_that_trains_nothing,
+)
 from mtune._cli.run import load_and_check
 
 __all__ = ["fit_at_launch", "FIT_CONFIG_NAME"]

@@ -32,9 +32,7 @@ class DecoderArgs:
     """Hyper-parameters of a decoder. Each family subclasses this with its own defaults."""
 
     family: ClassVar[str] = "decoder"
-    # the tokenizer families (mtune.tokenizers.loader.FAMILIES) whose ids this family's checkpoints were trained on;
-    # empty: any (a tokenizer of another family is refused by setup_tokenizer)
-    tokenizer_families: ClassVar[tuple[str, ...]] = ()
+    tokenizer_families: ClassVar[tuple[str, ...]] = ()  # tokenizers.loader.FAMILIES its checkpoints use; (): any
     decoder: ClassVar[type | None] = None  # the decoder's class: None is TransformerDecoder (Gemma 4's subclasses it)
     expert_checkpoint_layout: ClassVar[ExpertLayout] = ExpertLayout.PER_EXPERT  # how its checkpoints hold experts
 

@@ -8,27 +8,24 @@ them at random -> initialise adapters, or load the saved PEFT adapter of ``lora.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from mtune.config.errors import ConfigError
-from mtune.errors import PathNotFoundError
-from mtune.models import build_model_from_args, model_args
-from mtune.modules.transformer import DecoderArgs, TransformerDecoder
-from mtune.training.checkpointing.hf import load_hf_checkpoint, load_hf_config, refuse_adapter_dir
+from mtune.models import build_model_from_args
+from mtune.modules.transformer import TransformerDecoder
+from mtune.training.checkpointing.adapter_check import check_adapter
+from mtune.training.checkpointing.hf import load_hf_checkpoint
 from mtune.training.checkpointing.manifest import check_before_loading
-from mtune.training.checkpointing.peft import check_adapter, load_peft_adapter
+from mtune.training.checkpointing.peft import load_peft_adapter
 from mtune.training.checkpointing.sharded import load_hf_checkpoint_sharded
 from mtune.training.distributed import shard_model
 from mtune.training.memory import phases
 from mtune.training.memory.registry import LoraConfig, MemoryConfig
+from mtune.training.model_source import ModelSource, resolve_model_source
 from mtune.training.placement import Placement
 from mtune.training.shards import as_param_like, assign_tensors, full_shape, local_rows
 
@@ -36,61 +33,6 @@ __all__ = ["ModelSource", "resolve_model_source", "setup_model", "materialize_mo
            "build_sharded_model", "materialize_sharded_model", "init_weights_sharded"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a config's model comes from: a Hugging Face checkpoint directory, or a named size with random
-    weights (then ``checkpoint_dir`` is None)."""
-
-    family: str
-    args: DecoderArgs
-    checkpoint_dir: Path | None
-
-
-def resolve_model_source(model_cfg: Mapping[str, Any], verify_checksums: bool = False,
-                         adapter_key: str = "lora.adapter_dir") -> ModelSource:
-    """Read ``model.checkpoint_dir`` (its ``config.json``) or ``model.family`` + ``model.size``. With
-    ``verify_checksums``, a ``checkpoint_dir`` inside an mtune checkpoint (``final/model``) must match the checksums
-    saved with it (see :func:`mtune.training.checkpointing.manifest.check_before_loading`). A ``checkpoint_dir``
-    that is a PEFT adapter directory is refused with a hint to set ``adapter_key`` to it instead."""
-    checkpoint_dir = model_cfg.get("checkpoint_dir")
-    size = model_cfg.get("size")
-    if checkpoint_dir and size:
-        raise ConfigError("model: set either checkpoint_dir (load weights) or size (random weights), not both")
-    if checkpoint_dir:
-        path = Path(checkpoint_dir)
-        if not (path / "config.json").is_file():
-            refuse_adapter_dir(path, "model.checkpoint_dir", adapter_key)
-            raise PathNotFoundError(
-                f"model.checkpoint_dir={checkpoint_dir}: no config.json there; download the model first "
-                f"(mtune download <repo> --output-dir {checkpoint_dir})"
-            )
-        family, args = load_hf_config(path)
-        if verify_checksums:
-            check_before_loading(path)
-        return ModelSource(family, _router_aux_loss(args, model_cfg), path)
-    if size:
-        family = model_cfg.get("family")
-        if not family:
-            raise ConfigError("model.size needs model.family (e.g. model.family=llama3_2 model.size=1B)")
-        return ModelSource(family, _router_aux_loss(model_args(family, size), model_cfg), None)
-    raise ConfigError("model: set checkpoint_dir (a Hugging Face model directory) or family + size")
-
-
-def _router_aux_loss(args: DecoderArgs, model_cfg: Mapping[str, Any]) -> DecoderArgs:
-    """``args`` with ``model.router_aux_loss_coef`` applied (MoE families only), and a log line when the
-    load-balancing loss is on."""
-    coef = model_cfg.get("router_aux_loss_coef")
-    if coef is not None:
-        if not hasattr(args, "router_aux_loss_coef"):
-            raise ConfigError(f"model.router_aux_loss_coef={coef}: {args.family} has no router; remove the key "
-                              "(it applies to mixture-of-experts models)")
-        args = dataclasses.replace(args, router_aux_loss_coef=float(coef), output_router_logits=coef > 0)
-    if getattr(args, "output_router_logits", False):
-        log.info("router load-balancing loss on: %g x its value added to the training loss",
-                 args.router_aux_loss_coef)
-    return args
 
 
 def _with_lora(memory: MemoryConfig, lora: LoraConfig | Mapping[str, Any] | None) -> MemoryConfig:

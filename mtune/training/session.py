@@ -40,6 +40,7 @@ from mtune.training.observe.peak_flops import run_peak_flops
 from mtune.training.observe.profiler import build_profiler
 from mtune.training.oom_recovery import OomRecovery
 from mtune.training.run_length import RunLength
+from mtune.training.task_eval import run_task_eval
 from mtune.training.signals import GracefulStop, StopDuringEvaluation
 
 __all__ = ["TrainingSession"]
@@ -69,8 +70,7 @@ class TrainingSession:
         self.train_loader, self.val_loader, self.plan = train_loader, val_loader, plan
         self.checkpointer, self.activation_context, self.task_eval = checkpointer, activation_context, task_eval
         self.loss_scaler = run.loss_scaler()
-        self.step, self.epoch = 0, 0
-        self.stopped = False
+        self.step, self.epoch, self.stopped = 0, 0, False
         self.results: dict[str, Any] = {}
         self._stop = GracefulStop(rank=run.rank, world_size=run.world_size)
         self.length = RunLength.fresh(plan)  # how the steps map onto the LR schedule (another on a resume)
@@ -100,10 +100,8 @@ class TrainingSession:
             keep_last_n_checkpoints=cfg.keep_last_n_checkpoints,
             verify_checksums=cfg.get("verify_checksums", True), memory=MemoryConfig.from_config(cfg),
         )
-        if dist.is_initialized():
-            checkpointer = DistributedCheckpointer(rank=run.rank, world_size=run.world_size, **checkpointer_args)
-        else:
-            checkpointer = Checkpointer(**checkpointer_args)
+        checkpointer = (DistributedCheckpointer(rank=run.rank, world_size=run.world_size, **checkpointer_args)
+                        if dist.is_initialized() else Checkpointer(**checkpointer_args))
         path = checkpointer.find(cfg.resume_from_checkpoint) if cfg.get("resume_from_checkpoint") else None
         length = RunLength.fresh(plan) if path is None else RunLength.resumed(
             plan, read_checkpoint_state(path), path, cfg=cfg, batches_per_epoch=len(train_loader),
@@ -163,9 +161,8 @@ class TrainingSession:
     def batches(self) -> Iterator[list[dict]]:
         """Micro-batch groups, one per optimizer step, from where the run stands to its last step."""
         self._start()
-        if self._stop.requested_on_any_rank():  # during the evaluation before training: nothing trained to save
+        if self._stop.requested_on_any_rank():  # in the evaluation before training: nothing trained, nothing saved
             self.stopped = True
-            log.info("stopped by a signal before the first step: nothing to save")
             return
         accumulation = accumulation_steps(self.cfg)
         for epoch in range(self.epoch, self.plan.epochs):
@@ -225,11 +222,11 @@ class TrainingSession:
         self.monitor.step(step=self.step, epoch=self.epoch, result=result, lr=lr, flops=self._step_flops_now)
         every_eval = self.cfg.get("eval_every_n_steps")
         if self.val_loader is not None and every_eval and self.step % every_eval == 0:
-            try:
+            try:  # a stop signal drops it: the step is saved below, without its val_loss
                 with self._stop.interrupting("val_loss"):
                     self.monitor.log({"val_loss": self.val_loss()}, step=self.step)
-            except StopDuringEvaluation:  # the step is trained: it is saved below, without its val_loss
-                log.info("val_loss of step %d: stopped by a signal, not logged", self.step)
+            except StopDuringEvaluation:
+                self.monitor.write(f"val_loss of step {self.step}: stopped by a signal, not logged")
         stop = self._stop.requested_on_any_rank()
         every_save = self.cfg.get("save_every_n_steps")
         if stop or (every_save and self.step % every_save == 0):
@@ -297,16 +294,7 @@ class TrainingSession:
             self.results["plan_check"] = check
 
     def _run_task_eval(self, when: str) -> None:
-        what = f"task eval {when} training"
-        try:
-            with self._stop.interrupting(what), self.monitor.activity(what) as activity:  # droppable once shown
-                with oom_guard("task evaluation", self.cfg):
-                    scores = self.task_eval(self.model, self.tokenizer)
-        except StopDuringEvaluation:
-            self.monitor.write(f"{what}: stopped by a signal, no scores")
-            return
-        self.results[f"task_eval_{when}"] = scores
-        summary = scores.get("summary") or f"exact_match {scores['exact_match']:.1%}"
-        self.monitor.write(f"{what}: {summary} on {scores['num_samples']} samples ({activity.seconds:.1f} s)")
-        for example in scores.get("examples", [])[:2]:
-            self.monitor.write(f"  {example['prompt']!r} -> {example['answer']!r} (expected {example['reference']!r})")
+        scores = run_task_eval(self.task_eval, self.model, self.tokenizer, when=when, monitor=self.monitor,
+                               cfg=self.cfg, stop=self._stop)
+        if scores is not None:
+            self.results[f"task_eval_{when}"] = scores

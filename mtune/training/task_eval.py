@@ -20,8 +20,10 @@ from mtune.data.common import DataError
 from mtune.data.sources import load_source
 from mtune.modules.generation import generate
 from mtune.tokenizers.base import Message
+from mtune.training.memory.oom import oom_guard
+from mtune.training.signals import GracefulStop, StopDuringEvaluation
 
-__all__ = ["ExactMatchEval"]
+__all__ = ["ExactMatchEval", "run_task_eval"]
 
 
 class ExactMatchEval:
@@ -73,3 +75,22 @@ class ExactMatchEval:
             model.train(was_training)
         n = len(self.rows)
         return {"exact_match": correct / max(n, 1), "num_samples": n, "examples": examples}
+
+
+def run_task_eval(task_eval, model: nn.Module, tokenizer, *, when: str, monitor, cfg, stop: GracefulStop) -> dict | None:
+    """``task_eval(model, tokenizer)`` ``when`` (``before`` or ``after``) training, with its progress and result
+    lines on ``monitor`` (the session's) and two of its examples; its scores, or None when a stop signal dropped it
+    (:meth:`GracefulStop.interrupting`)."""
+    what = f"task eval {when} training"
+    try:
+        with stop.interrupting(what), monitor.activity(what) as activity:  # droppable once shown
+            with oom_guard("task evaluation", cfg):
+                scores = task_eval(model, tokenizer)
+    except StopDuringEvaluation:
+        monitor.write(f"{what}: stopped by a signal, no scores")
+        return None
+    summary = scores.get("summary") or f"exact_match {scores['exact_match']:.1%}"
+    monitor.write(f"{what}: {summary} on {scores['num_samples']} samples ({activity.seconds:.1f} s)")
+    for example in scores.get("examples", [])[:2]:
+        monitor.write(f"  {example['prompt']!r} -> {example['answer']!r} (expected {example['reference']!r})")
+    return scores

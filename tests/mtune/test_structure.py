@@ -128,7 +128,7 @@ LAYERS = [
      "mtune.training.placement", "mtune.training.precision", "mtune.training.shards"],
     ["mtune.training.loop", "mtune.training.checkpointing", "mtune.training.task_eval", "mtune.training.optimizers",
      "mtune.training.run_length", "mtune.training.reference_cache"],
-    ["mtune.training.observe", "mtune.training.context", "mtune.training.model_setup"],
+    ["mtune.training.observe", "mtune.training.context", "mtune.training.model_source", "mtune.training.model_setup"],
     ["mtune.training.planning", "mtune.training.measured_memory", "mtune.training.reference",
      "mtune.training.oom_recovery"],
     ["mtune.training.session"],

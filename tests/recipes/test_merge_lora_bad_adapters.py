@@ -5,7 +5,6 @@ an adapter given as the base model, with one line naming the file, and writes no
 import pytest
 from omegaconf import OmegaConf
 
-from mtune.training.checkpointing.hf import CheckpointError
 from mtune.training.checkpointing.peft import AdapterError, save_peft_adapter
 from recipes import merge_lora
 from tests._helpers.lora import trained_lora_model
@@ -60,7 +59,7 @@ def test_an_adapter_whose_config_does_not_describe_its_weights_is_not_merged(cas
 
 def test_an_adapter_given_as_the_base_model_says_where_it_belongs(adapters, tmp_path):
     adapter = adapters[0] / "good"
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(AdapterError) as err:
         merge(tmp_path, adapter, base_model_dir=str(adapter))
     assert str(err.value) == f"base_model_dir={adapter} is a PEFT adapter directory (adapter_config.json), not a model"
     assert err.value.hint == (f"set adapter_dir={adapter} and base_model_dir to the adapter's base model "

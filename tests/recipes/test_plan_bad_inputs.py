@@ -7,7 +7,7 @@ process, on the tiny configs (through the real entry point, `mtune._cli.main.mai
 import pytest
 
 from mtune._cli.main import main
-from mtune._cli.plan import parse_plan_args
+from mtune._cli.plan_options import parse_plan_args
 from mtune._cli.errors import UsageError
 
 FS = ["full_single_device", "--config", "tiny/full_single_device"]

@@ -8,7 +8,9 @@ from mtune.modules.transformer import DecoderArgs
 @dataclass
 class Llama2Args(DecoderArgs):
     family = "llama2"
-    tokenizer_families = ("llama2",)
+    # mtune calls a Llama config without Llama 3's 128k vocabulary or rope scaling llama2 (hf_config): such small
+    # Llama-architecture models are trained with either tokenizer
+    tokenizer_families = ("llama2", "llama3")
     vocab_size: int = 32000
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0

@@ -24,6 +24,7 @@ from mtune.modules.expert_layout import (
 )
 from mtune.modules.transformer import DecoderArgs, TransformerDecoder
 from mtune.training.checkpointing._shard_writer import ShardWriter
+from mtune.training.checkpointing.adapter_check import refuse_adapter_dir
 from mtune.training.checkpointing.placing import expected_tensors, held_names, held_shape, place, read_mxfp4
 from mtune.units import parse_bytes
 
@@ -63,22 +64,6 @@ def _short_list(keys) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ config
-def refuse_adapter_dir(checkpoint_dir: str | os.PathLike, key: str, adapter_key: str = "adapter_dir") -> None:
-    """Raise when ``checkpoint_dir``, the value of the config key ``key`` that wants a model, holds a PEFT adapter
-    (``adapter_config.json``) instead, saying where it belongs (``adapter_key``); otherwise do nothing. Without it a
-    user who swapped the two would be told the model is not downloaded."""
-    config = Path(checkpoint_dir) / "adapter_config.json"
-    if not config.is_file():
-        return
-    try:
-        base = json.loads(config.read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        base = None  # only for the hint
-    raise CheckpointError(f"{key}={checkpoint_dir} is a PEFT adapter directory ({config.name}), not a model",
-                          f"set {adapter_key}={checkpoint_dir} and {key} to the adapter's base model"
-                          + (f" ({config.name} names {base})" if base else ""))
-
-
 def read_hf_config(checkpoint_dir: str | os.PathLike) -> dict:
     """The raw ``config.json`` dict of a Hugging Face model directory."""
     path = Path(checkpoint_dir) / CONFIG_NAME

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mtune.training.checkpointing.hf import CheckpointError, read_hf_config
+from mtune.training.checkpointing.hf import read_hf_config
 from mtune.training.checkpointing.peft import (
     AdapterError, load_peft_adapter, lora_node_from_adapter, read_adapter, save_peft_adapter,
 )
@@ -153,11 +153,11 @@ def test_an_rslora_adapter_is_refused_for_loading_and_merged_with_its_scaling(ma
 
 def test_a_model_directory_that_is_an_adapter_says_so(made):
     adapter = made[0] / "good"
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(AdapterError) as err:
         read_hf_config(adapter)
     assert str(err.value) == f"checkpoint_dir={adapter} is a PEFT adapter directory (adapter_config.json), not a model"
     assert err.value.hint == (f"set adapter_dir={adapter} and checkpoint_dir to the adapter's base model "
                               f"(adapter_config.json names {made[1]})")
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(AdapterError) as err:
         resolve_model_source({"checkpoint_dir": str(adapter)})
     assert err.value.hint.startswith(f"set lora.adapter_dir={adapter} and model.checkpoint_dir to the adapter's base")
