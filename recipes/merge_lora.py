@@ -21,10 +21,9 @@ from mtune.config.errors import ConfigError
 from mtune.config.keys import MERGE_KEYS
 from mtune.config.rules import MERGE_RULES
 from mtune.errors import OutputExistsError, PathNotFoundError
+from mtune.training.checkpointing.adapter_check import check_adapter, refuse_adapter_dir
 from mtune.training.checkpointing.atomic import atomic_directory
-from mtune.training.checkpointing.hf import refuse_adapter_dir
 from mtune.training.checkpointing.merge import save_merged_model
-from mtune.training.checkpointing.peft import check_adapter
 from mtune.training.context import configure_logging
 from mtune.training.precision import DTYPES
 
