@@ -54,6 +54,9 @@ def main(cfg: DictConfig) -> str:
     if messages is not None:
         messages = OmegaConf.to_container(messages, resolve=True) if OmegaConf.is_config(messages) else messages
     prompt = prompt_tokens(tokenizer, cfg.prompt, messages)
+    if len(prompt) + cfg.max_new_tokens > source.args.max_seq_len:  # generates, but past what the model learned
+        log.warning("%d prompt + %d new tokens run past the %d positions %s was trained on: expect the text to degrade",
+                    len(prompt), cfg.max_new_tokens, source.args.max_seq_len, source.family)
 
     generator = None
     temperature = float(cfg.temperature)

@@ -29,8 +29,16 @@ def chat_messages(messages: Iterable) -> list[Message]:
 
 
 def prompt_tokens(tokenizer: Tokenizer, prompt: str | None, messages: Iterable | None) -> list[int]:
-    """Token ids of a plain-text prompt (BOS where the family has one, no EOS) or of a chat awaiting its reply."""
+    """Token ids of a plain-text prompt (BOS where the family has one, no EOS) or of a chat awaiting its reply.
+    A prompt longer than the tokenizer's ``max_seq_len`` is refused: cut, it would be another prompt (a chat cut
+    inside its last header is answered as garbage)."""
+    whole = 1 << 62  # no cut: the prompt as written
     if messages is not None:
-        chat = chat_messages(messages)
-        return tokenizer.tokenize_messages(chat, add_generation_prompt=True).tokens
-    return tokenizer.encode(prompt, add_bos=True, add_eos=False)
+        ids = tokenizer.tokenize_messages(chat_messages(messages), max_seq_len=whole, add_generation_prompt=True).tokens
+    else:
+        ids = tokenizer.encode_with_truncation(prompt, add_bos=True, add_eos=False, max_seq_len=whole).tokens
+    limit = tokenizer.max_seq_len
+    if limit is not None and len(ids) > limit:
+        raise ConfigError(f"the prompt is {len(ids)} tokens, more than tokenizer.max_seq_len={limit}: raise "
+                          "tokenizer.max_seq_len (null: no limit) or shorten the prompt")
+    return ids

@@ -127,3 +127,36 @@ def test_qwen3_5_chat_text_equals_transformers(tmp_path, capsys):
     text = run(capsys, model={"checkpoint_dir": str(path)}, tokenizer={"path": str(path)}, messages=MESSAGES)
     assert text == hf_text(path, messages=MESSAGES)
     assert len(set(text.split())) > 3
+
+
+def test_a_prompt_longer_than_max_seq_len_is_refused_and_one_past_the_models_context_warned(model_dir, capsys):
+    """A chat cut to tokenizer.max_seq_len=8 was cut inside its header and answered as garbage, exit 0; a prompt
+    past the positions the model was trained on ran without a word."""
+    from mtune.config.errors import ConfigError
+    from mtune.tokenizers import load_tokenizer
+
+    path, _ = model_dir
+    keys = {"model": {"checkpoint_dir": str(path)}, "tokenizer": {"path": str(path), "max_seq_len": 8}}
+    whole = len(load_tokenizer(path).tokenize_messages([_msg(m) for m in MESSAGES], add_generation_prompt=True).tokens)
+    with pytest.raises(ConfigError, match=rf"^the prompt is {whole} tokens, more than tokenizer.max_seq_len=8: raise "):
+        run(capsys, messages=MESSAGES, **keys)
+    with pytest.raises(ConfigError, match=r"^the prompt is \d+ tokens, more than tokenizer.max_seq_len=8"):
+        run(capsys, prompt=PROMPT + " and more words than eight tokens hold", **keys)
+    context = generate_recipe.resolve_model_source({"checkpoint_dir": str(path)}).args.max_seq_len
+    keys["tokenizer"]["max_seq_len"] = None
+    import logging
+
+    seen, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("mtune").addHandler(handler)  # mtune's logger does not propagate to pytest's
+    try:
+        run(capsys, prompt=PROMPT, **{**keys, "max_new_tokens": context})
+    finally:
+        logging.getLogger("mtune").removeHandler(handler)
+    assert any(f"new tokens run past the {context} positions llama3 was trained on" in m for m in seen), seen
+
+
+def _msg(turn):
+    from mtune.tokenizers.base import Message
+
+    return Message(role=turn["role"], content=turn["content"])
