@@ -2,12 +2,13 @@
 build, torch's note on torchao's Enum registrations, and bitsandbytes' optional CPU 4-bit kernel package (`mtune
 plan --fit` printed the last first thing) say nothing a user can act on."""
 
+import importlib
 import logging
 
 
 def _shown(logger: str, message: str) -> bool:
     """Whether a warning ``message`` logged to ``logger`` gets past mtune's filters."""
-    import mtune  # noqa: F401  (installs the filters)
+    importlib.import_module("mtune")  # installs the filters
 
     record = logging.LogRecord(logger, logging.WARNING, __file__, 1, message, None, None)
     return logging.getLogger(logger).filter(record)

@@ -9,7 +9,7 @@ from mtune.training.checkpointing.peft import AdapterError, save_peft_adapter
 from recipes import merge_lora
 from tests._helpers.lora import trained_lora_model
 from tests._helpers.models import write_tiny_hf_model
-from tests.mtune.training.checkpointing.test_adapter_check import variant, without
+from tests.mtune.training.checkpointing.test_adapter_check import CONFIG_VS_WEIGHTS, variant
 
 QV = ["q_proj", "v_proj"]
 
@@ -33,17 +33,7 @@ def merge(tmp_path, adapter, **keys):
     return merge_lora.main(cfg)
 
 
-CASES = {
-    "rank": ("rank16", {"r": 8}, None,
-             "adapter_config.json says r=8 but lora_A of layers.0.self_attn.q_proj has 16 rows"),
-    "one_module": ("good", None, without("v_proj"),
-                   "adapter_config.json lists v_proj in target_modules but this file has no v_proj adapter"),
-    "seven_modules": ("seven", {"target_modules": QV}, None,
-                      "adapter_config.json's target_modules ['q_proj', 'v_proj'] do not name layers.0.mlp.down_proj, "
-                      "but this file has an adapter for it"),
-    "absent_module": ("good", {"target_modules": [*QV, "foo_proj"]}, None,
-                      "adapter_config.json lists foo_proj in target_modules but this file has no foo_proj adapter"),
-}
+CASES = {name: CONFIG_VS_WEIGHTS[name] for name in ("rank", "one_module", "seven_modules", "absent_module")}
 
 
 @pytest.mark.parametrize("case", CASES)
