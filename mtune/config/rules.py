@@ -210,13 +210,18 @@ MERGE_RULES = (check_merge_base,)
 
 
 def check_generate_input(cfg: Any) -> list[str]:
-    """Exactly one of prompt / messages; messages are {role, content} mappings."""
+    """Exactly one of prompt / messages; messages are {role, content} mappings; top_k / top_p only with sampling
+    (temperature > 0)."""
     prompt, messages = cfg.get("prompt"), cfg.get("messages")
     if (prompt is None) == (messages is None):
         return ["set exactly one of prompt (plain text) or messages (a list of {role, content})"]
     for i, message in enumerate(messages or []):
         if not hasattr(message, "keys") or set(message.keys()) != {"role", "content"}:
             return [f"messages.{i}: each message is a mapping with exactly the keys role and content"]
+    filters = [f"{key}={cfg.get(key)}" for key in ("top_k", "top_p") if cfg.get(key) is not None]
+    if filters and not (cfg.get("temperature") or 0) > 0:  # greedy decoding takes the top token: they would not act
+        return [f"{' and '.join(filters)} filter sampling, but temperature={cfg.get('temperature')} decodes greedily: "
+                "set temperature > 0 (e.g. 0.8) to sample, or drop them"]
     return []
 
 

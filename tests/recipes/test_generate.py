@@ -96,6 +96,11 @@ def test_text_streams_and_sampling_is_seeded(model_dir, capsys):
     generate_recipe.SCHEMA.fill_defaults(both)
     assert generate_recipe.SCHEMA.check(both) == ["set exactly one of prompt (plain text) or messages (a list of "
                                                   "{role, content})"]
+    greedy = OmegaConf.create({**keys, "temperature": 0.0})  # the filters would not act: refused, not ignored
+    generate_recipe.SCHEMA.fill_defaults(greedy)
+    assert generate_recipe.SCHEMA.check(greedy) == ["top_k=50 and top_p=0.9 filter sampling, but temperature=0.0 "
+                                                    "decodes greedily: set temperature > 0 (e.g. 0.8) to sample, or "
+                                                    "drop them"]
     first, again = run(capsys, seed=1, **keys), run(capsys, seed=1, **keys)
     assert first == again and first != run(capsys, seed=2, **keys)
 
