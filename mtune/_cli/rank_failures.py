@@ -98,9 +98,9 @@ def summary(report_dir: Path, *, output_dir: str | None, command: list[str]) -> 
     errors = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in report_dir.glob("rank_*.json")}
     first = _first(failures, errors)
     others = len({f["rank"] for f in failures}) - 1
-    line = f"error: rank {first['rank']} (pid {first['pid']}) {_how(first, errors.get(first['rank']))}"
-    line += "; the other ranks were stopped" + (f" ({others} of them failed after it)" if others else "")
     error = errors.get(first["rank"])
+    line = f"error: rank {first['rank']} (pid {first['pid']}) {_how(first, error)}"
+    line += "; the other ranks were stopped" + (f" ({others} of them failed after it)" if others else "")
     if error is not None and error.get("user_error"):  # the same command would meet it again: the error's own advice
         return [line] + ([f"hint: {error['hint']}"] if error.get("hint") else [])
     resume = [arg for arg in command if not arg.startswith("resume_from_checkpoint=")] + ["resume_from_checkpoint=true"]

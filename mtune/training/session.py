@@ -40,8 +40,8 @@ from mtune.training.observe.peak_flops import run_peak_flops
 from mtune.training.observe.profiler import build_profiler
 from mtune.training.oom_recovery import OomRecovery
 from mtune.training.run_length import RunLength
-from mtune.training.task_eval import run_task_eval
 from mtune.training.signals import GracefulStop, StopDuringEvaluation
+from mtune.training.task_eval import run_task_eval
 
 __all__ = ["TrainingSession"]
 

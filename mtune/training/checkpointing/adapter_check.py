@@ -230,7 +230,7 @@ def refuse_adapter_dir(checkpoint_dir: str | os.PathLike, key: str, adapter_key:
     """Raise when ``checkpoint_dir``, the value of the config key ``key`` that wants a model, holds a PEFT adapter
     (``adapter_config.json``) instead, saying where it belongs (``adapter_key``); otherwise do nothing. Without it a
     user who swapped the two would be told the model is not downloaded."""
-    config = Path(checkpoint_dir) / "adapter_config.json"
+    config = Path(checkpoint_dir) / ADAPTER_CONFIG_NAME
     if not config.is_file():
         return
     try:

@@ -31,7 +31,7 @@ from mtune.modules.lora import is_adapter_param
 from mtune.modules.lora_experts_peft import adapted_experts, expert_peft_tensors
 from mtune.modules.lora_state import peft_key
 from mtune.training.checkpointing.hf import save_hf_checkpoint
-from mtune.training.checkpointing.manifest import DamagedCheckpointError
+from mtune.training.checkpointing.manifest import UNREADABLE_HINT, DamagedCheckpointError
 from mtune.training.optimizers import inner_optimizers
 from mtune.training.shards import full_shape
 
@@ -102,8 +102,7 @@ def load_distributed_state(
     except CheckpointException as err:  # every rank raises it, carrying each failed rank's exception
         raise DamagedCheckpointError(
             f"{path} is unreadable: {_first_failure(err)}",
-            "resume from an earlier checkpoint (resume_from_checkpoint=<its directory>), or start again in another "
-            "output_dir") from None
+            UNREADABLE_HINT) from None
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}),
                    options=options)
 

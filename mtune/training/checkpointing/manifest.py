@@ -33,14 +33,20 @@ from typing import Any
 
 from mtune.errors import MtuneError
 
-__all__ = ["CHECKSUMS_DIRNAME", "DamagedCheckpointError", "Manifest", "recording", "open_for_write", "renamed", "write_safetensors",
-           "verify_checkpoint", "has_checksums", "checkpoint_root"]
+__all__ = ["CHECKSUMS_DIRNAME", "DamagedCheckpointError", "UNREADABLE_HINT", "Manifest", "recording", "open_for_write",
+           "renamed", "write_safetensors", "verify_checkpoint", "has_checksums", "checkpoint_root"]
 
 log = logging.getLogger(__name__)
 
 
 class DamagedCheckpointError(MtuneError, ValueError):
-    """A checkpoint's files no longer match the checksums saved with them; the message names the file."""
+    """A checkpoint's files no longer match the checksums saved with them, or cannot be read at all; the message
+    names the file."""
+
+
+UNREADABLE_HINT = ("resume from an earlier checkpoint (resume_from_checkpoint=<its directory>), or start again in "
+                   "another output_dir")
+"""The hint of a checkpoint file that cannot be read at all (recipe_state.pt, distributed shards)."""
 
 
 CHECKSUMS_DIRNAME = "checksums"
@@ -211,8 +217,8 @@ def verify_checkpoint(checkpoint: str | os.PathLike, under: str | os.PathLike | 
     root = Path(checkpoint)
     scope = None if under is None else Path(os.path.abspath(under))
     problems = []
-    listed = _listed_checksums(root)
-    if listed and not has_checksums(root):  # they were written, and are gone: not a checkpoint of an older mtune
+    listed = [] if has_checksums(root) else _listed_checksums(root)
+    if listed:  # they were written, and are gone: not a checkpoint of an older mtune
         problems.append(f"{root / listed[0]}: missing (mtune_state.json lists it; the checkpoint's files cannot be "
                         "verified without it)")
     for manifest in sorted((root / CHECKSUMS_DIRNAME).glob("rank_*.json")):

@@ -19,7 +19,7 @@ import torch
 
 from mtune.errors import MtuneError, PathNotFoundError
 from mtune.training.memory import registry
-from mtune.training.checkpointing.manifest import DamagedCheckpointError, open_for_write
+from mtune.training.checkpointing.manifest import UNREADABLE_HINT, DamagedCheckpointError, open_for_write
 from mtune.training.rng import get_rng_state, set_rng_state
 
 __all__ = [
@@ -157,8 +157,7 @@ def load_recipe_state(checkpoint_dir: str | os.PathLike, *, optimizer: _Stateful
         raise DamagedCheckpointError(
             f"{path} is unreadable: not a whole torch.save file, truncated or overwritten ({type(err).__name__}: "
             f"{(str(err).splitlines() or [''])[0]})",
-            "resume from an earlier checkpoint (resume_from_checkpoint=<its directory>), or start again in another "
-            "output_dir") from err
+            UNREADABLE_HINT) from err
     for name, target in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler), ("grad_scaler", grad_scaler),
                          ("dataloader", dataloader)):
         if target is None:
