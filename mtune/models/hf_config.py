@@ -107,6 +107,10 @@ def model_args_from_hf_config(config: dict) -> tuple[str, DecoderArgs]:
     if model_type not in _HF_ARCHITECTURE:
         found = model_type or config.get("architectures")
         raise ValueError(f"unsupported model_type {found!r}; mtune loads {', '.join(_HF_ARCHITECTURE)} checkpoints")
+    quantization = (config.get("quantization_config") or {}).get("quant_method")
+    if quantization is not None and model_type != "gpt_oss":  # gpt-oss: its MXFP4 experts, checked by gpt_oss_args
+        raise ValueError(f"quantization_config {quantization!r} is not supported: its weights are stored quantized, "
+                         "and mtune reads full-precision (bf16, fp16, fp32) checkpoints; use the unquantized model")
     if model_type in ("gemma3", "gemma3_text"):
         return "gemma3", gemma3_args(config)
     if model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):

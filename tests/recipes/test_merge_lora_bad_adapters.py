@@ -54,3 +54,27 @@ def test_an_adapter_given_as_the_base_model_says_where_it_belongs(adapters, tmp_
     assert str(err.value) == f"base_model_dir={adapter} is a PEFT adapter directory (adapter_config.json), not a model"
     assert err.value.hint == (f"set adapter_dir={adapter} and base_model_dir to the adapter's base model "
                               f"(adapter_config.json names {adapters[1]})")
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config 'fp8' is not supported"),
+    ({"model_type": "gpt2"}, "unsupported model_type 'gpt2'"),
+])
+def test_a_base_model_mtune_cannot_read_is_refused_in_one_line(change, problem, adapters, tmp_path):
+    """A base whose config.json mtune does not read is refused naming that file, and nothing is written. Before: an
+    fp8-quantized base (weights stored as float8 with scales beside them) merged silently, its codes read as weights
+    and the config's quantization_config dropped; an unsupported model_type raised a bare ValueError (traceback)."""
+    import json
+    import shutil
+
+    from mtune.training.checkpointing.hf import CheckpointError
+
+    base = tmp_path / "base"
+    shutil.copytree(adapters[1], base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError) as err:
+        merge(tmp_path, adapters[0] / "good", base_model_dir=str(base))
+    assert str(err.value).startswith(f"{base / 'config.json'}: {problem}"), str(err.value)
+    assert not (tmp_path / "out").exists()

@@ -31,9 +31,8 @@ from mtune.modules.lora import merge_adapter
 from mtune.modules.expert_layout import (
     MXFP4_BLOCKS, ExpertLayout, expert_layout, mxfp4_part, side_by_side_key, stacked_key, whole_key,
 )
-from mtune.models.hf_config import model_args_from_hf_config
 from mtune.training.checkpointing.hf import (
-    CheckpointError, checkpoint_keys, open_safetensors, read_hf_config, save_hf_checkpoint,
+    CheckpointError, checkpoint_keys, load_hf_config, open_safetensors, save_hf_checkpoint,
 )
 from mtune.training.checkpointing.peft import Adapter, adapter_from_model, read_adapter
 from mtune.training.checkpointing.placing import read_mxfp4
@@ -73,7 +72,7 @@ def merged_hf_weights(
     """
     # experts a checkpoint holds whole: gpt-oss's transposed, Gemma 4's gate and up side by side (both name their down
     # projection ``experts.down_proj``: the family's layout says which it is)
-    layout = expert_layout(model_args_from_hf_config(read_hf_config(base_dir))[1])
+    layout = expert_layout(load_hf_config(base_dir)[1])
     layers = {_weight_key(name): layer for name, layer in _as_adapter(adapter, layout).layers.items()}
     listed = checkpoint_keys(base_dir)
     held = {k for keys in listed.values() for k in keys}
