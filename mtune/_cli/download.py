@@ -57,6 +57,8 @@ def download(repo_id, output_dir: Path, revision=None, allow_patterns=None, igno
     )
 
     try:
+        if output_dir.is_dir() and any(output_dir.iterdir()):
+            _check_reachable(repo_id, revision, token, output_dir)
         snapshot_download(
             repo_id,
             revision=revision,
@@ -117,6 +119,24 @@ def download(repo_id, output_dir: Path, revision=None, allow_patterns=None, igno
         for p in output_dir.rglob("*")
         if p.is_file() and ".cache" not in p.relative_to(output_dir).parts
     )
+
+
+def _check_reachable(repo_id, revision, token, output_dir: Path) -> None:
+    """Ask the hub for ``repo_id`` before downloading into a directory that already holds files: when the hub cannot
+    be reached, snapshot_download returns such a directory as it is, with a warning only, and the command would
+    report its old files as downloaded. The hub's own errors (missing, gated, bad revision) go to the caller."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi().model_info(repo_id, revision=revision or constants.DEFAULT_REVISION, token=token)
+    except HfHubHTTPError:
+        raise
+    except Exception as err:
+        if not (isinstance(err, OSError) or _is_transport_error(err)):
+            raise
+        raise CliError(f"cannot reach the hub at {constants.ENDPOINT} to download {repo_id}: {_first_line(err)} "
+                       f"(the files already in {output_dir} were left as they are)", _NETWORK_HINT) from err
 
 
 def _first_line(err: BaseException) -> str:

@@ -94,6 +94,26 @@ def test_refused_connection_names_the_endpoint_and_the_repo(download, tmp_path):
     assert "hint: check the network connection" in out.stderr
 
 
+def test_an_output_dir_holding_files_is_not_reported_downloaded_when_the_hub_is_unreachable(download, tmp_path):
+    """huggingface_hub returns a non-empty local_dir as it is when the hub cannot be reached (a warning only). Before,
+    the command then printed `downloaded ... (1 files)` and exited 0 with nothing downloaded."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("from before")
+    out = download("--output-dir", tmp_path / "out", endpoint="http://127.0.0.1:9")
+    line = one_error(out)
+    assert line.startswith(f"error: cannot reach the hub at http://127.0.0.1:9 to download {REPO_ID}"), line
+    assert (tmp_path / "out" / "old.txt").read_text() == "from before"
+
+
+def test_a_download_into_a_directory_holding_files_completes_it(download, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("from before")
+    out = download("--output-dir", tmp_path / "out")
+    assert out.returncode == 0, out.stderr
+    for name, data in FILES.items():
+        assert (tmp_path / "out" / name).read_bytes() == data
+
+
 def test_transfer_cut_short_is_one_line(download, hub, tmp_path):
     hub.mode = "truncated"  # after its retries huggingface_hub lets its HTTP client's transport error through
     line = one_error(download("--output-dir", tmp_path / "out", no_pauses=True))
