@@ -50,8 +50,11 @@ def cp_command(argv: list[str]) -> int:
         dest = dest / source.name
     if dest.exists() and not args.force:
         raise CliError(f"{dest} already exists", "pass --force to overwrite it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+    except OSError as err:  # a file where a directory should be, a directory at DEST, no permission
+        raise CliError(f"cannot write {dest}: {err.strerror or err}", "choose another DEST") from None
     print(f"copied {source} to {dest}")
     return 0
 

@@ -57,6 +57,18 @@ def test_cp_copies_and_refuses_to_overwrite(mtune, recipes_root, tmp_path):
     assert out.returncode == 1 and "did you mean 'test/echo'" in out.stderr
 
 
+def test_cp_to_a_place_it_cannot_write_is_one_line(mtune, tmp_path):
+    """DEST under a file, or a directory where the copy would go (with --force): one line naming DEST, exit 1.
+    Before: mkdir's FileExistsError / copyfile's IsADirectoryError as a traceback."""
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "d" / "echo.yaml").mkdir(parents=True)
+    for args in (("test/echo", tmp_path / "a_file" / "mine.yaml"), ("--force", "test/echo", tmp_path / "d")):
+        out = mtune("cp", *args)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"error: cannot write {tmp_path}/"), out.stderr
+        assert "hint: choose another DEST" in out.stderr
+
+
 def test_validate_good_config_with_path_warning(mtune, tmp_path):
     out = mtune("validate", "test/echo", "component=argparse.Namespace", f"component.data_files=[{tmp_path}/a.json]")
     assert out.returncode == 0, out.stdout + out.stderr
