@@ -41,7 +41,7 @@ from mtune.training.observe.profiler import build_profiler
 from mtune.training.oom_recovery import OomRecovery
 from mtune.training.run_length import RunLength
 from mtune.training.signals import GracefulStop, StopDuringEvaluation
-from mtune.training.task_eval import run_task_eval
+from mtune.training.task_eval import results_before, run_task_eval
 
 __all__ = ["TrainingSession"]
 
@@ -125,7 +125,7 @@ class TrainingSession:
                                          dataloader=self.train_loader)
         RunLength.place(self.train_loader, self.plan, state.step)
         self.step, self.epoch = state.step, self.train_loader.epoch
-        self._resumed_from = (path, state.step)
+        self._resumed_from, self.results = (path, state.step), results_before(path)  # its scores before training
 
     def _setup_utilization(self):
         """FLOPs per step (``mfu``, ``hfu``) and the device's peak (:func:`run_peak_flops`), or None when unknown."""

@@ -11,6 +11,8 @@ fine-tuning changed the task score, e.g.::
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import torch
@@ -23,7 +25,9 @@ from mtune.tokenizers.base import Message
 from mtune.training.memory.oom import oom_guard
 from mtune.training.signals import GracefulStop, StopDuringEvaluation
 
-__all__ = ["ExactMatchEval", "run_task_eval"]
+__all__ = ["ExactMatchEval", "run_task_eval", "results_before"]
+
+log = logging.getLogger(__name__)
 
 
 class ExactMatchEval:
@@ -94,3 +98,17 @@ def run_task_eval(task_eval, model: nn.Module, tokenizer, *, when: str, monitor,
     for example in scores.get("examples", [])[:2]:
         monitor.write(f"  {example['prompt']!r} -> {example['answer']!r} (expected {example['reference']!r})")
     return scores
+
+
+def results_before(checkpoint) -> dict:
+    """``{"task_eval_before": scores}`` from the ``results.json`` of the run that wrote ``checkpoint`` (beside it), for
+    a resumed run, which does not evaluate before training again and would otherwise write its results without
+    them; empty when that run wrote none (it was killed before its end)."""
+    path = Path(checkpoint).parent / "results.json"
+    try:
+        before = json.loads(path.read_text()).get("task_eval_before") if path.is_file() else None
+    except (OSError, ValueError, AttributeError) as err:
+        log.warning("%s: unreadable (%s): this run's results.json will not hold the task eval before training",
+                    path, err)
+        before = None
+    return {} if before is None else {"task_eval_before": before}

@@ -3,6 +3,7 @@ at the first and tenth step (<= 1e-6 relative), metrics.jsonl carries the reward
 is in results.json, resume is exact, and the precomputed cache is reused, repaired and refused as documented."""
 
 import json
+import shutil
 
 import pytest
 
@@ -98,6 +99,21 @@ def test_resume_is_exact(tmp_path, pairs, runs):
         tmp_path / "resumed", pairs, f"resume_from_checkpoint={runs['adapters_off'] / 'step_5'}"), config=CONFIG)
     assert [r["step"] for r in read_metrics(resumed) if "loss" in r] == list(range(6, 11))
     assert losses(resumed) == losses(runs["adapters_off"])[5:]  # bit for bit
+
+
+def test_a_resumed_run_keeps_the_held_out_scores_before_training(tmp_path, pairs):
+    """A resume does not evaluate before training again; its results.json carries the scores the interrupted run
+    measured. Before, the resumed run rewrote results.json without ``task_eval_before``."""
+    out = run_recipe_in_process("lora_dpo_single_device", _overrides(
+        tmp_path / "run", pairs, "max_steps_per_epoch=2", "save_every_n_steps=1"), config=CONFIG)
+    before = json.loads((out / "results.json").read_text())["task_eval_before"]
+    for done in ("step_2", "final"):
+        shutil.rmtree(out / done)
+    run_recipe_in_process("lora_dpo_single_device", _overrides(
+        tmp_path / "run", pairs, "max_steps_per_epoch=2", "save_every_n_steps=1", "resume_from_checkpoint=true"),
+        config=CONFIG)
+    results = json.loads((out / "results.json").read_text())
+    assert results["task_eval_before"] == before and results["step"] == 2
 
 
 def test_the_precomputed_cache_is_reused_repaired_and_refused(tmp_path, pairs, runs):
