@@ -17,7 +17,8 @@ compares what the model calls. Tool calling goes to the chat formats that render
 
 Only the final response is trained on (labelled); prompt and padding carry -100. A bad row stops the build with its
 place ("pairs.jsonl line 7"): a missing field, a chosen response identical to the rejected one, an empty response,
-message lists whose prefixes differ. A pair whose response was truncated away entirely is dropped and counted.
+message lists whose prefixes differ. A pair whose response was truncated away entirely, or whose two conversations
+truncation leaves identical (they differed only past ``max_seq_len``), is dropped and counted.
 
 A batch (`collate_preference`) holds the chosen rows first and the rejected rows second, so the policy sees both in
 one forward; ``pair_index`` and ``pairs_of`` (the dataset's fingerprint) say which pairs they are, for a
@@ -175,8 +176,9 @@ def preference_dataset(
         except RowError as e:
             raise DataError(f"{row.where}: {e}") from None
         truncated += any(s[2] for s in samples.values())
-        if any(all(label == IGNORE_INDEX for label in s[1]) for s in samples.values()):
-            dropped += 1  # a response truncated away: nothing to compare
+        if any(all(label == IGNORE_INDEX for label in s[1]) for s in samples.values()) or (
+                samples["chosen"][0] == samples["rejected"][0]):
+            dropped += 1  # a response truncated away, or all that told the two apart: nothing to compare
             continue
         for side, sample in samples.items():
             halves[side].append(sample)
@@ -198,7 +200,7 @@ def preference_dataset(
     if is_main_process():
         log.info("preference pairs (%s): %d pairs%s%s%s", rows.description, stats["pairs"],
                  f"; {truncated} truncated to max_seq_len={max_seq_len}" if truncated else "",
-                 f"; {dropped} dropped with a response truncated away" if dropped else "", packs)
+                 f"; {dropped} dropped with a response (or all that differs) truncated away" if dropped else "", packs)
     return dataset
 
 

@@ -96,6 +96,16 @@ def test_a_response_truncated_away_drops_its_pair(tok, tmp_path):
     assert len(ds) == 1 and ds.stats["dropped_truncated"] == 1
 
 
+def test_a_pair_truncation_leaves_identical_is_dropped(tok, tmp_path):
+    """Responses that differ only past max_seq_len: cut there, the two conversations are the same tokens (a zero
+    margin forever, a miss in the reward accuracy). Before, the pair was kept and trained on."""
+    same = " ".join(["red cat"] * 40)
+    late = {"prompt": "say it", "chosen": same + " good", "rejected": same + " bad"}
+    ds = preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", [STRINGS, late]), max_seq_len=32)
+    assert len(ds) == 1 and ds.stats["dropped_truncated"] == 1 and ds.stats["truncated"] == 1
+    assert ds[0]["chosen"]["tokens"] != ds[0]["rejected"]["tokens"]
+
+
 def test_whole_conversations_beside_a_prompt_column(tok, tmp_path):
     """UltraFeedback's layout: a prompt string and chosen / rejected conversations that repeat it."""
     row = dict(MESSAGES, prompt="reverse: red cat")
