@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtune.config.keys import run_kind
+from mtune.config.keys import reference_choice, run_kind
 from mtune.units import SizeError, parse_budget
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "check_preference_loss",
     "check_full_reference",
     "check_reference_storage",
+    "check_reference_cache",
 ]
 
 
@@ -191,7 +192,16 @@ def check_reference_storage(cfg: Any) -> list[str]:
     return []
 
 
-PREFERENCE_RULES = (check_preference_loss, check_reference_storage)
+def check_reference_cache(cfg: Any) -> list[str]:
+    """A cache directory is of precomputed reference log-probs (the reference another choice would silently drop)."""
+    cache, kind = _get(cfg, "reference_cache_dir"), reference_choice(cfg, adapters=_get(cfg, "lora") is not None)
+    if cache is not None and kind != "precomputed":
+        return [f"reference_cache_dir={cache} holds precomputed reference log-probs, but reference is {kind}: set "
+                "reference=precomputed, or reference_cache_dir=null"]
+    return []
+
+
+PREFERENCE_RULES = (check_preference_loss, check_reference_storage, check_reference_cache)
 """The rules the LoRA preference (DPO) recipes add to their run's."""
 FULL_PREFERENCE_RULES = PREFERENCE_RULES + (check_full_reference,)
 """The rules the full preference recipes add to their run's."""

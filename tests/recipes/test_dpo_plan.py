@@ -106,6 +106,25 @@ def test_validate_names_the_preference_problems():
     assert any("not supported by the distributed recipes yet" in e for e in report.errors), report.errors
 
 
+def test_a_reference_cache_dir_without_a_precomputed_reference_is_refused():
+    """reference_cache_dir does nothing unless the reference is precomputed (as reference_storage_dtype does nothing
+    but for a copy). Before, it was dropped silently and the run trained with the other reference."""
+    from mtune._cli.catalog import find_config, find_recipe, load_recipe_module
+    from mtune.config import load_config, validate_config
+
+    for recipe, overrides, kind in (("lora_dpo_single_device", [], "adapters_off"),
+                                    ("full_dpo_single_device", ["reference=copy"], "copy")):
+        schema = load_recipe_module(find_recipe(recipe)).SCHEMA
+        report = validate_config(load_config(find_config(f"tiny/{recipe}"), [
+            "reference_cache_dir=/tmp/cache", *overrides]), schema)
+        assert report.errors == [f"reference_cache_dir=/tmp/cache holds precomputed reference log-probs, but reference "
+                                 f"is {kind}: set reference=precomputed, or reference_cache_dir=null"], report.errors
+    for recipe, overrides in (("lora_dpo_single_device", ["reference=precomputed"]), ("full_dpo_single_device", [])):
+        schema = load_recipe_module(find_recipe(recipe)).SCHEMA
+        assert validate_config(load_config(find_config(f"tiny/{recipe}"), [
+            "reference_cache_dir=/tmp/cache", *overrides]), schema).errors == []
+
+
 def test_ls_lists_the_four_recipes_and_help_the_reference_keys():
     import os
     import subprocess
