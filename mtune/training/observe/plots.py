@@ -63,23 +63,23 @@ def plot_loss_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike
 
 
 def _loss_series(metrics_jsonl: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
-    """``{"loss": (steps, values), "val_loss": (steps, values)}`` read from a ``metrics.jsonl`` (empty if absent)."""
-    series: dict[str, tuple[list[int], list[float]]] = {"loss": ([], []), "val_loss": ([], [])}
-    if not Path(metrics_jsonl).is_file():
-        return series
-    with open(metrics_jsonl, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{metrics_jsonl}:{line_number} is not JSON ({e})") from e
-            for key, (steps, values) in series.items():
-                if isinstance(row.get(key), (int, float)):
-                    steps.append(row["step"])
-                    values.append(row[key])
-    return series
+    """``{"loss": (steps, values), "val_loss": (steps, values)}`` read from a ``metrics.jsonl`` (empty if absent), in
+    step order. A step logged twice keeps its last row: a resumed run appends the steps after its checkpoint again,
+    and the curve should not run back over the interrupted run's."""
+    by_step: dict[str, dict[int, float]] = {"loss": {}, "val_loss": {}}
+    if Path(metrics_jsonl).is_file():
+        with open(metrics_jsonl, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{metrics_jsonl}:{line_number} is not JSON ({e})") from e
+                for key, values in by_step.items():
+                    if isinstance(row.get(key), (int, float)):
+                        values[row["step"]] = row[key]
+    return {key: (sorted(values), [values[step] for step in sorted(values)]) for key, values in by_step.items()}
 
 
 def plot_memory_breakdown(summary: dict[str, Any], out_png: str | os.PathLike,

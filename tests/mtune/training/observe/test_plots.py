@@ -34,3 +34,15 @@ def test_one_logged_step_is_plotted(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 3, "loss": 1.25}\n')
     out = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_resumed_runs_rows_replace_the_steps_it_logs_again(tmp_path):
+    """A run logged steps 1-4 and was resumed from its step-2 checkpoint: metrics.jsonl holds steps 3 and 4 twice
+    (it is appended to), and the curve takes the resumed run's, in step order, instead of running back to step 3."""
+    from mtune.training.observe.plots import _loss_series
+
+    rows = [(1, 4.0), (2, 3.0), (3, 2.5), (4, 2.25), (3, 2.0), (4, 1.5), (5, 1.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": {v}}}\n' for s, v in rows)
+                                            + '{"step": 5, "val_loss": 1.75}\n')
+    series = _loss_series(tmp_path / "metrics.jsonl")
+    assert series == {"loss": ([1, 2, 3, 4, 5], [4.0, 3.0, 2.0, 1.5, 1.0]), "val_loss": ([5], [1.75])}
