@@ -111,11 +111,48 @@ def _bool_parameter(param: inspect.Parameter) -> bool | None:
     return None
 
 
-def boolean_problems(target: Callable, values: dict[str, Any], key: str) -> tuple[list[str], list[str]]:
+_NUMBER_ANNOTATIONS = {f"{spelling}": (kind, takes_none) for kind in ("float", "int")
+                       for spelling, takes_none in ((kind, False), (f"{kind}|None", True), (f"None|{kind}", True),
+                                                    (f"Optional[{kind}]", True), (f"typing.Optional[{kind}]", True))}
+
+
+def _number_parameter(param: inspect.Parameter) -> tuple[type, bool] | None:
+    """``(float or int, whether it also takes None)`` for a parameter annotated ``float`` or ``int`` (optionally with
+    None, as a type or as text); None for any other annotation."""
+    annotation = param.annotation
+    if isinstance(annotation, str):
+        found = _NUMBER_ANNOTATIONS.get(annotation.replace(" ", ""))
+        return None if found is None else ({"float": float, "int": int}[found[0]], found[1])
+    if annotation in (float, int):
+        return annotation, False
+    args = set(getattr(annotation, "__args__", ()) or ())
+    for kind in (float, int):
+        if args == {kind, type(None)}:  # Optional[float], int | None
+            return kind, True
+    return None
+
+
+def _value_problem(param: inspect.Parameter, value: Any) -> str | None:
+    """What is wrong with ``value`` for a parameter annotated bool or a number (its text after "takes"), or None."""
+    takes_bool, number = _bool_parameter(param), _number_parameter(param)
+    if takes_bool is None and number is None:
+        return None
+    takes_none = takes_bool if takes_bool is not None else number[1]
+    if value is None and (takes_none or param.default is None):
+        return None
+    if takes_bool is not None:
+        return None if isinstance(value, bool) else "true or false"
+    fits = isinstance(value, (int, float) if number[0] is float else int) and not isinstance(value, bool)
+    return None if fits else ("a number" if number[0] is float else "an integer")
+
+
+def value_problems(target: Callable, values: dict[str, Any], key: str) -> tuple[list[str], list[str]]:
     """``(problems, unchecked)`` for the keyword ``values`` a config passes to ``target``: a problem for each value
     given to a boolean parameter (see :func:`_bool_parameter`) that is not true or false (YAML's ``yes``/``no``/
-    ``on``/``off`` spellings already load as booleans), and the dotted keys whose parameter has no annotation, so
-    that nothing can be checked about them. Values still holding an interpolation are skipped."""
+    ``on``/``off`` spellings already load as booleans), or to a parameter annotated ``float`` / ``int`` that is not
+    a number / an integer (``beta=abc`` would otherwise fail only once the run built it, after loading the data);
+    and the dotted keys whose parameter has no annotation, so that nothing can be checked about them. Values still
+    holding an interpolation are skipped."""
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
@@ -126,15 +163,13 @@ def boolean_problems(target: Callable, values: dict[str, Any], key: str) -> tupl
         param = params.get(name)
         if param is None:
             continue
-        takes_bool = _bool_parameter(param)
-        if takes_bool is None:
-            if param.annotation is param.empty:
-                unchecked.append(f"{key}.{name}")
+        if param.annotation is param.empty and _bool_parameter(param) is None:
+            unchecked.append(f"{key}.{name}")
             continue
-        if isinstance(value, bool) or (value is None and (takes_bool or param.default is None)):
-            continue
-        shown = f"{type(value).__name__} {value!r}" if value is not None else "null"
-        problems.append(f"{key}.{name}: {label} takes true or false, got {shown}")
+        wanted = _value_problem(param, value)
+        if wanted is not None:
+            shown = f"{type(value).__name__} {value!r}" if value is not None else "null"
+            problems.append(f"{key}.{name}: {label} takes {wanted}, got {shown}")
     return problems, unchecked
 
 
@@ -164,7 +199,7 @@ def instantiate(node: Any, *args: Any, **kwargs: Any) -> Any:
     }
     merged = {**config_kwargs, **kwargs}
     problems = check_keywords(target, [k for k in config_kwargs], key)
-    problems += boolean_problems(target, config_kwargs, key)[0]
+    problems += value_problems(target, config_kwargs, key)[0]
     if problems:
         raise ConfigError(problems[0])
     names, var_kw, required = accepted_keywords(target)

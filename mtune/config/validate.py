@@ -10,7 +10,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mtune.config.errors import ConfigError
-from mtune.config.instantiate import boolean_problems, check_keywords, resolve_component
+from mtune.config.instantiate import value_problems, check_keywords, resolve_component
 from mtune.config.loading import COMPONENT
 from mtune.config.schema import RecipeSchema
 
@@ -65,7 +65,7 @@ def validate_config(cfg: DictConfig, schema: RecipeSchema | None = None, *, befo
                 if str(value[COMPONENT]).split(".")[0] not in TRUSTED_PACKAGES:
                     report.foreign.append(f"{key}: {value[COMPONENT]}")
                 report.errors += check_keywords(target, [k for k in value if k != COMPONENT], key)
-                problems, unchecked = boolean_problems(target, _resolvable(value), key)
+                problems, unchecked = value_problems(target, _resolvable(value), key)
                 report.errors += problems
                 report.unchecked += unchecked
         if _looks_like_input_path(name) and value is not None:

@@ -79,7 +79,7 @@ def _takes_flags(strict: bool = False, maybe: "bool | None" = None, loose=False,
 
 
 def test_boolean_arguments_take_true_or_false_only_and_unannotated_ones_are_named():
-    from mtune.config.instantiate import boolean_problems
+    from mtune.config.instantiate import value_problems
     from mtune.config.validate import validate_config
 
     target = f"{__name__}._takes_flags"
@@ -94,7 +94,30 @@ def test_boolean_arguments_take_true_or_false_only_and_unannotated_ones_are_name
         assert validate_config(bad).errors == [message]
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             instantiate(bad.c)
-    assert boolean_problems(_takes_flags, {"maybe": None, "strict": False}, "c") == ([], [])
+    assert value_problems(_takes_flags, {"maybe": None, "strict": False}, "c") == ([], [])
+
+
+def _takes_numbers(beta: float = 0.1, steps: "int | None" = None, scale: float | None = None, n: int = 1):
+    return beta, steps, scale, n
+
+
+def test_number_arguments_take_numbers_before_the_run_builds_them():
+    """A ``float``/``int`` parameter given a string (``loss.beta=abc``) is named by ``mtune validate``; before, the
+    run failed only when it built the component, after reading its data, with the target's own TypeError."""
+    from mtune.config.validate import validate_config
+
+    target = f"{__name__}._takes_numbers"
+    ok = OmegaConf.create({"c": {"_component_": target, "beta": 1, "steps": None, "scale": 0.5, "n": 3}})
+    assert instantiate(ok.c) == (1, None, 0.5, 3) and validate_config(ok).errors == []
+    for name, value, wanted in [("beta", "abc", "a number"), ("beta", True, "a number"), ("beta", None, "a number"),
+                                ("steps", 2.5, "an integer"), ("scale", "1e-4", "a number"), ("n", "3", "an integer")]:
+        bad = OmegaConf.create({"c": {"_component_": target, name: value}})
+        shown = "null" if value is None else f"{type(value).__name__} {value!r}"
+        message = f"c.{name}: _takes_numbers takes {wanted}, got {shown}"
+        assert validate_config(bad).errors == [message]
+        with pytest.raises(ConfigError) as err:
+            instantiate(bad.c)
+        assert str(err.value) == message
 
 
 def test_a_component_that_raises_inside_its_call_is_one_line_naming_key_target_and_error():
