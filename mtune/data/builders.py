@@ -48,18 +48,22 @@ def instruct_dataset(
     assistant message (`output`), after an optional system message `system_prompt`.
     """
     columns = _column_map(column_map, ("instruction", "input", "output"))
+    max_seq_len = _checked_max_seq_len(system_prompt, max_seq_len, tokenizer)
 
     def to_messages(row: dict[str, Any]) -> list[tuple[str, str]]:
+        _mapped_columns(row, columns, column_map, "input")
         instruction = _text(row, columns, "instruction")
         extra = _text(row, columns, "input", required=False)
+        output = _text(row, columns, "output")
+        if not output.strip():  # an answer of nothing would train the reply to end at once
+            raise RowError(f"column {columns['output']!r} is empty text: every row needs its output")
         messages = [("system", system_prompt)] if system_prompt else []
         messages.append(("user", f"{instruction}\n\n{extra}" if extra else instruction))
-        messages.append(("assistant", _text(row, columns, "output")))
+        messages.append(("assistant", output))
         return messages
 
     settings = {"columns": columns, "system_prompt": system_prompt, "train_on_input": train_on_input}
     source_rows = load_source(source, data_files, split, revision, load_dataset_kwargs=load_dataset_kwargs)
-    max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
     convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len)
     return build_tokenized(
         tokenizer, source_rows, convert, name="instruct", settings=settings, max_seq_len=max_seq_len,
@@ -114,6 +118,7 @@ def chat_dataset(
     `system_prompt` replaces the data's system messages, the column's too.
     """
     columns = _column_map(column_map, ("messages", "conversations", "tools", "system"))
+    max_seq_len = _checked_max_seq_len(system_prompt, max_seq_len, tokenizer)
 
     def conversation_column(row: dict[str, Any]) -> str:
         # The column the user mapped, else whichever of `messages` / `conversations` the row has.
@@ -125,8 +130,14 @@ def chat_dataset(
         return column
 
     def to_messages(row: dict[str, Any]) -> list[Message]:
+        _mapped_columns(row, columns, column_map, "system", "tools")
         column = conversation_column(row)
         messages = conversation_messages(row[column], column, system_prompt)
+        replies = [m for m in messages if m.role == "assistant"]
+        for k, reply in enumerate(replies, 1):  # one of nothing would train the reply to end at once
+            if not reply.content.strip() and not reply.tool_calls and not (reply.thinking or "").strip():
+                raise RowError(f"column {column!r}: assistant reply {k} of {len(replies)} is empty (no text, tool "
+                               "calls or reasoning); fill it in or drop the row")
         return messages if system_prompt else with_row_system(messages, row.get(columns["system"]), columns["system"])
 
     def to_tools(row: dict[str, Any]) -> Any:
@@ -135,7 +146,6 @@ def chat_dataset(
     settings = {"columns": columns, "column_map": column_map, "system_prompt": system_prompt,
                 "train_on_input": train_on_input}
     source_rows = load_source(source, data_files, split, revision, load_dataset_kwargs=load_dataset_kwargs)
-    max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
     convert = _chat_converter(tokenizer, to_messages, train_on_input, max_seq_len, to_tools)
     return build_tokenized(
         tokenizer, source_rows, convert, name="chat", settings=settings, max_seq_len=max_seq_len,
@@ -162,7 +172,7 @@ def text_completion_dataset(
     files split per line (default), per blank-line paragraph or per file (`sample_by`). Every token is trained on;
     a text longer than `max_seq_len` is cut (and counted)."""
     columns = _column_map(column_map, ("text",))
-    max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
+    max_seq_len = _checked_max_seq_len(None, max_seq_len, tokenizer)
 
     def convert(row: dict[str, Any]) -> tuple[list[int], list[int], bool]:
         text = _text(row, columns, "text")
@@ -192,6 +202,25 @@ def _column_map(column_map: dict[str, str] | None, names: tuple[str, ...]) -> di
             f"dataset's names ({', '.join(names)}) and its values the data's columns"
         )
     return {name: str(column_map.get(name, name)) for name in names}
+
+
+def _checked_max_seq_len(system_prompt: Any, max_seq_len: Any, tokenizer) -> int | None:
+    """``max_seq_len``, else the tokenizer's, once ``system_prompt`` and ``max_seq_len`` are checked (DataError)."""
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise DataError(f"system_prompt must be text (or null), got {type(system_prompt).__name__}")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+                                    or max_seq_len < 2):
+        raise DataError(f"max_seq_len={max_seq_len!r}: give a whole number of tokens, at least 2 (or null: the "
+                        "tokenizer's max_seq_len)")
+    return max_seq_len or getattr(tokenizer, "max_seq_len", None)
+
+
+def _mapped_columns(row: dict[str, Any], columns: dict[str, str], column_map: dict | None, *names: str) -> None:
+    """The optional columns among ``names`` that ``column_map`` names must be in the row (a null is read as empty):
+    MissingColumn otherwise, so a misspelt name is an error, not that part of every row read as empty."""
+    for name in names:
+        if name in (column_map or {}) and columns[name] not in row:
+            raise MissingColumn(name, columns[name])
 
 
 def _text(row: dict[str, Any], columns: dict[str, str], role: str, required: bool = True) -> str:

@@ -37,11 +37,13 @@ OPENAI_FIELDS = (*REASONING_FIELDS, "tool_calls", "name", "tool_call_id")
 def chat_message(message: Any, column: str, i: int) -> tuple[str, str]:
     """``(role, content)`` of one message of either style; ``column[i]`` names it in errors."""
     if isinstance(message, dict) and "role" in message:  # OpenAI style
-        role, content = OPENAI_ROLE_ALIASES.get(message["role"], message["role"]), message.get("content")
+        role, content = message["role"], message.get("content")
+        role = OPENAI_ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise RowError(f"{column}[{i}]: role {role!r} is not one of {', '.join(ROLES)} (or ipython, read as tool)")
     elif isinstance(message, dict) and "from" in message:  # ShareGPT style
-        role, content = SHAREGPT_ROLES.get(message["from"]), message.get("value")
+        role, content = SHAREGPT_ROLES.get(message["from"]) if isinstance(message["from"], str) else None, \
+            message.get("value")
         if role is None:
             raise RowError(f"{column}[{i}]: from={message['from']!r} is not one of {', '.join(SHAREGPT_ROLES)}")
     else:

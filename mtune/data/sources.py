@@ -11,6 +11,7 @@ import csv
 import glob
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -163,7 +164,7 @@ def _local_source(files: list[Path], fmt: str | None, sample_by: str) -> RowSour
 
 
 def _read_json(path: Path, sample_by: str) -> Iterator[Row]:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a UTF-8 byte-order mark (Windows editors write one) is no text
     if text.lstrip().startswith("["):  # one JSON array of objects
         try:
             rows = json.loads(text)
@@ -176,7 +177,8 @@ def _read_json(path: Path, sample_by: str) -> Iterator[Row]:
             yield _object(row, f"{path} row {i}", i == 1)
         return
     first = True
-    for lineno, line in enumerate(text.splitlines(), 1):  # JSON Lines
+    # JSON Lines, split at line ends only: splitlines() also splits at U+2028, U+0085..., which JSON strings may hold
+    for lineno, line in enumerate(re.split(r"\r\n|\r|\n", text), 1):
         if not line.strip():
             continue
         try:
@@ -196,9 +198,17 @@ def _object(row: Any, where: str, first: bool) -> Row:
 
 
 def _read_csv(path: Path, sample_by: str) -> Iterator[Row]:
-    with open(path, newline="", encoding="utf-8") as f:
-        for i, row in enumerate(csv.DictReader(f), 1):
+    with open(path, newline="", encoding="utf-8-sig") as f:  # a byte-order mark would join the first column's name
+        reader = csv.DictReader(f, restkey=_EXTRA)
+        for i, row in enumerate(reader, 1):
+            if _EXTRA in row:  # an unquoted comma splits a value: the fields after it would shift, the last dropped
+                named = len(reader.fieldnames)
+                raise DataError(f"{path} row {i}: {named + len(row[_EXTRA])} fields, but the header names {named}; "
+                                "quote a value that holds a comma (\"1,000\")")
             yield Row(dict(row), f"{path} row {i}", i == 1)
+
+
+_EXTRA = object()  # DictReader's key for a row's fields past the header's
 
 
 def _read_parquet(path: Path, sample_by: str) -> Iterator[Row]:
@@ -217,7 +227,7 @@ def _read_parquet(path: Path, sample_by: str) -> Iterator[Row]:
 
 
 def _read_text(path: Path, sample_by: str) -> Iterator[Row]:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     if sample_by == "document":
         pieces = [(1, text)]
     elif sample_by == "paragraph":

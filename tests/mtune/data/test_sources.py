@@ -61,6 +61,26 @@ def test_text_files_and_text_column_agree(tok, tmp_path):
     assert len(whole) == 1 and tok.decode(whole[0]["tokens"]) == "\n".join(lines) + "\n"
 
 
+def test_byte_order_marks_and_unicode_line_separators_are_read_as_the_text_they_are(tok, tmp_path):
+    """A UTF-8 byte-order mark (Windows editors, Excel's CSV UTF-8) was glued to a CSV's first column name (an optional
+    column there read as absent: every input dropped), trained as text in a .txt, refused in JSON; U+2028 / U+0085
+    inside a JSON Lines string split its line (a valid file refused as malformed)."""
+    reference = samples(instruct_dataset(tok, str(write_rows(ALPACA_ROWS, tmp_path / "a.jsonl"))))
+    columns = ["input", "instruction", "output"]  # the optional column first: its name took the mark
+    csv_text = "\n".join(",".join(json.dumps(row[c]) for c in columns) for row in ALPACA_ROWS)
+    (tmp_path / "bom.csv").write_text("\ufeff" + ",".join(columns) + "\n" + csv_text + "\n", encoding="utf-8")
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + "".join(json.dumps(r) + "\r\n" for r in ALPACA_ROWS))
+    (tmp_path / "bom.json").write_text("\ufeff" + json.dumps(ALPACA_ROWS))
+    for name in ("bom.csv", "bom.jsonl", "bom.json"):
+        assert samples(instruct_dataset(tok, str(tmp_path / name))) == reference, name
+    (tmp_path / "bom.txt").write_text("\ufeffThe cat sat.\nSecond line.\n", encoding="utf-8")
+    assert samples(text_completion_dataset(tok, str(tmp_path / "bom.txt")))[0]["tokens"] == tok.encode("The cat sat.")
+    rows = [dict(ALPACA_ROWS[0], output="5\u2028(two and three)"), dict(ALPACA_ROWS[1], input="a\x85b")]
+    (tmp_path / "u.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    assert samples(instruct_dataset(tok, str(tmp_path / "u.jsonl"))) == samples(
+        instruct_dataset(tok, str(write_rows(rows, tmp_path / "u.json"))))
+
+
 BAD_CASES = [
     ("missing column in a row", "rows.jsonl",
      lambda p: p.write_text(json.dumps(ALPACA_ROWS[0]) + "\n" + json.dumps({"instruction": "x", "input": ""}) + "\n"),
@@ -94,6 +114,20 @@ BAD_CASES = [
      {"max_seq_len": 8}, r"all 6 samples are fully masked"),
     ("non-text value", "rows.jsonl", lambda p: write_rows([{"instruction": 3, "output": "x"}], p),
      {}, r"rows\.jsonl line 1: column 'instruction' must be text, got int"),
+    # an unquoted comma: "What is 1" / "000 plus 1?" trained, 1001 dropped, without a word
+    ("a csv row with more fields than its header", "rows.csv",
+     lambda p: p.write_text("instruction,output\nName a colour.,Blue\nWhat is 1,000 plus 1?,1001\n"),
+     {}, r"rows\.csv row 2: 3 fields, but the header names 2; quote a value that holds a comma"),
+    # an optional column mapped to one the data lacks was read as empty: every instruction lost its input
+    ("column_map to an absent optional column", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p),
+     {"column_map": {"input": "context"}},
+     r"rows\.jsonl line 1: no column 'context' \(needed as 'input'\); available columns: instruction, input, output"),
+    ("empty output", "rows.jsonl", lambda p: write_rows([ALPACA_ROWS[0], dict(ALPACA_ROWS[1], output=" ")], p),
+     {}, r"rows\.jsonl line 2: column 'output' is empty text: every row needs its output$"),
+    ("system_prompt not text", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p), {"system_prompt": 5},
+     r"^system_prompt must be text \(or null\), got int$"),
+    ("max_seq_len 0", "rows.jsonl", lambda p: write_rows(ALPACA_ROWS, p), {"max_seq_len": 0},
+     r"^max_seq_len=0: give a whole number of tokens, at least 2"),
 ]
 
 
@@ -111,6 +145,25 @@ def test_bad_chat_messages_are_named(tok, tmp_path):
                       tmp_path / "chat.jsonl")
     with pytest.raises(DataError, match=r"chat\.jsonl line 1: messages\[1\]: role 'function' is not one of"):
         chat_dataset(tok, str(path))
+    # a role or from that is not text (a list): a TypeError traceback before
+    for message, match in (({"role": ["user"], "content": "hi"}, r"messages\[0\]: role \['user'\] is not one of"),
+                           ({"from": ["human"], "value": "hi"}, r"messages\[0\]: from=\['human'\] is not one of")):
+        path = write_rows([{"messages": [message, {"role": "assistant", "content": "x"}]}], tmp_path / "role.jsonl")
+        with pytest.raises(DataError, match=r"role\.jsonl line 1: " + match):
+            chat_dataset(tok, str(path))
+    # an empty reply trained only its end-of-turn token: the model learnt to answer nothing
+    hello = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    path = write_rows([{"messages": hello}, {"messages": [*hello, {"role": "user", "content": "and?"},
+                                                          {"role": "assistant", "content": " "}]}],
+                      tmp_path / "empty.jsonl")
+    with pytest.raises(DataError, match=r"empty\.jsonl line 2: column 'messages': assistant reply 2 of 2 is empty"):
+        chat_dataset(tok, str(path))
+    # system / tools mapped to a column the data lacks: the row's own were dropped without a word
+    path = write_rows([{"messages": hello, "system": "Be brief."}], tmp_path / "mapped.jsonl")
+    for column_map, name in (({"system": "sys_prompt"}, "system"), ({"tools": "functions"}, "tools")):
+        with pytest.raises(DataError, match=rf"mapped\.jsonl line 1: no column '{column_map[name]}' \(needed as "
+                                            rf"'{name}'\); available columns: messages, system"):
+            chat_dataset(tok, str(path), column_map=column_map)
     path = write_rows([{"dialog": []}], tmp_path / "other.jsonl")
     with pytest.raises(DataError, match=r"no column 'messages'.*available columns: dialog"):
         chat_dataset(tok, str(path))
