@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from mtune.tokenizers.base import Tokenizer
+from mtune.tokenizers.base import Tokenizer, TokenizerError, not_the_file
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -17,7 +17,12 @@ class SentencePieceTokenizer(Tokenizer):
 
         path = Path(path)
         super().__init__([path], max_seq_len)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (RuntimeError, OSError) as e:
+            with open(path, "rb") as f:
+                raise TokenizerError(f"{path}: {not_the_file(f.read(64)) or f'not a sentencepiece model ({e})'}") \
+                    from None
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id = self._sp.bos_id()
         self.eos_id = self.end_of_turn_id = self._sp.eos_id()

@@ -263,7 +263,26 @@ def checkpoint_chat_template(tokenizer_file: Path) -> tuple[str | None, Path | N
 def config_chat_template(config_path: Path) -> str | None:
     """The ``chat_template`` of a checkpoint's ``tokenizer_config.json`` (the default one, where it is a list of named
     templates), or None when the file has none."""
-    template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    template = read_json(config_path).get("chat_template")
     if isinstance(template, list):
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template or None
+
+
+def read_json(path: Path) -> Any:
+    """A tokenizer's JSON file (a dict); one that is not (cut short, a Git LFS pointer) is a TokenizerError naming it."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: {not_the_file(text.encode()) or f'not valid JSON ({e})'}") from None
+    if not isinstance(spec, dict):
+        raise TokenizerError(f"{path}: not valid JSON for this file (a {type(spec).__name__}, not an object)")
+    return spec
+
+
+def not_the_file(head: bytes) -> str:
+    """What a tokenizer file that a library cannot read is, when its first bytes tell (a Git LFS pointer), else ""."""
+    if head.startswith(b"version https://git-lfs.github.com/spec/"):
+        return "a Git LFS pointer, not the file itself: fetch it (git lfs pull in the clone, or mtune download)"
+    return ""

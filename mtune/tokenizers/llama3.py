@@ -17,12 +17,11 @@ templates do, that turn included: see :mod:`mtune.tokenizers.llama3_tools`.
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 from typing import Sequence
 
 from mtune.tokenizers.base import (Message, Tokenizer, TokenizerError, checkpoint_chat_template, model_dirs,
-                                   uses_tool_calling)
+                                   read_json, uses_tool_calling)
 from mtune.tokenizers.llama3_tools import DATE_LINES_MARK, DEFAULT_DATE, template_turns
 
 # Meta's pre-tokenization regex for Llama 3 (numbers split into groups of up to three digits).
@@ -107,12 +106,12 @@ def special_token_names(tokenizer_file: Path, num_base: int) -> tuple[dict[int, 
 
 
 def _added_tokens(path: Path) -> dict[int, str]:
-    spec = json.loads(path.read_text(encoding="utf-8"))
+    spec = read_json(path)
     return {int(t["id"]): t["content"] for t in spec.get("added_tokens") or []}
 
 
 def _added_tokens_decoder(path: Path) -> dict[int, str]:
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config = read_json(path)
     return {int(i): t["content"] for i, t in (config.get("added_tokens_decoder") or {}).items()}
 
 
@@ -137,7 +136,7 @@ def _ranks_from_tokenizer_json(path: Path) -> dict[bytes, int]:
     from mtune.tokenizers.bpe_to_tiktoken import byte_level_alphabet
 
     char_to_byte = byte_level_alphabet()
-    vocab = json.loads(path.read_text(encoding="utf-8"))["model"]["vocab"]
+    vocab = read_json(path)["model"]["vocab"]
     try:
         return {bytes(char_to_byte[c] for c in token): rank for token, rank in vocab.items()}
     except KeyError as err:

@@ -26,11 +26,10 @@ Without ``config.json`` (or given a single file) the kind is inferred from the f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mtune.errors import PathNotFoundError
-from mtune.tokenizers.base import Tokenizer, TokenizerError
+from mtune.tokenizers.base import Tokenizer, TokenizerError, not_the_file, read_json
 
 FAMILIES = ("llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_5", "phi4", "phi4_mini", "gemma3", "gemma4",
             "gpt_oss")
@@ -90,7 +89,7 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
     if path.is_file():
         return _family_of_file(path), path
     config = path / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+    model_type = read_json(config).get("model_type") if config.exists() else None
     if model_type is None:
         for name in ("original/tokenizer.model", "tokenizer.model", "tokenizer.model.v3", "tokenizer.json"):
             if (path / name).is_file():
@@ -139,7 +138,7 @@ def detect_tokenizer(path: str | Path) -> tuple[str, Path]:
 
 def _family_of_file(file: Path) -> str:
     if file.suffix == ".json":
-        spec = json.loads(file.read_text(encoding="utf-8"))
+        spec = read_json(file)
         added = {t.get("content") for t in spec.get("added_tokens") or []}
         if "<|im_sep|>" in added:
             return "phi4"
@@ -171,6 +170,8 @@ def _family_of_file(file: Path) -> str:
     try:
         sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
     except (RuntimeError, OSError) as err:
-        raise TokenizerError(f"{file}: neither a tiktoken rank file nor a sentencepiece model ({err})") from None
+        with open(file, "rb") as f:
+            what = not_the_file(f.read(64)) or f"neither a tiktoken rank file nor a sentencepiece model ({err})"
+        raise TokenizerError(f"{file}: {what}") from None
     inst = sp.piece_to_id("[INST]")
     return "mistral" if sp.id_to_piece(inst) == "[INST]" and sp.is_control(inst) else "llama2"

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from mtune.tokenizers.base import Tokenizer, TokenizerError
+from mtune.tokenizers.base import Tokenizer, TokenizerError, read_json
 
 __all__ = ["TokenizerJson"]
 
@@ -26,8 +26,11 @@ class TokenizerJson(Tokenizer):
 
         path = Path(path)
         super().__init__([path], max_seq_len)
-        spec = json.loads(path.read_text(encoding="utf-8"))
-        self._full = HFTokenizer.from_str(json.dumps(spec))
+        spec = read_json(path)
+        try:
+            self._full = HFTokenizer.from_str(json.dumps(spec))
+        except Exception as e:  # the library raises a bare Exception for a file it cannot read ("Model missing")
+            raise TokenizerError(f"{path}: not a tokenizer.json the tokenizers library reads ({e})") from None
         # Text is encoded by a copy without the added tokens (so a control token's text in a message stays text)
         # and without a post-processor (which would add a BOS of its own).
         spec["added_tokens"] = []

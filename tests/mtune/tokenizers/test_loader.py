@@ -87,6 +87,24 @@ def test_clear_errors(tokenizer_dirs, tmp_path):
         load_tokenizer(empty)
 
 
+LFS_POINTER = "version https://git-lfs.github.com/spec/v1\noid sha256:4d2b4f0a\nsize 2183982\n"
+
+
+@pytest.mark.parametrize("family, file", [("llama2", "tokenizer.model"), ("mistral", "tokenizer.model"),
+                                          ("llama3", "original/tokenizer.model"), ("qwen2", "tokenizer.json"),
+                                          ("qwen2", "tokenizer_config.json"), ("gemma3", "config.json")])
+def test_a_file_the_libraries_cannot_read_is_named(family, file, tokenizer_dirs, tmp_path):
+    """A Git LFS pointer (a clone without git-lfs) or a file cut short: one line naming the file, where the libraries
+    raised a traceback (sentencepiece's RuntimeError, json's JSONDecodeError naming no file)."""
+    for name, text in (("lfs", LFS_POINTER), ("cut", '{"version": "1.0", "added_tokens": [')):
+        model = shutil.copytree(tokenizer_dirs[family], tmp_path / f"{family}_{name}")
+        (model / file).write_text(text)
+        expected = "a Git LFS pointer, not the file itself" if name == "lfs" else (
+            "not valid JSON" if file.endswith(".json") else "not a sentencepiece model")
+        with pytest.raises(TokenizerError, match=f"^{model / file}: {expected}"):
+            load_tokenizer(model)
+
+
 def test_fingerprint_is_stable_and_tells_tokenizers_apart(tokenizer_dirs, tmp_path):
     prints = {family: load_tokenizer(path).fingerprint() for family, path in tokenizer_dirs.items()}
     assert len(set(prints.values())) == len(prints)
