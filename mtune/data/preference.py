@@ -164,6 +164,8 @@ def preference_dataset(
         raise DataError(f"column_map: {', '.join(map(repr, unknown))} is not a column preference_dataset reads; its "
                         f"keys are {', '.join(_COLUMNS)}")
     columns = {name: str((column_map or {}).get(name, name)) for name in _COLUMNS}
+    # optional columns column_map names must be there: a misspelt name would drop the system prompt or tools silently
+    mapped_optional = [columns[name] for name in ("tools", "system") if name in (column_map or {})]
     max_seq_len = max_seq_len or getattr(tokenizer, "max_seq_len", None)
     rows = load_source(source, data_files, split, revision, load_dataset_kwargs=load_dataset_kwargs)
     halves: dict[str, list] = {"chosen": [], "rejected": []}
@@ -171,6 +173,9 @@ def preference_dataset(
     for row in rows.read():
         n_rows += 1
         try:
+            absent = [column for column in mapped_optional if column not in row.data]
+            if absent:
+                raise RowError(f"no column {absent[0]!r} (column_map names it); the row has {', '.join(row.data)}")
             prefix, responses, tools = _pair(row.data, columns, system_prompt)
             samples = {side: _tokenize(tokenizer, prefix, responses[side], max_seq_len, tools) for side in halves}
         except RowError as e:

@@ -129,3 +129,13 @@ def test_a_system_column_opens_the_prompt(tok, tmp_path):
     replaced = preference_dataset(tok, _jsonl(tmp_path / "replaced.jsonl", [dict(STRINGS, system="Not this.")]),
                                   system_prompt=system["content"])[0]
     assert replaced == expected
+
+
+@pytest.mark.parametrize("name", ["system", "tools"])
+def test_a_mapped_optional_column_the_rows_lack_is_named(tok, tmp_path, name):
+    """column_map naming a system or tools column that is not there (misspelt): before, every pair was built without
+    its system prompt or tools."""
+    with pytest.raises(DataError, match=r"p.jsonl line 1: no column 'sytem' \(column_map names it\); the row has "
+                                        r"prompt, chosen, rejected, system$"):
+        preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", [dict(STRINGS, system="Be brief.")]),
+                           column_map={name: "sytem"})
