@@ -183,6 +183,8 @@ def text_completion_dataset(
             tokens = tokenizer.encode(text, add_bos=True, add_eos=add_eos)
             truncated = bool(max_seq_len) and len(tokens) > max_seq_len
             tokens = tokens[:max_seq_len] if truncated else tokens
+        if not text.strip():  # nothing to learn but an EOS after the BOS: dropped and counted, as .txt skips them
+            return tokens, [IGNORE_INDEX] * len(tokens), truncated
         return tokens, tokens[1:] + [IGNORE_INDEX], truncated
 
     source_rows = load_source(source, data_files, split, revision, sample_by=sample_by,

@@ -25,7 +25,8 @@ from mtune.data.packing import pack_samples
 from mtune.data.sources import RowSource
 
 CACHE_FORMAT = 3  # bump when the stored layout or the tokenization rules change (2: Qwen reasoning_content read;
-# 3: files read without a byte-order mark, CSV rows past the header and empty answers refused, mapped columns checked)
+# 3: files read without a byte-order mark, CSV rows past the header and empty answers refused, mapped columns checked,
+# blank texts dropped)
 
 
 class MissingColumn(Exception):

@@ -51,10 +51,12 @@ def test_text_files_and_text_column_agree(tok, tmp_path):
     lines = ["The cat sat on the mat.", "Le chat.", "", "Third line here."]
     (tmp_path / "t.txt").write_text("\n".join(lines) + "\n")
     from_txt = samples(text_completion_dataset(tok, str(tmp_path / "t.txt")))
-    rows = [{"body": line} for line in lines if line]
-    from_jsonl = samples(text_completion_dataset(tok, str(write_rows(rows, tmp_path / "t.jsonl")),
-                                                 column_map={"text": "body"}))
-    assert from_txt == from_jsonl and len(from_txt) == 3
+    # empty and blank texts (wikitext's rows between paragraphs) are dropped and counted, as .txt skips blank lines;
+    # before, each trained a BOS-EOS sample
+    rows = [{"body": line} for line in lines + ["   "]]
+    jsonl = text_completion_dataset(tok, str(write_rows(rows, tmp_path / "t.jsonl")), column_map={"text": "body"})
+    from_jsonl = samples(jsonl)
+    assert from_txt == from_jsonl and len(from_txt) == 3 and jsonl.stats["dropped_fully_masked"] == 2
     first = from_txt[0]
     assert first["tokens"] == tok.encode(lines[0]) and first["labels"] == first["tokens"][1:] + [-100]
     whole = samples(text_completion_dataset(tok, str(tmp_path / "t.txt"), sample_by="document", max_seq_len=512))
