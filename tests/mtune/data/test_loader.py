@@ -161,3 +161,57 @@ def test_mixture_from_a_config_node(tok, tmp_path, text_path):
 def test_collate_counts_tokens_before_padding():
     batch = [{"tokens": [5, 6, 7], "labels": [6, 7, -100]}, {"tokens": [9], "labels": [-100]}]
     assert int(collate_padded(batch, pad_id=0, pad_to_multiple_of=8)["num_tokens"]) == 4
+
+
+def test_collate_pads_packed_fields_and_honours_ignore_index():
+    """A length already at the multiple stays; packed padding counts from 0 under a document id of its own; a
+    caller's ignore_index labels the padding."""
+    batch = [{"tokens": [5, 6, 7, 8], "labels": [6, -1, 8, -1], "input_pos": [0, 1, 0, 1],
+              "document_ids": [0, 0, 1, 1]},
+             {"tokens": [9, 10], "labels": [10, -1], "input_pos": [0, 1], "document_ids": [0, 0]}]
+    out = collate_padded(batch, pad_id=3, ignore_index=-1, pad_to_multiple_of=4)
+    assert {k: v.tolist() for k, v in out.items() if k != "num_tokens"} == {
+        "tokens": [[5, 6, 7, 8], [9, 10, 3, 3]],
+        "labels": [[6, -1, 8, -1], [10, -1, -1, -1]],
+        "input_pos": [[0, 1, 0, 1], [0, 1, 0, 1]],
+        "document_ids": [[0, 0, 1, 1], [0, 0, 1, 1]],
+    }
+
+
+def test_partial_last_batch_is_counted_and_an_epoch_end_moves_the_state_on():
+    """drop_last=False: 10 samples in batches of 3 are 4 batches, the last one short; a finished epoch saves as the
+    start of the next (a resume must not replay it); a state of another dataset size or shuffle is refused."""
+    loader = build_dataloader(list(range(10)), batch_size=3, seed=5, shuffle=False, drop_last=False, collate_fn=list)
+    assert len(loader) == 4
+    seen = []
+    for batch in loader:
+        seen.append(batch)
+        if len(seen) == 4:
+            assert loader.state_dict()["consumed"] == 10
+    assert seen == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert loader.state_dict() == {"epoch": 1, "consumed": 0, "num_samples": 10, "seed": 5, "shuffle": 0}
+    for key, value in (("num_samples", 11), ("shuffle", 1)):
+        with pytest.raises(DataError, match=f"saved with {key}={value}, this run has {key}="):
+            loader.load_state_dict(dict(loader.state_dict(), **{key: value}))
+
+
+class _Samples(list):
+    pad_id = 0
+
+
+def test_mixture_draws_with_its_seed_and_checks_weights_and_nodes(tok):
+    """Each seed draws its own subsets (the same again for the same seed), with exact counts; a weight per
+    dataset, none negative; a config node needs a _component_."""
+    a, b = _Samples({"tokens": [i]} for i in range(20)), _Samples({"tokens": [100 + i]} for i in range(20))
+
+    def mixed(seed):
+        return mixture_dataset(tok, [a, b], weights=[2, 1], num_samples=9, seed=seed)
+
+    assert mixed(0).source_index == [0] * 6 + [1] * 3
+    assert mixed(0).sample_index == mixed(0).sample_index != mixed(1).sample_index
+    assert len(set(mixed(1).sample_index[:6])) == 6  # a subset: no sample twice
+    for weights in ([1], [2, -1]):
+        with pytest.raises(DataError, match=r"weights must be 2 non-negative numbers"):
+            mixture_dataset(tok, [a, b], weights=weights)
+    with pytest.raises(DataError, match=r"each entry of datasets needs a _component_, got keys \['source'\]"):
+        mixture_dataset(tok, [a, {"source": "x.jsonl"}])

@@ -80,3 +80,20 @@ def test_cache_is_reused_and_invalidated(tok, tmp_path, caplog):
     write_rows(ROWS[:-1], path)  # new contents, same file name
     changed, calls = builds()
     assert calls == len(ROWS) - 1 and changed.stats["samples"] == len(ROWS) - 1
+
+
+def test_pack_samples_lays_out_each_pack_exactly():
+    """Hand-written packs: a sample that exactly fills the rest of a pack joins it; each pack's document ids restart
+    at 0; the padding counts its positions from 0 as a document of its own, labelled IGNORE_INDEX; the stats."""
+    from mtune.data.packing import pack_samples
+
+    tokens = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10]]
+    labels = [[2, 3, -100], [5, 6, 7, -100], [9, -100], [-100]]
+    packs, stats = pack_samples(tokens, labels, max_seq_len=7, pad_id=0)
+    assert packs == {
+        "tokens": [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 0, 0, 0, 0]],
+        "labels": [[2, 3, -100, 5, 6, 7, -100], [9, -100, -100, -100, -100, -100, -100]],
+        "input_pos": [[0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 0, 1, 2, 3]],
+        "document_ids": [[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 2, 2, 2, 2]],
+    }
+    assert stats == {"packs": 2, "padding": 2 * 7 - 10, "padding_unpacked": 4 * 7 - 10}

@@ -4,6 +4,7 @@ labelled, bad rows are named with their row, Parquet reads like JSONL, and a bat
 import json
 
 import pytest
+import torch
 
 from mtune.data import DataError, build_dataloader, preference_dataset
 from mtune.tokenizers import Message
@@ -93,7 +94,7 @@ def test_a_batch_is_chosen_rows_then_rejected_rows(tok, tmp_path):
 def test_a_response_truncated_away_drops_its_pair(tok, tmp_path):
     long = dict(STRINGS, prompt="reverse: " + " ".join(["red cat"] * 60))
     ds = preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", [STRINGS, long]), max_seq_len=32)
-    assert len(ds) == 1 and ds.stats["dropped_truncated"] == 1
+    assert len(ds) == 1 and ds.stats["dropped_truncated"] == 1 and ds.stats["truncated"] == 1
 
 
 def test_a_pair_truncation_leaves_identical_is_dropped(tok, tmp_path):
@@ -139,3 +140,62 @@ def test_a_mapped_optional_column_the_rows_lack_is_named(tok, tmp_path, name):
                                         r"prompt, chosen, rejected, system$"):
         preference_dataset(tok, _jsonl(tmp_path / "p.jsonl", [dict(STRINGS, system="Be brief.")]),
                            column_map={name: "sytem"})
+
+
+def _pairs(chosen, rejected):
+    """A PreferenceDataset of hand-written pairs: ``chosen`` / ``rejected`` lists of (tokens, labels)."""
+    from mtune.data.preference import PreferenceDataset
+    from mtune.data.tokenized import TokenizedDataset
+
+    def half(samples):
+        offsets = torch.tensor([0] + [len(t) for t, _ in samples]).cumsum(0)
+        fields = {"tokens": torch.tensor([x for t, _ in samples for x in t], dtype=torch.int32),
+                  "labels": torch.tensor([x for _, l in samples for x in l], dtype=torch.int32)}
+        return TokenizedDataset(fields, offsets, 0, {})
+
+    return PreferenceDataset(half(chosen), half(rejected), pad_id=0, stats={})
+
+
+CHOSEN = [([10, 11], [11, -100]), ([12, 13, 14], [13, 14, -100]), ([15], [-100])]
+REJECTED = [([20], [-100]), ([21, 22], [22, -100]), ([23, 24], [24, -100])]
+
+
+def test_packed_pairs_rows_and_batch_by_hand():
+    """Rows of 8: pairs 0 and 1 (3 + 5 tokens) fill the first exactly, pair 2 starts the second. Each response is a
+    document with positions from 0 (pair j: 2j chosen, 2j + 1 rejected); in the batch, sequence_ids number the chosen
+    responses 0..n-1 and the rejected n..2n-1, and the padding -1."""
+    from mtune.data.packing import pack_pairs
+    from mtune.data.preference import PackedPreferenceDataset
+
+    packed = PackedPreferenceDataset(_pairs(CHOSEN, REJECTED), row_len=8)
+    assert packed.rows == [[0, 1], [2]] and packed.stats == {"packs": 2, "padding": 16 - 11}
+    assert packed[0] == {"tokens": [10, 11, 20, 12, 13, 14, 21, 22],
+                         "labels": [11, -100, -100, 13, 14, -100, 22, -100],
+                         "input_pos": [0, 1, 0, 0, 1, 2, 0, 1], "document_ids": [0, 0, 1, 2, 2, 2, 3, 3],
+                         "pairs": [0, 1]}
+    batch = packed.collate_fn([packed[0], packed[1]])
+    assert batch["tokens"][1].tolist() == [15, 23, 24, 0, 0, 0, 0, 0]
+    assert batch["input_pos"][1].tolist() == [0, 0, 1, 0, 1, 2, 3, 4]
+    assert batch["sequence_ids"].tolist() == [[0, 0, 3, 1, 1, 1, 4, 4], [2, 5, 5, -1, -1, -1, -1, -1]]
+    assert batch["pair_index"].tolist() == [0, 1, 2] and int(batch["num_tokens"]) == 11
+    with pytest.raises(ValueError, match=r"^pair 1: 9 tokens do not fit a packed row of 8$"):
+        pack_pairs([(4, 4), (5, 4)], 8)
+
+
+def test_fingerprint_changes_with_any_token_of_either_side():
+    """The precomputed reference is keyed by the fingerprint: one token changed, lengths kept, on either side, is
+    another dataset."""
+    base = _pairs(CHOSEN, REJECTED).fingerprint
+    assert base == _pairs(CHOSEN, REJECTED).fingerprint
+    assert _pairs(CHOSEN, REJECTED[:2] + [([23, 25], [25, -100])]).fingerprint != base
+    assert _pairs([([10, 19], [19, -100])] + CHOSEN[1:], REJECTED).fingerprint != base
+
+
+def test_system_prompt_replaces_the_prompts_own_system_message(tok, tmp_path):
+    """A prompt with a system message of its own and ``system_prompt``: the pair has only ``system_prompt``."""
+    system = {"role": "system", "content": "Reverse the words."}
+    expected = preference_dataset(tok, _jsonl(tmp_path / "expected.jsonl",
+                                              [dict(PROMPT_LIST, prompt=[system, *PROMPT_LIST["prompt"]])]))[0]
+    own = dict(PROMPT_LIST, prompt=[{"role": "system", "content": "Not this."}, *PROMPT_LIST["prompt"]])
+    assert preference_dataset(tok, _jsonl(tmp_path / "own.jsonl", [own]), system_prompt=system["content"])[0] \
+        == expected

@@ -21,7 +21,7 @@ from mtune.data.common import IGNORE_INDEX
 from mtune.tokenizers import load_tokenizer
 from tests._helpers.data import tiny_tokenizer, write_rows
 from tests._helpers.tokenizers import write_qwen_tools_tokenizer
-from tests._helpers.tool_calls import ONE_CALL, PARIS, QUESTION, WEATHER, template_ids_and_mask
+from tests._helpers.tool_calls import ONE_CALL, PARIS, QUESTION, WEATHER, call, template_ids_and_mask
 
 ANSWER = {"role": "assistant", "content": "It is cold in Paris."}
 SHARED_CALL = {"tools": [WEATHER], "chosen": ONE_CALL, "rejected": ONE_CALL[:-1] + [ANSWER]}
@@ -85,3 +85,14 @@ def test_gpt_oss_labels_the_last_reply_when_its_prompt_renders_otherwise(tmp_pat
 def test_a_family_without_tool_calling_refuses_the_pair(tmp_path):
     with pytest.raises(DataError, match=r"pairs\.jsonl line 1: phi4_mini chat format: the conversation uses tool calling"):
         preference_dataset(tiny_tokenizer(tmp_path, "phi4_mini"), str(write_rows([SHARED_CALL], tmp_path / "pairs.jsonl")))
+
+
+def test_two_calls_with_the_same_empty_text_are_a_pair(qwen3, tmp_path):
+    """Responses are compared whole: two calls of different arguments (both with empty text) are not "identical"."""
+    tok, hf = qwen3
+    oslo = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", {"city": "Oslo"})]}
+    row = dict(CALL_OR_ANSWER, rejected=[oslo])
+    pair = preference_dataset(tok, str(write_rows([row], tmp_path / "pairs.jsonl")))[0]
+    ids, _ = template_ids_and_mask(hf, [QUESTION, oslo | {"content": ""}], [WEATHER], "<|im_start|>assistant\n",
+                                   "<|im_end|>", last_reply_only=True)
+    assert pair["rejected"]["tokens"] == ids != pair["chosen"]["tokens"]

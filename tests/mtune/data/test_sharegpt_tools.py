@@ -139,3 +139,18 @@ def test_a_system_column_is_the_rows_system_turn(qwen3, tmp_path):
     assert "Be brief." in text and SYSTEM["content"] not in text
     with pytest.raises(DataError, match=r"bad_system\.jsonl line 1: column 'system' must be text, got int"):
         first([{"system": 3, "conversations": turns}], "bad_system")
+
+
+def test_system_prompt_replaces_the_conversations_system_turns_and_empty_values_add_none():
+    """``system_prompt`` replaces a conversation's own system turn (it is not kept beside it); an empty system
+    column adds no system turn; a message without content (and no calls) is refused, not read as empty text."""
+    from mtune.data.messages import conversation_messages, with_row_system
+    from mtune.data.tokenized import RowError
+    from mtune.tokenizers import Message
+
+    conversation = [{"role": "system", "content": "Old."}, {"role": "user", "content": "hi"}]
+    assert conversation_messages(conversation, "messages", system_prompt="New.") == [
+        Message("system", "New."), Message("user", "hi")]
+    assert with_row_system([Message("user", "hi")], "", "system") == [Message("user", "hi")]
+    with pytest.raises(RowError, match=r"^messages\[1\]: content must be text, got NoneType$"):
+        conversation_messages([{"role": "user", "content": "hi"}, {"role": "assistant"}], "messages")
