@@ -196,3 +196,55 @@ def test_a_stop_during_the_evaluation_before_training_drops_it_and_leaves_the_ou
     assert "task eval before training: stopped by a signal, no scores" in rest, rest
     assert not any(p.name.startswith(("step_", "final")) for p in out.iterdir())
     assert run_outputs(out) == []  # the same command may start again there
+
+
+# RunLength on its own (no recipe run): the numbers worked out by hand from the formula in its module docstring.
+
+def test_run_length_composes_a_second_change_and_refuses_one_step_past_the_total():
+    """Saved at step 6 of a run already stretched (8 schedule steps laid over 10 from step 4, at position 4): the
+    schedule stood at 4 + 2 x (8 - 4) / (10 - 4) = 16/3, where the new layout over 12 steps starts. Step 13 of a
+    12-step run is past it; a run laid over no steps stays where it was."""
+    from mtune.training.data_setup import StepPlan
+    from mtune.training.run_length import RunLength
+
+    plan = StepPlan(steps_per_epoch=4, epochs=3, samples_per_step=2)
+    saved = {"schedule_steps": 8, "total_steps": 10, "resumed_at": 4, "position": 4.0}
+    after = RunLength.resumed(plan, {"step": 6, "run_length": saved}, "ckpt", cfg={}, batches_per_epoch=4,
+                              world_size=1)
+    assert (after.schedule_steps, after.total_steps, after.resumed_at) == (8, 12, 6)
+    assert after.position == pytest.approx(16 / 3, abs=1e-12)
+    assert after.at(9) == pytest.approx(16 / 3 + 3 * (8 - 16 / 3) / (12 - 6), abs=1e-12)
+    with pytest.raises(ResumeError, match=r"it is at step 13, past this run's 12 steps \(4 per epoch x 3 epochs\)"):
+        RunLength.resumed(plan, {"step": 13, "run_length": saved}, "ckpt", cfg={}, batches_per_epoch=4, world_size=1)
+    assert RunLength(8, 6, 6, 5.0).at(6) == 5.0
+
+
+def test_run_length_of_a_checkpoint_saved_before_layouts_were_recorded_comes_from_its_config():
+    """No run_length in mtune_state.json: the saved run's epochs and max_steps_per_epoch (2 x 4 = 8 steps) give the
+    length that the new 3 x 4 = 12 steps stretch, from step 4 at position 4."""
+    from mtune.training.data_setup import StepPlan
+    from mtune.training.run_length import RunLength
+
+    cfg = {"epochs": 3, "max_steps_per_epoch": 4, "batch_size": 2}
+    plan = StepPlan.from_config(cfg, batches_per_epoch=10)
+    state = {"step": 4, "config": {"epochs": 2, "max_steps_per_epoch": 4, "batch_size": 2}}
+    assert RunLength.resumed(plan, state, "ckpt", cfg=cfg, batches_per_epoch=10, world_size=1) == \
+        RunLength(8, 12, 4, 4.0)
+
+
+def test_a_run_laid_back_onto_its_first_length_still_follows_the_laid_over_schedule():
+    """8 schedule steps over 8 run steps, but from step 6 at position 5 (two changes of length): step 7 is position
+    5 + (8 - 5) / (8 - 6) = 6.5, so the scheduler is re-laid; an unchanged run is left alone."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from mtune.training.run_length import RunLength
+
+    def scheduler():
+        return LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), lambda s: float(s))
+
+    laid = scheduler()
+    RunLength(8, 8, 6, 5.0).apply(laid, "ckpt")
+    assert laid.lr_lambdas[0](7) == 6.5
+    unchanged = scheduler()
+    RunLength(8, 8).apply(unchanged, "ckpt")
+    assert unchanged.lr_lambdas[0](7) == 7.0

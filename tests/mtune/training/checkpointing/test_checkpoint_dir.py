@@ -190,3 +190,60 @@ def test_a_save_that_may_not_fit_is_announced_before_it_is_written(tmp_path, mon
     # before the first: the model's tensors and the optimizer's (AdamW's two moments while it holds none yet)
     model = torch.nn.Linear(4, 4)
     assert disk_space.predicted_bytes(model, torch.optim.AdamW(model.parameters()), merged=False) == 3 * 20 * 4
+
+
+def test_steps_are_ordered_by_number_not_by_name(tmp_path):
+    """step_10 is newer than step_9 (as text it sorts first): pruning keeps it and it is the latest."""
+    writer = CheckpointWriter(tmp_path, keep_last_n_checkpoints=1)
+    for step in (9, 10):
+        writer.save(step=step, epoch=0, config=CONFIG, kind="hf_full", write_fn=lambda d: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10"]
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "step_10"
+
+
+def test_the_state_records_the_world_size_and_the_callers_entries(tmp_path):
+    """A resume checks the global batch with world_size and continues the run's length from its entries."""
+    from mtune.config.errors import ConfigError
+
+    writer = CheckpointWriter(tmp_path)
+    path = writer.save(step=3, epoch=1, config=CONFIG, kind="hf_full", write_fn=lambda d: None, world_size=4,
+                       state={"run_length": {"schedule_steps": 8, "total_steps": 12}})
+    state = json.loads((path / "mtune_state.json").read_text())
+    assert (state["world_size"], state["run_length"]) == (4, {"schedule_steps": 8, "total_steps": 12})
+    with pytest.raises(ConfigError, match=r"keep_last_n_checkpoints must be >= 1 or null, got 0"):
+        CheckpointWriter(tmp_path, keep_last_n_checkpoints=0)
+
+
+def test_a_state_without_complete_true_is_not_a_checkpoint(tmp_path):
+    from mtune.training.checkpointing.hf import CheckpointError
+
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "step_3" / "mtune_state.json").write_text('{"step": 3, "complete": false}')
+    with pytest.raises(CheckpointError, match=r"step_3/mtune_state.json: not the state of a complete checkpoint"):
+        read_checkpoint_state(tmp_path / "step_3")
+    assert find_latest_checkpoint(tmp_path, clean=False) is None
+
+
+def test_cleaning_spares_the_temp_dirs_of_live_writers(tmp_path):
+    """A .tmp_ dir of this process or another live one may still be written; a dead writer's goes, and so does a
+    step dir without its state file."""
+    from mtune.training.checkpointing.checkpoint_dir import clean_incomplete_checkpoints
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = [f".tmp_step_5_{os.getpid()}", f".tmp_step_6_{os.getppid()}", f".tmp_step_7_{dead.pid}", "step_8"]
+    for name in names:
+        (tmp_path / name).mkdir()
+    assert clean_incomplete_checkpoints(tmp_path) == [tmp_path / names[2], tmp_path / "step_8"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[:2])
+
+
+def test_a_stale_temp_dir_of_this_process_is_emptied_before_the_save(tmp_path):
+    """What an earlier write with this pid left beside the target does not end up in the checkpoint."""
+    stale = tmp_path / f".tmp_step_5_{os.getpid()}"
+    stale.mkdir()
+    (stale / "junk").write_text("old")
+    path = CheckpointWriter(tmp_path).save(step=5, epoch=0, config=CONFIG, kind="hf_full",
+                                           write_fn=lambda d: (d / "w").write_text("new"))
+    assert sorted(p.name for p in path.iterdir()) == ["checksums", "mtune_state.json", "w"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]

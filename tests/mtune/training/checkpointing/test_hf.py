@@ -155,3 +155,32 @@ def test_max_shard_size_that_is_not_a_size(hf_dirs, tmp_path):
     with pytest.raises(SizeError, match=r"^max_shard_size '5XB' is not a size; write e.g. 5GB, 500MB or a number "
                                         r"of bytes$"):
         save_hf_checkpoint({}, tmp_path / "out", source_dir=src, max_shard_size="5XB")
+
+
+def test_a_checkpoint_with_more_layers_than_the_model_is_refused(hf_dirs, tmp_path):
+    """Keys the model has no place for are named, not skipped."""
+    d = _copy(hf_dirs["llama3_1"], tmp_path / "extra")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] - 1}))
+    last = config["num_hidden_layers"] - 1
+    with pytest.raises(CheckpointError, match=rf"missing keys \[\], unexpected keys \[layers\.{last}\."):
+        load_model_from_hf(d)
+
+
+def test_shards_hold_one_tensor_each_past_the_limit_and_the_index_counts_their_bytes(hf_dirs, tmp_path):
+    """Read back with safetensors: a tensor larger than max_shard_size gets a shard of its own (no empty shard
+    before it); the index's total_size is the tensors' bytes. A dequantized save drops quantization_config."""
+    src = _copy(hf_dirs["llama3_1"], tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    weights = {"model.norm.weight": torch.ones(64), "lm_head.weight": torch.zeros(512, 64, dtype=torch.bfloat16)}
+    out = save_hf_checkpoint(weights, tmp_path / "out", source_dir=src, max_shard_size=100)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": 64 * 4 + 512 * 64 * 2},
+                     "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors",
+                                    "model.norm.weight": "model-00001-of-00002.safetensors"}}
+    for name, key in (("model-00001-of-00002.safetensors", "model.norm.weight"),
+                      ("model-00002-of-00002.safetensors", "lm_head.weight")):
+        with safe_open(str(out / name), "pt") as f:
+            assert list(f.keys()) == [key] and torch.equal(f.get_tensor(key), weights[key])
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())

@@ -90,3 +90,38 @@ def test_checksums_deleted_after_the_save_make_the_checkpoint_damaged_not_unveri
     state["files"] = [f for f in state["files"] if not f.startswith(CHECKSUMS_DIRNAME)]  # as an older mtune wrote
     (tmp_path / "step_4" / "mtune_state.json").write_text(json.dumps(state))
     assert verify_checkpoint(tmp_path / "step_4") == [] and checkpointer.find(True) == tmp_path / "step_4"
+
+
+def test_write_safetensors_writes_the_bytes_safetensors_writes(tmp_path):
+    """Oracle: safetensors.torch.save_file (keys in its order, one dtype): the same file, byte for byte (header
+    length, header padded with spaces to 8 bytes, data)."""
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.arange(3, dtype=torch.float32)}
+    write_safetensors(tensors, tmp_path / "ours.safetensors", metadata={"format": "pt"})
+    save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "theirs.safetensors").read_bytes() and int.from_bytes(ours[:8], "little") % 8 == 0
+
+
+def test_each_rank_hashes_only_its_own_files():
+    """Rank r its own distributed shards, rank 0 every other file; nobody the checksums or the state file."""
+    from mtune.training.checkpointing.manifest import Manifest
+
+    files = ["model/model.safetensors", "distributed_state/__0_0.distcp", "distributed_state/__1_0.distcp",
+             "checksums/rank_0.json", "mtune_state.json"]
+    assert [Manifest("/ckpt", rank=0).owns(f) for f in files] == [True, True, False, False, False]
+    assert [Manifest("/ckpt", rank=1).owns(f) for f in files] == [False, False, True, False, False]
+
+
+def test_a_missing_or_resized_file_is_named_and_a_file_can_be_the_scope(tmp_path):
+    """Each problem its own line: a listed file gone is "missing", one of another size gives both sizes; ``under``
+    may name a single file."""
+    path = CheckpointWriter(tmp_path).save(step=1, epoch=0, config={}, kind="lora", write_fn=_write)
+    state = path / "recipe_state.pt"
+    size = state.stat().st_size
+    state.write_bytes(state.read_bytes()[:100])
+    (path / "adapter" / "adapter_config.json").unlink()
+    assert verify_checkpoint(path) == [f"{path / 'adapter' / 'adapter_config.json'}: missing",
+                                       f"{state}: 100 bytes, {size} when saved"]
+    assert verify_checkpoint(path, under=state) == [f"{state}: 100 bytes, {size} when saved"]

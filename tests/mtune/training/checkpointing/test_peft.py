@@ -135,3 +135,40 @@ def test_load_peft_adapter_restores_tensors_and_refuses_mismatch(base_dir, tmp_p
     with pytest.raises(AdapterError, match="adapter_config.json: not found"):
         load_peft_adapter(fresh, tmp_path)
     assert sum(isinstance(m, LoRALinear) for m in fresh.modules()) == 5
+
+
+def test_save_refuses_a_lora_node_that_disagrees_and_the_node_rebuilds_the_adapter(base_dir, tmp_path):
+    """rank, alpha and DoRA come from the model, and a lora node saying otherwise is refused; the node rebuilt from a
+    saved DoRA adapter has its settings."""
+    from mtune.training.checkpointing.peft import lora_node_from_adapter
+
+    model = trained_lora_model(base_dir, use_dora=True, modules=["q_proj", "v_proj"])
+    for key, value in (("rank", 4), ("alpha", 8), ("use_dora", False)):
+        with pytest.raises(AdapterError, match=rf"^lora\.{key}={value} but the model's adapters have {key}="):
+            save_peft_adapter(model, tmp_path / key, {key: value})
+    save_peft_adapter(model, tmp_path / "adapter", lora_cfg(True, modules=["q_proj", "v_proj"]))
+    assert lora_node_from_adapter(tmp_path / "adapter") == dict(
+        modules=["q_proj", "v_proj"], rank=8, alpha=16, dropout=0.0, use_dora=True, quantize_base=False,
+        adapter_dir=str(tmp_path / "adapter"))
+
+
+def test_merge_refuses_what_it_cannot_fold_and_casts_every_tensor(base_dir):
+    """No adapter, an adapted module the base lacks, or factors of another shape are refused; with ``dtype`` every
+    tensor, adapted or not, comes back in it (oracle: the stored tensors cast, the adapter's B being zero)."""
+    from mtune.training.checkpointing.hf import CheckpointError, load_model_from_hf
+    from mtune.training.checkpointing.peft import Adapter, AdapterLayer
+
+    with pytest.raises(AdapterError, match="the model has no LoRA adapter to export"):
+        merged_hf_weights(base_dir, load_model_from_hf(base_dir))
+    stored = read_tensors(base_dir)
+    out_dim, in_dim = stored["model.layers.0.self_attn.q_proj.weight"].shape
+    zero = AdapterLayer(torch.randn(2, in_dim), torch.zeros(out_dim, 2), 2.0)
+    with pytest.raises(CheckpointError, match=r"adapts model\.layers\.9\.self_attn\.q_proj\.weight \(and 0 more\)"):
+        merged_hf_weights(base_dir, Adapter({"layers.9.self_attn.q_proj": zero}))
+    wrong = AdapterLayer(torch.zeros(2, in_dim + 1), torch.zeros(out_dim, 2), 2.0)
+    with pytest.raises(CheckpointError, match=rf"has shape \[{out_dim}, {in_dim}\] but the adapter expects "
+                                              rf"\[{out_dim}, {in_dim + 1}\]"):
+        list(merged_hf_weights(base_dir, Adapter({"layers.0.self_attn.q_proj": wrong})))
+    merged = dict(merged_hf_weights(base_dir, Adapter({"layers.0.self_attn.q_proj": zero}), dtype=torch.bfloat16))
+    assert merged.keys() == stored.keys()
+    assert all(torch.equal(merged[k], stored[k].to(torch.bfloat16)) for k in stored)

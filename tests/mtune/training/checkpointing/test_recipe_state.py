@@ -188,3 +188,32 @@ def test_fp8_storage_must_match_and_the_checkpointing_policy_may_change_on_resum
         check_resume_compatible(saved, dict(saved, weight_storage_dtype="float8_e4m3fn"))
     with pytest.raises(ResumeError, match=r"weight_storage_skip_patterns"):
         check_resume_compatible(saved, dict(saved, weight_storage_skip_patterns=["model.layers.0.*"]))
+
+
+def test_set_seed_seeds_every_generator_as_its_own_seeding_does():
+    """Oracle: each library's own seeded generator."""
+    set_seed(1234)
+    assert random.random() == random.Random(1234).random()
+    assert np.random.rand(3).tolist() == np.random.RandomState(1234).rand(3).tolist()
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1234)))
+
+
+def test_rng_state_keeps_numpys_cached_normal():
+    """numpy's legacy normals come in pairs: the state captured between them holds the second, bit for bit."""
+    set_seed(7)
+    np.random.standard_normal()  # draws two, returns one, caches the other
+    state = get_rng_state()
+    expected = np.random.standard_normal(3).tolist()
+    set_seed(8)
+    set_rng_state(state)
+    assert np.random.standard_normal(3).tolist() == expected
+
+
+def test_a_key_or_batch_size_dropped_from_the_config_is_a_difference_and_tuples_are_lists():
+    """A key the new config lacks changes training too (named with its saved value); YAML lists and tuples agree."""
+    cfg = {k: v for k, v in SAVED.items() if k not in ("lora", "batch_size")}
+    with pytest.raises(ResumeError) as info:
+        check_resume_compatible(SAVED, cfg)
+    assert "batch_size (2 -> None), lora ({'modules': ['q_proj', 'v_proj'], 'rank': 8, 'alpha': 16} -> absent)" \
+        in str(info.value)
+    check_resume_compatible(SAVED, dict(SAVED, lora=dict(SAVED["lora"], modules=("q_proj", "v_proj"))))
