@@ -229,3 +229,38 @@ def test_the_scan_runs_every_chunk_under_torch_compile():
     (compiled * weight).sum().backward()
     for ours, ref in zip(compiled_in, eager_in):
         torch.testing.assert_close(ours.grad, ref.grad, rtol=0, atol=1e-5)
+
+
+def test_the_scan_passes_gradients_into_the_entering_state_and_out_of_the_leaving_one():
+    """Oracle: the scan's three lines (gated_delta_scan's docstring) through autograd, chunk by chunk. The
+    loss reads the outputs and the leaving state: every input's gradient, the entering state's included."""
+    from mtune.modules.gated_delta_scan import gated_delta_scan
+
+    gen = torch.Generator().manual_seed(0)
+    bh, n, c, dk, dv = 3, 4, 5, 6, 7
+    shapes = [(bh, n, c, dv), (bh, n, c, dk), (bh, n, c, dk), (bh, n, c, c), (bh, n, dk, c)]
+    tensors = [torch.randn(*shape, generator=gen) * 0.5 for shape in shapes]  # u, w, q, scores, k_end
+    tensors += [torch.rand(bh, n, 1, 1, generator=gen) * 0.5 + 0.5, torch.randn(bh, dk, dv, generator=gen)]
+    out_weight, state_weight = torch.randn(bh, n, c, dv, generator=gen), torch.randn(bh, dk, dv, generator=gen)
+
+    def grads(scan):  # fp64 both: the scan's arithmetic is dtype-generic, so round-off hides nothing
+        leaves = [t.double().requires_grad_() for t in tensors]
+        out, leaving = scan(*leaves)
+        ((out * out_weight.double()).sum() + (leaving * state_weight.double()).sum()).backward()
+        return out, leaving, [t.grad for t in leaves]
+
+    def by_definition(u, w, q, scores, k_end, decay, state):
+        outs = []
+        for i in range(n):
+            delta = u[:, i] - w[:, i] @ state
+            outs.append(scores[:, i] @ delta + q[:, i] @ state)
+            state = decay[:, i] * state + k_end[:, i] @ delta
+        return torch.stack(outs, 1), state
+
+    out, leaving, got = grads(gated_delta_scan)
+    want_out, want_leaving, want = grads(by_definition)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(leaving, want_leaving, rtol=1e-10, atol=1e-10)
+    for name, g, w in zip(("u", "w", "q", "scores", "k_end", "decay", "initial"), got, want):
+        assert g is not None, name
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=name)

@@ -120,3 +120,69 @@ def test_clear_errors():
     lora = apply_lora(build_model("llama3_1", "tiny", device="cpu"), ["q_proj"], rank=4, alpha=8)
     with pytest.raises(ValueError, match="adapter does not match"):
         load_peft_adapter_state_dict(lora, {})
+
+
+class _OneLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 48, bias=True)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_dora_with_dropout_trains_as_peft():
+    """DoRA in training mode with dropout against PEFT on one layer: same output and adapter gradients under the same
+    dropout mask. Guards PEFT's rescaling of the dropped input's base output (not x's) and its detached row norm."""
+    torch.manual_seed(0)
+    plain = _OneLinear()
+    reference = peft.get_peft_model(copy.deepcopy(plain), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["proj"], use_dora=True, lora_dropout=0.3))
+    ref_layer = reference.base_model.model.proj
+    with torch.no_grad():
+        ref_layer.lora_B["default"].weight.normal_(0, 0.3)
+        ref_layer.lora_magnitude_vector["default"].weight.mul_(1.5)
+    ours = LoRALinear.from_linear(copy.deepcopy(plain.proj), rank=4, alpha=8, dropout=0.3, use_dora=True)
+    with torch.no_grad():
+        ours.lora_a.weight.copy_(ref_layer.lora_A["default"].weight)
+        ours.lora_b.weight.copy_(ref_layer.lora_B["default"].weight)
+        ours.magnitude.copy_(ref_layer.lora_magnitude_vector["default"].weight)
+    reference.train(), ours.train()
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(6, 48, generator=torch.Generator().manual_seed(2))
+    outputs = []
+    for model in (reference, ours):
+        torch.manual_seed(5)  # one dropout call each: the same mask
+        out = model(x)
+        (out * weights).sum().backward()
+        outputs.append(out.detach())
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
+    pairs = [(ours.lora_a.weight, ref_layer.lora_A["default"].weight),
+             (ours.lora_b.weight, ref_layer.lora_B["default"].weight),
+             (ours.magnitude, ref_layer.lora_magnitude_vector["default"].weight)]
+    for mine, theirs in pairs:
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_a_starts_kaiming_uniform_as_peft():
+    """A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform with a=sqrt(5), PEFT's default init), B zero."""
+    torch.manual_seed(0)
+    layer = LoRALinear.from_linear(torch.nn.Linear(256, 64), rank=16, alpha=32)
+    layer.reset_adapter()
+    bound = 256**-0.5
+    largest = layer.lora_a.weight.abs().max().item()
+    assert 0.99 * bound <= largest <= bound  # 4096 draws: the largest lies within 1% of the bound
+    assert torch.count_nonzero(layer.lora_b.weight) == 0
+
+
+def test_merge_adapter_returns_the_dtype_asked_for():
+    """merge_adapter(..., dtype=fp32) of a bf16 base: W + s B A computed and returned in fp32, not the base's dtype."""
+    from mtune.modules.lora import merge_adapter
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(12, 10, generator=gen).to(torch.bfloat16)
+    a, b = torch.randn(3, 10, generator=gen), torch.randn(12, 3, generator=gen)
+    merged = merge_adapter(weight, a, b, 0.5, dtype=torch.float32)
+    assert merged.dtype == torch.float32
+    expected = weight.double() + 0.5 * (b.double() @ a.double())
+    torch.testing.assert_close(merged.double(), expected, rtol=0, atol=1e-5)

@@ -121,3 +121,34 @@ def test_backward_twice_through_one_loss_is_refused():
     total.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         total.backward()
+
+
+def test_a_biased_head_and_a_trainable_fetched_head_go_through_their_own_forward():
+    """Only bias-free heads whose hooks fetch a frozen weight compute gradients in forward: a biased head's loss
+    includes its bias (oracle: torch's cross-entropy of head(hidden)), and a trainable head counts as recomputed."""
+    from mtune.modules.loss import FETCHES_WEIGHT
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 32, bias=True)
+    with torch.no_grad():
+        head.bias.normal_(0, 2.0)  # large enough that dropping it moves the loss
+    hidden = torch.randn(2, 5, 16, requires_grad=True)
+    labels = torch.randint(0, 32, (2, 5))
+    labels[0, 0] = -100
+    total, n = ChunkedCrossEntropyLoss(num_chunks=3)(hidden, labels, head)
+    expected = F.cross_entropy(head(hidden).reshape(-1, 32), labels.reshape(-1), reduction="sum")
+    assert n.item() == 9 and abs(total.item() - expected.item()) <= 1e-5 * expected.item()
+    total.backward()
+    assert head.bias.grad is not None and head.bias.grad.abs().sum() > 0
+
+    plain = torch.nn.Linear(16, 32, bias=False)
+    fetch = plain.register_forward_pre_hook(lambda *_: None)
+    setattr(plain._forward_pre_hooks[fetch.id], FETCHES_WEIGHT, True)
+    assert ChunkedCrossEntropyLoss.recomputes_projection(plain)  # trainable: backward needs the weight
+    plain.weight.requires_grad_(False)
+    assert not ChunkedCrossEntropyLoss.recomputes_projection(plain)  # frozen: only fetched
+
+
+def test_chunk_count_must_be_positive():
+    with pytest.raises(ValueError, match="num_chunks must be >= 1, got 0"):
+        ChunkedCrossEntropyLoss(num_chunks=0)

@@ -285,3 +285,65 @@ def test_lora_experts_on_an_nf4_base_compile():
         results.append([*output_and_input_grad(fn, x), *(p.grad.float() for p in factors)])
     for got, want in zip(*results[::-1]):
         torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
+
+
+def test_router_refuses_top_k_outside_the_experts_and_routes_bf16_in_fp32():
+    """A top_k of 0 or past n_experts is refused. bf16 logits: probabilities in fp32 (oracle: softmax of the
+    upcast logits here), so no ties from bf16 rounding flip experts and the renormalised weights round once."""
+    from mtune.modules.moe import Router
+
+    for top_k in (0, 5):
+        with pytest.raises(ValueError, match="must be between 1 and n_experts=4"):
+            Router(DIM, 4, top_k)
+    torch.manual_seed(0)
+    router = Router(DIM, EXPERTS, TOP_K, norm_topk_prob=True).to(torch.bfloat16)
+    x = torch.randn(512, DIM, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits, weights, experts = router(x)
+    probs, chosen = torch.softmax(logits.float(), dim=-1).topk(TOP_K)
+    assert torch.equal(experts, chosen)
+    assert torch.equal(weights, (probs / probs.sum(-1, keepdim=True)).to(torch.bfloat16))
+
+
+def test_router_logits_are_kept_only_for_the_aux_loss_and_taken_once():
+    """With the loss off a forward keeps no [tokens, n_experts] logits; with it on, router_aux_loss takes them
+    (coef * n_experts * sum_e f_e P_e, written out here) and the next call finds none."""
+    from mtune.modules.moe import router_aux_loss
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mlp = block = moe_block()
+    x = torch.randn(1, 6, DIM, generator=torch.Generator().manual_seed(2))
+    block(x)
+    assert block.router_logits is None and router_aux_loss(model) is None
+    block.aux_loss_coef = 0.5
+    block(x)
+    probs = torch.softmax(x[0] @ block.gate.weight.T, dim=-1)
+    picks = torch.zeros(EXPERTS).index_add_(0, probs.topk(TOP_K).indices.flatten(), torch.ones(6 * TOP_K))
+    expected = 0.5 * EXPERTS * (picks / 6 * probs.mean(0)).sum()
+    torch.testing.assert_close(router_aux_loss(model), expected, rtol=1e-6, atol=0)
+    assert block.router_logits is None and router_aux_loss(model) is None
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouping_needs_16_byte_aligned_widths_and_frozen_experts_or_no_grad():
+    """bf16 experts 20 wide (40 bytes a row: 8- but not 16-byte aligned) cannot group; trainable ones can under
+    no_grad (nothing to train), not with gradients on."""
+    from mtune.modules.moe import Experts
+
+    x = torch.randn(4, DIM, dtype=torch.bfloat16)
+    assert not Experts(EXPERTS, DIM, 20).to(torch.bfloat16).requires_grad_(False).can_group(x)
+    experts = Experts(EXPERTS, DIM, HIDDEN).to(torch.bfloat16)
+    assert not experts.can_group(x)
+    with torch.no_grad():
+        assert experts.can_group(x)
+
+
+def test_clamped_swiglu_defaults_are_gpt_oss_published_ones():
+    """alpha 1.702 and limit 7 by default (oracle: the formula written out with those numbers)."""
+    from mtune.modules.clamped_experts import ClampedSwiGLUExperts
+
+    gate_up = torch.randn(5, 2 * HIDDEN, generator=torch.Generator().manual_seed(3)) * 6
+    gate, up = gate_up[:, 0::2].clamp(max=7.0), gate_up[:, 1::2].clamp(-7.0, 7.0)
+    expected = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    got = ClampedSwiGLUExperts(EXPERTS, DIM, HIDDEN).hidden(gate_up)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # fp32 round-off of outputs up to ~60

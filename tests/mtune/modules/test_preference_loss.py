@@ -167,3 +167,65 @@ def test_packed_pairs_give_the_unpacked_log_probs_and_losses():
     with torch.no_grad():
         torch.testing.assert_close(objective.forward_batch(model, batch)[0],
                                    objective.forward_batch(model, unpacked)[0], rtol=1e-5, atol=1e-5)
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in policy whose logits are given: the objective's arithmetic alone is under test."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, tokens, input_pos=None, document_ids=None):
+        return self.logits
+
+
+def test_simpo_objective_normalises_each_response_by_its_own_length_and_accumulates_metrics():
+    """Oracle: log-probs summed token by token in fp64 here. SimPO through the objective divides each response by
+    its own labelled-token count (chosen and rejected lengths differ), and the metrics are means over the pairs of
+    every micro-batch since the last take, logps/rejected included."""
+    gen = torch.Generator().manual_seed(0)
+    objective = PreferenceObjective(SimPOLoss(beta=2.0, gamma=0.5), None)
+    seen = {name: [] for name in ("chosen", "rejected", "logps_c", "logps_r")}
+    for _ in range(2):  # two micro-batches of 2 pairs: rows 0-1 chosen, 2-3 rejected
+        labels = torch.randint(0, 11, (4, 9), generator=gen)
+        labels[:, :2] = -100  # prompts
+        labels[0, 7:], labels[3, 4:] = -100, -100  # padding: 5, 7 chosen and 7, 2 rejected tokens
+        logits = torch.randn(4, 9, 11, generator=gen) * 2
+        summed, n = objective.forward_batch(_FixedLogits(logits), {"tokens": torch.zeros(4, 9, dtype=torch.long),
+                                                                   "labels": labels})
+        log_probs = logits.double().log_softmax(-1)
+        sums = [sum(float(log_probs[r, i, labels[r, i]]) for i in range(9) if labels[r, i] != -100) for r in range(4)]
+        counts = [int((labels[r] != -100).sum()) for r in range(4)]
+        assert counts == [5, 7, 7, 2]
+        want = 0.0
+        for i in range(2):
+            chosen, rejected = 2.0 * sums[i] / counts[i], 2.0 * sums[2 + i] / counts[2 + i]
+            want -= math.log(_sig(chosen - rejected - 0.5))
+            for name, value in zip(seen, (chosen, rejected, sums[i], sums[2 + i])):
+                seen[name].append(value)
+        assert float(n) == 2 and float(summed) == pytest.approx(want, rel=1e-5)
+    metrics = objective.take_metrics()
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert metrics["rewards/chosen"] == pytest.approx(mean(seen["chosen"]), rel=1e-5)
+    assert metrics["rewards/rejected"] == pytest.approx(mean(seen["rejected"]), rel=1e-5)
+    margins = [c - r for c, r in zip(seen["chosen"], seen["rejected"])]
+    assert metrics["rewards/margins"] == pytest.approx(mean(margins), rel=1e-5)
+    assert metrics["rewards/accuracies"] == mean([float(m > 0) for m in margins])
+    assert metrics["logps/chosen"] == pytest.approx(mean(seen["logps_c"]), rel=1e-5)
+    assert metrics["logps/rejected"] == pytest.approx(mean(seen["logps_r"]), rel=1e-5)
+
+
+def test_simpo_response_without_labelled_tokens_scores_zero():
+    """A response truncated to no labelled tokens has log-prob 0 and reward 0, not 0/0 (NaN)."""
+    out = SimPOLoss(beta=2.0, gamma=0.5)(torch.tensor([0.0, -6.0]), torch.tensor([-4.0, 0.0]), None, None,
+                                         torch.tensor([0, 3]), torch.tensor([2, 0]))
+    assert out.chosen_rewards.tolist() == [0.0, -4.0] and out.rejected_rewards.tolist() == [-4.0, 0.0]
+    assert out.losses.tolist() == pytest.approx([-math.log(_sig(4.0 - 0.5)), -math.log(_sig(-4.0 - 0.5))], rel=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda: IPOLoss(beta=0), lambda: SimPOLoss(beta=0),
+                                  lambda: SimPOLoss(label_smoothing=0.5)])
+def test_ipo_and_simpo_refuse_bad_settings(make):
+    with pytest.raises(ValueError, match="beta > 0"):
+        make()

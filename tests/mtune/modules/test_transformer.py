@@ -75,3 +75,31 @@ def test_llama3_rope_frequencies_match_transformers_at_full_size(size):
                          rope_parameters={**args.rope_scaling, "rope_theta": args.rope_theta})
     reference, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     assert torch.equal(rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling), reference)
+
+
+@pytest.mark.parametrize("scaling", [
+    dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=4096),  # YaRN's defaults: truncate, betas
+    dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+         original_max_position_embeddings=64),
+    dict(rope_type="yarn", factor=40.0, beta_fast=16.0, mscale=1.0, mscale_all_dim=0.707,
+         original_max_position_embeddings=4096),
+    dict(rope_type="yarn", factor=4.0, beta_fast=128.0, attention_factor=1.25, original_max_position_embeddings=2048),
+    dict(rope_type="proportional", partial_rotary_factor=0.25, factor=8.0),
+], ids=["yarn_defaults", "yarn_untruncated", "yarn_mscale", "yarn_attention_factor", "proportional"])
+def test_yarn_and_proportional_frequencies_match_transformers(scaling):
+    """Oracle: transformers' rope init functions. theta=10 puts YaRN's ramp end past the last dimension (clamped
+    there; with beta_fast=128 the ramp starts within the rotated half, so the clamp shows); the attention factor
+    (given, from mscale ratios, or from ln(factor)) as transformers scales cos and sin."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mtune.modules.rotary import rope_inv_freq, yarn_attention_factor
+
+    for theta in (10.0, 150000.0):
+        max_len = int(scaling.get("factor", 1) * scaling.get("original_max_position_embeddings", 64))
+        config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=max_len,
+                             rope_parameters={**scaling, "rope_theta": theta})
+        reference, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+        torch.testing.assert_close(rope_inv_freq(64, theta, dict(scaling)), reference, rtol=1e-6, atol=0)
+        if scaling["rope_type"] == "yarn":
+            assert yarn_attention_factor(scaling) == pytest.approx(attention_factor, rel=1e-12)

@@ -55,3 +55,12 @@ def test_state_dict_resumes_position():
 def test_negative_warmup_is_refused():
     with pytest.raises(ValueError, match="lr_scheduler.num_warmup_steps must be >= 0"):
         lr_schedulers.get_constant_schedule_with_warmup(_optimizer(), num_warmup_steps=-1)
+
+
+@pytest.mark.parametrize("name", ["get_cosine_schedule_with_warmup", "get_linear_schedule_with_warmup"])
+def test_decaying_schedules_refuse_bad_step_counts(name):
+    make = getattr(lr_schedulers, name)
+    with pytest.raises(ValueError, match="num_warmup_steps must be >= 0, got -1"):
+        make(_optimizer(), num_warmup_steps=-1, num_training_steps=10)
+    with pytest.raises(ValueError, match="num_training_steps must be >= 1, got 0"):
+        make(_optimizer(), num_warmup_steps=0, num_training_steps=0)

@@ -8,7 +8,7 @@ from torch import nn
 
 from mtune.training import optimizers as optim_mod
 from mtune.training.memory.techniques.optimizer_in_backward.in_backward import OptimizerInBackward
-from mtune.training.optimizers import build_optimizer, optimizer_state_bytes
+from mtune.training.optimizers import allocate_adamw_state, build_optimizer, optimizer_state_bytes
 from mtune.training.memory.registry import MemoryConfig
 
 LR = 1e-3
@@ -148,3 +148,36 @@ def test_importing_the_training_loop_leaves_torchao_unloaded():
             "print('torchao' in sys.modules, 'torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_adamw_is_fused_and_holds_state_for_trainable_parameters_only():
+    """Over a model or a list of its parameters, only those with requires_grad are stepped and get state (a LoRA
+    run's frozen base would get 8 bytes per weight); AdamW is fused on CPU unless configured; keyword overrides
+    replace the config's; the state bytes are the two fp32 moments (4 bytes each), the step scalars left out."""
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    for params in (model, list(model.parameters())):
+        opt = build_optimizer({"_component_": "torch.optim.AdamW", "lr": 1.0}, params, lr=LR)
+        group = opt.param_groups[0]
+        assert [id(p) for p in group["params"]] == [id(model[2].weight)]
+        assert group["fused"] is True and group["lr"] == LR
+        assert optimizer_state_bytes(opt) == 2 * 4 * 128 * 128
+
+
+def test_in_backward_states_are_counted_and_made_states_are_kept():
+    """optimizer_state_bytes reads optimizer-in-backward's per-parameter optimizers (2 moments x 4 bytes per weight
+    once stepped); allocate_adamw_state leaves states a step already made as they are."""
+    model = _model()
+    opt = build_optimizer({"_component_": "torch.optim.AdamW", "lr": LR}, model, MemoryConfig(optimizer_in_bwd=True))
+    (model(X) - Y).square().mean().backward()  # steps each parameter in backward
+    assert optimizer_state_bytes(opt) == 2 * 2 * 4 * 128 * 128
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    (model(X) - Y).square().mean().backward()
+    opt.step()
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    allocate_adamw_state(opt)
+    for p, state in before.items():
+        assert state["step"].item() == 1 and state["exp_avg"].abs().max() > 0
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
