@@ -80,6 +80,21 @@ def test_exact_and_at_most_one_group_on_the_device(kind, blocks_per_group, use_s
     assert offloader.copies_to_compute > frozen
 
 
+@pytest.mark.parametrize("kind,use_streams", [("leaf_level", True), ("leaf_level", False), ("block_level", True)])
+def test_exact_under_selective_op_checkpointing(kind, use_streams):
+    # selective_op counts every op a checkpointed block runs and requires its recomputation to run the same ones;
+    # weights are copied in at other points in recomputation than in forward (leaf_level: every leaf, not the last
+    # one still there), so those copies must stay out of that count (before: "aten.copy_.default invocation index 9
+    # encountered during backward but not found in storage").
+    memory = MemoryConfig(enable_activation_checkpointing=True, activation_checkpointing_policy="selective_op",
+                          weight_offloading=WeightOffloading(kind, 1, use_streams))
+    plain, twin, offloader, _ = offloaded_pair(memory)
+    log, recomputed = _instrument(twin, offloader)
+    assert_identical(offloaded_loss_and_grads(plain), offloaded_loss_and_grads(twin))
+    assert {phase for phase, _ in log} == {"forward", "backward"} and len(recomputed) >= N_LAYERS
+    assert max(count for _, count in log) == (2 if use_streams else 1), log
+
+
 def test_stacks_with_qlora_checkpointing_and_activation_offloading():
     memory = MemoryConfig(enable_activation_checkpointing=True, enable_activation_offloading=True,
                           weight_offloading=WeightOffloading("leaf_level", 1, True))

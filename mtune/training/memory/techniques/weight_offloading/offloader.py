@@ -25,12 +25,10 @@ elsewhere they run in line (no overlap: set ``use_streams: false`` there). Both 
 (``FETCHES_WEIGHT``): the chunked loss runs an offloaded head's pre-hook alone and needs its weight in forward only.
 
 Recomputation under ``leaf_level``: a checkpointed block is recomputed when the first node of its backward unpacks
-a saved tensor; that node belongs to the block's last module in forward, which is also the last one the
-recomputation brings in, so it is on the device when the node continues. (``block_level`` recomputes the very group
-backward needs.) The tests cover LoRA and QLoRA blocks; a block whose backward started elsewhere would read an
-emptied storage and fail them.
-
-Without an accelerator the weights are in host memory already: nothing is installed (a log line says so).
+a saved tensor; that node belongs to the block's last module in forward, the last one the recomputation brings in,
+so it is on the device when the node continues (``block_level`` recomputes the very group backward needs; a block
+whose backward started elsewhere would read an emptied storage). ``selective_op`` checkpointing needs the copies
+out of its count of ops (`dispatch_modes`). Without an accelerator nothing is installed (a log line says so);
 ``Placement("cpu", distinct=True)`` makes every copy real on CPU (tests); the validator refuses torch.compile.
 """
 
@@ -49,6 +47,7 @@ from mtune.config.errors import ConfigError
 from mtune.modules.loss import FETCHES_WEIGHT
 from mtune.training.memory.technique import WeightPhases
 from mtune.training.memory.techniques.weight_offloading import WeightOffloading
+from mtune.training.memory.techniques.weight_offloading.dispatch_modes import outside_selective_checkpointing
 from mtune.training.memory.tensor_bytes import plain_parts
 from mtune.training.placement import Placement, storage_key
 
@@ -186,7 +185,8 @@ class WeightOffloader:
         """Re-grow group ``g``'s storages and copy its bytes from the host (on the side stream when prefetching on
         CUDA)."""
         side = self.stream if prefetch else None  # prefetches come from the side stream's pool (in line: marked so)
-        with self.placement.side_stream(side) if prefetch else contextlib.nullcontext():
+        with self.placement.side_stream(side) if prefetch else contextlib.nullcontext(), \
+                outside_selective_checkpointing():
             for slot in self._slots[g]:
                 slot.alias.untyped_storage().resize_(slot.nbytes)
                 slot.alias.copy_(slot.host, non_blocking=self.placement.pinned)
