@@ -188,3 +188,39 @@ def test_intermediates_exist_one_tile_at_a_time():
         largest[tiles] = seen.largest
     assert largest[1] == 200 * 256  # [tokens, hidden]
     assert largest[8] == max(200 * 64, 25 * 256, 256 * 64)  # the input / output, a tile's hidden, a weight
+
+
+def test_a_tile_count_below_one_is_refused():
+    """0 tiles (or a fraction) is an error, not a silent untiled MLP."""
+    model = nn.Sequential(FeedForward(8, 16))
+    for tiles in (0, -2, 2.5):
+        with pytest.raises(ValueError, match="mlp tiles must be an int >= 1 or 'auto'"):
+            apply_tiled_mlp(model, tiles)
+
+
+def test_backward_recomputes_under_the_forward_s_autocast():
+    """Under bf16 autocast each tile's recompute in backward runs its matmuls in bf16, as the untiled backward does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):  # the dtypes of every matmul's output while active
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.dtypes.add(out.dtype)
+            return out
+
+    torch.manual_seed(0)
+    seen = {}
+    for tiles in (1, 3):
+        mlp = apply_tiled_mlp(nn.Sequential(FeedForward(8, 16)), tiles)
+        x = torch.randn(2, 9, 8, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mlp(x)
+        with MatmulDtypes() as mode:
+            y.float().square().sum().backward()
+        seen[tiles] = mode.dtypes
+    assert seen[1] == {torch.bfloat16} and seen[3] == {torch.bfloat16}

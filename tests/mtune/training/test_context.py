@@ -56,3 +56,68 @@ def test_an_output_dir_that_is_a_file_is_named_as_one(tmp_path):
     with pytest.raises(ConfigError, match=r"^output_dir=.*out is a file, not a directory: name a directory"):
         _lock_output_dir(tmp_path / "out", force=False, rank=0)
     assert (tmp_path / "out").read_text() == "notes"
+
+
+def test_half_written_and_final_checkpoints_count_as_a_run(tmp_path):
+    """A crash mid-save leaves only a temp checkpoint dir; a finished run may hold only final/: both are refused."""
+    import re
+
+    from mtune.training.checkpointing.atomic import TMP_PREFIX
+    from mtune.training.checkpointing.checkpoint_dir import FINAL_NAME
+
+    for name in (f"{TMP_PREFIX}step_3", FINAL_NAME):
+        root = tmp_path / name.strip(".")
+        (root / name).mkdir(parents=True)
+        with pytest.raises(OutputExistsError, match=rf"already holds a run \({re.escape(name)}\)$"):
+            claim_output_dir(root, resuming=False, overwrite=False, is_main=True)
+
+
+def _cfg(tmp_path, **changes):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"device": "cpu", "dtype": "fp16", "seed": 7, "output_dir": str(tmp_path / "out"),
+                             "resume_from_checkpoint": False, "overwrite_output_dir": False, **changes})
+
+
+def test_setup_run_on_cpu_seeds_and_derives_the_fp16_settings(tmp_path):
+    """setup_run: every RNG seeded with ``seed``, fp16 stored as fp32 with loss scaling on and fp16 autocast."""
+    import logging
+    import random
+
+    import torch
+
+    from mtune.training.context import setup_run
+    from mtune.training.output_lock import release_output_locks
+
+    torch.manual_seed(7)
+    random.seed(7)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    try:
+        run = setup_run(_cfg(tmp_path), rank=1, world_size=2)
+        assert (torch.rand(3).tolist(), random.random()) == (expected[0].tolist(), expected[1])
+        assert run.device == torch.device("cpu") and run.dtype == torch.float32 and run.dtype_name == "fp16"
+        assert (run.rank, run.world_size, run.seed, run.output_dir) == (1, 2, 7, tmp_path / "out")
+        scaler = run.loss_scaler()
+        assert scaler.enabled and scaler.get_scale() == 2.0**16
+        with run.autocast():
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
+        assert logging.getLogger("mtune").level == logging.WARNING  # ranks other than 0 log warnings only
+    finally:
+        release_output_locks()  # as `mtune run` does when its recipe ends
+
+
+def test_setup_run_refuses_a_dtype_or_device_the_machine_cannot_do(tmp_path):
+    """An unknown dtype, or device=cuda without CUDA, is one ConfigError before anything is written."""
+    import torch
+
+    from mtune.config.errors import ConfigError
+    from mtune.training.context import setup_run
+
+    with pytest.raises(ConfigError, match="dtype='float8' is not supported"):
+        setup_run(_cfg(tmp_path, dtype="float8"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device=cuda: this machine has no CUDA GPU"):
+            setup_run(_cfg(tmp_path, device="cuda"))
+    assert not (tmp_path / "out").exists()

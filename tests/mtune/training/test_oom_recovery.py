@@ -76,3 +76,115 @@ def test_the_recovered_config_is_the_file_mtune_run_fit_writes():
     from mtune.training.oom_recovery import RUN_CONFIG_NAME
 
     assert RUN_CONFIG_NAME == FIT_CONFIG_NAME == "mtune_fit.yaml"
+
+
+class _Session:
+    """What OomRecovery reads of a TrainingSession: the tiny LoRA config with a limit, a one-weight model on CPU."""
+
+    def __init__(self, cfg, tmp_path, refused_bytes=None):
+        import torch
+        from types import SimpleNamespace
+
+        from mtune.training.context import RunContext
+
+        self.cfg = with_overrides(cfg, {"device_memory_limit": "1GiB"})
+        self.run = RunContext(device=torch.device("cpu"), dtype_name="fp32", dtype=torch.float32, output_dir=tmp_path)
+        tracker = None if refused_bytes is None else SimpleNamespace(device_limit=1, refused_bytes=refused_bytes)
+        self.breakdown = SimpleNamespace(tracker=tracker, discard_step=lambda: None)
+        self.model = torch.nn.Linear(3, 1, bias=False)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1.0)
+        self.checkpointer = SimpleNamespace(config=None)
+        self.activation_context = None
+        self.saved = 0
+
+    def save(self):
+        self.saved += 1
+        return None
+
+
+def _rows(n):
+    import torch
+
+    return {"tokens": torch.arange(n * 3).view(n, 3), "labels": torch.arange(n * 3).view(n, 3)}
+
+
+def _answer(**changes):
+    return {"budget": 2**30, "current": 2**20, "seq_len": 3, "changes": changes or None, "planned": 2**20}
+
+
+def test_a_step_out_of_memory_runs_again_halved_from_fresh_gradients(cfg, tmp_path, monkeypatch):
+    """After an OOM before the optimizer step: the failed attempt's gradients dropped, the step (and the ones
+    after it) run on micro-batches of the re-planned rows, the new config written for a resume."""
+    import torch
+
+    from mtune.training.oom_recovery import recovery as module
+
+    monkeypatch.setattr(module, "replan", lambda cfg, **measured: _answer(batch_size=2, gradient_accumulation_steps=4))
+    session = _Session(cfg, tmp_path)
+    calls = []
+
+    def step(micro_batches):
+        calls.append(([int(b["tokens"].shape[0]) for b in micro_batches], session.model.weight.grad))
+        if len(calls) == 1:  # half a backward done, then out of memory
+            session.model(torch.ones(1, 3)).sum().backward()
+            raise torch.OutOfMemoryError("device_memory_limit: over")
+        return "done"
+
+    recovery = module.OomRecovery(session, enabled=True)
+    assert recovery.run(step, [_rows(4), _rows(4)], step=5) == "done"
+    assert [c[0] for c in calls] == [[4, 4], [2, 2, 2, 2]] and calls[1][1] is None
+    assert recovery.recoveries == 1 and session.cfg.batch_size == 2 and session.checkpointer.config["batch_size"] == 2
+    assert (tmp_path / "mtune_fit.yaml").read_text().startswith("# Written by oom_recovery at step 5")
+    assert recovery.run(step, [_rows(4), _rows(2)], step=6) == "done"  # the rows chosen stay; 2 rows are left whole
+    assert calls[2][0] == [2, 2, 1, 1]
+
+
+def test_an_oom_after_the_optimizer_stepped_is_not_retried_and_the_retries_are_bounded(cfg, tmp_path, monkeypatch):
+    """Parameters already changed: re-raised, never run twice. Else at most MAX_RECOVERIES re-plans, then the run
+    saves and ends."""
+    import torch
+
+    from mtune.training.memory.oom import OutOfMemory
+    from mtune.training.oom_recovery import MAX_RECOVERIES
+    from mtune.training.oom_recovery import recovery as module
+
+    monkeypatch.setattr(module, "replan", lambda cfg, **measured: _answer(batch_size=4, gradient_accumulation_steps=2))
+    session = _Session(cfg, tmp_path)
+    recovery = module.OomRecovery(session, enabled=True)
+
+    def after_the_step(micro_batches):
+        session.optimizer.step()
+        raise torch.OutOfMemoryError("after the step")
+
+    with pytest.raises(torch.OutOfMemoryError, match="after the step"):
+        recovery.run(after_the_step, [_rows(4)], step=1)
+    assert recovery.recoveries == 0
+    calls = []
+
+    def always(micro_batches):
+        calls.append(1)
+        raise torch.OutOfMemoryError("always")
+
+    with pytest.raises(OutOfMemory, match=f"step 2 \\(always\\) and oom_recovery cannot go on: {MAX_RECOVERIES} re-plans"):
+        recovery.run(always, [_rows(4)], step=2)
+    assert len(calls) == MAX_RECOVERIES + 1 and session.saved == 1
+
+
+def test_giving_up_names_the_limit_the_leanest_plan_needs_scaled_by_what_the_run_held(cfg, tmp_path, monkeypatch):
+    """The run held twice its plan (2 MiB held, 1 MiB planned): the leanest plan's 3 MiB needs about 6 MiB."""
+    import torch
+
+    from mtune.training.memory.oom import OutOfMemory
+    from mtune.training.oom_recovery import recovery as module
+
+    leanest = {"batch_size": 1, "gradient_accumulation_steps": 8}
+    monkeypatch.setattr(module, "replan", lambda cfg, **measured: {
+        **_answer(), "leanest": leanest, "leanest_bytes": 3 * 2**20, "floor": "the weights alone are over it"})
+    session = _Session(cfg, tmp_path, refused_bytes=2 * 2**20)
+
+    def oom(micro_batches):
+        raise torch.OutOfMemoryError("over")
+
+    with pytest.raises(OutOfMemory, match=r"planned at 3.0 MiB for rows of 3 tokens, so a device_memory_limit of "
+                                          r"about 6.0 MiB would fit it; saved the last whole step, 6$"):
+        module.OomRecovery(session, enabled=True).run(oom, [_rows(4)], step=7)

@@ -140,3 +140,22 @@ def test_attention_kernel_key_reaches_the_model_and_the_log(caplog):
     model(torch.randint(0, 512, (1, 32)), input_pos=pos, document_ids=ids)
     model(torch.randint(0, 512, (1, 4)))  # unpacked, shorter than the window: SDPA's causal path
     assert model.attention_kernels_run == {"sdpa_per_segment", "dense_mask", "sdpa_causal"}
+
+
+def test_mlp_tiles_recompute_length_overrides_and_the_advice_threshold():
+    """The FLOPs counter's recompute flag per block, the count written for one length or ``auto`` kept for any,
+    and the advice from exactly LONG_MICRO_BATCH_TOKENS tokens per micro-batch on."""
+    from mtune.training.memory.techniques.tiled_mlp import LONG_MICRO_BATCH_TOKENS
+
+    auto = MemoryConfig(mlp_tiles="auto")
+    settings = auto[TILED_MLP]
+    assert TILED_MLP.footprint(settings, auto, _facts(256)).recompute.mlp_tiled == (False, False)  # 1 tile: none
+    assert TILED_MLP.footprint(settings, auto, _facts(600)).recompute.mlp_tiled == (True, True)
+    eight = MemoryConfig(mlp_tiles=8)
+    assert TILED_MLP.length_overrides(eight[TILED_MLP], eight, _facts(600), any_length=True) == {"mlp_tiles": "auto"}
+    assert TILED_MLP.length_overrides(settings, auto, _facts(600), any_length=True) == {}
+    assert TILED_MLP.length_overrides(settings, auto, _facts(600), any_length=False) == {"mlp_tiles": 3}
+    assert TILED_MLP.length_overrides(eight[TILED_MLP], eight, _facts(600), any_length=False) == {}
+    at = {"tokenizer": {"path": None, "max_seq_len": LONG_MICRO_BATCH_TOKENS}, "batch_size": 1}
+    below = {"tokenizer": {"path": None, "max_seq_len": LONG_MICRO_BATCH_TOKENS - 1}, "batch_size": 1}
+    assert "mlp_tiles=auto" in memory_advice(_cfg(**at)) and "mlp_tiles=auto" not in memory_advice(_cfg(**below))

@@ -181,3 +181,44 @@ def test_in_backward_states_are_counted_and_made_states_are_kept():
     for p, state in before.items():
         assert state["step"].item() == 1 and state["exp_avg"].abs().max() > 0
         assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+
+
+def test_optimizer_in_backward_resumes_with_the_lr_a_scheduler_sets():
+    """Loaded state then an lr change (a scheduler's) reach every inner optimizer: 5 + 5 steps equal plain AdamW's."""
+    kwargs = {"lr": LR, "weight_decay": 0.01}
+    reference = _model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), **kwargs)
+    model = _model()
+    opt = OptimizerInBackward(model.named_parameters(), torch.optim.AdamW, **kwargs)
+    for _ in range(5):
+        (reference(X) - Y).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        (model(X) - Y).square().mean().backward()
+    resumed = _model()
+    resumed.load_state_dict(model.state_dict())
+    opt.remove_hooks()
+    fresh = OptimizerInBackward(resumed.named_parameters(), torch.optim.AdamW, **kwargs)
+    fresh.load_state_dict(opt.state_dict())
+    for group in (*ref_opt.param_groups, *fresh.param_groups):
+        group["lr"] = LR / 2
+    for _ in range(5):
+        (reference(X) - Y).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        (resumed(X) - Y).square().mean().backward()
+    for p, r in zip(resumed.parameters(), reference.parameters()):
+        assert (p - r).abs().max().item() <= 1e-7
+    with pytest.raises(ValueError, match=r"optimizer state lacks parameters \['2.weight'\]"):
+        fresh.load_state_dict({"0.weight": fresh.state_dict()["0.weight"]})
+
+
+def test_optimizer_in_backward_fit_choice_turns_clipping_off_and_says_so():
+    """--fit's choice with optimizer_in_bwd drops clip_grad_norm (the rules refuse both), lossy only where it clipped."""
+    from mtune.training.memory.registry import OPTIMIZER_IN_BACKWARD, RunKeys
+
+    for clip, lossy in ((1.0, "optimizer_in_bwd drops gradient clipping"), (None, None)):
+        memory = MemoryConfig(run=RunKeys(clip_grad_norm=clip))
+        off, on = OPTIMIZER_IN_BACKWARD.fit_choices(memory[OPTIMIZER_IN_BACKWARD], memory, None)
+        assert off.overrides == {"optimizer_in_bwd": False} and off.lossy is None
+        assert on.overrides == {"optimizer_in_bwd": True, "clip_grad_norm": None} and on.lossy == lossy
