@@ -133,3 +133,21 @@ def test_fit_command_line_misuse_exits_2(capsys, tmp_path, argv, message):
                           "--output", str(tmp_path / "fit.yaml"))
     assert code == 2 and _one_error(err) == f"error: {message}"
     assert "mtune plan --fit" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fit", "--device-memory", "4GiB", "--lossless-only", "--allow-lossy"],
+     "--lossless-only and --allow-lossy contradict each other: give one"),
+    (["--maximize", "seq_len"], "--maximize seq_len chooses what --fit maximizes: add --fit"),
+    (["--fit", "--device-memory", "4GiB", "--from-data"],
+     "--from-data with --fit: --fit searches at tokenizer.max_seq_len; run --from-data alone to see the longest "
+     "batch, then --fit with tokenizer.max_seq_len=N"),
+])
+def test_option_combinations_that_cannot_both_hold_are_refused(argv, message):
+    """Combinations of plan options that contradict or need --fit are one UsageError, before any config is read."""
+    from mtune._cli.plan_options import check_options
+
+    options, _ = parse_plan_args(argv)
+    with pytest.raises(UsageError) as err:
+        check_options(options)
+    assert str(err.value) == message

@@ -142,3 +142,34 @@ def test_an_optimizer_or_metric_logger_component_that_raises_is_one_line_too(tmp
         build_optimizer({"_component_": "os.system"}, torch.nn.Linear(2, 2))  # given the model's parameters
     with pytest.raises(ComponentError, match=r"^metric_logger: fractions\.Fraction raised TypeError: "):
         build_metric_logger({"_component_": "fractions.Fraction"}, output_dir=tmp_path)  # given output_dir=
+
+
+def _takes_raw(items, scale: float = None):
+    return items, scale
+
+
+_takes_raw.__instantiate_raw__ = ("items",)
+
+
+def test_raw_keys_come_resolved_but_unbuilt():
+    """A key in __instantiate_raw__ is plain config with its interpolations resolved, nested components not built."""
+    cfg = OmegaConf.create({"out": "/x", "c": {"_component_": f"{__name__}._takes_raw", "items": [
+        "${out}/a", {"_component_": "fractions.Fraction", "numerator": "${n}"}]}, "n": 3})
+    assert instantiate(cfg.c) == (["/x/a", {"_component_": "fractions.Fraction", "numerator": 3}], None)
+
+
+def test_null_is_accepted_for_a_number_parameter_whose_default_is_none():
+    """`scale: float = None` takes null (its default), though its annotation says float."""
+    cfg = OmegaConf.create({"c": {"_component_": f"{__name__}._takes_raw", "items": [], "scale": None}})
+    assert instantiate(cfg.c) == ([], None)
+
+
+def _runs_out_of_memory():
+    raise torch.OutOfMemoryError("CUDA out of memory")
+
+
+def test_running_out_of_memory_inside_a_component_passes_through():
+    """OOM is not a config problem: it reaches the run's out-of-memory advice as itself, not as a ComponentError."""
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        instantiate({"_component_": f"{__name__}._runs_out_of_memory"})
+    assert not isinstance(info.value, ComponentError)

@@ -104,3 +104,33 @@ def test_mtune_asset_resolver_points_inside_the_package(tmp_path):
     path.write_text("model_dir: ${mtune_asset:tiny/model}\n")
     cfg = load_config(path)
     assert cfg.model_dir == str(Path(mtune.__file__).resolve().parent / "assets" / "tiny" / "model")
+
+
+def test_overrides_apply_in_order_so_the_last_wins(config_file):
+    """`batch_size=4 batch_size=8` is 8, and a key deleted then set again is set."""
+    cfg = load_config(config_file, ["batch_size=4", "batch_size=8", "~log_dir", "log_dir=/x"])
+    assert cfg.batch_size == 8 and cfg.log_dir == "/x"
+
+
+def test_a_mapping_override_replaces_the_node_rather_than_merging(config_file):
+    """`dataset={...}` is the whole new node: the old node's keys (split) do not survive it."""
+    cfg = load_config(config_file, ["dataset={data_files: b.json}"])
+    assert OmegaConf.to_container(cfg.dataset) == {"data_files": "b.json"}
+
+
+def test_signed_exponent_floats_are_numbers(config_file):
+    """PyYAML reads 1e-4 as text; overrides read it, signed or not, as the float it is."""
+    cfg = load_config(config_file, ["optimizer.lr=-1e-4", "optimizer.weight_decay=+2E-3", "optimizer.eps=1e-8"])
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.eps) == (-0.0001, 0.002, 1e-08)
+
+
+def test_deleting_past_the_end_of_a_list_is_one_line(config_file):
+    """`~optimizer.betas.2` of a two-item list names the key (not an IndexError)."""
+    with pytest.raises(ConfigError, match=r"cannot delete '~optimizer.betas.2': the config has no key"):
+        load_config(config_file, ["~optimizer.betas.2"])
+
+
+def test_text_keys_keep_their_value_but_empty_null_and_tilde_are_none(config_file):
+    """A key declared as text takes `123` as written; only ``, `null` and `~` mean None there."""
+    cfg = load_config(config_file, ["p=123", "q=", "r=null", "s=~", "t=1e-4"], text_keys={"p", "q", "r", "s", "t"})
+    assert (cfg.p, cfg.q, cfg.r, cfg.s, cfg.t) == ("123", None, None, None, "1e-4")

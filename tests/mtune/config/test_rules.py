@@ -155,3 +155,32 @@ def test_a_component_the_loop_cannot_call_is_refused_before_the_first_step(node,
                           "mtune.modules.preference_loss.DPOLoss", "torch.nn.CrossEntropyLos"],  # a typo: the schema's
                  "optimizer": ["torch.optim.AdamW", "torch.optim.SGD", "bitsandbytes.optim.PagedAdamW8bit"]}[node]:
         assert found(fine) == [], fine
+
+
+# ---- the run's own rules (mtune.config.rules)
+@pytest.mark.parametrize("optimizer, expected", [
+    ({"lr": 0, "weight_decay": 0, "eps": 1e-8, "betas": [0.0, 0.999]}, []),  # the bounds that are allowed
+    ({"eps": 0}, ["optimizer.eps: must be > 0, got 0"]),
+    ({"betas": [0.9, 1.0]}, ["optimizer.betas: must be two numbers in [0, 1), e.g. [0.9, 0.999], got [0.9, 1.0]"]),
+    ({"betas": [-0.1, 0.9]}, ["optimizer.betas: must be two numbers in [0, 1), e.g. [0.9, 0.999], got [-0.1, 0.9]"]),
+    ({"betas": [0.9, 0.99, 0.999]},
+     ["optimizer.betas: must be two numbers in [0, 1), e.g. [0.9, 0.999], got [0.9, 0.99, 0.999]"]),
+    ({"weight_decay": -0.01}, ["optimizer.weight_decay: must be >= 0, got -0.01"]),
+])
+def test_optimizer_values_at_their_bounds(optimizer, expected):
+    """eps 0 divides by zero and a beta of 1 never forgets: both refused, 0 for lr/weight_decay/beta allowed."""
+    from mtune.config.rules import check_optimizer_values
+
+    cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.AdamW", **optimizer}})
+    assert check_optimizer_values(cfg) == expected
+
+
+@pytest.mark.parametrize("base, checkpoint_dir, refused", [
+    ("/m/base", "/m/base", False), ("/m/base", None, False), (None, "/m/base", False), ("/m/base", "/m/other", True)])
+def test_merge_base_and_checkpoint_dir_must_agree(base, checkpoint_dir, refused):
+    """merge_lora's base_model_dir and model.checkpoint_dir may both be set only to the same directory."""
+    from mtune.config.rules import check_merge_base
+
+    cfg = OmegaConf.create({"base_model_dir": base, "model": {"checkpoint_dir": checkpoint_dir}})
+    assert check_merge_base(cfg) == (["base_model_dir and model.checkpoint_dir differ: set only one of them (the "
+                                      "adapter's base model)"] if refused else [])

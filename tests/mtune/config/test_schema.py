@@ -101,3 +101,56 @@ def test_validate_config_reports_components_keywords_interpolations_and_paths(tm
     ]
     assert not report.ok
     assert validate_config(good_config(**{"model.checkpoint_dir": str(tmp_path)}), SCHEMA).ok
+
+
+def test_validate_config_lists_only_components_outside_the_trusted_packages():
+    """`mtune validate` lists the code a config would call from outside mtune/torch/torchao/bitsandbytes, and only it."""
+    lr_scheduler = {"_component_": "mtune.training.lr_schedulers.get_cosine_schedule_with_warmup"}
+    report = validate_config(good_config(lr_scheduler=lr_scheduler), SCHEMA)
+    # optimizer (torch) and lr_scheduler (mtune) are trusted; the dataset's argparse.Namespace is not
+    assert report.foreign == ["dataset: argparse.Namespace"]
+
+
+@pytest.mark.parametrize("epochs, warmup, warned", [(None, 4, False), (None, 5, True), (2, 9, False), (2, 10, True)])
+def test_validate_config_warns_of_a_warmup_as_long_as_the_capped_run(epochs, warmup, warned):
+    """A warmup of exactly max_steps_per_epoch x epochs (epochs absent: 1) leaves no step at the full lr, one less does."""
+    changes = {"max_steps_per_epoch": 5, "lr_scheduler": {
+        "_component_": "mtune.training.lr_schedulers.get_cosine_schedule_with_warmup", "num_warmup_steps": warmup}}
+    if epochs is not None:
+        changes["epochs"] = epochs
+    report = validate_config(good_config(**changes), SCHEMA)
+    total = 5 * (epochs or 1)  # by hand: the cap times the epochs, epochs defaulting to 1
+    expected = [f"lr_scheduler.num_warmup_steps={warmup} is not shorter than the run (at most max_steps_per_epoch x "
+                f"epochs = 5 x {epochs or 1}: {total} steps): the learning rate would never reach optimizer.lr; lower "
+                "num_warmup_steps (a few percent of the steps is usual) or train longer (max_steps_per_epoch cuts the "
+                "run short: it would run all in warmup)"]
+    assert report.errors == [] and report.notes == []
+    assert [w for w in report.warnings if "num_warmup_steps" in w] == (expected if warned else [])
+
+
+@pytest.mark.parametrize("warmup, notes", [(0, []), (3, [
+    "lr_scheduler.num_warmup_steps=3: the run's total steps are known only once the dataset is read, so `mtune run` "
+    "checks the warmup against them before the first step"])])
+def test_validate_config_notes_an_uncapped_warmup_only_when_there_is_one(warmup, notes):
+    """Without max_steps_per_epoch only the run can check a warmup; no warmup (0) needs no note."""
+    lr_scheduler = {"_component_": "mtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                    "num_warmup_steps": warmup}
+    report = validate_config(good_config(lr_scheduler=lr_scheduler), SCHEMA)
+    assert report.errors == [] and report.notes == notes
+
+
+@pytest.mark.parametrize("value", [0.0, 0.5, 1.0, 1.5])
+def test_key_bounds_include_at_most_and_exclude_above(value):
+    """`above`/`at_most` (top_p's (0, 1]) and `at_least`/`below` (lora.dropout's [0, 1)) bound as their names say."""
+    top_p, dropout = Key("p", float, None, above=0, at_most=1), Key("p", float, 0.0, at_least=0, below=1)
+    # by hand: 0 is out of (0, 1] and in [0, 1); 1 is in (0, 1] and out of [0, 1)
+    in_top_p, in_dropout = 0 < value <= 1, 0 <= value < 1
+    assert top_p.check(value, "p") == ([] if in_top_p else [f"p: must be > 0 and <= 1 (or null), got {value!r}"])
+    assert dropout.check(value, "p") == ([] if in_dropout else [f"p: must be >= 0 and < 1, got {value!r}"])
+
+
+def test_a_required_node_set_to_null_is_a_problem():
+    """A required node written as null is refused like a missing one (an optional one may be null)."""
+    schema = RecipeSchema([KeyGroup("g", [Node("model", "the model to train", required=True), Node("loss", "loss")])])
+    assert schema.check(OmegaConf.create({"model": None, "loss": None})) == ["model: must be set (the model to train)"]
+    assert schema.check(OmegaConf.create({"loss": None})) == ["model: missing required key (the model to train)"]

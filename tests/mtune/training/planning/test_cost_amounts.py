@@ -215,3 +215,100 @@ def test_the_frozen_bytes_inside_the_blocks_are_the_blocks_weights():
     facts = cost.model_facts(cfg)
     args = model_args("llama3_2", "tiny")
     assert facts.frozen_bytes - facts.frozen_in_blocks == (args.vocab_size * args.dim + args.dim) * 2
+
+
+def _candidate(name, cost, *, lossy=(), quality_cost=0, fits=None):
+    from mtune.training.planning.candidates import Candidate
+
+    return Candidate({"name": name}, (0, 1), cost, lossy=lossy, quality_cost=quality_cost, fits=fits, micro_batch=1)
+
+
+def test_search_phases_put_lossless_first_and_order_lossy_by_what_they_give_up():
+    """fallback: lossless by cost, then lossy by quality given up (not cost); never: lossless only; compete: all by
+    cost. Mutations checked: the lossy phase sorted by speed alone; ``never`` keeping the lossy candidates."""
+    slow, fast = _candidate("slow", 2.0), _candidate("fast", 1.0)
+    mild = _candidate("mild", 0.5, lossy=("fp8",), quality_cost=1)
+    harsh = _candidate("harsh", 0.1, lossy=("nf4",), quality_cost=2)  # fastest of all, but gives up the most
+    names = lambda phases: [[c.overrides["name"] for c in phase] for phase in phases]  # noqa: E731
+    everything = [slow, harsh, fast, mild]
+    assert names(fit.search_phases(everything, "fallback")) == [["fast", "slow"], ["mild", "harsh"]]
+    assert names(fit.search_phases(everything, "never")) == [["fast", "slow"]]
+    assert names(fit.search_phases(everything, "compete")) == [["harsh", "mild", "fast", "slow"]]
+
+
+def test_best_of_is_the_cheapest_fitting_candidate_wherever_it_stands():
+    """Of the fitting candidates the cheapest, not the first found; unfitting and unplanned ones are never it.
+    Mutation checked: ``best_of`` returning the first fitting candidate."""
+    first = _candidate("first", 3.0, fits=True)
+    found = [first, _candidate("over", 1.0, fits=False), _candidate("best", 2.0, fits=True),
+             _candidate("unplanned", 0.5)]
+    assert fit.best_of(found).overrides == {"name": "best"}
+    assert fit.best_of([_candidate("over", 1.0, fits=False)]) is None
+
+
+@pytest.mark.parametrize("batch_size, accumulation, splits", [
+    (2, 4, [(8, 1), (4, 2), (2, 4), (1, 8)]), (4, 3, [(12, 1), (6, 2), (3, 4)]), (1, 1, [(1, 1)])])
+def test_micro_batch_choices_halve_the_samples_per_step_down_to_one_or_odd(batch_size, accumulation, splits):
+    """Every power-of-two split of the config's samples per step, at levels 0, 1, 2, ...: by hand, 8 -> 8, 4, 2, 1
+    and 12 -> 12, 6, 3. Mutation checked: the halving stopped one step early."""
+    from mtune.training.planning.candidates import _micro_batch
+
+    choices = _micro_batch(_cfg(batch_size=batch_size, gradient_accumulation_steps=accumulation))
+    assert [(c.level, c.overrides) for c in choices] == [
+        (level, {"batch_size": b, "gradient_accumulation_steps": a}) for level, (b, a) in enumerate(splits)]
+
+
+def test_dominates_counts_equal_levels_as_saving_as_much():
+    """Levels equal on every knob save as much (so a candidate equal to one over the device is pruned); one knob lower
+    is not dominated. Mutation checked: ``<`` for ``<=`` in ``dominates``."""
+    from mtune.training.planning.judge import dominates
+
+    assert dominates((1, 2, 0), (1, 2, 0)) and dominates((2, 2, 1), (1, 2, 0))
+    assert not dominates((1, 2, 0), (2, 1, 0)) and not dominates((1, 2, 0), (1, 2, 1))
+
+
+def test_a_floor_exactly_at_the_budget_fits_and_a_byte_over_does_not():
+    """``floor_reason``: floor + context <= device budget passes; host floor <= host budget passes. The tiny model's
+    fp32 floor is weights + AdamW's two states + gradients = 4 x its 5,772,288 weight bytes.
+    Mutation checked: ``need >= device_budget``."""
+    from mtune.training.planning.candidates import floor_reason
+    from mtune.units import format_bytes
+
+    weights, context = 5_772_288, 1000
+    need = 4 * weights + context
+    cfg = _cfg()
+    assert floor_reason(cfg, need, None, context, 1) is None
+    assert floor_reason(cfg, need - 1, None, context, 1).endswith(f" > {format_bytes(need - 1)}")
+    offloaded = _cfg(optimizer_offload="cpu")  # states (2 x) and host copies with gradients (2 x) on the host
+    assert floor_reason(offloaded, weights, 4 * weights, 0, 1) is None
+    assert floor_reason(offloaded, weights, 4 * weights - 1, 0, 1).startswith("host: ")
+
+
+class _NoPlans:
+    """An estimator that must not be asked: the candidates here are decided by their floors."""
+
+    planned = derived = 0
+
+    def estimate(self, *args, **kwargs):
+        raise AssertionError("planned a candidate its floor rejects")
+
+
+def test_the_judge_holds_the_floor_to_the_budget_less_the_margin_and_prunes_only_for_the_device():
+    """A floor within the device but not within device - margin is rejected unplanned; a rejection by the host floor
+    prunes nothing (a candidate saving less on the device puts less on the host). Mutations checked: the margin not
+    subtracted from the floor's budget; host rejections recorded as failed levels."""
+    from mtune.training.planning.candidates import Candidate
+    from mtune.training.planning.judge import Judge
+
+    weights, margin = 5_772_288, 1 << 20
+    cfg = _cfg()
+    device_only = Candidate({}, (0, 0), 1.0, base=cfg)
+    judge = Judge(cfg, _NoPlans(), knobs=[], device_memory=4 * weights + margin - 1, host_memory=None, margin=margin,
+                  world_size=1)
+    judge.consider(device_only)
+    assert device_only.fits is False and device_only.reason is not None and judge.failed == [(0, 0)]
+    offloaded = Candidate({"optimizer_offload": "cpu"}, (1, 0), 1.0, base=cfg)
+    judge = Judge(cfg, _NoPlans(), knobs=[], device_memory=64 * GIB, host_memory=4 * weights - 1, margin=margin,
+                  world_size=1)
+    judge.consider(offloaded)
+    assert offloaded.fits is False and offloaded.reason.startswith("host: ") and judge.failed == []
