@@ -312,3 +312,23 @@ def test_the_judge_holds_the_floor_to_the_budget_less_the_margin_and_prunes_only
                   world_size=1)
     judge.consider(offloaded)
     assert offloaded.fits is False and offloaded.reason.startswith("host: ") and judge.failed == []
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_floor_only_choice_is_searched_from_2_percent_of_the_budget_less_the_cuda_context(monkeypatch, cuda):
+    """NEGLIGIBLE_SAVING's edge, with the floors stubbed: the budget less the CUDA context (on CUDA) holds 5000 bytes
+    for tensors, so a choice saving 100 bytes (exactly 2%) is searched and one saving 99 is not; without the context
+    subtracted, 100 would fall under 2% of the whole budget on CUDA."""
+    from mtune.training.memory.technique import FitChoice
+    from mtune.training.planning import candidates
+    from mtune.training.planning.memory_plan import CUDA_CONTEXT_BYTES
+
+    floors = {"off": 10_000, "saves_100": 9_900, "saves_99": 9_901}
+    monkeypatch.setattr(candidates, "device_floor", lambda cfg, world_size: ({"parameters": floors[cfg.choice]}, {}))
+    monkeypatch.setattr(candidates, "model_facts", lambda cfg: SimpleNamespace(cuda=cuda))
+    options = [FitChoice(level, {"choice": name}) for level, name in enumerate(floors)]
+    knob = candidates.Knob("stub", lambda cfg: options, floor_only=True)
+    budget = 5000 + (CUDA_CONTEXT_BYTES if cuda else 0)
+    assert candidates.NEGLIGIBLE_SAVING * 5000 == 100  # the edge is exact in floating point
+    kept = candidates._worth_searching(OmegaConf.create({"choice": "off"}), knob, options, budget, 1)
+    assert [c.overrides["choice"] for c in kept] == ["off", "saves_100"]
