@@ -53,12 +53,24 @@ def memory_advice(cfg: Mapping[str, Any]) -> list[str]:
     memory = registry.MemoryConfig.from_config(cfg)
     advice = [item for t in registry.TECHNIQUES for item in t.oom_advice(memory[t], memory)]
     if memory.run.batch_size > 1:
-        advice.append(tier_advice("micro_batch", "a smaller batch_size with a larger gradient_accumulation_steps"))
+        refused = _accumulation_refused(cfg, memory.kind)
+        advice.append(tier_advice("micro_batch", "a smaller batch_size" + (
+            f" (not a larger gradient_accumulation_steps: {refused.split(': ')[0]})" if refused
+            else " with a larger gradient_accumulation_steps")))
     if memory.run.dtype in ("fp32", "fp16"):
         advice.append(tier_advice("dtype", "dtype=bf16 (on GPUs that have it)"))
     if memory.run.max_seq_len:
         advice.append(tier_advice("seq_len", "a smaller tokenizer.max_seq_len"))
     return [text for _, text in sorted(advice, key=lambda item: item[0])]
+
+
+def _accumulation_refused(cfg: Mapping[str, Any], kind: str) -> str | None:
+    """The first problem the techniques' rules find with ``cfg`` accumulating gradients (optimizer_in_bwd steps in
+    each backward), or None when it could."""
+    rules = registry.DISTRIBUTED_MEMORY_RULES if kind == "distributed" else registry.MEMORY_RULES
+    before = {problem for rule in rules for problem in rule(cfg)}
+    after = [problem for rule in rules for problem in rule({**cfg, "gradient_accumulation_steps": 2})]
+    return next((problem for problem in after if problem not in before), None)
 
 
 def device_memory_budget(limit, device: torch.device | str) -> int | None:

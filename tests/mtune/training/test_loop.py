@@ -97,6 +97,11 @@ def test_out_of_memory_names_the_phase_and_the_flags_not_yet_set():
     # a distributed config (its fsdp_reshard_after_forward key says so) offloads with fsdp_cpu_offload instead
     distributed = memory_advice({**cfg, "fsdp_reshard_after_forward": True, "fsdp_cpu_offload": False})
     assert "weight_offloading" not in " ".join(distributed) and "fsdp_cpu_offload=true" in distributed
+    assert "a smaller batch_size with a larger gradient_accumulation_steps" in message
+    # optimizer_in_bwd steps in each backward: its rule refuses accumulation, so the advice does not offer it
+    in_backward = memory_advice({**cfg, "optimizer_in_bwd": True})
+    assert "a smaller batch_size (not a larger gradient_accumulation_steps: optimizer_in_bwd=true cannot be combined " \
+           "with gradient_accumulation_steps=2)" in in_backward
 
 
 def test_out_of_memory_ends_with_the_exact_fit_command():

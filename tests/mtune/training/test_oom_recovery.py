@@ -1,6 +1,8 @@
 """oom_recovery's decision (`replan`) on the tiny LoRA config, against whole plans of the answer (mtune plan, no
 shortcut) and the budget formula; and the knobs a running model can take on."""
 
+import logging
+
 import pytest
 
 from mtune._cli.catalog import find_recipe, load_recipe_module
@@ -139,7 +141,8 @@ def test_a_step_out_of_memory_runs_again_halved_from_fresh_gradients(cfg, tmp_pa
     assert calls[2][0] == [2, 2, 1, 1]
 
 
-def test_an_oom_after_the_optimizer_stepped_is_not_retried_and_the_retries_are_bounded(cfg, tmp_path, monkeypatch):
+def test_an_oom_after_the_optimizer_stepped_is_not_retried_and_the_retries_are_bounded(cfg, tmp_path, monkeypatch,
+                                                                                      caplog):
     """Parameters already changed: re-raised, never run twice. Else at most MAX_RECOVERIES re-plans, then the run
     saves and ends."""
     import torch
@@ -156,9 +159,12 @@ def test_an_oom_after_the_optimizer_stepped_is_not_retried_and_the_retries_are_b
         session.optimizer.step()
         raise torch.OutOfMemoryError("after the step")
 
-    with pytest.raises(torch.OutOfMemoryError, match="after the step"):
+    with caplog.at_level(logging.WARNING, logger="mtune"), pytest.raises(torch.OutOfMemoryError, match="after the step"):
         recovery.run(after_the_step, [_rows(4)], step=1)
     assert recovery.recoveries == 0
+    assert [r.getMessage() for r in caplog.records] == [  # why this one is not re-planned (the sweep met it unsaid)
+        "oom_recovery: not re-planned: the optimizer had begun its step (optimizer_in_bwd steps during backward), "
+        "so this step cannot run again"]
     calls = []
 
     def always(micro_batches):
