@@ -56,8 +56,8 @@ def main(cfg: DictConfig) -> Path:
     base = base_model_dir(cfg, check_adapter(adapter_dir))  # an adapter whose files disagree: refused before writing
     out = Path(cfg.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise OutputExistsError(f"output_dir={out} already exists and is not empty: choose another output_dir or "
-                              "remove it")
+        what = "is a file" if not out.is_dir() else "already exists and is not empty"
+        raise OutputExistsError(f"output_dir={out} {what}: choose another output_dir or remove it")
     dtype = DTYPES[cfg.dtype] if cfg.dtype else None
 
     with atomic_directory(out) as tmp:

@@ -57,6 +57,9 @@ def test_in_process_equals_live_merge(run_dir, tmp_path):
 
     with pytest.raises(FileExistsError, match="already exists and is not empty"):
         merge_lora.main(cfg)
+    (tmp_path / "a_file").write_text("")  # an empty file is named as a file, not as a non-empty directory
+    with pytest.raises(FileExistsError, match=r"a_file is a file: choose another output_dir or remove it$"):
+        merge_lora.main(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "a_file")}))
 
 
 def test_cli_run_bf16(run_dir, tmp_path):
