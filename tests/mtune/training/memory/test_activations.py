@@ -52,6 +52,46 @@ def test_checkpointing_is_exact_and_cuts_saved_activations():
     assert kept < every_other < full
 
 
+def test_every_nth_block_from_the_first_is_checkpointed_as_the_planner_counts():
+    """Guards which blocks every_n_layers checkpoints: 0, n, 2n, ... (what the planner's layer_policies assumes)."""
+    from mtune.training.memory.techniques.activation_checkpointing import ActivationCheckpointingSettings
+    from mtune.training.memory.techniques.activation_checkpointing.checkpoint import checkpoint_policy
+
+    model = apply_activation_checkpointing(_model(n_layers=5), every_n_layers=2)
+    assert [checkpoint_policy(b) for b in model.layers] == ["block", None, "block", None, "block"]
+    s = ActivationCheckpointingSettings(enable_activation_checkpointing=True, activation_checkpointing_every_n_layers=2)
+    assert s.layer_policies(5) == ("block", None, "block", None, "block")
+
+
+def test_checkpointing_twice_keeps_the_first_policy_and_does_not_nest():
+    """Guards against a second apply re-wrapping a block (a nested checkpoint, and the policy overwritten)."""
+    from mtune.training.memory.techniques.activation_checkpointing.checkpoint import checkpoint_policy
+
+    model = apply_activation_checkpointing(_model(n_layers=2))
+    forwards = [b.forward for b in model.layers]
+    apply_activation_checkpointing(model, policy="selective_op")
+    assert [checkpoint_policy(b) for b in model.layers] == ["block", "block"]
+    assert [b.forward for b in model.layers] == forwards
+
+
+@pytest.mark.parametrize("every", [0, -1])
+def test_every_n_layers_below_one_is_refused(every):
+    """Guards the >= 1 check (0 would divide by zero, -1 would checkpoint every block)."""
+    from mtune.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="activation_checkpointing_every_n_layers must be >= 1"):
+        apply_activation_checkpointing(_model(n_layers=1), every_n_layers=every)
+
+
+def test_every_nth_block_repeats_the_per_block_memory_every_n_blocks():
+    """Guards the footprint's repeat_blocks: the planner's unit of blocks must hold whole checkpointing periods."""
+    from mtune.training.memory import phases
+
+    memory = MemoryConfig(enable_activation_checkpointing=True, activation_checkpointing_every_n_layers=3)
+    assert 3 in phases.repeat_blocks(memory)
+    assert max(phases.repeat_blocks(MemoryConfig())) == 1  # off: no period
+
+
 def test_offloading_is_exact():
     plain = _model(n_layers=2)
     offloaded = copy.deepcopy(plain)
@@ -77,6 +117,23 @@ def test_offload_hooks_round_trip_through_host_copies():
     _assert_identical(expected, (loss_sum.detach(), {k: p.grad for k, p in twin.named_parameters()}))
     assert ctx.offloaded_bytes > 1 << 20
     assert copies and all(copies)  # backward read every saved tensor back from a host-resident copy
+
+
+@pytest.mark.parametrize("how", ["params", "model"])
+def test_parameters_and_their_views_stay_in_place(how):
+    """Guards the parameter-storage check (by ``params``, and by ``model`` read on entering): mm saves the weight's
+    transpose, a view that is no Parameter, and only the input may go to the host."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(8, 64, requires_grad=True)
+    kw = {"params": linear.parameters()} if how == "params" else {"model": linear}
+    ctx = OffloadActivations(use_streams=False, min_offload_bytes=0, placement=Placement("cpu", distinct=True), **kw)
+    with ctx:
+        loss = linear(x).square().sum()  # square saves linear's output: an activation, offloaded too
+    loss.backward()
+    assert ctx.offloaded_bytes == (8 * 64 + 8 * 32) * 4  # x and y; never the 64 x 32 weight
+    expected_x = 2 * (x.detach() @ linear.weight.detach().T) @ linear.weight.detach()  # d/dx sum((xW^T)^2)
+    torch.testing.assert_close(x.grad, expected_x)
 
 
 def test_compile_per_block_matches_eager():

@@ -100,6 +100,21 @@ def test_resume_loads_the_plain_optimizers_state_and_refreshes_the_host_copies()
     _assert_same_parameters(plain, resumed)
 
 
+def test_resume_refreshes_host_copies_made_before_the_weights_were_loaded():
+    """Guards load_state_dict copying the device parameters into the host copies (the optimizer built first)."""
+    plain = _model()
+    plain_opt = build_optimizer(ADAMW, plain)
+    _train(plain, plain_opt, steps=1)
+    resumed = _model()  # the initial weights: the host copies are taken from these
+    optimizer = build_optimizer(ADAMW, resumed, MemoryConfig(optimizer_offload="cpu"),
+                                placement=Placement("cpu", distinct=True))
+    resumed.load_state_dict(plain.state_dict())
+    optimizer.load_state_dict(copy.deepcopy(plain_opt.state_dict()))
+    assert all(torch.equal(h, p) for h, p in zip(optimizer.host_params, plain.parameters()))
+    assert _train(plain, plain_opt, steps=1) == _train(resumed, optimizer, steps=1)
+    _assert_same_parameters(plain, resumed)
+
+
 def test_stacks_with_checkpointing_and_activation_offloading():
     memory = MemoryConfig(enable_activation_checkpointing=True, enable_activation_offloading=True)
     plain = _model(LORA, memory)
@@ -111,6 +126,28 @@ def test_stacks_with_checkpointing_and_activation_offloading():
     assert _train(offloaded, optimizer, context=ctx) == _train(plain, build_optimizer(ADAMW, plain))
     assert ctx.offloaded_bytes > 0
     _assert_same_parameters(plain, offloaded)
+
+
+def test_an_optimizer_without_a_cpu_step_is_refused_when_the_validator_is_skipped():
+    """Guards wrap_optimizer raising the rule's own words (build_optimizer called directly, no validator)."""
+    from mtune.config.errors import ConfigError
+
+    sgd = {"_component_": "torch.optim.SGD", "lr": 1e-2}
+    with pytest.raises(ConfigError, match="cannot be combined with optimizer._component_=torch.optim.SGD"):
+        build_optimizer(sgd, _model(), MemoryConfig(optimizer_offload="cpu"), placement=Placement("cpu", distinct=True))
+
+
+def test_transfers_price_each_micro_batchs_gradients_and_one_copy_back_per_step():
+    """Guards the footprint's transfer: gradients out every micro-batch, parameters back once per optimizer step."""
+    from mtune.training.memory.technique import ModelFacts
+    from mtune.training.memory.techniques.optimizer_offload import OPTIMIZER_OFFLOAD
+
+    facts = ModelFacts(n_layers=2, dim=256, trainable_bytes=8e6, frozen_bytes=0, residual_bytes=4,
+                       micro_batch_tokens=1000, step_tokens=4000, trainable_numel=2_000_000)
+    memory = MemoryConfig(optimizer_offload="cpu")
+    footprint = OPTIMIZER_OFFLOAD.footprint(memory[OPTIMIZER_OFFLOAD], memory, facts)
+    assert footprint.transfer_bytes_per_token == pytest.approx(8e6 / 1000 + 8e6 / 4000)
+    assert footprint.host_step_elements == 2_000_000 and footprint.states_home == "host"
 
 
 def test_without_a_distinct_host_the_optimizer_runs_unchanged(caplog):

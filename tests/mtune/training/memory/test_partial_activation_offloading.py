@@ -43,6 +43,33 @@ def test_the_first_blocks_offload_and_the_numbers_are_those_of_offloading_all():
         assert ctx.offloaded_bytes == outside + blocks * BLOCK_INPUT, blocks
 
 
+@pytest.mark.parametrize("blocks", [None, 0, 2])
+def test_the_model_offloads_exactly_the_block_inputs_and_not_its_head(blocks):
+    """Guards the final norm and lm_head keeping their saved tensors in place: inside the model only the offloading
+    blocks' inputs go out."""
+    model, ctx = _offloaded(blocks)
+    with ctx:
+        out = model(TOKENS).sum()  # no loss: nothing outside the model is saved
+    out.backward()
+    assert ctx.offloaded_bytes == (N_LAYERS if blocks is None else blocks) * BLOCK_INPUT
+
+
+def test_the_configured_blocks_reach_the_model():
+    """Guards the technique's on_model passing ``activation_offloading_blocks`` on (not offloading every block)."""
+    from tests._helpers.training import apply_memory_techniques
+
+    torch.manual_seed(0)
+    model = build_model("llama3_1", "tiny", device="cpu", n_layers=3)
+    memory = MemoryConfig(enable_activation_checkpointing=True, enable_activation_offloading=True,
+                          activation_offloading_use_streams=False, activation_offloading_blocks=1)
+    ctx = apply_memory_techniques(model, memory, placement=Placement("cpu", distinct=True))
+    tokens = torch.randint(0, 512, (2, 512), generator=torch.Generator().manual_seed(1))
+    with ctx:
+        out = model(tokens).sum()
+    out.backward()
+    assert ctx.offloaded_bytes == 2 * 512 * DIM * 4  # block 0's input (1 MiB: at the default threshold), only
+
+
 def test_the_key_is_validated_and_priced_by_its_blocks():
     settings = ACTIVATION_OFFLOADING.Settings
     on = dict(enable_activation_checkpointing=True, enable_activation_offloading=True)

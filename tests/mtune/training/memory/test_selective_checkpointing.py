@@ -93,6 +93,39 @@ def test_selective_op_with_activation_offloading_round_trips_through_the_host():
     assert ctx.offloaded_bytes > 0
 
 
+def test_selective_op_keeps_every_matmul_and_the_attention_output_on_cpu(monkeypatch):
+    """Guards the saved-op list: each of a block's 7 linears (aten.mm) and its CPU attention kernel are kept."""
+    import mtune.training.memory.techniques.activation_checkpointing.checkpoint as checkpointing
+
+    kept = []
+    policy = checkpointing.selective_op_policy
+
+    def recording_policy(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        if not ctx.is_recompute and decision == checkpointing.CheckpointPolicy.MUST_SAVE:
+            kept.append(str(func))
+        return decision
+
+    monkeypatch.setattr(checkpointing, "selective_op_policy", recording_policy)
+    model = apply_activation_checkpointing(_model(n_layers=2), policy="selective_op")
+    model(TOKENS[:, :16]).sum().backward()
+    # q, k, v, o, gate, up, down: bias-free linears lower to aten.mm; one attention call per block
+    assert kept.count("aten.mm.default") == 2 * 7, kept
+    assert kept.count("aten._scaled_dot_product_flash_attention_for_cpu.default") == 2, kept
+    assert len(kept) == 2 * 8, kept
+
+
+def test_configured_policy_reaches_the_blocks():
+    """Guards on_model passing activation_checkpointing_policy (not a fixed "block") to the blocks."""
+    from mtune.training.memory.techniques.activation_checkpointing.checkpoint import checkpoint_policy
+
+    model = _model(n_layers=3)
+    apply_memory_techniques(model, MemoryConfig(enable_activation_checkpointing=True,
+                                                activation_checkpointing_every_n_layers=2,
+                                                activation_checkpointing_policy="selective_op"))
+    assert [checkpoint_policy(b) for b in model.layers] == ["selective_op", None, "selective_op"]
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ConfigError, match="activation_checkpointing_policy must be one of block, selective_op"):
         apply_activation_checkpointing(_model(n_layers=1), policy="ops")
