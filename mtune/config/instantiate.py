@@ -111,7 +111,7 @@ def _bool_parameter(param: inspect.Parameter) -> bool | None:
     return None
 
 
-_NUMBER_ANNOTATIONS = {f"{spelling}": (kind, takes_none) for kind in ("float", "int")
+_NUMBER_ANNOTATIONS = {spelling: (kind, takes_none) for kind in ("float", "int")
                        for spelling, takes_none in ((kind, False), (f"{kind}|None", True), (f"None|{kind}", True),
                                                     (f"Optional[{kind}]", True), (f"typing.Optional[{kind}]", True))}
 
