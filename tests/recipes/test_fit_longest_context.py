@@ -63,6 +63,9 @@ def test_the_trained_context_stops_it_and_the_yaml_asks_for_it(tmp_path, long_ch
                            host_memory=8 * 1024**3, world_size=1, output=output) == 0
     out = capsys.readouterr().out
     assert "answer: 16,384 tokens per row" in out and "trained context, 16,384 tokens" in out
+    # the curve: 8,192 (the first probe) and the answer's 16,384, once each (a power of two is not listed twice)
+    assert [line.split()[0] for line in out.splitlines() if line.endswith(("GiB", "MiB", "KiB", "(on the line)"))
+            and " tokens  " in line] == ["8,192", "16,384"]
     written = load_and_check(module, output, [])  # validates
     assert written.tokenizer.max_seq_len == 16384 and written.dataset.packed and written.batch_size == 1
 
@@ -160,3 +163,36 @@ def test_only_a_reach_planned_over_the_device_prunes_at_the_reached_length():
     assert _over_device(Fitter(5), None, 1024)  # 5 bytes spare, less than the margin: over the device
     assert not _over_device(Fitter(20), None, 1024)  # within the device, over the host alone
     assert not _over_device(Fitter(5, plans_run=2), None, 1024)  # not planned before
+
+
+class _EdgeAt:
+    """A stand-in for `reach.Fitter`'s planning: a length fits exactly when it is at most ``edge`` tokens (the peak
+    grows with the length), so `Fitter._edge`'s walk is checked without a plan."""
+
+    def __init__(self, edge: int):
+        from mtune.training.planning.reach import Fitter
+
+        self.edge, self._edge = edge, Fitter._edge.__get__(self)
+
+    def fitting_plan(self, cfg, length):
+        return length
+
+    def fits(self, length):
+        return length <= self.edge
+
+
+@pytest.mark.parametrize("guess, edge, limit, expected", [
+    (9000, 10_500, 16_384, 10 * 1024),         # the line short of the edge: walked up, a multiple of 1024
+    (11_500, 10_500, 16_384, 10 * 1024),       # the line one step past it: the step below
+    (20_000, 10_500, 65_536, 10 * 1024),       # far past it: walked down
+    (100_000, 200_500, 262_144, 195 * 1024),   # far short of a long edge: walked up in 3% strides, then bisected
+    (300_000, 200_500, 400_000, 195 * 1024),   # far past it: walked down in strides, then bisected
+    (9000, 20_000, 16_000, 16_000),            # every length fits: the limit itself, not a multiple
+    (4096, 1000, 16_384, 0),                   # not even SHORTEST (1024) fits
+])
+def test_the_edge_is_the_longest_fitting_multiple_of_the_step(guess, edge, limit, expected):
+    """`Fitter._edge` answers the largest multiple of STEP (1024) at most the fitting edge, or the limit, whatever
+    the line guessed (by hand: 10,500 // 1024 = 10 steps, 200,500 // 1024 = 195). Mutations checked: the length not
+    rounded to the step; the guess returned without trying a step beyond it; the non-fitting guess returned instead
+    of the step below; the bisection stopped a step short."""
+    assert _EdgeAt(edge)._edge(None, guess, limit) == expected

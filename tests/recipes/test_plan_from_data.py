@@ -57,3 +57,26 @@ def test_cli_prints_the_lengths(tmp_path, tiny_checkpoint, tiny_data, capsys):
     assert main(["plan", "--from-data", "lora_single_device", "--config", str(TRAIN_CONFIG), *overrides]) == 0
     printed = capsys.readouterr().out
     assert "data: 48 samples (tokens per sample): min " in printed and "longest batch: rows of" in printed
+
+
+def test_the_percentiles_are_read_off_the_sorted_lengths(monkeypatch):
+    """40 rows of 1..40 tokens (shuffled): min 1, median the lower middle (sorted index 19: 20), p95 the sorted
+    index int(0.95 * 40) = 38 (39 tokens), max 40. Mutations checked: median at index n // 2; p95 at 0.9."""
+    from types import SimpleNamespace
+
+    from mtune.training.planning import data_lengths as module
+
+    rows = [{"tokens": [7] * n} for n in [*range(40, 20, -1), *range(1, 21)]]
+    loader = SimpleNamespace(dataset=_Rows(rows))
+    monkeypatch.setattr(module, "resolve_model_source", lambda model: None)
+    monkeypatch.setattr(module, "setup_tokenizer", lambda tokenizer, source: None)
+    monkeypatch.setattr(module, "setup_data", lambda cfg, tokenizer: (loader, None, None))
+    lengths = module.data_lengths(SimpleNamespace(model=None, tokenizer=None))
+    assert (lengths.rows, lengths.min, lengths.median, lengths.p95, lengths.max, lengths.longest_batch) == (
+        40, 1, 20, 39, 40, 40)
+
+
+class _Rows(list):
+    """A dataset of rows given by hand, read row by row."""
+
+    packed = False

@@ -95,3 +95,25 @@ def test_run_fit_refuses_an_output_dir_it_cannot_create_before_the_search(capsys
                                    "tiny/lora_single_device", f"output_dir={out}")
     assert code == 1 and len(errors) == 1
     assert errors[0].startswith(f"error: output_dir={out}: cannot create it, where --fit writes mtune_fit.yaml: ")
+
+
+def test_run_fit_hands_the_budgets_to_the_search_and_runs_nothing_when_nothing_fits(monkeypatch, tmp_path):
+    """The search receives --device-memory and --host-memory as bytes (2 GiB, 3 GiB) for one rank, and a search
+    that found nothing (status 1) gives no config to run. Mutations checked: the host budget not passed on; a
+    failed search's status ignored."""
+    from mtune._cli.catalog import find_recipe, load_recipe_module
+    from mtune._cli.run_fit import fit_at_launch
+    from mtune.training.planning import fit
+
+    seen = {}
+
+    def fake_fit_command(cfg, **kwargs):
+        seen.update(kwargs)
+        return 1
+
+    monkeypatch.setattr(fit, "fit_command", fake_fit_command)
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    answer = fit_at_launch(module, "lora_single_device", REPO / "recipes" / "configs" / "tiny" / "lora_single_device.yaml",
+                           [f"output_dir={tmp_path / 'out'}"], {"--device-memory": "2GiB", "--host-memory": "3GiB"})
+    assert answer is None
+    assert (seen["device_memory"], seen["host_memory"], seen["world_size"]) == (2 * GIB, 3 * GIB, 1)

@@ -104,3 +104,21 @@ def test_mtune_run_refuses_a_locked_output_dir_in_one_line(capsys, tmp_path, oth
     assert code == 1 and "Traceback" not in err
     assert f"error: output_dir={tmp_path} is in use by another run: pid {other_process.pid} on host" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILENAME]  # nothing else written
+
+
+def test_a_lock_this_process_left_is_taken_and_release_restores_sigterm(tmp_path):
+    """A lock naming this very process (an earlier run in it) is taken, not refused; releasing puts back the SIGTERM
+    handler that was there before. Mutations checked: this process's own lock refused; the handler not restored."""
+    def before(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        _write_lock(tmp_path)  # this host, this pid
+        lock = lock_output_dir(tmp_path)
+        assert signal.getsignal(signal.SIGTERM) is not before  # the lock's own, until released
+        lock.release()
+        assert signal.getsignal(signal.SIGTERM) is before
+        assert not (tmp_path / LOCK_FILENAME).exists()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

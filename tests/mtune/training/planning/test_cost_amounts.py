@@ -332,3 +332,45 @@ def test_a_floor_only_choice_is_searched_from_2_percent_of_the_budget_less_the_c
     assert candidates.NEGLIGIBLE_SAVING * 5000 == 100  # the edge is exact in floating point
     kept = candidates._worth_searching(OmegaConf.create({"choice": "off"}), knob, options, budget, 1)
     assert [c.overrides["choice"] for c in kept] == ["off", "saves_100"]
+
+
+def test_on_cuda_transfers_overlap_compute_so_only_the_larger_is_paid():
+    """On a CUDA target the copies run on side streams: max(compute, transfers), not their sum as on the CPU.
+
+    Mutation checked: ``compute + transfers`` on every target (the overlap dropped) fails."""
+    cpu, cuda = _cfg(device="cpu", optimizer_offload="cpu"), _cfg(device="cuda", optimizer_offload="cpu")
+    compute = cost.model_flops_per_token(cpu) / cost.REFERENCE_FLOPS
+    transfers = cost.transfer_bytes_per_token(cpu) / cost.REFERENCE_HOST_BANDWIDTH
+    assert transfers > compute  # optimizer offload's copies dominate the tiny model's FLOPs
+    # the same candidate on either target differs only by the smaller term, which CUDA hides
+    assert cost.step_cost(cpu) - cost.step_cost(cuda) == pytest.approx(compute, rel=1e-6)
+
+
+def test_paged_state_costs_two_transfers_of_its_bytes_per_step():
+    """``paged_bytes`` of managed state cross the host link about twice a step, spread over the step's tokens.
+
+    Mutation checked: ``paging = paged_bytes`` (one crossing) fails."""
+    cfg, paged = _cfg(), 1e9
+    step_tokens = 2 * 32 * 3  # batch_size * max_seq_len * gradient_accumulation_steps
+    expected = 2 * paged / cost.REFERENCE_HOST_BANDWIDTH / step_tokens
+    assert cost.step_cost(cfg, paged_bytes=paged) - cost.step_cost(cfg) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_host_floor_is_each_ranks_share():
+    """Over 4 ranks optimizer offload's host floor is a quarter of the model's: AdamW's two fp32 states and the
+    host copies with gradients, each 2 x the 5,772,288 fp32 weight bytes. Mutation checked: the host floor not
+    divided by ``world_size`` (the device one was)."""
+    weights = 5_772_288
+    device, host = cost.device_floor(_cfg(optimizer_offload="cpu"), 4)
+    assert device == {"fp32 trainable weights": weights / 4}
+    assert host == {"optimizer states (AdamW)": 2 * weights / 4, "host copies and gradients": 2 * weights / 4}
+
+
+def test_a_search_counts_each_sequence_lengths_flops_apart():
+    """Inside one search (`cost.one_search`, shared caches) a longer max_seq_len still costs its longer attention:
+    the tiny model's QK^T and PV, forward and backward, add 12 * 32 more positions * 4 heads * 64 * 2 layers FLOPs
+    per token at 64 than at 32. Mutation checked: ``seq_len`` left out of the FLOPs cache key."""
+    short, long = _cfg(), _cfg(tokenizer={"path": None, "max_seq_len": 64})
+    with cost.one_search():
+        difference = cost.model_flops_per_token(long) - cost.model_flops_per_token(short)
+    assert difference == 12 * 32 * 4 * 64 * 2
