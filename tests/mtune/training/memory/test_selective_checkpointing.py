@@ -93,8 +93,8 @@ def test_selective_op_with_activation_offloading_round_trips_through_the_host():
     assert ctx.offloaded_bytes > 0
 
 
-def test_selective_op_keeps_every_matmul_and_the_attention_output_on_cpu(monkeypatch):
-    """Guards the saved-op list: each of a block's 7 linears (aten.mm) and its CPU attention kernel are kept."""
+def _record_kept_ops(monkeypatch) -> list[str]:
+    """The ops selective_op keeps in forward (not recompute), appended to the returned list as the policy decides."""
     import mtune.training.memory.techniques.activation_checkpointing.checkpoint as checkpointing
 
     kept = []
@@ -107,6 +107,12 @@ def test_selective_op_keeps_every_matmul_and_the_attention_output_on_cpu(monkeyp
         return decision
 
     monkeypatch.setattr(checkpointing, "selective_op_policy", recording_policy)
+    return kept
+
+
+def test_selective_op_keeps_every_matmul_and_the_attention_output_on_cpu(monkeypatch):
+    """Guards the saved-op list: each of a block's 7 linears (aten.mm) and its CPU attention kernel are kept."""
+    kept = _record_kept_ops(monkeypatch)
     model = apply_activation_checkpointing(_model(n_layers=2), policy="selective_op")
     model(TOKENS[:, :16]).sum().backward()
     # q, k, v, o, gate, up, down: bias-free linears lower to aten.mm; one attention call per block
@@ -147,18 +153,7 @@ def test_compile_per_block_with_selective_op_matches_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_selective_op_on_cuda_keeps_the_attention_kernel_output_and_is_exact(monkeypatch):
     # CUDA runs other attention kernels than the CPU (flash / efficient / cuDNN): the policy must know the one used.
-    import mtune.training.memory.techniques.activation_checkpointing.checkpoint as checkpointing
-
-    kept = []
-    policy = checkpointing.selective_op_policy
-
-    def recording_policy(ctx, func, *args, **kwargs):
-        decision = policy(ctx, func, *args, **kwargs)
-        if not ctx.is_recompute and decision == checkpointing.CheckpointPolicy.MUST_SAVE:
-            kept.append(str(func))
-        return decision
-
-    monkeypatch.setattr(checkpointing, "selective_op_policy", recording_policy)
+    kept = _record_kept_ops(monkeypatch)
     plain = _model(n_layers=2).cuda().to(torch.bfloat16)
     selective = apply_activation_checkpointing(copy.deepcopy(plain), policy="selective_op")
     tokens, labels = TOKENS.cuda(), LABELS.cuda()
