@@ -122,3 +122,16 @@ def test_a_lock_this_process_left_is_taken_and_release_restores_sigterm(tmp_path
         assert not (tmp_path / LOCK_FILENAME).exists()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_unreadable_lock_past_its_grace_is_broken_and_taken(tmp_path, caplog):
+    """A lock file cut short (its writer killed mid-write) is taken once it is older than the writer's grace
+    (_UNREADABLE_GRACE_S, 10 s), with a warning naming it; before that the writer may still be filling it in."""
+    lock_file = tmp_path / LOCK_FILENAME
+    lock_file.write_text('{"pid": 12')  # cut short
+    old = lock_file.stat().st_mtime - 11
+    os.utime(lock_file, (old, old))
+    lock = lock_output_dir(tmp_path)
+    assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert "an unreadable lock file 11 s old" in caplog.text
