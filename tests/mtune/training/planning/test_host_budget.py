@@ -86,3 +86,10 @@ def test_fewer_offloaded_blocks_reads_the_count_off_the_line_rounded_down(monkey
     changes, plan = host.fewer_offloaded_blocks(OmegaConf.create({"offloaded": None}), every, Estimator(),
                                                 lambda p: spare.get(p.count, 0))
     assert changes == {"offloaded": 4} and plan.count == 4
+    # a lower-bound plan (spare -100 here) has no slope to read: the line is read off a whole plan of every block
+    # (-400) instead, still 4 (reading it off the bound would give 8 * 500 / 600 = 6.67, so 6)
+    spare["bound"] = -100
+    bound = SimpleNamespace(count="bound", lower_bound=True)
+    changes, _ = host.fewer_offloaded_blocks(OmegaConf.create({"offloaded": None}), bound, Estimator(),
+                                             lambda p: spare.get(p.count, 0))
+    assert changes == {"offloaded": 4}
