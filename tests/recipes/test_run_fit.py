@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from omegaconf import OmegaConf
 
 from tests._helpers.paths import REPO
@@ -117,3 +118,21 @@ def test_run_fit_hands_the_budgets_to_the_search_and_runs_nothing_when_nothing_f
                            [f"output_dir={tmp_path / 'out'}"], {"--device-memory": "2GiB", "--host-memory": "3GiB"})
     assert answer is None
     assert (seen["device_memory"], seen["host_memory"], seen["world_size"]) == (2 * GIB, 3 * GIB, 1)
+
+
+def test_run_fit_refuses_an_output_dir_holding_a_run_before_the_search(monkeypatch, tmp_path):
+    """An output_dir that holds a run is refused as the run would refuse it, but before the search is spent (and
+    before mtune_fit.yaml is written there). Mutation checked: the early refusal dropped."""
+    from mtune._cli.catalog import find_recipe, load_recipe_module
+    from mtune._cli.run_fit import fit_at_launch
+    from mtune.errors import OutputExistsError
+    from mtune.training.planning import fit
+
+    searched = []
+    monkeypatch.setattr(fit, "fit_command", lambda cfg, **kwargs: searched.append(1) or 1)
+    (tmp_path / "out" / "final").mkdir(parents=True)  # a finished run
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    with pytest.raises(OutputExistsError, match=r"already holds a run \(final\)"):
+        fit_at_launch(module, "lora_single_device", REPO / "recipes" / "configs" / "tiny" / "lora_single_device.yaml",
+                      [f"output_dir={tmp_path / 'out'}"], {"--device-memory": "2GiB"})
+    assert searched == [] and not (tmp_path / "out" / "mtune_fit.yaml").exists()
