@@ -20,9 +20,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
         except (RuntimeError, OSError) as e:
-            with open(path, "rb") as f:
-                raise TokenizerError(f"{path}: {not_the_file(f.read(64)) or f'not a sentencepiece model ({e})'}") \
-                    from None
+            raise TokenizerError(f"{path}: {not_the_file(path) or f'not a sentencepiece model ({e})'}") from None
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id = self._sp.bos_id()
         self.eos_id = self.end_of_turn_id = self._sp.eos_id()

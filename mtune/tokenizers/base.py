@@ -275,14 +275,16 @@ def read_json(path: Path) -> Any:
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: {not_the_file(text.encode()) or f'not valid JSON ({e})'}") from None
+        raise TokenizerError(f"{path}: {not_the_file(path) or f'not valid JSON ({e})'}") from None
     if not isinstance(spec, dict):
         raise TokenizerError(f"{path}: not valid JSON for this file (a {type(spec).__name__}, not an object)")
     return spec
 
 
-def not_the_file(head: bytes) -> str:
+def not_the_file(path: Path) -> str:
     """What a tokenizer file that a library cannot read is, when its first bytes tell (a Git LFS pointer), else ""."""
+    with open(path, "rb") as f:
+        head = f.read(64)
     if head.startswith(b"version https://git-lfs.github.com/spec/"):
         return "a Git LFS pointer, not the file itself: fetch it (git lfs pull in the clone, or mtune download)"
     return ""

@@ -170,8 +170,7 @@ def _family_of_file(file: Path) -> str:
     try:
         sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
     except (RuntimeError, OSError) as err:
-        with open(file, "rb") as f:
-            what = not_the_file(f.read(64)) or f"neither a tiktoken rank file nor a sentencepiece model ({err})"
+        what = not_the_file(file) or f"neither a tiktoken rank file nor a sentencepiece model ({err})"
         raise TokenizerError(f"{file}: {what}") from None
     inst = sp.piece_to_id("[INST]")
     return "mistral" if sp.id_to_piece(inst) == "[INST]" and sp.is_control(inst) else "llama2"
