@@ -60,6 +60,7 @@ from types import SimpleNamespace
 HERE = Path(__file__).resolve().parent
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_suite.json"
+STACK_DUMP_S = 60  # a GPU case writes every thread's stack to its log this often (faulthandler)
 PART_BUDGET_S = 8 * 60
 
 
@@ -1009,12 +1010,13 @@ def run_in_subprocess(case: Case, *, dry_run: bool, workdir: Path, args) -> dict
     env = {**os.environ, **dict(case.env)}
     if case.fla:  # the kernels importable for this case only: its twin without them runs the PyTorch form
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.fla_path, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    (workdir / f"{case.name}.log").write_text(proc.stdout + proc.stderr)
+    log = workdir / f"{case.name}.log"
+    with log.open("w") as sink:  # written as the case runs: a case killed by the lease's timeout keeps its log
+        proc = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
     if result.exists():
         return json.loads(result.read_text())
     return {"case": case.name, "part": case.part, "status": "failed",
-            "reason": f"exit {proc.returncode}: " + (proc.stdout + proc.stderr)[-1500:]}
+            "reason": f"exit {proc.returncode}: " + log.read_text()[-1500:]}
 
 
 def parse_args(argv=None):
@@ -1054,6 +1056,10 @@ def main(argv=None) -> list[dict]:
         case = replace(case, compile=False) if args.no_compile else case
         env = environment(mtune_api())
         device = "cuda" if env["gpu_name"] and not args.dry_run else "cpu"
+        if device == "cuda":  # where a case spends its time (kernel compilation, autotuning) if the lease ends it
+            import faulthandler
+
+            faulthandler.dump_traceback_later(STACK_DUMP_S, repeat=True)
         try:
             row = measure(mtune_api(), case, device=device, dry_run=args.dry_run, workdir=Path(args.work), args=args)
         except Exception as err:

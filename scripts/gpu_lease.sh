@@ -3,7 +3,7 @@
 # "What is left for a GPU". Writes gpu_suite.json, suite.log and logs.tgz under $OUT; merge them here afterwards
 # (gpu_suite.write_results, then benchmarks/derived_figures.py). What each item must carry (run(carry=...)):
 #   1: .whl_triton .whl/fla .whl/base     Qwen3.5 9B on fla's kernels beside its PyTorch-form twin (on any machine,
-#                                          fresh or warm: it installs what it needs)
+#                                          fresh or warm: it installs what it needs; CASES=... SUITE_S=... narrow it)
 #   2: .whl                                the allocator model against CUDA's, DPO copy row, eager 8B QLoRA twins
 #   3: .whl                                the head-to-head with torchtune 0.6.1 (parity, profiles)
 #   4: .whl                                part 16: runs held to --fit's allocator margin over their plans
@@ -27,7 +27,7 @@ suite() {  # suite WORKDIR SECONDS ARGS...: the suite's cases under a timeout, i
   local work="$1" seconds="$2"; shift 2
   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout "$seconds" python3 benchmarks/gpu_suite.py --budget-s 9000 \
     --out "$OUT/gpu_suite.json" --work "$work" "$@" 2>&1 | tee "$OUT/suite.log"
-  (cd "$work" && tar czf "$OUT/logs.tgz" ./*.log)
+  (cd "$work" && tar czf "$OUT/logs.tgz" --ignore-failed-read ./*.log 2>/dev/null || true)
 }
 case "$item" in
   1)
@@ -37,8 +37,8 @@ case "$item" in
     python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
       .whl_triton/triton.tar.xz /tmp/site_triton || exit
     pip_target /tmp/site_fla .whl/fla/*.whl || exit
-    suite /tmp/gs1 300 --fla-path /tmp/site_triton:/tmp/site_fla \
-      --cases qwen3_5_9B_lora_fla_packed4096 qwen3_5_9B_lora_packed4096 ;;
+    TRITON_PRINT_AUTOTUNING=1 suite /tmp/gs1 "${SUITE_S:-300}" --fla-path /tmp/site_triton:/tmp/site_fla \
+      --cases ${CASES:-qwen3_5_9B_lora_fla_packed4096 qwen3_5_9B_lora_packed4096} ;;
   2)
     install_site
     versions
