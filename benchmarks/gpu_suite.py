@@ -450,10 +450,20 @@ def profile_top(prof, cuda: bool, sites: bool = True) -> dict:
         return top
     field = fields["profile_top_device" if cuda else "profile_top_cpu"]
     by_site: dict[str, list] = {}
+    # what the attribution saw, by event kind: the first lease to record sites (2026-11-27) put every op of every row
+    # "(outside mtune)", which the CPU's profile never does; these counts say which events lacked a Python frame
+    seen = {"python_frames": 0, "timed_events": {}, "timed_with_python_parent": {}}
     for event in prof.events():
-        if _python_frame(event.name) or not getattr(event, field):
+        if _python_frame(event.name):
+            seen["python_frames"] += 1
             continue
+        if not getattr(event, field):
+            continue
+        kind = str(getattr(event, "device_type", "?")).rsplit(".", 1)[-1]
+        seen["timed_events"][kind] = seen["timed_events"].get(kind, 0) + 1
         parent = event.cpu_parent
+        if parent is not None and any(_python_frame(p.name) for p in _ancestors(parent)):
+            seen["timed_with_python_parent"][kind] = seen["timed_with_python_parent"].get(kind, 0) + 1
         while parent is not None and "mtune/" not in parent.name:
             parent = parent.cpu_parent
         site = by_site.setdefault("(outside mtune)" if parent is None else "mtune/" + parent.name.split("mtune/", 1)[1],
@@ -462,7 +472,15 @@ def profile_top(prof, cuda: bool, sites: bool = True) -> dict:
         site[1] += 1
     top["profile_top_sites"] = [f"{name}: {total / 1e3:.2f} ms ({ops})" for name, (total, ops)
                                 in sorted(by_site.items(), key=lambda item: -item[1][0])[:PROFILE_TOP]]
+    top["profile_site_events"] = seen
     return top
+
+
+def _ancestors(event):
+    """``event`` and its CPU parents, innermost first."""
+    while event is not None:
+        yield event
+        event = event.cpu_parent
 
 
 def dynamo_limits_hit() -> int:
