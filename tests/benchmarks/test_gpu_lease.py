@@ -42,9 +42,10 @@ def _carry() -> dict[str, list[str]]:
 def test_every_item_runs_cases_the_suite_has():
     names = {case.name for case in suite.CASES}
     items = _items()
-    assert sorted(items) == ["1", "2", "3", "4", "5", "6", "7"]
+    assert sorted(items) == ["1", "2", "3", "4", "5", "6"]
     for item, body in items.items():
-        cases = body.split("--cases", 1)[1].replace("\\\n", " ").split()
+        # an item may let CASES narrow its list: ${CASES:-a b} runs a and b unless CASES is set
+        cases = re.sub(r"\$\{CASES:-([^}]*)\}", r"\1", body.split("--cases", 1)[1].replace("\\\n", " ")).split()
         assert cases and set(cases) <= names, f"item {item}: {sorted(set(cases) - names)} not in gpu_suite.CASES"
 
 
@@ -65,5 +66,5 @@ def test_a_function_an_item_calls_reads_from_the_tree_for_it():
 def test_an_unknown_item_is_refused_before_anything_runs(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "9"], env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 2 and proc.stderr.strip() == "no item 9 (1-7)"
+    assert proc.returncode == 2 and proc.stderr.strip() == "no item 9 (1-6)"
     assert list(tmp_path.iterdir()) == []
