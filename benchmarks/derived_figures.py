@@ -270,7 +270,7 @@ def held_runs(rows: list[dict], predictions: list[dict]) -> list[dict]:
         record = {"name": case, "gpu_name": gpu, "served": served, "held_to_gib": r.get("held_to_gib"),
                   "max_allocated_gib": r.get("max_allocated_gib"), "max_reserved_gib": r.get("max_reserved_gib"),
                   "alloc_retries": r.get("alloc_retries"), "syncs_all_streams": r.get("syncs_all_streams"),
-                  "predicted_spare_gib": spare.get(twin)}
+                  "expandable_segments": r.get("expandable_segments"), "predicted_spare_gib": spare.get(twin)}
         record["prediction_held"] = None if spare.get(twin) is None else (spare[twin] >= 0) == served
         if r.get("trace_max_reserved_gib") is not None:
             refused = r["model_refused_request"] is not None
