@@ -26,6 +26,7 @@ Compiled rows are left out: the planner plans them eagerly.
 
     python benchmarks/allocator_margin.py [--cases NAME ...]
     python benchmarks/allocator_margin.py --against-cuda    # on a GPU: the model beside the allocator itself
+    python benchmarks/allocator_margin.py --compare PLAN RUN   # a traced GPU row's two request logs (JSON)
 
 Prints a table and writes ``benchmarks/results/allocator_margin.json``; ``--against-cuda`` prints one JSON line.
 """
@@ -217,6 +218,46 @@ def trace_events(trace: list[dict]) -> list[tuple[str, int, int, int]]:
     return events
 
 
+def save_requests(path: Path, events: list[tuple[str, int, int, int]]) -> None:
+    """Write a request log (:func:`replay`'s events: a plan's ``device_events`` or :func:`trace_events` of a run) to
+    ``path`` as gzipped JSON, each storage's key renumbered in order of first use: ``[[kind, key, bytes, stream],
+    ...]``. A GPU row keeps both of a traced run, for :func:`compare_requests` on a CPU afterwards."""
+    import gzip
+
+    keys: dict[int, int] = {}
+    compact = [[kind, keys.setdefault(key, len(keys)), nbytes, stream] for kind, key, nbytes, stream in events]
+    with gzip.open(path, "wt") as sink:
+        json.dump(compact, sink, separators=(",", ":"))
+
+
+def load_requests(path: Path) -> list[tuple[str, int, int, int]]:
+    """A log :func:`save_requests` wrote."""
+    import gzip
+
+    with gzip.open(path, "rt") as source:
+        return [tuple(event) for event in json.load(source)]
+
+
+def compare_requests(plan: list[tuple[str, int, int, int]], run: list[tuple[str, int, int, int]],
+                     top: int = 10) -> dict:
+    """Where a plan's requests and a run's part (each a log of :func:`replay`'s events): how many requests and bytes
+    each asks, the first request whose size differs (its index and both sizes), and the request sizes the run asks
+    more often than the plan, and the plan more often than the run (``top`` of each, the most bytes first:
+    ``[size, count difference]``). What a run allocates that its plan does not (a kernel's transients) shows here."""
+    from collections import Counter
+
+    sizes = [[size for kind, _, size, _ in log if kind == "alloc"] for log in (plan, run)]
+    first = next((i for i, (a, b) in enumerate(zip(*sizes)) if a != b), min(map(len, sizes)))
+    counts = [Counter(log) for log in sizes]
+    extra = [sorted(((size, n) for size, n in (a - b).items()), key=lambda item: -item[0] * item[1])[:top]
+             for a, b in ((counts[1], counts[0]), (counts[0], counts[1]))]
+    return {"plan_requests": len(sizes[0]), "run_requests": len(sizes[1]),
+            "plan_requested_bytes": sum(sizes[0]), "run_requested_bytes": sum(sizes[1]),
+            "first_difference": {"request": first, "plan": sizes[0][first] if first < len(sizes[0]) else None,
+                                 "run": sizes[1][first] if first < len(sizes[1]) else None},
+            "run_more_often": [list(item) for item in extra[0]], "plan_more_often": [list(item) for item in extra[1]]}
+
+
 def model_on_trace(trace: list[dict], limit: int | None = None) -> dict:
     """The model replayed on the allocator's own history (:func:`trace_events`), held to ``limit`` as the run was,
     beside what that history says the allocator reserved (its ``segment_alloc`` and ``segment_free`` entries):
@@ -360,7 +401,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", type=Path, default=RESULTS / "allocator_margin.json")
     parser.add_argument("--against-cuda", action="store_true",
                         help="instead: the model beside this GPU's allocator on a fixed sequence (prints JSON)")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("PLAN", "RUN"),
+                        help="instead: compare a traced row's plan and run request logs (*.requests.json.gz)")
     args = parser.parse_args(argv)
+    if args.compare:
+        figures = compare_requests(*map(load_requests, args.compare))
+        print(json.dumps(figures, indent=1))
+        return [figures]
     if args.against_cuda:
         figures = against_cuda()
         print(json.dumps(figures))

@@ -327,10 +327,10 @@ CASES += [replace(twin, name=f"{twin.name}_held_to_fit_margin", part=16, held_to
                                              "llama3_1_8B_qlora_eager_packed4096",
                                              "llama3_1_8B_lora_weight_offloading_block",
                                              "llama3_1_8B_qlora_eager_torchao_dequantize_packed4096")]
-# the two rows the sixth lease (2026-11-27) saw refused at that limit with ~1 GiB reserved but unallocated, again with
+# ---- part 17: the two rows the sixth lease (2026-11-27) saw refused at that limit with ~1 GiB reserved but unallocated, again with
 # expandable segments, which map pages into one growing segment per stream instead of carving fixed segments: whether
 # the fragmentation that refused them goes (the allocator model knows only fixed segments, so no trace is replayed)
-CASES += [replace(held, name=held.name.replace("_held_to_fit_margin", "_expandable_held_to_fit_margin"),
+CASES += [replace(held, name=held.name.replace("_held_to_fit_margin", "_expandable_held_to_fit_margin"), part=17,
                   env=held.env + (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),), trace_allocator=False,
                   what=f"{held.what}, with expandable segments")
           for held in CASES if held.name in ("llama3_1_8B_qlora_eager_packed4096_held_to_fit_margin",
@@ -526,17 +526,24 @@ TRACE_MAX_ENTRIES = 4_000_000
 says so: ``trace_entries``)."""
 
 
-def traced_allocator(api, memory_fraction: float | None) -> dict:
+def traced_allocator(api, memory_fraction: float | None, requests: Path) -> dict:
     """Stop recording the allocator's history and set ``allocator_margin.model_on_trace`` beside it (GiB; the
-    model held to the row's limit where it had one)."""
+    model held to the row's limit where it had one); the history's requests go to ``requests``
+    (``allocator_margin.save_requests``), beside the plan's."""
     import torch
 
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(enabled=None)
+    allocator_model().save_requests(requests, allocator_model().trace_events(trace))
     limit = None if memory_fraction is None else int(memory_fraction * torch.cuda.get_device_properties(0).total_memory)
     figures = allocator_model().model_on_trace(trace, limit)
     return {"trace_entries": len(trace), **dict((f"{k}_gib", v / api.GIB) if k.endswith(("reserved", "allocated"))
                                                 else (k, v) for k, v in figures.items())}
+
+
+def requests_log(workdir: Path, case: Case, which: str) -> Path:
+    """Where a traced row's ``plan`` or ``run`` request log goes (gzipped JSON; the lease script packs it)."""
+    return workdir / f"{case.name}.{which}.requests.json.gz"
 
 
 def allocator_counts(cuda: bool) -> dict:
@@ -573,6 +580,8 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     row["planned_allocated_gib"] = plan.device_peak_bytes / api.GIB
     row.update(modelled_margins(events, api.GIB) if cuda else {"modelled_margin_gib": None,
                                                                 "modelled_held_margin_gib": None})
+    if cuda and case.trace_allocator:  # the plan's requests, to set beside the run's (allocator_margin --compare)
+        allocator_model().save_requests(requests_log(workdir, case, "plan"), events)
     if case.held_to_fit_margin:
         row["held_to_gib"] = fit_margin_limit(api, plan) / api.GIB
         if cuda:
@@ -639,7 +648,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     # how often the allocator, short of room, waited for every stream and returned its free segments (a stall each)
     row.update({k: (v - before[k] if before[k] is not None else None) for k, v in allocator_counts(cuda).items()})
     if "allocated_before_trace_gib" in row:  # the allocator's history is being recorded
-        row.update(traced_allocator(api, memory_fraction))
+        row.update(traced_allocator(api, memory_fraction, requests_log(workdir, case, "run")))
     timed = times[case.warmup:]
     step_s = statistics.median(timed)
     tokens = int(cfg.batch_size) * int(cfg.tokenizer.max_seq_len)
@@ -757,7 +766,7 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
         figures = {"max_allocated_gib": torch.cuda.max_memory_allocated() / api.GIB,
                    "max_reserved_gib": torch.cuda.max_memory_reserved() / api.GIB, **allocator_counts(True)}
         if "allocated_before_trace_gib" in measured:  # recorded: did the model refuse the same request?
-            figures.update(traced_allocator(api, measured.get("memory_fraction")))
+            figures.update(traced_allocator(api, measured.get("memory_fraction"), requests_log(workdir, case, "run")))
         return {**row, **measured, **figures, "status": "out_of_memory", "reason": str(err)[-1500:]}
 
 

@@ -27,7 +27,7 @@ suite() {  # suite WORKDIR SECONDS ARGS...: the suite's cases under a timeout, i
   local work="$1" seconds="$2"; shift 2
   PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 timeout "$seconds" python3 benchmarks/gpu_suite.py --budget-s 9000 \
     --out "$OUT/gpu_suite.json" --work "$work" "$@" 2>&1 | tee "$OUT/suite.log"
-  (cd "$work" && tar czf "$OUT/logs.tgz" --ignore-failed-read ./*.log 2>/dev/null || true)
+  (cd "$work" && tar czf "$OUT/logs.tgz" --ignore-failed-read ./*.log ./*.requests.json.gz 2>/dev/null || true)
 }
 case "$item" in
   1)

@@ -154,6 +154,28 @@ def test_the_model_replays_an_allocators_own_history():
     assert margin.model_on_trace(trace, 64 * MIB)["model_refused_request"] == 3  # the 3 MiB request, as on the GPU
 
 
+def test_a_request_log_round_trips_and_a_plan_is_set_beside_its_run(tmp_path):
+    """A traced GPU row keeps its plan's and its run's request logs; on a CPU, ``--compare`` says where they part.
+    Here the run makes two 224 MiB transients its plan lacks (as a kernel outside the plan would), the first in
+    place of the plan's third request. Worked by hand. Mutations seen failing: sizes counted from frees too, the
+    two directions of the difference swapped, keys kept as given."""
+    plan = [("alloc", 7001, MIB, 0), ("alloc", 9002, 2 * MIB, 1), ("free", 7001, 0, 0), ("alloc", 7003, 3 * MIB, 0)]
+    run = [("alloc", 51, MIB, 0), ("alloc", 52, 2 * MIB, 1), ("free", 51, 0, 0), ("alloc", 53, 224 * MIB, 0),
+           ("free", 53, 0, 0), ("alloc", 54, 224 * MIB, 0), ("alloc", 55, 3 * MIB, 0)]
+    path = tmp_path / "case.plan.requests.json.gz"
+    margin.save_requests(path, plan)
+    assert margin.load_requests(path) == [("alloc", 0, MIB, 0), ("alloc", 1, 2 * MIB, 1), ("free", 0, 0, 0),
+                                          ("alloc", 2, 3 * MIB, 0)]
+    assert margin.compare_requests(margin.load_requests(path), run) == {
+        "plan_requests": 3, "run_requests": 5, "plan_requested_bytes": 6 * MIB, "run_requested_bytes": 454 * MIB,
+        "first_difference": {"request": 2, "plan": 3 * MIB, "run": 224 * MIB},
+        "run_more_often": [[224 * MIB, 2]], "plan_more_often": []}
+    # the plan asking what the run does not is the other list; a shorter log ends the comparison where it ends
+    assert margin.compare_requests(run, plan)["plan_more_often"] == [[224 * MIB, 2]]
+    assert margin.compare_requests(plan[:2], plan)["first_difference"] == {"request": 2, "plan": None,
+                                                                             "run": 3 * MIB}
+
+
 def test_a_block_freed_under_record_stream_returns_to_its_pool_when_the_allocator_says_so():
     # 12 MiB freed while a side stream still reads it (free_requested), a second 12 MiB then takes a new segment;
     # once the free completes, a third reuses the first block

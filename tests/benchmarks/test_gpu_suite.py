@@ -12,6 +12,7 @@ from tests._helpers.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 suite = load_script("gpu_suite", "benchmarks")
+margin_script = load_script("allocator_margin", "benchmarks")
 
 ROW_KEYS = {"case", "part", "kind", "compile", "status", "gpu_name", "torch", "cuda", "driver", "torchao",
             "bitsandbytes", "expandable_segments", "tokens_per_s", "mfu", "hfu", "planned_allocated_gib",
@@ -233,7 +234,7 @@ def test_a_held_run_refused_is_a_row_that_says_so_and_any_other_run_refused_rais
         suite.measure(suite.mtune_api(), twin, device="cpu", dry_run=True, workdir=tmp_path, args=None)
 
 
-def test_a_traced_row_sets_the_model_on_the_allocators_history_beside_it(monkeypatch):
+def test_a_traced_row_sets_the_model_on_the_allocators_history_beside_it(monkeypatch, tmp_path):
     # the CUDA calls stood in for: a history in which the allocator returned a freed 30 MiB segment for a 32 MiB
     # request under its 60 MiB limit (as torch.cuda.memory._snapshot() gives it), on a card of 600 MiB
     import torch
@@ -249,8 +250,12 @@ def test_a_traced_row_sets_the_model_on_the_allocators_history_beside_it(monkeyp
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recording.append(kw))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=600 * mib))
-    figures = suite.traced_allocator(SimpleNamespace(GIB=mib), 0.1)  # 60 MiB of 600
+    requests = tmp_path / "case.run.requests.json.gz"
+    figures = suite.traced_allocator(SimpleNamespace(GIB=mib), 0.1, requests)  # 60 MiB of 600
     assert recording == [{"enabled": None}]  # recording stopped
+    # the history's requests kept for allocator_margin.py --compare: its allocs and completed frees, in order
+    assert margin_script.load_requests(requests) == [("alloc", 0, 30 * mib, 0), ("alloc", 1, 24 * mib, 0),
+                                                     ("free", 0, 0, 0), ("alloc", 2, 32 * mib, 0)]
     assert figures == {"trace_entries": 9, "trace_requests": 3, "trace_max_reserved_gib": 56,
                        "trace_segment_frees": 1, "trace_out_of_memory": False, "model_max_reserved_gib": 56,
                        "model_max_allocated_gib": 56, "model_retries": 1, "model_refused_request": None}
