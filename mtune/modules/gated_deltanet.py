@@ -19,20 +19,27 @@ boundaries, so ``mtune plan``'s fake tensors plan them exactly).
 
 On CUDA, when flash-linear-attention is installed (``pip install flash-linear-attention``: Triton kernels, pure
 Python), the recurrence runs its ``chunk_gated_delta_rule`` instead (packed documents as ``cu_seqlens``, value
-heads grouped over query/key heads in the kernel); the convolution stays PyTorch's. ``mtune plan`` plans the
-PyTorch form (the kernels do not run on fake tensors), which keeps more for backward than the kernel does;
-generation (:mod:`~mtune.modules.deltanet_state`) runs the PyTorch forms on every device. The kernel is probed once
-before it is used (:mod:`~mtune.modules.gated_deltanet_fla`).
+heads grouped over query/key heads in the kernel); the convolution stays PyTorch's. ``mtune plan`` (fake tensors,
+where the kernel cannot run) plans what the kernel allocates through a stand-in where the run will use it
+(:func:`planning_recurrence`), else the PyTorch form, which keeps more for backward; generation
+(:mod:`~mtune.modules.deltanet_state`) runs the PyTorch forms on every device. The kernel is probed once before it
+is used (:mod:`~mtune.modules.gated_deltanet_fla`).
 """
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
 from mtune.modules.deltanet_state import STEPPED_UP_TO, DeltaNetState, gated_delta_steps
 from mtune.modules.gated_delta_scan import gated_delta_scan
-from mtune.modules.gated_deltanet_fla import fla_gated_delta_rule, fla_kernel
+from mtune.modules.gated_deltanet_fla import PLAN_ENV, fla_gated_delta_rule, fla_kernel, planned_recurrence
+from mtune.modules.gated_deltanet_fla_plan import fla_stand_in
 from mtune.modules.rms_norm import RMSNorm
+
+_planned_rule = None  # the recurrence of fake tensors while planning_recurrence plans fla's kernel
 
 CHUNK_SIZE = 64
 """Tokens solved together; 64 as the reference kernels use (any size gives the same outputs up to round-off)."""
@@ -228,7 +235,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(b, s, self.n_v_heads, self.v_head_dim)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        kernel = fla_kernel(x) if state is None else None  # decoding runs the PyTorch forms (deltanet_state.py)
+        kernel = recurrence_kernel(x) if state is None else None  # decoding runs the PyTorch forms (deltanet_state.py)
         if kernel is not None:
             return fla_gated_delta_rule(kernel, q, k, v, g, beta, cu_seqlens).to(x.dtype)
         group = self.n_v_heads // self.n_k_heads
@@ -242,3 +249,31 @@ class GatedDeltaNet(nn.Module):
             rule = gated_delta_steps if s <= STEPPED_UP_TO else chunked_gated_delta_rule
             out = rule(q, k, v, g, beta, state=state.recurrent)
         return out.transpose(1, 2).to(x.dtype)
+
+
+def recurrence_notes(model: torch.nn.Module, target: torch.device | str) -> list[str]:
+    """The plan's note on which recurrence it counted, for a model with Gated DeltaNet layers (else none)."""
+    if not any(isinstance(m, GatedDeltaNet) for m in model.modules()):
+        return []
+    if planned_recurrence(target) == "fla":
+        return ["Gated DeltaNet: planned flash-linear-attention's chunk_gated_delta_rule (fla-core 0.6's Triton path)"]
+    return [f"Gated DeltaNet: planned the PyTorch chunked form ({PLAN_ENV}=fla plans fla's kernel)"]
+
+
+def recurrence_kernel(x: torch.Tensor):
+    """What runs the recurrence of a training forward on ``x``: flash-linear-attention's kernel for a real CUDA
+    tensor where it imports and trains (:func:`~mtune.modules.gated_deltanet_fla.fla_kernel`); for a fake tensor the
+    stand-in inside :func:`planning_recurrence` when the run will use the kernel; None: the PyTorch form."""
+    return _planned_rule if is_fake(x) else fla_kernel(x)
+
+
+@contextlib.contextmanager
+def planning_recurrence(target: torch.device | str):
+    """While the block runs, fake tensors' Gated DeltaNet recurrence allocates as it will on ``target``
+    (:func:`planned_recurrence`)."""
+    global _planned_rule
+    outer, _planned_rule = _planned_rule, fla_stand_in() if planned_recurrence(target) == "fla" else None
+    try:
+        yield
+    finally:
+        _planned_rule = outer

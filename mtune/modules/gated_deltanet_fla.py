@@ -5,9 +5,15 @@ and a small gated forward and backward runs on the device: flash-linear-attentio
 pairs only in backward (Hopper GPUs with Triton 3.4 to 3.7.0, its issue #640), which would otherwise end the first
 training step in a traceback. Where either fails, the PyTorch chunked form runs and the run's log says why
 (:func:`recurrence_runs`).
+
+``mtune plan`` runs the model on fake tensors, where the kernel cannot run: when the run will use the kernel
+(:func:`planned_recurrence`), the plan runs :func:`~mtune.modules.gated_deltanet_fla_plan.fla_stand_in` instead,
+which allocates what the kernel allocates (:func:`~mtune.modules.gated_deltanet.planning_recurrence`); otherwise
+the PyTorch form is planned.
 """
 
 import importlib
+import os
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -19,6 +25,12 @@ PROBE_SHAPE = (1, 64, 1, 64)
 _fla_rule = None  # chunk_gated_delta_rule once imported and probed; False: not importable, or its probe failed
 _fla_refusal = "pip install flash-linear-attention for its CUDA kernels"  # why not, when _fla_rule is False
 
+PLAN_ENV = "MTUNE_PLAN_GATED_DELTA_RULE"
+"""Environment variable: which recurrence ``mtune plan`` counts for a CUDA target's Gated DeltaNet layers: ``fla``
+(flash-linear-attention's kernel, e.g. planning a GPU machine's run on a laptop), ``pytorch`` (the chunked form),
+or ``auto`` (the default: the kernel where this machine's CUDA device imports and passes the probe, else the
+PyTorch form, which plans more bytes)."""
+
 
 def _fla_import(device: torch.device | str = "cuda"):
     """The kernel, imported and probed on ``device`` on the first call; None where the PyTorch form runs."""
@@ -29,7 +41,12 @@ def _fla_import(device: torch.device | str = "cuda"):
         except ImportError:  # not installed, or Triton is not
             _fla_rule = False
         else:
-            _fla_refusal = fla_probe(kernel, device)
+            # on real tensors even when first asked under a dispatch mode (the planner's fake tensors, the byte
+            # tracker): a Triton kernel cannot run on fake ones, and the refusal would stay for the run itself
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                _fla_refusal = fla_probe(kernel, device)
             _fla_rule = False if _fla_refusal else kernel
     return _fla_rule or None
 
@@ -58,6 +75,19 @@ def fla_kernel(x: torch.Tensor):
     if x.device.type != "cuda" or is_fake(x):
         return None
     return _fla_import(x.device)
+
+
+def planned_recurrence(target: torch.device | str) -> str:
+    """``"fla"`` or ``"pytorch"``: the recurrence a plan for a run on ``target`` counts (see :data:`PLAN_ENV`)."""
+    choice = os.environ.get(PLAN_ENV, "auto")
+    if choice not in ("auto", "fla", "pytorch"):
+        raise ValueError(f"{PLAN_ENV}={choice!r}: use fla, pytorch or auto")
+    if choice != "auto":
+        return choice
+    target = torch.device(target)
+    if target.type != "cuda" or not torch.cuda.is_available():
+        return "pytorch"
+    return "fla" if _fla_import(target) is not None else "pytorch"
 
 
 def recurrence_runs(device: torch.device | str) -> str:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from mtune.config.errors import ConfigError
 from mtune.config.keys import accumulation_steps
 from mtune.models import shortened
+from mtune.modules.gated_deltanet import planning_recurrence, recurrence_notes
 from mtune.training.loop import build_loss, step_on_tensors
 from mtune.training.optimizers import build_optimizer, inner_optimizers
 from mtune.training.placement import Placement
@@ -229,7 +230,7 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
             model, activation_context = setup_model(source, device=cpu, dtype=dtype, memory=memory,
                                                     materialize=False, placement=placement)
         modes.compile_as_planned(model)
-        with modes.fake_mode or contextlib.nullcontext(), warnings.catch_warnings():
+        with planning_recurrence(target), modes.fake_mode or contextlib.nullcontext(), warnings.catch_warnings():
             # torchao's NF4 all-gather compares storage pointers, which fake tensors lack: harmless here
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             if sharded:
@@ -259,9 +260,8 @@ def plan_memory(cfg, *, device_memory: int | None = None, host_memory: int | Non
         parameters={"total": sum(p.numel() for p in params),
                     "trainable": sum(p.numel() for p in params if p.requires_grad)},
         predicts="torch.cuda.max_memory_allocated()" if cuda else "peak_tensor_gib (live tensor bytes)",
-        cuda_context_bytes=CUDA_CONTEXT_BYTES if cuda else 0,
-        device_memory=device_memory, host_memory=host_memory,
-        seconds=time.perf_counter() - start, notes=notes, managed_bytes=managed_bytes,
+        cuda_context_bytes=CUDA_CONTEXT_BYTES if cuda else 0, device_memory=device_memory, host_memory=host_memory,
+        seconds=time.perf_counter() - start, notes=notes + recurrence_notes(model, target), managed_bytes=managed_bytes,
     )
 
 

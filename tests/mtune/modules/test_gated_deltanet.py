@@ -264,3 +264,79 @@ def test_the_scan_passes_gradients_into_the_entering_state_and_out_of_the_leavin
     for name, g, w in zip(("u", "w", "q", "scores", "k_end", "decay", "initial"), got, want):
         assert g is not None, name
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_the_planners_stand_in_allocates_what_flash_linear_attentions_kernel_allocates():
+    """fla-core 0.6's chunk_gated_delta_rule run by Triton's interpreter on the CPU (fla_allocations.py, in its own
+    process) under mtune's byte tracker, against the planner's stand-in (gated_deltanet_fla_plan.py) on the
+    planner's fake tensors, through GatedDeltaNet's call into the kernel, forward and backward: the same live-byte
+    changes in the same order and the same peak, exactly (integer index storages aside: the module docstrings). On
+    rows and packed rows, grouped value heads, lengths not a multiple of 64, one chunk, and keys tiled twice.
+    Mutations seen failing: the stand-in's transient ``v_new`` of backward dropped; ``A`` made in fp32."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    oracle = os.environ.get("MTUNE_FLA_ORACLE_PATH")
+    if not oracle:
+        pytest.skip("MTUNE_FLA_ORACLE_PATH unset: scripts/test.sh installs fla-core and triton there")
+    repo = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [oracle, str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("fla_allocations.py"))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(cases) == {"rows_grouped", "packed_grouped", "rows_one_chunk_k64", "packed_short"}
+    for case, seen in cases.items():
+        assert seen["plan"] == seen["fla"], case
+        assert seen["plan_peak"] == seen["fla_peak"], case
+
+
+def test_a_plan_counts_the_recurrence_the_run_will_use(monkeypatch):
+    """A fake tensor's recurrence is the stand-in only inside planning_recurrence for a target that runs the kernel
+    (here forced: no GPU), else None (the PyTorch form); a real CPU tensor never; a bad setting is one line.
+    Mutation seen failing: planning_recurrence ignoring the setting."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mtune.modules import gated_deltanet, gated_deltanet_fla
+
+    with FakeTensorMode():
+        x = torch.empty(1, 4)
+    with gated_deltanet.planning_recurrence("cuda"):
+        assert gated_deltanet.recurrence_kernel(x) is None  # auto without a GPU here: the PyTorch form
+    monkeypatch.setenv(gated_deltanet_fla.PLAN_ENV, "fla")
+    with gated_deltanet.planning_recurrence("cuda"):
+        assert gated_deltanet.recurrence_kernel(x) is not None
+        assert gated_deltanet.recurrence_kernel(torch.empty(1, 4)) is None
+    assert gated_deltanet.recurrence_kernel(x) is None
+    monkeypatch.setenv(gated_deltanet_fla.PLAN_ENV, "triton")
+    with pytest.raises(ValueError, match="use fla, pytorch or auto"):
+        gated_deltanet_fla.planned_recurrence("cuda")
+
+
+def test_the_kernels_probe_runs_on_real_tensors_when_a_plan_asks_first(monkeypatch):
+    """A plan on the GPU machine asks whether the run will use the kernel (planned_recurrence) where its fake tensors
+    are active: the probe must still run the kernel on real tensors, or a Triton kernel, which cannot run on fake
+    ones, would fail it and the cached refusal would send the run itself to the PyTorch form. Here a kernel that,
+    like Triton's, refuses fake inputs. Mutation seen failing: the probe run under the caller's modes."""
+    import sys
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from mtune.modules import gated_deltanet_fla
+
+    def triton_like(q, k, v, g, beta, **kwargs):
+        if is_fake(q):
+            raise RuntimeError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        return fla_contract(q, k, v, g, beta, **kwargs)
+
+    fla_module = types.SimpleNamespace(chunk_gated_delta_rule=triton_like)
+    monkeypatch.setitem(sys.modules, gated_deltanet_fla.FLA_MODULE, fla_module)
+    monkeypatch.setattr(gated_deltanet_fla, "_fla_rule", None)
+    with FakeTensorMode():
+        assert gated_deltanet_fla._fla_import("cpu") is triton_like
+    assert gated_deltanet_fla._fla_refusal == ""  # no refusal kept for the run
