@@ -340,3 +340,20 @@ def test_the_kernels_probe_runs_on_real_tensors_when_a_plan_asks_first(monkeypat
     with FakeTensorMode():
         assert gated_deltanet_fla._fla_import("cpu") is triton_like
     assert gated_deltanet_fla._fla_refusal == ""  # no refusal kept for the run
+
+
+@pytest.mark.parametrize("runs", ["flash-linear-attention's chunk_gated_delta_rule", "the PyTorch chunked form"])
+def test_a_run_on_flas_kernels_says_its_first_steps_compile_them(monkeypatch, caplog, runs):
+    """On an H100 the first step on fla's kernels took minutes on a fresh machine (Triton compiling and autotuning
+    them; docs/benchmarks.md, the sixth lease): a run that uses them says so before that step, one on the PyTorch
+    form does not."""
+    from mtune.modules import gated_deltanet_fla
+    from mtune.training.memory.techniques.attention_kernel import ATTENTION_KERNEL, AttentionKernelSettings
+    from tests._helpers.models import mtune_twin, tiny_hf_model
+
+    model = mtune_twin(tiny_hf_model("qwen3_5"), "qwen3_5")
+    monkeypatch.setattr(gated_deltanet_fla, "recurrence_runs", lambda device: runs)
+    with caplog.at_level("INFO"):
+        ATTENTION_KERNEL.on_model(model, AttentionKernelSettings(), None, None)
+    assert f"the recurrence runs {runs} on cpu" in caplog.text
+    assert ("compile and autotune flash-linear-attention's Triton kernels" in caplog.text) == runs.startswith("flash")

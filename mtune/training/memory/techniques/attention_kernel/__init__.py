@@ -61,7 +61,11 @@ class AttentionKernel(MemoryTechnique):
             log.info("attention_kernel=%s: packed rows%s run %s on %s", s.attention_kernel,
                      " over 256 tokens" if s.attention_kernel == "auto" else "", runs, device)
         if any(isinstance(m, GatedDeltaNet) for m in model.modules()):  # linear attention has kernels of its own
-            log.info("Gated DeltaNet layers: the recurrence runs %s on %s", recurrence_runs(device), device)
+            runs = recurrence_runs(device)
+            log.info("Gated DeltaNet layers: the recurrence runs %s on %s", runs, device)
+            if runs.startswith("flash-linear-attention"):  # an H100's first step took minutes (docs/models.md)
+                log.info("the first steps compile and autotune flash-linear-attention's Triton kernels: minutes on "
+                         "a machine whose Triton cache does not hold them yet, seconds after")
 
 
 ATTENTION_KERNEL = AttentionKernel()
