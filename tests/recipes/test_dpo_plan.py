@@ -71,6 +71,34 @@ def test_fit_searches_the_reference_losslessly():
     assert [c.overrides for c in CHUNKED_LOSS.fit_choices(memory[CHUNKED_LOSS], memory, model_facts(cfg))] == [{}]
 
 
+def test_fit_and_oom_advice_offer_the_chunked_loss_where_it_is_a_choice():
+    """The chunked-loss technique: a plain cross-entropy config is offered the plain loss (level 0) or the chunked
+    one (level 1), each a whole loss node, both lossless, and its OOM advice names the chunked loss; a chunked config
+    keeps its num_chunks in the chunked choice and gets no advice; a DPO config gets none (its loss is no choice).
+    Oracle: the loss nodes written out by hand. Mutations seen failing: the levels swapped; level 0 an empty
+    override (the user's chunked loss kept); the user's num_chunks dropped; the preference loss given the advice;
+    the advice dropped; no fit_knob (the loss left out of the search's KNOBS)."""
+    from mtune.training.memory.footprint import advice
+
+    plain, chunked = "mtune.modules.loss.CrossEntropyLoss", "mtune.modules.loss.ChunkedCrossEntropyLoss"
+
+    def offered(*overrides):
+        memory = MemoryConfig.from_config(cfg := _cfg(*overrides))
+        choices = CHUNKED_LOSS.fit_choices(memory[CHUNKED_LOSS], memory, model_facts(cfg))
+        return [(c.level, c.overrides, c.lossy) for c in choices], CHUNKED_LOSS.oom_advice(memory[CHUNKED_LOSS], memory)
+
+    assert offered("tiny/lora_single_device") == (
+        [(0, {"loss": {"_component_": plain}}, None), (1, {"loss": {"_component_": chunked}}, None)],
+        [advice("chunked_loss", f"loss._component_={chunked}")])
+    assert offered("tiny/lora_single_device", f"loss={{_component_: {chunked}, num_chunks: 16}}") == (
+        [(0, {"loss": {"_component_": plain}}, None), (1, {"loss": {"_component_": chunked, "num_chunks": 16}}, None)],
+        [])
+    assert offered("tiny/lora_dpo_single_device") == ([(0, {}, None)], [])
+    knob = next(k for k in KNOBS if k.name == "loss")  # the --fit search's dimension for it
+    assert [(c.level, c.overrides) for c in knob.choices(_cfg("tiny/lora_single_device"))] == [
+        (0, {"loss": {"_component_": plain}}), (1, {"loss": {"_component_": chunked}})]
+
+
 @pytest.mark.parametrize("config", ["llama3_1/8B_lora_dpo_single_device", "qwen3/8B_lora_dpo_single_device"])
 def test_the_8b_configs_plan(config):
     """Each shipped LoRA DPO config validates (``shipped_on_tiny`` loads it through the recipe's checks) and plans on

@@ -239,6 +239,56 @@ def test_an_answer_that_drops_the_configs_quantized_base_says_so(tmp_path, tiny_
                                          "weights (not the same numbers, nothing given up)")
 
 
+def test_the_answers_last_lines_name_what_it_gives_up_and_the_config_written(tmp_path, tiny_checkpoint, tiny_data,
+                                                                             capsys):
+    """close_answer's lines: a lossless answer's numerics line comparing the config (QLoRA) with the answer (LoRA);
+    a lossy answer's "gives up" list after its head; then where the config went and the command that runs the
+    written file (not the user's). Mutations seen failing: the lossy branch dropped (numerics line always); the
+    config and the answer swapped in numerics_line; the run command naming the user's config."""
+    from types import SimpleNamespace
+
+    from mtune.training.planning.answer import close_answer
+
+    module = load_recipe_module(find_recipe("lora_single_device"))
+    overrides = _tiny(tmp_path, tiny_checkpoint, tiny_data, {"lora.quantize_base": True})
+    qlora = load_and_check(module, TRAIN_CONFIG, overrides)
+    lora = load_and_check(module, TRAIN_CONFIG, overrides + ["lora.quantize_base=false"])
+    out = tmp_path / "fit.yaml"
+    kwargs = dict(recipe="lora_single_device", config_path=TRAIN_CONFIG, overrides=overrides, output=out)
+    assert close_answer(qlora, SimpleNamespace(lossy=(), cfg=lora), {"lora.quantize_base": False}, "lossy: ",
+                        **kwargs) == 0
+    assert capsys.readouterr().out == (
+        "  more precise than the config: no NF4 base weights (it fits without: not the same numbers, nothing given "
+        f"up)\nwritten to {out}; run it with:\n  mtune run lora_single_device --config {out}\n")
+    assert close_answer(lora, SimpleNamespace(lossy=("NF4 base weights", "8-bit optimizer states"), cfg=qlora),
+                        {"lora.quantize_base": True}, "lossy (nothing lossless fits): ", **kwargs) == 0
+    assert capsys.readouterr().out == (
+        "  lossy (nothing lossless fits): gives up NF4 base weights, 8-bit optimizer states\n"
+        f"written to {out}; run it with:\n  mtune run lora_single_device --config {out}\n")
+
+
+def test_the_written_config_keeps_interpolations_and_replaces_a_node_whole(tmp_path):
+    """write_config: the user's YAML with their override, a changed node replaced whole (the old optimizer's
+    ``fused`` gone), a key the config lacked added, interpolations left as written; a header naming the source and
+    the changes. Oracle: the YAML written out by hand. Mutations seen failing: ``merge=True`` (fused kept);
+    ``to_yaml(resolve=True)``; the changes left out of the header."""
+    from omegaconf import OmegaConf
+
+    source = tmp_path / "mine.yaml"
+    source.write_text("output_dir: /runs/a\nlog_dir: ${output_dir}/logs\nbatch_size: 4\n"
+                      "optimizer:\n  _component_: torch.optim.AdamW\n  lr: 0.001\n  fused: true\n")
+    changes = {"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit", "lr": 0.001},
+               "enable_activation_checkpointing": True}
+    out = write_config(source, ["batch_size=8"], changes, tmp_path / "fit.yaml")
+    header, _, body = out.read_text().partition("\n")
+    assert header == (f"# Written by `mtune plan --fit` from {source}; changed: optimizer=AdamW8bit "
+                      "enable_activation_checkpointing=true")
+    assert OmegaConf.to_container(OmegaConf.create(body)) == {
+        "output_dir": "/runs/a", "log_dir": "${output_dir}/logs", "batch_size": 8,
+        "optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit", "lr": 0.001},
+        "enable_activation_checkpointing": True}
+
+
 @pytest.mark.parametrize("config", ["llama3_2/1B_lora_single_device", "llama3_1/8B_full_single_device"])
 def test_no_candidates_floor_exceeds_its_own_plan(config):
     """--fit rejects a candidate whose floor passes a budget without planning it, so no floor may exceed the plan it
