@@ -327,9 +327,10 @@ CASES += [replace(twin, name=f"{twin.name}_held_to_fit_margin", part=16, held_to
                                              "llama3_1_8B_qlora_eager_packed4096",
                                              "llama3_1_8B_lora_weight_offloading_block",
                                              "llama3_1_8B_qlora_eager_torchao_dequantize_packed4096")]
-# ---- part 17: the two rows the sixth lease (2026-11-27) saw refused at that limit with ~1 GiB reserved but unallocated, again with
-# expandable segments, which map pages into one growing segment per stream instead of carving fixed segments: whether
-# the fragmentation that refused them goes (the allocator model knows only fixed segments, so no trace is replayed)
+# ---- part 17: the two rows the sixth lease (2026-11-27) saw refused at that limit with ~1 GiB reserved but
+# unallocated, again with expandable segments, which map pages into one growing segment per stream instead of carving
+# fixed segments: whether the fragmentation that refused them goes (the allocator model knows only fixed segments,
+# so no trace is replayed)
 CASES += [replace(held, name=held.name.replace("_held_to_fit_margin", "_expandable_held_to_fit_margin"), part=17,
                   env=held.env + (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),), trace_allocator=False,
                   what=f"{held.what}, with expandable segments")

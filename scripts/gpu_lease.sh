@@ -3,7 +3,8 @@
 # "What is left for a GPU". Writes gpu_suite.json, suite.log and logs.tgz under $OUT; merge them here afterwards
 # (gpu_suite.write_results, then benchmarks/derived_figures.py). What each item must carry (run(carry=...)):
 #   1: .whl                                the head-to-head with torchtune 0.6.1 (parity, profiles)
-#   2: .whl                                part 16's rest: three rows held to --fit's margin, two with expandable segments
+#   2: .whl                                part 16's rest (three rows held to --fit's margin) and part 17 (two
+#                                          rows held so with expandable segments)
 #   3: .whl                                the MoE QLoRA twins
 #   4: .whl                                the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
 #   5: .whl                                part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
