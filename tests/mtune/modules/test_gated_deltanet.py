@@ -137,13 +137,9 @@ def test_the_log_says_which_recurrence_runs(monkeypatch):
     assert gated_deltanet_fla.recurrence_runs("cuda") == "flash-linear-attention's chunk_gated_delta_rule"
 
 
-def test_flash_linear_attentions_own_kernel_gives_the_pytorch_forms_outputs_and_gradients():
-    """The real kernel (flash-linear-attention's chunk_gated_delta_rule, which scripts/test.sh installs apart from the
-    environment), run by Triton's interpreter on the CPU in its own process (fla_interpreted.py), through
-    GatedDeltaNet's call into it, against the PyTorch form: outputs, the input's gradient and every parameter's, in
-    fp32, with grouped value heads, on rows and on packed rows. Mutations seen failing: the kernel not asked to
-    L2-normalise, packed rows passed without cu_seqlens, the PyTorch form grouping value heads over query/key heads
-    round-robin (repeat) instead of consecutively."""
+def run_interpreted(script: str):
+    """``script`` (beside this file) in a process of its own with flash-linear-attention and Triton on its path from
+    ``MTUNE_FLA_ORACLE_PATH`` (skipped where unset) and Triton's interpreter on: its last line of output, as JSON."""
     import json
     import os
     import subprocess
@@ -156,10 +152,20 @@ def test_flash_linear_attentions_own_kernel_gives_the_pytorch_forms_outputs_and_
     repo = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [oracle, str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("fla_interpreted.py"))], env=env,
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_flash_linear_attentions_own_kernel_gives_the_pytorch_forms_outputs_and_gradients():
+    """The real kernel (flash-linear-attention's chunk_gated_delta_rule, which scripts/test.sh installs apart from the
+    environment), run by Triton's interpreter on the CPU in its own process (fla_interpreted.py), through
+    GatedDeltaNet's call into it, against the PyTorch form: outputs, the input's gradient and every parameter's, in
+    fp32, with grouped value heads, on rows and on packed rows. Mutations seen failing: the kernel not asked to
+    L2-normalise, packed rows passed without cu_seqlens, the PyTorch form grouping value heads over query/key heads
+    round-robin (repeat) instead of consecutively."""
+    errors = run_interpreted("fla_interpreted.py")
     assert set(errors) == {"rows", "packed"} and len(errors["packed"]) == 11  # out, x's and 9 parameters' gradients
     # fp32 throughout, summed in other orders (the decay parameters' gradients sum every token): ~2e-5 measured
     worst = {case: max(by_tensor.items(), key=lambda item: item[1]) for case, by_tensor in errors.items()}
@@ -273,22 +279,7 @@ def test_the_planners_stand_in_allocates_what_flash_linear_attentions_kernel_all
     changes in the same order and the same peak, exactly (integer index storages aside: the module docstrings). On
     rows and packed rows, grouped value heads, lengths not a multiple of 64, one chunk, and keys tiled twice.
     Mutations seen failing: the stand-in's transient ``v_new`` of backward dropped; ``A`` made in fp32."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    oracle = os.environ.get("MTUNE_FLA_ORACLE_PATH")
-    if not oracle:
-        pytest.skip("MTUNE_FLA_ORACLE_PATH unset: scripts/test.sh installs fla-core and triton there")
-    repo = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [oracle, str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("fla_allocations.py"))], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    cases = run_interpreted("fla_allocations.py")
     assert set(cases) == {"rows_grouped", "packed_grouped", "rows_one_chunk_k64"}
     for case, seen in cases.items():
         assert seen["plan"] == seen["fla"], case
