@@ -18,12 +18,18 @@ import os
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from mtune.errors import MtuneError
+
 FLA_MODULE = "fla.ops.gated_delta_rule"
 PROBE_SHAPE = (1, 64, 1, 64)
 """``[b, s, heads, head_dim]`` of the probe's queries, keys and values: one chunk of one head."""
 
 _fla_rule = None  # chunk_gated_delta_rule once imported and probed; False: not importable, or its probe failed
 _fla_refusal = "pip install flash-linear-attention for its CUDA kernels"  # why not, when _fla_rule is False
+
+class PlanSettingError(MtuneError, ValueError):
+    """A planning setting of the environment that mtune cannot read (the message names the variable)."""
+
 
 PLAN_ENV = "MTUNE_PLAN_GATED_DELTA_RULE"
 """Environment variable: which recurrence ``mtune plan`` counts for a CUDA target's Gated DeltaNet layers: ``fla``
@@ -81,7 +87,7 @@ def planned_recurrence(target: torch.device | str) -> str:
     """``"fla"`` or ``"pytorch"``: the recurrence a plan for a run on ``target`` counts (see :data:`PLAN_ENV`)."""
     choice = os.environ.get(PLAN_ENV, "auto")
     if choice not in ("auto", "fla", "pytorch"):
-        raise ValueError(f"{PLAN_ENV}={choice!r}: use fla, pytorch or auto")
+        raise PlanSettingError(f"environment variable {PLAN_ENV}={choice!r}: use fla, pytorch or auto")
     if choice != "auto":
         return choice
     target = torch.device(target)

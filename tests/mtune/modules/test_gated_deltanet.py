@@ -304,8 +304,9 @@ def test_a_plan_counts_the_recurrence_the_run_will_use(monkeypatch):
         assert gated_deltanet.recurrence_kernel(torch.empty(1, 4)) is None
     assert gated_deltanet.recurrence_kernel(x) is None
     monkeypatch.setenv(gated_deltanet_fla.PLAN_ENV, "triton")
-    with pytest.raises(ValueError, match="use fla, pytorch or auto"):
+    with pytest.raises(gated_deltanet_fla.PlanSettingError) as err:  # an MtuneError: the CLI prints one line
         gated_deltanet_fla.planned_recurrence("cuda")
+    assert str(err.value) == "environment variable MTUNE_PLAN_GATED_DELTA_RULE='triton': use fla, pytorch or auto"
 
 
 def test_the_kernels_probe_runs_on_real_tensors_when_a_plan_asks_first(monkeypatch):
