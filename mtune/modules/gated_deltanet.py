@@ -252,8 +252,9 @@ class GatedDeltaNet(nn.Module):
 
 
 def recurrence_notes(model: torch.nn.Module, target: torch.device | str) -> list[str]:
-    """The plan's note on which recurrence it counted, for a model with Gated DeltaNet layers (else none)."""
-    if not any(isinstance(m, GatedDeltaNet) for m in model.modules()):
+    """The plan's note on which recurrence it counted, for a CUDA target's model with Gated DeltaNet layers (else
+    none: on other devices only the PyTorch form runs)."""
+    if torch.device(target).type != "cuda" or not any(isinstance(m, GatedDeltaNet) for m in model.modules()):
         return []
     if planned_recurrence(target) == "fla":
         return ["Gated DeltaNet: planned flash-linear-attention's chunk_gated_delta_rule (fla-core 0.6's Triton path)"]

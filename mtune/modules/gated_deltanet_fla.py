@@ -88,10 +88,12 @@ def planned_recurrence(target: torch.device | str) -> str:
     choice = os.environ.get(PLAN_ENV, "auto")
     if choice not in ("auto", "fla", "pytorch"):
         raise PlanSettingError(f"environment variable {PLAN_ENV}={choice!r}: use fla, pytorch or auto")
+    target = torch.device(target)
+    if target.type != "cuda":  # the kernel runs on CUDA only
+        return "pytorch"
     if choice != "auto":
         return choice
-    target = torch.device(target)
-    if target.type != "cuda" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return "pytorch"
     return "fla" if _fla_import(target) is not None else "pytorch"
 

@@ -288,7 +288,8 @@ def test_the_planners_stand_in_allocates_what_flash_linear_attentions_kernel_all
 
 def test_a_plan_counts_the_recurrence_the_run_will_use(monkeypatch):
     """A fake tensor's recurrence is the stand-in only inside planning_recurrence for a target that runs the kernel
-    (here forced: no GPU), else None (the PyTorch form); a real CPU tensor never; a bad setting is one line.
+    (here forced: no GPU), else None (the PyTorch form); a real CPU tensor never, nor a CPU target; a bad setting is
+    one line.
     Mutation seen failing: planning_recurrence ignoring the setting."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -302,6 +303,8 @@ def test_a_plan_counts_the_recurrence_the_run_will_use(monkeypatch):
     with gated_deltanet.planning_recurrence("cuda"):
         assert gated_deltanet.recurrence_kernel(x) is not None
         assert gated_deltanet.recurrence_kernel(torch.empty(1, 4)) is None
+    with gated_deltanet.planning_recurrence("cpu"):  # the kernel runs on CUDA only, whatever the setting
+        assert gated_deltanet.recurrence_kernel(x) is None
     assert gated_deltanet.recurrence_kernel(x) is None
     monkeypatch.setenv(gated_deltanet_fla.PLAN_ENV, "triton")
     with pytest.raises(gated_deltanet_fla.PlanSettingError) as err:  # an MtuneError: the CLI prints one line
