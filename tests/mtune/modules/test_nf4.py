@@ -185,3 +185,75 @@ def test_is_nf4_knows_a_torchao_weight_made_before_mtune_imported_torchao(monkey
     weight = nf4_linear.quantize_nf4(torch.randn(128, 128))
     monkeypatch.setattr(nf4_linear, "_nf4", None)
     assert is_nf4(weight) and not is_nf4(torch.randn(128, 128))
+
+
+@pytest.mark.parametrize("shape, ranks, scaler_block", [((2, 64, 128), 1, 128), ((512, 64), 8, 64)])
+def test_a_fake_weight_with_smaller_scaler_blocks_gets_torchaos_layout(shape, ranks, scaler_block):
+    """An expert stack whose experts hold 128 scales, and a 2-D weight split over 8 ranks (64 scales a rank), quantize
+    their scales in blocks under 256: a fake weight (the planner's) is laid out as torchao's ``to_nf4`` lays out the
+    real one with that block, ``scaler_block_size`` included (the planner's dequantization reads it). Mutation seen
+    failing: _nf4_layout giving the tensor torchao's default 256 instead of the weight's own scaler block."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mtune.modules.nf4_linear import _nf4_api, quantize_nf4
+
+    torch.manual_seed(0)
+    real = _nf4_api().to_nf4(torch.randn(*shape).reshape(-1, shape[-1]), 64, scaler_block)
+    with FakeTensorMode():
+        fake = quantize_nf4(torch.empty(*shape), ranks=ranks)
+    for name in real.__tensor_flatten__()[0]:
+        a, b = getattr(real, name), getattr(fake, name)
+        assert (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride()), name
+    for attr in ("block_size", "n_blocks", "scaler_block_size", "shape", "dtype"):
+        assert getattr(real, attr) == getattr(fake, attr), attr
+
+
+def test_a_row_chunk_owns_its_codes_and_scales_and_keeps_their_values():
+    """A rank's rows of an NF4 weight (as fully_shard splits it) hold storage of their own size only, so the whole
+    weight can be freed, and dequantize to the whole weight's rows. Mutation seen failing: the chunk's codes and
+    scales kept as views of the whole weight's (each rank would keep every rank's bytes alive)."""
+    from mtune.modules.nf4_linear import nf4_row_chunk, quantize_nf4
+
+    torch.manual_seed(0)
+    weight = quantize_nf4(torch.randn(512, 64, dtype=torch.bfloat16))
+    for index in range(2):
+        chunk = nf4_row_chunk(weight, 2, index)
+        for name in ("quantized_scalers", "quantization_factor", "quantized_data"):
+            inner = getattr(chunk, name)
+            assert inner.untyped_storage().nbytes() == inner.numel() * inner.element_size(), name
+        assert torch.equal(chunk.get_original_weight(), weight.get_original_weight()[256 * index:256 * (index + 1)])
+
+
+def test_an_nf4_part_is_its_block_of_the_whole_weights_rows():
+    """nf4_part (one expert's share of a stack, as the grouped experts dequantize it) gives the rows of
+    ``torch.chunk`` over torchao's dequantization of the whole weight, block ``index`` and no other. Mutation seen
+    failing: the parts taken in reverse order (``parts - 1 - index``)."""
+    from mtune.modules.nf4_linear import nf4_part, quantize_nf4
+
+    torch.manual_seed(0)
+    weight = quantize_nf4(torch.randn(4, 64, 128, dtype=torch.bfloat16))
+    whole = weight.get_original_weight()
+    for index in range(4):
+        assert torch.equal(nf4_part(weight, 4, index).get_original_weight(), whole.chunk(4)[index]), index
+
+
+def test_a_frozen_nf4_linear_is_f_linear_over_torchaos_values_with_its_bias_and_the_inputs_dtype():
+    """An fp32 weight quantized to NF4 with a bias, fed bf16: the output and the input's gradient are F.linear's over
+    torchao's dequantized weight cast to bf16, plus the bias; the layer reports nn.Linear's features. Mutations seen
+    failing: the bias dropped from forward; the dequantized weight not cast to the input's (forward) or the
+    gradient's (backward) dtype; in_features and out_features swapped."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(256, 128) * 0.05, torch.randn(256, dtype=torch.bfloat16)
+    layer = FrozenNF4Linear(weight, bias)
+    assert (layer.in_features, layer.out_features) == (128, 256)
+    dense = layer.weight.get_original_weight().bfloat16()
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    grad = torch.randn(3, 256, dtype=torch.bfloat16)
+    results = []
+    for forward in (layer, lambda t: torch.nn.functional.linear(t, dense) + bias):
+        xg = x.clone().requires_grad_()
+        out = forward(xg)
+        out.backward(grad)
+        results.append((out, xg.grad))
+    for ours, want in zip(*results):
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, want)

@@ -126,3 +126,46 @@ def test_running_out_of_memory_in_the_kernel_is_the_steps_error_not_a_build_fail
     with pytest.raises(torch.OutOfMemoryError):
         dequantize(quantize_nf4(torch.randn(128, 128)))
     assert nf4_dequantize.COMPILED_ON_CUDA is True
+
+
+def test_the_kernel_applies_to_real_cuda_weights_outside_compiled_code_only(monkeypatch):
+    """The kernel's gate: a real CUDA weight, eager, while the kernel is on (a stand-in carries the CUDA device: this
+    machine may have no GPU). Not a CPU weight (the CPU runs torchao's ops), not a fake CUDA weight (the planner's,
+    which models the kernel itself), not inside compiled code (traced with the rest), not once the kernel was found
+    unbuildable (else every weight would try and warn again). Mutations seen failing: the device test flipped to
+    ``!=``; the is_compiling, is_fake and COMPILED_ON_CUDA terms each dropped."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    applies = nf4_dequantize.compiled_dequantization_applies
+    monkeypatch.setattr(nf4_dequantize, "COMPILED_ON_CUDA", True)
+    cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    assert applies(cuda)
+    assert not applies(quantize_nf4(torch.randn(128, 128)))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = quantize_nf4(torch.empty(128, 128, dtype=torch.bfloat16, device="cuda"))
+    assert fake.device.type == "cuda" and not applies(fake)
+    with monkeypatch.context() as inside:
+        inside.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not applies(cuda)
+    monkeypatch.setattr(nf4_dequantize, "COMPILED_ON_CUDA", False)
+    assert not applies(cuda)
+
+
+@pytest.mark.parametrize("builds", [True, False])
+def test_the_kernel_leaves_dynamos_recompile_limit_as_it_found_it(kernel_on_cpu, monkeypatch, builds):
+    """The recompile limit is raised for the kernel's call only: the process's own limit (the user's compiled model's)
+    is the same after a call, whether the kernel ran or could not be built. Mutation seen failing: the limit not
+    restored in ``finally`` (left at KERNEL_SHAPES for every later compile in the process)."""
+    def kernel(*inputs):
+        assert torch._dynamo.config.recompile_limit == nf4_dequantize.KERNEL_SHAPES
+        if not builds:
+            raise RuntimeError("no working C++ compiler found")
+        return nf4_dequantize.decode(*inputs)
+
+    monkeypatch.setattr(nf4_dequantize, "_kernel", kernel)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 5)
+    weight = quantize_nf4(torch.randn(128, 128))
+    assert torch.equal(dequantize(weight), weight.get_original_weight())
+    assert torch._dynamo.config.recompile_limit == 5
