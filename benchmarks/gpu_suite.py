@@ -470,12 +470,11 @@ def profile_top(prof, cuda: bool, sites: bool = True) -> dict:
             continue
         kind = str(getattr(event, "device_type", "?")).rsplit(".", 1)[-1]
         seen["timed_events"][kind] = seen["timed_events"].get(kind, 0) + 1
-        parent = event.cpu_parent
-        if parent is not None and any(_python_frame(p.name) for p in _ancestors(parent)):
+        parents = list(_ancestors(event.cpu_parent))
+        if any(_python_frame(p.name) for p in parents):
             seen["timed_with_python_parent"][kind] = seen["timed_with_python_parent"].get(kind, 0) + 1
-        while parent is not None and "mtune/" not in parent.name:
-            parent = parent.cpu_parent
-        site = by_site.setdefault("(outside mtune)" if parent is None else "mtune/" + parent.name.split("mtune/", 1)[1],
+        owner = next((p.name for p in parents if "mtune/" in p.name), None)
+        site = by_site.setdefault("(outside mtune)" if owner is None else "mtune/" + owner.split("mtune/", 1)[1],
                                   [0.0, 0])
         site[0] += getattr(event, field)
         site[1] += 1

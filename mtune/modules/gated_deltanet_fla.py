@@ -27,6 +27,10 @@ PROBE_SHAPE = (1, 64, 1, 64)
 _fla_rule = None  # chunk_gated_delta_rule once imported and probed; False: not importable, or its probe failed
 _fla_refusal = "pip install flash-linear-attention for its CUDA kernels"  # why not, when _fla_rule is False
 
+KERNEL_RUNS = "flash-linear-attention's chunk_gated_delta_rule"
+""":func:`recurrence_runs`'s answer where the kernel runs."""
+
+
 class PlanSettingError(MtuneError, ValueError):
     """A planning setting of the environment that mtune cannot read (the message names the variable)."""
 
@@ -104,7 +108,7 @@ def recurrence_runs(device: torch.device | str) -> str:
         return "the PyTorch chunked form"
     if _fla_import(device) is None:
         return f"the PyTorch chunked form ({_fla_refusal})"
-    return "flash-linear-attention's chunk_gated_delta_rule"
+    return KERNEL_RUNS
 
 
 def fla_gated_delta_rule(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

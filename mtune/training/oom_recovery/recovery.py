@@ -121,10 +121,11 @@ class OomRecovery:
             self._recover(failure, micro_batches, step)
 
     def _retryable(self, micro_batches: list[dict]) -> bool:
-        if self.enabled and self._stepped:  # say why this one is not re-planned, before the out-of-memory error
+        if not self.enabled:
+            return False
+        if self._stepped:  # say why this one is not re-planned, before the out-of-memory error
             log.warning("oom_recovery: not re-planned: the optimizer had begun its step (optimizer_in_bwd steps "
                         "during backward), so this step cannot run again")
-        if not self.enabled or self._stepped:
             return False
         if set(micro_batches[0]) - PAIR_BATCH_FIELDS:
             return False  # neither a token nor a preference batch: its micro-batches cannot be cut

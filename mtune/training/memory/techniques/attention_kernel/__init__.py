@@ -50,7 +50,7 @@ class AttentionKernel(MemoryTechnique):
 
     def on_model(self, model: Any, s: AttentionKernelSettings, memory: Any, placement: Any) -> None:
         from mtune.modules.gated_deltanet import GatedDeltaNet
-        from mtune.modules.gated_deltanet_fla import recurrence_runs
+        from mtune.modules.gated_deltanet_fla import KERNEL_RUNS, recurrence_runs
         from mtune.modules.packed_attention import kernel_for
 
         model.attention_kernel = s.attention_kernel
@@ -63,7 +63,7 @@ class AttentionKernel(MemoryTechnique):
         if any(isinstance(m, GatedDeltaNet) for m in model.modules()):  # linear attention has kernels of its own
             runs = recurrence_runs(device)
             log.info("Gated DeltaNet layers: the recurrence runs %s on %s", runs, device)
-            if runs.startswith("flash-linear-attention"):  # an H100's first step took minutes (docs/models.md)
+            if runs == KERNEL_RUNS:  # an H100's first step took minutes (docs/models.md)
                 log.info("the first steps compile and autotune flash-linear-attention's Triton kernels: minutes on "
                          "a machine whose Triton cache does not hold them yet, seconds after")
 
