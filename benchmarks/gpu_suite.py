@@ -30,7 +30,7 @@ tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the ca
 modelled_held_margin_gib (the caching allocator's margin as ``allocator_margin.py`` models it from the plan
 without a limit; the smallest budget it serves the plan in, less the plan's peak), alloc_retries and syncs_all_streams (how often, over the timed
 steps, the allocator returned its free segments to retry a request, and waited for every stream;
-``torch.cuda.memory_stats``), held_to_gib (part 16's rows: the allocator's limit, ``fit_margin_limit``; such a row
+``torch.cuda.memory_stats``), segments_expandable (the segments' own flag, ``torch.cuda.memory_snapshot``), held_to_gib (part 16's rows: the allocator's limit, ``fit_margin_limit``; such a row
 refused is ``status: out_of_memory``, its counts then over the whole process), trace_* and model_* (traced rows:
 ``allocator_margin.model_on_trace`` over the allocator's own history of the run), device_used_gib (``mem_get_info``:
 managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
@@ -548,11 +548,15 @@ def requests_log(workdir: Path, case: Case, which: str) -> Path:
 
 def allocator_counts(cuda: bool) -> dict:
     """The caching allocator's counts of retries after returning its free segments and of waits for every
-    stream (``torch.cuda.memory_stats``), or None each off CUDA."""
+    stream (``torch.cuda.memory_stats``), and whether its segments are expandable (the segments' own flag in
+    ``torch.cuda.memory_snapshot``: what the allocator did, not what the environment asked), or None each off
+    CUDA."""
     import torch
 
     stats = torch.cuda.memory_stats() if cuda else {}
-    return {"alloc_retries": stats.get("num_alloc_retries"), "syncs_all_streams": stats.get("num_sync_all_streams")}
+    segments = torch.cuda.memory_snapshot() if cuda and torch.cuda.is_initialized() else []
+    return {"alloc_retries": stats.get("num_alloc_retries"), "syncs_all_streams": stats.get("num_sync_all_streams"),
+            "segments_expandable": any(s.get("is_expandable") for s in segments) if segments else None}
 
 
 def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | None = None,
@@ -1103,6 +1107,8 @@ def main(argv=None) -> list[dict]:
             traceback.print_exc()
             row = {"case": case.name, "part": case.part, "status": "failed",
                    "reason": f"{type(err).__name__}: {err}"[-1500:]}
+        # this process's environment, not the suite's: a case's own env (part 17's allocator settings) shows here
+        row = {**row, **{k: v for k, v in env.items() if k not in row}}
         Path(result).write_text(json.dumps(row, default=str))
         return [row]
     if args.dry_run and args.out is None:

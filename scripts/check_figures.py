@@ -172,8 +172,9 @@ def _json_records(node, records: list[Record], key: str = "") -> set[tuple[str, 
     for child_key, child in items:
         values |= _json_records(child, records, child_key)
     # where a run ran, and what it was given (its "config": dtype, policy, the row's own name again), name none of
-    # its results: such an object is no record, or a clause naming "fp32" would pick the inputs over the row
-    if isinstance(node, dict) and key not in ("machine", "meta", "config"):
+    # its results: such an object is no record, or a clause naming "fp32" would pick the inputs over the row (a
+    # head-to-head's first_step_parity names only its dtype; its losses stay the row's numbers)
+    if isinstance(node, dict) and key not in ("machine", "meta", "config", "first_step_parity"):
         strings = frozenset(v for v in node.values() if isinstance(v, str) and 2 <= len(v) <= 80
                             and not re.fullmatch(r"[\d\s:.+\-T/Z]+", v))  # a date names no record
         if strings:

@@ -61,7 +61,7 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert row["dry_run"] and row["gpu_name"] is None
         assert row["max_allocated_gib"] is None and row["max_reserved_gib"] is None
         assert row["modelled_margin_gib"] is None and row["modelled_held_margin_gib"] is None  # no allocator
-        assert row["alloc_retries"] is None and row["syncs_all_streams"] is None
+        assert row["alloc_retries"] is None and row["syncs_all_streams"] is None and row["segments_expandable"] is None
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= row["hfu"]
         assert row["batch_size"] == 2 and row["seq_len"] == 64
         assert row["attention_kernel"]  # named from the profiler (the CPU's SDPA kernel)
@@ -77,6 +77,18 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
         assert row["dynamo_limits_hit"] == 0
     assert rows[0]["hfu"] > rows[0]["mfu"]  # checkpointing as shipped: recomputation counted in hfu only
     assert rows[-1]["attention_kernel"]  # packed 64-token rows under attention_kernel=segments
+
+
+def test_a_case_in_its_own_process_reports_its_own_environment(monkeypatch, tmp_path):
+    """``--one-case`` (each case's process under the suite) writes its own allocator settings into its row: the
+    suite's parent, whose environment lacks part 17's ``expandable_segments``, once filled them in instead.
+    Mutation seen failing: the child's environment left out of its row."""
+    monkeypatch.setenv("MTUNE_PEAK_FLOPS", "1e11")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    result = tmp_path / "row.json"
+    suite.main(["--one-case", "llama3_2_1B_lora_eager", str(result), "--work", str(tmp_path), "--dry-run"])
+    row = json.loads(result.read_text())
+    assert row["status"] == "ok" and row["expandable_segments"] is True and row["gpu_name"] is None
 
 
 def test_a_case_needing_an_undeclared_key_is_pending():

@@ -17,9 +17,9 @@ CUDA_BLOCK_BYTES = 512
 """The caching allocator rounds every request up to a multiple of 512 bytes; ``max_memory_allocated`` counts that.
 Cited: ``kMinBlockSize = 512`` in PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` ("all sizes are rounded to at
 least 512 bytes"); benchmarks/results/README.md."""
-CUDA_CONTEXT_BYTES = 752 * MIB
+CUDA_CONTEXT_BYTES = 751 * MIB
 """What a CUDA process holds on the GPU outside the caching allocator (the context, the kernels it loads, the
-cuBLAS/cuDNN handles): measured, 0.734 GiB rounded up to a MiB. It is the median of ``device_used_gib`` -
+cuBLAS/cuDNN handles): measured, 0.733 GiB rounded up to a MiB. It is the median of ``device_used_gib`` -
 ``max_reserved_gib`` over the GPU suite's rows that keep nothing outside the allocator (no managed or offloaded
 memory): 0.733 to 0.753 GiB on every such row but one, one H100 with CUDA 13 and torch 2.11, 2026-11-26 and 27
 (``cuda_context_gib`` in ``benchmarks/results/derived_gpu_suite.json``); the row on flash-linear-attention's
