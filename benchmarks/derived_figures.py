@@ -270,7 +270,9 @@ def held_runs(rows: list[dict], predictions: list[dict]) -> list[dict]:
         record = {"name": case, "gpu_name": gpu, "served": served, "held_to_gib": r.get("held_to_gib"),
                   "max_allocated_gib": r.get("max_allocated_gib"), "max_reserved_gib": r.get("max_reserved_gib"),
                   "alloc_retries": r.get("alloc_retries"), "syncs_all_streams": r.get("syncs_all_streams"),
-                  "expandable_segments": r.get("expandable_segments"), "predicted_spare_gib": spare.get(twin)}
+                  # what the allocator did where the row says (segments_expandable), else what its process asked
+                  "expandable_segments": r["segments_expandable"] if r.get("segments_expandable") is not None
+                  else r.get("expandable_segments"), "predicted_spare_gib": spare.get(twin)}
         record["prediction_held"] = None if spare.get(twin) is None else (spare[twin] >= 0) == served
         if r.get("trace_max_reserved_gib") is not None:
             refused = r["model_refused_request"] is not None

@@ -320,7 +320,10 @@ CASES: list[Case] = [
 # within 0.28 and 0.54 GiB over their plans; QLoRA's default CUDA step, whose compiled NF4 kernel allocates outside
 # the plan (1.23 GiB measured, 0.74 modelled); block-level weight offloading, where the model's 0.91 GiB and the run's
 # 0.09 GiB over its plan leave the margin 0.01 GiB short; and torchao's eager dequantization (1.66 GiB: 0.76 short)
+# (PyTorch's default allocator, pinned since mtune asks for expandable segments: the allocator model's, whose
+# replay of the run's history the row sets beside it)
 CASES += [replace(twin, name=f"{twin.name}_held_to_fit_margin", part=16, held_to_fit_margin=True,
+                  env=twin.env + (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),),
                   trace_allocator=True, what=f"{twin.what}, held to --fit's allocator margin over its plan")
           for twin in CASES if twin.name in ("llama3_1_8B_full_optimizer_offload",
                                              "llama3_1_8B_lora_activation_offloading",
@@ -330,9 +333,11 @@ CASES += [replace(twin, name=f"{twin.name}_held_to_fit_margin", part=16, held_to
 # ---- part 17: the two rows the sixth lease (2026-11-27) saw refused at that limit with ~1 GiB reserved but
 # unallocated, again with expandable segments, which map pages into one growing segment per stream instead of carving
 # fixed segments: whether the fragmentation that refused them goes (the allocator model knows only fixed segments,
-# so no trace is replayed)
+# so no trace is replayed). The seventh lease saw both train; mtune has asked for them on CUDA since
+# (mtune.training.context.configure_cuda_allocator), so every other case runs with them unless its env says not
 CASES += [replace(held, name=held.name.replace("_held_to_fit_margin", "_expandable_held_to_fit_margin"), part=17,
-                  env=held.env + (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),), trace_allocator=False,
+                  env=tuple(kv for kv in held.env if kv[0] != "PYTORCH_CUDA_ALLOC_CONF")
+                  + (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),), trace_allocator=False,
                   what=f"{held.what}, with expandable segments")
           for held in CASES if held.name in ("llama3_1_8B_qlora_eager_packed4096_held_to_fit_margin",
                                              "llama3_1_8B_lora_weight_offloading_block_held_to_fit_margin")]

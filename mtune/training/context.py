@@ -1,4 +1,5 @@
-"""What every recipe sets up first: logging, the device, the dtype, the seed and the output directory."""
+"""What every recipe sets up first: logging, the device (and its CUDA allocator), the dtype, the seed and the output
+directory."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from mtune.training.output_lock import OutputDirLockedError, lock_output_dir
 from mtune.training.rng import set_seed
 from mtune.units import format_bytes
 
-__all__ = ["RunContext", "setup_run", "limit_cuda_memory", "resolve_device", "configure_logging",
-           "claim_output_dir", "run_outputs"]
+__all__ = ["RunContext", "setup_run", "prepare_cuda", "configure_cuda_allocator", "limit_cuda_memory",
+           "resolve_device", "configure_logging", "claim_output_dir", "run_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,7 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-        limit_cuda_memory(cfg.get("device_memory_limit"), device)
+        prepare_cuda(device, cfg.get("device_memory_limit"))
     dtype_name = cfg.dtype
     resolve_dtype(dtype_name, device)  # raises when the device cannot compute in it
     seed = cfg.seed
@@ -164,6 +164,40 @@ def setup_run(cfg, rank: int = 0, world_size: int = 1) -> RunContext:
                      seed=seed, rank=rank, world_size=world_size)
     log.info("device %s, dtype %s, seed %d, output_dir %s", device, dtype_name, seed, output_dir)
     return run
+
+
+ALLOCATOR_SETTINGS_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""Where a user configures PyTorch's caching allocator (the second is the newer, device-neutral name)."""
+
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+"""mtune's allocator setting where the user chose none: segments that grow by mapping pages instead of a new
+``cudaMalloc`` per size class, so freed memory of one size serves a request of another. Measured on an H100 (GPU
+suite part 17, docs/benchmarks.md): the two runs that the default allocator refused at ``--fit``'s margin (plan +
+1 GiB) trained with it, 0.32 and 0.42 GiB reserved beyond allocated."""
+
+
+def prepare_cuda(device: torch.device, limit=None) -> None:
+    """Make ``device`` current, configure the caching allocator (:func:`configure_cuda_allocator`) before the run
+    allocates, and apply ``device_memory_limit`` (:func:`limit_cuda_memory`)."""
+    torch.cuda.set_device(device)
+    log.info(configure_cuda_allocator())
+    limit_cuda_memory(limit, device)
+
+
+def configure_cuda_allocator() -> str:
+    """Expandable segments (:data:`EXPANDABLE_SEGMENTS`) unless ``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF`` is set, in which case the user's settings stand as PyTorch read them. Set at run time
+    (``torch.cuda.memory._set_allocator_settings``, as PyTorch's own tests do), since the variable may have been
+    read when torch loaded; it applies to every segment reserved after it. Returns the line the run logs."""
+    for name in ALLOCATOR_SETTINGS_VARIABLES:
+        if os.environ.get(name):
+            return f"CUDA allocator: {name}={os.environ[name]} (yours; mtune's default is {EXPANDABLE_SEGMENTS})"
+    set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if set_settings is None:  # a torch without the call: say so rather than run as if it were set
+        return (f"CUDA allocator: PyTorch's defaults (this torch cannot set {EXPANDABLE_SEGMENTS} at run time; "
+                f"export PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS} for --fit's measured margin)")
+    set_settings(EXPANDABLE_SEGMENTS)
+    return f"CUDA allocator: {EXPANDABLE_SEGMENTS} (mtune's default; set PYTORCH_CUDA_ALLOC_CONF to choose others)"
 
 
 def limit_cuda_memory(limit, device: torch.device) -> None:
