@@ -28,9 +28,10 @@ Each row (see docs/benchmarks.md, "GPU suite"): case, part, kind, compile, gpu_n
 tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the card by its name), planned_allocated_gib
 (``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, modelled_margin_gib and
 modelled_held_margin_gib (the caching allocator's margin as ``allocator_margin.py`` models it from the plan
-without a limit; the smallest budget it serves the plan in, less the plan's peak), alloc_retries and syncs_all_streams (how often, over the timed
-steps, the allocator returned its free segments to retry a request, and waited for every stream;
-``torch.cuda.memory_stats``), segments_expandable (the segments' own flag, ``torch.cuda.memory_snapshot``), held_to_gib (part 16's rows: the allocator's limit, ``fit_margin_limit``; such a row
+without a limit; the smallest budget it serves the plan in, less the plan's peak), alloc_retries and
+syncs_all_streams (how often, over the timed steps, the allocator returned its free segments to retry a request,
+and waited for every stream; ``torch.cuda.memory_stats``), segments_expandable (the segments' own flag,
+``torch.cuda.memory_snapshot``), held_to_gib (part 16's rows: the allocator's limit, ``fit_margin_limit``; such a row
 refused is ``status: out_of_memory``, its counts then over the whole process), trace_* and model_* (traced rows:
 ``allocator_margin.model_on_trace`` over the allocator's own history of the run), device_used_gib (``mem_get_info``:
 managed memory included), measured_tensor_gib (the tracker's peak, eager rows), attention_kernel (from the profiler's
@@ -330,17 +331,16 @@ CASES += [replace(twin, name=f"{twin.name}_held_to_fit_margin", part=16, held_to
                                              "llama3_1_8B_qlora_eager_packed4096",
                                              "llama3_1_8B_lora_weight_offloading_block",
                                              "llama3_1_8B_qlora_eager_torchao_dequantize_packed4096")]
-# ---- part 17: the two rows the sixth lease (2026-11-27) saw refused at that limit with ~1 GiB reserved but
-# unallocated, again with expandable segments, which map pages into one growing segment per stream instead of carving
-# fixed segments: whether the fragmentation that refused them goes (the allocator model knows only fixed segments,
-# so no trace is replayed). The seventh lease saw both train; mtune has asked for them on CUDA since
+# ---- part 17: part 16's rows again with expandable segments, which map pages into one growing segment per stream
+# instead of carving fixed ones: whether the fragmentation that refused two of them at that limit (the sixth lease,
+# 2026-11-27: ~1 GiB reserved but unallocated) goes. The allocator model knows only fixed segments, so no trace is
+# replayed. The seventh lease saw those two train; mtune has asked for expandable segments on CUDA since
 # (mtune.training.context.configure_cuda_allocator), so every other case runs with them unless its env says not
 CASES += [replace(held, name=held.name.replace("_held_to_fit_margin", "_expandable_held_to_fit_margin"), part=17,
                   env=tuple(kv for kv in held.env if kv[0] != "PYTORCH_CUDA_ALLOC_CONF")
                   + (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),), trace_allocator=False,
                   what=f"{held.what}, with expandable segments")
-          for held in CASES if held.name in ("llama3_1_8B_qlora_eager_packed4096_held_to_fit_margin",
-                                             "llama3_1_8B_lora_weight_offloading_block_held_to_fit_margin")]
+          for held in CASES if held.part == 16]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
                device_memory_gib=1.05, head_to_head_seq=128)  # --fit keeps at least 1 GiB of allocator margin
@@ -384,7 +384,7 @@ def environment(api) -> dict:
     return {
         "gpu_name": torch.cuda.get_device_name() if cuda else None,
         "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / api.GIB if cuda else None,
-        "torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
+        "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
         "torchao": _version("torchao"), "bitsandbytes": _version("bitsandbytes"), "torchtune": _version("torchtune"),
         "expandable_segments": "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower(),
     }
@@ -684,8 +684,12 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     # one more step under the profiler, only to name the attention kernel (not timed)
     from torch.profiler import ProfilerActivity, profile
 
+    from torch._C._profiler import _ExperimentalConfig
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, with_stack=True) as prof:
+    # verbose: the Python stacks some torch builds record only with it (pytorch#100253); the GPU's profiles held no
+    # Python frame at all (profile_site_events, the seventh lease: Python 3.12 there, 3.11 on the CPU that has them)
+    with profile(activities=activities, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as prof:
         step()
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})

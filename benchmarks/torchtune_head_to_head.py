@@ -137,6 +137,13 @@ def write_fixture(work: Path) -> dict:
     return paths
 
 
+PARITY_STEPS = 4
+"""How many times ``--parity`` trains each library on its one batch (an epoch of one step each, AdamW at lr 1e-4
+on a cosine schedule without warm-up): the first loss shows both run the same forward, the next ones that both
+update the same weights the same way. On the instruct rows each library draws and packs its own batches, so their
+loss curves there are not comparable."""
+
+
 def write_parity_data(paths: dict, batch: int, seq: int) -> Path:
     """``batch`` plain-text rows of exactly ``seq - 1`` tokens each (BOS and EOS included, the fixture's tokenizer;
     torchtune 0.6.1 cuts a text to ``max_seq_len - 1`` tokens) in ``parity_<batch>x<seq>.jsonl`` beside the
@@ -169,7 +176,7 @@ def write_parity_data(paths: dict, batch: int, seq: int) -> Path:
 
 # ------------------------------------------------------------------------------------------------ configs
 def mtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args,
-                 kernel: str = "auto", parity: Path | None = None) -> str:
+                 kernel: str = "auto", parity: Path | None = None, epochs: int = 1) -> str:
     lora = ""
     if case["lora"]:
         lora = (f"lora:\n  modules: {LORA['mtune']}\n  rank: {LORA['rank']}\n  alpha: {LORA['alpha']}\n"
@@ -194,7 +201,7 @@ tokenizer:
 task_eval: null
 batch_size: {args.batch}
 gradient_accumulation_steps: 1
-epochs: 1
+epochs: {epochs}
 max_steps_per_epoch: {steps}
 clip_grad_norm: null
 attention_kernel: {kernel}
@@ -215,7 +222,7 @@ log_every_n_steps: 1
 
 
 def torchtune_config(paths: dict, case: dict, out: Path, steps: int, compile_: bool, dtype: str, args,
-                     kernel: str = "", parity: Path | None = None) -> str:
+                     kernel: str = "", parity: Path | None = None, epochs: int = 1) -> str:
     dims = (f"  vocab_size: {SHAPE['vocab_size']}\n  num_layers: {SHAPE['num_hidden_layers']}\n"
             f"  num_heads: {SHAPE['num_attention_heads']}\n  num_kv_heads: {SHAPE['num_key_value_heads']}\n"
             f"  embed_dim: {SHAPE['hidden_size']}\n  max_seq_len: {SHAPE['max_position_embeddings']}\n"
@@ -258,7 +265,7 @@ lr_scheduler:
 loss:
   _component_: torchtune.modules.loss.CEWithChunkedOutputLoss
   num_output_chunks: 8
-epochs: 1
+epochs: {epochs}
 max_steps_per_epoch: {steps}
 gradient_accumulation_steps: 1
 clip_grad_norm: null
@@ -365,9 +372,9 @@ def _losses(lib: str, out: Path) -> list[float]:
 def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, args, rep: int,
             parity: Path | None = None) -> dict:
     """One run of ``lib`` (``args.steps`` steps), or with ``parity`` (:func:`write_parity_data`) its one step on
-    those rows."""
+    those rows, :data:`PARITY_STEPS` times."""
     case = CASES[case_name]
-    steps_asked = 1 if parity else args.steps
+    steps_asked = 1 if parity else args.steps  # parity: PARITY_STEPS epochs of its one step
     tag = (f"{lib.replace(':', '-')}_{case_name}_{dtype}_{'compile' if compile_ else 'eager'}_"
            f"{'parity' if parity else rep}")
     out = args.work / "runs" / tag
@@ -377,7 +384,8 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
     lib_name = lib
     lib, _, kernel = lib.partition(":")  # "mtune:dense_mask": mtune with that attention_kernel
     make = mtune_config if lib == "mtune" else torchtune_config
-    config.write_text(make(paths, case, out, steps_asked, compile_, dtype, args, kernel or "auto", parity))
+    config.write_text(make(paths, case, out, steps_asked, compile_, dtype, args, kernel or "auto", parity,
+                           PARITY_STEPS if parity else 1))
     if lib == "mtune":
         python, recipe = sys.executable, "lora_single_device" if case["lora"] else "full_single_device"
         # mfu in mtune's own log against the peak this benchmark measured (not a cache taken under other load)
@@ -422,16 +430,24 @@ def run_one(lib: str, paths: dict, case_name: str, compile_: bool, dtype: str, a
 
 
 def first_step_parity(paths: dict, dtype: str, args) -> dict:
-    """Both libraries' first-step LoRA loss on :func:`write_parity_data`'s rows (eager, ``args.batch`` x
-    ``args.seq``): ``{"dtype", "mtune", "torchtune", "relative_difference"}`` (a library that failed: its error)."""
+    """Both libraries' LoRA losses on :func:`write_parity_data`'s rows, trained :data:`PARITY_STEPS` times (eager,
+    ``args.batch`` x ``args.seq``): ``{"dtype", "mtune", "torchtune", "relative_difference", "mtune_losses",
+    "torchtune_losses", "max_relative_difference"}``, the first three of the first step, the last over every step
+    (a library that failed: its error in place of its losses)."""
     data = write_parity_data(paths, args.batch, args.seq)
     record: dict = {"dtype": dtype}
     for lib in ("mtune", "torchtune"):
         run = run_one(lib, paths, "lora", False, dtype, args, 0, parity=data)
-        record[lib] = run["losses"][0] if run.get("losses") else {"error": run.get("error", "no loss logged")[-300:]}
+        losses = run.get("losses")
+        record[lib] = losses[0] if losses else {"error": run.get("error", "no loss logged")[-300:]}
+        if losses:
+            record[f"{lib}_losses"] = losses
     if all(isinstance(record[lib], float) for lib in ("mtune", "torchtune")):
         record["relative_difference"] = abs(record["mtune"] - record["torchtune"]) / record["torchtune"]
-    print(f"[parity] {dtype}: first-step loss mtune {record['mtune']} / torchtune {record['torchtune']}", flush=True)
+        pairs = list(zip(record["mtune_losses"], record["torchtune_losses"]))
+        record["max_relative_difference"] = max(abs(a - b) / b for a, b in pairs) if pairs else None
+    print(f"[parity] {dtype}: losses mtune {record.get('mtune_losses', record['mtune'])} / torchtune "
+          f"{record.get('torchtune_losses', record['torchtune'])}", flush=True)
     return record
 
 
@@ -648,7 +664,7 @@ def main() -> None:
                              "their own time, in each run's profile_top_cpu / profile_top_device")
     parser.add_argument("--parity", action="store_true",
                         help="first, each library's LoRA step on rows both see whole (write_parity_data), eager, per "
-                             "dtype: their first-step losses, in the JSON's 'parity'")
+                             f"dtype, taken {PARITY_STEPS} times: their losses, in the JSON's 'parity'")
     args = parser.parse_args()
     SHAPE.update(SHAPES[args.shape])
     if args.shape != "fixture":

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 suite = load_script("gpu_suite", "benchmarks")
 margin_script = load_script("allocator_margin", "benchmarks")
 
-ROW_KEYS = {"case", "part", "kind", "compile", "status", "gpu_name", "torch", "cuda", "driver", "torchao",
+ROW_KEYS = {"case", "part", "kind", "compile", "status", "gpu_name", "python", "torch", "cuda", "driver", "torchao",
             "bitsandbytes", "expandable_segments", "tokens_per_s", "mfu", "hfu", "planned_allocated_gib",
             "max_allocated_gib", "max_reserved_gib", "attention_kernel", "date"}
 # one case per machinery: LoRA, QLoRA (NF4), the low-memory full fine-tune (paged bitsandbytes AdamW8bit in

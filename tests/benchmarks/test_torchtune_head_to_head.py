@@ -1,6 +1,6 @@
-"""benchmarks/torchtune_head_to_head.py's first-step parity: rows both libraries see whole, one to a packed row, and
-mtune's first-step loss on them against transformers' on the same checkpoint. torchtune is not installed here: its
-side runs on the GPU machine (gpu_suite's head-to-head) and by hand (docs/benchmarks.md)."""
+"""benchmarks/torchtune_head_to_head.py's parity: rows both libraries see whole, one to a packed row, trained a few
+times, and mtune's first-step loss on them against transformers' on the same checkpoint. torchtune is not installed
+here: its side runs on the GPU machine (gpu_suite's head-to-head) and by hand (docs/benchmarks.md)."""
 
 import importlib.util
 import json
@@ -45,10 +45,12 @@ def test_parity_rows_fill_one_step_and_mtunes_first_loss_is_the_checkpoints(tmp_
     args = SimpleNamespace(work=tmp_path / "work", steps=1, batch=batch, seq=seq, device="cpu", peaks={"fp32": 1e11},
                            venv=tmp_path, torchtune_python=sys.executable, torchtune_path=None, profile=False)
     record = h2h.first_step_parity(paths, "fp32", args)
+    losses = record["mtune_losses"]  # the one batch, trained PARITY_STEPS times: each step lowers its loss
+    assert len(losses) == h2h.PARITY_STEPS and all(b < a for a, b in zip(losses, losses[1:])), losses
     if importlib.util.find_spec("torchtune") is None:  # CI: torchtune is not a dependency
-        assert "error" in record["torchtune"]
-    else:  # a machine with torchtune beside mtune: its side too
-        assert record["torchtune"] == pytest.approx(record["mtune"], rel=1e-5)
+        assert "error" in record["torchtune"] and "torchtune_losses" not in record
+    else:  # a machine with torchtune beside mtune: its side too, every step
+        assert record["torchtune_losses"] == pytest.approx(losses, rel=1e-5)
 
     # oracle: transformers on the fixture's checkpoint, each row alone, every token after the first predicted
     model = AutoModelForCausalLM.from_pretrained(paths["model"], torch_dtype=torch.float32)
