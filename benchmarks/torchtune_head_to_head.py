@@ -137,6 +137,21 @@ def write_fixture(work: Path) -> dict:
     return paths
 
 
+def fixture_documents(paths: dict, seq: int) -> dict:
+    """The fixture's instruct rows as mtune packs them (each row's tokens, the chat template's included):
+    ``{"rows", "mean_tokens", "max_tokens", "documents_per_row"}`` for packed rows of ``seq`` tokens."""
+    sys.path.insert(0, str(REPO))
+    from mtune.data import instruct_dataset
+    from mtune.tokenizers import load_tokenizer
+
+    rows = instruct_dataset(load_tokenizer(paths["model"]), str(paths["data"]), packed=False, cache=False,
+                            max_seq_len=seq)
+    lengths = [len(rows[i]["tokens"]) for i in range(len(rows))]
+    mean = statistics.mean(lengths)
+    return {"seq": seq, "rows": len(lengths), "mean_tokens": mean, "max_tokens": max(lengths),
+            "documents_per_row": seq / mean}
+
+
 PARITY_STEPS = 4
 """How many times ``--parity`` trains each library on its one batch (an epoch of one step each, AdamW at lr 1e-4
 on a cosine schedule without warm-up): the first loss shows both run the same forward, the next ones that both
@@ -639,6 +654,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", nargs=4, metavar=("LIB", "CONFIG", "RECIPE", "RESULT"), help=argparse.SUPPRESS)
     parser.add_argument("--setup-venv", action="store_true", help="create the torchtune 0.6.1 venv and exit")
+    parser.add_argument("--fixture-documents", action="store_true",
+                        help="write the fixture's document lengths as mtune packs them at --seq "
+                             "(torchtune_head_to_head_fixture.json in --out) and exit")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtune-h2h"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -671,6 +689,12 @@ def main() -> None:
         args.work = args.work / args.shape  # write_fixture reuses what it finds: one fixture per shape
     if args.worker:
         worker(*args.worker)
+        return
+    if args.fixture_documents:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stats = fixture_documents(write_fixture(args.work), args.seq)
+        (args.out / "torchtune_head_to_head_fixture.json").write_text(json.dumps(stats, indent=1) + "\n")
+        print(stats)
         return
     if args.setup_venv:
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(args.venv)], check=True)

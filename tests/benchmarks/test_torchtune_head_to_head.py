@@ -74,3 +74,17 @@ def test_profile_takes_the_last_step_of_a_run(tmp_path, fixture):
     assert len(top) == 12 and spent == sorted(spent, reverse=True) and top[0].startswith("aten::mm")
     assert not any("PythonDispatchMode" in entry for entry in top)  # not one of the byte tracker's steps
     assert "profile_top_device" not in run and len(run["losses"]) == 5
+
+
+def test_fixture_documents_counts_every_row_as_mtune_tokenizes_it(fixture):
+    """``--fixture-documents``: every instruct row, its tokens as mtune's instruct_dataset makes them."""
+    from mtune.data import instruct_dataset
+    from mtune.tokenizers import load_tokenizer
+
+    h2h, paths = fixture
+    stats = h2h.fixture_documents(paths, 2048)
+    rows = instruct_dataset(load_tokenizer(paths["model"]), str(paths["data"]), packed=False, cache=False)
+    lengths = [len(rows[i]["tokens"]) for i in range(len(rows))]
+    assert stats["rows"] == len(paths["data"].read_text().splitlines()) == len(lengths)
+    assert stats["mean_tokens"] == pytest.approx(sum(lengths) / len(lengths)) and stats["max_tokens"] == max(lengths)
+    assert stats["documents_per_row"] == pytest.approx(2048 * len(lengths) / sum(lengths))
