@@ -15,13 +15,19 @@ over 1 MiB (large pool); a freed block merges with free neighbours of its segmen
 never returned. Held to a limit (``torch.cuda.set_per_process_memory_fraction``), a new segment that would pass it
 first makes the allocator wait for every stream's pending work and return every wholly free segment of every pool
 (``release_cached_blocks``; ``release_available_cached_blocks`` does nothing at the default ``max_split_size``),
-then try once more; what still does not fit is an out-of-memory error.
+then try once more with a new segment, without searching the pools again; what still does not fit is an
+out-of-memory error. A block freed while another stream still uses it (``record_stream``) goes back to its pool only
+once the allocator sees that work done: at the start of a later request (``process_events``), or in that wait, which
+returns every such block at once (``synchronize_and_free_events``). An allocator's own history lists both kinds of
+return before the request they came in; the model takes a return of every outstanding block at once, at a request
+no free block holds and a new segment would pass the limit, for the wait's (the allocator waits only then, and only
+the wait returns them all), and any other for ``process_events``' (:meth:`CachingAllocatorModel.malloc`).
 
 What it leaves out, and the rows show: the checkpoint's loading before the first step, kernels' and libraries'
 buffers outside the tracked storages (a compiled kernel's, bitsandbytes' paged step, the host optimizer step's
-transfers), frees deferred until another stream's work ends (``record_stream``: a block freed while a side stream
-still reads it is reused only once that work is done, so an unlimited run reserves more while the copies lag; under
-a limit the allocator waits for them instead, which the held model assumes), and steps after the planner's two.
+transfers), frees deferred until another stream's work ends (the planner's log does not mark them: a block freed
+while a side stream still reads it is reused only once that work is done, so an unlimited run reserves more while
+the copies lag; an allocator's history marks them, :func:`trace_events`), and steps after the planner's two.
 Compiled rows are left out: the planner plans them eagerly.
 
     python benchmarks/allocator_margin.py [--cases NAME ...]
@@ -63,11 +69,25 @@ class Block:
         self.free, self.prev, self.next = True, None, None
 
 
+class Pending:
+    """A block freed while another stream still uses it (:meth:`CachingAllocatorModel.free_requested`); ``done``
+    once it is back in its pool."""
+
+    __slots__ = ("block", "done")
+
+    def __init__(self, block: Block):
+        self.block, self.done = block, False
+
+
 class CachingAllocatorModel:
     """The native caching allocator (module docstring). ``malloc(nbytes, stream)`` returns the block it hands out
-    from ``stream``'s pools (0: the compute stream), ``free(block)`` takes it back; ``allocated``, ``reserved`` and their peaks are in bytes, as
-    ``torch.cuda.memory_allocated`` / ``memory_reserved`` and their ``max_`` forms count them (a block handed out
-    whole counts whole, its unsplit remainder included); ``max_requested`` is the peak of the bytes asked for."""
+    from ``stream``'s pools (0: the compute stream), ``free(block)`` takes it back; a block freed while another
+    stream still uses it is ``free_requested(block)``, and ``free_completed`` of what that returns once the allocator
+    has seen that work done (it is reused from the next request on, or sooner if a wait returns it: module
+    docstring). ``allocated``, ``reserved`` and their peaks are in bytes, as ``torch.cuda.memory_allocated`` /
+    ``memory_reserved`` and their ``max_`` forms count them (a block handed out whole counts whole, its unsplit
+    remainder included; a block counts as freed when its free is requested); ``max_requested`` is the peak of the
+    bytes asked for."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit  # bytes the segments may take in all (set_per_process_memory_fraction); None: no limit
@@ -76,6 +96,8 @@ class CachingAllocatorModel:
         self._next_address = 0  # segments released under a limit leave gaps: addresses only ever grow
         self.allocated = self.reserved = self.max_allocated = self.max_reserved = 0
         self.requested = self.max_requested = self.segments = self.retries = self.served = 0
+        self._pending: dict[int, Pending] = {}  # id(pending) -> blocks freed whose streams' work is not yet seen done
+        self._returned: list[Pending] = []  # of those, the ones seen done since the last request
 
     @staticmethod
     def rounded(nbytes: int) -> int:
@@ -101,15 +123,28 @@ class CachingAllocatorModel:
         size = self.rounded(nbytes)
         key = (stream, size <= SMALL_REQUEST)
         small, pool = key[1], self._free.setdefault(key, [])
-        found = bisect.bisect_left(pool, (size, -1))
+        whole = self.segment_size(size)
+        returned, self._returned = self._returned, []
+        # every outstanding block returned at once, at a request nothing free holds and no new segment fits: the
+        # allocator's wait returned them, after its search of the pools failed (module docstring)
+        waited = (bool(returned) and not self._pending and self.limit is not None and self.reserved + whole > self.limit
+                  and bisect.bisect_left(pool, (size, -1)) == len(pool))
+        for pending in returned:
+            self._cache_merged(pending.block)
+        found = len(pool) if waited else bisect.bisect_left(pool, (size, -1))
         if found < len(pool):
             block = pool.pop(found)[2]
         else:  # a new segment (cudaMalloc)
-            whole = self.segment_size(size)
             if self.limit is not None and self.reserved + whole > self.limit:
-                # over the limit: wait for every stream's pending work and return each wholly free segment
-                # (release_cached_blocks), then try once more; a split segment cannot be returned
+                # over the limit: wait for every stream's pending work, return each wholly free segment
+                # (release_cached_blocks), then try a new segment once more, without searching the pools again: a
+                # split segment cannot be returned, and a block the wait returned is not taken for this request
                 self.retries += 1
+                for pending in list(self._pending.values()):
+                    self.free_completed(pending)
+                for pending in self._returned:
+                    self._cache_merged(pending.block)
+                self._returned = []
                 self._release_free_segments()
                 if self.reserved + whole > self.limit:
                     raise ModelledOutOfMemory(f"{nbytes} bytes asked with {self.reserved} reserved of a "
@@ -139,6 +174,26 @@ class CachingAllocatorModel:
     def free(self, block: Block) -> None:
         self.allocated -= block.size
         self.requested -= self._asked.pop(id(block))
+        self._cache_merged(block)
+
+    def free_requested(self, block: Block) -> Pending:
+        """``block`` freed while another stream still uses it (``record_stream``): counted as freed, but not reused
+        until :meth:`free_completed` of what this returns."""
+        self.allocated -= block.size
+        self.requested -= self._asked.pop(id(block))
+        pending = Pending(block)
+        self._pending[id(pending)] = pending
+        return pending
+
+    def free_completed(self, pending: Pending) -> None:
+        """The allocator has seen the work on ``pending``'s block done: the block is its pool's again from the next
+        request on (nothing, if a wait for the streams already returned it)."""
+        if not pending.done:
+            pending.done = True
+            del self._pending[id(pending)]
+            self._returned.append(pending)
+
+    def _cache_merged(self, block: Block) -> None:
         for neighbour in (block.prev, block.next):
             if neighbour is None or not neighbour.free:
                 continue
@@ -167,7 +222,9 @@ class ModelledOutOfMemory(RuntimeError):
 def replay(events: list[tuple[str, int, int, int]], streams: bool = True,
            limit: int | None = None) -> CachingAllocatorModel:
     """The allocator model after ``events`` (`device_events`' form; a resize frees the storage's block and takes
-    one of its new size, as re-growing an emptied storage does). ``streams=False``: every allocation from the
+    one of its new size, as re-growing an emptied storage does; an allocator's history, :func:`trace_events`, also
+    has ``("free_requested", key, 0, stream)`` for a block freed while another stream still used it, whose
+    ``free`` then says when the allocator saw that work done). ``streams=False``: every allocation from the
     compute stream's pools; ``limit``: the segments' bytes are held to it (raises :class:`ModelledOutOfMemory`)."""
     return feed(CachingAllocatorModel(limit), events, streams)
 
@@ -176,10 +233,13 @@ def feed(model: CachingAllocatorModel, events: list[tuple[str, int, int, int]],
          streams: bool = True) -> CachingAllocatorModel:
     """``events`` through ``model`` (:func:`replay`); a request it refuses raises :class:`ModelledOutOfMemory`, with
     ``model.served`` requests served before it."""
-    live = {}
+    live: dict = {}  # key -> its block, or what free_requested returned for it
     for kind, key, nbytes, stream in events:
+        if kind == "free_requested" and live.get(key) is not None:
+            live[key] = model.free_requested(live[key])
         if kind in ("free", "resize") and live.get(key) is not None:
-            model.free(live.pop(key))
+            held = live.pop(key)
+            model.free_completed(held) if isinstance(held, Pending) else model.free(held)
         if kind in ("alloc", "resize"):
             live[key] = model.malloc(nbytes, stream if streams else 0) if nbytes else None
     return model
@@ -206,15 +266,21 @@ def smallest_budget(events: list[tuple[str, int, int, int]]) -> CachingAllocator
 
 def trace_events(trace: list[dict]) -> list[tuple[str, int, int, int]]:
     """A CUDA allocator's own history (``torch.cuda.memory._snapshot()["device_traces"][i]``, recorded with
-    ``_record_memory_history``) as :func:`replay`'s events: each ``alloc`` (the bytes asked, on its stream) and each
-    ``free_completed`` (when the block was back in its pool: after the side streams that used it were done, for a
-    block freed under ``record_stream``). Segment events and ``free_requested`` are the allocator's, not requests."""
+    ``_record_memory_history``) as :func:`replay`'s events: each ``alloc`` (the bytes asked, on its stream), each
+    ``free_completed`` as ``free`` (when the block was back in its pool), and before it, for a block freed while
+    another stream still used it (``record_stream``), its ``free_requested``: the allocator records that at the free
+    and the completion only once it sees the other stream's work done, where a plain free records the two together
+    (so one seen done at once, with nothing recorded between, reads as a plain free). Segment events are the
+    allocator's doing, not requests."""
     events = []
-    for entry in trace:
+    for entry, following in zip(trace, trace[1:] + [None]):
         if entry["action"] == "alloc":
             events.append(("alloc", entry["addr"], entry["size"], entry["stream"]))
         elif entry["action"] == "free_completed":
             events.append(("free", entry["addr"], 0, 0))
+        elif entry["action"] == "free_requested" and (following is None or following["action"] != "free_completed"
+                                                      or following["addr"] != entry["addr"]):
+            events.append(("free_requested", entry["addr"], 0, entry["stream"]))
     return events
 
 

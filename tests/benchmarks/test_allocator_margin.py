@@ -177,12 +177,67 @@ def test_a_request_log_round_trips_and_a_plan_is_set_beside_its_run(tmp_path):
 
 
 def test_a_block_freed_under_record_stream_returns_to_its_pool_when_the_allocator_says_so():
-    # 12 MiB freed while a side stream still reads it (free_requested), a second 12 MiB then takes a new segment;
-    # once the free completes, a third reuses the first block
+    # 12 MiB freed while a side stream still reads it (free_requested, its completion later), a second 12 MiB then
+    # takes a new segment and is freed plainly (requested and completed together: one event); once the first free
+    # completes, a third reuses a block
     trace = [_entry("alloc", 1, 12 * MIB), _entry("free_requested", 1, 12 * MIB), _entry("alloc", 2, 12 * MIB),
+             _entry("free_requested", 2, 12 * MIB), _entry("free_completed", 2, 12 * MIB),
              _entry("free_completed", 1, 12 * MIB), _entry("alloc", 3, 12 * MIB)]
-    assert [kind for kind, *_ in margin.trace_events(trace)] == ["alloc", "alloc", "free", "alloc"]
-    assert margin.model_on_trace(trace)["model_max_reserved"] == 24 * MIB
+    assert margin.trace_events(trace) == [("alloc", 1, 12 * MIB, 7), ("free_requested", 1, 0, 7),
+                                          ("alloc", 2, 12 * MIB, 7), ("free", 2, 0, 0), ("free", 1, 0, 0),
+                                          ("alloc", 3, 12 * MIB, 7)]
+    figures = margin.model_on_trace(trace)
+    # counted as freed at the request, as torch.cuda.memory_allocated counts it: never more than 12 MiB at once
+    assert (figures["model_max_reserved"], figures["model_max_allocated"]) == (24 * MIB, 12 * MIB)
+
+
+def test_a_block_the_allocators_wait_returns_is_not_searched_for_the_request_that_waited():
+    """CUDACachingAllocator's malloc: the pools are searched once, after ``process_events``; a new segment over the
+    limit makes ``release_cached_blocks`` synchronize (every block freed under ``record_stream`` back in its pool),
+    return every wholly free segment and try a new segment again, with no second search. The history lists the
+    wait's returns before the request, like ``process_events``'; the model reads a return of every outstanding block
+    at a request that would otherwise pass the limit as the wait's. Seen failing with the returns searched first:
+    the 40 MiB segment split for the 20, and the 30 refused.
+
+    Here, held to 64 MiB: 40 MiB freed while a side stream still reads it, then 12 MiB (segments of their own), 20
+    and 30. The 20 fits no free block (the 40 is not back) and 52 + 20 passes 64: the wait returns the 40, its
+    wholly free segment goes, a 20 MiB one is taken (12 + 20); the 30 then fits (62)."""
+    a, b, c, d = 0x1000000, 0x4000000, 0x6000000, 0x8000000
+    trace = [_entry("segment_alloc", a, 40 * MIB), _entry("alloc", a, 40 * MIB), _entry("free_requested", a, 40 * MIB),
+             _entry("segment_alloc", b, 12 * MIB), _entry("alloc", b, 12 * MIB),
+             _entry("free_completed", a, 40 * MIB), _entry("segment_free", a, 40 * MIB),
+             _entry("segment_alloc", c, 20 * MIB), _entry("alloc", c, 20 * MIB),
+             _entry("segment_alloc", d, 30 * MIB), _entry("alloc", d, 30 * MIB)]
+    figures = margin.model_on_trace(trace, 64 * MIB)
+    assert figures == {"trace_requests": 4, "trace_max_reserved": 62 * MIB, "trace_segment_frees": 1,
+                       "trace_out_of_memory": False, "model_max_reserved": 62 * MIB,
+                       "model_max_allocated": 62 * MIB, "model_retries": 1, "model_refused_request": None}
+    model = margin.replay(margin.trace_events(trace), limit=64 * MIB)
+    assert (model.reserved, model.segments, model.allocated) == (62 * MIB, 3, 62 * MIB)
+    # with no limit nothing waits: the returned 40 MiB block is split for the 20, the 30 takes a segment of its own
+    assert margin.replay(margin.trace_events(trace)).max_reserved == (40 + 12 + 30) * MIB
+
+
+def test_a_return_that_leaves_another_block_outstanding_is_searched():
+    # the wait returns every outstanding block at once; with the 12 MiB still read by the side stream, the 40's
+    # return came from process_events at the start of the 20's request, whose search takes it
+    events = [("alloc", 1, 40 * MIB, 0), ("alloc", 2, 12 * MIB, 0), ("alloc", 3, 12 * MIB, 0),
+              ("free_requested", 1, 0, 0), ("free_requested", 2, 0, 0), ("free", 1, 0, 0), ("alloc", 4, 20 * MIB, 0)]
+    model = margin.replay(events, limit=64 * MIB)
+    assert (model.reserved, model.retries, model.segments, model.allocated) == (64 * MIB, 0, 3, 32 * MIB)
+
+
+def test_the_wait_for_the_streams_returns_blocks_the_history_returns_later():
+    model = margin.CachingAllocatorModel(64 * MIB)
+    first, kept = model.malloc(40 * MIB), model.malloc(12 * MIB)
+    pending = model.free_requested(first)  # the side stream's work not seen done yet
+    assert model.allocated == 12 * MIB and model.reserved == 52 * MIB
+    model.malloc(20 * MIB)  # 52 + 20 passes 64: the wait returns the 40, its segment goes, a new 20 is taken
+    assert (model.reserved, model.retries, model.segments) == (32 * MIB, 1, 2)
+    model.free_completed(pending)  # the completion the allocator would list now changes nothing
+    model.malloc(30 * MIB)
+    assert (model.reserved, model.allocated, model.segments) == (62 * MIB, 62 * MIB, 3)
+    assert kept.size == 12 * MIB
 
 
 def test_offloadings_side_stream_copies_are_logged_as_such():
