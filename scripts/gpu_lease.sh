@@ -3,7 +3,8 @@
 # "What is left for a GPU". Writes gpu_suite.json, suite.log and logs.tgz under $OUT; merge them here afterwards
 # (gpu_suite.write_results, then benchmarks/derived_figures.py). What each item must carry (run(carry=...)):
 #   1: .whl                                part 17's other three rows: part 16's held to --fit's margin with
-#                                          expandable segments, mtune's allocator setting since the seventh lease
+#                                          expandable segments, mtune's allocator setting since the seventh lease;
+#                                          and part 16's host optimizer row again, its history now with free_requested
 #   2: .whl                                the leaf-level offloading row again, part 15 (the MoE QLoRA step compiled)
 #   3: .whl                                part 7 and the compiled Qwen3.5 row (~8 min: a call of its own)
 #   4: .whl_triton .whl/fla .whl/base     Qwen3.5 9B on fla's kernels beside its PyTorch-form twin in one call (on any
@@ -35,9 +36,10 @@ case "$item" in
   1)
     install_site
     versions
-    suite /tmp/gs1 330 --cases llama3_1_8B_full_optimizer_offload_expandable_held_to_fit_margin \
+    suite /tmp/gs1 420 --cases llama3_1_8B_full_optimizer_offload_expandable_held_to_fit_margin \
       llama3_1_8B_lora_activation_offloading_expandable_held_to_fit_margin \
-      llama3_1_8B_qlora_eager_torchao_dequantize_packed4096_expandable_held_to_fit_margin ;;
+      llama3_1_8B_qlora_eager_torchao_dequantize_packed4096_expandable_held_to_fit_margin \
+      llama3_1_8B_full_optimizer_offload_held_to_fit_margin ;;
   2)
     install_site
     versions
