@@ -109,11 +109,10 @@ def _linear(tally: _Tally, linear: nn.Linear, input_grad: bool, part: str) -> bo
     adapter_trains = False
     if isinstance(linear, (LoRALinear, LoRAExpertLinear)):
         r = linear.rank
-        adapter_trains = linear.lora_a.weight.requires_grad or linear.lora_b.weight.requires_grad
+        a_grad, b_grad = linear.lora_a.weight.requires_grad, linear.lora_b.weight.requires_grad
+        adapter_trains = a_grad or b_grad
         fwd = 2.0 * r * (fin + fout)
-        bwd = 0.0
-        if adapter_trains:
-            bwd += 2.0 * r * fin * linear.lora_a.weight.requires_grad + 2.0 * r * fout * linear.lora_b.weight.requires_grad
+        bwd = 2.0 * r * (fin * a_grad + fout * b_grad)  # the adapters' weight gradients
         if adapter_trains or input_grad:
             bwd += 2.0 * r * fout  # gradient into B's input (A's output)
         if input_grad:
@@ -128,8 +127,7 @@ def _trains(module: nn.Module) -> bool:
 
 
 def _present(module: nn.Module, *names: str) -> list[nn.Module]:
-    """The submodules of ``module`` by these names that it has (not None: Gemma 4's global layers set no
-    ``v_proj``), in this order."""
+    """The submodules of ``module`` by these names that it has (not None: Gemma 4's global layers set no ``v_proj``)."""
     return [getattr(module, name) for name in names if getattr(module, name, None) is not None]
 
 
@@ -140,8 +138,7 @@ def _linear_attention(tally: _Tally, mixer: nn.Module, x: bool) -> bool:
     ``2 * k_head_dim * v_head_dim`` each (the chunked form's in-chunk matmuls are implementation, as attention's
     masked half is); the causal convolution ``2 * taps`` per channel."""
     grad = any([_linear(tally, m, x, "linear")
-                for m in _present(mixer, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")])
-    grad = grad or _trains(mixer)
+                for m in _present(mixer, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]) or _trains(mixer)
     conv = 2.0 * mixer.conv1d.kernel_size[0] * mixer.conv_width
     core = 6.0 * mixer.n_v_heads * mixer.k_head_dim * mixer.v_head_dim
     tally.add("attention", conv + core, 2.0 * (conv + core) * grad)
@@ -195,13 +192,15 @@ def _mlp(tally: _Tally, mlp: nn.Module, x: bool) -> bool:
 
 def _moe(tally: _Tally, moe: MoE, x: bool) -> bool:
     """A token's share of a mixture of experts: the router, ``top_k`` experts (alike in shape and adapters), and
-    the shared expert if any. Its output needs a gradient where any of them trains or the input needs one (the
-    routing weights depend on the input)."""
+    the shared expert if any (with Qwen3.5-MoE's ``dim -> 1`` gate on it). Its output needs a gradient where any of
+    them trains or the input needs one (the routing weights depend on the input)."""
     grad = _linear(tally, moe.router_layer, x, "linear") or x
     for _ in range(moe.top_k):
         grad = _mlp(tally, moe.experts, x) or grad  # each expert's slice of the stacked projections
     if moe.shared_expert is not None:
         grad = _mlp(tally, moe.shared_expert, x) or grad
+    for gate in _present(moe, "shared_expert_gate"):
+        grad = _linear(tally, gate, x, "linear") or grad
     return grad
 
 
@@ -228,6 +227,8 @@ def flops_per_token(model: nn.Module, seq_len: int, memory: Any | None = None, *
     attention_len = seq_len if attention_len is None else attention_len
     tally = _Tally()
     stream = bool(model.embed_tokens.weight.requires_grad)
+    for projection in _present(model, "per_layer_model_projection"):  # Gemma 4's per-layer inputs, from the embedding
+        _linear(tally, projection, stream, "linear")
     recompute = phases.recompute(memory or MemoryConfig(), len(model.layers), tokens or seq_len, model.args.dim)
     for block, checkpointed, tiled in zip(model.layers, recompute.checkpoint, recompute.mlp_tiled):
         stream = _block(tally, block, stream, attention_len, checkpointed, tiled)

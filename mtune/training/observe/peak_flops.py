@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["PeakFlops", "GPU_PEAK_TFLOPS", "peak_flops", "gpu_peak_flops", "measure_cpu_matmul_flops",
-           "cpu_peak_flops", "cpu_step_matmul_flops", "cpu_model_name", "cpu_has_native_bf16", "cpu_bf16_warning", "peak_cache_path",
-           "run_peak_flops"]
+           "cpu_peak_flops", "cpu_step_matmul_flops", "cpu_model_name", "cpu_has_native_bf16", "cpu_bf16_warning",
+           "peak_cache_path", "run_peak_flops"]
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,13 @@ MATMUL_SIZE = 2048
 WARMUP_CALLS = 1
 TIMED_CALLS = 5
 
-# name, substrings that all must appear in torch.cuda.get_device_name() (checked in order), dense TFLOP/s by dtype.
+# name, substrings that all must appear in torch.cuda.get_device_name() (checked in order: a row before those whose
+# substrings its name contains, e.g. GH200 before H200), dense TFLOP/s by dtype.
 GPU_PEAK_TFLOPS: list[tuple[str, tuple[str, ...], dict[str, float]]] = [
     ("NVIDIA B200", ("B200",), {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0}),
+    ("NVIDIA GH200", ("GH200",), {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     ("NVIDIA H200 NVL", ("H200", "NVL"), {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
     ("NVIDIA H200 SXM", ("H200",), {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
-    ("NVIDIA GH200", ("GH200",), {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     ("NVIDIA H100 NVL", ("H100", "NVL"), {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
     ("NVIDIA H100 PCIe", ("H100", "PCIe"), {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}),
     ("NVIDIA H100 SXM", ("H100",), {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),

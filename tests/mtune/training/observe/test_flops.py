@@ -18,13 +18,17 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 B, S = 2, 64
 
 
-def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
+def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block", freeze_last=False):
     """(per-token FLOPs by aten op as FlopCounterMode counts one real training step, flops_per_token). ``chunked``:
-    ChunkedCrossEntropyLoss, which recomputes the head's projection only when the head is adapted."""
+    ChunkedCrossEntropyLoss, which recomputes the head's projection only when the head is adapted. ``freeze_last``:
+    the last block's adapters frozen (its inputs still need gradients, for the blocks below)."""
     torch.manual_seed(0)
     model = build_model("llama3_2", "tiny", device="cpu", **{**TINY, "tie_embeddings": tie})
     if lora:
         apply_lora(model, lora, rank=4, alpha=8)
+    if freeze_last:
+        for name, param in model.layers[-1].named_parameters():
+            param.requires_grad_("lora" not in name and param.requires_grad)
     if every_n:
         apply_activation_checkpointing(model, every_n, policy=policy)
     tokens = torch.randint(0, TINY["vocab_size"], (B, S))
@@ -53,6 +57,13 @@ def _counted(lora=None, every_n=0, chunked=False, tie=False, policy="block"):
     dict(lora=ALL, every_n=1, chunked=True),
     dict(lora=ALL + ["lm_head"], chunked=True),  # adapted head: the chunked loss projects twice
     dict(every_n=1, policy="selective_op"),   # keeps matmul outputs: recomputes no counted FLOPs
+    # Where autograd skips work (mutations seen failing on each): LoRA on the MLP only, so block 0's attention has
+    # no backward (attention's backward counted whenever it runs); LoRA on the head only, so nothing below it needs
+    # a gradient (the head's input gradient counted always); frozen adapters in the last block, whose input still
+    # needs a gradient through A and B (``2r * out`` into B's input counted only when the adapters train).
+    dict(lora=["gate_proj", "up_proj", "down_proj"]),
+    dict(lora=["lm_head"]),
+    dict(lora=ALL, freeze_last=True),
 ])
 def test_matches_flop_counter_mode(case):
     per_op, fpt = _counted(**case)
@@ -62,6 +73,44 @@ def test_matches_flop_counter_mode(case):
         assert fpt.recompute == 0 and fpt.model == fpt.hardware
     if head_recomputed:
         assert fpt.recompute > 0
+
+
+def test_gated_deltanet_layers_counted_by_hand():
+    """Qwen3.5 tiny's forward FLOPs per token at 16 positions, counted by hand from the module docstring: per Gated
+    DeltaNet layer (0 and 2) its projections (qkv 256 -> 512, z 256 -> 256, b and a 256 -> 4, out 256 -> 256), the
+    causal convolution ``2 * taps * channels`` (4 taps on 512) and the recurrence ``6 * v_heads * k_dim * v_dim``
+    (4 heads of 64 x 64), independent of the length; per full-attention layer (1 and 3) q (gated: 512 wide), k, v
+    (128) and o, and attention over 16 keys (4 heads of 64); every layer's MLP (3 x 256 x 512); the tied head. A
+    full fine-tune's backward is twice every term. Mutations seen failing: the recurrence counted as 4 (not 6) x
+    k_dim x v_dim per head; the convolution left out."""
+    linear = lambda i, o: 2 * i * o  # noqa: E731
+    deltanet = linear(256, 512) + linear(256, 256) + 2 * linear(256, 4) + linear(256, 256) + 2 * 4 * 512 \
+        + 6 * 4 * 64 * 64
+    attention = linear(256, 512) + 2 * linear(256, 128) + linear(256, 256) + 4 * 16 * 4 * 64
+    expected = 2 * (deltanet + attention) + 4 * 3 * linear(256, 512) + linear(256, 512)
+    fpt = flops_per_token(build_model("qwen3_5", "tiny"), 16)
+    assert fpt.forward == expected and fpt.backward == 2 * expected
+
+
+@pytest.mark.parametrize("family, size, overrides", [
+    ("gemma4", "tiny", {}),  # per-layer inputs: the decoder's per_layer_model_projection (dim -> n_layers * p)
+    # Qwen3.5-MoE's blocks, full attention only (the DeltaNet's chunked kernel is not its model FLOPs): the shared
+    # expert and its sigmoid gate (dim -> 1)
+    ("qwen3_5", "tiny", dict(layer_types=["full_attention"] * 2, n_layers=2, n_experts=8, top_k=2,
+                             moe_intermediate_dim=128, shared_expert_intermediate_dim=128)),
+])
+def test_every_linear_of_the_model_is_counted(family, size, overrides):
+    """Full fine-tunes of models with linears outside the blocks' attention and MLP: flops_per_token equals
+    FlopCounterMode's count of a real forward + backward. Bugs this found (fixed): Gemma 4's
+    ``per_layer_model_projection`` and Qwen3.5-MoE's ``shared_expert_gate`` were not counted (1.18 MFLOPs and
+    3 KFLOPs per token short here). Mutations seen failing: the shared expert left out; Gemma 4's per-layer gate
+    and projection left out."""
+    torch.manual_seed(0)
+    model = build_model(family, size, device="cpu", **overrides)
+    tokens = torch.randint(0, 512, (1, 16))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens).float().square().mean().backward()
+    assert flops_per_token(model, 16).hardware == counter.get_total_flops() / 16
 
 
 def test_partial_lora_first_block_computes_no_input_gradients():

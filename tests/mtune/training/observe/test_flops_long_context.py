@@ -81,3 +81,27 @@ def test_packed_rows_count_attention_per_document(kernel):
     assert mean_document_length(ids) == sum(n * n for n in lengths) / s
     unpacked = StepFlops(model)([{"tokens": batch["tokens"]}])[0]
     assert (model_flops < unpacked) == (kernel == "segments")  # the dense mask computes the whole row
+
+
+def test_auto_kernel_counts_the_whole_row_up_to_256_tokens():
+    """``attention_kernel=auto`` keeps the dense mask for rows of at most 256 tokens (the model's own rule), so a
+    packed row of exactly 256 computes its full square: StepFlops equals the counted step. Mutation seen failing:
+    ``seq_len >= DENSE_MASK_UP_TO`` (the row counted per document, as under the segments kernel)."""
+    torch.manual_seed(0)
+    model = build_model("llama3_2", "tiny", device="cpu", **{**TINY, "n_layers": 1})
+    model.attention_kernel = "auto"
+    ids, pos = _packed([100, 156], 256)
+    batch = {"tokens": torch.randint(0, 512, (1, 256)), "input_pos": pos, "document_ids": ids}
+    counted, (model_flops, hardware_flops) = _counted(model, batch)
+    assert model_flops == hardware_flops == counted
+
+
+def test_step_flops_count_tokens_before_padding():
+    """A micro-batch's FLOPs are its non-padding tokens (``num_tokens``) times the FLOPs per token at its padded
+    length: 100 of 2 x 64 positions count 100/128 of the padded batch's. Mutation seen failing: ``num_tokens``
+    ignored (every position counted)."""
+    model = build_model("llama3_2", "tiny", **TINY)  # on meta
+    tokens = torch.zeros(2, 64, dtype=torch.long)
+    step = StepFlops(model)
+    padded = step([{"tokens": tokens}])
+    assert step([{"tokens": tokens, "num_tokens": 100}]) == (padded[0] * 100 / 128, padded[1] * 100 / 128)

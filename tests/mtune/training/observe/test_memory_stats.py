@@ -32,3 +32,18 @@ def test_saved_for_backward_counts_activations_once_and_leaves_parameters_out():
 
     model.register_buffer("scale", torch.full((48,), 2.0))  # saved by the product (for the hidden state's gradient)
     assert saved_for_backward_bytes(lambda: (model[0](x) * model.scale).sum().backward(), model) == 4 * 32 * 4
+
+
+def test_a_saved_view_counts_its_whole_storage():
+    """A view saved for backward holds its whole storage alive: a slice of one row of a [4, 48] hidden state counts
+    4 * 48 floats, not 48 (beside the linear's input, 4 * 32, saved for its weight gradient). Mutation seen
+    failing: the view's own ``numel() * element_size()`` for the storage's ``nbytes()``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 48)
+    x = torch.randn(4, 32)
+
+    def step():
+        row = model(x)[:1]
+        (row * row).sum().backward()  # saves the slice (twice): one storage, the hidden state's
+
+    assert saved_for_backward_bytes(step, model) == (4 * 32 + 4 * 48) * 4

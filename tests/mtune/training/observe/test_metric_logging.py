@@ -24,8 +24,10 @@ ROWS = [
 
 
 def _log_rows(logger):
+    # "step" among the metrics too, as TrainingMonitor passes it: a backend must not log it as a scalar (the
+    # TensorBoard test's "step" tag fails without its filter, mutation seen failing)
     for i, row in enumerate(ROWS, start=1):
-        logger.log_dict(row, step=i)
+        logger.log_dict({"step": i, **row}, step=i)
 
 
 def test_jsonl_one_object_per_step_flushed_and_appended(tmp_path):
@@ -51,6 +53,32 @@ def test_tensor_values_become_numbers(tmp_path):
     logger.log_dict({"loss": torch.tensor(1.5), "trained_tokens": torch.tensor(7)}, step=1)
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 1.5, "trained_tokens": 7}
+
+
+def test_jsonl_keeps_ints_and_writes_every_non_finite_float_as_null(tmp_path):
+    """A line read back from metrics.jsonl: counts stay JSON integers (``96``, not ``96.0``), and +inf / -inf
+    (an fp16 overflow's grad_norm) are null like NaN, so the file stays strict JSON.
+
+    Mutations seen failing: ints written as floats (``float(value)``: json.loads' 96.0 == 96, so the type is
+    checked); ``not math.isnan`` for ``math.isfinite`` (json.dumps(allow_nan=False) raises on inf)."""
+    logger = JsonlLogger(tmp_path)
+    logger.log_dict({"trained_tokens": 96, "grad_norm": math.inf, "loss": -math.inf, "lr": 0.5}, step=2)
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    row = json.loads(line)
+    assert row == {"step": 2, "trained_tokens": 96, "grad_norm": None, "loss": None, "lr": 0.5}
+    assert type(row["trained_tokens"]) is int and '"trained_tokens": 96,' in line
+
+
+def test_naming_jsonl_as_the_backend_adds_no_second_file_writer(tmp_path):
+    """``_component_: ...JsonlLogger`` adds nothing to the JSONL every run writes: one line per step, not two.
+    Mutation seen failing: only NullLogger excluded (a second JsonlLogger appending the same rows)."""
+    logger = build_metric_logger({"_component_": "mtune.training.observe.metric_logging.JsonlLogger"},
+                                 output_dir=tmp_path)
+    assert isinstance(logger, JsonlLogger)
+    _log_rows(logger)
+    logger.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == len(ROWS)
 
 
 def test_non_zero_rank_writes_nothing(tmp_path):
@@ -145,3 +173,29 @@ def test_progress_bar_and_silent_ranks():
     other.close()
     assert quiet.getvalue() == ""
     assert format_metrics({"grad_norm": 2.0, "unknown": 1}) == {"grad_norm": "2.000"}
+
+
+def test_step_timer_interval_bounds_with_fake_clock():
+    """What :class:`StepTimer` counts, on a clock the test moves: tokens added before :meth:`start` are not in the
+    interval; ``end=`` closes it at that reading, not now; ``reset=False`` keeps the interval open; an interval of
+    no time is 0 tokens/s, not a division by zero.
+
+    Mutations seen failing: ``start`` keeping earlier tokens (3200 tokens/s); ``end`` ignored (the rate to now,
+    200 tokens/s); ``reset`` ignored (600 tokens/s: 300 over 0.5 s); ``elapsed >= 0`` (ZeroDivisionError)."""
+    now = [0.0]
+    timer = StepTimer(world_size=2, clock=lambda: now[0], synchronize=False)
+    timer.add_tokens(7000)  # before the interval begins
+    now[0] = 1.0
+    timer.start()
+    timer.add_tokens(1000)
+    now[0] = 6.0
+    assert timer.rates(end=3.5) == {"tokens_per_second": 400.0, "tokens_per_second_per_device": 200.0}
+    timer.add_tokens(500)  # the next interval began at 3.5, the end passed
+    now[0] = 4.0
+    assert timer.rates(reset=False)["tokens_per_second"] == 1000.0
+    timer.add_tokens(300)
+    now[0] = 4.5
+    assert timer.rates()["tokens_per_second"] == 800.0  # 800 tokens over 1.0 s: the interval was kept open
+    assert timer.rates() == {"tokens_per_second": 0.0, "tokens_per_second_per_device": 0.0}  # no time passed
+    with pytest.raises(RuntimeError, match="before StepTimer.start"):
+        StepTimer(clock=lambda: 0.0, synchronize=False).rates()

@@ -20,6 +20,36 @@ def test_gpu_table_by_name_and_dtype():
     assert "datasheet" in pf.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16").source
 
 
+def test_gpu_table_rows_that_share_a_name_and_tf32_only_for_fp32():
+    """The NVL parts share their SXM sibling's name up to "NVL" and are slower (835.5 against 989.4 bf16
+    TFLOP/s): the NVL row must match first. TF32 replaces only fp32's figure: a bf16 run with
+    ``allow_tf32`` on keeps bf16's peak (tf32's is half, which would double its MFU). The printed peak is in
+    TFLOP/s.
+
+    Mutations seen failing: the H200 NVL row after the SXM row; ``key = "tf32" if tf32`` for any dtype; the ``T``
+    unit's scale at 1e13 (989.4e12 printed as ``98.94 T``). Bug this found (fixed): the GH200 row after H200 SXM's,
+    whose "H200" a GH200's name contains (the same figures, under H200 SXM's name)."""
+    assert pf.gpu_peak_flops("NVIDIA H200 NVL", "bf16").flops == 835.5e12
+    assert pf.gpu_peak_flops("NVIDIA H100 NVL", "fp16").flops == 835.5e12
+    assert pf.gpu_peak_flops("NVIDIA GH200 480GB", "bf16").source.startswith("NVIDIA GH200 ")  # not H200 SXM's row
+    assert pf.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16", tf32=True).flops == 989.4e12
+    assert pf.gpu_peak_flops("NVIDIA H100 80GB HBM3", "fp16", tf32=True).flops == 989.4e12
+    assert pf.gpu_peak_flops("NVIDIA H100 80GB HBM3", "fp32", tf32=True).flops == 494.7e12
+    assert str(pf.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16")) == "989.4 TFLOP/s (NVIDIA H100 SXM bf16 dense, " \
+        "datasheet)"
+    assert str(pf.PeakFlops(51.2e9, "measured")) == "51.2 GFLOP/s (measured)"
+
+
+def test_each_dtype_is_measured_in_its_own_dtype(tmp_path, monkeypatch):
+    """``peak_flops("cpu", name)`` measures (and caches) in the torch dtype of that name. Mutation seen failing:
+    ``fp16`` measured in bfloat16."""
+    monkeypatch.setenv("MTUNE_PEAK_FLOPS_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.delenv("MTUNE_PEAK_FLOPS", raising=False)
+    rates = {torch.float32: 3e9, torch.bfloat16: 2e9, torch.float16: 1e9}
+    monkeypatch.setattr(pf, "measure_cpu_matmul_flops", lambda dtype, *a, **k: rates[dtype])
+    assert [pf.peak_flops("cpu", name).flops for name in ("fp32", "bf16", "fp16")] == [3e9, 2e9, 1e9]
+
+
 def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
     cache = tmp_path / "peak.json"
     monkeypatch.setenv("MTUNE_PEAK_FLOPS_CACHE", str(cache))
@@ -77,10 +107,45 @@ def test_the_busy_rule_re_measures_below_half_the_load_and_keeps_the_higher_figu
     assert next(rates, None) is None  # every rate was used: three measurements
 
 
+def test_a_load_equal_to_the_cpu_count_is_not_busy(tmp_path, monkeypatch):
+    """Busy is a 1-minute load *above* the CPU count: a figure measured at load 2.0 on 2 CPUs is a quiet one, kept
+    however quiet the machine becomes. Mutation seen failing: ``load >= cpu_count`` (measured again at 0.5)."""
+    cache = tmp_path / "peak.json"
+    monkeypatch.setattr(pf.os, "cpu_count", lambda: 2)
+    rates = iter([10e9, 30e9])
+    monkeypatch.setattr(pf, "measure_cpu_matmul_flops", lambda *a, **k: next(rates))
+    load = [2.0]
+    monkeypatch.setattr(pf.os, "getloadavg", lambda: (load[0], 0, 0))
+    assert pf.cpu_peak_flops(torch.float32, cache).flops == 10e9
+    load[0] = 0.5
+    assert pf.cpu_peak_flops(torch.float32, cache).flops == 10e9
+
+
 def test_measured_rate_is_flops_over_best_time(monkeypatch):
     ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.4])  # three timed calls: 0.5 s, 0.25 s, 0.4 s
     monkeypatch.setattr(pf.time, "perf_counter", lambda: next(ticks))
     assert pf.measure_cpu_matmul_flops(torch.float32, 64, warmup=0, timed=3, budget_s=10) == 2 * 64**3 / 0.25
+
+
+def test_step_mix_rate_is_all_layouts_flops_over_the_sum_of_their_best_times(monkeypatch):
+    """Three layouts of 2 * 64³ FLOPs each, timed (fake clock) at best 0.5, 0.25 and 0.125 s: 3 * 2 * 64³ / 0.875
+    s. The time budget is over all timed calls of a layout so far: with budget 0.75 s the first layout stops after
+    its second call (0.5 + 0.5 s), never timing a third; warm-up calls are not timed but run (counted on F.linear,
+    the ``x@W.T`` layout).
+
+    Mutations seen failing: the FLOPs not multiplied by the layouts (a third of the rate); the budget checked per
+    call (a third x@W.T call timed); the warm-up calls skipped (2 F.linear calls, not 4)."""
+    ticks = iter([0.0, 0.5, 1.0, 1.5,                # x@W.T: 0.5, 0.5 (1.0 s > budget: stop)
+                  2.0, 2.25, 3.0, 3.25, 4.0, 4.5,    # g@W: 0.25, 0.25, 0.5
+                  5.0, 5.25, 6.0, 6.125, 7.0, 7.5])  # g.T@x: 0.25, 0.125, 0.5
+    monkeypatch.setattr(pf.time, "perf_counter", lambda: next(ticks))
+    linear_calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: linear_calls.append(1) or real_linear(*a))
+    rate = pf.measure_cpu_matmul_flops(torch.float32, 64, pf.STEP_LAYOUTS, warmup=2, timed=3, budget_s=0.75)
+    assert rate == 3 * 2 * 64**3 / (0.5 + 0.25 + 0.125)
+    assert len(linear_calls) == 2 + 2  # two warm-up calls, two timed (the budget ended the third)
+    assert next(ticks, None) is None  # every timed call read the clock twice, no more
 
 
 def test_native_bf16_flags():
