@@ -150,7 +150,8 @@ class WeightOffloader:
                 storage.resize_(0)
                 self._slots[g].append(slot)
                 self._slot_keys[key] = g
-        self._resident.discard(g)
+        if g in self._resident:  # no longer whole: all sent away (unmarked only, the rest would stay filled)
+            self._evict(g)
 
     def offload(self) -> None:
         """Move every frozen weight not moved yet to host memory (after random initialisation, or after loading)."""
@@ -182,8 +183,7 @@ class WeightOffloader:
 
     @torch.no_grad()
     def _copy_in(self, g: int, prefetch: bool) -> None:
-        """Re-grow group ``g``'s storages and copy its bytes from the host (on the side stream when prefetching on
-        CUDA)."""
+        """Re-grow group ``g``'s storages and copy its bytes in from the host (prefetches: on CUDA's side stream)."""
         side = self.stream if prefetch else None  # prefetches come from the side stream's pool (in line: marked so)
         with self.placement.side_stream(side) if prefetch else contextlib.nullcontext(), \
                 outside_selective_checkpointing():
