@@ -687,9 +687,11 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     from torch._C._profiler import _ExperimentalConfig
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    # verbose: the Python stacks some torch builds record only with it (pytorch#100253); the GPU's profiles held no
-    # Python frame at all (profile_site_events, the seventh lease: Python 3.12 there, 3.11 on the CPU that has them)
-    with profile(activities=activities, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as prof:
+    # verbose on CUDA: the Python stacks some torch builds record only with it (pytorch#100253); the GPU's profiles
+    # held no Python frame at all (profile_site_events, the seventh lease: Python 3.12 there, 3.11 on the CPU, whose
+    # profiles have them without it, and where it costs a dry run's step more than a second)
+    verbose = _ExperimentalConfig(verbose=True) if cuda else None
+    with profile(activities=activities, with_stack=True, experimental_config=verbose) as prof:
         step()
         sync()
     row["attention_kernel"] = attention_kernel({e.name for e in prof.events()})
