@@ -386,8 +386,18 @@ def environment(api) -> dict:
         "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / api.GIB if cuda else None,
         "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda, "driver": driver,
         "torchao": _version("torchao"), "bitsandbytes": _version("bitsandbytes"), "torchtune": _version("torchtune"),
-        "expandable_segments": "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower(),
+        "expandable_segments": expandable_segments_asked(),
     }
+
+
+def expandable_segments_asked() -> bool:
+    """Whether this process's run asks for expandable segments: as ``PYTORCH_CUDA_ALLOC_CONF`` (or
+    ``PYTORCH_ALLOC_CONF``) says where set, else mtune's default (``configure_cuda_allocator``: yes). Rows before
+    the seventh lease ran with PyTorch's default wherever the variable was unset, and say false."""
+    from mtune.training.context import ALLOCATOR_SETTINGS_VARIABLES
+
+    settings = next((os.environ[name] for name in ALLOCATOR_SETTINGS_VARIABLES if os.environ.get(name)), None)
+    return True if settings is None else "expandable_segments:true" in settings.lower()
 
 
 # ------------------------------------------------------------------------------------------------ one run

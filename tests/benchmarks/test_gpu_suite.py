@@ -91,6 +91,17 @@ def test_a_case_in_its_own_process_reports_its_own_environment(monkeypatch, tmp_
     assert row["status"] == "ok" and row["expandable_segments"] is True and row["gpu_name"] is None
 
 
+@pytest.mark.parametrize("settings, asked", [(None, True), ("expandable_segments:False", False),
+                                             ("max_split_size_mb:512", False), ("expandable_segments:True", True)])
+def test_a_row_says_whether_its_run_asked_for_expandable_segments(monkeypatch, settings, asked):
+    """Unset: mtune's default asks for them (mtune.training.context); set: as the user's settings say."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if settings is not None:
+        monkeypatch.setenv("PYTORCH_ALLOC_CONF", settings)
+    assert suite.expandable_segments_asked() is asked
+
+
 def test_a_case_needing_an_undeclared_key_is_pending():
     from dataclasses import replace
 
