@@ -81,14 +81,14 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
 
 def test_a_case_in_its_own_process_reports_its_own_environment(monkeypatch, tmp_path):
     """``--one-case`` (each case's process under the suite) writes its own allocator settings into its row: the
-    suite's parent, whose environment lacks part 17's ``expandable_segments``, once filled them in instead.
+    suite's parent, whose environment lacks part 16's and 17's allocator settings, once filled them in instead.
     Mutation seen failing: the child's environment left out of its row."""
     monkeypatch.setenv("MTUNE_PEAK_FLOPS", "1e11")
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # not mtune's default: its own
     result = tmp_path / "row.json"
     suite.main(["--one-case", "llama3_2_1B_lora_eager", str(result), "--work", str(tmp_path), "--dry-run"])
     row = json.loads(result.read_text())
-    assert row["status"] == "ok" and row["expandable_segments"] is True and row["gpu_name"] is None
+    assert row["status"] == "ok" and row["expandable_segments"] is False and row["gpu_name"] is None
 
 
 @pytest.mark.parametrize("settings, asked", [(None, True), ("expandable_segments:False", False),
