@@ -324,10 +324,12 @@ def compare_requests(plan: list[tuple[str, int, int, int]], run: list[tuple[str,
             "run_more_often": [list(item) for item in extra[0]], "plan_more_often": [list(item) for item in extra[1]]}
 
 
-def model_on_trace(trace: list[dict], limit: int | None = None) -> dict:
-    """The model replayed on the allocator's own history (:func:`trace_events`), held to ``limit`` as the run was,
-    beside what that history says the allocator reserved (its ``segment_alloc`` and ``segment_free`` entries):
-    how exact the model is on a real run's requests, apart from how exact the plan's requests are. Bytes."""
+def model_on_trace(trace: list[dict], limit: int | None = None,
+                   events: list[tuple[str, int, int, int]] | None = None) -> dict:
+    """The model replayed on the allocator's own history (``events``: :func:`trace_events` of it, made here when not
+    given), held to ``limit`` as the run was, beside what that history says the allocator reserved (its
+    ``segment_alloc`` and ``segment_free`` entries): how exact the model is on a real run's requests, apart from how
+    exact the plan's requests are. Bytes."""
     reserved = peak = segment_frees = 0
     for entry in trace:
         if entry["action"] == "segment_alloc":
@@ -336,7 +338,7 @@ def model_on_trace(trace: list[dict], limit: int | None = None) -> dict:
         elif entry["action"] == "segment_free":
             reserved -= entry["size"]
             segment_frees += 1
-    events, model, refused = trace_events(trace), CachingAllocatorModel(limit), None
+    events, model, refused = trace_events(trace) if events is None else events, CachingAllocatorModel(limit), None
     try:
         feed(model, events)
     except ModelledOutOfMemory:  # the model as it was when it refused

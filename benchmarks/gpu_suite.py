@@ -549,9 +549,10 @@ def traced_allocator(api, memory_fraction: float | None, requests: Path) -> dict
 
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(enabled=None)
-    allocator_model().save_requests(requests, allocator_model().trace_events(trace))
+    events = allocator_model().trace_events(trace)
+    allocator_model().save_requests(requests, events)
     limit = None if memory_fraction is None else int(memory_fraction * torch.cuda.get_device_properties(0).total_memory)
-    figures = allocator_model().model_on_trace(trace, limit)
+    figures = allocator_model().model_on_trace(trace, limit, events)
     return {"trace_entries": len(trace), **dict((f"{k}_gib", v / api.GIB) if k.endswith(("reserved", "allocated"))
                                                 else (k, v) for k, v in figures.items())}
 
