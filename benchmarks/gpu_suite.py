@@ -394,10 +394,10 @@ def expandable_segments_asked() -> bool:
     """Whether this process's run asks for expandable segments: as ``PYTORCH_CUDA_ALLOC_CONF`` (or
     ``PYTORCH_ALLOC_CONF``) says where set, else mtune's default (``configure_cuda_allocator``: yes). Rows before
     the seventh lease ran with PyTorch's default wherever the variable was unset, and say false."""
-    from mtune.training.context import ALLOCATOR_SETTINGS_VARIABLES
+    from mtune.training.context import users_allocator_settings
 
-    settings = next((os.environ[name] for name in ALLOCATOR_SETTINGS_VARIABLES if os.environ.get(name)), None)
-    return True if settings is None else "expandable_segments:true" in settings.lower()
+    users = users_allocator_settings()
+    return True if users is None else "expandable_segments:true" in users[1].lower()
 
 
 # ------------------------------------------------------------------------------------------------ one run

@@ -24,8 +24,8 @@ from mtune.training.output_lock import OutputDirLockedError, lock_output_dir
 from mtune.training.rng import set_seed
 from mtune.units import format_bytes
 
-__all__ = ["RunContext", "setup_run", "prepare_cuda", "configure_cuda_allocator", "limit_cuda_memory",
-           "resolve_device", "configure_logging", "claim_output_dir", "run_outputs"]
+__all__ = ["RunContext", "setup_run", "prepare_cuda", "configure_cuda_allocator", "users_allocator_settings",
+           "limit_cuda_memory", "resolve_device", "configure_logging", "claim_output_dir", "run_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -184,14 +184,19 @@ def prepare_cuda(device: torch.device, limit=None) -> None:
     limit_cuda_memory(limit, device)
 
 
+def users_allocator_settings() -> tuple[str, str] | None:
+    """``(variable, value)`` of the first of :data:`ALLOCATOR_SETTINGS_VARIABLES` set (not empty), or None."""
+    return next(((name, os.environ[name]) for name in ALLOCATOR_SETTINGS_VARIABLES if os.environ.get(name)), None)
+
+
 def configure_cuda_allocator() -> str:
     """Expandable segments (:data:`EXPANDABLE_SEGMENTS`) unless ``PYTORCH_CUDA_ALLOC_CONF`` or
     ``PYTORCH_ALLOC_CONF`` is set, in which case the user's settings stand as PyTorch read them. Set at run time
     (``torch.cuda.memory._set_allocator_settings``, as PyTorch's own tests do), since the variable may have been
     read when torch loaded; it applies to every segment reserved after it. Returns the line the run logs."""
-    for name in ALLOCATOR_SETTINGS_VARIABLES:
-        if os.environ.get(name):
-            return f"CUDA allocator: {name}={os.environ[name]} (yours; mtune's default is {EXPANDABLE_SEGMENTS})"
+    users = users_allocator_settings()
+    if users is not None:
+        return f"CUDA allocator: {users[0]}={users[1]} (yours; mtune's default is {EXPANDABLE_SEGMENTS})"
     set_settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if set_settings is None:  # a torch without the call: say so rather than run as if it were set
         return (f"CUDA allocator: PyTorch's defaults (this torch cannot set {EXPANDABLE_SEGMENTS} at run time; "
