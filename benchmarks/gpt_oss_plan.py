@@ -70,10 +70,10 @@ def sinks_in_plan() -> dict:
     with_sinks = plan()
     original = sink_attention.SinkAttention.attend
 
-    def without(self, q, k, v, cos, sin, mask=None, cache_pos=None, cu_seqlens=None):
+    def without(self, q, k, v, cos, sin, mask=None, cache_pos=None, segments=None):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return causal_attention(q, k, v, mask, cu_seqlens, self.sliding_window, None)
+        return causal_attention(q, k, v, mask, segments, self.sliding_window, None)
 
     sink_attention.SinkAttention.attend = without
     try:

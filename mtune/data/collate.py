@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mtune.data.common import IGNORE_INDEX
+from mtune.modules.packed_attention import longest_document
 
 
 def collate_padded(
@@ -12,14 +13,16 @@ def collate_padded(
     pad_id: int,
     ignore_index: int = IGNORE_INDEX,
     pad_to_multiple_of: int | None = None,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | int]:
     """Pad every sample on the right to the longest in the batch (rounded up to `pad_to_multiple_of`, e.g. 8 for
     tensor cores).
 
     Returns LongTensors `[b, s]`: `tokens` (padded with `pad_id`), `labels` (padded with `ignore_index`), and for
     packed samples `input_pos` (the padding counts from 0, as its own document) and `document_ids` (the padding
-    gets a document id of its own, so no real token attends to it). ``num_tokens`` (a 0-d LongTensor) counts the
-    tokens before padding, for throughput metrics.
+    gets a document id of its own, so no real token attends to it), with ``longest_document``: an int, the longest
+    document's length, padding's included (the model's varlen attention sizes its work by it, a value the device
+    would have to synchronise for). ``num_tokens`` (a 0-d LongTensor) counts the tokens before padding, for
+    throughput metrics.
     """
     length = max(len(sample["tokens"]) for sample in batch)
     if pad_to_multiple_of:
@@ -42,5 +45,7 @@ def collate_padded(
                 raise KeyError(f"collate_padded: unexpected sample field {key!r}")
             rows.append(list(values) + fill)
         out[key] = torch.tensor(rows, dtype=torch.long)
+    if "document_ids" in out:
+        out["longest_document"] = longest_document(out["document_ids"])
     out["num_tokens"] = torch.tensor(sum(len(sample["tokens"]) for sample in batch), dtype=torch.long)
     return out

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtune.modules.kv_cache import KVCache
-from mtune.modules.packed_attention import segment_attention, sink_attention
+from mtune.modules.packed_attention import Segments, segment_attention, sink_attention
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import apply_rotary
 
@@ -22,7 +22,7 @@ class Attention(nn.Module):
         n_heads, n_kv_heads, head_dim: head layout; ``q_proj`` is ``[n_heads * head_dim, dim]``.
         qkv_bias: give ``q_proj``, ``k_proj``, ``v_proj`` a bias (Qwen2).
         sliding_window: each token attends to at most this many tokens, itself included (Mistral); applied here
-            when the layout comes as segment boundaries (``cu_seqlens``), else it is in the mask.
+            when the layout comes as :class:`~mtune.modules.packed_attention.Segments`, else it is in the mask.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False,
@@ -57,7 +57,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
         cache_pos: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        segments: Segments | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``[b, s, dim]`` to itself.
 
@@ -65,30 +65,30 @@ class Attention(nn.Module):
             cos, sin: rotary tables ``[b, s, head_dim]``.
             mask: boolean ``[b, 1, s, kv_len]`` (True = may attend), or ``None`` for plain causal attention.
             cache_pos: LongTensor ``[s]``: cache slots of these tokens when a KV cache is set up.
-            cu_seqlens: int32 ``[n + 1]``, segment starts in the flattened ``b * s`` tokens (packed documents,
-                rows): causal attention within each segment and the sliding window, without a mask
+            segments: segment starts in the flattened ``b * s`` tokens and their longest length (packed
+                documents, rows): causal attention within each segment and the sliding window, without a mask
                 (:mod:`mtune.modules.packed_attention`). Exclusive with ``mask`` and the KV cache.
         """
-        return self.o_proj(self.attend(*self.project(x), cos, sin, mask, cache_pos, cu_seqlens))
+        return self.o_proj(self.attend(*self.project(x), cos, sin, mask, cache_pos, segments))
 
-    def attend(self, q, k, v, cos, sin, mask=None, cache_pos=None, cu_seqlens=None) -> torch.Tensor:
+    def attend(self, q, k, v, cos, sin, mask=None, cache_pos=None, segments=None) -> torch.Tensor:
         """The heads' outputs ``[b, s, n_heads * head_dim]`` (before ``o_proj``) for queries, keys and values as
         :meth:`project` returns them: RoPE, the KV cache, then SDPA or attention per segment."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
-        return causal_attention(q, k, v, mask, cu_seqlens, self.sliding_window)
+        return causal_attention(q, k, v, mask, segments, self.sliding_window)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     cu_seqlens: torch.Tensor | None = None, window: int | None = None,
+                     segments: Segments | None = None, window: int | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The heads' outputs ``[b, s, hq * d]`` of rotated queries ``[b, hq, s, d]`` against keys and values ``[b, hkv,
-    kv_len, d]`` (grouped when ``hkv < hq``): attention per segment of ``cu_seqlens`` (with the sliding ``window``),
+    kv_len, d]`` (grouped when ``hkv < hq``): attention within each of the ``segments`` (with the sliding ``window``),
     else SDPA under ``mask`` (None: causal). ``sinks`` ``[hq]``: a sink logit per head in every softmax (gpt-oss)."""
-    if cu_seqlens is not None:
-        return segment_attention(q, k, v, cu_seqlens, window, sinks)
+    if segments is not None:
+        return segment_attention(q, k, v, segments, window, sinks)
     b, h, s, _ = q.shape
     if sinks is not None:
         return sink_attention(q, k, v, sinks, mask).transpose(1, 2).reshape(b, s, -1)
@@ -149,11 +149,11 @@ class GatedAttention(QKNormAttention):
         super().make_projections(dim, qkv_bias)
         self.q_proj = nn.Linear(dim, 2 * self.n_heads * self.head_dim, bias=qkv_bias)
 
-    def forward(self, x, cos, sin, mask=None, cache_pos=None, cu_seqlens=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask=None, cache_pos=None, segments=None) -> torch.Tensor:
         b, s, _ = x.shape
         query, gate = self.q_proj(x).view(b, s, self.n_heads, 2, self.head_dim).unbind(3)
         q = self.q_norm(query)
         k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
-        out = self.attend(q, k, v, cos, sin, mask, cache_pos, cu_seqlens)
+        out = self.attend(q, k, v, cos, sin, mask, cache_pos, segments)
         return self.o_proj(out * torch.sigmoid(gate.reshape(b, s, -1)))

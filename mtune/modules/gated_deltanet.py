@@ -37,6 +37,7 @@ from mtune.modules.deltanet_state import STEPPED_UP_TO, DeltaNetState, gated_del
 from mtune.modules.gated_delta_scan import gated_delta_scan
 from mtune.modules.gated_deltanet_fla import PLAN_ENV, fla_gated_delta_rule, fla_kernel, planned_recurrence
 from mtune.modules.gated_deltanet_fla_plan import fla_stand_in
+from mtune.modules.packed_attention import Segments
 from mtune.modules.rms_norm import RMSNorm
 
 _planned_rule = None  # the recurrence of fake tensors while planning_recurrence plans fla's kernel
@@ -163,8 +164,8 @@ class GatedDeltaNet(nn.Module):
     the layer's weights) stay in the model's dtype (:attr:`kept_in_model_dtype`): their outputs go through ``exp``
     and ``softplus`` into every later token's state, where a quantization error compounds.
 
-    Called like an attention module (``(x, cos, sin, mask, cache_pos, cu_seqlens)``): it uses no rotary tables or
-    mask, only ``cu_seqlens`` (packed documents). Generating, it keeps a :class:`~mtune.modules.deltanet_state
+    Called like an attention module (``(x, cos, sin, mask, cache_pos, segments)``): it uses no rotary tables or
+    mask, only ``segments`` (packed documents). Generating, it keeps a :class:`~mtune.modules.deltanet_state
     .DeltaNetState` instead of a KV cache (:meth:`setup_state`), and each call continues the sequence it holds.
     """
 
@@ -204,18 +205,18 @@ class GatedDeltaNet(nn.Module):
                 ("A_log", lambda t: t.copy_(torch.empty_like(t).uniform_(1, 16).log()))]
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, mask=None, cache_pos=None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` ``[b, s, dim]`` -> ``[b, s, dim]``; ``cu_seqlens``: int ``[n + 1]`` document starts in the flattened
+                segments: Segments | None = None) -> torch.Tensor:
+        """``x`` ``[b, s, dim]`` -> ``[b, s, dim]``; ``segments``: document starts (``starts``) in the flattened
         ``b * s`` tokens (each document then starts from a zero state). With a decoding state, ``x`` continues the
         rows it holds (``cache_pos`` is not read)."""
-        if cu_seqlens is not None and self.decoding_state is not None:
-            raise ValueError("packed documents (cu_seqlens) cannot be combined with a Gated DeltaNet decoding state")
+        if segments is not None and self.decoding_state is not None:
+            raise ValueError("packed documents (segments) cannot be combined with a Gated DeltaNet decoding state")
         b, s, _ = x.shape
         documents = None
-        if cu_seqlens is not None:  # each flattened token's segment, by the segments' ends
+        if segments is not None:  # each flattened token's segment, by the segments' ends
             flat = torch.arange(b * s, device=x.device)
-            documents = torch.bucketize(flat, cu_seqlens[1:].to(flat.dtype), right=True).view(b, s)
-        mixed = self._mix(x, documents, cu_seqlens)
+            documents = torch.bucketize(flat, segments.starts[1:].to(flat.dtype), right=True).view(b, s)
+        mixed = self._mix(x, documents, None if segments is None else segments.starts)
         z = self.in_proj_z(x).view(b, s, self.n_v_heads, self.v_head_dim)
         out = self.norm(mixed.reshape(b, s, self.n_v_heads, self.v_head_dim), z)
         return self.out_proj(out.reshape(b, s, -1))

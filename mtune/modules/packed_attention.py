@@ -3,15 +3,22 @@
 A packed row holds several documents; a token attends only to earlier tokens of its own document (and, with a
 sliding window of ``W``, only to the last ``W`` of them, itself included). The dense way to say this is a boolean
 ``[b, 1, s, s]`` mask: s² bytes per row (1 GiB at 32K tokens), and it keeps SDPA off its flash kernels. Here the
-layout is a tensor of segment boundaries instead, ``cu_seqlens`` (int32 ``[n + 1]``: the start of each of the ``n``
-documents in the flattened ``b * s`` tokens, then ``b * s``), which :func:`document_boundaries` builds once per
-forward and every block receives as a tensor (so checkpointing, ``compile`` and FSDP wrap blocks unchanged).
+layout is :class:`Segments` instead: the segment boundaries ``starts`` (int32 ``[n + 1]``: the start of each of the
+``n`` documents in the flattened ``b * s`` tokens, then ``b * s``, built by :func:`document_boundaries`) and
+``longest``, a bound on their lengths known on the host. The model builds it once per forward and every block
+receives it as an argument (a tuple of a tensor and an int, so checkpointing, ``compile`` and FSDP wrap blocks
+unchanged).
 
 Kernels, chosen per call by :func:`segment_kernel`:
 
 - ``varlen_flash`` (CUDA, bf16/fp16, a torch with ``torch.nn.attention.varlen``): one flash call over every
-  document of the batch; sliding windows are the kernel's ``window_size``. ``max_q`` is the row length, an upper
-  bound that needs no device sync. torch 2.10's ``is_causal`` argument (no window, no GQA) is detected.
+  document of the batch; sliding windows are the kernel's ``window_size``. Its maximum lengths are ``longest``:
+  the flash kernels launch a grid of about ``ceil(longest / 128)`` blocks for every document, so a bound near the
+  longest document keeps short documents from starting blocks that only exit. The collator knows each batch's
+  longest document on the host (:func:`longest_document`) and :func:`segment_bound` rounds it up to a power of two
+  (at least 128, at most the row), so that compiled blocks see few values; without it the bound is the row length,
+  as reading the boundaries on the device would cost a synchronisation. torch 2.10's ``is_causal`` argument (no
+  window, no GQA) is detected.
 - ``sdpa_per_segment`` (any device; the CPU's): exact causal SDPA per document, queries ``[1, h, L, d]`` against
   their own keys, so memory is O(s) (the outputs and log-sum-exps) and compute is the sum of L². A document longer
   than the window runs its first ``W`` queries causally, then chunks of ``W`` queries against the ``2W - 1`` keys
@@ -37,22 +44,38 @@ so layers with sinks run ``sdpa_per_segment``.
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["DENSE_MASK_UP_TO", "document_boundaries", "segment_attention", "segment_kernel", "kernel_for",
-           "varlen_available", "sink_inputs", "sink_attention"]
+__all__ = ["DENSE_MASK_UP_TO", "Segments", "batch_segments", "document_boundaries", "longest_document",
+           "segment_bound", "segment_attention", "segment_kernel", "kernel_for", "varlen_available", "sink_inputs",
+           "sink_attention"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
 DENSE_MASK_UP_TO = 256
 """How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
-``cu_seqlens``, O(s) memory: this module), ``dense_mask`` (a boolean ``[b, 1, s, s]`` mask, s² bytes per row: the
+:class:`Segments`, O(s) memory: this module), ``dense_mask`` (a boolean ``[b, 1, s, s]`` mask, s² bytes per row: the
 fallback), or ``auto``: the dense mask for rows of at most :data:`DENSE_MASK_UP_TO` tokens (at most 64 KiB a row, and
 one SDPA call instead of one per document: 16 rows of 64 tokens step 16% faster on CPU), segments beyond. (Read by
 ``TransformerDecoder``.)"""
+
+
+SMALLEST_SEGMENT_BOUND = 128
+"""The least :func:`segment_bound`: the flash kernels' block of rows (128 for the head sizes of mtune's models),
+below which a smaller bound would start no fewer blocks, only more compiled values."""
+
+
+class Segments(NamedTuple):
+    """The segments of a batch ``[b, s]`` that attention runs within: ``starts`` (int32 ``[n + 1]``, each segment's
+    first token in the flattened ``b * s`` tokens, then ``b * s``) and ``longest`` (an int at least every segment's
+    length: the varlen kernel's maximum lengths; the row length when nothing tighter is known)."""
+
+    starts: torch.Tensor
+    longest: int
 
 
 _VARLEN: list = []  # [(varlen_attn, its parameter names) or None] once looked up
@@ -94,7 +117,7 @@ def kernel_for(device: torch.device | str, dtype: torch.dtype, window: int | Non
 
 def document_boundaries(document_ids: torch.Tensor | None, batch: int, seq_len: int,
                         device: torch.device | None = None) -> torch.Tensor:
-    """``cu_seqlens`` (int32 ``[n + 1]``): where each document starts in the flattened ``batch * seq_len`` tokens,
+    """Segment starts (int32 ``[n + 1]``): where each document starts in the flattened ``batch * seq_len`` tokens,
     then ``batch * seq_len``. A document is a run of equal ``document_ids`` in a row (packing writes them so); rows
     are always boundaries. ``document_ids=None`` (or fake tensors, which have no values) gives one segment per row.
     """
@@ -107,9 +130,33 @@ def document_boundaries(document_ids: torch.Tensor | None, batch: int, seq_len: 
     return torch.cat([starts.view(-1).nonzero().view(-1).to(torch.int32), rows[-1:]])
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def batch_segments(document_ids: torch.Tensor | None, batch: int, seq_len: int, device: torch.device | None = None,
+                   longest: int | None = None) -> Segments:
+    """The :class:`Segments` of a batch: :func:`document_boundaries`, bounded by the batch's ``longest`` document
+    (:func:`segment_bound`; the row length without ``document_ids``, for fake ones, or without ``longest``)."""
+    whole_rows = document_ids is None or is_fake(document_ids)
+    return Segments(document_boundaries(document_ids, batch, seq_len, device),
+                    seq_len if whole_rows else segment_bound(longest, seq_len))
+
+
+def longest_document(document_ids: torch.Tensor) -> int:
+    """The longest run of equal ids in any row of ``document_ids`` ``[b, s]`` (the longest segment
+    :func:`document_boundaries` makes of them). Reads the values: for host tensors (the collator's)."""
+    b, s = document_ids.shape
+    return int(document_boundaries(document_ids, b, s).diff().max())
+
+
+def segment_bound(longest: int | None, seq_len: int) -> int:
+    """The ``longest`` a batch's :class:`Segments` carry: ``longest`` rounded up to a power of two, at least
+    :data:`SMALLEST_SEGMENT_BOUND` and at most ``seq_len`` (the row length, also the answer for None)."""
+    if longest is None:
+        return seq_len
+    return min(seq_len, max(SMALLEST_SEGMENT_BOUND, 1 << (max(longest, 1) - 1).bit_length()))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                       window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention within each segment of ``cu_seqlens``: ``q`` ``[b, hq, s, d]``, ``k, v`` ``[b, hkv, s, d]``
+    """Causal attention within each of the ``segments``: ``q`` ``[b, hq, s, d]``, ``k, v`` ``[b, hkv, s, d]``
     (grouped-query when ``hkv < hq``) -> ``[b, s, hq * d]``, ready for the output projection. ``window``: each
     token attends to at most this many tokens of its segment, itself included. ``sinks`` ``[hq]``: each head's
     sink logit, in every segment's softmax."""
@@ -117,10 +164,10 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     b, h, s, d = q.shape
     if kernel == "varlen_flash":
         # reshape: the kernel's output keeps its flat queries' strides, a strided view of q when b is 1
-        return _varlen(q, k, v, cu_seqlens, window).reshape(b, s, h * d)
+        return _varlen(q, k, v, segments, window).reshape(b, s, h * d)
     if sinks is None:
-        return _per_segment(q, k, v, cu_seqlens, window)
-    return _per_segment(*sink_inputs(q, k, v, sinks), cu_seqlens, window, sink_at=d)
+        return _per_segment(q, k, v, segments, window)
+    return _per_segment(*sink_inputs(q, k, v, sinks), segments, window, sink_at=d)
 
 
 def sink_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor
@@ -164,7 +211,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=gqa)[..., :d]
 
 
-def _varlen(q, k, v, cu_seqlens, window):
+def _varlen(q, k, v, segments, window):
     varlen_attn, params = _varlen_api()
     b, h, s, d = q.shape
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
@@ -178,7 +225,8 @@ def _varlen(q, k, v, cu_seqlens, window):
             kwargs["enable_gqa"] = True
         else:
             flat[1], flat[2] = (t.repeat_interleave(h // k.shape[1], dim=1) for t in flat[1:])
-    return varlen_attn(*flat, cu_seqlens, cu_seqlens, s, s, **kwargs)
+    starts, longest = segments
+    return varlen_attn(*flat, starts, starts, longest, longest, **kwargs)
 
 
 def _band_mask(window: int, like: torch.Tensor) -> torch.Tensor:
@@ -195,15 +243,18 @@ def _band_mask(window: int, like: torch.Tensor) -> torch.Tensor:
 # torch.compiler.disable: it imports torch._dynamo (~85 MiB, a second of start-up) on the first call, not when this
 # module loads, so runs that never pack nor compile never load it.
 @torch._disable_dynamo
-def _per_segment(q, k, v, cu_seqlens, window, sink_at=None):
+def _per_segment(q, k, v, segments, window, sink_at=None):
     """``sink_at``: ``q``, ``k`` come widened by :func:`sink_inputs` from heads of ``sink_at`` features (the
     scores' scale), and each document's keys start with the sink key."""
     b, h, s, d = q.shape
     sink = sink_at is not None
     scale = sink_at**-0.5 if sink else None
     gqa = k.shape[1] != h
-    bounds = list(range(0, b * s + 1, s)) if is_fake(cu_seqlens) else cu_seqlens.tolist()
+    starts, longest = segments
+    bounds = list(range(0, b * s + 1, s)) if is_fake(starts) else starts.tolist()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    if max(lengths) > longest:  # the varlen kernel would drop the rest of such a segment: refused here as well
+        raise ValueError(f"a segment of {max(lengths)} tokens, above its Segments' longest={longest}")
     # One split per tensor into documents [L, heads, d] (a view when the rows are laid out [b, s, heads, d], as the
     # projections leave them): its backward writes every document's gradient into one tensor, where slicing the
     # batch per document would build a batch-sized gradient per document.

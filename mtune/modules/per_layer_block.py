@@ -14,9 +14,10 @@ class PerLayerInputBlock(nn.Module):
     a per-layer input ``p`` (``[b, s, per_layer_dim]``) ``h = h + post_per_layer_input_norm(per_layer_projection(
     gelu_tanh(per_layer_input_gate(h)) * p))``, and the output ``h * layer_scalar``.
 
-    Called ``block(x, cos, sin, mask, cache_pos, cu_seqlens, per_layer_input, k, v) -> (h, k, v)``, tensors only (so
-    checkpointing, ``compile`` and FSDP wrap it unchanged): ``k, v`` are the keys and values a shared-KV attention
-    reuses (None for a layer that makes its own), and the ones it attended to come back out.
+    Called ``block(x, cos, sin, mask, cache_pos, segments, per_layer_input, k, v) -> (h, k, v)``, tensors (and
+    ``segments``, a tensor and an int; so checkpointing, ``compile`` and FSDP wrap it unchanged): ``k, v`` are the
+    keys and values a shared-KV attention reuses (None for a layer that makes its own), and the ones it attended to
+    come back out.
 
     Args:
         attention: a :class:`~mtune.modules.shared_kv_attention.NormedKVAttention` or ``SharedKVAttention``.
@@ -42,8 +43,8 @@ class PerLayerInputBlock(nn.Module):
         """What ``TransformerDecoder.init_weights`` fills beyond linears and norms: the scalar, with ones."""
         yield "layer_scalar", nn.init.ones_
 
-    def forward(self, x, cos, sin, mask=None, cache_pos=None, cu_seqlens=None, per_layer_input=None, k=None, v=None):
-        attended, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos, cu_seqlens, k, v)
+    def forward(self, x, cos, sin, mask=None, cache_pos=None, segments=None, per_layer_input=None, k=None, v=None):
+        attended, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos, segments, k, v)
         h = x + self.post_attention_layernorm(attended)
         h = h + self.post_feedforward_layernorm(self.feed_forward(h))
         if per_layer_input is not None:

@@ -26,7 +26,7 @@ from mtune.modules.transformer import TransformerDecoder
 
 
 class PerLayerInputDecoder(TransformerDecoder):
-    """:class:`TransformerDecoder` for blocks called ``block(h, cos, sin, mask, cache_pos, cu_seqlens,
+    """:class:`TransformerDecoder` for blocks called ``block(h, cos, sin, mask, cache_pos, segments,
     per_layer_input, k, v) -> (h, k, v)``. ``args`` adds ``per_layer_dim`` (0: no per-layer inputs),
     ``per_layer_vocab_size``, ``kv_source(i)`` (the block whose keys and values block ``i`` reuses, or None) and
     ``final_logit_softcap`` (the head's :class:`~mtune.modules.softcap.SoftcappedLinear`; None: a plain head).
@@ -84,8 +84,8 @@ class PerLayerInputDecoder(TransformerDecoder):
         return h
 
 
-def _last_position(cos, sin, mask, cache_pos, cu_seqlens) -> tuple:
+def _last_position(cos, sin, mask, cache_pos, segments) -> tuple:
     """A kind's attention inputs (`TransformerDecoder.forward`: rotations ``[b, s, d]``, the cache mask ``[b, 1, s,
     cache_len]``, the cache slots ``[s]``) for the last position's query alone."""
     return (cos[:, -1:], sin[:, -1:], None if mask is None else mask[:, :, -1:],
-            None if cache_pos is None else cache_pos[-1:], cu_seqlens)
+            None if cache_pos is None else cache_pos[-1:], segments)

@@ -3,14 +3,15 @@
 import torch
 from torch import nn
 
+from mtune.modules.packed_attention import Segments
 from mtune.modules.rms_norm import RMSNorm
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, of the attention and MLP it is given.
 
-    Called with tensors only (``block(x, cos, sin, mask, cache_pos, cu_seqlens)``), so activation checkpointing,
-    ``compile`` and FSDP can wrap it unchanged.
+    Called with tensors only, or tuples of them (``block(x, cos, sin, mask, cache_pos, segments)``), so activation
+    checkpointing, ``compile`` and FSDP can wrap it unchanged.
 
     Args:
         norm: the two norms' class (Llama's :class:`RMSNorm`; Qwen3.5's ``(1 + weight)`` form).
@@ -34,8 +35,8 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
         cache_pos: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        segments: Segments | None = None,
     ) -> torch.Tensor:
         mixer = getattr(self, self.mixer_name)
-        h = x + mixer(self.input_layernorm(x), cos, sin, mask, cache_pos, cu_seqlens)
+        h = x + mixer(self.input_layernorm(x), cos, sin, mask, cache_pos, segments)
         return h + self.mlp(self.post_attention_layernorm(h))

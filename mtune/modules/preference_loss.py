@@ -164,7 +164,8 @@ class PreferenceObjective(nn.Module):
 
     def forward_batch(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         ref = (None, None) if self.loss.reference_free else self.reference(batch)
-        logits = model(batch["tokens"], input_pos=batch.get("input_pos"), document_ids=batch.get("document_ids"))
+        logits = model(batch["tokens"], input_pos=batch.get("input_pos"), document_ids=batch.get("document_ids"),
+                       longest_document=batch.get("longest_document"))
         logps, tokens = pair_logps(logits, batch)
         del logits
         n = logps.shape[0] // 2

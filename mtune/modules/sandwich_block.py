@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from mtune.modules.packed_attention import Segments
 from mtune.modules.rms_norm import GemmaRMSNorm
 
 
@@ -23,8 +24,8 @@ class SandwichBlock(nn.Module):
         self.post_feedforward_layernorm = norm(dim, norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                cache_pos: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos, cu_seqlens)
+                cache_pos: torch.Tensor | None = None, segments: Segments | None = None) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos, segments)
         h = x + self.post_attention_layernorm(attended)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 

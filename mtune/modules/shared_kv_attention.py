@@ -5,7 +5,7 @@ its scores need no ``1 / sqrt(head_dim)``. A layer with its own keys and values 
 them, rotated and normed, beside its output; the last ``num_kv_shared_layers`` layers (:class:`SharedKVAttention`)
 have no key or value projections and attend to those of the last earlier layer of their kind (sliding or global),
 which the decoder hands them (:class:`~mtune.modules.per_layer_decoder.PerLayerInputDecoder`). Both are called
-``attn(x, cos, sin, mask, cache_pos, cu_seqlens, k, v) -> (out, k, v)``, tensors only. When decoding, a layer with
+``attn(x, cos, sin, mask, cache_pos, segments, k, v) -> (out, k, v)``, tensors only. When decoding, a layer with
 its own keys and values writes them into its ``kv_cache`` and returns the whole cache, which the reusing layers
 (whose ``kv_cache`` stays None) attend to under the mask against it.
 """
@@ -51,11 +51,11 @@ class SharedKVAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)) * self.head_dim**0.5
         return apply_rotary(q.transpose(1, 2), cos, sin)
 
-    def forward(self, x, cos, sin, mask=None, cache_pos=None, cu_seqlens=None, k=None, v=None):
+    def forward(self, x, cos, sin, mask=None, cache_pos=None, segments=None, k=None, v=None):
         """``x`` ``[b, s, dim]`` attending to the given ``k, v``; returns ``(out [b, s, dim], k, v)``."""
         if k is None or v is None:
             raise ValueError("a shared-KV attention layer needs the keys and values of an earlier layer")
-        out = causal_attention(self.queries(x, cos, sin), k, v, mask, cu_seqlens, self.sliding_window)
+        out = causal_attention(self.queries(x, cos, sin), k, v, mask, segments, self.sliding_window)
         return self.o_proj(out), k, v
 
 
@@ -73,7 +73,7 @@ class NormedKVAttention(SharedKVAttention):
         self.v_proj = None if keys_are_values else nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.k_norm = FP32RMSNorm(head_dim, norm_eps)
 
-    def forward(self, x, cos, sin, mask=None, cache_pos=None, cu_seqlens=None, k=None, v=None):
+    def forward(self, x, cos, sin, mask=None, cache_pos=None, segments=None, k=None, v=None):
         b, s, _ = x.shape
         keys = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
         values = keys if self.v_proj is None else self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
@@ -81,4 +81,4 @@ class NormedKVAttention(SharedKVAttention):
         v = rms_normalize(values, self.norm_eps).transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
-        return super().forward(x, cos, sin, mask, cache_pos, cu_seqlens, k, v)
+        return super().forward(x, cos, sin, mask, cache_pos, segments, k, v)

@@ -30,9 +30,9 @@ class SinkAttention(Attention):
         """``(name, fill)`` of the sinks (normal, as transformers draws them); the linears are the decoder's."""
         yield "sinks", functools.partial(nn.init.normal_, std=std)
 
-    def attend(self, q, k, v, cos, sin, mask=None, cache_pos=None, cu_seqlens=None) -> torch.Tensor:
+    def attend(self, q, k, v, cos, sin, mask=None, cache_pos=None, segments=None) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
-        return causal_attention(q, k, v, mask, cu_seqlens, self.sliding_window, self.sinks)
+        return causal_attention(q, k, v, mask, segments, self.sliding_window, self.sinks)

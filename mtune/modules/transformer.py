@@ -21,7 +21,7 @@ from mtune.modules.attention import Attention
 from mtune.modules.expert_layout import ExpertLayout
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
-from mtune.modules.packed_attention import DENSE_MASK_UP_TO, document_boundaries, kernel_for
+from mtune.modules.packed_attention import DENSE_MASK_UP_TO, Segments, batch_segments, kernel_for
 from mtune.modules.pre_norm_block import TransformerBlock
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import RotaryEmbedding
@@ -208,8 +208,8 @@ class TransformerDecoder(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, return_hidden: bool = False, last_only: bool = False
-                ) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, return_hidden: bool = False, last_only: bool = False,
+                longest_document: int | None = None) -> torch.Tensor:
         """Logits ``[b, s, vocab]`` in the model's dtype (or hidden states ``[b, s, dim]`` with ``return_hidden``).
 
         Args:
@@ -221,6 +221,8 @@ class TransformerDecoder(nn.Module):
                 the same id (each document one run of equal ids in its row, as packing writes them).
             return_hidden: return the final-norm hidden states, for losses that apply ``lm_head`` chunk by chunk.
             last_only: the last position's alone, ``[b, 1, ...]`` (a prompt's next token: the head skips the rest).
+            longest_document: a bound on ``document_ids``' documents' lengths, known on the host (the collator's),
+                by which the varlen kernel sizes its work. Default the row length.
         """
         b, s = tokens.shape
         caching = self.caches_are_enabled()
@@ -228,14 +230,10 @@ class TransformerDecoder(nn.Module):
             start = self._next_pos if caching else 0
             input_pos = torch.arange(start, start + s, device=tokens.device).expand(b, s)
         h = self.embed_tokens(tokens)
-        inputs = {}  # per kind of layer: cos, sin, mask, cache_pos, cu_seqlens
+        inputs = {}  # per kind of layer: cos, sin, mask, cache_pos, segments
         for name, kind in self.kinds.items():
-            if kind.recurrent:
-                segments = None if document_ids is None else document_boundaries(document_ids, b, s, tokens.device)
-                inputs[name] = (None, None, None, None, segments)
-                continue
-            inputs[name] = (*kind.rope(input_pos, h.dtype), *self._attention_layout(input_pos, document_ids, caching,
-                                                                                     kind.window, kind.sinks))
+            rope = (None, None) if kind.rope is None else kind.rope(input_pos, h.dtype)
+            inputs[name] = (*rope, *self._attention_layout(input_pos, document_ids, caching, kind, longest_document))
         stream, h = [h], None  # handed over in a list the callee empties: no frame here holds the embeddings
         h = self.run_layers(stream, tokens, inputs, last_only)
         if caching:
@@ -252,25 +250,26 @@ class TransformerDecoder(nn.Module):
             h = layer(h, *inputs[kind])
         return h
 
-    def _attention_layout(self, input_pos, document_ids, caching, window=None, sinks=False
-                          ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """What each block's attention needs, computed once per forward: ``(mask, cache_pos, cu_seqlens)``.
+    def _attention_layout(self, input_pos, document_ids, caching, kind=LayerKind(None), longest_document=None
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None, Segments | None]:
+        """What each block of ``kind`` needs besides rotary tables, once per forward: ``(mask, cache_pos, segments)``.
 
         Plain causal rows: all None (SDPA's causal fast path). Packed rows, or rows longer than the sliding window:
-        segment boundaries ``cu_seqlens`` or a dense mask, as ``attention_kernel`` says.
-        Decoding with a KV cache: a mask against the cache and the cache slots. ``window``: the layers' sliding
-        window (None: full attention).
-        """
+        :class:`~mtune.modules.packed_attention.Segments` or a dense mask, as ``attention_kernel`` says (recurrent
+        layers: packed rows' segments). Decoding with a KV cache: a mask against the cache and the cache slots."""
         b, s = input_pos.shape
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel={self.attention_kernel!r}: use one of {ATTENTION_KERNELS}")
+        packed, window = document_ids is not None, kind.window
+        if kind.recurrent:
+            return None, None, batch_segments(document_ids, b, s, None, longest_document) if packed else None
         segments = self.attention_kernel == "segments" or (self.attention_kernel == "auto" and s > DENSE_MASK_UP_TO)
-        if not caching and segments and (document_ids is not None or (window is not None and s > window)):
+        if not caching and segments and (packed or (window is not None and s > window)):
             device = input_pos.device
             dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                      else self.embed_tokens.weight.dtype)
-            self.attention_kernels_run.add(kernel_for(device, dtype, window, sinks))
-            return None, None, document_boundaries(document_ids, b, s, device)
+            self.attention_kernels_run.add(kernel_for(device, dtype, window, kind.sinks))
+            return None, None, batch_segments(document_ids, b, s, device, longest_document)
         mask, cache_pos = self._mask(input_pos, document_ids, caching, window)
         self.attention_kernels_run.add("kv_cache_mask" if caching else "sdpa_causal" if mask is None else "dense_mask")
         return mask, cache_pos, None

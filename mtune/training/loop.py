@@ -66,6 +66,7 @@ def forward_loss(model: nn.Module, batch: dict, loss_fn: nn.Module) -> tuple[tor
         batch["tokens"],
         input_pos=batch.get("input_pos"),
         document_ids=batch.get("document_ids"),
+        longest_document=batch.get("longest_document"),
         return_hidden=getattr(loss_fn, "needs_hidden", False),
     )
     summed, count = loss_fn(output, batch["labels"], model.lm_head)

@@ -54,7 +54,7 @@ class ModelReference:
     def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         with self.context(), self.autocast():
             logits = self.model(batch["tokens"], input_pos=batch.get("input_pos"),
-                                document_ids=batch.get("document_ids"))
+                                document_ids=batch.get("document_ids"), longest_document=batch.get("longest_document"))
         logps, _ = pair_logps(logits, batch)
         n = logps.shape[0] // 2
         return logps[:n], logps[n:]

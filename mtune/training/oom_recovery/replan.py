@@ -41,7 +41,7 @@ _ADOPTABLE_KNOB = "activation_checkpointing"
 
 # What a batch of token rows holds (mtune.data.collate), and a preference batch besides (mtune.data.preference: its
 # pairs' chosen rows first, their rejected rows next); a batch with anything else is not split.
-TOKEN_BATCH_FIELDS = {"tokens", "labels", "input_pos", "document_ids", "num_tokens"}
+TOKEN_BATCH_FIELDS = {"tokens", "labels", "input_pos", "document_ids", "longest_document", "num_tokens"}
 PAIR_BATCH_FIELDS = TOKEN_BATCH_FIELDS | {"pair_index", "pairs_of"}
 
 
@@ -55,7 +55,8 @@ def halve_micro_batches(micro_batches: Sequence[dict]) -> list[dict] | None:
     loss unchanged (`mtune.training.loop.train_step` divides by the step's trained tokens, or a pair loss by its
     pairs), twice the accumulation. A preference batch keeps each pair's chosen and rejected rows together (rows
     ``i`` and ``n + i`` of its ``n`` pairs go to the same half). None when a micro-batch holds a single sample, or
-    fields other than a token or preference batch's. ``num_tokens`` (a throughput count) is shared in proportion."""
+    fields other than a token or preference batch's. ``num_tokens`` (a throughput count) is shared in proportion;
+    ``longest_document`` is kept, still a bound on each half's documents."""
     halves: list[dict] = []
     for batch in micro_batches:
         pairs = "pair_index" in batch

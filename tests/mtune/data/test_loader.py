@@ -1,6 +1,8 @@
 """The loader: deterministic order, disjoint rank shares, exact resume (also onto another world size); collation;
 mixtures."""
 
+import random
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ def dataset(request, tok, text_path):
 
 
 def same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
 def take(loader, n):
@@ -170,12 +172,32 @@ def test_collate_pads_packed_fields_and_honours_ignore_index():
               "document_ids": [0, 0, 1, 1]},
              {"tokens": [9, 10], "labels": [10, -1], "input_pos": [0, 1], "document_ids": [0, 0]}]
     out = collate_padded(batch, pad_id=3, ignore_index=-1, pad_to_multiple_of=4)
-    assert {k: v.tolist() for k, v in out.items() if k != "num_tokens"} == {
+    assert {k: v.tolist() for k, v in out.items() if k not in ("num_tokens", "longest_document")} == {
         "tokens": [[5, 6, 7, 8], [9, 10, 3, 3]],
         "labels": [[6, -1, 8, -1], [10, -1, -1, -1]],
         "input_pos": [[0, 1, 0, 1], [0, 1, 0, 1]],
         "document_ids": [[0, 0, 1, 1], [0, 0, 1, 1]],
     }
+
+
+def test_collate_names_the_longest_document_padding_included():
+    """``longest_document``: the longest run of one document id in any padded row, the padding a document of its own
+    (row 2's 6 padding tokens outrun every real document here); a count by ``itertools.groupby`` over seeded random
+    packs for the rest. Unpacked batches have none."""
+    from itertools import groupby
+
+    def sample(lengths):
+        ids = [i for i, n in enumerate(lengths) for _ in range(n)]
+        return {"tokens": [1] * len(ids), "labels": [1] * len(ids), "input_pos": [0] * len(ids), "document_ids": ids}
+
+    assert collate_padded([sample([3, 2]), sample([2])], pad_id=0, pad_to_multiple_of=8)["longest_document"] == 6
+    rng = random.Random(0)
+    for _ in range(50):
+        batch = [sample([rng.randint(1, 40) for _ in range(rng.randint(1, 5))]) for _ in range(rng.randint(1, 4))]
+        out = collate_padded(batch, pad_id=0, pad_to_multiple_of=rng.choice([None, 8, 64]))
+        runs = [len(list(run)) for row in out["document_ids"].tolist() for _, run in groupby(row)]
+        assert out["longest_document"] == max(runs)
+    assert "longest_document" not in collate_padded([{"tokens": [5], "labels": [5]}], pad_id=0)
 
 
 def test_partial_last_batch_is_counted_and_an_epoch_end_moves_the_state_on():

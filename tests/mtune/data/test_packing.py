@@ -21,7 +21,7 @@ def test_packed_loss_equals_each_sample_alone(tok, tmp_path):
     torch.manual_seed(0)
     model = build_model("tiny", device="cpu", vocab_size=tok.vocab_size, dim=64, intermediate_dim=128).eval()
     batch = build_dataloader(packed, batch_size=len(packed), seed=0, shuffle=False).__iter__().__next__()
-    assert set(batch) == {"tokens", "labels", "input_pos", "document_ids", "num_tokens"}
+    assert set(batch) == {"tokens", "labels", "input_pos", "document_ids", "longest_document", "num_tokens"}
     assert batch["tokens"].shape == (len(packed), 128)
     with torch.no_grad():
         logits = model(batch["tokens"], input_pos=batch["input_pos"], document_ids=batch["document_ids"])

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from mtune.models import build_model, model_args
 from mtune.modules.attention import causal_attention
-from mtune.modules.packed_attention import document_boundaries
+from mtune.modules.packed_attention import batch_segments
 from mtune.training.checkpointing.hf import load_hf_config, load_model_from_hf, save_hf_checkpoint
 from tests._helpers.lora import lora_cfg, lora_steps
 from tests._helpers.models import load_hf_model, logits_of, tiny_hf_model
@@ -186,12 +186,12 @@ def test_sink_attention_equals_its_formula_on_every_kernel(window):
         causal = causal & (i[None, :] > i[:, None] - window)
     packed = causal & (doc[None, :] == doc[:, None])
     cases = {"dense": (packed[None, None], None, packed),
-             "segments": (None, document_boundaries(doc[None], b, s), packed)}
+             "segments": (None, batch_segments(doc[None], b, s, longest=max(lengths)), packed)}
     if window is None:
         cases["causal"] = (None, None, causal)
-    for name, (mask, cu_seqlens, allowed) in cases.items():
+    for name, (mask, segments, allowed) in cases.items():
         expected = _reference(q, k, v, sinks, allowed)
-        got = causal_attention(q, k, v, mask, cu_seqlens, window, sinks)
+        got = causal_attention(q, k, v, mask, segments, window, sinks)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=name)
         weights = torch.randn(expected.shape, generator=gen)
         want = torch.autograd.grad((expected * weights).sum(), (q, k, v, sinks))

@@ -38,12 +38,13 @@ def main() -> None:
 
     from mtune.modules import gated_deltanet
     from mtune.modules.gated_deltanet import GatedDeltaNet
+    from mtune.modules.packed_attention import Segments
 
     torch.manual_seed(0)
     # grouped value heads (2 query/key heads, 4 value heads), as Qwen3.5's layers have them
     layer = GatedDeltaNet(dim=64, n_k_heads=2, n_v_heads=4, k_head_dim=32, v_head_dim=32)
     x = torch.randn(2, 80, 64, requires_grad=True)
-    cu_seqlens = torch.tensor([0, 13, 80, 117, 160], dtype=torch.int32)  # row 1: 13 + 67 tokens, row 2: 37 + 43
+    segments = Segments(torch.tensor([0, 13, 80, 117, 160], dtype=torch.int32), 80)  # rows: 13 + 67, 37 + 43 tokens
     weight = torch.randn(2, 80, 64)
 
     def run(**kwargs) -> dict[str, torch.Tensor]:
@@ -54,7 +55,7 @@ def main() -> None:
         return {"out": out.detach(), "x.grad": x.grad.clone(),
                 **{f"{n}.grad": p.grad.clone() for n, p in layer.named_parameters()}}
 
-    cases = {"rows": {}, "packed": {"cu_seqlens": cu_seqlens}}
+    cases = {"rows": {}, "packed": {"segments": segments}}
     pytorch = {case: run(**kwargs) for case, kwargs in cases.items()}
     gated_deltanet.fla_kernel = lambda x: chunk_gated_delta_rule
     kernel = {case: run(**kwargs) for case, kwargs in cases.items()}

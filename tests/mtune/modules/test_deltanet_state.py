@@ -6,6 +6,7 @@ import torch
 
 from mtune.modules.deltanet_state import STEPPED_UP_TO, DeltaNetState, gated_delta_steps
 from mtune.modules.gated_deltanet import GatedDeltaNet, causal_conv, chunked_gated_delta_rule
+from mtune.modules.packed_attention import Segments
 from tests.mtune.modules.test_gated_deltanet import inputs
 
 
@@ -93,4 +94,4 @@ def test_a_layer_fed_in_pieces_equals_the_whole_row():
         pieces = torch.cat([layer(x[:, a:b]) for a, b in zip(bounds, bounds[1:])], 1)
     torch.testing.assert_close(pieces, whole, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="^packed documents .* cannot be combined with a Gated DeltaNet decoding"):
-        layer(x, cu_seqlens=torch.tensor([0, 94, 188], dtype=torch.int32))
+        layer(x, segments=Segments(torch.tensor([0, 94, 188], dtype=torch.int32), 94))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mtune.modules.gated_deltanet import causal_conv, chunked_gated_delta_rule, l2_normalize
+from mtune.modules.packed_attention import Segments
 
 
 def token_by_token(q, k, v, g, beta):
@@ -116,12 +117,12 @@ def test_the_fla_kernel_path_gives_the_pytorch_forms_outputs(monkeypatch):
     torch.manual_seed(0)
     layer = GatedDeltaNet(dim=32, n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=8).double()
     x = torch.randn(2, 40, 32, dtype=torch.float64)
-    cu_seqlens = torch.tensor([0, 13, 40, 57, 80], dtype=torch.int32)  # row 1: 13 + 27 tokens, row 2: 17 + 23
-    packed, rows = layer(x, cu_seqlens=cu_seqlens), layer(x)
+    segments = Segments(torch.tensor([0, 13, 40, 57, 80], dtype=torch.int32), 40)  # rows: 13 + 27, 17 + 23 tokens
+    packed, rows = layer(x, segments=segments), layer(x)
     assert gated_deltanet_fla.fla_kernel(x) is None  # a CPU tensor: the PyTorch form
     monkeypatch.setattr(gated_deltanet, "fla_kernel", lambda x: fla_contract)
     # both in fp32 (as each casts), summed in other orders: fp32 round-off of outputs of magnitude ~1
-    torch.testing.assert_close(layer(x, cu_seqlens=cu_seqlens), packed, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(x, segments=segments), packed, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layer(x), rows, rtol=1e-5, atol=1e-6)
 
 

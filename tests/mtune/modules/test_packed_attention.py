@@ -5,7 +5,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mtune.models import build_model
-from mtune.modules.packed_attention import document_boundaries, segment_attention, segment_kernel
+from mtune.modules.packed_attention import (Segments, batch_segments, document_boundaries, segment_attention,
+                                            segment_bound, segment_kernel)
 from tests._helpers.training import LargestTensor
 
 
@@ -74,8 +75,8 @@ def test_auto_uses_the_dense_mask_only_for_short_rows():
     assert model.attention_kernel == "auto"
     for s, dense in [(DENSE_MASK_UP_TO, True), (DENSE_MASK_UP_TO + 1, False)]:
         _, input_pos, ids = packed_batch([(s // 2, s - s // 2)])
-        mask, _, cu_seqlens = model._attention_layout(input_pos, ids, caching=False)
-        assert (mask is not None, cu_seqlens is None) == (dense, dense)
+        mask, _, segments = model._attention_layout(input_pos, ids, caching=False)
+        assert (mask is not None, segments is None) == (dense, dense)
 
 
 def test_document_boundaries():
@@ -124,8 +125,8 @@ def test_segment_attention_alone_matches_per_document_sdpa():
     # One row, three documents, GQA: each document's slice of the output is causal SDPA over that document alone.
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, h, 20, 16, generator=gen) for h in (4, 2, 2))
-    cu = torch.tensor([0, 6, 7, 20], dtype=torch.int32)
-    out = segment_attention(q, k, v, cu).view(1, 20, 4, 16).transpose(1, 2)
+    segments = Segments(torch.tensor([0, 6, 7, 20], dtype=torch.int32), 13)
+    out = segment_attention(q, k, v, segments).view(1, 20, 4, 16).transpose(1, 2)
     for a, e in [(0, 6), (6, 7), (7, 20)]:
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e],
                                                                is_causal=True, enable_gqa=True)
@@ -135,13 +136,14 @@ def test_segment_attention_alone_matches_per_document_sdpa():
 def _varlen_as_cuda_allocates(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0), enable_gqa=False):
     """A CPU stand-in for ``varlen_attn``: causal SDPA per segment of the flat ``[tokens, heads, d]`` inputs, into an
     output allocated as the CUDA kernel (and torch's fake kernel) allocate it, ``torch.empty_like(query)``, which keeps
-    a dense query's strides."""
-    out = torch.empty_like(q)
+    a dense query's strides. Like the kernel's grid, it computes the first ``max_q`` queries of each segment only
+    (the rest stay NaN here), so a bound below a segment's length shows."""
+    out = torch.full_like(q, float("nan"))
     bounds = cu_q.tolist()
     for a, e in zip(bounds, bounds[1:]):
         seg = torch.nn.functional.scaled_dot_product_attention(
             *(t[a:e].transpose(0, 1) for t in (q, k, v)), is_causal=True, enable_gqa=enable_gqa)
-        out[a:e] = seg.transpose(0, 1)
+        out[a:min(e, a + max_q)] = seg.transpose(0, 1)[:max_q]
     return out
 
 
@@ -153,11 +155,102 @@ def test_varlen_output_of_one_row_reaches_the_projection(monkeypatch):
 
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, h, 20, 16, generator=gen) for h in (4, 2, 2))
-    cu = torch.tensor([0, 6, 7, 20], dtype=torch.int32)
-    expected = segment_attention(q, k, v, cu)  # sdpa_per_segment on the CPU
+    segments = Segments(torch.tensor([0, 6, 7, 20], dtype=torch.int32), 13)
+    expected = segment_attention(q, k, v, segments)  # sdpa_per_segment on the CPU
     monkeypatch.setattr(packed_attention, "_VARLEN", [(_varlen_as_cuda_allocates, {"window_size", "enable_gqa"})])
     monkeypatch.setattr(packed_attention, "segment_kernel", lambda *args, **kwargs: "varlen_flash")
-    torch.testing.assert_close(segment_attention(q, k, v, cu), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(segment_attention(q, k, v, segments), expected, rtol=0, atol=1e-6)
+
+
+def test_segment_bound_is_the_next_power_of_two_within_the_row():
+    assert [segment_bound(n, 4096) for n in (1, 90, 128, 129, 1000, 3000, 4096)] == [128, 128, 128, 256, 1024,
+                                                                                       4096, 4096]
+    assert segment_bound(None, 4096) == 4096  # nothing known: the row
+    assert segment_bound(300, 200) == 200 and segment_bound(5, 64) == 64  # never past the row
+
+
+def test_a_segment_longer_than_its_bound_is_refused():
+    q = k = v = torch.zeros(1, 2, 20, 8)
+    with pytest.raises(ValueError, match="^a segment of 13 tokens, above its Segments' longest=12$"):
+        segment_attention(q, k, v, Segments(torch.tensor([0, 6, 7, 20], dtype=torch.int32), 12))
+
+
+# Documents of at most 90 tokens in rows of 512 (padding 60 and 17 tokens): the varlen bound is 128, not 512.
+BOUNDED_ROWS = [(90, 37, 85, 64, 70, 50, 16, 40), (77, 88, 20, 90, 90, 90, 40)]
+
+
+def test_the_collators_bound_reaches_the_varlen_kernel(monkeypatch):
+    """A packed batch from the collator through the training loop's forward, with the varlen kernel (the CPU
+    stand-in, which computes only the first ``max_q`` queries of each segment): every call gets the batch's
+    longest document rounded up, 128 where the row length was passed before, and the loss is the dense mask's."""
+    from mtune.data.collate import collate_padded
+    from mtune.modules import packed_attention
+    from mtune.modules.loss import ChunkedCrossEntropyLoss
+    from mtune.training.loop import forward_loss
+
+    torch.manual_seed(0)
+    model = build_model("llama3_1", "tiny", device="cpu")
+    tokens, input_pos, ids = packed_batch(BOUNDED_ROWS, pad_to=512)
+    lengths = [(ids[r] != ids[r, -1]).sum() for r in range(2)]  # each row's tokens before its padding
+    batch = collate_padded([{"tokens": tokens[r, :n].tolist(), "labels": tokens[r, 1:n + 1].tolist(),
+                             "input_pos": input_pos[r, :n].tolist(), "document_ids": ids[r, :n].tolist()}
+                            for r, n in enumerate(lengths)], pad_id=0, pad_to_multiple_of=512)
+    assert batch["tokens"].shape == (2, 512) and batch["longest_document"] == 90
+    model.attention_kernel = "dense_mask"
+    expected, _ = forward_loss(model, batch, ChunkedCrossEntropyLoss())
+    bounds = []
+
+    def recording(*args, **kwargs):
+        bounds.append(args[5:7])
+        return _varlen_as_cuda_allocates(*args, **kwargs)
+
+    monkeypatch.setattr(packed_attention, "_VARLEN", [(recording, {"window_size", "enable_gqa"})])
+    monkeypatch.setattr(packed_attention, "segment_kernel", lambda *args, **kwargs: "varlen_flash")
+    model.attention_kernel = "segments"
+    loss, _ = forward_loss(model, batch, ChunkedCrossEntropyLoss())
+    assert bounds == [(128, 128)] * 2  # each of the two layers
+    assert_round_off(loss, expected, "loss")
+
+
+@torch.library.custom_op("mtune_tests::varlen_stand_in", mutates_args=())
+def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+               max_k: int, window_size: list[int], enable_gqa: bool = False) -> torch.Tensor:
+    return _varlen_as_cuda_allocates(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa)
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa=False):
+    return torch.empty_like(q)
+
+
+def test_a_compiled_block_takes_each_new_bound_without_recompiling(monkeypatch):
+    """Four batches whose bounds are 128, 256, 512 and 1024 through one compiled block, the varlen kernel a custom op
+    as torch's is: two graphs (dynamo specialises the first call, and makes the bound and the number of segments
+    symbolic at the second), not one per bound; every output equal to the eager block's."""
+    from mtune.modules import packed_attention
+
+    monkeypatch.setattr(packed_attention, "_VARLEN", [(_varlen_op, {"window_size", "enable_gqa"})])
+    monkeypatch.setattr(packed_attention, "segment_kernel", lambda *args, **kwargs: "varlen_flash")
+    torch.manual_seed(0)
+    model = build_model("llama3_1", "tiny", device="cpu")
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    block = model.layers[0]
+    compiled = torch.compile(block, backend=counting)
+    for longest in (100, 200, 400, 1000):
+        lengths = [longest] * (1024 // longest) + [1024 % longest]  # row-filling documents of at most `longest`
+        tokens, input_pos, ids = packed_batch([lengths], seed=longest)
+        segments = batch_segments(ids, 1, 1024, longest=longest)
+        assert segments.longest == segment_bound(longest, 1024)
+        x = model.embed_tokens(tokens)
+        cos, sin = model.kinds["attention"].rope(input_pos, x.dtype)
+        with torch.no_grad():
+            assert_round_off(compiled(x, cos, sin, None, None, segments), block(x, cos, sin, None, None, segments))
+    assert len(graphs) == 2
 
 
 @pytest.mark.cuda

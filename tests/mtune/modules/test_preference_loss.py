@@ -169,6 +169,27 @@ def test_packed_pairs_give_the_unpacked_log_probs_and_losses():
                                    objective.forward_batch(model, unpacked)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_packed_pairs_hand_both_models_their_longest_document():
+    """The policy's forward and the reference model's both get the collator's ``longest_document``, the varlen
+    kernel's bound (without it each would size the kernel by the row)."""
+    from mtune.training.checkpointing.hf import load_model_from_hf
+    from mtune.training.reference import ModelReference
+
+    tok = load_tokenizer(tiny_model_dir(), max_seq_len=64)
+    packed = preference_dataset(tok, str(tiny_data_dir() / "preference_eval.jsonl"), packed=True)
+    batch = packed.collate_fn([packed[0], packed[1]])
+    model = load_model_from_hf(tiny_model_dir(), dtype=torch.float32).eval()
+    seen = []
+
+    def recording(module, args, kwargs):
+        seen.append(kwargs.get("longest_document"))
+
+    model.register_forward_pre_hook(recording, with_kwargs=True)
+    with torch.no_grad():
+        PreferenceObjective(DPOLoss(beta=0.5), ModelReference(model)).forward_batch(model, batch)
+    assert 1 < batch["longest_document"] < batch["tokens"].shape[1] and seen == [batch["longest_document"]] * 2
+
+
 class _FixedLogits(torch.nn.Module):
     """A stand-in policy whose logits are given: the objective's arithmetic alone is under test."""
 
@@ -176,7 +197,7 @@ class _FixedLogits(torch.nn.Module):
         super().__init__()
         self.logits = torch.nn.Parameter(logits)
 
-    def forward(self, tokens, input_pos=None, document_ids=None):
+    def forward(self, tokens, input_pos=None, document_ids=None, longest_document=None):
         return self.logits
 
 

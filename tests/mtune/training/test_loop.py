@@ -16,7 +16,7 @@ class _Tiny(nn.Module):
         self.embed = nn.Embedding(16, 8)
         self.lm_head = nn.Linear(8, 16)
 
-    def forward(self, tokens, input_pos=None, document_ids=None, return_hidden=False):
+    def forward(self, tokens, input_pos=None, document_ids=None, return_hidden=False, longest_document=None):
         return self.lm_head(self.embed(tokens))
 
 
@@ -216,7 +216,7 @@ def test_evaluate_is_the_token_weighted_mean_in_eval_mode_and_restores_the_mode(
             super().__init__()
             self.drop = nn.Dropout(0.5)
 
-        def forward(self, tokens, input_pos=None, document_ids=None, return_hidden=False):
+        def forward(self, tokens, input_pos=None, document_ids=None, return_hidden=False, longest_document=None):
             return self.lm_head(self.drop(self.embed(tokens)))
 
     a = _batch([([1, 2, 3], [2, 3, 4])])
