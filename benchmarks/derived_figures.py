@@ -22,7 +22,8 @@ lists), ``benchmarks/results/derived_memory_techniques.json`` (the next two) and
 - ``derived_gpu_suite.json``: tokens/s quotients of GPU-suite case pairs (compiled over eager, QLoRA over LoRA) and
   each case's allocator margin (reserved - allocated) and memory beyond the allocator, the CUDA context, and the
   paged optimizer states measured against their plan, and part 16's held runs beside the allocator model's
-  predictions (``gpu_suite_figures``, ``held_runs``); and from ``nf4_matmul.json`` each
+  predictions (``gpu_suite_figures``, ``held_runs``), each row's MFU by its documents (``mfu_by_documents``); and
+  from ``nf4_matmul.json`` each
   NF4 kernel's time for one 8B block's seven frozen matmuls, over the bf16 matmul's (``nf4_block_figures``).
 
     python benchmarks/derived_figures.py     # about a second
@@ -149,6 +150,8 @@ GPU_PAIRS = {
     ("qwen3_5_9B_lora_compiled_packed4096", "qwen3_5_9B_lora_packed4096"): "compiled over eager",
     ("qwen3_5_9B_lora_fla_packed4096", "qwen3_5_9B_lora_packed4096"):
         "flash-linear-attention's kernels over the PyTorch form",
+    ("llama3_2_3B_lora_compiled_short_documents", "llama3_2_3B_lora_compiled_short_documents_row_bound"):
+        "varlen bounded by the longest document over bounded by the row",
 }
 
 NF4_KERNEL_COMPILES_FROM = "2026-11-26T19:30:55+00:00"
@@ -195,6 +198,26 @@ def _compile_payback(compiled: dict, eager: dict) -> dict:
     saving = eager["step_s"] - compiled["step_s"]
     return {"compile_extra_warmup_s": extra, "step_saving_s": saving,
             "pays_back_after_steps": extra / saving if saving > 0 else None}
+
+
+def mfu_by_documents(rows: list[dict]) -> list[dict]:
+    """Each measured suite row's MFU by the count mtune's runs make of its batch (``StepFlops``: each packed
+    document's attention against itself under the segment kernels, the whole row under the dense mask). Rows that
+    say their ``attention_len`` were counted so; the earlier ones counted attention over the whole row, on batches of
+    two documents of half a row each, so their count falls by half the row's attention FLOPs per token (FLOPs are
+    affine in the attention length, ``mtune/training/observe/flops.py``), but for the dense mask's rows."""
+    out = []
+    for r in rows:
+        if r["status"] != "ok" or not r.get("gpu_name") or r.get("mfu") is None \
+                or "attention_flops_per_token" not in r:  # the head-to-head's MFU is mtune's own log's
+            continue
+        recorded = "attention_len" in r
+        share = 1.0 if recorded or "attention_kernel=dense_mask" in r["what"] else 0.5
+        model = r["model_flops_per_token"] - r["attention_flops_per_token"] * (1 - share)
+        out.append({"case": r["case"], "date": r["date"], "gpu_name": r["gpu_name"],
+                    "attention_len": r["attention_len"] if recorded else r["seq_len"] * share,
+                    "mfu_recorded": r["mfu"], "mfu": r["mfu"] * model / r["model_flops_per_token"]})
+    return out
 
 
 def gpu_suite_figures() -> dict:
@@ -247,7 +270,8 @@ def gpu_suite_figures() -> dict:
                for (gpu, case), r in latest.items() if case in PAGED_CASES and context is not None]
     predictions = json.loads((RESULTS / "allocator_margin.json").read_text())["rows"]
     return {"tokens_per_s_pairs": pairs, "allocator_margins": margins, "cuda_context_gib": context,
-            "paged_states": managed, "held_runs": held_runs(rows, predictions)}
+            "paged_states": managed, "held_runs": held_runs(rows, predictions),
+            "mfu_by_documents": mfu_by_documents(rows)}
 
 
 HELD_SUFFIX = "_held_to_fit_margin"

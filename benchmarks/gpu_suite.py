@@ -10,8 +10,9 @@ weights by ``model.family`` / ``model.size``, bf16, the batch and sequence lengt
 
 - ``run``: the recipes' own setup (``setup_run``, ``setup_model``, ``build_optimizer``, the config's loss) and step
   (``train_step``, inside the byte tracker's ``track_step`` and the activation-offloading context, as
-  ``TrainingSession.train_step`` does) on random packed batches of ``batch_size`` x ``max_seq_len`` tokens, every
-  token trained. ``plan_check``'s tracker counts the first steps when the case is eager (as in a run); the timed
+  ``TrainingSession.train_step`` does) on random packed batches of ``batch_size`` x ``max_seq_len`` tokens, two
+  documents a row (or the case's ``document_tokens``) with their longest as the collator says it, every token
+  trained. ``plan_check``'s tracker counts the first steps when the case is eager (as in a run); the timed
   steps come after ``warmup`` steps, synchronised, and tokens/s = tokens per step / the median step time.
 - ``head_to_head``: ``benchmarks/torchtune_head_to_head.py`` (one harness, CPU and GPU) with the case's shape:
   both libraries' own recipes, interleaved, in their own processes.
@@ -25,7 +26,9 @@ weights by ``model.family`` / ``model.size``, bf16, the batch and sequence lengt
 A case whose config keys are not in its recipe's schema yet is a pending feature: it is skipped with that reason.
 
 Each row (see docs/benchmarks.md, "GPU suite"): case, part, kind, compile, gpu_name, versions, expandable_segments,
-tokens_per_s, mfu, hfu (mtune's FLOPs count against the datasheet peak of the card by its name), planned_allocated_gib
+tokens_per_s, mfu, hfu (mtune's FLOPs count of the batch, as a run counts it, over its ``attention_len``, against
+the datasheet peak of the card by its name; rows before 2026-11-27 counted attention over the row),
+planned_allocated_gib
 (``plan_memory`` for the same config), max_allocated_gib, max_reserved_gib, modelled_margin_gib and
 modelled_held_margin_gib (the caching allocator's margin as ``allocator_margin.py`` models it from the plan
 without a limit; the smallest budget it serves the plan in, less the plan's peak), alloc_retries and
@@ -151,6 +154,8 @@ class Case:
     device_memory_gib: float | None = None  # fit: the budget --fit plans for and the run is held to
     # run under the allocator limit of the tightest budget --fit would accept for the case's plan (fit_margin_limit)
     held_to_fit_margin: bool = False
+    document_tokens: int | None = None  # packed rows of documents this long (and the rest); None: two a row
+    row_bound: bool = False  # the varlen kernel bounded by the row, not the batch's longest document (its twin)
     # record the allocator's history from setup on and replay it through allocator_margin.py's model (CUDA only;
     # the recording costs a few microseconds an allocation, so such a row's speed is not a speed figure)
     trace_allocator: bool = False
@@ -341,6 +346,21 @@ CASES += [replace(held, name=held.name.replace("_held_to_fit_margin", "_expandab
                   + (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),), trace_allocator=False,
                   what=f"{held.what}, with expandable segments")
           for held in CASES if held.part == 16]
+# ---- part 18: the varlen call's bound from the batch's longest document (2026-11-27) against the row length it
+# replaced, in one lease: the 3B LoRA step compiled, packed 2048 x 4 of 96-token documents (the head-to-head
+# fixture's instruct rows average 85.9 tokens, 121 at most), 21 documents and a 32-token tail a row
+CASES += [Case(f"llama3_2_3B_lora_compiled_short_documents{suffix}", 18, "llama3_2/3B_lora_single_device",
+               "lora_single_device", f"3B LoRA, compiled, packed 2048 x 4 of 96-token documents, {bound}",
+               L3B + LORA_RUN, compile=True, document_tokens=96, row_bound=row_bound, minutes=1.0)
+          for suffix, row_bound, bound in (("", False, "varlen bounded by the longest document"),
+                                           ("_row_bound", True, "varlen bounded by the row, as before"))]
+# ---- part 19: the issue's MFU row with the flags --fit picks for the card (the shipped config checkpoints every
+# block for 24 GiB cards; on an H100 --fit turns checkpointing off and takes the unchunked loss, 63.68 GiB planned on
+# this CPU, 2026-11-27), compiled as part 1's row
+CASES += [Case("llama3_1_8B_lora_compiled_fit_78GiB", 19, "llama3_1/8B_lora_single_device", "lora_single_device",
+               "8B LoRA, compiled, as `mtune plan --fit --device-memory 78GiB` configures it, packed 4096 x 2",
+               L8B + LORA_RUN + ("compile=true",), kind="fit", compile=True, device_memory_gib=78, batch_size=2,
+               seq_len=4096, minutes=1.5)]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
                device_memory_gib=1.05, head_to_head_seq=128)  # --fit keeps at least 1 GiB of allocator margin
@@ -433,18 +453,31 @@ def fitted_config(api, case: Case, path: Path):
     return api.load_and_check(module, api.find_config(str(path)), ["overwrite_output_dir=true"])
 
 
-def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, generator) -> dict:
-    """A packed batch as the collator makes it: two documents per row (positions restart, document ids), every
-    token trained."""
+def synthetic_batch(batch_size: int, seq_len: int, vocab_size: int, generator, document_tokens: int | None = None,
+                    row_bound: bool = False) -> dict:
+    """A packed batch as the collator makes it (positions restart, document ids, the longest document), every token
+    trained: two documents per row, or documents of ``document_tokens`` and the rest of the row one more.
+    ``row_bound``: no ``longest_document``, so the varlen kernel is bounded by the row, as before 2026-11-27."""
     import torch
 
-    half = seq_len // 2
+    lengths = ([seq_len // 2, seq_len - seq_len // 2] if document_tokens is None else
+               [document_tokens] * (seq_len // document_tokens) + [seq_len % document_tokens])
+    lengths = [n for n in lengths if n]
     tokens = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
     labels = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
-    input_pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch_size, -1).contiguous()
-    document_ids = torch.cat([torch.zeros(half, dtype=torch.long), torch.ones(seq_len - half, dtype=torch.long)])
-    return {"tokens": tokens, "labels": labels, "input_pos": input_pos,
-            "document_ids": document_ids.expand(batch_size, -1).contiguous()}
+    input_pos = torch.cat([torch.arange(n) for n in lengths]).expand(batch_size, -1).contiguous()
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    batch = {"tokens": tokens, "labels": labels, "input_pos": input_pos,
+             "document_ids": document_ids.expand(batch_size, -1).contiguous()}
+    return batch if row_bound else {**batch, "longest_document": max(lengths)}
+
+
+def batch_flops(step_flops, batch: dict):
+    """``(FLOPs per token, attention length)`` of ``batch`` as a run counts them (``StepFlops``): the attention
+    length its packed documents' ``sum(L²) / sum(L)`` under the segment kernels, the row under the dense mask."""
+    s = int(batch["tokens"].shape[-1])
+    attention_len = step_flops.attention_len(batch)
+    return step_flops.per_token(s, batch["tokens"].numel(), attention_len), attention_len or float(s)
 
 
 ATTENTION_KERNELS = (("flex_attention", "flex"), ("flash_attention_for_cpu", "flash_cpu"), ("flash", "flash"),
@@ -638,12 +671,15 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
     breakdown = api.MemoryBreakdown(model, api.inner_optimizers(optimizer), run.output_dir, enabled=tracking,
                                     write=False, placement=run.placement, track_all_steps=False)
     recomputes = isinstance(loss_fn, api.ChunkedCrossEntropyLoss) and loss_fn.recomputes_projection(model.lm_head)
-    fpt = api.StepFlops(model, loss_recomputes_projection=recomputes, memory=memory).per_token(
-        int(cfg.tokenizer.max_seq_len))
     generator = torch.Generator().manual_seed(0)
-    batch = synthetic_batch(int(cfg.batch_size), int(cfg.tokenizer.max_seq_len), source.args.vocab_size, generator)
+    batch = synthetic_batch(int(cfg.batch_size), int(cfg.tokenizer.max_seq_len), source.args.vocab_size, generator,
+                            case.document_tokens, case.row_bound)
+    # FLOPs as a run counts this batch (StepFlops): each packed document's attention against itself under the
+    # segment kernels, the whole row under the dense mask
+    step_flops = api.StepFlops(model, loss_recomputes_projection=recomputes, memory=memory)
+    fpt, row["attention_len"] = batch_flops(step_flops, batch)
     if cuda:
-        batch = {k: v.pin_memory() for k, v in batch.items()}
+        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = allocator_counts(cuda)
@@ -753,7 +789,7 @@ def measure(api, case: Case, *, device: str, dry_run: bool, workdir: Path, args)
         budget = (DRY_RUN["device_memory_gib"] if dry_run else case.device_memory_gib) * api.GIB
         fitted = workdir / f"{case.name}.yaml"
         overrides = [o for o in case_config_overrides(case, device, dry_run)]
-        rc = api.cli_main(["plan", "--fit", "--device-memory", f"{int(budget)}", "--output", str(fitted),
+        rc = api.cli_main(["plan", "--fit", "--device-memory", f"{budget / api.GIB}GiB", "--output", str(fitted),
                            case.recipe, "--config", case.config, *overrides])
         if rc or not fitted.exists():
             return {**row, "status": "failed", "reason": f"mtune plan --fit found no config for {budget / api.GIB:.2f} GiB"}

@@ -10,8 +10,10 @@
 #   4: .whl_triton .whl/fla .whl/base     Qwen3.5 9B on fla's kernels beside its PyTorch-form twin in one call (on any
 #                                          machine, fresh or warm: it installs what it needs; CASES=... SUITE_S=...
 #                                          narrow it; a cold machine's first fla step compiles for minutes)
-#   5: .whl                                the head-to-head with torchtune 0.6.1 (parity over four steps, profiles):
-#                                          after speed work on the LoRA step
+#   5: .whl                                part 18 (the varlen bound from the batch's longest document against the
+#                                          row, twins on 96-token documents), part 19 (8B LoRA compiled as --fit
+#                                          configures it for the card), then the head-to-head with torchtune 0.6.1
+#                                          (parity over four steps, profiles) against the seventh lease's row
 #   6: .whl                                the MoE QLoRA twins: after speed work on the MoE step
 # A machine stays warm (and keeps /tmp) only about 30 seconds after a call, so every item installs what it needs
 # unless an earlier call of the same machine did (into /tmp/site): any item may come first on a fresh machine.
@@ -62,7 +64,9 @@ case "$item" in
     install_site
     versions
     pip_target /tmp/site_tt .whl/torchtune/*.whl || exit
-    suite /tmp/gs5 300 --torchtune-path /tmp/site_tt:/tmp/site --cases llama3_2_3B_lora_head_to_head ;;
+    suite /tmp/gs5 540 --torchtune-path /tmp/site_tt:/tmp/site --cases llama3_2_3B_lora_compiled_short_documents \
+      llama3_2_3B_lora_compiled_short_documents_row_bound llama3_1_8B_lora_compiled_fit_78GiB \
+      llama3_2_3B_lora_head_to_head ;;
   6)
     install_site
     versions

@@ -79,6 +79,35 @@ def test_dry_run_rows_have_the_schema_and_cuda_figures_are_null(dry_run):
     assert rows[-1]["attention_kernel"]  # packed 64-token rows under attention_kernel=segments
 
 
+def test_mfu_counts_the_batch_as_a_run_does(dry_run):
+    """Attention FLOPs as mtune's runs count a batch (StepFlops): the segments row's two 32-token documents each
+    against itself, 12 x 32 x heads x head_dim a layer and token (the tiny Llama's 4 x 64 in 2 layers: QK^T and PV
+    forward, twice that backward); the other rows' 64-token rows under the dense mask (``auto`` at 64 tokens) over
+    the whole row; MFU from that count and the given peak. Mutation seen failing: the count at the row for both."""
+    _, rows = dry_run
+    for row in rows:
+        documents = row["case"] == "llama3_1_8B_lora_packed4096_segments"
+        assert row["attention_len"] == (32 if documents else 64)
+        if documents:
+            assert row["attention_flops_per_token"] == 12 * 32 * 4 * 64 * 2
+        assert row["mfu"] == pytest.approx(row["model_flops_per_token"] * row["tokens_per_s"] / 1e11, rel=1e-12)
+
+
+def test_short_document_batches_and_their_row_bound_twin():
+    """Part 18's batches: 96-token documents and the row's 32-token rest; the twin without ``longest_document``, so
+    the varlen call is bounded by the row."""
+    import torch
+
+    batch = suite.synthetic_batch(2, 2048, 100, torch.Generator().manual_seed(0), document_tokens=96)
+    ids = batch["document_ids"][0]
+    assert batch["longest_document"] == 96 and ids.max() == 21 and (ids == 21).sum() == 32
+    assert batch["input_pos"][0, 95] == 95 and batch["input_pos"][0, 96] == 0
+    twin = suite.synthetic_batch(2, 2048, 100, torch.Generator().manual_seed(0), 96, row_bound=True)
+    assert "longest_document" not in twin and torch.equal(twin["document_ids"], batch["document_ids"])
+    halves = suite.synthetic_batch(1, 64, 100, torch.Generator().manual_seed(0))
+    assert halves["longest_document"] == 32 and halves["document_ids"][0].tolist() == [0] * 32 + [1] * 32
+
+
 def test_a_case_in_its_own_process_reports_its_own_environment(monkeypatch, tmp_path):
     """``--one-case`` (each case's process under the suite) writes its own allocator settings into its row: the
     suite's parent, whose environment lacks part 16's and 17's allocator settings, once filled them in instead.
@@ -124,6 +153,18 @@ def test_a_fit_case_runs_the_config_fit_wrote(tmp_path):
     ran = suite.fitted_config(api, case, fitted)
     assert (ran.batch_size, ran.gradient_accumulation_steps, ran.activation_checkpointing_every_n_layers) == (1, 4, 2)
     assert case.batch_size != 1
+
+
+def test_a_fit_case_asks_mtune_plan_fit_and_runs_its_answer(monkeypatch, tmp_path):
+    """The fit case end to end on the CPU: `mtune plan --fit` at the dry run's budget, then its answer run. Found
+    failing (2026-11-27): the budget went to the command line as bare bytes, which `--device-memory` refuses since
+    it asks for a unit, so every fit row would have failed on the GPU."""
+    monkeypatch.setenv("MTUNE_PEAK_FLOPS", "1e11")
+    (row,) = suite.main(["--dry-run", "--in-process", "--no-compile", "--raise-errors", "--out",
+                         str(tmp_path / "rows.json"), "--work", str(tmp_path / "work"), "--cases",
+                         "llama3_1_8B_lora_fit_24GiB"])
+    assert row["status"] == "ok", row.get("reason")
+    assert row["device_memory_gib"] == suite.DRY_RUN["device_memory_gib"] and "mtune plan --fit" in row["fit_config"]
 
 
 @pytest.mark.parametrize("name,family", [("qwen3_moe_30B_A3B_qlora_compiled_packed4096", "qwen3_moe"),

@@ -153,3 +153,32 @@ def test_held_runs_set_each_part_16_row_beside_its_prediction_and_the_model_on_i
     # refused as predicted, but the model on the run's own history served the request the allocator refused
     assert (b["served"], b["prediction_held"], b["predicted_spare_gib"]) == (False, True, -0.8)
     assert (b["model_on_trace_refused"], b["model_on_trace_agrees"]) == (False, False)
+
+
+def test_mfu_by_documents_counts_each_of_a_rows_two_documents_against_itself():
+    """Oracle: mtune's FLOPs count of the 8B LoRA config (a meta model, the config's adapters) at the documents'
+    attention length, half the 4096-token row, times the row's tokens/s over its peak; the dense mask's row keeps
+    the whole row (so does mtune's count), and a row that says its ``attention_len`` keeps its own MFU. Mutation seen
+    failing: the correction applied to the dense mask's rows."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from mtune.models import build_model
+    from mtune.modules.lora import apply_lora
+    from mtune.training.observe.flops import flops_per_token
+
+    rows = [r for r in json.loads((RESULTS / "gpu_suite.json").read_text())["rows"] if r["status"] == "ok"]
+    lora = next(r for r in rows if r["case"] == "llama3_1_8B_lora_compiled_packed4096")
+    dense = next(r for r in rows if r["case"] == "llama3_1_8B_lora_compiled_dense_mask")
+    by_row = {(r["case"], r["date"]): r for r in derived.mfu_by_documents(rows)}
+    adapters = OmegaConf.load(REPO / "recipes/configs/llama3_1/8B_lora_single_device.yaml").lora
+    with torch.device("meta"):
+        model = apply_lora(build_model("llama3_1", "8B", device="meta"), list(adapters.modules), rank=adapters.rank,
+                           alpha=adapters.alpha)
+    per_token = flops_per_token(model, 4096, None, tokens=lora["tokens_per_step"], attention_len=2048).model
+    assert by_row[lora["case"], lora["date"]]["mfu"] == pytest.approx(
+        per_token * lora["tokens_per_s"] / lora["peak_flops"], rel=1e-12)
+    assert by_row[lora["case"], lora["date"]]["attention_len"] == 2048
+    assert by_row[dense["case"], dense["date"]]["mfu"] == dense["mfu"]
+    counted = {**lora, "attention_len": 2048.0, "date": "later"}
+    assert derived.mfu_by_documents([counted])[0]["mfu"] == lora["mfu"]

@@ -278,22 +278,22 @@ class StepFlops:
                 tokens=tokens, attention_len=attention_len)
         return self._per_shape[key]
 
-    def _segments(self, seq_len: int) -> bool:
-        kernel = getattr(self.model, "attention_kernel", "dense_mask")
-        return kernel == "segments" or (kernel == "auto" and seq_len > DENSE_MASK_UP_TO)
+    def attention_len(self, batch: dict) -> float | None:
+        """The keys a query of ``batch`` counts against: under the segments kernel its packed documents'
+        :func:`mean_document_length`; None (the row) otherwise, the dense mask computing the whole row."""
+        s, kernel = int(batch["tokens"].shape[-1]), getattr(self.model, "attention_kernel", "dense_mask")
+        segments = kernel == "segments" or (kernel == "auto" and s > DENSE_MASK_UP_TO)
+        return mean_document_length(batch["document_ids"]) if segments and "document_ids" in batch else None
 
     def __call__(self, micro_batches: list[dict]) -> tuple[float, float]:
         model_flops = hardware_flops = 0.0
         for batch in micro_batches:
             tokens = batch["tokens"]
-            n = int(batch.get("num_tokens", tokens.numel()))
-            s = int(tokens.shape[-1])
+            n, s = int(batch.get("num_tokens", tokens.numel())), int(tokens.shape[-1])
             fpt = self.per_token(s, tokens.numel())
-            model_hw = (fpt.model, fpt.hardware)
-            if batch.get("document_ids") is not None and self._segments(s):
-                # FLOPs are affine in the attention length: interpolate between 0 and the row's s
-                empty = self.per_token(s, tokens.numel(), 0.0)
-                share = mean_document_length(batch["document_ids"]) / s
+            model_hw, attention_len = (fpt.model, fpt.hardware), self.attention_len(batch)
+            if attention_len is not None:  # FLOPs are affine in the attention length: between 0 and the row's s
+                empty, share = self.per_token(s, tokens.numel(), 0.0), attention_len / s
                 model_hw = tuple(e + share * (f - e) for e, f in zip((empty.model, empty.hardware), model_hw))
             model_flops += model_hw[0] * n
             hardware_flops += model_hw[1] * n
