@@ -152,6 +152,8 @@ GPU_PAIRS = {
         "flash-linear-attention's kernels over the PyTorch form",
     ("llama3_2_3B_lora_compiled_short_documents", "llama3_2_3B_lora_compiled_short_documents_row_bound"):
         "varlen bounded by the longest document over bounded by the row",
+    ("qwen3_moe_30B_A3B_qlora_packed4096", "qwen3_moe_30B_A3B_qlora_experts_by_parts_packed4096"):
+        "NF4 expert stacks dequantized whole over by eighths",
 }
 
 NF4_KERNEL_COMPILES_FROM = "2026-11-26T19:30:55+00:00"

@@ -147,6 +147,7 @@ class Case:
     pending: str = ""  # what the case waits for, said when it is skipped
     fla: bool = False  # run with flash-linear-attention importable (--fla-path): Gated DeltaNet on its kernels
     torchao_dequantize: bool = False  # NF4 dequantized by torchao's eager ops, not the compiled kernel (its twin)
+    experts_by_parts: bool = False  # NF4 expert stacks dequantized an eighth at a time, as before 2026-11-27 (twin)
     # speed only: flash-linear-attention's guard against its wrong gated backward on Hopper with Triton 3.4-3.7.0
     # (its #640) lifted, to time its kernels where no correct configuration can be carried (docs/benchmarks.md)
     fla_guard_lifted: bool = False
@@ -361,6 +362,12 @@ CASES += [Case("llama3_1_8B_lora_compiled_fit_78GiB", 19, "llama3_1/8B_lora_sing
                "8B LoRA, compiled, as `mtune plan --fit --device-memory 78GiB` configures it, packed 4096 x 2",
                L8B + LORA_RUN + ("compile=true",), kind="fit", compile=True, device_memory_gib=78, batch_size=2,
                seq_len=4096, minutes=1.5)]
+# ---- part 20: the NF4 expert stacks dequantized whole where the kernel dequantizes (2026-11-27) against by eighths,
+# the code it replaced (each eighth decoded, then copied into the stack: 4,145 device copies in the seventh lease's
+# profiled step), beside part 9's row in one lease
+CASES += [replace(next(c for c in CASES if c.name == "qwen3_moe_30B_A3B_qlora_packed4096"),
+                  name="qwen3_moe_30B_A3B_qlora_experts_by_parts_packed4096", part=20, experts_by_parts=True,
+                  what="Qwen3-30B-A3B QLoRA, eager, packed 4096 x 1, NF4 expert stacks dequantized by eighths")]
 
 DRY_RUN = dict(family="tiny", size="tiny", batch_size=2, seq_len=64, steps=2, warmup=1, context_lengths=(64, 128, 256),
                device_memory_gib=1.05, head_to_head_seq=128)  # --fit keeps at least 1 GiB of allocator margin
@@ -616,9 +623,10 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
 
     cuda = torch.cuda.is_available() and str(cfg.device).startswith("cuda")
     row = {} if row is None else row
-    from mtune.modules import nf4_dequantize
+    from mtune.modules import expert_linear, nf4_dequantize
 
     nf4_dequantize.COMPILED_ON_CUDA = not case.torchao_dequantize  # before the plan, which models the choice
+    expert_linear.STACK_WHOLE_WHERE_ALONE = not case.experts_by_parts  # the same
     if case.fla_guard_lifted:  # before setup, whose probe would refuse the kernel: its gradients here are wrong
         import fla.ops.common.chunk_o as chunk_o
 
@@ -626,6 +634,7 @@ def run_case(api, case: Case, cfg, *, workdir: Path, memory_fraction: float | No
         row["fla_guard_lifted"] = ("speed only: fla-core refuses its gated backward on this GPU and Triton (its "
                                    "#640: wrong gradients); lifted to time the kernels, not to train")
     row["nf4_dequantize"] = "torchao eager" if case.torchao_dequantize else "compiled on CUDA"
+    row["nf4_expert_stacks"] = "by eighths" if case.experts_by_parts else "whole where the kernel dequantizes"
     plan_cfg = cfg.copy()
     # a CUDA row also logs the plan's device storages: the caching-allocator model's input (allocator_margin.py)
     with api.device_events() if cuda else contextlib.nullcontext() as events:

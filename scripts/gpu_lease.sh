@@ -14,7 +14,8 @@
 #                                          row, twins on 96-token documents), part 19 (8B LoRA compiled as --fit
 #                                          configures it for the card), then the head-to-head with torchtune 0.6.1
 #                                          (parity over four steps, profiles) against the seventh lease's row
-#   6: .whl                                the MoE QLoRA twins: after speed work on the MoE step
+#   6: .whl                                the MoE QLoRA step and part 20's twin (its NF4 expert stacks
+#                                          dequantized by eighths, as before 2026-11-27), in one call
 # A machine stays warm (and keeps /tmp) only about 30 seconds after a call, so every item installs what it needs
 # unless an earlier call of the same machine did (into /tmp/site): any item may come first on a fresh machine.
 set -uo pipefail
@@ -71,7 +72,7 @@ case "$item" in
     install_site
     versions
     suite /tmp/gs6 330 --cases qwen3_moe_30B_A3B_qlora_packed4096 \
-      qwen3_moe_30B_A3B_qlora_torchao_dequantize_packed4096 ;;
+      qwen3_moe_30B_A3B_qlora_experts_by_parts_packed4096 ;;
   *)
     echo "no item $item (1-6)" >&2; exit 2 ;;
 esac

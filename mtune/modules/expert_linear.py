@@ -29,16 +29,22 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from mtune.config.errors import ConfigError
+from mtune.modules.nf4_dequantize import decodes_alone
 from mtune.modules.nf4_linear import dequantize, is_nf4, linear_maybe_nf4, nf4_part, quantize_nf4
 
-__all__ = ["DEQUANTIZE_PARTS", "ExpertLinear", "LoRAExpertLinear"]
+__all__ = ["DEQUANTIZE_PARTS", "STACK_WHOLE_WHERE_ALONE", "ExpertLinear", "LoRAExpertLinear"]
 
 DEQUANTIZE_PARTS = 8
-"""How many calls :meth:`ExpertLinear.stacked` dequantizes an NF4 projection in. While it runs, torchao's
-dequantize holds the codes as int64 (8 bytes a value) beside its bf16 products, several times the 2-byte result, so a
-whole projection at once would raise a large MoE's planned peak by gigabytes; one call per expert is ``n_experts``
-small calls, which left Qwen3-30B-A3B's QLoRA without one finished step in minutes on an H100. An eighth at a time
-keeps the transient near the result's own size, in 8 calls."""
+"""How many calls :meth:`ExpertLinear.stacked` dequantizes an NF4 projection in where torchao's ops do it (the CPU,
+or CUDA without the compiled kernel). While they run they hold the codes as int64 (8 bytes a value) beside their bf16
+products, several times the 2-byte result, so a whole projection at once would raise a large MoE's peak by
+gigabytes; one call per expert is ``n_experts`` small calls, which left Qwen3-30B-A3B's QLoRA without one finished
+step in minutes on an H100. An eighth at a time keeps the transient near the result's own size, in 8 calls. The
+compiled kernel allocates only its result, so there a projection is dequantized whole, in one call and no copy."""
+
+STACK_WHOLE_WHERE_ALONE = True
+"""Whether :meth:`ExpertLinear.stacked` dequantizes a projection whole where that allocates only the result (False:
+by parts everywhere, as before 2026-11-27; the GPU suite's twin row sets it to measure one against the other)."""
 
 
 def _nf4_parts_traceable() -> bool:
@@ -106,8 +112,11 @@ class ExpertLinear(nn.Module):
 
     def stacked(self) -> torch.Tensor:
         """The weight for ``torch._grouped_mm``, ``[n_experts, out, in]``: the parameter itself when plain (no copy);
-        when NF4 a new tensor, dequantized an eighth of the experts at a time (:data:`DEQUANTIZE_PARTS`)."""
-        if not is_nf4(self.weight) or not _nf4_parts_traceable():
+        when NF4 a new tensor, dequantized whole where that allocates only the result (the compiled kernel:
+        :func:`~mtune.modules.nf4_dequantize.decodes_alone`), else an eighth of the experts at a time
+        (:data:`DEQUANTIZE_PARTS`)."""
+        if (not is_nf4(self.weight) or not _nf4_parts_traceable()  # (compiling: before decodes_alone's is_fake)
+                or STACK_WHOLE_WHERE_ALONE and decodes_alone(self.weight)):
             return self.plain_weight()
         parts = math.gcd(self.n_experts, DEQUANTIZE_PARTS)
         out = torch.empty(self.weight_shape, dtype=self.weight.dtype, device=self.weight.device)

@@ -27,9 +27,10 @@ scatters the weighted rows back. The experts run one of two ways (:attr:`MoE.exp
   Used by ``auto`` where it pays and is supported: frozen base weights (a full fine-tune's trainable experts go
   through the loop, as do adapters with dropout), bf16 (the only dtype ``_grouped_mm``'s fake kernel accepts, so
   ``mtune plan`` and ``compile`` trace it) and 16-byte aligned rows, widths and ranks. NF4
-  bases (QLoRA) are dequantized a projection at a time, an eighth of the experts per call
-  (:data:`~mtune.modules.expert_linear.DEQUANTIZE_PARTS`; planned as such): per expert, it cost ``n_experts`` small
-  calls per projection, which on an H100 left Qwen3-30B-A3B QLoRA without a finished step within minutes.
+  bases (QLoRA) are dequantized a projection at a time: whole where the compiled kernel does it (CUDA), else an
+  eighth of the experts per call (:data:`~mtune.modules.expert_linear.DEQUANTIZE_PARTS`; planned as such): per
+  expert, it cost ``n_experts`` small calls per projection, which on an H100 left Qwen3-30B-A3B QLoRA without a
+  finished step within minutes.
 * ``loop``: each expert's slice of the weights on its rows (those that got none too, for their zero gradients).
 
 On fake tensors (``mtune plan``) the loop cannot read how many rows each expert got; it assumes **balanced

@@ -25,7 +25,8 @@ import logging
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["COMPILED_ON_CUDA", "KERNEL_SHAPES", "compiled_dequantization_applies", "decode", "dequantize_nf4"]
+__all__ = ["COMPILED_ON_CUDA", "KERNEL_SHAPES", "compiled_dequantization_applies", "decode", "decodes_alone",
+           "dequantize_nf4", "planning_decodes_alone"]
 
 log = logging.getLogger("mtune")
 
@@ -46,6 +47,26 @@ def compiled_dequantization_applies(weight: torch.Tensor) -> bool:
     code (the planner models the kernel itself: ``mtune.training.planning.replay``)."""
     return (COMPILED_ON_CUDA and weight.device.type == "cuda" and not torch.compiler.is_compiling()
             and not is_fake(weight))
+
+
+_PLANNED_ALONE = [False]  # set while the planner plans a run that dequantizes through the kernel
+
+
+def decodes_alone(weight: torch.Tensor) -> bool:
+    """Whether dequantizing ``weight`` allocates only its result (and its block scales, 1/64 of it): through the
+    compiled kernel (:func:`compiled_dequantization_applies`), or, for the planner's fake weights, in a run the planner
+    plans as one that does (:func:`planning_decodes_alone`). Otherwise torchao's ops hold int64 codes beside it."""
+    return _PLANNED_ALONE[0] if is_fake(weight) else compiled_dequantization_applies(weight)
+
+
+@contextlib.contextmanager
+def planning_decodes_alone(alone: bool):
+    """While inside, :func:`decodes_alone` answers ``alone`` for fake weights (the planner's, for its target)."""
+    before, _PLANNED_ALONE[0] = _PLANNED_ALONE[0], alone
+    try:
+        yield
+    finally:
+        _PLANNED_ALONE[0] = before
 
 
 def _under_dispatch_mode() -> bool:

@@ -169,6 +169,7 @@ def replayed_nf4_dequantization(tracker: TensorTracker, fused: bool = False):
 
     nf4.get_original_weight = get_original_weight
     try:
-        yield replay
+        with nf4_dequantize.planning_decodes_alone(fused):  # what the run's code then does (ExpertLinear.stacked)
+            yield replay
     finally:
         nf4.get_original_weight = original

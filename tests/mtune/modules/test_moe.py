@@ -128,11 +128,13 @@ def test_nf4_experts_run_grouped_and_equal_the_loop():
         torch.testing.assert_close(got, want, rtol=0, atol=0.02 * scale)  # bf16 matmuls in another order
 
 
-def _stacked_peak(fake: bool) -> int:
-    """The tracked peak of dequantizing one NF4 projection of 8 experts ``[8, 512, 256]`` for the grouped kernel."""
+def _stacked_peak(fake: bool, fused: bool = False) -> int:
+    """The tracked peak of dequantizing one NF4 projection of 8 experts ``[8, 512, 256]`` for the grouped kernel
+    (``fused``: on fake weights, planned as a run whose dequantization is the compiled kernel)."""
     import contextlib
 
     from mtune.modules.expert_linear import ExpertLinear
+    from mtune.training.planning.replay import replayed_nf4_dequantization
     from mtune.training.planning.tracker import TensorTracker
 
     mode = FakeTensorMode() if fake else None
@@ -142,7 +144,7 @@ def _stacked_peak(fake: bool) -> int:
         projection.nf4 = True
         projection.quantize_()
         tracker = TensorTracker(fake_mode=mode)
-        with tracker:
+        with tracker, replayed_nf4_dequantization(tracker, fused=True) if fused else contextlib.nullcontext():
             projection.stacked()
         return tracker.take_interval().peak["device"]
 
@@ -156,6 +158,25 @@ def test_nf4_stacked_weight_is_dequantized_by_parts_and_planned_from_one():
     real = _stacked_peak(fake=False)
     assert result < real <= 2.25 * result
     assert _stacked_peak(fake=True) == real
+
+
+def test_where_the_kernel_dequantizes_a_stacked_projection_is_dequantized_whole(monkeypatch):
+    """Where dequantization allocates only its result (CUDA's compiled kernel), the grouped path dequantizes an NF4
+    projection in one call, with no copy: planned for such a run, the peak is the bf16 result and its block scales
+    (one value per 64) and nothing beside them; a real weight dequantized whole gives the parts' values bit for bit.
+    Mutation seen failing: ``stacked`` deaf to ``decodes_alone`` (the plan then holds an eighth beside the result)."""
+    from mtune.modules import expert_linear
+
+    result = 8 * 512 * 256 * 2
+    assert _stacked_peak(fake=True, fused=True) == result + result // 64
+    projection = expert_linear.ExpertLinear(8, 256, 512, dtype=torch.bfloat16)
+    with torch.no_grad():
+        projection.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(3))
+    projection.nf4 = True
+    projection.quantize_()
+    by_parts = projection.stacked()
+    monkeypatch.setattr(expert_linear, "decodes_alone", lambda weight: True)
+    assert torch.equal(projection.stacked(), by_parts)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.02)])
