@@ -10,8 +10,8 @@ from mtune.modules.rms_norm import RMSNorm
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``, of the attention and MLP it is given.
 
-    Called with tensors only, or tuples of them (``block(x, cos, sin, mask, cache_pos, segments)``), so activation
-    checkpointing, ``compile`` and FSDP can wrap it unchanged.
+    Called with tensors (``block(x, cos, sin, mask, cache_pos, segments)``; ``segments`` a tensor and an int), so
+    activation checkpointing, ``compile`` and FSDP can wrap it unchanged.
 
     Args:
         norm: the two norms' class (Llama's :class:`RMSNorm`; Qwen3.5's ``(1 + weight)`` form).
