@@ -211,7 +211,7 @@ def mfu_by_documents(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         if r["status"] != "ok" or not r.get("gpu_name") or r.get("mfu") is None \
-                or "attention_flops_per_token" not in r:  # the head-to-head's MFU is mtune's own log's
+                or "attention_flops_per_token" not in r:  # the head-to-head's MFU is its harness's own count
             continue
         recorded = "attention_len" in r
         share = 1.0 if recorded or "attention_kernel=dense_mask" in r["what"] else 0.5
