@@ -3,22 +3,18 @@
 A packed row holds several documents; a token attends only to earlier tokens of its own document (and, with a
 sliding window of ``W``, only to the last ``W`` of them, itself included). The dense way to say this is a boolean
 ``[b, 1, s, s]`` mask: s² bytes per row (1 GiB at 32K tokens), and it keeps SDPA off its flash kernels. Here the
-layout is :class:`Segments` instead: the segment boundaries ``starts`` (int32 ``[n + 1]``: the start of each of the
-``n`` documents in the flattened ``b * s`` tokens, then ``b * s``, built by :func:`document_boundaries`) and
-``longest``, a bound on their lengths known on the host. The model builds it once per forward and every block
-receives it as an argument (a tuple of a tensor and an int, so checkpointing, ``compile`` and FSDP wrap blocks
-unchanged).
+layout is :class:`Segments` instead (the segments' starts and a bound on their lengths), which the model builds once
+per forward and every block receives as an argument (a tensor and an int: checkpointing, ``compile`` and FSDP wrap
+blocks unchanged).
 
 Kernels, chosen per call by :func:`segment_kernel`:
 
 - ``varlen_flash`` (CUDA, bf16/fp16, a torch with ``torch.nn.attention.varlen``): one flash call over every
-  document of the batch; sliding windows are the kernel's ``window_size``. Its maximum lengths are ``longest``:
-  the flash kernels launch a grid of about ``ceil(longest / 128)`` blocks for every document, so a bound near the
-  longest document keeps short documents from starting blocks that only exit. The collator knows each batch's
-  longest document on the host (:func:`longest_document`) and :func:`segment_bound` rounds it up to a power of two
-  (at least 128, at most the row), so that compiled blocks see few values; without it the bound is the row length,
-  as reading the boundaries on the device would cost a synchronisation. torch 2.10's ``is_causal`` argument (no
-  window, no GQA) is detected.
+  document of the batch; sliding windows are the kernel's ``window_size``. Its maximum lengths are ``longest``,
+  by which the flash kernels size a grid of about ``ceil(longest / 128)`` blocks for every document: the collator's
+  longest document (:func:`longest_document`, counted on the host) rounded up by :func:`segment_bound`, else the
+  row length (reading the boundaries on the device would cost a synchronisation). torch 2.10's ``is_causal``
+  argument (no window, no GQA) is detected.
 - ``sdpa_per_segment`` (any device; the CPU's): exact causal SDPA per document, queries ``[1, h, L, d]`` against
   their own keys, so memory is O(s) (the outputs and log-sum-exps) and compute is the sum of L². A document longer
   than the window runs its first ``W`` queries causally, then chunks of ``W`` queries against the ``2W - 1`` keys
@@ -50,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["DENSE_MASK_UP_TO", "Segments", "batch_segments", "document_boundaries", "longest_document",
-           "segment_bound", "segment_attention", "segment_kernel", "kernel_for", "varlen_available", "sink_inputs",
-           "sink_attention"]
+__all__ = ["DENSE_MASK_UP_TO", "Segments", "segments_apply", "batch_segments", "document_boundaries",
+           "longest_document", "segment_bound", "segment_attention", "segment_kernel", "kernel_for", "varlen_available",
+           "sink_inputs", "sink_attention"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -60,8 +56,13 @@ DENSE_MASK_UP_TO = 256
 """How a packed or sliding-window batch tells attention what each token may see: ``segments`` (boundaries
 :class:`Segments`, O(s) memory: this module), ``dense_mask`` (a boolean ``[b, 1, s, s]`` mask, s² bytes per row: the
 fallback), or ``auto``: the dense mask for rows of at most :data:`DENSE_MASK_UP_TO` tokens (at most 64 KiB a row, and
-one SDPA call instead of one per document: 16 rows of 64 tokens step 16% faster on CPU), segments beyond. (Read by
-``TransformerDecoder``.)"""
+one SDPA call instead of one per document: 16 rows of 64 tokens step 16% faster on CPU), segments beyond
+(:func:`segments_apply`)."""
+
+
+def segments_apply(attention_kernel: str, seq_len: int) -> bool:
+    """Whether rows of ``seq_len`` tokens run by segments, not the dense mask, under ``attention_kernel``."""
+    return attention_kernel == "segments" or (attention_kernel == "auto" and seq_len > DENSE_MASK_UP_TO)
 
 
 SMALLEST_SEGMENT_BOUND = 128
@@ -147,8 +148,8 @@ def longest_document(document_ids: torch.Tensor) -> int:
 
 
 def segment_bound(longest: int | None, seq_len: int) -> int:
-    """The ``longest`` a batch's :class:`Segments` carry: ``longest`` rounded up to a power of two, at least
-    :data:`SMALLEST_SEGMENT_BOUND` and at most ``seq_len`` (the row length, also the answer for None)."""
+    """The ``longest`` a batch's :class:`Segments` carry: ``longest`` rounded up to a power of two (so compiled
+    blocks see few values), at least :data:`SMALLEST_SEGMENT_BOUND`, at most ``seq_len`` (also the answer for None)."""
     if longest is None:
         return seq_len
     return min(seq_len, max(SMALLEST_SEGMENT_BOUND, 1 << (max(longest, 1) - 1).bit_length()))

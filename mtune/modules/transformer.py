@@ -21,7 +21,7 @@ from mtune.modules.attention import Attention
 from mtune.modules.expert_layout import ExpertLayout
 from mtune.modules.feed_forward import FeedForward
 from mtune.modules.kv_cache import KVCache
-from mtune.modules.packed_attention import DENSE_MASK_UP_TO, Segments, batch_segments, kernel_for
+from mtune.modules.packed_attention import Segments, batch_segments, kernel_for, segments_apply
 from mtune.modules.pre_norm_block import TransformerBlock
 from mtune.modules.rms_norm import RMSNorm
 from mtune.modules.rotary import RotaryEmbedding
@@ -263,8 +263,7 @@ class TransformerDecoder(nn.Module):
         packed, window = document_ids is not None, kind.window
         if kind.recurrent:
             return None, None, batch_segments(document_ids, b, s, None, longest_document) if packed else None
-        segments = self.attention_kernel == "segments" or (self.attention_kernel == "auto" and s > DENSE_MASK_UP_TO)
-        if not caching and segments and (packed or (window is not None and s > window)):
+        if not caching and segments_apply(self.attention_kernel, s) and (packed or (window is not None and s > window)):
             device = input_pos.device
             dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                      else self.embed_tokens.weight.dtype)

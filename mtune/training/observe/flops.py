@@ -51,8 +51,7 @@ from torch import nn
 from mtune.modules.expert_linear import LoRAExpertLinear
 from mtune.modules.lora import LoRALinear
 from mtune.modules.moe import MoE
-from mtune.modules.packed_attention import document_boundaries
-from mtune.modules.transformer import DENSE_MASK_UP_TO
+from mtune.modules.packed_attention import document_boundaries, segments_apply
 from mtune.training.memory import phases
 from mtune.training.memory.registry import MemoryConfig
 
@@ -281,8 +280,7 @@ class StepFlops:
     def attention_len(self, batch: dict) -> float | None:
         """The keys a query of ``batch`` counts against: under the segments kernel its packed documents'
         :func:`mean_document_length`; None (the row) otherwise, the dense mask computing the whole row."""
-        s, kernel = int(batch["tokens"].shape[-1]), getattr(self.model, "attention_kernel", "dense_mask")
-        segments = kernel == "segments" or (kernel == "auto" and s > DENSE_MASK_UP_TO)
+        segments = segments_apply(getattr(self.model, "attention_kernel", "dense_mask"), batch["tokens"].shape[-1])
         return mean_document_length(batch["document_ids"]) if segments and "document_ids" in batch else None
 
     def __call__(self, micro_batches: list[dict]) -> tuple[float, float]:

@@ -69,7 +69,7 @@ def test_sliding_window_without_packing_equal_dense_mask():
 
 
 def test_auto_uses_the_dense_mask_only_for_short_rows():
-    from mtune.modules.transformer import DENSE_MASK_UP_TO
+    from mtune.modules.packed_attention import DENSE_MASK_UP_TO
 
     model = build_model("llama3_1", "tiny", device="cpu")
     assert model.attention_kernel == "auto"
